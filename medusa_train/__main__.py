@@ -1,0 +1,100 @@
+"""Command line: ``python -m medusa_train stage=<stage> [group=option ...] [key=value ...]``.
+
+Run as:
+    python -m medusa_train stage=all                                   # the embedded demo, CPU
+    python -m medusa_train stage=train model=hf model.name_or_path=...  # a real model
+    deepspeed --num_gpus 8 -m medusa_train stage=train deepspeed=zero3 ...
+    torchrun --nproc_per_node 8 -m medusa_train stage=distill ...
+
+This module only parses and dispatches; each stage lives in ``medusa_train/stages/<stage>.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+
+from medusa_train.errors import UserError
+
+HELP = """usage: python -m medusa_train stage=<backbone|distill|train|export|eval|all> [group=option] [key=value]
+
+groups (conf/):  model=tiny|hf  data=embedded|sharegpt|alpaca|mtbench|jsonl|text|hub
+                 training=medusa1|medusa2  deepspeed=none|zero2|zero3
+                 tree=calibrated|medusa63|chain|custom  tracking=offline|online|disabled  debug=fast
+keys:            workdir=runs/default  seed=0  and every field documented in medusa_train/config.py,
+                 e.g. training.lr=1e-3 distill.max_new_tokens=256 eval.num_prompts=24
+--cfg            print the composed config and exit
+"""
+
+_LOCAL_RANK = re.compile(r"^--local[_-]rank(=(\d+))?$")
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` (deepspeed/torch.distributed.launch) and export it as LOCAL_RANK."""
+    out: list[str] = []
+    skip_next = False
+    for i, arg in enumerate(argv):
+        if skip_next:
+            skip_next = False
+            continue
+        match = _LOCAL_RANK.match(arg)
+        if match:
+            if match.group(2) is not None:
+                os.environ.setdefault("LOCAL_RANK", match.group(2))
+            elif i + 1 < len(argv) and argv[i + 1].isdigit():
+                os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+                skip_next = True
+            continue
+        out.append(arg)
+    return out
+
+
+def run_stage(cfg) -> dict:
+    """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
+    from medusa_train.stages import STAGE_ORDER, get_stage
+
+    if cfg.stage != "all":
+        return get_stage(cfg.stage)(cfg)
+    results: dict = {}
+    for name in STAGE_ORDER:
+        if name == "backbone" and not cfg.model.embedded:
+            continue
+        start = time.time()
+        results[name] = get_stage(name)(cfg)
+        results[name]["stage_seconds"] = round(time.time() - start, 1)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(HELP)
+        return 0
+    print_cfg = "--cfg" in argv
+    argv = [a for a in argv if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        from medusa_train.config import compose_config
+
+        cfg = compose_config(argv)
+        if print_cfg:
+            from dataclasses import asdict
+
+            print(json.dumps(asdict(cfg), indent=2, default=str))
+            return 0
+        run_stage(cfg)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Load a Hugging Face causal LM + tokenizer the same way for every backbone.
+
+The embedded tiny model (``model=tiny``) is just a local directory written by ``stage=backbone``;
+a real user passes a hub id or a directory. Both go through :func:`load_backbone`, so nothing
+downstream special-cases the embedded default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from medusa_train.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` -> this process's CUDA device (LOCAL_RANK) if CUDA is available, else CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(spec)
+
+
+def check_backbone_source(name_or_path: str) -> None:
+    """Fail early (before any heavy import) when a local backbone directory is missing."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return
+    # "runs/x/backbone" style paths with several components are local paths, not hub ids.
+    if name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")) or name_or_path.endswith("/backbone"):
+        raise UserError(
+            f"no backbone at {name_or_path}: run `python -m medusa_train stage=backbone` first (model=tiny), "
+            "or pass model=hf model.name_or_path=<hub id or directory>"
+        )
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_backbone(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    quantization: str = "none",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    trainable: bool = False,
+):
+    """Load ``(model, tokenizer)``.
+
+    Args:
+        name_or_path: hub id or local directory.
+        dtype: float32 | bfloat16 | float16 | auto.
+        quantization: none | 8bit | 4bit (bitsandbytes; nf4 with double quantization for 4bit).
+        device: where to put the model (quantized models are placed by bitsandbytes).
+        trainable: False puts the model in eval mode with ``requires_grad=False`` everywhere.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_backbone_source(name_or_path)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision}
+    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    kwargs["dtype"] = torch_dtype
+    if quantization != "none":
+        from transformers import BitsAndBytesConfig
+
+        if quantization == "8bit":
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        else:
+            compute = torch.float32 if dtype in ("float32", "auto") else DTYPES[dtype]
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+            )
+        kwargs["device_map"] = {"": str(device)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+    if quantization == "none":
+        model.to(device)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def backbone_identity(model, name_or_path: str) -> dict:
+    """Name, architecture and a hash of config + weights: distill/train/export refuse to mix backbones."""
+    h = hashlib.sha256()
+    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        t = tensor.detach().reshape(-1)
+        # First 4096 values + shape of every tensor: sensitive to any retraining, fast on 8B models.
+        h.update(t[:4096].float().cpu().numpy().tobytes())
+        h.update(str(tuple(t.shape)).encode())
+    return {
+        "name_or_path": str(name_or_path),
+        "architecture": (model.config.architectures or [type(model).__name__])[0],
+        "hidden_size": int(model.config.hidden_size),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "fingerprint": h.hexdigest()[:16],
+    }

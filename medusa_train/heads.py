@@ -1,0 +1,226 @@
+"""Medusa heads: K small residual MLPs that read the backbone's last hidden state.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774). Head k (k = 1..K) reads h_t and predicts token t+k+1; the backbone's own
+lm_head predicts t+1.
+
+Each head is L residual blocks ``h + SiLU(W1 h + b1)`` (every block has its own weights) followed by
+a ``d -> V`` projection without bias. W1 starts at zero so every block is the identity at init, and
+the projection starts as a copy of the backbone's lm_head, so an untrained head predicts what the
+backbone predicts for t+1 -- a far better start than random for t+k+1.
+
+On disk we use the FasterDecoding layout (also read by TGI and TensorRT-LLM):
+``config.json`` + ``medusa_lm_head.safetensors`` with keys ``{h}.{l}.linear.weight``,
+``{h}.{l}.linear.bias`` (l < L) and ``{h}.{L}.weight``. That naming falls out of the module tree
+below (``ModuleList[Sequential[ResBlock..., Linear]]``), so ``self.heads.state_dict()`` *is* the file format.
+
+This module never imports Hydra or training code: decoding and export use it in a bare
+torch + transformers environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "medusa_lm_head.safetensors"
+
+
+class HeadsFormatError(ValueError):
+    """A heads directory is missing, incomplete or does not match the expected shapes."""
+
+
+class ResBlock(nn.Module):
+    """``h + SiLU(W1 h + b1)``; W1 and b1 start at zero so the block starts as the identity."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads.
+
+    Args:
+        hidden_size: d, the backbone's hidden size.
+        vocab_size: V, the backbone's vocabulary size (rows of its lm_head).
+        num_heads: K, number of heads; head k predicts token t+k+1.
+        num_layers: L, residual blocks per head.
+        base_model_name_or_path: recorded in config.json for serving engines.
+
+    Calling the module on hidden states ``(B, T, d)`` returns logits ``(K, B, T, V)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        base_model_name_or_path: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or num_layers < 0 or hidden_size < 1 or vocab_size < 1:
+            raise HeadsFormatError(
+                f"invalid heads shape: num_heads={num_heads} num_layers={num_layers} "
+                f"hidden_size={hidden_size} vocab_size={vocab_size}"
+            )
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_heads = num_heads
+        self.num_layers = num_layers
+        self.base_model_name_or_path = base_model_name_or_path
+        self.heads = nn.ModuleList(
+            [
+                nn.Sequential(
+                    *[ResBlock(hidden_size) for _ in range(num_layers)],
+                    nn.Linear(hidden_size, vocab_size, bias=False),
+                )
+                for _ in range(num_heads)
+            ]
+        )
+
+    # -- structure -----------------------------------------------------------------------------
+    def blocks(self, k: int) -> nn.Sequential:
+        """The residual blocks of head k (0-based), without its vocab projection."""
+        return self.heads[k][: self.num_layers]
+
+    def proj(self, k: int) -> nn.Linear:
+        """The ``d -> V`` projection of head k (0-based)."""
+        return self.heads[k][self.num_layers]
+
+    def init_from_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        """Copy the backbone's lm_head ``(V, d)`` into every head's projection."""
+        if tuple(lm_head_weight.shape) != (self.vocab_size, self.hidden_size):
+            raise HeadsFormatError(
+                f"lm_head weight has shape {tuple(lm_head_weight.shape)}, heads expect "
+                f"({self.vocab_size}, {self.hidden_size})"
+            )
+        with torch.no_grad():
+            for k in range(self.num_heads):
+                self.proj(k).weight.copy_(lm_head_weight.to(self.proj(k).weight))
+
+    # -- compute -------------------------------------------------------------------------------
+    def hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Run only the residual blocks.
+
+        Args:
+            hidden_states: ``(..., d)``.
+
+        Returns:
+            ``(K, ..., d)``: each head's pre-projection features (what chunked losses consume).
+        """
+        outs = []
+        for k in range(self.num_heads):
+            outs.append(self.blocks(k)(hidden_states))
+        return torch.stack(outs, dim=0)
+
+    def projection_weight(self) -> torch.Tensor:
+        """All vocab projections stacked: ``(K, V, d)``."""
+        return torch.stack([self.proj(k).weight for k in range(self.num_heads)], dim=0)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of every head.
+
+        Args:
+            hidden_states: ``(B, T, d)`` (any leading shape works).
+
+        Returns:
+            ``(K, B, T, V)``.
+        """
+        feats = self.hidden(hidden_states)  # (K, B, T, d)
+        weight = self.projection_weight()  # (K, V, d)
+        k, *lead, d = feats.shape
+        # One batched matmul for all heads instead of K separate projections.
+        logits = torch.bmm(feats.reshape(k, -1, d), weight.transpose(1, 2))  # (K, B*T, V)
+        return logits.reshape(k, *lead, self.vocab_size)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def config_dict(self) -> dict:
+        """The FasterDecoding-style config.json content."""
+        return {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
+    def save_pretrained(self, directory: str | os.PathLike, extra_config: dict | None = None) -> Path:
+        """Write ``config.json`` + ``medusa_lm_head.safetensors`` atomically.
+
+        Both files are written under temporary names in the target directory and renamed into
+        place, so a killed process never leaves a half-written file under the final name.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().to("cpu").contiguous() for name, t in self.heads.state_dict().items()}
+        config = self.config_dict()
+        if extra_config:
+            config.update(extra_config)
+        _atomic_write(directory / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        _atomic_write(directory / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> MedusaHeads:
+        """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa)."""
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        if not config_path.is_file() or not weights_path.is_file():
+            raise HeadsFormatError(f"{directory} is not a Medusa heads directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        config = json.loads(config_path.read_text())
+        state = load_file(str(weights_path))
+        try:
+            num_heads = int(config["medusa_num_heads"])
+            num_layers = int(config["medusa_num_layers"])
+        except KeyError as err:
+            raise HeadsFormatError(f"{config_path} lacks {err.args[0]}") from None
+        # hidden/vocab sizes are not in every FasterDecoding config: read them off the weights.
+        proj = state.get(f"0.{num_layers}.weight")
+        if proj is None:
+            raise HeadsFormatError(f"{weights_path} lacks key '0.{num_layers}.weight'")
+        vocab_size, hidden_size = proj.shape
+        heads = cls(
+            hidden_size=int(config.get("hidden_size", hidden_size)),
+            vocab_size=int(config.get("vocab_size", vocab_size)),
+            num_heads=num_heads,
+            num_layers=num_layers,
+            base_model_name_or_path=config.get("base_model_name_or_path"),
+        )
+        missing, unexpected = heads.heads.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise HeadsFormatError(
+                f"{weights_path} does not match its config: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
+            )
+        return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename onto ``path`` (same directory, so the rename is atomic)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()

@@ -1,0 +1,74 @@
+"""Experiment tracking with wandb (`tracking.mode=online|offline|disabled`).
+
+Offline is the default: runs are written under ``<workdir>/wandb`` and can be uploaded later with
+``wandb sync``. Nothing here ever needs a login or the network unless the user asks for online.
+Only the main process (rank 0) logs. wandb is imported lazily so the decoder and heads run
+without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+class Tracker:
+    """A thin wandb run: ``log(dict, step)``, ``summary(dict)``, ``finish()``; no-op when disabled."""
+
+    def __init__(self, run: Any | None) -> None:
+        self._run = run
+
+    @property
+    def enabled(self) -> bool:
+        return self._run is not None
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        if self._run is not None:
+            for key, value in metrics.items():
+                self._run.summary[key] = value
+
+    def log_image(self, key: str, path: str | os.PathLike) -> None:
+        if self._run is not None:
+            import wandb
+
+            self._run.log({key: wandb.Image(str(path))})
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+def start_tracking(tracking_cfg, workdir: str | os.PathLike, stage: str, config: dict | None = None) -> Tracker:
+    """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0)."""
+    if tracking_cfg.mode == "disabled" or not is_main_process():
+        return Tracker(None)
+    import wandb
+
+    root = Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(
+        project=tracking_cfg.project,
+        entity=tracking_cfg.entity,
+        name=tracking_cfg.run_name or f"{stage}-{root.resolve().name}",
+        group=root.resolve().name,
+        job_type=stage,
+        mode=tracking_cfg.mode,
+        dir=str(root),
+        config=config,
+        reinit="finish_previous",
+    )
+    return Tracker(run)
