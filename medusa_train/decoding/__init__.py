@@ -1,0 +1,44 @@
+"""Medusa tree-attention decoding (arXiv:2401.10774) on unmodified Hugging Face causal LMs.
+
+Needs only torch and transformers; never imports training code.
+"""
+
+from .acceptance import ACCEPTANCE_RULES, Accepted, accept_greedy, accept_sample, accept_typical, warp_probs
+from .calibrate import (
+    choose_tree,
+    compute_head_accuracy,
+    expected_tau,
+    grow_tree,
+    head_topk_accuracy,
+    measure_forward_latency,
+    per_rank_accuracy,
+)
+from .generate import MedusaOutput, PackedHeads, medusa_generate, tree_attention_mask, verify_forward
+from .tree import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices, save_choices
+
+__all__ = [
+    "ACCEPTANCE_RULES",
+    "MEDUSA_63",
+    "Accepted",
+    "MedusaOutput",
+    "PackedHeads",
+    "TreeBuffers",
+    "TreeError",
+    "accept_greedy",
+    "accept_sample",
+    "accept_typical",
+    "chain_tree",
+    "choose_tree",
+    "compute_head_accuracy",
+    "expected_tau",
+    "grow_tree",
+    "head_topk_accuracy",
+    "load_choices",
+    "measure_forward_latency",
+    "medusa_generate",
+    "per_rank_accuracy",
+    "save_choices",
+    "tree_attention_mask",
+    "verify_forward",
+    "warp_probs",
+]

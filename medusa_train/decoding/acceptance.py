@@ -1,0 +1,187 @@
+"""Acceptance rules for Medusa tree verification.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774): greedy matching and typical acceptance (section 2.3.1); plus exact
+("distribution-preserving") sampling in the spirit of speculative sampling (Leviathan et al.,
+arXiv:2211.17192) specialised to deterministic drafts.
+
+Every rule sees the tree tokens ``(M,)`` and the backbone's logits at every tree node ``(M, V)``
+(node i's logits predict the token that follows node i) and returns the accepted root-to-node path
+(node indices, starting with the root 0) and the token that follows its last node (the next root).
+
+- ``greedy``: a node is accepted if its token is the argmax at its parent; the next root is the
+  argmax at the last accepted node. The output is exactly plain greedy decoding.
+- ``typical``: a node is accepted if ``p(token | parent) > min(posterior_threshold,
+  posterior_alpha * exp(-H(parent)))`` with p at the given temperature; longest accepted prefix,
+  ties broken by the path's log-likelihood. The root and the next root are the argmax (Medusa's
+  default "fast" mode); at temperature 0 this is greedy.
+- ``sample``: draw x ~ p (temperature, then top-p) at every node; starting at the root, descend to
+  the child whose token is x while there is one; the x drawn at the last node is the next root. Each
+  emitted token is a draw from the model's conditional given the emitted prefix, so the output has
+  exactly the distribution of plain ancestral sampling. At temperature 0 this is greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .tree import TreeBuffers
+
+ACCEPTANCE_RULES = ("greedy", "typical", "sample")
+
+
+@dataclass
+class Accepted:
+    """Result of one verification.
+
+    Attributes:
+        path: node indices of the accepted path, root (0) first; ``len(path) - 1`` candidates accepted.
+        next_token: the token that follows the path's last node (root of the next step).
+    """
+
+    path: list[int]
+    next_token: int
+
+
+def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature then nucleus (top-p) filtering, as ``generate(do_sample=True)`` applies them.
+
+    Args:
+        logits: ``(..., V)``.
+        temperature: > 0.
+        top_p: in (0, 1]; the smallest set of tokens whose mass reaches ``top_p`` is kept (at least one).
+
+    Returns:
+        ``(..., V)`` float32 probabilities.
+    """
+    scores = logits.float() / temperature  # (..., V)
+    if top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)  # (..., V)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (..., V)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[..., -1] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)  # (..., V)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def _candidate_rows(tree_tokens: torch.Tensor, tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens along every root-to-leaf path and which entries are real (not padding).
+
+    Returns:
+        ``(L, D + 1)`` tokens (padding entries hold 0) and ``(L, D)`` bool validity of entries 1..D.
+    """
+    retrieve = tree.retrieve_indices  # (L, D + 1)
+    rows = tree_tokens[retrieve.clamp(min=0)]  # (L, D + 1)
+    return rows, retrieve[:, 1:] >= 0
+
+
+def _path_from_row(tree: TreeBuffers, lengths: torch.Tensor, row: torch.Tensor) -> list[int]:
+    """Node indices of the first ``lengths[row] + 1`` entries of retrieve row ``row``."""
+    nodes = tree.retrieve_indices[row]  # (D + 1,)
+    return nodes[: int(lengths[row]) + 1].tolist()
+
+
+def accept_greedy(tree_tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers) -> Accepted:
+    """Longest path whose every token is the argmax at its parent.
+
+    Args:
+        tree_tokens: ``(M,)`` token of every node.
+        logits: ``(M, V)`` backbone logits at every node.
+        tree: the buffers the tokens were laid out with.
+    """
+    pred = logits.argmax(dim=-1)  # (M,)
+    return _accept_by_match(tree_tokens, pred, tree, next_from=pred)
+
+
+def accept_sample(
+    tree_tokens: torch.Tensor,
+    logits: torch.Tensor,
+    tree: TreeBuffers,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Accepted:
+    """Distribution-preserving acceptance: draw at every node, follow the draws down the tree.
+
+    A draw at every node (one batched ``multinomial``) is equivalent to drawing lazily while
+    walking, because the draws are independent and only those on the walked path are used.
+    """
+    if temperature <= 0:
+        return accept_greedy(tree_tokens, logits, tree)
+    probs = warp_probs(logits, temperature, top_p)  # (M, V)
+    draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (M,)
+    return _accept_by_match(tree_tokens, draws, tree, next_from=draws)
+
+
+def _accept_by_match(
+    tree_tokens: torch.Tensor, pred: torch.Tensor, tree: TreeBuffers, *, next_from: torch.Tensor
+) -> Accepted:
+    """Accept the longest path whose tokens equal ``pred`` at their parents.
+
+    Children of a node hold distinct tokens (different ranks of the same head), so at most one child
+    matches and the longest matching path is unique.
+    """
+    rows, valid = _candidate_rows(tree_tokens, tree)  # (L, D + 1), (L, D)
+    parents_pred = pred[tree.retrieve_indices[:, :-1].clamp(min=0)]  # (L, D)
+    match = (rows[:, 1:] == parents_pred) & valid  # (L, D)
+    lengths = match.long().cumprod(dim=1).sum(dim=1)  # (L,)
+    best = int(lengths.argmax())
+    path = _path_from_row(tree, lengths, best)
+    return Accepted(path=path, next_token=int(next_from[path[-1]]))
+
+
+def accept_typical(
+    tree_tokens: torch.Tensor,
+    logits: torch.Tensor,
+    tree: TreeBuffers,
+    *,
+    temperature: float = 1.0,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> Accepted:
+    """Medusa's typical acceptance (longest prefix above an entropy-adaptive threshold)."""
+    if temperature <= 0:
+        return accept_greedy(tree_tokens, logits, tree)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (M, V)
+    entropy = -(probs * torch.log(probs + 1e-10)).sum(dim=-1)  # (M,)
+    threshold = torch.minimum(
+        torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy)
+    )  # (M,)
+    rows, valid = _candidate_rows(tree_tokens, tree)  # (L, D + 1), (L, D)
+    parent = tree.retrieve_indices[:, :-1].clamp(min=0)  # (L, D)
+    cand_p = probs[parent, rows[:, 1:]]  # (L, D)
+    ok = (cand_p > threshold[parent]) & valid  # (L, D)
+    lengths = ok.long().cumprod(dim=1).sum(dim=1)  # (L,)
+    longest = lengths.max()
+    if int(longest) == 0:
+        path = [0]
+    else:
+        depth_idx = torch.arange(rows.shape[1] - 1, device=rows.device)  # (D,)
+        in_prefix = depth_idx[None, :] < lengths[:, None]  # (L, D)
+        loglik = torch.where(in_prefix, torch.log(cand_p + 1e-10), torch.zeros_like(cand_p)).sum(
+            dim=1
+        )  # (L,)
+        loglik = torch.where(lengths == longest, loglik, torch.full_like(loglik, -math.inf))
+        best = int(loglik.argmax())
+        path = _path_from_row(tree, lengths, best)
+    return Accepted(path=path, next_token=int(logits[path[-1]].argmax()))
+
+
+def first_token(
+    logits: torch.Tensor,
+    acceptance: str,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
+    """The first new token, chosen from the prefill's last logits ``(V,)`` under the same rule."""
+    if acceptance == "sample" and temperature > 0:
+        probs = warp_probs(logits, temperature, top_p)  # (V,)
+        return int(torch.multinomial(probs, 1, generator=generator))
+    return int(logits.argmax())

@@ -1,0 +1,228 @@
+"""Medusa candidate trees: from index paths to the tensors tree attention needs.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774), section 2.1.2 "Tree attention".
+
+A tree is a list of index paths ("medusa choices"). Path ``(i1, i2, ..., id)`` is the node at depth d
+whose token is head d's rank-``id`` candidate and whose parent is ``(i1, ..., i(d-1))``. The root
+(depth 0, the empty path) is the token the backbone itself chose. Paths are sorted canonically (by
+depth, then lexicographically) so that the buffers are deterministic and, because depth comes first,
+the nodes up to any depth are a prefix of the node list (:meth:`TreeBuffers.prefix`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+Path_ = tuple[int, ...]
+
+
+class TreeError(ValueError):
+    """A tree (list of index paths) is malformed or does not fit the heads it is used with."""
+
+
+def _normalise(choices: Sequence[Sequence[int]]) -> list[Path_]:
+    """Validate paths and return them sorted canonically (depth, then lexicographic)."""
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
+        raise TreeError(f"a tree is a list of index paths such as [[0], [0, 0], [1]], got {choices!r}")
+    paths: list[Path_] = []
+    seen: set[Path_] = set()
+    for raw in choices:
+        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
+            raise TreeError(f"tree path {raw!r} is not a non-empty list of ints")
+        for i in raw:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise TreeError(f"tree path {list(raw)} has entry {i!r}: entries must be non-negative ints")
+        path = tuple(int(i) for i in raw)
+        if path in seen:
+            raise TreeError(f"tree path {list(path)} appears more than once")
+        seen.add(path)
+        paths.append(path)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in seen:
+            raise TreeError(f"tree path {list(path)} has no parent: add {list(path[:-1])} to the tree")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+@dataclass(eq=False)
+class TreeBuffers:
+    """Everything the decoder needs about one tree. M = N + 1 nodes (node 0 is the root).
+
+    Attributes:
+        choices: the N paths, canonically sorted; node ``n`` (n >= 1) is ``choices[n - 1]``.
+        attn_mask: ``(M, M)`` bool, True where node i may attend to node j (j is i or an ancestor).
+        depth: ``(M,)`` long, depth of each node (root 0): position id = cache length + depth.
+        tree_indices: ``(M,)`` long, index of each node's token in the flat candidate vector
+            ``[root, head1 top-k (topk entries), head2 top-k, ...]``.
+        retrieve_indices: ``(L, D + 1)`` long, one row per leaf: node indices of the root-to-leaf
+            path, padded with -1.
+        parents: ``(M,)`` long, parent node index (-1 for the root).
+        children: ``(M, C)`` long, child node indices of each node, padded with -1 (C >= 1).
+        topk: candidates taken from each head (largest rank in the tree + 1).
+        max_depth: D, the deepest node's depth (the number of heads the tree needs).
+    """
+
+    choices: tuple[Path_, ...]
+    attn_mask: torch.Tensor
+    depth: torch.Tensor
+    tree_indices: torch.Tensor
+    retrieve_indices: torch.Tensor
+    parents: torch.Tensor
+    children: torch.Tensor
+    topk: int
+    max_depth: int
+    _prefixes: dict[int, TreeBuffers] = field(default_factory=dict, repr=False)
+    _on_device: dict[str, TreeBuffers] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeBuffers:
+        """Build the buffers of a tree.
+
+        Args:
+            choices: index paths, e.g. ``[[0], [0, 0], [1]]``; any order, sorted here.
+
+        Raises:
+            TreeError: a path is empty, has a negative or non-int entry, is duplicated, or lacks
+                its parent; the message names the path.
+        """
+        paths = _normalise(choices)
+        m = len(paths) + 1
+        index = {(): 0} | {p: n + 1 for n, p in enumerate(paths)}
+        topk = max((max(p) for p in paths), default=-1) + 1
+        max_depth = max((len(p) for p in paths), default=0)
+
+        attn_mask = torch.eye(m, dtype=torch.bool)  # (M, M)
+        depth = torch.zeros(m, dtype=torch.long)  # (M,)
+        tree_indices = torch.zeros(m, dtype=torch.long)  # (M,)
+        parents = torch.full((m,), -1, dtype=torch.long)  # (M,)
+        kids: list[list[int]] = [[] for _ in range(m)]
+        for path in paths:
+            n = index[path]
+            depth[n] = len(path)
+            tree_indices[n] = 1 + (len(path) - 1) * topk + path[-1]
+            parents[n] = index[path[:-1]]
+            kids[index[path[:-1]]].append(n)
+            for d in range(len(path)):  # the root and every proper prefix are ancestors
+                attn_mask[n, index[path[:d]]] = True
+
+        max_kids = max(1, max(len(k) for k in kids))
+        children = torch.full((m, max_kids), -1, dtype=torch.long)  # (M, C)
+        for n, k in enumerate(kids):
+            children[n, : len(k)] = torch.tensor(k, dtype=torch.long)
+
+        leaves = [n for n in range(m) if not kids[n]]
+        retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)  # (L, D + 1)
+        for row, leaf in enumerate(leaves):
+            path = ([()] + paths)[leaf]
+            nodes = [index[path[:d]] for d in range(len(path) + 1)]
+            retrieve[row, : len(nodes)] = torch.tensor(nodes, dtype=torch.long)
+
+        return cls(
+            choices=tuple(paths),
+            attn_mask=attn_mask,
+            depth=depth,
+            tree_indices=tree_indices,
+            retrieve_indices=retrieve,
+            parents=parents,
+            children=children,
+            topk=topk,
+            max_depth=max_depth,
+        )
+
+    @property
+    def num_nodes(self) -> int:
+        """M = N + 1, the nodes verified per step including the root."""
+        return len(self.choices) + 1
+
+    @property
+    def num_leaves(self) -> int:
+        """L, the number of root-to-leaf paths."""
+        return self.retrieve_indices.shape[0]
+
+    def check_heads(self, num_heads: int) -> None:
+        """Raise :class:`TreeError` if the tree is deeper than the number of heads."""
+        if self.max_depth > num_heads:
+            deepest = next(p for p in self.choices if len(p) == self.max_depth)
+            raise TreeError(
+                f"tree path {list(deepest)} has depth {self.max_depth} but there are only {num_heads} "
+                f"Medusa heads: use a tree of depth <= {num_heads}"
+            )
+
+    def prefix(self, max_depth: int) -> TreeBuffers:
+        """The sub-tree of nodes with depth <= ``max_depth`` (cached; on this tree's device)."""
+        if max_depth >= self.max_depth:
+            return self
+        if max_depth not in self._prefixes:
+            sub = TreeBuffers.from_choices([p for p in self.choices if len(p) <= max_depth])
+            self._prefixes[max_depth] = sub.to(self.depth.device)
+        return self._prefixes[max_depth]
+
+    def to(self, device: torch.device | str) -> TreeBuffers:
+        """The same tree with its tensors on ``device`` (cached)."""
+        device = torch.device(device)
+        if self.depth.device == device:
+            return self
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = TreeBuffers(
+                choices=self.choices,
+                attn_mask=self.attn_mask.to(device),
+                depth=self.depth.to(device),
+                tree_indices=self.tree_indices.to(device),
+                retrieve_indices=self.retrieve_indices.to(device),
+                parents=self.parents.to(device),
+                children=self.children.to(device),
+                topk=self.topk,
+                max_depth=self.max_depth,
+            )
+        return self._on_device[key]
+
+
+def as_tree(tree: TreeBuffers | Sequence[Sequence[int]]) -> TreeBuffers:
+    """Accept either built buffers or a list of paths."""
+    return tree if isinstance(tree, TreeBuffers) else TreeBuffers.from_choices(tree)
+
+
+def chain_tree(depth: int) -> list[list[int]]:
+    """The chain ``[[0], [0, 0], ...]`` of ``depth`` nodes: each head's top-1 only."""
+    if depth < 0:
+        raise TreeError(f"chain depth must be >= 0, got {depth}")
+    return [[0] * d for d in range(1, depth + 1)]
+
+
+def save_choices(path: str | os.PathLike, choices: Sequence[Sequence[int]]) -> Path:
+    """Write a tree as JSON (a list of paths, canonically sorted) after validating it."""
+    paths = _normalise(choices)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([list(p) for p in paths]) + "\n")
+    return path
+
+
+def load_choices(path: str | os.PathLike) -> list[list[int]]:
+    """Read a tree written by :func:`save_choices` (or any JSON list of paths) and validate it."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise TreeError(f"cannot read a tree from {path}: {err}") from None
+    if isinstance(raw, dict) and "medusa_choices" in raw:
+        raw = raw["medusa_choices"]
+    return [list(p) for p in _normalise(raw)]
+
+
+# The 63-node tree of the Medusa repository (mc_sim_7b_63), as listed in seed 003.
+MEDUSA_63: list[list[int]] = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip

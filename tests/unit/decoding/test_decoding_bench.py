@@ -1,0 +1,95 @@
+"""scripts/bench_decode.py runs end to end on CPU (the --llama8b-shape path at a tiny shape)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_random_run_reports_everything(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = [
+        "--random",
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-new-tokens",
+        "12",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    results = json.loads(out.read_text())
+    gen = results["generation"]
+    assert gen["greedy_mismatches"] == 0 and gen["tau"] >= 1 and gen["speedup"] > 0
+    assert 0 <= gen["overhead_fraction"] < 1
+    assert set(results["overhead"]["forward"]["8"]) == {"1", "4", "8", "16", "32", "64"}
+    assert "| N tree tokens |" in capsys.readouterr().out
+
+
+def test_llama8b_shape_path_at_tiny_shape(bench):
+    args = bench.parse_args(["--llama8b-shape", "--repeats", "1", "--contexts", "16", "32"])
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=300)  # fmt: skip
+    results = bench.run(args, config_overrides=tiny)
+    assert "generation" not in results
+    assert set(results["overhead"]["forward"]) == {"16", "32"}
+    assert results["overhead"]["forward"]["32"]["1"]["relative"] == 1.0
+    assert (
+        results["decoder"]["tokens"] == args.max_new_tokens
+        and 0 <= results["decoder"]["overhead_fraction"] < 1
+    )
+    assert "| N tree tokens |" in bench.markdown(results)
+
+
+def test_llama8b_shape_path_bfloat16(bench):
+    args = bench.parse_args(
+        [
+            "--llama8b-shape",
+            "--dtype",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--contexts",
+            "16",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=300)  # fmt: skip
+    results = bench.run(args, config_overrides=tiny)
+    assert results["decoder"]["tokens"] == 8
+
+
+def test_prompts_from_jsonl(bench, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, 6]}\n')
+    args = bench.parse_args(
+        ["--random", "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1"]
+    )
+    results = bench.run(args)
+    assert results["generation"]["prompts"] == 2 and results["generation"]["greedy_mismatches"] == 0
+
+
+def test_cli_rejects_ambiguous_source(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--random", "--llama8b-shape"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "x"])

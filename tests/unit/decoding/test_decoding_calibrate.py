@@ -1,0 +1,84 @@
+"""Tree calibration: head accuracy, Medusa's greedy tree growth, latency-aware tree choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decoding_helpers import VOCAB, random_heads, tiny_model
+
+from medusa_train.decoding import (
+    TreeBuffers,
+    choose_tree,
+    compute_head_accuracy,
+    expected_tau,
+    grow_tree,
+    head_topk_accuracy,
+    measure_forward_latency,
+    per_rank_accuracy,
+)
+
+
+def test_head_topk_accuracy_by_hand():
+    # 1 head, 3 positions, vocab 4; rankings: [3, 2, 1, 0] at every position.
+    logits = torch.tensor([[[0.0, 1.0, 2.0, 3.0]] * 3])  # (1, 3, 4)
+    targets = torch.tensor([[3, 1, -100]])  # rank 0, rank 2, ignored
+    acc = head_topk_accuracy(logits, targets, max_k=4)
+    assert acc.tolist() == [[0.5, 0.5, 1.0, 1.0]]
+    assert per_rank_accuracy(acc).tolist() == [[0.5, 0.0, 0.5, 0.0]]
+
+
+def test_grow_tree_known_table():
+    a = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]]
+    trees, taus = grow_tree(a, max_nodes=5)
+    # path probabilities: (0,) .6, (0,0) .3, (1,) .2, (0,1) .12, then (2,) .1 vs (1,0) .1 -> shallower first
+    assert trees[-1] == [[0], [0, 0], [1], [0, 1], [2]]
+    assert [len(t) for t in trees] == [1, 2, 3, 4, 5]
+    assert taus == pytest.approx([1.6, 1.9, 2.1, 2.22, 2.32])
+    for tree, tau in zip(trees, taus, strict=True):
+        TreeBuffers.from_choices(tree)  # every prefix is a valid tree
+        assert expected_tau(a, tree) == pytest.approx(tau)
+
+
+def test_grow_tree_top1_heads_give_chain():
+    trees, taus = grow_tree([[0.9], [0.8], [0.7]], max_nodes=10)
+    assert trees[-1] == [[0], [0, 0], [0, 0, 0]]  # exhausted after 3 nodes
+    assert taus[-1] == pytest.approx(1 + 0.9 + 0.72 + 0.504)
+
+
+def test_grow_tree_tau_monotone_on_real_shape():
+    torch.manual_seed(0)
+    cum = torch.sort(torch.rand(4, 10), dim=1).values * torch.tensor([[0.95], [0.85], [0.75], [0.65]])
+    trees, taus = grow_tree(per_rank_accuracy(cum), max_nodes=64)
+    assert len(trees) == 64
+    assert all(b >= a for a, b in zip(taus, taus[1:], strict=False))
+    assert TreeBuffers.from_choices(trees[-1]).num_nodes == 65
+
+
+def test_choose_tree_trades_tau_for_latency():
+    trees, taus = grow_tree([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]], max_nodes=5)
+    best, table = choose_tree(trees, taus, {1: 1.0, 8: 1.0})  # flat cost: biggest tree wins
+    assert best == trees[-1] and len(table) == 5
+    best, table = choose_tree(trees, taus, {1: 1.0, 2: 1.5, 6: 10.0})  # steep cost: smallest tree
+    assert best == trees[0]
+    assert table[0]["tau_per_latency"] == pytest.approx(1.6 / 1.5)
+
+
+def test_measure_forward_latency_and_head_accuracy():
+    model = tiny_model("llama")
+    lat = measure_forward_latency(model, [1, 4, 16], context_len=20, warmup=1, repeats=2)
+    assert sorted(lat) == [1, 4, 16] and lat[1]["relative"] == 1.0
+    assert all(v["seconds"] > 0 for v in lat.values())
+    with pytest.raises(ValueError, match="exceeds"):
+        measure_forward_latency(model, [64], context_len=20)
+
+    heads = random_heads(model, num_heads=3)
+    batches = [torch.randint(0, VOCAB, (2, 12)) for _ in range(2)]
+    acc = compute_head_accuracy(model, heads, batches, max_k=10)
+    assert tuple(acc.shape) == (3, 10)
+    assert (acc[:, 1:] >= acc[:, :-1]).all() and (acc >= 0).all() and (acc <= 1).all()
+    # By hand for head 0 on the first batch alone.
+    with torch.no_grad():
+        h = model(batches[0], output_hidden_states=True).hidden_states[-1]
+        logits = heads(h)[0, :, :-2]  # (B, T - 2, V)
+    manual = head_topk_accuracy(logits.reshape(1, -1, VOCAB), batches[0][:, 2:].reshape(1, -1))[0]
+    torch.testing.assert_close(compute_head_accuracy(model, heads, batches[:1])[0], manual)

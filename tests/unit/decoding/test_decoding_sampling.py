@@ -1,0 +1,108 @@
+"""Exact sampling: Medusa's output distribution equals plain ancestral sampling."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from decoding_helpers import tiny_model
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from medusa_train.decoding import PackedHeads, TreeBuffers, accept_sample, medusa_generate, warp_probs
+
+SMALL_VOCAB = 6
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)])
+def test_warp_probs_matches_generate_warpers(temperature, top_p):
+    logits = torch.randn(3, 50) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(warp_probs(logits, temperature, top_p), scores.softmax(-1))
+
+
+def test_accept_sample_descends_on_matching_draws():
+    tree = TreeBuffers.from_choices([[0], [1], [0, 0]])  # nodes: root, (0,), (1,), (0, 0)
+    tokens = torch.tensor([7, 3, 4, 5])
+    logits = torch.full((4, 10), -1e4)
+    logits[0, 3] = logits[1, 5] = logits[3, 9] = 0.0  # point masses: root -> 3 -> 5 -> 9
+    result = accept_sample(tokens, logits, tree, temperature=1.0)
+    assert result.path == [0, 1, 3] and result.next_token == 9
+    logits[0] = -1e4
+    logits[0, 8] = 0.0  # the root's draw matches no child: emit it as the bonus
+    result = accept_sample(tokens, logits, tree, temperature=1.0)
+    assert result.path == [0] and result.next_token == 8
+
+
+def _exact_joint(model, prompt, n_tokens, temperature, top_p) -> dict[tuple[int, ...], float]:
+    """p(x1..xn) by enumeration, with the same temperature/top-p warping as generate."""
+    joint = {(): 1.0}
+    for _ in range(n_tokens):
+        prefixes = list(joint)
+        ids = torch.cat(
+            [
+                prompt.expand(len(prefixes), -1),
+                torch.tensor(prefixes, dtype=torch.long).reshape(len(prefixes), -1),
+            ],
+            dim=1,
+        )
+        with torch.no_grad():
+            probs = warp_probs(model(ids).logits[:, -1], temperature, top_p)  # (P, V)
+        joint = {
+            pre + (v,): joint[pre] * float(probs[i, v])
+            for i, pre in enumerate(prefixes)
+            for v in range(SMALL_VOCAB)
+        }
+    return joint
+
+
+class FixedHeads(PackedHeads):
+    """Heads whose top-3 at every depth are fixed tokens (drafts the sampler must correct)."""
+
+    def __init__(self, num_heads: int = 2) -> None:
+        self.num_heads = num_heads
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ranks = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0, 2.0, 0.0]])
+        return ranks[: self.num_heads]  # (K, V)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_sampling_distribution_matches_ancestral(temperature, top_p):
+    model = tiny_model("llama", vocab=SMALL_VOCAB, initializer_range=0.5)
+    prompt = torch.tensor([[1, 4, 2]])
+    n_tokens, draws = 3, 1500
+    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p)
+    tree = TreeBuffers.from_choices([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)])
+    heads = FixedHeads()
+    gen = torch.Generator().manual_seed(0)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted_multi = 0
+    for _ in range(draws):
+        out = medusa_generate(
+            model, heads, prompt, max_new_tokens=n_tokens, tree=tree, acceptance="sample",
+            temperature=temperature, top_p=top_p, generator=gen,
+        )  # fmt: skip
+        key = tuple(out.tokens.tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted_multi += int(max(out.accepted_lengths) > 1)
+    assert accepted_multi > draws // 10  # the tree really is used
+    assert all(exact[k] > 0 for k in counts)  # never a token outside the top-p set
+    # Chi-square over cells with expected count >= 5 (the rest pooled).
+    stat, df, pooled_e, pooled_o = 0.0, -1, 0.0, 0
+    for key in itertools.product(range(SMALL_VOCAB), repeat=n_tokens):
+        e, o = exact[key] * draws, counts.get(key, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            df += 1
+        else:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / pooled_e
+        df += 1
+    assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / draws - p) for k, p in exact.items())
+    assert tv < 0.15, tv
