@@ -74,9 +74,11 @@ class BackboneConfig:
     """Context limit of the tiny model, tokens."""
     seq_len: int = 256
     """Training sequence length, tokens (documents are packed)."""
-    batch_size: int = 16
+    batch_size: int = 8
+    """Sequences per optimizer step; small batches give more steps in the short CPU budget."""
     lr: float = 3e-3
-    warmup_steps: int = 50
+    """Peak AdamW learning rate; cosine decay to 10% of it over the step cap or the time budget."""
+    warmup_steps: int = 30
     max_steps: int = 100000
     """Step cap; the wall-clock budget `max_minutes` usually ends training first."""
     max_minutes: float = 3.5
@@ -123,11 +125,14 @@ class DataConfig:
     text_prompt_chars: int = 400
     """format=text: prompts are consecutive chunks of about this many characters."""
     max_prompt_tokens: int = 512
-    """Longer prompts are handled by `long_prompts`."""
+    """Token limit of a distillation context (capped at the model's max_position_embeddings minus
+    distill.max_new_tokens): longer first prompts are handled by `long_prompts`; a later turn whose
+    context would be longer is not answered (the conversation ends with the previous reply)."""
     long_prompts: str = "skip"
-    """skip (count + warn) | truncate (keep the last max_prompt_tokens tokens)."""
+    """skip (count + warn) | truncate (keep the last max_prompt_tokens tokens of the first prompt)."""
     strict: bool = False
-    """Fail on the first bad record instead of skipping it with a warning."""
+    """Fail on the first bad record (malformed JSON, empty conversation, leading assistant turn, prompt
+    too long) naming its line, instead of skipping it with one summary warning."""
     eval_fraction: float = 0.05
     """Fraction of distilled records held out for head accuracy / tree calibration."""
 
@@ -158,9 +163,11 @@ class DistillConfig:
     shard_size: int = 256
     """Records per Arrow shard; a killed run loses at most the shard in progress."""
     seed: int = 0
-    """Sampling seed (per record, so results do not depend on batching or rank)."""
+    """Sampling seed (per record and turn, so results do not depend on batching or rank)."""
     overwrite: bool = False
-    """Discard an existing distill folder made with other settings instead of refusing."""
+    """Discard an existing distill folder made with other settings (backbone fingerprint, tokenizer,
+    generation settings, shard_size, data) instead of refusing; a folder with the same settings is
+    always resumed or, when complete, reused as is."""
 
     def __post_init__(self) -> None:
         _positive("distill.max_new_tokens", self.max_new_tokens)
@@ -210,6 +217,12 @@ class TrainingConfig:
     """Medusa-1: compute the backbone's last hidden states once into a memory-mapped store and
     train the heads from it (no backbone forward per epoch)."""
     seed: int = 0
+    overwrite: bool = False
+    """Retrain even if `workdir/heads` is complete for the same settings (also discards `workdir/train`)."""
+    init_heads: str | None = None
+    """Start from these heads (a heads directory, e.g. Medusa-1 heads before Medusa-2); null = fresh heads."""
+    calibration_max_records: int = 200
+    """Held-out records used for the top-k accuracy table and tree calibration after training."""
     # -- medusa2 -------------------------------------------------------------------------------
     head_lr_multiplier: float = 4.0
     """medusa2: heads lr = lr * head_lr_multiplier."""
@@ -318,10 +331,15 @@ class ExportConfig:
     """Heads to export; null = `workdir/heads`."""
     formats: list[str] = field(default_factory=lambda: ["medusa", "vllm"])
     """medusa (FasterDecoding / TGI / TensorRT-LLM) and/or vllm."""
+    dtype: str = "auto"
+    """Dtype of the exported weights: auto (as trained) | float32 | bfloat16 | float16."""
 
     def __post_init__(self) -> None:
         for fmt in self.formats:
             _choice("export.formats[]", fmt, ("medusa", "vllm"))
+        if not self.formats:
+            raise ConfigError("export.formats is empty: give at least one of medusa, vllm")
+        _choice("export.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
 
 
 @dataclass
