@@ -1,0 +1,53 @@
+"""A tiny workdir for the export/eval stage tests: the shared random Llama + random heads, no training.
+
+``make_workdir`` writes what stage=backbone and stage=train would leave behind (backbone/ with a
+chat-template tokenizer, heads/ in the FasterDecoding layout, calibration.json, medusa_choices.json)
+in well under a second, so the export and eval stages run for real on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from conftest import build_tiny_backbone
+from transformers import LlamaForCausalLM
+
+from medusa_train.config import Config, compose_config
+from medusa_train.heads import MedusaHeads
+
+HIDDEN = 32
+NUM_HEADS = 3
+CHOICES = [[0], [0, 0], [1], [0, 0, 0], [0, 1]]
+# Cumulative top-k accuracy (K, 10) as stage=train's calibration would measure it.
+TOPK = [[0.8, 0.9] + [0.95] * 8, [0.6, 0.75] + [0.85] * 8, [0.4, 0.55] + [0.7] * 8]
+
+
+def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) -> Path:
+    """Create ``root`` as a workdir with backbone/ and heads/ (+ calibration files); returns ``root``."""
+    backbone = build_tiny_backbone(root / "backbone")  # tests/conftest.py: some replies end with EOS early
+    model = LlamaForCausalLM.from_pretrained(backbone)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    torch.manual_seed(0)
+    heads = MedusaHeads(HIDDEN, vocab, NUM_HEADS, 1, base_model_name_or_path=str(backbone))
+    heads.init_from_lm_head(model.get_output_embeddings().weight)
+    with torch.no_grad():
+        for k in range(NUM_HEADS):  # small non-zero blocks, so every weight matters in a round trip
+            heads.blocks(k)[0].linear.weight.normal_(0, 0.02)
+            heads.blocks(k)[0].linear.bias.normal_(0, 0.02)
+    extra = {
+        "training": {"mode": "medusa1", "lr": 1e-3, "max_steps": 6},
+        "backbone": {"name_or_path": str(backbone)},
+    }
+    heads.save_pretrained(root / "heads", extra_config=extra)
+    if calibration:
+        (root / "heads" / "calibration.json").write_text(json.dumps({"head_topk_accuracy": TOPK}))
+    if choices:
+        (root / "heads" / "medusa_choices.json").write_text(json.dumps(CHOICES))
+    return root
+
+
+def tiny_cfg(workdir: Path, *overrides: str) -> Config:
+    """The fast debug config on ``workdir`` (tracking off), plus ``overrides``."""
+    return compose_config([f"workdir={workdir}", "debug=fast", "tracking=disabled", *overrides])

@@ -1,0 +1,110 @@
+"""stage=eval on a tiny random backbone: report consistent with generations, greedy parity, plots, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _tiny_workdir import make_workdir, tiny_cfg
+
+from medusa_train.errors import UserError
+from medusa_train.formats import save_vllm
+from medusa_train.heads import MedusaHeads
+from medusa_train.stages import eval as eval_stage
+from medusa_train.stages import export
+
+REPORT_KEYS = {
+    "tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_medusa", "greedy_identical", "head_top1",
+    "head_top5", "tau_typical", "tau_sample", "tree_size", "num_prompts", "accepted_length_histogram",
+    "sweep", "machine", "date",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    workdir = make_workdir(tmp_path_factory.mktemp("eval"))
+    export.run(tiny_cfg(workdir, "stage=export"))
+    return workdir, eval_stage.run(tiny_cfg(workdir, "stage=eval"))
+
+
+def test_report_is_consistent_with_generations(evaluated: tuple[Path, dict]) -> None:
+    workdir, report = evaluated
+    out = workdir / "eval"
+    on_disk = json.loads((out / "report.json").read_text())
+    assert REPORT_KEYS <= set(on_disk)
+    assert on_disk["tau"] == pytest.approx(report["tau"])
+    lines = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert len(lines) == report["num_prompts"] == 3  # debug=fast: 3 prompts, first turn only
+    assert report["tau"] == pytest.approx(sum(r["tokens"] for r in lines) / sum(r["steps"] for r in lines))
+    assert all(r["identical"] and r["baseline"] == r["medusa"] for r in lines)
+    assert report["greedy_identical"] == 1.0
+    assert all(sum(r["accepted_lengths"]) == r["tokens"] for r in lines)
+    hist = report["accepted_length_histogram"]
+    assert sum(hist.values()) == sum(r["steps"] for r in lines)
+    assert sum(int(n) * c for n, c in hist.items()) == sum(r["tokens"] for r in lines)
+    assert 1.0 <= report["tau"] <= 4.0  # at most depth (3) + 1
+    tps_base = sum(r["baseline_tokens"] for r in lines) / sum(r["baseline_s"] for r in lines)
+    assert report["tokens_per_s_baseline"] == pytest.approx(tps_base)
+    assert report["speedup"] == pytest.approx(report["tokens_per_s_medusa"] / report["tokens_per_s_baseline"])
+    assert report["tree_size"] == 5 and report["tree"] == "calibrated"
+    assert report["head_top1"] == [0.8, 0.6, 0.4] and report["head_top5"] == [0.95, 0.85, 0.7]
+    assert report["tau_typical"] >= 1.0 and report["tau_sample"] >= 1.0
+    assert [row["tree_size"] for row in report["sweep"]] == [1, 4]
+    assert report["sweep"][0]["expected_tau"] == pytest.approx(1.8)
+    assert report["machine"]["torch"] and report["machine"]["threads"] >= 1
+
+
+def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> None:
+    workdir, report = evaluated
+    out = workdir / "eval"
+    table = eval_stage.summary_table(report)
+    assert table in (out / "report.md").read_text()
+    assert "| speed-up" in table and "100%" in table
+    for name in ("accepted_lengths", "head_accuracy", "tree_size"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+    card = (workdir / "export" / "README.md").read_text()
+    assert f"**{report['tau']:.2f}**" in card  # stage=eval added its figures to the export's card
+
+
+def test_vllm_layout_chain_tree_and_all_turns(tmp_path: Path, evaluated: tuple[Path, dict]) -> None:
+    workdir, _ = evaluated
+    questions = tmp_path / "question.jsonl"
+    rows = [
+        {"question_id": i, "category": "x", "turns": [f"Tell me about cats {i}.", "Shorter."]}
+        for i in range(2)
+    ]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_cfg(
+        workdir,
+        "stage=eval",
+        f"eval.heads_dir={workdir / 'export' / 'vllm'}",
+        "tree=chain",
+        "tree.chain_depth=2",
+        "eval.prompts=mtbench",
+        f"eval.path={questions}",
+        "eval.all_turns=true",
+        "eval.acceptance_extra=false",
+        "eval.sweep_tree_sizes=[]",
+    )
+    report = eval_stage.run(cfg)
+    assert report["num_prompts"] == 2 and report["num_turns"] == 4
+    assert report["greedy_identical"] == 1.0 and report["tree_size"] == 2
+    assert report["tau_typical"] is None and report["sweep"] == []
+
+
+def test_errors_name_the_fix(tmp_path: Path, evaluated: tuple[Path, dict]) -> None:
+    workdir, _ = evaluated
+    with pytest.raises(UserError, match="stage=train"):
+        eval_stage.run(tiny_cfg(tmp_path / "empty", "stage=eval"))
+    no_tree = make_workdir(tmp_path / "no_tree", choices=False)
+    with pytest.raises(UserError, match="stage=train"):
+        eval_stage.run(tiny_cfg(no_tree, "stage=eval"))
+    wrong = tmp_path / "wrong_heads"
+    save_vllm(MedusaHeads(hidden_size=8, vocab_size=50, num_heads=3), wrong)
+    with pytest.raises(UserError, match="hidden_size=8"):
+        eval_stage.run(
+            tiny_cfg(workdir, "stage=eval", f"eval.heads_dir={wrong}", "tree=chain", "tree.chain_depth=2")
+        )
+    with pytest.raises(UserError, match="not a Medusa heads directory|no config.json"):
+        eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.heads_dir={tmp_path}"))
