@@ -66,17 +66,20 @@ class BackboneConfig:
 
     vocab_size: int = 2048
     """BPE vocabulary size of the embedded tokenizer."""
-    hidden_size: int = 256
+    hidden_size: int = 128
+    """Width of the tiny Llama (1.05M parameters at the defaults). On 2 shared CPU cores a 128-wide model
+    reached held-out loss ~1.2 in 130 s where a 256-wide one (3.7M) was at 1.7 after 270 s: in a
+    minutes-long budget the small model learns the embedded corpus faster per second."""
     num_layers: int = 4
     num_attention_heads: int = 4
-    intermediate_size: int = 688
+    intermediate_size: int = 344
     max_position_embeddings: int = 1024
     """Context limit of the tiny model, tokens."""
     seq_len: int = 256
     """Training sequence length, tokens (documents are packed)."""
     batch_size: int = 8
     """Sequences per optimizer step; small batches give more steps in the short CPU budget."""
-    lr: float = 3e-3
+    lr: float = 5e-3
     """Peak AdamW learning rate; cosine decay to 10% of it over the step cap or the time budget."""
     warmup_steps: int = 30
     max_steps: int = 100000
@@ -207,7 +210,7 @@ class TrainingConfig:
     """Optional wall-clock budget, minutes: training stops cleanly (and saves) when reached."""
     max_seq_len: int = 512
     """Longer distilled records are truncated to this many tokens."""
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = 512
     """Tokens per chunk in the chunked head cross-entropy (memory vs speed)."""
     logging_steps: int = 10
     save_steps: int = 200

@@ -7,6 +7,8 @@ comes from combining slots, not from a large vocabulary.
 
 from __future__ import annotations
 
+# fmt: off
+
 # (name, subject pronoun, object pronoun, possessive)
 PEOPLE: tuple[tuple[str, str, str, str], ...] = tuple(
     (name, "she", "her", "her")
@@ -185,12 +187,12 @@ RECIPES: dict[str, tuple[tuple[str, ...], tuple[tuple[str, int], ...]]] = {
          ("Add the carrots, the potatoes and the broth", 2),
          ("Simmer the stew until the vegetables are tender", 30)),
     ),
-    "omelette": (
+    "scrambled eggs": (
         ("3 eggs", "a splash of milk", "a handful of cheese", "salt", "butter"),
         (("Beat the eggs with the milk and the salt", 2),
          ("Melt the butter in a pan", 1),
-         ("Pour in the eggs and cook them gently", 4),
-         ("Sprinkle the cheese on top and fold the omelette", 1)),
+         ("Pour in the eggs and stir them gently", 4),
+         ("Sprinkle the cheese on top and serve", 1)),
     ),
 }
 

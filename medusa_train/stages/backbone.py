@@ -1,0 +1,369 @@
+"""Stage `backbone`: train the embedded tiny Llama from scratch, offline (model=tiny only).
+
+Run as:
+    python -m medusa_train stage=backbone                     # embedded corpus, ~5 minutes on 2 CPU cores
+    python -m medusa_train stage=backbone data=text data.path=../shared/data/tinyshakespeare.txt
+    python -m medusa_train stage=backbone backbone.overwrite=true backbone.max_minutes=10
+
+Steps: (1) documents: the embedded conversations rendered with the chat template (train split;
+the eval split is held out), or chunks of a plain text file (its last `heldout_fraction` held out);
+(2) a byte-level BPE tokenizer trained on the training documents; (3) the documents tokenised and
+packed into one token stream; (4) AdamW with warmup then cosine decay on random windows of
+`seq_len + 1` tokens, until `max_minutes` or `max_steps`; (5) held-out perplexity, bits per byte
+and next-token accuracy (plus, for the embedded corpus, how often greedy decoding reproduces the
+reference reply exactly); (6) a standard Hugging Face model directory (model, tokenizer, generation
+config, `train_report.json`) written into a temporary folder and renamed into place, so a killed
+run never leaves a half-written `backbone/`.
+
+The cosine schedule runs on the larger of step progress and wall-clock progress, so the learning
+rate reaches its floor exactly when the budget ends, whatever the speed of the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from medusa_train.backbone import resolve_device
+from medusa_train.data.embedded import conversation_texts, embedded_conversations
+from medusa_train.data.tokenizer import train_tokenizer
+from medusa_train.errors import UserError
+
+log = logging.getLogger(__name__)
+
+REPORT = "train_report.json"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", REPORT)
+_MAX_EVAL_TOKENS = 32_768  # held-out tokens scored at most
+_TEXT_DOC_CHARS = 2000  # format=text: document size, characters
+_EXACT_PROMPTS = 8  # embedded: held-out prompts decoded greedily for the exact-match rate
+_MIN_LR_RATIO = 0.1  # cosine floor, fraction of the peak learning rate
+
+
+def is_complete(path: Path) -> bool:
+    """True when `path` holds a finished backbone (every file, report written last)."""
+    return all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def run(cfg) -> dict:
+    """Train (or reuse) the embedded backbone and return its figures.
+
+    Args:
+        cfg: the typed `medusa_train.config.Config`; reads `cfg.backbone`, `cfg.model`, `cfg.data`
+            (`format`, `path`), `cfg.seed`.
+
+    Returns:
+        The report also saved as `backbone/train_report.json`: steps, minutes, train loss first/last,
+        held-out perplexity / bits per byte / top-1, uniform perplexity, parameter count ...
+        `skipped: True` when an existing complete backbone was reused.
+
+    Raises:
+        UserError: not the embedded model, or an unusable `data.path` for format=text.
+    """
+    if not cfg.model.embedded:
+        raise UserError("stage=backbone trains the embedded tiny model only: use model=tiny")
+    bc = cfg.backbone
+    out_dir = Path(cfg.model.name_or_path)
+    if is_complete(out_dir) and not bc.overwrite:
+        report = json.loads((out_dir / REPORT).read_text())
+        log.info("backbone already trained at %s (backbone.overwrite=true retrains)", out_dir)
+        return {**report, "skipped": True}
+
+    start = time.time()
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.model.device)
+
+    # 1. documents (strings) and the texts the tokenizer learns from
+    if cfg.data.format == "text":
+        train_docs, heldout_docs, tok_texts, heldout_convs = _text_documents(
+            cfg.data.path, bc.heldout_fraction
+        )
+    else:
+        train_convs = embedded_conversations("train", bc.num_conversations, cfg.seed)
+        heldout_convs = embedded_conversations(
+            "eval", max(1, round(bc.num_conversations * bc.heldout_fraction)), cfg.seed
+        )
+        tok_texts = list(conversation_texts(train_convs))
+        train_docs = heldout_docs = []  # rendered below, once the tokenizer has its template
+
+    # 2. tokenizer
+    tokenizer = train_tokenizer(tok_texts, bc.vocab_size, model_max_length=bc.max_position_embeddings)
+    if cfg.data.format != "text":
+        train_docs = [tokenizer.apply_chat_template(c, tokenize=False) for c in train_convs]
+        heldout_docs = [tokenizer.apply_chat_template(c, tokenize=False) for c in heldout_convs]
+
+    # 3. pack: one token stream per split
+    train_ids = _pack(tokenizer, train_docs)  # (N_train,)
+    heldout_ids = _pack(tokenizer, heldout_docs)[: _MAX_EVAL_TOKENS + 1]  # (N_heldout,)
+    if len(train_ids) < bc.seq_len + 2 or len(heldout_ids) < 2:
+        raise UserError(
+            f"too little text to train on: {len(train_ids)} training tokens for backbone.seq_len={bc.seq_len}"
+        )
+    prep_seconds = time.time() - start
+    log.info(
+        "tokenizer %d tokens; %d training tokens, %d held-out",
+        len(tokenizer),
+        len(train_ids),
+        len(heldout_ids),
+    )
+
+    # 4. model and training
+    model = _build_model(bc, tokenizer).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    losses, steps, train_seconds, tokens_seen = _train(model, train_ids, bc, device, cfg.seed)
+
+    # 5. held-out figures
+    model.eval()
+    figures = _evaluate(model, tokenizer, heldout_ids, bc.seq_len, bc.batch_size, device)
+    if cfg.data.format != "text":
+        figures["heldout_greedy_exact"] = _greedy_exact(
+            model, tokenizer, heldout_convs[:_EXACT_PROMPTS], device
+        )
+
+    report = {
+        "data_format": cfg.data.format,
+        "params": n_params,
+        "vocab_size": len(tokenizer),
+        "uniform_ppl": float(len(tokenizer)),
+        "hidden_size": bc.hidden_size,
+        "num_layers": bc.num_layers,
+        "seq_len": bc.seq_len,
+        "batch_size": bc.batch_size,
+        "steps": steps,
+        "tokens_seen": tokens_seen,
+        "train_tokens_available": len(train_ids),
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-10:]) / len(losses[-10:]),
+        **figures,
+        "prep_minutes": round(prep_seconds / 60, 3),
+        "train_minutes": round(train_seconds / 60, 3),
+        "minutes": round((time.time() - start) / 60, 3),
+        "device": str(device),
+    }
+
+    # 6. save atomically
+    _save(model.cpu(), tokenizer, report, out_dir)
+    log.info(
+        "backbone: %d params, %d steps, held-out ppl %.2f (uniform %d), %.3f bits/byte -> %s",
+        n_params,
+        steps,
+        report["heldout_ppl"],
+        len(tokenizer),
+        report["heldout_bits_per_byte"],
+        out_dir,
+    )
+    return report
+
+
+def _text_documents(
+    path: str | None, heldout_fraction: float
+) -> tuple[list[str], list[str], list[str], list]:
+    """Split a plain text file into training / held-out documents of about `_TEXT_DOC_CHARS` characters."""
+    file = Path(path or "")
+    if not file.is_file():
+        raise UserError(f"data.path={path!r} is not a file: give a plain text file for data.format=text")
+    text = file.read_text(encoding="utf-8")
+    cut = text.rfind("\n", 0, int(len(text) * (1 - heldout_fraction))) + 1 or int(
+        len(text) * (1 - heldout_fraction)
+    )
+    train_text, heldout_text = text[:cut], text[cut:]
+    if not train_text.strip() or not heldout_text.strip():
+        raise UserError(f"data.path={path!r} is too short to split into training and held-out text")
+
+    def chunks(t: str) -> list[str]:
+        out, pos = [], 0
+        while pos < len(t):
+            end = t.find("\n", pos + _TEXT_DOC_CHARS)
+            end = len(t) if end < 0 else end + 1
+            out.append(t[pos:end])
+            pos = end
+        return out
+
+    train_docs = chunks(train_text)
+    return train_docs, chunks(heldout_text), train_text.splitlines(keepends=True), []
+
+
+def _pack(tokenizer, docs: list[str]) -> torch.Tensor:
+    """Concatenate the documents' token ids into one stream (documents carry their own BOS/EOS).
+
+    Returns:
+        (N,) int64 tensor.
+    """
+    ids: list[int] = []
+    for start in range(0, len(docs), 2048):
+        for seq in tokenizer(docs[start : start + 2048], add_special_tokens=False, verbose=False)[
+            "input_ids"
+        ]:
+            ids.extend(seq)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _build_model(bc, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=bc.hidden_size,
+        intermediate_size=bc.intermediate_size,
+        num_hidden_layers=bc.num_layers,
+        num_attention_heads=bc.num_attention_heads,
+        num_key_value_heads=bc.num_attention_heads,
+        max_position_embeddings=bc.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _lr_factor(step: int, progress: float, warmup_steps: int) -> float:
+    """Linear warmup over `warmup_steps`, then cosine from 1 to `_MIN_LR_RATIO` as `progress` goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / max(1, warmup_steps))
+    cosine = _MIN_LR_RATIO + (1 - _MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return warm * cosine
+
+
+def _train(
+    model, ids: torch.Tensor, bc, device: torch.device, seed: int
+) -> tuple[list[float], int, float, int]:
+    """Optimise on random windows of the packed stream until the step cap or the time budget.
+
+    Returns:
+        (per-step losses, steps, seconds spent, tokens seen)
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=bc.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    budget = bc.max_minutes * 60
+    T, B = bc.seq_len, bc.batch_size
+    offsets = torch.arange(T + 1)  # (T+1,)
+    losses: list[float] = []
+    model.train()
+    start = time.time()
+    bar = tqdm(total=bc.max_steps, desc="backbone", unit="step", dynamic_ncols=True)
+    step = 0
+    while step < bc.max_steps:
+        elapsed = time.time() - start
+        if elapsed >= budget:
+            break
+        progress = max(step / bc.max_steps, elapsed / budget)
+        lr = bc.lr * _lr_factor(step, progress, bc.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(ids) - T - 1, (B,), generator=gen)  # (B,)
+        window = ids[starts[:, None] + offsets].to(device)  # (B, T+1)
+        logits = model(input_ids=window[:, :-1]).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), window[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(loss.item())
+        seconds = time.time() - start
+        # the bar's total is the step count the budget allows at the speed so far (or the step cap)
+        bar.total = min(bc.max_steps, max(step, round(step * budget / max(seconds, 1e-9))))
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{losses[-1]:.3f}", lr=f"{lr:.1e}", tok_s=f"{step * B * T / max(seconds, 1e-9):.0f}"
+        )
+    bar.close()
+    return losses, step, time.time() - start, step * B * T
+
+
+def _token_bytes(tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each token stands for: byte-level tokens have one character per byte; special tokens count
+    as their literal text. Returns (V,) float tensor."""
+    special = set(tokenizer.all_special_ids)
+    out = torch.zeros(len(tokenizer))
+    for token, idx in tokenizer.get_vocab().items():
+        out[idx] = len(token.encode("utf-8")) if idx in special else len(token)
+    return out
+
+
+@torch.no_grad()
+def _evaluate(
+    model, tokenizer, ids: torch.Tensor, seq_len: int, batch_size: int, device: torch.device
+) -> dict:
+    """Perplexity, bits per byte and top-1 accuracy over the held-out stream (non-overlapping windows)."""
+    T = seq_len
+    n_windows = max(1, (len(ids) - 1) // T)
+    token_bytes = _token_bytes(tokenizer)
+    nll = correct = count = n_bytes = 0.0
+    for first in range(0, n_windows, batch_size):
+        rows = [ids[w * T : w * T + T + 1] for w in range(first, min(n_windows, first + batch_size))]
+        rows = [r for r in rows if len(r) > 1]
+        width = min(len(r) for r in rows)
+        window = torch.stack([r[:width] for r in rows]).to(device)  # (b, width)
+        logits = model(input_ids=window[:, :-1]).logits.float()  # (b, width-1, V)
+        targets = window[:, 1:]  # (b, width-1)
+        nll += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
+        ).item()
+        correct += (logits.argmax(-1) == targets).sum().item()
+        count += targets.numel()
+        n_bytes += token_bytes[targets.cpu()].sum().item()
+    return {
+        "heldout_tokens": int(count),
+        "heldout_loss": nll / count,
+        "heldout_ppl": math.exp(nll / count),
+        "heldout_bits_per_byte": nll / math.log(2) / n_bytes,
+        "heldout_top1": correct / count,
+    }
+
+
+@torch.no_grad()
+def _greedy_exact(model, tokenizer, convs: list, device: torch.device) -> float:
+    """Fraction of held-out first replies that greedy decoding reproduces exactly."""
+    if not convs:
+        return 0.0
+    prompts = [
+        tokenizer.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True) for c in convs
+    ]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True).to(device)
+    tokenizer.padding_side = side
+    room = model.config.max_position_embeddings - batch["input_ids"].shape[1]
+    out = model.generate(**batch, max_new_tokens=max(1, min(160, room)), do_sample=False)  # (B, P + new)
+    replies = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(r == c[1]["content"] for r, c in zip(replies, convs, strict=True)) / len(convs)
+
+
+def _save(model, tokenizer, report: dict, out_dir: Path) -> None:
+    """Write into `.<name>.tmp-<pid>` next to `out_dir`, then rename it into place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in [
+        *out_dir.parent.glob(f".{out_dir.name}.tmp-*"),
+        *out_dir.parent.glob(f".{out_dir.name}.old-*"),
+    ]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

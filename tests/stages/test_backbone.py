@@ -1,0 +1,97 @@
+"""stage=backbone on a tiny setting: a loadable HF model that learned, written atomically, skipped when done."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from medusa_train.config import compose_config
+from medusa_train.data.embedded import embedded_prompts
+from medusa_train.stages import backbone
+
+TINY = [
+    "stage=backbone",
+    "debug=fast",
+    "backbone.max_steps=40",
+    "backbone.warmup_steps=5",
+    "backbone.lr=1e-2",
+    "backbone.max_minutes=1",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("bb")
+    cfg = compose_config([*TINY, f"workdir={workdir}"])
+    return cfg, backbone.run(cfg)
+
+
+def test_learns_and_loads(trained):
+    cfg, report = trained
+    out = cfg.model.name_or_path
+    assert report["steps"] == 40 and not report.get("skipped")
+    assert report["train_loss_last"] < report["train_loss_first"] - 0.5
+    assert report["heldout_ppl"] < report["uniform_ppl"] / 3
+    assert report["uniform_ppl"] == report["vocab_size"] == len(AutoTokenizer.from_pretrained(out))
+    assert 0 < report["heldout_bits_per_byte"] < 8
+    assert json.loads((Path(out) / "train_report.json").read_text()) == report
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) == report["params"]
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.generation_config.pad_token_id == tok.pad_token_id
+    conv = embedded_prompts("eval", 1, seed=0)[0]
+    ids = tok.apply_chat_template(conv[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out_ids = model.generate(**ids, max_new_tokens=5, do_sample=False)  # (1, P + new)
+    assert out_ids.shape[1] > ids["input_ids"].shape[1]
+    assert not list(Path(out).parent.glob(".backbone.*")), "temp dirs left behind"
+
+
+def test_skip_if_done_and_overwrite(trained):
+    cfg, report = trained
+    weights = Path(cfg.model.name_or_path) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    again = backbone.run(cfg)
+    assert again["skipped"] and again["heldout_ppl"] == report["heldout_ppl"]
+    assert weights.stat().st_mtime_ns == mtime
+
+    cfg2 = compose_config(
+        [*TINY, f"workdir={Path(cfg.workdir)}", "backbone.overwrite=true", "backbone.max_steps=3"]
+    )
+    redone = backbone.run(cfg2)
+    assert not redone.get("skipped") and redone["steps"] == 3
+    assert backbone.is_complete(Path(cfg.model.name_or_path))
+
+
+def test_incomplete_dir_is_retrained(tmp_path):
+    """A backbone/ without its report (e.g. copied by hand, half-written) is not trusted."""
+    cfg = compose_config([*TINY, f"workdir={tmp_path}", "backbone.max_steps=2"])
+    out = Path(cfg.model.name_or_path)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    (tmp_path / ".backbone.tmp-999999").mkdir()  # left by a killed run
+    report = backbone.run(cfg)
+    assert not report.get("skipped") and backbone.is_complete(out)
+    assert not (tmp_path / ".backbone.tmp-999999").exists()
+
+
+def test_text_format(tmp_path):
+    lines = [
+        f"Line {i}: the {w} sat on the mat and looked at the {w}.\n"
+        for i in range(400)
+        for w in ("cat", "dog")
+    ]
+    path = tmp_path / "tiny.txt"
+    path.write_text("".join(lines))
+    cfg = compose_config(
+        [*TINY, f"workdir={tmp_path}", "data=text", f"data.path={path}", "backbone.max_steps=20"]
+    )
+    report = backbone.run(cfg)
+    assert report["data_format"] == "text" and report["heldout_ppl"] < report["uniform_ppl"]
+    assert "heldout_greedy_exact" not in report
+    assert torch.isfinite(torch.tensor(report["heldout_loss"]))
