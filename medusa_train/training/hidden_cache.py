@@ -1,0 +1,166 @@
+"""A memory-mapped store of the frozen backbone's last hidden states (Medusa-1 only).
+
+With a frozen backbone the heads' inputs never change, so the backbone forward can run once and
+every epoch reads the features from disk. Only rows that train at least one head are stored.
+
+Layout of ``workdir/train/hidden_cache/``::
+
+    hidden.bin     (N_rows, d) raw array in the model dtype (bfloat16 stored as its uint16 bits)
+    targets.npy    (N_rows, K) int32, -100 = not trained for that head
+    offsets.npy    (R + 1,) int64: record r owns rows offsets[r]:offsets[r+1]
+    progress.json  records whose rows are written so far (resume point while building)
+    meta.json      written last: shapes, dtype, settings; its presence marks a complete cache
+
+Row counts depend only on the loss masks, so offsets and targets are written first and the
+hidden rows are filled in batch by batch; a killed build resumes from ``progress.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_train.training.losses import IGNORE_INDEX, medusa_targets, select_trained_rows
+
+META = "meta.json"
+PROGRESS = "progress.json"
+_NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def record_targets(input_ids: list[int], loss_mask: list[int], num_heads: int) -> np.ndarray:
+    """Targets ``(n, K)`` of one record's trained rows (see :func:`losses.medusa_targets`)."""
+    ids = torch.tensor([input_ids])
+    mask = torch.tensor([loss_mask])
+    tgt = medusa_targets(ids, mask, torch.ones_like(ids), num_heads)[0]  # (T, K)
+    keep = (tgt != IGNORE_INDEX).any(dim=-1)  # (T,)
+    return tgt[keep].numpy().astype(np.int32)
+
+
+class HiddenCache:
+    """Read access to a complete cache: ``len()`` records, ``[r]`` -> (hidden ``(n, d)``, targets ``(n, K)``)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.meta = json.loads((self.dir / META).read_text())
+        self.dtype = getattr(torch, self.meta["dtype"])
+        n, d = self.meta["rows"], self.meta["hidden_size"]
+        self.hidden = np.memmap(self.dir / "hidden.bin", dtype=_NP_DTYPES[self.dtype], mode="r", shape=(n, d))
+        self.targets = np.load(self.dir / "targets.npy", mmap_mode="r")
+        self.offsets = np.load(self.dir / "offsets.npy")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, r: int) -> dict[str, torch.Tensor]:
+        lo, hi = int(self.offsets[r]), int(self.offsets[r + 1])
+        h = torch.from_numpy(np.array(self.hidden[lo:hi]))
+        if self.dtype == torch.bfloat16:
+            h = h.view(torch.bfloat16)
+        return {"hidden_states": h, "targets": torch.from_numpy(np.array(self.targets[lo:hi])).long()}
+
+
+def is_complete(directory: str | Path, settings: dict) -> bool:
+    """True when a finished cache built with exactly ``settings`` exists."""
+    meta = Path(directory) / META
+    return meta.is_file() and json.loads(meta.read_text()).get("settings") == settings
+
+
+@torch.no_grad()
+def build_hidden_cache(
+    backbone: torch.nn.Module,
+    records: list[dict],
+    directory: str | Path,
+    num_heads: int,
+    settings: dict,
+    batch_size: int = 8,
+) -> HiddenCache:
+    """Run the frozen backbone once over ``records`` and store the trained rows' hidden states.
+
+    Args:
+        backbone: the frozen causal LM (eval mode).
+        records: dicts with ``input_ids`` and ``loss_mask`` (already truncated), in training order.
+        directory: the cache folder (created; a cache with other settings is rebuilt).
+        num_heads: K.
+        settings: anything that changes the content (backbone fingerprint, max_seq_len, K, dataset size);
+            stored in meta.json and compared on reuse/resume.
+        batch_size: records per backbone forward.
+
+    Returns:
+        The opened :class:`HiddenCache`.
+    """
+    from medusa_train.training.model import last_hidden_state
+
+    directory = Path(directory)
+    if is_complete(directory, settings):
+        return HiddenCache(directory)
+    progress_path = directory / PROGRESS
+    resumable = progress_path.is_file() and json.loads(progress_path.read_text()).get("settings") == settings
+    if not resumable and directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    weight = backbone.get_output_embeddings().weight
+    dtype, d = weight.dtype, weight.shape[1]
+    device = weight.device
+    if not resumable:
+        per_record = [record_targets(r["input_ids"], r["loss_mask"], num_heads) for r in records]
+        offsets = np.zeros(len(records) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(t) for t in per_record])
+        targets = np.concatenate(per_record) if per_record else np.zeros((0, num_heads), np.int32)
+        np.save(directory / "targets.npy", targets.reshape(-1, num_heads))
+        np.save(directory / "offsets.npy", offsets)
+        np.memmap(
+            directory / "hidden.bin", dtype=_NP_DTYPES[dtype], mode="w+", shape=(max(int(offsets[-1]), 1), d)
+        ).flush()
+        _write_json(progress_path, {"settings": settings, "records_done": 0})
+    offsets = np.load(directory / "offsets.npy")
+    rows_total = int(offsets[-1])
+    hidden = np.memmap(
+        directory / "hidden.bin", dtype=_NP_DTYPES[dtype], mode="r+", shape=(max(rows_total, 1), d)
+    )
+    done = json.loads(progress_path.read_text())["records_done"]
+    for start in range(done, len(records), batch_size):
+        batch = records[start : start + batch_size]
+        t = max(len(r["input_ids"]) for r in batch)
+        ids = torch.zeros(len(batch), t, dtype=torch.long)
+        am = torch.zeros_like(ids)
+        lm = torch.zeros_like(ids)
+        for i, r in enumerate(batch):  # right padding
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            am[i, :n] = 1
+            lm[i, :n] = torch.tensor(r["loss_mask"])
+        ids, am, lm = ids.to(device), am.to(device), lm.to(device)
+        h = last_hidden_state(backbone, ids, am)  # (b, t, d)
+        tgt = medusa_targets(ids, lm, am, num_heads)  # (b, t, K)
+        rows, _ = select_trained_rows(h, tgt)  # (n_rows, d), records in order
+        lo, hi = int(offsets[start]), int(offsets[start + len(batch)])
+        assert rows.shape[0] == hi - lo, "row selection disagrees with the precomputed offsets"
+        arr = rows.to(dtype).cpu()
+        hidden[lo:hi] = (arr.view(torch.uint16) if dtype == torch.bfloat16 else arr).numpy()
+        hidden.flush()
+        _write_json(progress_path, {"settings": settings, "records_done": start + len(batch)})
+    del hidden
+    _write_json(
+        directory / META,
+        {
+            "settings": settings,
+            "rows": rows_total,
+            "hidden_size": d,
+            "num_heads": num_heads,
+            "records": len(records),
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+    )
+    return HiddenCache(directory)

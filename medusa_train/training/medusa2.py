@@ -1,0 +1,90 @@
+"""Medusa-2: joint training of the backbone (full, LoRA or QLoRA) and the heads.
+
+Cai et al., "Medusa" (arXiv:2401.10774), section 2.2.2: ``L = L_LM + lambda_0(t) * L_medusa`` with
+``L_LM`` = KL to the frozen original on self-distilled data (or CE on the data), lambda_0 warmed up,
+heads learning ``head_lr_multiplier`` times faster than the backbone, and optionally a heads-only
+warm start of ``heads_only_steps`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import TrainerCallback
+
+from medusa_train.errors import UserError
+from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.trainer import Lambda0Callback
+
+
+def check_supported(cfg) -> None:
+    """Fail before any heavy work on combinations this implementation does not run."""
+    tc = cfg.training
+    if (
+        cfg.deepspeed.enabled
+        and cfg.deepspeed.zero_stage == 3
+        and tc.lm_loss == "kl"
+        and tc.backbone_tuning == "full"
+    ):
+        raise UserError(
+            "training=medusa2 with lm_loss=kl and full tuning keeps a frozen copy of the backbone, which ZeRO-3 "
+            "would shard: use deepspeed=zero2, backbone_tuning=lora, or training.lm_loss=ce"
+        )
+    if tc.backbone_tuning in ("lora", "qlora"):
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise UserError(
+                f"training.backbone_tuning={tc.backbone_tuning} needs peft: pip install peft"
+            ) from None
+    if tc.backbone_tuning == "qlora" and cfg.model.quantization == "none":
+        raise UserError(
+            "training.backbone_tuning=qlora needs a quantized backbone: model.quantization=4bit (or 8bit)"
+        )
+
+
+class HeadsOnlyCallback(TrainerCallback):
+    """Two-stage Medusa-2: the backbone gets no gradient for the first ``steps`` optimizer steps."""
+
+    def __init__(self, model: MedusaTrainingModel, steps: int) -> None:
+        self.model, self.steps = model, steps
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.model.backbone_frozen = state.global_step < self.steps
+
+
+def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: dict):
+    """The Medusa-2 training module, its callbacks and extra result fields.
+
+    Returns:
+        ``(model, callbacks, extra)``.
+    """
+    tc = cfg.training
+    teacher = None
+    if tc.backbone_tuning in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if tc.backbone_tuning == "qlora":
+            backbone = prepare_model_for_kbit_training(backbone, use_gradient_checkpointing=False)
+        lora = LoraConfig(
+            r=tc.lora_r,
+            lora_alpha=tc.lora_alpha,
+            lora_dropout=tc.lora_dropout,
+            target_modules=list(tc.lora_target_modules),
+            task_type="CAUSAL_LM",
+        )
+        backbone = get_peft_model(backbone, lora)  # the teacher = the same model with adapters disabled
+    else:
+        backbone.requires_grad_(True)
+        if tc.lm_loss == "kl":
+            teacher = copy.deepcopy(backbone).eval().requires_grad_(False)
+    backbone.train()
+    model = MedusaTrainingModel(
+        heads, backbone, mode="medusa2", lm_loss=tc.lm_loss, teacher=teacher, lambda0=0.0, **model_kwargs
+    )
+    callbacks: list = [Lambda0Callback(model, tc.lambda0, tc.lambda_warmup_steps, tc.lambda_warmup)]
+    if tc.heads_only_steps > 0:
+        callbacks.append(HeadsOnlyCallback(model, tc.heads_only_steps))
+    trainable = sum(p.numel() for p in backbone.parameters() if p.requires_grad)
+    return model, callbacks, {"backbone_trainable_params": trainable}

@@ -1,0 +1,205 @@
+"""The module the trainer optimises: backbone + Medusa heads -> loss and per-head metrics.
+
+Cai et al., "Medusa" (arXiv:2401.10774): Medusa-1 trains the heads on a frozen backbone; Medusa-2
+trains both, with ``L = L_LM + lambda_0(t) * L_medusa``.
+
+Medusa-1: the frozen backbone is held *outside* the module tree (see ``_Frozen``), so
+``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer checkpoint contain the
+heads only -- checkpoints stay small and ZeRO never shards or touches the frozen weights. The
+backbone runs under ``torch.no_grad()`` and its decoder's last hidden state (what ``lm_head`` reads,
+checked per architecture in the tests) feeds the heads. With a hidden-state cache the module has no
+backbone at all and takes ``hidden_states``/``targets`` rows directly.
+
+Medusa-2: the backbone (optionally LoRA-wrapped) is a registered submodule; the LM loss is CE on
+the data or KL to the frozen original (a frozen copy, or the LoRA model with adapters disabled);
+``lambda0`` is set from outside each step (see ``training.trainer.Lambda0Callback``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from medusa_train.training.losses import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    chunked_kl_to_teacher,
+    lm_targets,
+    medusa_head_loss,
+    medusa_targets,
+    select_trained_rows,
+)
+
+
+@dataclass
+class _Frozen:
+    """Holds a module without registering it as a submodule (not in state_dict / parameters)."""
+
+    module: nn.Module | None
+
+
+def last_hidden_state(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` reads.
+
+    Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.
+
+    Args:
+        backbone: a Hugging Face causal LM (or a peft model around one).
+        input_ids: ``(B, T)``; attention_mask: ``(B, T)``.
+
+    Returns:
+        ``(B, T, d)``.
+    """
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
+    decoder = base.get_decoder()
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+class MedusaTrainingModel(nn.Module):
+    """Backbone + heads, returning the training loss and per-head metrics.
+
+    Args:
+        heads: :class:`medusa_train.heads.MedusaHeads`.
+        backbone: the causal LM, or None when training from cached hidden states (Medusa-1 only).
+        mode: medusa1 (frozen backbone, not registered) | medusa2 (trainable, registered).
+        decay: head-loss weights lambda_k = decay^(k-1).
+        chunk_size: rows per chunk of the fused cross-entropy.
+        lm_loss: medusa2: kl | ce.
+        teacher: medusa2 with lm_loss=kl and full tuning: the frozen original model (held unregistered).
+            None with LoRA: the teacher is the same model with its adapters disabled.
+        lambda0: medusa2: initial weight of the heads' loss (updated each step by the trainer).
+        with_metrics: count top-1/top-5 hits in training forwards too (one extra no-grad logits pass).
+
+    ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
+    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and for medusa2 ``lm_loss``.
+    """
+
+    def __init__(
+        self,
+        heads: nn.Module,
+        backbone: nn.Module | None = None,
+        *,
+        mode: str = "medusa1",
+        decay: float = 0.8,
+        chunk_size: int = 1024,
+        lm_loss: str = "kl",
+        teacher: nn.Module | None = None,
+        lambda0: float = 0.2,
+        with_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        if mode not in ("medusa1", "medusa2"):
+            raise ValueError(f"mode={mode!r}")
+        if mode == "medusa2" and backbone is None:
+            raise ValueError("medusa2 needs the backbone")
+        self.mode = mode
+        self.heads = heads
+        self.decay = decay
+        self.chunk_size = chunk_size
+        self.lm_loss = lm_loss
+        self.lambda0 = lambda0
+        self.with_metrics = with_metrics
+        self.backbone_frozen = False
+        """medusa2 two-stage: True while only the heads train (backbone forward under no_grad, no LM loss)."""
+        self._teacher = _Frozen(teacher)
+        if mode == "medusa1":
+            if backbone is not None:
+                backbone.eval()
+                backbone.requires_grad_(False)
+            self._frozen = _Frozen(backbone)
+        else:
+            self.backbone = backbone
+
+    @property
+    def frozen_backbone(self) -> nn.Module | None:
+        """The Medusa-1 backbone (None in medusa2 or when training from cached hidden states)."""
+        return self._frozen.module if self.mode == "medusa1" else None
+
+    def train(self, mode: bool = True) -> MedusaTrainingModel:
+        super().train(mode)
+        if self.frozen_backbone is not None:
+            self.frozen_backbone.eval()  # dropout off: the frozen backbone is a fixed function
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Loss of one batch.
+
+        Args:
+            input_ids: ``(B, T)`` right-padded tokens (online training).
+            attention_mask: ``(B, T)``, 0 on padding.
+            loss_mask: ``(B, T)``, 1 on tokens the backbone generated.
+            hidden_states: ``(N, d)`` cached last hidden states of trained rows (instead of input_ids).
+            targets: ``(N, K)`` their head targets (with ``hidden_states``).
+
+        Returns:
+            Dict described in the class docstring.
+        """
+        k = self.heads.num_heads
+        if hidden_states is not None:
+            rows, row_targets = hidden_states, targets  # (N, d), (N, K)
+            lm_rows_targets = None
+        else:
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            tgt = medusa_targets(input_ids, loss_mask, attention_mask, k)  # (B, T, K)
+            if self.mode == "medusa1":
+                with torch.no_grad():
+                    h = last_hidden_state(self.frozen_backbone, input_ids, attention_mask)  # (B, T, d)
+                lm_rows_targets = None
+            else:
+                with torch.set_grad_enabled(torch.is_grad_enabled() and not self.backbone_frozen):
+                    h = last_hidden_state(self.backbone, input_ids, attention_mask)  # (B, T, d)
+                lm_t = lm_targets(input_ids, loss_mask, attention_mask)  # (B, T)
+                tgt = torch.cat([lm_t[..., None], tgt], dim=-1)  # (B, T, 1+K)
+            rows, all_targets = select_trained_rows(h, tgt)  # (N, d), (N, K) or (N, 1+K)
+            if self.mode == "medusa2":
+                lm_rows_targets, row_targets = all_targets[:, 0], all_targets[:, 1:]  # (N,), (N, K)
+            else:
+                row_targets = all_targets
+        head_rows = rows.to(self.heads.proj(0).weight.dtype)
+        out = medusa_head_loss(
+            self.heads, head_rows, row_targets, self.decay, self.chunk_size, self.with_metrics
+        )
+        result = {
+            "loss": out.loss,
+            "head_ce": out.ce,
+            "head_count": out.count,
+            "head_top1": out.top1,
+            "head_top5": out.top5,
+        }
+        if self.mode == "medusa2" and not self.backbone_frozen:
+            lm = self._lm_loss(input_ids, attention_mask, rows, lm_rows_targets, tgt)
+            result["lm_loss"] = lm.detach()
+            result["loss"] = lm + self.lambda0 * out.loss
+        return result
+
+    # -- medusa2 ---------------------------------------------------------------------------------
+    def _lm_loss(self, input_ids, attention_mask, rows, lm_rows_targets, tgt) -> torch.Tensor:
+        lm_head = self.backbone.get_output_embeddings().weight  # (V, d)
+        rows = rows.to(lm_head.dtype)
+        if self.lm_loss == "ce":
+            return chunked_cross_entropy(rows, lm_head, lm_rows_targets, self.chunk_size)
+        keep_lm = lm_rows_targets != IGNORE_INDEX  # (N,)
+        with torch.no_grad():
+            teacher, ctx = self._teacher.module, contextlib.nullcontext()
+            if teacher is None:  # LoRA: the original is the same model with adapters off
+                teacher, ctx = self.backbone, self.backbone.disable_adapter()
+            with ctx:
+                t_h = last_hidden_state(teacher, input_ids, attention_mask)  # (B, T, d)
+                t_w = teacher.get_output_embeddings().weight  # (V, d)
+            t_rows, _ = select_trained_rows(t_h, tgt)  # (N, d), same rows as the student
+        return chunked_kl_to_teacher(
+            rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, self.chunk_size
+        )

@@ -1,0 +1,220 @@
+"""Hugging Face ``Trainer`` pieces for Medusa: data collation, DeepSpeed config, metrics, callbacks.
+
+The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
+Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
+summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``head{k}/top1``,
+``head{k}/top5``), which go to wandb through ``report_to``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from medusa_train.errors import UserError
+from medusa_train.training.losses import lambda0_schedule
+from medusa_train.training.optim import param_groups
+
+log = logging.getLogger(__name__)
+
+
+# -- data -------------------------------------------------------------------------------------------
+class PadCollator:
+    """Right-pads ``input_ids`` / ``loss_mask`` records into ``(B, T)`` tensors + ``attention_mask``."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, records: list[dict]) -> dict[str, torch.Tensor]:
+        t = max(len(r["input_ids"]) for r in records)
+        ids = torch.full((len(records), t), self.pad_token_id, dtype=torch.long)  # (B, T)
+        attn = torch.zeros((len(records), t), dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(records), t), dtype=torch.long)  # (B, T)
+        for i, r in enumerate(records):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.as_tensor(r["input_ids"])
+            attn[i, :n] = 1
+            mask[i, :n] = torch.as_tensor(r["loss_mask"])
+        return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def row_collator(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Concatenates cached rows: ``hidden_states (N, d)`` and ``targets (N, K)``."""
+    return {
+        "hidden_states": torch.cat([r["hidden_states"] for r in records]),
+        "targets": torch.cat([r["targets"] for r in records]),
+    }
+
+
+# -- DeepSpeed --------------------------------------------------------------------------------------
+def deepspeed_config(
+    zero_stage: int,
+    *,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    dtype: torch.dtype = torch.float32,
+    on_cpu: bool = True,
+) -> dict:
+    """The DeepSpeed config dict handed to ``TrainingArguments(deepspeed=...)``.
+
+    Batch sizes, lr, clipping are ``"auto"`` (filled from the TrainingArguments). Mixed precision is
+    bf16/fp16 per the model dtype on GPU; fp32 on CPU.
+
+    Raises:
+        UserError: deepspeed is not importable, or offload is asked for on CPU.
+    """
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as err:  # ImportError, or a broken build failing at import time
+        raise UserError(
+            f"deepspeed={'zero' + str(zero_stage)} needs the deepspeed package ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): pip install deepspeed, or use deepspeed=none"
+        ) from None
+    if on_cpu and (offload_optimizer or offload_param):
+        raise UserError(
+            "deepspeed.offload_optimizer/offload_param move state from GPU to CPU memory and cannot run on a "
+            "CPU-only machine: set them to false"
+        )
+    zero: dict = {"stage": zero_stage}
+    if zero_stage >= 1:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config: dict = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if not on_cpu and dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif not on_cpu and dtype == torch.float16:
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return config
+
+
+# -- trainer ----------------------------------------------------------------------------------------
+class MedusaTrainer(Trainer):
+    """``Trainer`` with Medusa's optimizer groups and per-head metrics in the logs.
+
+    Args:
+        head_lr_multiplier: heads lr = lr * multiplier (medusa2; 1.0 in medusa1 where only heads train).
+        All other arguments go to ``transformers.Trainer``.
+    """
+
+    def __init__(self, *args, head_lr_multiplier: float = 1.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_lr_multiplier = head_lr_multiplier
+        self._sums: torch.Tensor | None = None  # (5, K): ce*count, count, top1, top5, rows with top-k counted
+        self.head_history: list[dict] = []
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            groups = param_groups(
+                self.model if model is None else model,
+                self.args.learning_rate,
+                self.args.weight_decay,
+                self.head_lr_multiplier,
+            )
+            self.optimizer = torch.optim.AdamW(
+                groups,
+                lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+            )
+        return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        if model.training:
+            stats = torch.stack(
+                [
+                    outputs["head_ce"].float() * outputs["head_count"].float(),
+                    outputs["head_count"].float(),
+                    outputs["head_top1"].float(),
+                    outputs["head_top5"].float(),
+                    outputs["head_count"].float() * float(model_metrics_on(model)),
+                ]
+            ).detach()  # (5, K)
+            self._sums = stats if self._sums is None else self._sums + stats
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Every rank reaches a logging step together (the Trainer gathers the loss there too),
+        # so the all-reduce below cannot deadlock.
+        if "loss" in logs and self._sums is not None:
+            sums = self._sums.to(self.args.device)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(sums)
+            count, metric_count = sums[1].clamp_min(1), sums[4].clamp_min(1)
+            for k in range(sums.shape[1]):
+                logs[f"head{k + 1}/loss"] = round(float(sums[0, k] / count[k]), 5)
+                logs[f"head{k + 1}/top1"] = round(float(sums[2, k] / metric_count[k]), 5)
+                logs[f"head{k + 1}/top5"] = round(float(sums[3, k] / metric_count[k]), 5)
+            self.head_history.append({"step": self.state.global_step, **logs})
+            self._sums = None
+        super().log(logs, start_time)
+
+
+def model_metrics_on(model) -> bool:
+    """Whether the (possibly DeepSpeed/DDP-wrapped) training module counts top-k hits right now."""
+    return bool(getattr(getattr(model, "module", model), "with_metrics", True))
+
+
+# -- callbacks --------------------------------------------------------------------------------------
+class MetricsScheduleCallback(TrainerCallback):
+    """Top-1/top-5 cost one more logits pass: count them only on the steps that get logged.
+
+    The logged loss averages every micro-batch since the last log; top-1/top-5 come from the
+    logging step's own batch(es).
+    """
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            step = state.global_step + 1  # the step about to run
+            on = step % args.logging_steps == 0 or step == 1 or step == state.max_steps
+            getattr(model, "module", model).with_metrics = on
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stops training cleanly (with a checkpoint) once ``max_minutes`` of optimisation have passed."""
+
+    def __init__(self, max_minutes: float) -> None:
+        self.max_seconds = max_minutes * 60
+        self.start = time.time()
+        self.stopped_early = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        elapsed = torch.tensor(time.time() - self.start)
+        # Ranks must agree on stopping: use rank 0's clock.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            elapsed = elapsed.to(args.device)
+            torch.distributed.broadcast(elapsed, src=0)
+        if float(elapsed) >= self.max_seconds:
+            self.stopped_early = True
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class Lambda0Callback(TrainerCallback):
+    """Medusa-2: sets ``model.lambda0`` from the warm-up schedule before every optimizer step."""
+
+    def __init__(self, model, final: float, warmup_steps: int, kind: str) -> None:
+        self.model, self.final, self.warmup_steps, self.kind = model, final, warmup_steps, kind
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.model.lambda0 = lambda0_schedule(state.global_step, self.final, self.warmup_steps, self.kind)

@@ -1,0 +1,226 @@
+"""Benchmark the Medusa heads' loss (forward + backward): chunked fused CE vs naive full logits.
+
+Each (variant, vocab) runs in a fresh subprocess; peak memory is that process's peak RSS minus its
+RSS right before the loss (inputs, heads and nothing else allocated) on CPU, or
+``torch.cuda.max_memory_allocated`` minus the allocation before the loss on GPU. The heads'
+parameter gradients (K x V x d) are part of both variants' peak.
+
+``--cache`` also times one Medusa-1 epoch online (backbone forward + heads) against one epoch from
+the hidden-state cache (heads only) on a random Llama of the embedded backbone's size.
+
+Run as:
+    python scripts/bench_train.py                          # markdown table, CPU
+    python scripts/bench_train.py --json --cache           # + cache epoch ratio, JSON on the last line
+    python scripts/bench_train.py --device cuda --tokens 8192 --hidden 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One measurement in this (fresh) process."""
+    from medusa_train.heads import MedusaHeads
+    from medusa_train.training.losses import medusa_head_loss, naive_medusa_head_loss
+
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    heads = MedusaHeads(args.hidden, args.vocab, args.heads, 1).to(device)
+    hidden = torch.randn(args.tokens, args.hidden, device=device)  # (T, d)
+    targets = torch.randint(0, args.vocab, (args.tokens, args.heads), device=device)  # (T, K)
+
+    def step() -> float:
+        if args.variant == "naive":
+            loss = naive_medusa_head_loss(heads, hidden, targets)
+        else:
+            loss = medusa_head_loss(heads, hidden, targets, chunk_size=args.chunk, with_metrics=False).loss
+        loss.backward()
+        return float(loss)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _current_rss_bytes()
+    times, loss = [], 0.0
+    for _ in range(args.repeats):
+        heads.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_peak_bytes()) - base
+    best = min(times)
+    return {
+        "variant": args.variant,
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "tokens": args.tokens,
+        "chunk": args.chunk,
+        "peak_gib": round(peak / 2**30, 3),
+        "seconds": round(best, 3),
+        "tokens_per_s": round(args.tokens / best, 1),
+        "loss": round(loss, 4),
+    }
+
+
+def cache_epoch_ratio(args: argparse.Namespace) -> dict:
+    """Seconds per Medusa-1 epoch online vs from the hidden-state cache (same heads, same batches)."""
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from medusa_train.heads import MedusaHeads
+    from medusa_train.training.hidden_cache import build_hidden_cache
+    from medusa_train.training.model import MedusaTrainingModel
+    from medusa_train.training.trainer import PadCollator, row_collator
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+    )
+    backbone = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(args.cache_records):
+        ids = torch.randint(2, 2048, (args.cache_seq_len,), generator=g).tolist()
+        records.append({"input_ids": ids, "loss_mask": [0] * 32 + [1] * (args.cache_seq_len - 32)})
+    heads = MedusaHeads(256, 2048, 4, 1)
+    heads.init_from_lm_head(backbone.get_output_embeddings().weight)
+    bs = 8
+
+    def epoch(model, batches) -> float:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        t0 = time.perf_counter()
+        for b in batches:
+            model(**b)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+        return time.perf_counter() - t0
+
+    pad = PadCollator(0)
+    online_batches = [pad(records[i : i + bs]) for i in range(0, len(records), bs)]
+    online = epoch(MedusaTrainingModel(heads, backbone), online_batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        cache = build_hidden_cache(backbone, records, Path(tmp) / "c", 4, {"bench": 1}, batch_size=bs)
+        build = time.perf_counter() - t0
+        cached_batches = [
+            row_collator([cache[j] for j in range(i, min(i + bs, len(cache)))])
+            for i in range(0, len(cache), bs)
+        ]
+        cached = epoch(MedusaTrainingModel(heads, None), cached_batches)
+    return {
+        "records": len(records),
+        "seq_len": args.cache_seq_len,
+        "online_epoch_s": round(online, 2),
+        "cached_epoch_s": round(cached, 2),
+        "cache_build_s": round(build, 2),
+        "epoch_speedup": round(online / cached, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1024, help="trained positions per step")
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="also print all results as one JSON line")
+    p.add_argument("--cache", action="store_true", help="also measure the hidden-state cache epoch ratio")
+    p.add_argument("--cache-records", type=int, default=64)
+    p.add_argument("--cache-seq-len", type=int, default=256)
+    p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.worker:
+        args.variant, args.vocab = args.worker, args.vocab[0]
+        print(json.dumps(worker(args)))
+        return
+
+    rows = []
+    for vocab in args.vocab:
+        for variant in ("naive", "chunked"):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                variant,
+                "--vocab",
+                str(vocab),
+                "--hidden",
+                str(args.hidden),
+                "--heads",
+                str(args.heads),
+                "--tokens",
+                str(args.tokens),
+                "--chunk",
+                str(args.chunk),
+                "--repeats",
+                str(args.repeats),
+                "--device",
+                args.device,
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(
+        f"\nheads loss fwd+bwd: K={args.heads} d={args.hidden} T={args.tokens} chunk={args.chunk} on {args.device}\n"
+    )
+    print("| V | variant | peak GiB | peak vs naive | s/step | tokens/s | speed vs naive |")
+    print("|---|---|---|---|---|---|---|")
+    for vocab in args.vocab:
+        naive = next(r for r in rows if r["vocab"] == vocab and r["variant"] == "naive")
+        for r in (r for r in rows if r["vocab"] == vocab):
+            r["peak_vs_naive"] = round(r["peak_gib"] / max(naive["peak_gib"], 1e-9), 3)
+            r["speed_vs_naive"] = round(r["tokens_per_s"] / naive["tokens_per_s"], 3)
+            print(
+                f"| {vocab} | {r['variant']} | {r['peak_gib']:.2f} | {r['peak_vs_naive']:.0%} | {r['seconds']:.2f} | "
+                f"{r['tokens_per_s']:.0f} | {r['speed_vs_naive']:.2f}x |"
+            )
+    result: dict = {"loss": rows}
+    if args.cache:
+        c = cache_epoch_ratio(args)
+        result["cache"] = c
+        print(
+            f"\nhidden-state cache ({c['records']} records x {c['seq_len']} tokens, 4-layer d=256 Llama): "
+            f"online epoch {c['online_epoch_s']} s, cached epoch {c['cached_epoch_s']} s "
+            f"({c['epoch_speedup']}x), one-off cache build {c['cache_build_s']} s"
+        )
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

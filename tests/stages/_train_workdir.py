@@ -1,0 +1,118 @@
+"""A tiny workdir for the train-stage tests: random Llama backbone + synthetic distilled data.
+
+``make_train_workdir`` writes what stage=backbone and stage=distill leave behind (backbone/ with a
+tokenizer, distill/ with one Arrow shard and a manifest carrying the backbone identity) in about a
+second. The records follow a pattern a head can learn from the current token alone
+(``x_{t+1} = x_t + 1`` over a window of the vocabulary), after a 4-token "prompt" with loss_mask 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from medusa_train.backbone import backbone_identity, load_backbone
+from medusa_train.config import Config, compose_config
+
+VOCAB = 64
+HIDDEN = 32
+
+
+def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def make_backbone(directory: Path, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    make_tokenizer().save_pretrained(directory)
+
+
+def make_records(n: int, seed: int = 0, min_len: int = 12, max_len: int = 40) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(min_len, max_len)
+        start = rng.randint(2, VOCAB - 1)
+        ids = [2 + (start - 2 + j) % (VOCAB - 2) for j in range(length)]
+        mask = [0] * 4 + [1] * (length - 4)
+        out.append({"input_ids": ids, "loss_mask": mask, "source_id": f"synthetic:{i}"})
+    return out
+
+
+def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> None:
+    from datasets import Dataset
+
+    distill = workdir / "distill"
+    (distill / "shards").mkdir(parents=True, exist_ok=True)
+    ds = Dataset.from_list(records)
+    table = ds.with_format("arrow")[:]
+    import pyarrow as pa
+
+    with (
+        pa.OSFile(str(distill / "shards" / "00000.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, table.schema) as w,
+    ):
+        w.write_table(table)
+    model, _ = load_backbone(str(backbone_dir))
+    manifest = {"backbone": backbone_identity(model, str(backbone_dir)), "records": len(records)}
+    (distill / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def make_train_workdir(root: Path, n_records: int = 48) -> Path:
+    """Create ``root`` with backbone/ and distill/; returns ``root``."""
+    make_backbone(root / "backbone")
+    write_distill(root, make_records(n_records), root / "backbone")
+    return root
+
+
+def train_overrides(workdir: Path, *overrides: str) -> list[str]:
+    """Fast settings on ``workdir``: 3 heads, 6 steps of 4 records, checkpoints every 3 steps."""
+    return [
+        f"workdir={workdir}",
+        "debug=fast",
+        "tracking=disabled",
+        "model=hf",
+        f"model.name_or_path={workdir / 'backbone'}",
+        "model.device=cpu",
+        "model.dtype=float32",
+        "data.eval_fraction=0.2",
+        "training.num_heads=3",
+        "training.lr=1e-2",
+        "training.warmup_ratio=0.0",
+        "training.max_steps=6",
+        "training.save_steps=3",
+        "training.logging_steps=2",
+        "training.per_device_batch_size=4",
+        "training.loss_chunk_size=16",
+        "training.cache_hidden_states=false",  # online by default here; the cache is tested against it
+        "tree.max_nodes=6",
+        "tree.latency_context=16",
+        *overrides,
+    ]
+
+
+def train_cfg(workdir: Path, *overrides: str) -> Config:
+    """:func:`train_overrides` composed into the typed config."""
+    return compose_config(train_overrides(workdir, *overrides))

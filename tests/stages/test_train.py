@@ -1,0 +1,228 @@
+"""stage=train for real on CPU: tiny random Llama, synthetic distilled data, 6 optimizer steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from medusa_train.__main__ import main
+from medusa_train.errors import UserError
+from medusa_train.heads import MedusaHeads
+from medusa_train.stages.train import run
+from medusa_train.training.trainer import MedusaTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _train_workdir import make_train_workdir, train_cfg, train_overrides  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _heads_state(workdir: Path) -> dict[str, torch.Tensor]:
+    return MedusaHeads.from_pretrained(workdir / "heads").heads.state_dict()
+
+
+def _assert_heads_close(a: Path, b: Path, atol: float = 1e-6) -> None:
+    sa, sb = _heads_state(a), _heads_state(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=1e-5, msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict]:
+    """One uninterrupted online run, shared by the comparisons below."""
+    root = make_train_workdir(tmp_path_factory.mktemp("ref"))
+    return root, run(train_cfg(root))
+
+
+def test_train_writes_heads_calibration_and_small_checkpoints(reference):
+    root, result = reference
+    assert result["steps"] == 6 and len(result["heldout_top1"]) == 3
+    assert 0 < result["tree_size"] <= 6 and result["expected_tau"] >= 1.0
+    assert all(0 <= a <= 1 for a in result["heldout_top1"] + result["train_top1"] + result["train_top5"])
+    heads_dir = root / "heads"
+    config = json.loads((heads_dir / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["base_model_name_or_path"] == str(root / "backbone")
+    assert config["backbone"]["fingerprint"] and config["training"]["mode"] == "medusa1"
+    calib = json.loads((heads_dir / "calibration.json").read_text())
+    acc = calib["head_topk_accuracy"]
+    assert len(acc) == 3 and all(len(r) == 10 and r == sorted(r) for r in acc)
+    choices = json.loads((heads_dir / "medusa_choices.json").read_text())
+    assert len(choices) == result["tree_size"]
+    # Checkpoints hold the heads (+ optimizer/scheduler/rng), never the frozen backbone.
+    ckpt = root / "train" / "checkpoint-6"
+    assert all(k.startswith("heads.") for k in load_file(str(ckpt / "model.safetensors")))
+    assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= {p.name for p in ckpt.iterdir()}
+    assert not list(root.glob(".heads.tmp-*"))
+
+
+def test_rerun_with_same_settings_skips(reference):
+    root, result = reference
+    mtime = (root / "heads" / "medusa_lm_head.safetensors").stat().st_mtime_ns
+    again = run(train_cfg(root))
+    assert again["skipped"] and again["steps"] == result["steps"]
+    assert (root / "heads" / "medusa_lm_head.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("cache", ["false", "true"])
+def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeypatch, cache):
+    ref_root, ref = reference
+    root = make_train_workdir(tmp_path)
+    overrides = (f"training.cache_hidden_states={cache}",)
+    original = MedusaTrainer.training_step
+
+    def dies_at_step_4(self, *args, **kwargs):
+        if self.state.global_step >= 4:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MedusaTrainer, "training_step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run(train_cfg(root, *overrides))
+    monkeypatch.setattr(MedusaTrainer, "training_step", original)
+    assert (root / "train" / "checkpoint-3").is_dir() and not (root / "heads").exists()
+    # A kill while saving leaves a newer folder without trainer_state.json: it must be ignored.
+    partial = root / "train" / "checkpoint-5"
+    partial.mkdir()
+    shutil.copy(root / "train" / "checkpoint-3" / "model.safetensors", partial / "model.safetensors")
+    result = run(train_cfg(root, *overrides))
+    assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == ref["steps"] == 6
+    _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+def test_cached_hidden_states_equal_online(reference, tmp_path):
+    ref_root, ref = reference
+    root = make_train_workdir(tmp_path)
+    result = run(train_cfg(root, "training.cache_hidden_states=true"))
+    assert (root / "train" / "hidden_cache" / "meta.json").is_file()
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
+    _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def test_distill_from_another_backbone_is_refused(tmp_path):
+    root = make_train_workdir(tmp_path)
+    manifest = json.loads((root / "distill" / "manifest.json").read_text())
+    manifest["backbone"]["fingerprint"] = "0123456789abcdef"
+    (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="distilled from another backbone"):
+        run(train_cfg(root))
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
+def test_everything_held_out_is_refused(tmp_path):
+    root = make_train_workdir(tmp_path, n_records=4)
+    with pytest.raises(UserError, match="no training data"):
+        run(train_cfg(root, "data.eval_fraction=0.999"))
+    assert not (root / "heads").exists()
+
+
+def test_init_heads_of_another_backbone_is_refused(tmp_path):
+    root = make_train_workdir(tmp_path)
+    MedusaHeads(48, 64, 3, 1).save_pretrained(tmp_path / "other_heads")
+    with pytest.raises(UserError, match="another backbone"):
+        run(train_cfg(root, f"training.init_heads={tmp_path / 'other_heads'}"))
+    assert not (root / "heads").exists()
+
+
+def test_resuming_checkpoints_of_other_settings_is_refused(tmp_path):
+    root = make_train_workdir(tmp_path)
+    (root / "train").mkdir()
+    info = {"settings": {"num_heads": 5}, "backbone": {}}
+    (root / "train" / "run.json").write_text(json.dumps(info))
+    with pytest.raises(UserError, match="checkpoints of another run"):
+        run(train_cfg(root))
+
+
+def test_cli_offload_on_cpu_is_one_line_exit_2(tmp_path, capsys):
+    root = make_train_workdir(tmp_path)
+    capsys.readouterr()
+    code = main(train_overrides(root, "stage=train", "deepspeed=zero3", "deepspeed.offload_optimizer=true"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "offload" in err[0]
+    assert not (root / "heads").exists()
+
+
+# -- multi-process -----------------------------------------------------------------------------------
+def _launch(cmd: list[str], cwd: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_two_process_zero2_equals_one_process(tmp_path, launcher):
+    """2 ranks x batch 2 (ZeRO-2) == 1 process x batch 2 x 2 accumulation steps: same global batch."""
+    one = make_train_workdir(tmp_path / "one")
+    run(train_cfg(one, "training.per_device_batch_size=2", "training.gradient_accumulation_steps=2"))
+    two = tmp_path / "two"
+    two.mkdir()
+    make_train_workdir(two)
+    shutil.rmtree(two / "distill")
+    shutil.copytree(one / "distill", two / "distill")
+    args = train_overrides(two, "stage=train", "deepspeed=zero2", "training.per_device_batch_size=2")
+    bindir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        cmd = [
+            str(bindir / "deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            "29631",
+            "--module",
+            "medusa_train",
+            *args,
+        ]
+    else:
+        cmd = [
+            str(bindir / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29632",
+            "-m",
+            "medusa_train",
+            *args,
+        ]
+    _launch(cmd, REPO)
+    result = json.loads((two / "heads" / "config.json").read_text())["training_result"]
+    assert result["steps"] == 6
+    _assert_heads_close(two, one, atol=1e-5)
+
+
+def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp_path, monkeypatch):
+    """No launcher needed; heads really partitioned (persistence threshold 0), gathered at the end."""
+    import medusa_train.training.trainer as trainer_mod
+
+    ref_root, ref = reference
+    original = trainer_mod.deepspeed_config
+
+    def partition_everything(*args, **kwargs):
+        config = original(*args, **kwargs)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return config
+
+    monkeypatch.setattr(trainer_mod, "deepspeed_config", partition_everything)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # so that teardown removes what the stage sets
+        monkeypatch.delenv(key)
+    root = make_train_workdir(tmp_path)
+    try:
+        result = run(train_cfg(root, "deepspeed=zero3"))
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
+    _assert_heads_close(root, ref_root, atol=1e-5)

@@ -1,0 +1,132 @@
+"""Chunked Medusa loss == naive loss (value and gradients); targets; top-k counts; KL; lambda0."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from medusa_train.decoding.calibrate import head_topk_accuracy
+from medusa_train.heads import MedusaHeads
+from medusa_train.training.losses import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    chunked_kl_to_teacher,
+    chunked_topk_correct,
+    lambda0_schedule,
+    lm_targets,
+    medusa_head_loss,
+    medusa_targets,
+    naive_medusa_head_loss,
+    select_trained_rows,
+)
+
+
+def _heads(d: int = 16, v: int = 50, k: int = 3, seed: int = 0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(d, v, k, 1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    return heads
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 4096])
+def test_chunked_head_loss_matches_naive_value_and_grads(chunk):
+    heads = _heads()
+    x = torch.randn(37, 16, requires_grad=True)
+    y = torch.randint(0, 50, (37, 3))
+    y[::3, 1] = IGNORE_INDEX
+    y[5:, 2] = IGNORE_INDEX
+    params = [x, *heads.parameters()]
+    out = medusa_head_loss(heads, x, y, decay=0.8, chunk_size=chunk)
+    grads = torch.autograd.grad(out.loss, params)
+    ref = naive_medusa_head_loss(heads, x, y, decay=0.8)
+    ref_grads = torch.autograd.grad(ref, params)
+    assert abs(out.loss.item() - ref.item()) < 1e-5
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    assert out.count.tolist() == [37, 37 - 13, 5]
+
+
+def test_chunked_ce_all_ignored_is_zero_with_zero_grads():
+    feats = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    loss = chunked_cross_entropy(feats, weight, torch.full((5,), IGNORE_INDEX), 2)
+    loss.backward()
+    assert loss.item() == 0.0 and feats.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+def test_chunked_ce_scales_with_upstream_gradient():
+    feats = torch.randn(6, 4, requires_grad=True)
+    weight = torch.randn(9, 4, requires_grad=True)
+    y = torch.randint(0, 9, (6,))
+    (3.0 * chunked_cross_entropy(feats, weight, y, 4)).backward()
+    f2, w2 = feats.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    (3.0 * F.cross_entropy(f2 @ w2.t(), y)).backward()
+    torch.testing.assert_close(feats.grad, f2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+
+
+def test_chunked_ce_no_grad_mode():
+    feats, weight = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    y = torch.randint(0, 9, (6,))
+    with torch.no_grad():
+        loss = chunked_cross_entropy(feats, weight, y, 4)
+    assert not loss.requires_grad
+    assert abs(loss.item() - F.cross_entropy(feats @ weight.t(), y).item()) < 1e-5
+
+
+def test_medusa_targets_positions():
+    # Head k at position t is trained on token t+k+1 iff loss_mask[t+k+1] == 1 and it is not padding.
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])  # mask on padding must not count
+    tgt = medusa_targets(ids, mask, attn, 2)  # (1, 8, 2)
+    assert tgt[0, :, 0].tolist() == [-100, 13, 14, 15, -100, -100, -100, -100]
+    assert tgt[0, :, 1].tolist() == [13, 14, 15, -100, -100, -100, -100, -100]
+    rows, row_t = select_trained_rows(torch.arange(8.0).reshape(1, 8, 1), tgt)
+    assert rows[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert row_t.tolist() == [[-100, 13], [13, 14], [14, 15], [15, -100]]
+    assert lm_targets(ids, mask, attn)[0].tolist() == [-100, -100, 13, 14, 15, -100, -100, -100]
+
+
+def test_topk_counts_match_calibrate():
+    torch.manual_seed(1)
+    feats, weight = torch.randn(40, 8), torch.randn(30, 8)
+    y = torch.randint(0, 30, (40,))
+    y[::4] = IGNORE_INDEX
+    hits = chunked_topk_correct(feats, weight, y, 10, chunk_size=7)
+    ref = head_topk_accuracy((feats @ weight.t())[None], y[None], 10)[0]
+    torch.testing.assert_close(hits.float() / 30, ref)
+
+
+def test_chunked_kl_matches_direct():
+    torch.manual_seed(2)
+    hs = torch.randn(13, 8, requires_grad=True)
+    ws = torch.randn(20, 8, requires_grad=True)
+    ht, wt = torch.randn(13, 8), torch.randn(20, 8)
+    kl = chunked_kl_to_teacher(hs, ws, ht, wt, chunk_size=4)
+    g = torch.autograd.grad(kl, [hs, ws])
+    ref = F.kl_div(
+        F.log_softmax(hs @ ws.t(), -1), F.log_softmax(ht @ wt.t(), -1), log_target=True, reduction="batchmean"
+    )
+    g_ref = torch.autograd.grad(ref, [hs, ws])
+    assert abs(kl.item() - ref.item()) < 1e-5
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "sine", "sine_r"])
+def test_lambda0_schedules(kind):
+    values = [lambda0_schedule(s, 0.2, 10, kind) for s in range(0, 15)]
+    assert all(b >= a - 1e-12 for a, b in zip(values, values[1:], strict=False))
+    assert math.isclose(values[10], 0.2) and math.isclose(values[14], 0.2)
+    if kind != "constant":
+        assert values[0] == 0.0
+    if kind == "sine":  # concave: above linear half-way
+        assert values[5] > 0.1
+    if kind == "sine_r":  # convex: below linear half-way
+        assert values[5] < 0.1

@@ -1,0 +1,205 @@
+"""MedusaTrainingModel: what lm_head reads, frozen backbone, heads-only state, golden losses, cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from medusa_train.errors import UserError
+from medusa_train.heads import MedusaHeads
+from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
+from medusa_train.training.losses import medusa_targets, select_trained_rows
+from medusa_train.training.model import MedusaTrainingModel, last_hidden_state
+from medusa_train.training.optim import param_groups
+from medusa_train.training.trainer import PadCollator, deepspeed_config
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def batch(seed: int = 0, b: int = 3, t: int = 14) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(b):
+        n = t - 3 * i
+        ids = torch.randint(2, 64, (n,), generator=g).tolist()
+        records.append({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (n - 3)})
+    return PadCollator(0)(records)
+
+
+def make_model(seed: int = 0, k: int = 3) -> tuple[MedusaTrainingModel, LlamaForCausalLM]:
+    backbone = tiny_llama(seed)
+    torch.manual_seed(seed)
+    heads = MedusaHeads(32, 64, k, 1)
+    heads.init_from_lm_head(backbone.get_output_embeddings().weight)
+    return MedusaTrainingModel(heads, backbone, decay=0.8, chunk_size=8), backbone
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_last_hidden_state_is_what_lm_head_reads(arch):
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = tiny_llama()
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+            )
+        ).eval()
+    else:
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
+        ).eval()
+    b = batch()
+    with torch.no_grad():
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True)
+        h = last_hidden_state(model, b["input_ids"], b["attention_mask"])
+    torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, out.hidden_states[-1])
+
+
+def test_medusa1_state_dict_and_parameters_are_heads_only():
+    model, backbone = make_model()
+    assert all(name.startswith("heads.") for name in model.state_dict())
+    assert {id(p) for p in model.parameters()} == {id(p) for p in model.heads.parameters()}
+    assert model.frozen_backbone is backbone and not any(p.requires_grad for p in backbone.parameters())
+
+
+def test_backbone_bit_identical_and_every_head_parameter_moves():
+    model, backbone = make_model()
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    heads_before = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    opt = torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2)
+    model.train()
+    for step in range(3):
+        out = model(**batch(step))
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in backbone.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for k, v in model.heads.state_dict().items():
+        assert not torch.equal(v, heads_before[k]), f"head parameter {k} did not change"
+    assert all(p.grad is None for p in backbone.parameters())
+
+
+# Golden values: produced by this exact setup (tiny_llama(seed=0), heads K=3 initialised from its
+# lm_head, the same batch(seed=0) every step, AdamW lr=1e-2, decay 0.8, chunk 8) on torch 2.13 CPU fp32, by printing
+# `out["loss"].item()` for steps 0..3. They only move if the loss definition, the target positions,
+# the head initialisation or the model's init change.
+GOLDEN = [10.1520786, 9.3837223, 8.6148891, 7.8249259]
+
+
+def test_golden_losses():
+    model, _ = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(4):
+        out = model(**batch(0))
+        losses.append(out["loss"].item())
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses == pytest.approx(GOLDEN, abs=1e-4), losses
+
+
+def test_hidden_cache_rows_equal_online(tmp_path):
+    model, backbone = make_model()
+    b = batch()
+    records = []
+    for i in range(b["input_ids"].shape[0]):
+        n = int(b["attention_mask"][i].sum())
+        records.append(
+            {"input_ids": b["input_ids"][i, :n].tolist(), "loss_mask": b["loss_mask"][i, :n].tolist()}
+        )
+    cache = build_hidden_cache(backbone, records, tmp_path / "c", 3, {"v": 1}, batch_size=2)
+    assert len(cache) == 3
+    with torch.no_grad():
+        h = last_hidden_state(backbone, b["input_ids"], b["attention_mask"])
+        rows, tgt = select_trained_rows(
+            h, medusa_targets(b["input_ids"], b["loss_mask"], b["attention_mask"], 3)
+        )
+    cached_rows = torch.cat([cache[i]["hidden_states"] for i in range(3)])
+    cached_tgt = torch.cat([cache[i]["targets"] for i in range(3)])
+    torch.testing.assert_close(cached_rows, rows, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cached_tgt, tgt)
+    online = model(**b)["loss"]
+    from_cache = model(hidden_states=cached_rows, targets=cached_tgt)["loss"]
+    assert abs(online.item() - from_cache.item()) < 1e-5
+    # Reopening with the same settings reuses the finished cache; a half-built one resumes.
+    (tmp_path / "c" / "hidden.bin").touch()
+    assert isinstance(build_hidden_cache(backbone, records, tmp_path / "c", 3, {"v": 1}), HiddenCache)
+
+
+def test_hidden_cache_resumes_from_progress(tmp_path):
+    import json
+
+    _, backbone = make_model()
+    b = batch()
+    records = [
+        {
+            "input_ids": b["input_ids"][i, : int(b["attention_mask"][i].sum())].tolist(),
+            "loss_mask": b["loss_mask"][i, : int(b["attention_mask"][i].sum())].tolist(),
+        }
+        for i in range(3)
+    ]
+    full = build_hidden_cache(backbone, records, tmp_path / "full", 3, {"v": 1}, batch_size=1)
+    part = tmp_path / "part"
+    build_hidden_cache(backbone, records, part, 3, {"v": 1}, batch_size=1)
+    # Pretend the build was killed after the first record: drop meta, rewind progress, wipe later rows.
+    (part / "meta.json").unlink()
+    (part / "progress.json").write_text(json.dumps({"settings": {"v": 1}, "records_done": 1}))
+    resumed = build_hidden_cache(backbone, records, part, 3, {"v": 1}, batch_size=1)
+    assert torch.equal(torch.from_numpy(resumed.hidden[:].copy()), torch.from_numpy(full.hidden[:].copy()))
+
+
+def test_param_groups_head_multiplier():
+    model, _ = make_model()
+    groups = param_groups(model, 1e-3, weight_decay=0.1, head_lr_multiplier=4.0)
+    assert {g["lr"] for g in groups} == {4e-3}
+    assert sum(len(g["params"]) for g in groups) == len(list(model.heads.parameters()))
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.1}
+
+
+def test_deepspeed_config_errors_and_shape():
+    cfg = deepspeed_config(2, on_cpu=True)
+    assert cfg["zero_optimization"]["stage"] == 2 and "bf16" not in cfg
+    assert deepspeed_config(3, dtype=torch.bfloat16, on_cpu=False)["bf16"] == {"enabled": True}
+    with pytest.raises(UserError, match="offload"):
+        deepspeed_config(3, offload_param=True, on_cpu=True)
+
+
+def test_deepspeed_not_importable_is_a_user_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
+    with pytest.raises(UserError, match="pip install deepspeed"):
+        deepspeed_config(2)
