@@ -109,12 +109,17 @@ def load_backbone(
 def backbone_identity(model, name_or_path: str) -> dict:
     """Name, architecture and a hash of config + weights: distill/train/export refuse to mix backbones."""
     h = hashlib.sha256()
-    h.update(json.dumps(model.config.to_diff_dict(), sort_keys=True, default=str).encode())
+    config = {k: v for k, v in model.config.to_diff_dict().items() if k not in ("dtype", "torch_dtype", "quantization_config")}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())
-        t = tensor.detach().reshape(-1)
+        t = tensor.detach().reshape(-1)[:4096]
         # First 4096 values + shape of every tensor: sensitive to any retraining, fast on 8B models.
-        h.update(t[:4096].float().cpu().numpy().tobytes())
+        # Rounded to bfloat16 so the identity does not depend on the dtype the model was loaded in
+        # (fp32/fp16 -> bf16 rounding equals loading in bf16); quantized weights hash as stored.
+        if t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        h.update(t.float().cpu().numpy().tobytes())
         h.update(str(tuple(t.shape)).encode())
     return {
         "name_or_path": str(name_or_path),

@@ -220,6 +220,7 @@ def _atomic_write(path: Path, write) -> None:
         write(tmp_path)
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp_path, 0o644)  # mkstemp creates 0600; a saved model should be readable like any file
         os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():

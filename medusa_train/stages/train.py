@@ -30,12 +30,14 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from medusa_train.errors import UserError
 from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsFormatError, MedusaHeads
+from medusa_train.tracking import start_tracking
 from medusa_train.workdir import Workdir, require
 
 log = logging.getLogger(__name__)
@@ -395,18 +397,11 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
         MetricsScheduleCallback,
         PadCollator,
         TimeBudgetCallback,
+        TrackerCallback,
         row_collator,
     )
 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
-    report = "none" if cfg.tracking.mode == "disabled" else "wandb"
-    if report == "wandb":
-        os.environ["WANDB_MODE"] = cfg.tracking.mode
-        os.environ.setdefault("WANDB_PROJECT", cfg.tracking.project)
-        os.environ.setdefault("WANDB_DIR", str(wd.root))
-        os.environ.setdefault("WANDB_SILENT", "true")
-        if cfg.tracking.entity:
-            os.environ.setdefault("WANDB_ENTITY", cfg.tracking.entity)
     on_cpu = device.type == "cpu"
     if ds_config is not None and "WORLD_SIZE" not in os.environ:
         _single_process_rendezvous()  # DeepSpeed without a launcher would otherwise look for MPI
@@ -430,7 +425,7 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
         deepspeed=ds_config,
         bf16=not on_cpu and tc.mode == "medusa2" and model_dtype == torch.bfloat16,
         fp16=not on_cpu and tc.mode == "medusa2" and model_dtype == torch.float16,
-        report_to=report,
+        report_to="none",  # our TrackerCallback logs to wandb with an explicit mode (see trainer.py)
         run_name=cfg.tracking.run_name or f"train-{wd.root.resolve().name}",
         remove_unused_columns=False,
         dataloader_num_workers=0,
@@ -475,6 +470,8 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
         collator = PadCollator(tokenizer.pad_token_id or 0)
         dataset = train_set
     callbacks.append(MetricsScheduleCallback())
+    tracker = start_tracking(cfg.tracking, wd.root, "train", config={"training": asdict(tc), "run": info})
+    callbacks.append(TrackerCallback(tracker))
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
         # The fused loss reads each head's (V, d) projection weight directly instead of calling the
         # Linear: tell ZeRO-3 to gather those weights whenever the training module runs.
@@ -497,7 +494,10 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
     if last:
         log.info("resuming from %s", last)
     t0 = time.time()
-    out = trainer.train(resume_from_checkpoint=last)
+    try:
+        out = trainer.train(resume_from_checkpoint=last)
+    finally:
+        tracker.finish()
     train_seconds = time.time() - t0
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
         heads = _gather_zero3_heads(trainer, heads)  # collective: every rank takes part

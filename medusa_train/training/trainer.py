@@ -186,6 +186,23 @@ class MetricsScheduleCallback(TrainerCallback):
             getattr(model, "module", model).with_metrics = on
 
 
+class TrackerCallback(TrainerCallback):
+    """Sends the Trainer's logged figures (loss, lr, per-head loss/top-1/top-5) to our wandb tracker.
+
+    We do not use ``report_to="wandb"``: the Hugging Face integration calls ``wandb.init`` without a
+    mode, and wandb reads ``WANDB_MODE`` only once per process, so after an earlier stage's run in
+    ``stage=all`` it asked for a login instead of staying offline.
+    """
+
+    def __init__(self, tracker) -> None:
+        self.tracker = tracker
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and state.is_world_process_zero:
+            figures = {f"train/{k}": v for k, v in logs.items() if isinstance(v, (int, float))}
+            self.tracker.log(figures, step=state.global_step)
+
+
 class TimeBudgetCallback(TrainerCallback):
     """Stops training cleanly (with a checkpoint) once ``max_minutes`` of optimisation have passed."""
 
