@@ -3,7 +3,7 @@
 Run as:
     python -m medusa_train stage=all                                   # the embedded demo, CPU
     python -m medusa_train stage=train model=hf model.name_or_path=...  # a real model
-    deepspeed --num_gpus 8 -m medusa_train stage=train deepspeed=zero3 ...
+    deepspeed --num_gpus 8 --module medusa_train stage=train deepspeed=zero2 ...   # the launcher's flag is --module
     torchrun --nproc_per_node 8 -m medusa_train stage=distill ...
 
 This module only parses and dispatches; each stage lives in ``medusa_train/stages/<stage>.py``.

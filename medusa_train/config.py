@@ -167,6 +167,7 @@ class DistillConfig:
     temperature: float = 0.0
     """0 = greedy; > 0 samples (with top_p)."""
     top_p: float = 1.0
+    """Nucleus sampling mass when temperature > 0 (1.0 = off)."""
     batch_size: int = 16
     """Prompts per batched `generate` call (left padding)."""
     shard_size: int = 256
@@ -204,12 +205,17 @@ class TrainingConfig:
     lr: float = 1e-3
     """Learning rate of the heads (medusa1) / of the backbone (medusa2)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     warmup_ratio: float = 0.05
+    """Fraction of the total optimizer steps spent in linear warm-up."""
     lr_scheduler: str = "cosine"
     """Any transformers scheduler name: cosine | linear | constant | constant_with_warmup ..."""
     per_device_batch_size: int = 8
+    """Sequences per process per micro-batch (global batch = this x processes x accumulation)."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
     num_epochs: float = 1.0
+    """Passes over the training split (fractions allowed)."""
     max_steps: int = -1
     """Overrides num_epochs when > 0."""
     max_minutes: float | None = None
@@ -219,13 +225,16 @@ class TrainingConfig:
     loss_chunk_size: int = 512
     """Tokens per chunk in the chunked head cross-entropy (memory vs speed)."""
     logging_steps: int = 10
+    """Log loss and per-head top-1/top-5 every N optimizer steps."""
     save_steps: int = 200
     """Checkpoint every N optimizer steps (resumable)."""
     save_total_limit: int = 2
+    """Checkpoints kept in workdir/train (older ones are deleted)."""
     cache_hidden_states: bool = False
     """Medusa-1: compute the backbone's last hidden states once into a memory-mapped store and
     train the heads from it (no backbone forward per epoch)."""
     seed: int = 0
+    """Seed of head init, data order and dropout."""
     overwrite: bool = False
     """Retrain even if `workdir/heads` is complete for the same settings (also discards `workdir/train`)."""
     init_heads: str | None = None
@@ -240,6 +249,7 @@ class TrainingConfig:
     lambda_warmup: str = "sine"
     """medusa2: constant | linear | sine | sine_r schedule of lambda0 over lambda_warmup_steps."""
     lambda_warmup_steps: int = 100
+    """medusa2: optimizer steps over which lambda0 rises to its final value."""
     lm_loss: str = "kl"
     """medusa2: kl (to the frozen original, for self-distilled data) | ce (on the data)."""
     heads_only_steps: int = 0
@@ -247,9 +257,13 @@ class TrainingConfig:
     backbone_tuning: str = "full"
     """medusa2: full | lora | qlora."""
     lora_r: int = 16
+    """medusa2 lora/qlora: adapter rank."""
     lora_alpha: int = 32
+    """medusa2 lora/qlora: adapter scaling numerator (scale = alpha / r)."""
     lora_dropout: float = 0.05
+    """medusa2 lora/qlora: dropout on the adapter input."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """medusa2 lora/qlora: module names that get adapters."""
 
     def __post_init__(self) -> None:
         _choice("training.mode", self.mode, ("medusa1", "medusa2"))
@@ -268,6 +282,8 @@ class TrainingConfig:
             raise ConfigError(f"training.decay={self.decay} must be in (0, 1]")
         if self.max_steps <= 0 and self.num_epochs <= 0:
             raise ConfigError("set training.num_epochs > 0 or training.max_steps > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"training.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
         if self.cache_hidden_states and self.mode != "medusa1":
             raise ConfigError("training.cache_hidden_states=true needs a frozen backbone (training=medusa1)")
 
@@ -277,8 +293,9 @@ class DeepSpeedConfig:
     """`deepspeed=none|zero2|zero3`: how the trainer shards state across processes."""
 
     enabled: bool = False
+    """Run the trainer under DeepSpeed (set by deepspeed=zero2|zero3)."""
     zero_stage: int = 0
-    """0 (plain DDP) | 1 | 2 | 3."""
+    """ZeRO stage 0 | 1 | 2 | 3 (used only when enabled; without DeepSpeed, torchrun runs plain DDP)."""
     offload_optimizer: bool = False
     """ZeRO: keep optimizer state in CPU memory."""
     offload_param: bool = False
@@ -324,7 +341,9 @@ class TrackingConfig:
     mode: str = "offline"
     """online (needs `wandb login`) | offline (sync later with `wandb sync`) | disabled."""
     project: str = "medusa_train"
+    """wandb project."""
     entity: str | None = None
+    """wandb entity (team or user); null = your default."""
     run_name: str | None = None
     """Defaults to `<stage>-<workdir name>`."""
 
@@ -366,18 +385,23 @@ class EvalConfig:
     all_turns: bool = False
     """mtbench: evaluate every turn (conditioned on the model's own earlier answers), not only the first."""
     num_prompts: int = 40
+    """Prompts evaluated (the first N of the source)."""
     max_new_tokens: int = 128
+    """New tokens per prompt turn, for both decoders."""
     acceptance_extra: bool = True
     """Also measure tau of typical acceptance and exact sampling."""
     temperature: float = 0.7
     """Temperature for the typical / sample tau measurement."""
     posterior_threshold: float = 0.09
+    """Typical acceptance: the hard probability threshold epsilon (Medusa's default 0.09)."""
     posterior_alpha: float = 0.3
+    """Typical acceptance: the entropy-scaled threshold factor (Medusa's default 0.3, i.e. sqrt(epsilon))."""
     sweep_tree_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     """Tree sizes for the tau / speed-up vs tree size plot (calibrated trees); [] to skip."""
     sweep_prompts: int = 6
     """Prompts used per point of the tree-size sweep."""
     seed: int = 0
+    """Seed of the sampling runs."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
@@ -397,6 +421,7 @@ class Config:
     workdir: str = "runs/default"
     """Run directory; every stage writes a fixed subfolder and reads its inputs from here."""
     seed: int = 0
+    """Global seed (stages derive their own seeds from their sections)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -2,7 +2,7 @@
 
 Run as:
     # trained backbone + heads, prompts from a JSONL ({"text": ...} or {"input_ids": [...]} per line)
-    python scripts/bench_decode.py --model workdir/backbone --heads workdir/train/heads \
+    python scripts/bench_decode.py --model workdir/backbone --heads workdir/heads \
         --prompts prompts.jsonl --tree workdir/export/medusa_choices.json --json bench.json
     # CPU smoke test: tiny random Llama + random heads
     python scripts/bench_decode.py --random
@@ -141,7 +141,7 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
         prefill_s += out.prefill_s
         medusa_tokens += out.tokens.numel()
         steps += out.num_steps
-        mismatches += int(not torch.equal(out.tokens, ref.cpu()[: out.tokens.numel()]))
+        mismatches += int(not torch.equal(out.tokens, ref.cpu()))  # whole sequences: a short output is a mismatch
     plain_tps = plain_tokens / plain_s
     medusa_tps = medusa_tokens / medusa_s
     decode_s = medusa_s - prefill_s

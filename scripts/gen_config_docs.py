@@ -79,7 +79,45 @@ def render() -> str:
             cells = [f"`{key}`", f"`{annotation}`", f"`{default}`", doc]
             out.append("| " + " | ".join(c.replace("|", r"\|") for c in cells) + " |")
         out.append("")
+    out += _presets()
     return "\n".join(out)
+
+
+def _presets() -> list[str]:
+    """What each `conf/<group>/<option>.yaml` sets: these override the schema defaults above."""
+    from omegaconf import OmegaConf
+
+    conf = ROOT / "conf"
+    out = [
+        "## Group presets",
+        "",
+        "Selecting an option (`training=medusa1`) applies its file, which overrides the schema defaults",
+        "above. The defaults list is in `conf/config.yaml`: model=tiny, data=embedded, training=medusa1,",
+        "deepspeed=none, tree=calibrated, tracking=offline.",
+        "",
+        "| option | sets |",
+        "|---|---|",
+    ]
+    for group in sorted(p for p in conf.iterdir() if p.is_dir()):
+        for path in sorted(group.glob("*.yaml")):
+            flat = _flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+            prefix = "" if group.name == "debug" else f"{group.name}."
+            sets = ", ".join(f"`{prefix}{k}={v}`" for k, v in flat.items())
+            out.append(f"| `{group.name}={path.stem}` | {sets.replace('|', chr(92) + '|')} |")
+    out.append("")
+    return out
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in (node or {}).items():
+        if key == "defaults":
+            continue
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def main() -> int:

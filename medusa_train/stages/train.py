@@ -82,13 +82,27 @@ def run_settings(cfg, identity: dict, manifest: dict) -> dict:
         "lm_loss",
         "heads_only_steps",
         "backbone_tuning",
+        "lora_r",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_target_modules",
     )
     settings = {k: getattr(tc, k) for k in keys}
+    settings["lora_target_modules"] = list(settings["lora_target_modules"])
+    settings["model_dtype"] = cfg.model.dtype
+    settings["model_quantization"] = cfg.model.quantization
     settings["global_batch_size"] = tc.per_device_batch_size * tc.gradient_accumulation_steps * _world_size()
     settings["eval_fraction"] = cfg.data.eval_fraction
     settings["backbone_fingerprint"] = identity["fingerprint"]
+    # What the distilled data is (its settings and counts), not when or how fast it was written: a
+    # distill run that only rewrote the manifest must not force a retrain.
+    content = {
+        "settings": manifest.get("settings"),
+        "counts": manifest.get("counts"),
+        "backbone": manifest.get("backbone"),
+    }
     settings["distill"] = hashlib.sha256(
-        json.dumps(manifest, sort_keys=True, default=str).encode()
+        json.dumps(content, sort_keys=True, default=str).encode()
     ).hexdigest()[:16]
     return settings
 
@@ -259,7 +273,10 @@ def run(cfg) -> dict:
             cfg.deepspeed.zero_stage,
             offload_optimizer=cfg.deepspeed.offload_optimizer,
             offload_param=cfg.deepspeed.offload_param,
-            dtype=model_dtype,
+            # Medusa-1 trains fp32 heads on (cast) hidden states of the frozen backbone, whatever its
+            # dtype; mixed precision is for the trainable backbone of Medusa-2 only. This must agree
+            # with TrainingArguments(bf16=/fp16=) below, or transformers refuses the DeepSpeed config.
+            dtype=model_dtype if tc.mode == "medusa2" else torch.float32,
             on_cpu=on_cpu,
         )
     if tc.mode == "medusa2":

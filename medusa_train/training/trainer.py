@@ -3,7 +3,7 @@
 The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
 Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
 summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``head{k}/top1``,
-``head{k}/top5``), which go to wandb through ``report_to``.
+``head{k}/top5``), which go to wandb through ``TrackerCallback`` (our tracker, explicit mode).
 """
 
 from __future__ import annotations
