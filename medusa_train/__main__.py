@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         from medusa_train.config import compose_config
 

@@ -36,7 +36,11 @@ def check_backbone_source(name_or_path: str) -> None:
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
         return
     # "runs/x/backbone" style paths with several components are local paths, not hub ids.
-    if name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")) or name_or_path.endswith("/backbone"):
+    if (
+        name_or_path.count("/") > 1
+        or name_or_path.startswith((".", "/", "~"))
+        or name_or_path.endswith("/backbone")
+    ):
         raise UserError(
             f"no backbone at {name_or_path}: run `python -m medusa_train stage=backbone` first (model=tiny), "
             "or pass model=hf model.name_or_path=<hub id or directory>"
@@ -87,7 +91,10 @@ def load_backbone(
         else:
             compute = torch.float32 if dtype in ("float32", "auto") else DTYPES[dtype]
             kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=compute,
             )
         kwargs["device_map"] = {"": str(device)}
     try:
@@ -109,7 +116,11 @@ def load_backbone(
 def backbone_identity(model, name_or_path: str) -> dict:
     """Name, architecture and a hash of config + weights: distill/train/export refuse to mix backbones."""
     h = hashlib.sha256()
-    config = {k: v for k, v in model.config.to_diff_dict().items() if k not in ("dtype", "torch_dtype", "quantization_config")}
+    config = {
+        k: v
+        for k, v in model.config.to_diff_dict().items()
+        if k not in ("dtype", "torch_dtype", "quantization_config")
+    }
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(name.encode())

@@ -100,7 +100,15 @@ class BackboneConfig:
     """Retrain even if `workdir/backbone` is complete."""
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_len", "batch_size", "max_steps"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "seq_len",
+            "batch_size",
+            "max_steps",
+        ):
             _positive(f"backbone.{key}", getattr(self, key))
         _positive("backbone.max_minutes", self.max_minutes)
         if not 0 < self.heldout_fraction < 1:
@@ -146,7 +154,9 @@ class DataConfig:
     """Fraction of distilled records held out for head accuracy / tree calibration."""
 
     def __post_init__(self) -> None:
-        _choice("data.format", self.format, ("embedded", "sharegpt", "alpaca", "mtbench", "jsonl", "text", "hub"))
+        _choice(
+            "data.format", self.format, ("embedded", "sharegpt", "alpaca", "mtbench", "jsonl", "text", "hub")
+        )
         _choice("data.hub_format", self.hub_format, ("sharegpt", "alpaca", "mtbench", "jsonl"))
         _choice("data.long_prompts", self.long_prompts, ("skip", "truncate"))
         if self.format in ("sharegpt", "alpaca", "mtbench", "jsonl", "text") and not self.path:
@@ -436,12 +446,18 @@ class Config:
     def __post_init__(self) -> None:
         _choice("stage", self.stage, STAGES)
         if self.stage == "backbone" and not self.model.embedded:
-            raise ConfigError("stage=backbone trains the embedded tiny model only: use model=tiny (a real model needs no backbone stage)")
+            raise ConfigError(
+                "stage=backbone trains the embedded tiny model only: use model=tiny (a real model needs no backbone stage)"
+            )
         if self.training.num_heads < self.tree.chain_depth and self.tree.name == "chain":
             raise ConfigError(
                 f"tree.chain_depth={self.tree.chain_depth} exceeds training.num_heads={self.training.num_heads}"
             )
-        if self.model.quantization != "none" and self.training.mode == "medusa2" and self.training.backbone_tuning != "qlora":
+        if (
+            self.model.quantization != "none"
+            and self.training.mode == "medusa2"
+            and self.training.backbone_tuning != "qlora"
+        ):
             raise ConfigError("a quantized backbone can only be trained with training.backbone_tuning=qlora")
 
 

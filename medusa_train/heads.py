@@ -177,13 +177,18 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+        cls,
+        directory: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
     ) -> MedusaHeads:
         """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa)."""
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         if not config_path.is_file() or not weights_path.is_file():
-            raise HeadsFormatError(f"{directory} is not a Medusa heads directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+            raise HeadsFormatError(
+                f"{directory} is not a Medusa heads directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})"
+            )
         config = json.loads(config_path.read_text())
         state = load_file(str(weights_path))
         try:

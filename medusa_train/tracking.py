@@ -51,7 +51,9 @@ class Tracker:
             self._run = None
 
 
-def start_tracking(tracking_cfg, workdir: str | os.PathLike, stage: str, config: dict | None = None) -> Tracker:
+def start_tracking(
+    tracking_cfg, workdir: str | os.PathLike, stage: str, config: dict | None = None
+) -> Tracker:
     """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0)."""
     if tracking_cfg.mode == "disabled" or not is_main_process():
         return Tracker(None)

@@ -51,5 +51,7 @@ class Workdir:
 def require(path: Path, what: str, stage: str) -> Path:
     """Fail with a message naming the stage to run first when ``path`` does not exist."""
     if not path.exists():
-        raise UserError(f"{what} not found at {path}: run `python -m medusa_train stage={stage}` first (same workdir=)")
+        raise UserError(
+            f"{what} not found at {path}: run `python -m medusa_train stage={stage}` first (same workdir=)"
+        )
     return path

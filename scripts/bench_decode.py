@@ -141,7 +141,9 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
         prefill_s += out.prefill_s
         medusa_tokens += out.tokens.numel()
         steps += out.num_steps
-        mismatches += int(not torch.equal(out.tokens, ref.cpu()))  # whole sequences: a short output is a mismatch
+        mismatches += int(
+            not torch.equal(out.tokens, ref.cpu())
+        )  # whole sequences: a short output is a mismatch
     plain_tps = plain_tokens / plain_s
     medusa_tps = medusa_tokens / medusa_s
     decode_s = medusa_s - prefill_s

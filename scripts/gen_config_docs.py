@@ -49,7 +49,11 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
         doc = ""
         if i + 1 < len(body):
             nxt = body[i + 1]
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            if (
+                isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 doc = " ".join(nxt.value.value.split())
         rows.append((name, annotation, default, doc))
     return rows

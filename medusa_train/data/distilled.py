@@ -43,11 +43,15 @@ def load_distilled(distill_dir: str | Path):
     read_manifest(distill_dir)
     files = shard_files(distill_dir)
     if not files:
-        raise UserError(f"{distill_dir} holds no finished shard: run `python -m medusa_train stage=distill` again")
+        raise UserError(
+            f"{distill_dir} holds no finished shard: run `python -m medusa_train stage=distill` again"
+        )
     parts = [datasets.Dataset.from_file(str(f)) for f in files]
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if len(ds) == 0:
-        raise UserError(f"the distilled dataset at {distill_dir} is empty: check the data source and run stage=distill")
+        raise UserError(
+            f"the distilled dataset at {distill_dir} is empty: check the data source and run stage=distill"
+        )
     return ds
 
 

@@ -42,10 +42,11 @@ from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-from medusa_train.backbone import backbone_identity, check_backbone_source, load_backbone, resolve_device
+from medusa_train.backbone import backbone_identity, check_backbone_source
 from medusa_train.data.distilled import MANIFEST, SHARDS
 from medusa_train.data.sources import Conversation, ReadResult, read_records
 from medusa_train.errors import UserError
+from medusa_train.stages import load_configured_backbone
 from medusa_train.tracking import start_tracking
 from medusa_train.workdir import Workdir
 
@@ -84,14 +85,7 @@ def run(cfg) -> dict:
         return _figures(manifest, generated_now=0, resumed=True)
 
     # 3. backbone, prompts, long-prompt rule
-    model, tokenizer = load_backbone(
-        cfg.model.name_or_path,
-        dtype=cfg.model.dtype,
-        quantization=cfg.model.quantization,
-        device=resolve_device(cfg.model.device),
-        trust_remote_code=cfg.model.trust_remote_code,
-        revision=cfg.model.revision,
-    )
+    model, tokenizer = load_configured_backbone(cfg.model)
     from medusa_train.data.regenerate import ChatRenderer, eos_token_ids
 
     renderer = ChatRenderer(tokenizer)

@@ -73,8 +73,9 @@ def run(cfg) -> dict:
     """Evaluate Medusa decoding; writes ``workdir/eval/`` and returns the report dict."""
     from tqdm.auto import tqdm
 
-    from medusa_train.backbone import load_backbone, resolve_device
+    from medusa_train.backbone import resolve_device
     from medusa_train.decoding import PackedHeads, TreeBuffers
+    from medusa_train.stages import load_configured_backbone
     from medusa_train.tracking import is_main_process, start_tracking
 
     wd = Workdir(Path(cfg.workdir))
@@ -87,14 +88,7 @@ def run(cfg) -> dict:
     tree_name, choices = tree_choices(cfg.tree, heads_dir, heads.num_heads)
     prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
     device = resolve_device(cfg.model.device)
-    model, tok = load_backbone(
-        cfg.model.name_or_path,
-        dtype=cfg.model.dtype,
-        quantization=cfg.model.quantization,
-        device=device,
-        trust_remote_code=cfg.model.trust_remote_code,
-        revision=cfg.model.revision,
-    )
+    model, tok = load_configured_backbone(cfg.model, device)
     check_heads_match(heads, model, heads_dir, cfg.model.name_or_path)
     warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
     lm_weight = model.get_output_embeddings().weight

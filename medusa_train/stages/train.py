@@ -253,8 +253,9 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
 # -- the stage --------------------------------------------------------------------------------------
 def run(cfg) -> dict:
     """Train heads; write workdir/heads (+ calibration.json, medusa_choices.json). Returns the figures."""
-    from medusa_train.backbone import backbone_identity, check_backbone_source, load_backbone, resolve_device
+    from medusa_train.backbone import backbone_identity, check_backbone_source, resolve_device
     from medusa_train.data.distilled import load_distilled, read_manifest, split_heldout
+    from medusa_train.stages import load_configured_backbone
     from medusa_train.training.trainer import deepspeed_config
 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
@@ -285,15 +286,7 @@ def run(cfg) -> dict:
         medusa2.check_supported(cfg)
 
     # 2. Backbone; the distilled data must come from it.
-    backbone, tokenizer = load_backbone(
-        cfg.model.name_or_path,
-        dtype=cfg.model.dtype,
-        quantization=cfg.model.quantization,
-        device=device,
-        trust_remote_code=cfg.model.trust_remote_code,
-        revision=cfg.model.revision,
-        trainable=tc.mode == "medusa2",
-    )
+    backbone, tokenizer = load_configured_backbone(cfg.model, device, trainable=tc.mode == "medusa2")
     identity = backbone_identity(backbone, cfg.model.name_or_path)
     made_by = manifest.get("backbone", {})
     if made_by.get("fingerprint") != identity["fingerprint"]:

@@ -155,7 +155,9 @@ def test_complete_folder_returns_immediately(
     reference, tiny_backbone_dir: Path, prompts: Path, monkeypatch
 ) -> None:
     workdir, figures = reference
-    monkeypatch.setattr(distill, "load_backbone", lambda *a, **k: pytest.fail("must not load the model"))
+    monkeypatch.setattr(
+        distill, "load_configured_backbone", lambda *a, **k: pytest.fail("must not load the model")
+    )
     again = _run(workdir, tiny_backbone_dir, prompts)
     assert again["already_complete"] and again["records"] == figures["records"]
 
@@ -250,7 +252,7 @@ def test_sampling_is_seeded_per_record(tiny_backbone_dir, prompts, tmp_path) -> 
 def test_bad_inputs(tiny_backbone_dir, prompts, tmp_path, monkeypatch) -> None:
     # a missing file fails before the model loads
     with monkeypatch.context() as m:
-        m.setattr(distill, "load_backbone", lambda *a, **k: pytest.fail("must not load the model"))
+        m.setattr(distill, "load_configured_backbone", lambda *a, **k: pytest.fail("must not load the model"))
         with pytest.raises(UserError, match="does not exist"):
             _run(tmp_path / "w0", tiny_backbone_dir, tmp_path / "missing.jsonl")
     # long prompts: skipped with a count, or left-truncated, or an error in strict mode

@@ -19,8 +19,18 @@ pytestmark = pytest.mark.slow
 
 def _run(workdir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update({"OMP_NUM_THREADS": "2", "WANDB_API_KEY": "", "HOME": str(workdir.parent)})  # no login anywhere
-    cmd = [sys.executable, "-m", "medusa_train", "stage=all", "debug=fast", "tracking=offline", f"workdir={workdir}"]
+    env.update(
+        {"OMP_NUM_THREADS": "2", "WANDB_API_KEY": "", "HOME": str(workdir.parent)}
+    )  # no login anywhere
+    cmd = [
+        sys.executable,
+        "-m",
+        "medusa_train",
+        "stage=all",
+        "debug=fast",
+        "tracking=offline",
+        f"workdir={workdir}",
+    ]
     return subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=600)
 
 

@@ -26,7 +26,9 @@ REQUIRED = {
 
 
 def _all_options() -> list[tuple[str, str]]:
-    return [(g.name, f.stem) for g in sorted(CONF_DIR.iterdir()) if g.is_dir() for f in sorted(g.glob("*.yaml"))]
+    return [
+        (g.name, f.stem) for g in sorted(CONF_DIR.iterdir()) if g.is_dir() for f in sorted(g.glob("*.yaml"))
+    ]
 
 
 def test_conf_has_every_group() -> None:
@@ -88,7 +90,9 @@ def test_cli_bad_input_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_cli_subprocess_no_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "medusa_train", "stage=nope", f"workdir={tmp_path}"], capture_output=True, text=True
+        [sys.executable, "-m", "medusa_train", "stage=nope", f"workdir={tmp_path}"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
