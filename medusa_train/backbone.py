@@ -113,8 +113,66 @@ def load_backbone(
     return model, tokenizer
 
 
-def backbone_identity(model, name_or_path: str) -> dict:
-    """Name, architecture and a hash of config + weights: distill/train/export refuse to mix backbones."""
+def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:
+    """Name, architecture and a fingerprint of the weights: distill/train/export refuse to mix backbones.
+
+    The fingerprint describes the checkpoint *files* (config.json and every weight file: name, size,
+    first and last MiB), so the same checkpoint gives the same identity whatever dtype or
+    quantization it was loaded with -- distilling in bf16 and training heads over an 8-bit copy
+    is legitimate. A model with no files (built in memory) falls back to hashing its tensors.
+    """
+    source = _checkpoint_dir(name_or_path, revision)
+    fingerprint = _files_fingerprint(source) if source is not None else None
+    if fingerprint is None:
+        fingerprint = _tensors_fingerprint(model)
+    return {
+        "name_or_path": str(name_or_path),
+        "architecture": (model.config.architectures or [type(model).__name__])[0],
+        "hidden_size": int(model.config.hidden_size),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "fingerprint": fingerprint,
+    }
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _checkpoint_dir(name_or_path: str, revision: str | None) -> Path | None:
+    """The local directory holding the checkpoint: the path itself, or the hub cache snapshot."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from transformers.utils import cached_file
+
+        config = cached_file(
+            name_or_path, "config.json", revision=revision, _raise_exceptions_for_missing_entries=False
+        )
+    except Exception:  # offline, gated, or not a hub id: fall back to the tensors
+        return None
+    return Path(config).parent if config else None
+
+
+def _files_fingerprint(directory: Path) -> str | None:
+    weights = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    if not weights:
+        return None
+    h = hashlib.sha256()
+    mib = 1 << 20
+    for path in [directory / "config.json", *weights]:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as fh:
+            h.update(fh.read(mib))  # safetensors: the header (every tensor's name/shape/offset) + data
+            if size > 2 * mib:
+                fh.seek(size - mib)
+                h.update(fh.read(mib))
+    return h.hexdigest()[:16]
+
+
+def _tensors_fingerprint(model) -> str:
     h = hashlib.sha256()
     config = {
         k: v
@@ -123,19 +181,11 @@ def backbone_identity(model, name_or_path: str) -> dict:
     }
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
+        h.update(f"{name}:{tuple(tensor.shape)}".encode())
         t = tensor.detach().reshape(-1)[:4096]
-        # First 4096 values + shape of every tensor: sensitive to any retraining, fast on 8B models.
-        # Rounded to bfloat16 so the identity does not depend on the dtype the model was loaded in
-        # (fp32/fp16 -> bf16 rounding equals loading in bf16); quantized weights hash as stored.
+        # First 4096 values of every tensor, rounded to bfloat16 so the dtype the model was loaded
+        # in does not matter (fp32/fp16 -> bf16 rounding equals loading in bf16).
         if t.is_floating_point():
             t = t.to(torch.bfloat16)
         h.update(t.float().cpu().numpy().tobytes())
-        h.update(str(tuple(t.shape)).encode())
-    return {
-        "name_or_path": str(name_or_path),
-        "architecture": (model.config.architectures or [type(model).__name__])[0],
-        "hidden_size": int(model.config.hidden_size),
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
-        "fingerprint": h.hexdigest()[:16],
-    }
+    return h.hexdigest()[:16]

@@ -96,7 +96,7 @@ def run(cfg) -> dict:
         raise UserError(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
-    identity = backbone_identity(model, cfg.model.name_or_path)
+    identity = backbone_identity(model, cfg.model.name_or_path, cfg.model.revision)
     settings = _full_settings(cfg, quick, identity, tokenizer, eos_ids, max_context, prompts)
     num_shards = -(-len(records) // cfg.distill.shard_size)
 

@@ -287,7 +287,7 @@ def run(cfg) -> dict:
 
     # 2. Backbone; the distilled data must come from it.
     backbone, tokenizer = load_configured_backbone(cfg.model, device, trainable=tc.mode == "medusa2")
-    identity = backbone_identity(backbone, cfg.model.name_or_path)
+    identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
     made_by = manifest.get("backbone", {})
     if made_by.get("fingerprint") != identity["fingerprint"]:
         raise UserError(
@@ -334,7 +334,19 @@ def run(cfg) -> dict:
     _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
-    result, heads = _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype)
+    # DeepSpeed runs leave process-wide state behind (TrainingArguments exports
+    # ACCELERATE_USE_DEEPSPEED, transformers keeps the config in a module global, and a 1-process
+    # group may be ours): restore all of it after training so later stages in this process
+    # (stage=all) and library users get plain from_pretrained / Trainer behaviour back.
+    saved_env = {k: os.environ.get(k) for k in _PROCESS_ENV}
+    own_group = ds_config is not None and "WORLD_SIZE" not in os.environ
+    try:
+        result, heads = _train(
+            cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype
+        )
+    finally:
+        if ds_config is not None:
+            _release_deepspeed(saved_env, own_group)
     if result is None:  # not rank 0
         return {"rank": _rank()}
 
@@ -573,6 +585,27 @@ def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -
         if remove_incomplete:
             shutil.rmtree(path, ignore_errors=True)
     return None
+
+
+_PROCESS_ENV = ("ACCELERATE_USE_DEEPSPEED", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _release_deepspeed(saved_env: dict[str, str | None], own_group: bool) -> None:
+    """Undo the process-wide state a DeepSpeed run leaves (see the comment where it is saved)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    for key, value in saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if own_group:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _single_process_rendezvous() -> None:

@@ -31,15 +31,15 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def make_backbone(directory: Path, seed: int = 0) -> None:
+def make_backbone(directory: Path, seed: int = 0, hidden: int = HIDDEN, kv_heads: int = 2) -> None:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         pad_token_id=0,
         eos_token_id=1,
@@ -80,9 +80,9 @@ def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> Non
     (distill / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
-def make_train_workdir(root: Path, n_records: int = 48) -> Path:
-    """Create ``root`` with backbone/ and distill/; returns ``root``."""
-    make_backbone(root / "backbone")
+def make_train_workdir(root: Path, n_records: int = 48, **backbone: int) -> Path:
+    """Create ``root`` with backbone/ and distill/ (``backbone``: make_backbone options); returns ``root``."""
+    make_backbone(root / "backbone", **backbone)
     write_distill(root, make_records(n_records), root / "backbone")
     return root
 

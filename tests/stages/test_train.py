@@ -226,3 +226,19 @@ def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp
             torch.distributed.destroy_process_group()
     assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["8bit", "4bit"])
+def test_quantized_frozen_backbone_trains_heads(tmp_path, quantization):
+    """Medusa-1 over an 8-bit / 4-bit (nf4) bitsandbytes backbone: the distilled data of the same
+    checkpoint is accepted (identity follows the files, not the load dtype) and the heads learn."""
+    pytest.importorskip("bitsandbytes")
+    # bitsandbytes' 4-bit CPU kernel needs every quantized row to span whole 64-value blocks
+    root = make_train_workdir(tmp_path / quantization, hidden=64, kv_heads=4)
+    backbone_files = {p.name: p.read_bytes() for p in (root / "backbone").iterdir() if p.is_file()}
+    result = run(train_cfg(root, f"model.quantization={quantization}", "training.max_steps=12"))
+    assert result["steps"] == 12 and result["final_loss"] > 0
+    assert all(torch.isfinite(t).all() for t in _heads_state(root).values())
+    assert all(0 <= a <= 1 for a in result["heldout_top1"])
+    # the frozen checkpoint on disk is untouched
+    assert {p.name: p.read_bytes() for p in (root / "backbone").iterdir() if p.is_file()} == backbone_files
