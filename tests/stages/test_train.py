@@ -242,3 +242,37 @@ def test_quantized_frozen_backbone_trains_heads(tmp_path, quantization):
     assert all(0 <= a <= 1 for a in result["heldout_top1"])
     # the frozen checkpoint on disk is untouched
     assert {p.name: p.read_bytes() for p in (root / "backbone").iterdir() if p.is_file()} == backbone_files
+
+
+@pytest.mark.slow
+def test_sigkill_mid_training_then_same_command_finishes(tmp_path):
+    """A real SIGKILL (no cleanup runs) after the first checkpoints: the same command resumes from
+    the last complete checkpoint and ends at the configured step count with the heads an
+    uninterrupted run gets."""
+    import signal
+    import time
+
+    steps = "training.max_steps=300"
+    ref_root = make_train_workdir(tmp_path / "ref")
+    root = make_train_workdir(tmp_path / "killed")
+    cmd = [sys.executable, "-m", "medusa_train", "stage=train", *train_overrides(root, steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (root / "train" / "checkpoint-9" / "trainer_state.json").is_file():
+            assert proc.poll() is None, "training ended before it could be killed"
+            assert time.time() < deadline, "no checkpoint within 2 minutes"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (root / "heads").exists(), "a killed run must not leave final heads"
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    config = json.loads((root / "heads" / "config.json").read_text())
+    assert config["training_result"]["steps"] == 300
+    assert config["training_result"]["resumed_from"] is not None
+    run(train_cfg(ref_root, steps))
+    _assert_heads_close(root, ref_root, atol=1e-5)
