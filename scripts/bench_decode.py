@@ -166,7 +166,7 @@ def bench_overhead(model, heads, context_lens, sizes=TREE_SIZES, repeats: int = 
     for ctx in context_lens:
         lat = measure_forward_latency(model, sizes, ctx, warmup=2, repeats=repeats)
         result["forward"][str(ctx)] = {str(n): v for n, v in lat.items()}
-    hidden = torch.randn(heads.hidden_size, device=device, dtype=packed.w2.dtype)
+    hidden = torch.randn(heads.hidden_size, device=device, dtype=packed.dtype)
     times = []
     for r in range(2 + repeats):
         _sync(device)
