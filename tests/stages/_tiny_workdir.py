@@ -7,15 +7,24 @@ in well under a second, so the export and eval stages run for real on it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import torch
-from conftest import build_tiny_backbone
 from transformers import LlamaForCausalLM
 
 from medusa_train.config import Config, compose_config
 from medusa_train.heads import MedusaHeads
+
+# tests/conftest.py by path: a plain `from conftest import ...` picks whichever conftest module
+# pytest imported first (tests/unit/decoding has one too) and breaks when directories run together.
+_spec = importlib.util.spec_from_file_location(
+    "_tests_conftest", Path(__file__).resolve().parents[1] / "conftest.py"
+)
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+build_tiny_backbone = _conftest.build_tiny_backbone
 
 HIDDEN = 32
 NUM_HEADS = 3
