@@ -543,6 +543,9 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
     if trained_rows is not None:
         result["trained_rows_per_epoch"] = trained_rows
     tokens = _count_tokens(train_set) * max(out.metrics.get("epoch", 0.0) or 0.0, 0.0)
+    if last:  # resumed: train_runtime covers only this run's steps, so count only their tokens
+        done_before = int(Path(last).name.split("-")[1])
+        tokens *= max(trainer.state.global_step - done_before, 0) / max(trainer.state.global_step, 1)
     result["tokens_per_s"] = round(tokens / max(out.metrics.get("train_runtime", train_seconds), 1e-9), 1)
     result.update(extra)
     return result, heads
