@@ -32,8 +32,11 @@ boundary between two tokens' probability mass can still differ between batchings
 from __future__ import annotations
 
 import hashlib
+import inspect
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -114,11 +117,29 @@ def record_generator(seed: int, source_id: str, turn: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & ((1 << 63) - 1))
 
 
-class RecordSampler:
-    """Logits processor that samples one token per row with that row's generator (temperature, top-p).
+def sample_rows(
+    scores: torch.Tensor, generators: list[torch.Generator], temperature: float, top_p: float
+) -> torch.Tensor:
+    """Draw one token per row of ``scores`` (B, V) with that row's generator (temperature, top-p).
 
-    Returns scores that are 0 at the drawn token and -inf elsewhere, so ``generate``'s greedy step
-    picks exactly the drawn token.
+    Each row consumes exactly one float64 draw from its own generator, so a record's sample does
+    not depend on which rows share its batch.
+    """
+    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # nucleus; the top token is always kept
+    sorted_p = sorted_p * keep
+    cum = sorted_p.cumsum(-1)  # (B, V)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
+    pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
+    return order.gather(-1, pos).squeeze(-1)  # (B,)
+
+
+class RecordSampler:
+    """Logits processor for ``generate``: :func:`sample_rows`, as scores 0 at the drawn token, -inf elsewhere.
+
+    ``generate``'s greedy step then picks exactly the drawn token (used by the static fallback).
     """
 
     def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float) -> None:
@@ -127,15 +148,7 @@ class RecordSampler:
         self.top_p = top_p
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < self.top_p  # nucleus; the top token is always kept
-        sorted_p = sorted_p * keep
-        cum = sorted_p.cumsum(-1)  # (B, V)
-        u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in self.generators])
-        u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
-        pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
-        token = order.gather(-1, pos)  # (B, 1)
+        token = sample_rows(scores, self.generators, self.temperature, self.top_p).unsqueeze(-1)  # (B, 1)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token, 0.0)
 
@@ -152,7 +165,9 @@ def generate_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
 ) -> list[list[int]]:
-    """One batched ``generate`` call with left padding and KV cache.
+    """One static batched ``generate`` call with left padding and KV cache.
+
+    The fallback of :class:`ContinuousBatcher` for models whose KV cache it cannot edit (see there).
 
     Args:
         model: a causal LM in eval mode.
@@ -198,6 +213,224 @@ def generate_batch(
 
 
 @dataclass
+class GenRequest:
+    """One reply to generate: the context, the caller's handle, and the row's sampling generator."""
+
+    key: Any
+    context: list[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Row:
+    request: GenRequest
+    length: int
+    """Tokens of this row in the KV cache: its real entries are the last ``length`` columns."""
+    new: list[int]
+    """Tokens generated so far; the last one is not in the cache yet (it is the next input)."""
+
+
+def _left_pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad a (B, H, T, D) cache tensor with zeros on the left of the time axis to ``width``."""
+    return x if x.shape[-2] == width else torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))
+
+
+class ContinuousBatcher:
+    """Generate replies for a queue of requests, keeping up to ``batch_size`` rows busy every step.
+
+    Why: a static batch keeps stepping until its longest reply ends; with the ragged reply lengths
+    of chat data most of its row-steps then carry no real token (measured: 613 of 1,024 on the
+    embedded backbone). Here a row leaves the batch the moment it emits EOS or reaches
+    ``max_new_tokens``, and waiting requests join it, so the batch stays full.
+
+    How: one Hugging Face ``DynamicCache`` holds every active row, left-padded so that each row's
+    real entries are the last ``length`` columns of the time axis. A decode step feeds each row's
+    last token with ``position_ids = length`` and a 2-D attention mask that is 1 on that suffix, i.e.
+    exactly what ``generate`` does for a left-padded batch. A finished row is removed with an
+    ``index_select`` on every layer's keys/values; columns that are padding for every remaining row
+    are trimmed. Joining rows are prefilled together in one forward (left-padded among themselves)
+    and their caches concatenated on the batch axis after left-padding both sides to one width.
+    Rows join once ``refill_min`` slots are free (or the batch ran empty): a prefill is a forward
+    of its own, so refilling one slot at a time would add a forward nearly every step.
+
+    Greedy rows equal unbatched ``generate(do_sample=False)`` token for token (a padded forward
+    differs from an unpadded one only in the last floating-point bits, as in ``generate``'s own
+    batching); sampled rows draw with their own generator (:func:`sample_rows`). The model's
+    ``generation_config`` extras (repetition penalty, ...) are not applied: distillation samples
+    the model's raw distribution with the configured temperature and top-p.
+
+    Models whose cache layers are not plain ``DynamicLayer`` (sliding-window or hybrid caches, e.g.
+    Mistral with ``sliding_window`` set) cannot be edited this way; for them requests run in static
+    ``generate`` batches of ``batch_size`` (:func:`generate_batch`), with the same results.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        batch_size: int,
+        pad_id: int,
+        eos_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        refill_min: int | None = None,
+    ) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.eos = set(eos_ids)
+        self.eos_ids = list(eos_ids)
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        # A quarter of the batch: measured best of 1/2/4/8 free slots at batch 16 (docs/benchmarks.md).
+        self.refill_min = refill_min if refill_min is not None else max(1, batch_size // 4)
+        self.continuous = self._cache_is_editable()
+        self.stats = {"prefills": 0, "decode_steps": 0, "row_steps": 0}
+        """Forwards run so far: prefills, decode steps, and rows summed over decode steps."""
+        self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _cache_is_editable(self) -> bool:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except Exception:  # noqa: BLE001 - any model whose config the cache cannot read: static fallback
+            return False
+        return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+    @torch.no_grad()
+    def run(
+        self,
+        requests: list[GenRequest],
+        on_done: Callable[[GenRequest, list[int]], GenRequest | None],
+    ) -> None:
+        """Generate every request; ``on_done(request, new_tokens)`` may return a follow-up request.
+
+        A follow-up (e.g. the next turn of the same conversation) is queued ahead of requests not
+        started yet, so conversations finish early and their memory is released.
+        """
+        queue = deque(requests)
+        if self.continuous:
+            self._run_continuous(queue, on_done)
+        else:
+            self._run_static(queue, on_done)
+
+    def _run_static(self, queue: deque, on_done) -> None:
+        while queue:
+            batch = [queue.popleft() for _ in range(min(self.batch_size, len(queue)))]
+            gens = [r.generator for r in batch] if self.temperature > 0 else None
+            outs = generate_batch(
+                self.model,
+                [r.context for r in batch],
+                pad_id=self.pad_id,
+                eos_ids=self.eos_ids,
+                max_new_tokens=self.max_new_tokens,
+                generators=gens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+            )
+            follow = [f for r, o in zip(batch, outs, strict=True) if (f := on_done(r, o)) is not None]
+            queue.extendleft(reversed(follow))
+
+    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        """Next token per row from its last-position logits (B, V)."""
+        if self.temperature > 0:
+            return sample_rows(
+                logits, [r.request.generator for r in rows], self.temperature, self.top_p
+            ).tolist()
+        return logits.argmax(dim=-1).tolist()
+
+    def _prefill(self, requests: list[GenRequest]):
+        from transformers import DynamicCache
+
+        device = self.model.device
+        width = max(len(r.context) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)  # (n, W)
+        mask = torch.zeros_like(ids)  # (n, W)
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.context) :] = torch.tensor(r.context, dtype=torch.long)
+            mask[i, width - len(r.context) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, W): 0.. on each row's real tokens
+        cache = DynamicCache(config=self.model.config)
+        extra = {"logits_to_keep": 1} if self._keep_one else {}
+        out = self.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        self.stats["prefills"] += 1
+        rows = [_Row(r, len(r.context), []) for r in requests]
+        return cache, rows, out.logits[:, -1].float()
+
+    def _run_continuous(self, queue: deque, on_done) -> None:
+        device = self.model.device
+        cache, rows = None, []
+        while queue or rows:
+            free = self.batch_size - len(rows)
+            if queue and (not rows or free >= min(self.refill_min, len(queue))):
+                joining = [queue.popleft() for _ in range(min(free, len(queue)))]
+                new_cache, new_rows, logits = self._prefill(joining)
+                for row, tok in zip(new_rows, self._choose(logits, new_rows), strict=True):
+                    row.new.append(tok)
+                if cache is None:
+                    cache = new_cache
+                else:
+                    width = max(cache.layers[0].keys.shape[-2], new_cache.layers[0].keys.shape[-2])
+                    for old, add in zip(cache.layers, new_cache.layers, strict=True):
+                        old.keys = torch.cat(
+                            [_left_pad_time(old.keys, width), _left_pad_time(add.keys, width)]
+                        )
+                        old.values = torch.cat(
+                            [_left_pad_time(old.values, width), _left_pad_time(add.values, width)]
+                        )
+                rows += new_rows
+            else:
+                width = cache.layers[0].keys.shape[-2]
+                lengths = torch.tensor([r.length for r in rows])  # (B,)
+                mask = (torch.arange(width + 1) >= (width - lengths).unsqueeze(-1)).long()  # (B, W + 1)
+                out = self.model(
+                    input_ids=torch.tensor([[r.new[-1]] for r in rows], device=device),
+                    attention_mask=mask.to(device),
+                    position_ids=lengths.unsqueeze(-1).to(device),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                self.stats["decode_steps"] += 1
+                self.stats["row_steps"] += len(rows)
+                for row, tok in zip(rows, self._choose(out.logits[:, -1].float(), rows), strict=True):
+                    row.length += 1
+                    row.new.append(tok)
+            keep = [
+                i
+                for i, r in enumerate(rows)
+                if r.new[-1] not in self.eos and len(r.new) < self.max_new_tokens
+            ]
+            if len(keep) == len(rows):
+                continue
+            follow = [
+                f
+                for i, r in enumerate(rows)
+                if i not in keep and (f := on_done(r.request, r.new)) is not None
+            ]
+            queue.extendleft(reversed(follow))
+            rows = [rows[i] for i in keep]
+            if not rows:
+                cache = None
+                continue
+            index = torch.tensor(keep, device=device)
+            width = max(r.length for r in rows)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, index)[:, :, -width:]
+                layer.values = layer.values.index_select(0, index)[:, :, -width:]
+
+
+@dataclass
 class DistilledRecord:
     """One regenerated conversation: the exact token sequence and which tokens were generated."""
 
@@ -227,9 +460,12 @@ def distill_records(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    on_batch: Callable[[int], None] | None = None,
+    on_reply: Callable[[int], None] | None = None,
 ) -> list[DistilledRecord]:
-    """Regenerate every assistant turn of ``records``, batching by turn index across records.
+    """Regenerate every assistant turn of ``records`` with continuous batching (:class:`ContinuousBatcher`).
+
+    A conversation's turn ``t + 1`` is queued as soon as its turn ``t`` ends, conditioned on the
+    model's own reply; turns of different conversations share the batch freely.
 
     Args:
         model: frozen causal LM in eval mode.
@@ -239,13 +475,13 @@ def distill_records(
         max_new_tokens: cap per assistant turn.
         max_context: a later turn whose context would exceed this many tokens is not answered
             (the conversation ends with the previous reply).
-        batch_size: rows per ``generate`` call; rows are grouped by turn index, longest contexts first.
+        batch_size: rows generated together.
         eos_ids: ids that end a turn.
         pad_id: left-padding id.
         temperature: 0 = greedy; otherwise per-record seeded sampling with ``top_p``.
         top_p: nucleus mass.
         seed: sampling seed.
-        on_batch: called with the number of tokens generated by each ``generate`` call.
+        on_reply: called with the number of tokens of each generated reply.
 
     Returns:
         One :class:`DistilledRecord` per input record, in input order.
@@ -254,43 +490,40 @@ def distill_records(
     states = [
         DistilledRecord(c.source_id, list(p), [0] * len(p)) for c, p in zip(records, prompt_ids, strict=True)
     ]
-    open_ = [True] * len(records)
-    for turn in range(max((len(c.turns) for c in records), default=0)):
-        active = [i for i in range(len(records)) if open_[i] and len(records[i].turns) > turn]
-        active.sort(key=lambda i: -len(states[i].input_ids))  # similar lengths share a batch: less padding
-        for start in range(0, len(active), batch_size):
-            batch = active[start : start + batch_size]
-            gens = None
-            if temperature > 0:
-                gens = [record_generator(seed, records[i].source_id, turn) for i in batch]
-            outs = generate_batch(
-                model,
-                [states[i].input_ids for i in batch],
-                pad_id=pad_id,
-                eos_ids=eos_ids,
-                max_new_tokens=max_new_tokens,
-                generators=gens,
-                temperature=temperature,
-                top_p=top_p,
-            )
-            for i, new in zip(batch, outs, strict=True):
-                st, conv = states[i], records[i]
-                st.input_ids += new
-                st.loss_mask += [1] * len(new)
-                st.turns += 1
-                ended = new[-1] if new and new[-1] in eos_ids else None
-                st.cut += ended is None
-                st.replies.append(tok.decode(new, skip_special_tokens=True))
-                if turn + 1 >= len(conv.turns):
-                    open_[i] = False
-                    continue
-                cont = renderer.continuation_ids(conv, st.replies, ended)
-                if len(st.input_ids) + len(cont) > max_context:
-                    open_[i] = False
-                    st.turns_dropped = len(conv.turns) - turn - 1
-                    continue
-                st.input_ids += cont
-                st.loss_mask += [0] * len(cont)
-            if on_batch is not None:
-                on_batch(sum(len(o) for o in outs))
+
+    def request(i: int) -> GenRequest:
+        gen = record_generator(seed, records[i].source_id, states[i].turns) if temperature > 0 else None
+        return GenRequest(i, list(states[i].input_ids), gen)
+
+    def on_done(req: GenRequest, new: list[int]) -> GenRequest | None:
+        i = req.key
+        st, conv = states[i], records[i]
+        st.input_ids += new
+        st.loss_mask += [1] * len(new)
+        st.turns += 1
+        ended = new[-1] if new and new[-1] in eos_ids else None
+        st.cut += ended is None
+        st.replies.append(tok.decode(new, skip_special_tokens=True))
+        if on_reply is not None:
+            on_reply(len(new))
+        if st.turns >= len(conv.turns):
+            return None
+        cont = renderer.continuation_ids(conv, st.replies, ended)
+        if len(st.input_ids) + len(cont) > max_context:
+            st.turns_dropped = len(conv.turns) - st.turns
+            return None
+        st.input_ids += cont
+        st.loss_mask += [0] * len(cont)
+        return request(i)
+
+    batcher = ContinuousBatcher(
+        model,
+        batch_size=batch_size,
+        pad_id=pad_id,
+        eos_ids=eos_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    batcher.run([request(i) for i, c in enumerate(records) if c.turns], on_done)
     return states

@@ -417,7 +417,7 @@ def _distill_shards(
     bar = tqdm(total=total, initial=done, unit="rec", desc="distill", disable=rank != 0)
     start = time.perf_counter()
 
-    def on_batch(tokens: int) -> None:
+    def on_reply(tokens: int) -> None:
         stats["tokens"] += tokens
         bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
 
@@ -436,7 +436,7 @@ def _distill_shards(
             temperature=g.temperature,
             top_p=g.top_p,
             seed=g.seed,
-            on_batch=on_batch,
+            on_reply=on_reply,
         )
         write_shard(shards_dir / shard_name(index), rows)
         bar.update(len(rows))
