@@ -3,8 +3,8 @@
 Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
 Heads", section 3.2.1) trains the heads on the backbone's own replies, so they learn the backbone's
 distribution rather than that of the dataset's original answers. This module holds the side-effect
-free part: chat rendering to exact token sequences, batched generation with left padding, and
-per-record seeded sampling. ``medusa_train/stages/distill.py`` assembles it with files and ranks.
+free part: chat rendering to exact token sequences, continuous batching over a KV cache
+(:class:`ContinuousBatcher`), and per-record seeded sampling. ``medusa_train/stages/distill.py`` assembles it with files and ranks.
 
 Exact token sequences: a record's ``input_ids`` are built by concatenation, never by re-tokenising
 decoded text, so ``loss_mask`` is exactly the generated tokens:
@@ -22,9 +22,9 @@ template's end-of-turn text follows unmasked when another turn comes. Turn ``t+1
 exactly ``ids`` above, i.e. conditioned on the model's OWN earlier replies, token for token.
 
 Sampling (temperature > 0) draws each token of row ``r`` with that record's own
-``torch.Generator`` (seeded from ``seed``, ``source_id`` and the turn index), inside Hugging Face
-``generate`` via a logits processor that keeps only the drawn token. A record's sample therefore does
-not depend on which records share its batch or rank. Limitation: a padded batched forward differs
+``torch.Generator`` (seeded from ``seed``, ``source_id`` and the turn index), one draw per token
+(:func:`sample_rows`). A record's sample therefore does not depend on which records share its
+batch or rank. Limitation: a padded batched forward differs
 from an unpadded one in the last floating-point bits, so a draw that lands within ~1e-7 of a
 boundary between two tokens' probability mass can still differ between batchings.
 """
@@ -224,15 +224,116 @@ class GenRequest:
 @dataclass
 class _Row:
     request: GenRequest
+    slot: int
+    """Row of the slot cache this request occupies."""
     length: int
     """Tokens of this row in the KV cache: its real entries are the last ``length`` columns."""
     new: list[int]
     """Tokens generated so far; the last one is not in the cache yet (it is the next input)."""
 
 
-def _left_pad_time(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad a (B, H, T, D) cache tensor with zeros on the left of the time axis to ``width``."""
-    return x if x.shape[-2] == width else torch.nn.functional.pad(x, (0, 0, width - x.shape[-2], 0))
+_HEADROOM = 128
+"""Free time columns a slot cache is (re)allocated with, so ~128 decode steps pass between copies."""
+
+
+class _SlotCache:
+    """Preallocated KV buffers (slots, kv_heads, capacity, head_dim) per layer, shared by all rows.
+
+    Every row is right-aligned: its real entries are the last ``length`` columns of the live window
+    ``[start, end)``, and a decode step writes every slot's new entry at column ``end``. So a step
+    copies nothing (``DynamicLayer`` concatenates, i.e. copies the whole cache, every step), a
+    finished row just frees its slot, and trimming the columns no live row uses moves ``start``.
+    Buffers start zeroed and only receive finite keys/values, so masked-out stale columns cannot
+    inject NaN into attention.
+    """
+
+    def __init__(self, prefill_cache, slots: int) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        first = prefill_cache.layers[0].keys  # (n, H, W, D)
+        self.shape = (slots, first.shape[1], first.shape[3])
+        self.dtype, self.device = first.dtype, first.device
+        self.num_layers = len(prefill_cache.layers)
+        self.start = self.end = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._allocate(slots, first.shape[-2] + _HEADROOM)
+        owner = self
+
+        class SlotLayer(DynamicLayer):
+            """A ``DynamicLayer`` whose update writes at column ``end`` of the owner's buffers."""
+
+            def __init__(self, index: int) -> None:
+                super().__init__()
+                self.index = index
+                self.is_initialized = True
+                self.dtype, self.device = owner.dtype, owner.device
+
+            def update(self, key_states, value_states, *args, **kwargs):
+                q = key_states.shape[-2]
+                k, v = owner.k[self.index], owner.v[self.index]
+                k[:, :, owner.end : owner.end + q] = key_states
+                v[:, :, owner.end : owner.end + q] = value_states
+                self.keys = k[:, :, owner.start : owner.end + q]
+                self.values = v[:, :, owner.start : owner.end + q]
+                return self.keys, self.values
+
+            def get_seq_length(self) -> int:
+                return owner.end - owner.start
+
+        self.cache = DynamicCache()
+        self.cache.layers = [SlotLayer(i) for i in range(self.num_layers)]
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+    def _allocate(self, slots: int, capacity: int, keep: torch.Tensor | None = None) -> None:
+        """New zeroed buffers; the live window (of the rows ``keep``) is copied right-aligned at ``capacity - _HEADROOM``."""
+        width = self.end - self.start
+        end = max(capacity - _HEADROOM, width)
+        new_k, new_v = [], []
+        for i in range(self.num_layers):
+            k = torch.zeros(
+                (slots, self.shape[1], end + _HEADROOM, self.shape[2]), dtype=self.dtype, device=self.device
+            )
+            v = torch.zeros_like(k)
+            if self.k and width:
+                old_k, old_v = self.k[i][:, :, self.start : self.end], self.v[i][:, :, self.start : self.end]
+                if keep is not None:
+                    old_k, old_v = old_k.index_select(0, keep), old_v.index_select(0, keep)
+                k[: old_k.shape[0], :, end - width : end] = old_k
+                v[: old_v.shape[0], :, end - width : end] = old_v
+            new_k.append(k)
+            new_v.append(v)
+        self.k, self.v = new_k, new_v
+        self.start, self.end = end - width, end
+
+    def reserve_step(self) -> None:
+        """Make room for one more column at ``end`` (shift the window left, or grow)."""
+        if self.end < self.k[0].shape[-2]:
+            return
+        self._allocate(self.slots, self.end - self.start + _HEADROOM)
+
+    def install(self, slots: list[int], prefill_cache, lengths: list[int]) -> None:
+        """Copy the prefilled rows (right-aligned, as a left-padded prefill leaves them) into ``slots``."""
+        width = max(lengths)
+        if width > self.end:  # not enough columns left of the window: re-lay it out further right
+            self._allocate(self.slots, max(width, self.end - self.start) + _HEADROOM)
+        self.start = min(self.start, self.end - width)
+        index = torch.tensor(slots, device=self.device)
+        for i, layer in enumerate(prefill_cache.layers):
+            self.k[i][:, :, self.end - width : self.end].index_copy_(0, index, layer.keys[:, :, -width:])
+            self.v[i][:, :, self.end - width : self.end].index_copy_(0, index, layer.values[:, :, -width:])
+
+    def trim(self, longest: int) -> None:
+        """Drop the window's columns left of the longest live row."""
+        self.start = max(self.start, self.end - longest)
+
+    def compact(self, keep: list[int]) -> None:
+        """Keep only the slots ``keep`` (in that order), e.g. when few rows remain and no request waits."""
+        self._allocate(len(keep), self.end - self.start + _HEADROOM, torch.tensor(keep, device=self.device))
 
 
 class ContinuousBatcher:
@@ -344,6 +445,7 @@ class ContinuousBatcher:
         return logits.argmax(dim=-1).tolist()
 
     def _prefill(self, requests: list[GenRequest]):
+        """One forward over the joining requests, left-padded among themselves; their first tokens chosen."""
         from transformers import DynamicCache
 
         device = self.model.device
@@ -365,69 +467,74 @@ class ContinuousBatcher:
             **extra,
         )
         self.stats["prefills"] += 1
-        rows = [_Row(r, len(r.context), []) for r in requests]
-        return cache, rows, out.logits[:, -1].float()
+        rows = [_Row(r, -1, len(r.context), []) for r in requests]
+        for row, tok in zip(rows, self._choose(out.logits[:, -1].float(), rows), strict=True):
+            row.new.append(tok)
+        return cache, rows
+
+    def _decode_step(self, slots: _SlotCache, rows: list[_Row]) -> None:
+        """Feed every row's last token; free slots get a pad token that attends only to itself."""
+        device = self.model.device
+        slots.reserve_step()
+        width = slots.end - slots.start
+        ids = torch.full((slots.slots, 1), self.pad_id, dtype=torch.long)  # (S, 1)
+        lengths = torch.zeros(slots.slots, dtype=torch.long)  # (S,): 0 on free slots
+        live = torch.tensor([r.slot for r in rows])
+        ids[live, 0] = torch.tensor([r.new[-1] for r in rows])
+        lengths[live] = torch.tensor([r.length for r in rows])
+        mask = (torch.arange(width + 1) >= (width - lengths).unsqueeze(-1)).long()  # (S, W + 1)
+        out = self.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=lengths.unsqueeze(-1).to(device),
+            past_key_values=slots.cache,
+            use_cache=True,
+        )
+        slots.end += 1
+        self.stats["decode_steps"] += 1
+        self.stats["row_steps"] += len(rows)
+        logits = out.logits[:, -1].float()[live.to(device)]  # (B, V)
+        for row, tok in zip(rows, self._choose(logits, rows), strict=True):
+            row.length += 1
+            row.new.append(tok)
 
     def _run_continuous(self, queue: deque, on_done) -> None:
-        device = self.model.device
-        cache, rows = None, []
+        slots: _SlotCache | None = None
+        rows: list[_Row] = []
         while queue or rows:
-            free = self.batch_size - len(rows)
+            capacity = self.batch_size if slots is None else slots.slots
+            free = capacity - len(rows)
             if queue and (not rows or free >= min(self.refill_min, len(queue))):
                 joining = [queue.popleft() for _ in range(min(free, len(queue)))]
-                new_cache, new_rows, logits = self._prefill(joining)
-                for row, tok in zip(new_rows, self._choose(logits, new_rows), strict=True):
-                    row.new.append(tok)
-                if cache is None:
-                    cache = new_cache
-                else:
-                    width = max(cache.layers[0].keys.shape[-2], new_cache.layers[0].keys.shape[-2])
-                    for old, add in zip(cache.layers, new_cache.layers, strict=True):
-                        old.keys = torch.cat(
-                            [_left_pad_time(old.keys, width), _left_pad_time(add.keys, width)]
-                        )
-                        old.values = torch.cat(
-                            [_left_pad_time(old.values, width), _left_pad_time(add.values, width)]
-                        )
+                cache, new_rows = self._prefill(joining)
+                if slots is None:
+                    slots = _SlotCache(cache, self.batch_size)
+                taken = {r.slot for r in rows}
+                open_slots = [i for i in range(slots.slots) if i not in taken]
+                for row, slot in zip(new_rows, open_slots[: len(new_rows)], strict=True):
+                    row.slot = slot
+                slots.install([r.slot for r in new_rows], cache, [r.length for r in new_rows])
                 rows += new_rows
             else:
-                width = cache.layers[0].keys.shape[-2]
-                lengths = torch.tensor([r.length for r in rows])  # (B,)
-                mask = (torch.arange(width + 1) >= (width - lengths).unsqueeze(-1)).long()  # (B, W + 1)
-                out = self.model(
-                    input_ids=torch.tensor([[r.new[-1]] for r in rows], device=device),
-                    attention_mask=mask.to(device),
-                    position_ids=lengths.unsqueeze(-1).to(device),
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                self.stats["decode_steps"] += 1
-                self.stats["row_steps"] += len(rows)
-                for row, tok in zip(rows, self._choose(out.logits[:, -1].float(), rows), strict=True):
-                    row.length += 1
-                    row.new.append(tok)
-            keep = [
-                i
-                for i, r in enumerate(rows)
-                if r.new[-1] not in self.eos and len(r.new) < self.max_new_tokens
-            ]
-            if len(keep) == len(rows):
+                self._decode_step(slots, rows)
+            done = [r for r in rows if r.new[-1] in self.eos or len(r.new) >= self.max_new_tokens]
+            if not done:
                 continue
-            follow = [
-                f
-                for i, r in enumerate(rows)
-                if i not in keep and (f := on_done(r.request, r.new)) is not None
-            ]
+            follow = [f for r in done if (f := on_done(r.request, r.new)) is not None]
             queue.extendleft(reversed(follow))
-            rows = [rows[i] for i in keep]
+            finished = {id(r) for r in done}
+            rows = [r for r in rows if id(r) not in finished]
             if not rows:
-                cache = None
+                slots.trim(0)
                 continue
-            index = torch.tensor(keep, device=device)
-            width = max(r.length for r in rows)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, index)[:, :, -width:]
-                layer.values = layer.values.index_select(0, index)[:, :, -width:]
+            slots.trim(max(r.length for r in rows))
+            # The tail (nothing waits): stop computing empty slots. Never needs growing back: a
+            # finished row queues at most one follow-up, so the queue stays within the free slots.
+            if not queue and len(rows) <= slots.slots // 2:
+                rows.sort(key=lambda r: r.slot)
+                slots.compact([r.slot for r in rows])
+                for i, r in enumerate(rows):
+                    r.slot = i
 
 
 @dataclass

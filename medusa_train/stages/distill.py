@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,6 +59,24 @@ _STATS_KEY = b"medusa_distill"  # per-shard counts in the Arrow schema metadata
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.arrow"
+
+
+@dataclass
+class _Plan:
+    """What this invocation distills: shared by the generation (step 5) and the manifest (step 6)."""
+
+    cfg: object
+    out: Path
+    source: ReadResult
+    records: list[Conversation]
+    prompts: list[list[int]]
+    long_skipped: list
+    eos_ids: list[int]
+    max_context: int
+    identity: dict
+    settings: dict
+    quick: dict
+    num_shards: int
 
 
 def run(cfg) -> dict:
@@ -114,29 +132,27 @@ def run(cfg) -> dict:
         raise UserError(error)
 
     # 5. this rank's shards
+    plan = _Plan(
+        cfg,
+        out,
+        source,
+        records,
+        prompts,
+        long_skipped,
+        eos_ids,
+        max_context,
+        identity,
+        settings,
+        quick,
+        num_shards,
+    )
     tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg)) if rank == 0 else None
     try:
-        stats = _distill_shards(
-            cfg, out, model, renderer, records, prompts, eos_ids, max_context, rank, world, tracker
-        )
+        stats = _distill_shards(plan, model, renderer, rank, world, tracker)
         all_stats = _gather(stats, world)
         # 6. one manifest, written by rank 0 once every shard is on disk
         if rank == 0:
-            manifest = _write_manifest(
-                out,
-                cfg,
-                settings,
-                quick,
-                identity,
-                tokenizer,
-                eos_ids,
-                max_context,
-                source,
-                long_skipped,
-                num_shards,
-                all_stats,
-                world,
-            )
+            manifest = _write_manifest(plan, tokenizer, all_stats, world)
         _barrier(world)
         if rank != 0:
             manifest = json.loads((out / MANIFEST).read_text())
@@ -395,15 +411,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
 # 5: generation
 
 
-def _distill_shards(
-    cfg, out, model, renderer, records, prompts, eos_ids, max_context, rank, world, tracker
-) -> dict:
+def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker) -> dict:
     from tqdm.auto import tqdm
 
     from medusa_train.data.regenerate import distill_records
 
-    g = cfg.distill
-    shards_dir = out / SHARDS
+    g, records, prompts = plan.cfg.distill, plan.records, plan.prompts
+    shards_dir = plan.out / SHARDS
     size = g.shard_size
     mine = [i for i in range(-(-len(records) // size)) if i % world == rank]
     todo = [i for i in mine if not (shards_dir / shard_name(i)).is_file()]
@@ -429,9 +443,9 @@ def _distill_shards(
             records[chunk],
             prompts[chunk],
             max_new_tokens=g.max_new_tokens,
-            max_context=max_context,
+            max_context=plan.max_context,
             batch_size=g.batch_size,
-            eos_ids=eos_ids,
+            eos_ids=plan.eos_ids,
             pad_id=renderer.tokenizer.pad_token_id,
             temperature=g.temperature,
             top_p=g.top_p,
@@ -511,23 +525,10 @@ def _shard_counts(path: Path) -> dict:
 # 6: manifest and figures
 
 
-def _write_manifest(
-    out,
-    cfg,
-    settings,
-    quick,
-    identity,
-    tokenizer,
-    eos_ids,
-    max_context,
-    source,
-    long_skipped,
-    num_shards,
-    all_stats,
-    world,
-) -> dict:
+def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict], world: int) -> dict:
+    cfg, out, source, max_context = plan.cfg, plan.out, plan.source, plan.max_context
     counts: dict = {}
-    for i in range(num_shards):
+    for i in range(plan.num_shards):
         path = out / SHARDS / shard_name(i)
         if not path.is_file():
             raise UserError(
@@ -536,14 +537,14 @@ def _write_manifest(
         for key, value in _shard_counts(path).items():
             counts[key] = counts.get(key, 0) + value
     skipped = {reason: len(lines) for reason, lines in source.skipped.items()}
-    if long_skipped:
-        skipped[f"prompt longer than {max_context} tokens"] = len(long_skipped)
+    if plan.long_skipped:
+        skipped[f"prompt longer than {max_context} tokens"] = len(plan.long_skipped)
     tokens_now = sum(s["tokens"] for s in all_stats)
     seconds = max((s["seconds"] for s in all_stats), default=0.0)
     manifest = {
         "format_version": FORMAT_VERSION,
-        "backbone": identity,
-        "tokenizer": _tokenizer_info(tokenizer, eos_ids),
+        "backbone": plan.identity,
+        "tokenizer": _tokenizer_info(tokenizer, plan.eos_ids),
         "generation": {
             **_generation_settings(cfg),
             "top_p": cfg.distill.top_p,
@@ -551,17 +552,17 @@ def _write_manifest(
             "dtype": cfg.model.dtype,
             "quantization": cfg.model.quantization,
             "max_context": max_context,
-            "eos_token_ids": eos_ids,
+            "eos_token_ids": plan.eos_ids,
         },
-        "data": {**quick["data"], "repaired": {k: len(v) for k, v in source.repaired.items()}},
+        "data": {**plan.quick["data"], "repaired": {k: len(v) for k, v in source.repaired.items()}},
         "counts": {**counts, "skipped": skipped, "records_skipped": sum(skipped.values())},
         "tokens_per_s": round(tokens_now / seconds, 1) if tokens_now and seconds > 0 else None,
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
         "world_size": world,
-        "num_shards": num_shards,
+        "num_shards": plan.num_shards,
         "shard_size": cfg.distill.shard_size,
-        "settings": settings,
-        "quick_settings": quick,
+        "settings": plan.settings,
+        "quick_settings": plan.quick,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2))

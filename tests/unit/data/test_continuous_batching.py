@@ -1,0 +1,161 @@
+"""ContinuousBatcher (distill's generation): every reply equals unbatched greedy ``generate``.
+
+Rows join and leave the batch at different steps, the slot cache is re-laid out (a tiny headroom
+forces it every few steps), follow-up requests re-enter the queue, and the batch is compacted for
+the tail; none of it may change a single token. Models whose cache cannot be edited (sliding
+window) take the static ``generate`` fallback with the same results.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers as tf
+
+from medusa_train.data import regenerate
+from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+
+VOCAB = 96
+MAX_NEW = 9
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(arch: str) -> torch.nn.Module:
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = tf.LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = tf.Qwen2Config(**common)
+    elif arch == "mistral-window":
+        config = tf.MistralConfig(sliding_window=6, **common)
+    else:
+        config = tf.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=1, eos_token_id=1
+        )
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.choice([1, 2, 5, 9, 17, 30, 41]))] for _ in range(n)]
+
+
+def _pick_eos(model, prompts: list[list[int]]) -> list[int]:
+    """Three tokens that greedy replies (run without EOS) emit at steps 2..6: rows end at varied steps."""
+    counts: dict[int, int] = {}
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW
+        )
+        for t in out[0, len(p) + 2 : len(p) + 7].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    return sorted(counts, key=lambda t: -counts[t])[:3]
+
+
+def _reference(model, context: list[int], eos: list[int], max_new: int = MAX_NEW) -> list[int]:
+    ids = torch.tensor([context])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[0, len(context) :].tolist()
+    end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+    return out[:end]
+
+
+def _run(model, prompts, eos: list[int], batch_size: int, refill_min: int | None = None, **kw) -> dict:
+    """Generate; every first reply queues a second turn built on it (key ``("turn2", i)``)."""
+    replies: dict = {}
+
+    def on_done(req: GenRequest, new: list[int]):
+        replies[req.key] = (req.context, new)
+        if isinstance(req.key, int):
+            return GenRequest(("turn2", req.key), req.context + new + [7, 8, 9], req.generator)
+        return None
+
+    batcher = ContinuousBatcher(
+        model,
+        batch_size=batch_size,
+        pad_id=0,
+        eos_ids=eos,
+        max_new_tokens=MAX_NEW,
+        refill_min=refill_min,
+        **kw,
+    )
+    generators = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]
+    batcher.run(
+        [GenRequest(i, p, g) for i, (p, g) in enumerate(zip(prompts, generators, strict=True))], on_done
+    )
+    return replies
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_replies_equal_unbatched_generate(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(regenerate, "_HEADROOM", 3)  # re-lay the slot cache out every few steps
+    model = _model(arch)
+    prompts = _prompts(19)
+    eos = _pick_eos(model, prompts)
+    assert ContinuousBatcher(model, batch_size=4, pad_id=0, eos_ids=eos, max_new_tokens=MAX_NEW).continuous
+    reference = {i: _reference(model, p, eos) for i, p in enumerate(prompts)}
+    lengths = [len(r) for r in reference.values()]
+    assert min(lengths) < MAX_NEW and MAX_NEW in lengths  # rows leave at EOS and at the cap
+    for batch_size, refill_min in [(1, None), (4, 1), (6, 3), (32, None)]:
+        replies = _run(model, prompts, eos, batch_size, refill_min)
+        assert len(replies) == 2 * len(prompts)
+        for key, (context, new) in replies.items():
+            expected = reference[key] if isinstance(key, int) else _reference(model, context, eos)
+            assert new == expected, (arch, batch_size, key)
+
+
+def test_first_token_eos_and_single_token_cap() -> None:
+    model = _model("llama")
+    prompts = _prompts(7, seed=3)
+    eos = _pick_eos(model, prompts)
+    batcher = ContinuousBatcher(model, batch_size=3, pad_id=0, eos_ids=eos, max_new_tokens=1)
+    out: dict = {}
+    batcher.run([GenRequest(i, p) for i, p in enumerate(prompts)], lambda r, n: out.__setitem__(r.key, n))
+    assert out == {i: _reference(model, p, eos, max_new=1) for i, p in enumerate(prompts)}
+    assert batcher.stats["decode_steps"] == 0  # every row finished at its prefill
+
+
+def test_sliding_window_model_takes_the_static_fallback() -> None:
+    model = _model("mistral-window")
+    prompts = _prompts(6, seed=1)
+    eos = _pick_eos(model, prompts)
+    assert not ContinuousBatcher(
+        model, batch_size=4, pad_id=0, eos_ids=eos, max_new_tokens=MAX_NEW
+    ).continuous
+    for key, (context, new) in _run(model, prompts, eos, 4).items():
+        assert new == _reference(model, context, eos), key
+
+
+def test_sampled_rows_do_not_depend_on_the_batch() -> None:
+    model = _model("llama")
+    prompts = _prompts(9, seed=2)
+    eos = _pick_eos(model, prompts)
+    one, five = (_run(model, prompts, eos, bs, temperature=0.9, top_p=0.95) for bs in (1, 5))
+    assert one == five
+    assert any(new != _reference(model, context, eos) for context, new in one.values())  # it really sampled
