@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medusa_train.decoding import (  # noqa: E402
     MEDUSA_63,
     PackedHeads,
+    TreeBuffers,
     load_choices,
     measure_forward_latency,
     medusa_generate,
@@ -109,10 +110,11 @@ def _sync(device: torch.device) -> None:
 def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token_id) -> dict:
     """Plain greedy ``generate`` vs greedy ``medusa_generate`` on the same prompts."""
     device = next(model.parameters()).device
-    packed = PackedHeads(heads)
+    packed = PackedHeads(heads)  # both built once, as a caller decoding many prompts would
+    tree = TreeBuffers.from_choices(tree).to(device)
     plain_tokens = medusa_tokens = 0
     plain_s = medusa_s = forward_s = prefill_s = 0.0
-    steps = 0
+    steps = forwards = 0
     mismatches = 0
     pad = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else 0)
     # Warm-up both paths once (kernels, allocator) outside the timings.
@@ -141,6 +143,7 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
         prefill_s += out.prefill_s
         medusa_tokens += out.tokens.numel()
         steps += out.num_steps
+        forwards += out.num_forwards
         mismatches += int(
             not torch.equal(out.tokens, ref.cpu())
         )  # whole sequences: a short output is a mismatch
@@ -154,6 +157,10 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
         "speedup": medusa_tps / plain_tps,
         "tau": medusa_tokens / max(1, steps),
         "overhead_fraction": (decode_s - forward_s) / decode_s if decode_s > 0 else 0.0,
+        # Per verification forward: the model's forward, and everything else of the decode (heads,
+        # candidates, mask views, acceptance, KV compaction, per-call setup, Python).
+        "forward_ms": 1e3 * forward_s / max(1, forwards),
+        "overhead_ms": 1e3 * (decode_s - forward_s) / max(1, forwards),
         "greedy_mismatches": mismatches,
     }
 
@@ -267,6 +274,7 @@ def bench_decoder_overhead(model, heads, tree, context_len: int, max_new_tokens:
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context_len), generator=torch.Generator().manual_seed(0)).to(device)
     packed = PackedHeads(heads)
+    tree = TreeBuffers.from_choices(tree).to(device)
     medusa_generate(model, packed, prompt, max_new_tokens=4, tree=tree)  # warm-up
     out = medusa_generate(model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree)
     decode_s = out.total_s - out.prefill_s

@@ -24,7 +24,8 @@ Every rule sees the tree tokens ``(M,)`` and the backbone's logits at every tree
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,10 +41,12 @@ class Accepted:
     Attributes:
         path: node indices of the accepted path, root (0) first; ``len(path) - 1`` candidates accepted.
         next_token: the token that follows the path's last node (root of the next step).
+        tokens: the tokens of the path's nodes (``tree_tokens[path]``), root first.
     """
 
     path: list[int]
     next_token: int
+    tokens: list[int] = field(default_factory=list)
 
 
 def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
@@ -85,16 +88,30 @@ def _path_from_row(tree: TreeBuffers, lengths: torch.Tensor, row: torch.Tensor) 
     return nodes[: int(lengths[row]) + 1].tolist()
 
 
-def accept_greedy(tree_tokens: torch.Tensor, logits: torch.Tensor, tree: TreeBuffers) -> Accepted:
+def argmax_list(x: torch.Tensor) -> list[int]:
+    """Row-wise argmax of ``(..., V)`` as host ints: the first maximal index, as ``torch.argmax``.
+
+    On CPU float32/float64 tensors numpy's argmax is used (the same first-maximum and NaN rules,
+    several times faster than torch's CPU argmax on a few rows of a vocabulary); elsewhere
+    ``torch.argmax`` and one device-to-host copy.
+    """
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return (x.detach() if x.requires_grad else x).numpy().argmax(-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
+def accept_greedy(
+    tree_tokens: torch.Tensor | Sequence[int], logits: torch.Tensor, tree: TreeBuffers
+) -> Accepted:
     """Longest path whose every token is the argmax at its parent.
 
     Args:
-        tree_tokens: ``(M,)`` token of every node.
+        tree_tokens: ``(M,)`` token of every node (a tensor, or the same ints already on the host).
         logits: ``(M, V)`` backbone logits at every node.
         tree: the buffers the tokens were laid out with.
     """
-    pred = logits.argmax(dim=-1)  # (M,)
-    return _accept_by_match(tree_tokens, pred, tree, next_from=pred)
+    node_tokens = tree_tokens.tolist() if isinstance(tree_tokens, torch.Tensor) else tree_tokens
+    return _accept_by_match(node_tokens, argmax_list(logits), tree)
 
 
 def accept_sample(
@@ -115,24 +132,47 @@ def accept_sample(
         return accept_greedy(tree_tokens, logits, tree)
     probs = warp_probs(logits, temperature, top_p)  # (M, V)
     draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (M,)
-    return _accept_by_match(tree_tokens, draws, tree, next_from=draws)
+    node_tokens, draw_list = torch.stack((tree_tokens, draws)).tolist()  # one device-to-host copy
+    return _accept_by_match(node_tokens, draw_list, tree)
 
 
-def _accept_by_match(
-    tree_tokens: torch.Tensor, pred: torch.Tensor, tree: TreeBuffers, *, next_from: torch.Tensor
-) -> Accepted:
-    """Accept the longest path whose tokens equal ``pred`` at their parents.
+def walk_matches(
+    node_tokens: Sequence[int], pred: Sequence[int], children: Sequence[Sequence[int]]
+) -> list[int]:
+    """From the root, descend to the child whose token equals ``pred`` at the current node.
 
-    Children of a node hold distinct tokens (different ranks of the same head), so at most one child
-    matches and the longest matching path is unique.
+    Children of a node hold distinct tokens (different ranks of the same head's top-k), so at most
+    one child matches and the path is the unique longest path whose every token equals ``pred`` at
+    its parent. (Given repeated sibling tokens, the first matching child in node order is taken.)
+
+    Args:
+        node_tokens: ``(M,)`` token of every node (host list).
+        pred: ``(M,)`` the token each node predicts for its successor (argmax or draw; host list).
+        children: per node, its child node indices (:meth:`TreeBuffers.child_lists`).
+
+    Returns:
+        node indices of the path, root (0) first.
     """
-    rows, valid = _candidate_rows(tree_tokens, tree)  # (L, D + 1), (L, D)
-    parents_pred = pred[tree.retrieve_indices[:, :-1].clamp(min=0)]  # (L, D)
-    match = (rows[:, 1:] == parents_pred) & valid  # (L, D)
-    lengths = match.long().cumprod(dim=1).sum(dim=1)  # (L,)
-    best = int(lengths.argmax())
-    path = _path_from_row(tree, lengths, best)
-    return Accepted(path=path, next_token=int(next_from[path[-1]]))
+    path = [0]
+    node = 0
+    while True:
+        want = pred[node]
+        for child in children[node]:
+            if node_tokens[child] == want:
+                node = child
+                break
+        else:
+            return path
+        path.append(node)
+
+
+def _accept_by_match(node_tokens: list[int], pred: list[int], tree: TreeBuffers) -> Accepted:
+    """Accept the longest path whose tokens equal ``pred`` at their parents; ``pred`` gives the next root.
+
+    Host lists of M ints each; the walk visits at most depth x children nodes.
+    """
+    path = walk_matches(node_tokens, pred, tree.child_lists())
+    return Accepted(path=path, next_token=pred[path[-1]], tokens=[node_tokens[n] for n in path])
 
 
 def accept_typical(
@@ -169,7 +209,10 @@ def accept_typical(
         loglik = torch.where(lengths == longest, loglik, torch.full_like(loglik, -math.inf))
         best = int(loglik.argmax())
         path = _path_from_row(tree, lengths, best)
-    return Accepted(path=path, next_token=int(logits[path[-1]].argmax()))
+    node_tokens = tree_tokens.tolist()
+    return Accepted(
+        path=path, next_token=int(logits[path[-1]].argmax()), tokens=[node_tokens[n] for n in path]
+    )
 
 
 def first_token(

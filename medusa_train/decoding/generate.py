@@ -9,6 +9,10 @@ is verified in ONE forward of the backbone through its own ``forward``: a 4-D fl
 ``(1, 1, M, past + M)`` (0 where a node may attend, dtype-min elsewhere) and explicit position ids
 ``past + depth`` on top of a ``DynamicCache``. The accepted path is kept, its KV entries are moved
 into place (no re-forward), and the logits/hidden state of its last node seed the next step.
+The per-step work around the forward is kept small: the mask and position ids are views of buffers
+kept on the tree, a chain's candidates are written straight into the token buffer, acceptance is one
+device-to-host copy and a walk over host-side children lists, and KV entries already in place are
+not copied (the whole path, for a chain).
 
 Why ``model(..., output_hidden_states=True)`` rather than ``get_decoder()`` + ``lm_head``: the full
 forward applies whatever the architecture does after the decoder (logit soft-capping or scaling in
@@ -24,12 +28,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
 from ..heads import MedusaHeads
-from .acceptance import ACCEPTANCE_RULES, accept_greedy, accept_sample, accept_typical, first_token
+from .acceptance import (
+    ACCEPTANCE_RULES,
+    accept_greedy,
+    accept_sample,
+    accept_typical,
+    first_token,
+)
 from .tree import TreeBuffers, as_tree
 
 
@@ -45,9 +56,10 @@ class MedusaOutput:
             the last allowed token is emitted without one). The prefill is not counted.
         stop_reason: ``"max_new_tokens"``, ``"eos"``, ``"context"`` (model's context limit) or
             ``"empty"`` (no room for any token).
-        prefill_s: seconds in the prefill forward.
-        forward_s: seconds in verification forwards (model only).
-        total_s: wall-clock seconds of the whole call.
+        prefill_s: seconds in the prefill forward (and the first root's choice).
+        forward_s: seconds in verification forwards: the model calls only (masks, position ids,
+            heads and everything else around them count as overhead).
+        total_s: wall-clock seconds of the whole call, argument checks included.
     """
 
     tokens: torch.Tensor
@@ -70,7 +82,8 @@ class MedusaOutput:
 
     @property
     def overhead_s(self) -> float:
-        """Seconds outside the model's forwards (heads, candidates, acceptance, KV compaction)."""
+        """Seconds outside the prefill and the model's verification calls: argument checks, setup,
+        heads, candidates, masks, acceptance, KV compaction and the loop's Python."""
         return max(0.0, self.total_s - self.prefill_s - self.forward_s)
 
     @property
@@ -113,20 +126,32 @@ class PackedHeads:
             )  # (K, L, d)
             self.w2t = heads.projection_weight().detach().transpose(1, 2).contiguous()  # (K, d, V)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of all heads at one position.
+    def _views(self, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Per-layer ``(b1 (k, 1, d), w1t (k, d, d))`` and ``w2t (k, d, V)`` views of the first k heads."""
+        cache = self.__dict__.setdefault("_view_cache", {})
+        if k not in cache:
+            layers = [(self.b1[:k, i, None, :], self.w1t[:k, i]) for i in range(self.num_layers)]
+            cache[k] = (layers, self.w2t[:k])
+        return cache[k]
+
+    def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads (default: all) at one position.
 
         Args:
             hidden: ``(d,)`` the backbone's last hidden state at that position.
+            num_heads: compute only heads ``0 .. num_heads - 1`` (a tree of depth D needs D).
 
         Returns:
-            ``(K, V)``.
+            ``(num_heads, V)``.
         """
-        x = hidden.to(self.w2t.dtype).expand(self.num_heads, 1, -1)  # (K, 1, d)
-        for i in range(self.num_layers):
-            # x + SiLU(W1 x + b1) for all K heads in one batched product.
-            x = x + F.silu(torch.baddbmm(self.b1[:, i, None, :], x, self.w1t[:, i]))  # (K, 1, d)
-        return torch.bmm(x, self.w2t).squeeze(1)  # (K, V)
+        layers, w2t = self._views(self.num_heads if num_heads is None else num_heads)
+        if hidden.dtype != w2t.dtype:
+            hidden = hidden.to(w2t.dtype)
+        x = hidden.expand(w2t.shape[0], 1, -1)  # (k, 1, d)
+        for b1, w1t in layers:
+            # x + SiLU(W1 x + b1) for the k heads in one batched product.
+            x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, 1, d)
+        return torch.bmm(x, w2t).squeeze(1)  # (k, V)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,6 +178,90 @@ def _sliding_window_kinds(config) -> tuple[int | None, str]:
     return None, "full"
 
 
+def _mask_slab(
+    model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Masks for every cache length up to ``max_past`` at once, right-aligned on the tree.
+
+    ``(1, 1, M, max_past + M)``: the last M columns are the tree's own mask, the ``max_past`` before
+    them the past (column ``max_past - k`` is the cached token k places before the tree). The mask
+    for ``past_len`` cached tokens is the view ``[..., max_past - past_len :]``, and for the sub-tree
+    of the first m nodes (:meth:`TreeBuffers.prefix`) the view ``[..., :m, max_past - past_len :
+    max_past + m]``. A sliding window depends only on the distance between query and key positions,
+    ``depth_i - offset_j``, which is the same for every ``past_len``, so one slab serves every step.
+    """
+    device = tree.depth.device
+    m = tree.num_nodes
+    allowed = torch.ones(m, max_past + m, dtype=torch.bool, device=device)  # (M, max_past + M)
+    allowed[:, max_past:] = tree.attn_mask
+    neg = torch.finfo(dtype).min
+
+    def to_float(a: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(a.shape, dtype=dtype, device=device)
+        return out.masked_fill_(~a, neg)[None, None]
+
+    window, kind = _sliding_window_kinds(model.config)
+    if kind == "full":
+        return to_float(allowed)
+    # Key offsets relative to the tree's root position: -max_past .. -1 for the past, depth for nodes.
+    k_off = torch.cat([torch.arange(-max_past, 0, device=device), tree.depth])  # (max_past + M,)
+    windowed = allowed & ((tree.depth[:, None] - k_off[None, :]) < window)  # (M, max_past + M)
+    if kind == "sliding":
+        return to_float(windowed)
+    return {"full_attention": to_float(allowed), "sliding_attention": to_float(windowed)}
+
+
+class _TreeInputs:
+    """Every step's attention mask and position ids as views of two per-tree buffers.
+
+    Built by :func:`_tree_inputs` (cached on the tree, grown when a longer context comes), so a
+    step costs two ``narrow`` views instead of building a ``(M, past + M)`` mask.
+    """
+
+    def __init__(self, model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype):
+        self.max_past = max_past
+        self.num_nodes = tree.num_nodes
+        self.slab = _mask_slab(model, tree, max_past, dtype)  # (1, 1, M, max_past + M) or a dict
+        # positions[p] = p + depth: the position ids on p cached tokens.
+        self.positions = (
+            torch.arange(max_past + 1, device=tree.depth.device)[:, None] + tree.depth
+        )  # (P+1, M)
+
+    def mask(self, past_len: int, m: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``(1, 1, m, past_len + m)`` mask of the first m nodes on ``past_len`` cached tokens (a view)."""
+        start = self.max_past - past_len
+        if isinstance(self.slab, dict):
+            return {k: _crop_slab(v, start, past_len, m, self.num_nodes) for k, v in self.slab.items()}
+        return _crop_slab(self.slab, start, past_len, m, self.num_nodes)
+
+    def position_ids(self, past_len: int, m: int) -> torch.Tensor:
+        """``(1, m)`` position ids ``past_len + depth`` of the first m nodes (a view)."""
+        row = self.positions.narrow(0, past_len, 1)  # (1, M)
+        return row if m == self.num_nodes else row[:, :m]
+
+
+def _crop_slab(slab: torch.Tensor, start: int, past_len: int, m: int, num_nodes: int) -> torch.Tensor:
+    view = slab.narrow(3, start, past_len + m)
+    return view if m == num_nodes else view[:, :, :m]
+
+
+def _tree_inputs(model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype) -> _TreeInputs:
+    """The tree's :class:`_TreeInputs` for this model's mask kind and ``dtype``, covering ``max_past``.
+
+    Kept on the tree (one per dtype / window kind) and rebuilt at least twice as wide when a call
+    needs more: its size is ``M x (max_past + M)`` mask values (two for mixed sliding/full models).
+    """
+    window, kind = _sliding_window_kinds(model.config)
+    key = (dtype, window, kind)
+    store = tree.__dict__.setdefault("_inputs_cache", {})
+    built = store.get(key)
+    if built is None or built.max_past < max_past:
+        width = max_past if built is None else max(max_past, 2 * built.max_past)
+        width += -(width + tree.num_nodes) % 16  # rows 16-element aligned (GPU attention kernels)
+        built = store[key] = _TreeInputs(model, tree, width, dtype)
+    return built
+
+
 def tree_attention_mask(
     model: torch.nn.Module, tree: TreeBuffers, past_len: int, dtype: torch.dtype
 ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -163,25 +272,7 @@ def tree_attention_mask(
         elsewhere; a dict ``{"full_attention": ..., "sliding_attention": ...}`` for models whose
         layers mix full and sliding-window attention.
     """
-    device = tree.depth.device
-    m = tree.num_nodes
-    allowed = torch.ones(m, past_len + m, dtype=torch.bool, device=device)  # (M, past + M)
-    allowed[:, past_len:] = tree.attn_mask
-    neg = torch.finfo(dtype).min
-
-    def to_float(a: torch.Tensor) -> torch.Tensor:
-        zero = torch.zeros((), dtype=dtype, device=device)
-        return torch.where(a, zero, torch.full((), neg, dtype=dtype, device=device))[None, None]
-
-    window, kind = _sliding_window_kinds(model.config)
-    if kind == "full":
-        return to_float(allowed)
-    q_pos = past_len + tree.depth  # (M,)
-    k_pos = torch.cat([torch.arange(past_len, device=device), q_pos])  # (past + M,)
-    windowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)  # (M, past + M)
-    if kind == "sliding":
-        return to_float(windowed)
-    return {"full_attention": to_float(allowed), "sliding_attention": to_float(windowed)}
+    return _mask_slab(model, tree, past_len, dtype)
 
 
 def verify_forward(
@@ -220,18 +311,25 @@ def compact_cache(cache: DynamicCache, past_len: int, path: Sequence[int]) -> No
 
     Layer tensors are ``(B, H, T, D)``; entry ``past_len + path[j]`` moves to ``past_len + j`` and
     the cache is cropped to ``past_len + len(path)``. Path nodes have strictly increasing depth and
-    nodes are sorted by depth, so ``path[j] >= j``; the gather copies before it writes.
+    nodes are sorted by depth, so ``path[j] >= j``; the gather copies before it writes. The leading
+    entries with ``path[j] == j`` are already in place and are not copied (a chain prefix
+    ``[0, 1, 2, ...]`` moves nothing).
     """
     n = len(path)
-    if list(path) != list(range(n)):  # a chain prefix is already in place
+    first = 0  # first entry out of place
+    while first < n and path[first] == first:
+        first += 1
+    if first < n:
         index: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per device, not per layer
+        src = [past_len + p for p in path[first:]]
+        lo, hi = past_len + first, past_len + n
         for layer in cache.layers:
             dev = layer.keys.device
             if dev not in index:
-                index[dev] = torch.as_tensor(path, device=dev) + past_len  # (n,)
+                index[dev] = torch.tensor(src, device=dev)  # (n - first,)
             idx = index[dev]
-            layer.keys[:, :, past_len : past_len + n] = layer.keys[:, :, idx]  # (B, H, n, D)
-            layer.values[:, :, past_len : past_len + n] = layer.values[:, :, idx]  # (B, H, n, D)
+            layer.keys[:, :, lo:hi] = layer.keys[:, :, idx]  # (B, H, n - first, D)
+            layer.values[:, :, lo:hi] = layer.values[:, :, idx]  # (B, H, n - first, D)
     # A negative argument removes that many tokens, in every transformers 5.x release we support.
     surplus = cache.get_seq_length() - (past_len + n)
     if surplus > 0:
@@ -329,9 +427,10 @@ def medusa_generate(
         return MedusaOutput(tokens=torch.empty(0, dtype=torch.long), stop_reason="empty")
     stop_at_limit = budget < max_new_tokens
 
-    def accept(tree_tokens: torch.Tensor, logits: torch.Tensor, sub: TreeBuffers):
+    def accept(node_tokens, tree_tokens: torch.Tensor, logits: torch.Tensor, sub: TreeBuffers):
+        # node_tokens: tree_tokens itself, or the same tokens already on the host (greedy reads them).
         if acceptance == "greedy":
-            return accept_greedy(tree_tokens, logits, sub)
+            return accept_greedy(node_tokens, logits, sub)
         if acceptance == "typical":
             return accept_typical(
                 tree_tokens,
@@ -344,6 +443,27 @@ def medusa_generate(
         return accept_sample(
             tree_tokens, logits, sub, temperature=temperature, top_p=top_p, generator=generator
         )
+
+    # Per-call setup (counted as overhead: it runs inside total_s, outside prefill and forwards).
+    # Every step's mask and position ids are views of per-tree buffers; the cache never holds more
+    # than prompt_len + budget tokens before a verification.
+    inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
+    # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
+    # that a numpy array shares, [root, head 1 top-1, ..., head D top-1], so the step builds no
+    # tensor and its tokens are on the host for the acceptance. Elsewhere: topk, cat and a gather on
+    # the device, no sync before the forward.
+    host_chain = tree.topk == 1 and device.type == "cpu"
+    if host_chain:
+        chain_np = np.empty(tree.num_nodes, dtype=np.int64)
+        chain_tokens = torch.from_numpy(chain_np)  # (M,), the same memory
+        chain_views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def chain_out(m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            """topk's ``out=`` for a chain of m nodes: values ``(m - 1, 1)``, indices in the buffer."""
+            if (m, dtype) not in chain_views:
+                values = torch.empty(m - 1, 1, dtype=dtype)
+                chain_views[m, dtype] = (values, chain_tokens[1:m].view(m - 1, 1))
+            return chain_views[m, dtype]
 
     # 1. Prefill: the prompt goes into the cache; keep the last position's logits and hidden state.
     t0 = _now(device)
@@ -378,30 +498,49 @@ def medusa_generate(
             if root in eos:
                 stop_reason = "eos"
             break
-        # 4. Candidates: all K heads in one batched product on the last hidden state; nodes deeper
-        #    than room - 1 could not be emitted (and might pass the position limit), so cut them.
-        sub = tree.prefix(room - 1)
-        root_t = torch.tensor([root], device=device)  # (1,)
-        if sub.max_depth > 0:
-            head_logits = packed.logits(hidden)[: sub.max_depth]  # (D, V)
-            top = head_logits.topk(sub.topk, dim=-1).indices  # (D, topk)
-            flat = torch.cat([root_t, top.reshape(-1)])  # (1 + D * topk,)
-            tree_tokens = flat[sub.tree_indices]  # (M,)
+        # 4. Candidates: the first D heads in one batched product on the last hidden state; nodes
+        #    deeper than room - 1 could not be emitted (and might pass the position limit), so cut them.
+        sub = tree if room > tree.max_depth else tree.prefix(room - 1)
+        m = sub.num_nodes
+        host_tokens = None  # the M tokens as host ints, when known without a device-to-host copy
+        if sub.max_depth == 0:
+            tree_tokens = torch.tensor([root], device=device)  # (1,)
         else:
-            tree_tokens = root_t  # (1,)
-        # 5. Verify the whole tree in one forward of the backbone.
+            head_logits = packed.logits(hidden, sub.max_depth)  # (D, V)
+            if host_chain:
+                chain_np[0] = root
+                values, indices = chain_out(m, head_logits.dtype)  # (D, 1); indices is chain_tokens[1:m]
+                torch.topk(head_logits, 1, dim=-1, out=(values, indices))
+                tree_tokens = chain_tokens if m == tree.num_nodes else chain_tokens[:m]  # (M,)
+                host_tokens = chain_np[:m].tolist()
+            else:
+                top = head_logits.topk(sub.topk, dim=-1).indices  # (D, topk)
+                flat = torch.cat([torch.tensor([root], device=device), top.view(-1)])  # (1 + D * topk,)
+                tree_tokens = flat if tree.topk == 1 else flat[sub.tree_indices]  # (M,)
+        mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), a view
+        position_ids = inputs.position_ids(past_len, m)  # (1, M), a view
+        # 5. Verify the whole tree in one forward of the backbone; only the model call is timed as
+        #    the forward, everything around it counts as the decoder's overhead.
         t0 = _now(device)
-        logits, node_hidden = verify_forward(model, cache, tree_tokens, sub, past_len)  # (M, V), (M, d)
+        fwd = model(
+            input_ids=tree_tokens[None],  # (1, M)
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         forward_s += _now(device) - t0
         num_forwards += 1
-        # 6. Acceptance: the path of nodes to keep and the token after it (the next root).
-        result = accept(tree_tokens, logits, sub)
-        path = result.path
-        node_tokens = tree_tokens.tolist()  # one device-to-host copy of M ints
-        path_tokens = [node_tokens[n] for n in path]
+        logits, node_hidden = fwd.logits[0], fwd.hidden_states[-1][0]  # (M, V), (M, d)
+        del fwd
+        # 6. Acceptance: the path of nodes to keep, its tokens and the token after it (the next root);
+        #    one device-to-host copy.
+        result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)
+        path, path_tokens = result.path, result.tokens
         # 7. EOS inside the path: emit up to and including it, then stop.
-        cut = next((j + 1 for j, tok in enumerate(path_tokens) if tok in eos), None)
-        if cut is not None:
+        if eos and not eos.isdisjoint(path_tokens):
+            cut = next(j + 1 for j, tok in enumerate(path_tokens) if tok in eos)
             tokens.extend(path_tokens[:cut])
             lengths.append(cut)
             stop_reason = "eos"
@@ -410,7 +549,7 @@ def medusa_generate(
         lengths.append(len(path))
         if len(tokens) >= budget:
             break
-        # 8. Keep the accepted nodes' KV entries in place; no re-forward.
+        # 8. Keep the accepted nodes' KV entries in place; no re-forward (a chain prefix moves nothing).
         compact_cache(cache, past_len, path)
         # 9. The last accepted node's hidden state feeds the heads; its successor is the next root.
         hidden = node_hidden[path[-1]]  # (d,)

@@ -79,6 +79,7 @@ class TreeBuffers:
     max_depth: int
     _prefixes: dict[int, TreeBuffers] = field(default_factory=dict, repr=False)
     _on_device: dict[str, TreeBuffers] = field(default_factory=dict, repr=False)
+    _child_lists: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeBuffers:
@@ -145,6 +146,12 @@ class TreeBuffers:
         """L, the number of root-to-leaf paths."""
         return self.retrieve_indices.shape[0]
 
+    def child_lists(self) -> tuple[tuple[int, ...], ...]:
+        """``children`` as host-side tuples without the padding (cached): what the decoder walks."""
+        if self._child_lists is None:
+            self._child_lists = tuple(tuple(c for c in row if c >= 0) for row in self.children.tolist())
+        return self._child_lists
+
     def check_heads(self, num_heads: int) -> None:
         """Raise :class:`TreeError` if the tree is deeper than the number of heads."""
         if self.max_depth > num_heads:
@@ -180,13 +187,38 @@ class TreeBuffers:
                 children=self.children.to(device),
                 topk=self.topk,
                 max_depth=self.max_depth,
+                _child_lists=self._child_lists,
             )
         return self._on_device[key]
 
 
+_BUILT: dict[tuple[tuple[int, ...], ...], TreeBuffers] = {}  # recent lists of paths -> their buffers
+_BUILT_MAX = 16
+
+
 def as_tree(tree: TreeBuffers | Sequence[Sequence[int]]) -> TreeBuffers:
-    """Accept either built buffers or a list of paths."""
-    return tree if isinstance(tree, TreeBuffers) else TreeBuffers.from_choices(tree)
+    """Accept either built buffers or a list of paths.
+
+    Buffers built from a list are remembered (the last 16 distinct lists), so passing the same list
+    to many :func:`~medusa_train.decoding.medusa_generate` calls builds it once; the cache key is the
+    paths exactly as given, and only lists of plain ints are remembered (anything else is validated
+    and built every time).
+    """
+    if isinstance(tree, TreeBuffers):
+        return tree
+    key = None
+    if isinstance(tree, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and all(type(i) is int for i in p) for p in tree
+    ):
+        key = tuple(tuple(p) for p in tree)
+        if key in _BUILT:
+            return _BUILT[key]
+    built = TreeBuffers.from_choices(tree)
+    if key is not None:
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = built
+    return built
 
 
 def chain_tree(depth: int) -> list[list[int]]:

@@ -39,6 +39,7 @@ def test_random_run_reports_everything(bench, tmp_path, capsys):
     gen = results["generation"]
     assert gen["greedy_mismatches"] == 0 and gen["tau"] >= 1 and gen["speedup"] > 0
     assert 0 <= gen["overhead_fraction"] < 1
+    assert gen["forward_ms"] > 0 and gen["overhead_ms"] >= 0
     assert set(results["overhead"]["forward"]["8"]) == {"1", "4", "8", "16", "32", "64"}
     assert "| N tree tokens |" in capsys.readouterr().out
 

@@ -135,10 +135,11 @@ class OracleHeads(PackedHeads):
         with torch.no_grad():
             self.hidden = model(full_ids, output_hidden_states=True).hidden_states[-1][0]  # (T, d)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         t = int((self.hidden - hidden).norm(dim=-1).argmin())
-        out = torch.zeros(self.num_heads, VOCAB)  # (K, V)
-        for k in range(self.num_heads):
+        num_heads = self.num_heads if num_heads is None else num_heads
+        out = torch.zeros(num_heads, VOCAB)  # (K, V)
+        for k in range(num_heads):
             target = int(self.full[t + k + 2]) if t + k + 2 < len(self.full) else 0
             rank = self.rank if k == 0 else 0
             others = [v for v in range(VOCAB) if v != target][:rank]
