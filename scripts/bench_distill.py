@@ -8,8 +8,10 @@ The same prompts (first turns of the embedded eval split, rendered with the mode
 are generated greedily at each batch size by :class:`medusa_train.data.regenerate.ContinuousBatcher`,
 exactly what ``stage=distill`` runs, after one warm-up pass. tokens/s counts generated tokens (up to
 and including each reply's EOS) over wall time; "rows/step" is the mean number of rows per decode
-step (how full continuous batching keeps the batch). The greedy replies at every batch size are
-compared with those at the first one. Target on 2 CPU cores with the embedded backbone: batch 16
+step (how full continuous batching keeps the batch). Each batch size runs ``--repeats`` times,
+interleaved with the others, and the median time is reported (this shared VM's speed drifts by up
+to 1.5x within minutes). The greedy replies at every batch size are compared with those at the
+first one. Target on 2 CPU cores with the embedded backbone: batch 16
 >= 8x batch 1.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 
@@ -28,6 +31,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="cap per reply (distill's default)")
     parser.add_argument(
         "--refill-min", type=int, default=None, help="free slots before rows join (default B/4)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed passes per batch size, interleaved; the median is reported",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -66,18 +75,24 @@ def main() -> None:
         return replies, batcher.stats
 
     generate(max(args.batch_sizes), prompts[: 2 * max(args.batch_sizes)])  # warm-up
-    rows, reference = [], None
+    timings: dict[int, list[float]] = {bs: [] for bs in args.batch_sizes}
+    results: dict[int, tuple[dict, dict]] = {}
+    for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every size alike
+        for bs in args.batch_sizes:
+            start = time.perf_counter()
+            results[bs] = generate(bs, prompts)
+            timings[bs].append(time.perf_counter() - start)
+    rows, reference = [], results[args.batch_sizes[0]][0]
     for bs in args.batch_sizes:
-        start = time.perf_counter()
-        replies, stats = generate(bs, prompts)
-        seconds = time.perf_counter() - start
+        replies, stats = results[bs]
+        seconds = statistics.median(timings[bs])
         tokens = sum(len(r) for r in replies.values())
-        reference = reference or replies
         rows.append(
             {
                 "batch_size": bs,
                 "tokens": tokens,
                 "seconds": round(seconds, 3),
+                "seconds_all": [round(t, 3) for t in timings[bs]],
                 "tokens_per_s": round(tokens / seconds, 1),
                 "rows_per_step": round(stats["row_steps"] / max(stats["decode_steps"], 1), 2),
                 "prefills": stats["prefills"],
@@ -93,6 +108,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
         "rows": rows,
     }
     if args.json:
