@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 import transformers as tf
 
@@ -60,3 +62,15 @@ def random_heads(model: torch.nn.Module, num_heads: int = 4, seed: int = 0, std:
         for p in heads.parameters():
             p.normal_(0.0, std)
     return heads.eval()
+
+
+def random_tree(seed: int, nodes: int = 20, max_depth: int = 4, max_rank: int = 5) -> list[list[int]]:
+    """A random valid tree: every node's parent is present."""
+    rng = random.Random(seed)
+    tree: list[tuple[int, ...]] = []
+    while len(tree) < nodes:
+        parent = rng.choice([()] + [p for p in tree if len(p) < max_depth])
+        child = parent + (rng.randrange(max_rank),)
+        if child not in tree:
+            tree.append(child)
+    return [list(p) for p in tree]

@@ -9,12 +9,11 @@ parity of the whole loop (chain, ``MEDUSA_63``, random trees) is in ``test_decod
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 import torch
-from decoding_helpers import VOCAB, random_heads, tiny_model
+from decoding_helpers import VOCAB, random_heads, random_tree, tiny_model
 from transformers import DynamicCache
 
 from medusa_train.decoding import (
@@ -31,17 +30,6 @@ from medusa_train.decoding import (
 from medusa_train.decoding.acceptance import argmax_list, walk_matches
 from medusa_train.decoding.generate import _tree_inputs, compact_cache
 from medusa_train.decoding.tree import as_tree
-
-
-def random_tree(seed: int, nodes: int = 20, max_depth: int = 4, max_rank: int = 5) -> list[list[int]]:
-    rng = random.Random(seed)
-    tree: list[tuple[int, ...]] = []
-    while len(tree) < nodes:
-        parent = rng.choice([()] + [p for p in tree if len(p) < max_depth])
-        child = parent + (rng.randrange(max_rank),)
-        if child not in tree:
-            tree.append(child)
-    return [list(p) for p in tree]
 
 
 def reference_match_path(tree: TreeBuffers, tokens: torch.Tensor, pred: torch.Tensor) -> list[int]:

@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from decoding_helpers import MAX_POS, VOCAB, random_heads, tiny_model
+from decoding_helpers import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, TreeError, chain_tree, medusa_generate
 from medusa_train.heads import MedusaHeads
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
-
-
-def random_tree(seed: int, nodes: int = 20, max_depth: int = 4, max_rank: int = 5) -> list[list[int]]:
-    """A random valid tree: every node's parent is present."""
-    rng = random.Random(seed)
-    tree: list[tuple[int, ...]] = []
-    while len(tree) < nodes:
-        parent = rng.choice([()] + [p for p in tree if len(p) < max_depth])
-        child = parent + (rng.randrange(max_rank),)
-        if child not in tree:
-            tree.append(child)
-    return [list(p) for p in tree]
 
 
 TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(0)}
