@@ -153,6 +153,17 @@ class RecordSampler:
         return out.scatter_(-1, token, 0.0)
 
 
+def _left_pad(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and the matching attention mask, both (rows, longest context)."""
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, ctx in enumerate(contexts):
+        ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+        mask[row, width - len(ctx) :] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def generate_batch(
     model,
@@ -184,12 +195,8 @@ def generate_batch(
     """
     from transformers import GenerationConfig, LogitsProcessorList
 
-    width = max(len(c) for c in contexts)
-    input_ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros_like(input_ids)  # (B, T)
-    for row, ctx in enumerate(contexts):
-        input_ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
-        attention_mask[row, width - len(ctx) :] = 1
+    input_ids, attention_mask = _left_pad(contexts, pad_id)  # (B, T), (B, T)
+    width = input_ids.shape[1]
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -451,12 +458,7 @@ class ContinuousBatcher:
         from transformers import DynamicCache
 
         device = self.model.device
-        width = max(len(r.context) for r in requests)
-        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)  # (n, W)
-        mask = torch.zeros_like(ids)  # (n, W)
-        for i, r in enumerate(requests):
-            ids[i, width - len(r.context) :] = torch.tensor(r.context, dtype=torch.long)
-            mask[i, width - len(r.context) :] = 1
+        ids, mask = _left_pad([r.context for r in requests], self.pad_id)  # (n, W), (n, W)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, W): 0.. on each row's real tokens
         cache = DynamicCache(config=self.model.config)
         extra = {"logits_to_keep": 1} if self._keep_one else {}
