@@ -179,7 +179,7 @@ class DistillConfig:
     top_p: float = 1.0
     """Nucleus sampling mass when temperature > 0 (1.0 = off)."""
     batch_size: int = 16
-    """Prompts per batched `generate` call (left padding)."""
+    """Rows generated together (continuous batching: a finished row frees its slot for the next prompt)."""
     shard_size: int = 256
     """Records per Arrow shard; a killed run loses at most the shard in progress."""
     seed: int = 0

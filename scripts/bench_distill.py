@@ -13,6 +13,11 @@ interleaved with the others, and the median time is reported (this shared VM's s
 to 1.5x within minutes). The greedy replies at every batch size are compared with those at the
 first one. Target on 2 CPU cores with the embedded backbone: batch 16
 >= 8x batch 1.
+
+``--step-contexts 16 128`` also measures the ceiling that bounds the ratio: the cost of one decode
+step with every row busy, no prefill and no finished rows (each batch size runs ``batch`` requests of
+the given context length for ``--step-tokens`` tokens, minus the same run for one token), so that
+``batch x step(1) / step(batch)`` is the best tokens/s ratio continuous batching could reach.
 """
 
 from __future__ import annotations
@@ -21,6 +26,47 @@ import argparse
 import json
 import statistics
 import time
+
+
+def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, tokens: int, repeats: int) -> dict:
+    """Milliseconds per decode step with every row busy, by batch size, and the implied ceiling ratio.
+
+    ``batch`` identical-length requests (distinct token ids per row) never stop before ``tokens``:
+    one prefill plus ``tokens - 1`` full-batch decode steps. The same run with one token (the prefill
+    alone) is subtracted. Medians of ``repeats`` interleaved runs.
+    """
+    from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def run(batch: int, new_tokens: int) -> float:
+        requests = [
+            GenRequest(i, [3 + (i * 131 + j * 7) % (vocab - 3) for j in range(context)]) for i in range(batch)
+        ]
+        batcher = ContinuousBatcher(
+            model, batch_size=batch, pad_id=pad_id, eos_ids=[], max_new_tokens=new_tokens
+        )
+        start = time.perf_counter()
+        batcher.run(requests, lambda req, new: None)
+        return time.perf_counter() - start
+
+    run(max(batch_sizes), 4)  # warm-up
+    full: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    prefill: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    for _ in range(repeats):
+        for b in batch_sizes:
+            full[b].append(run(b, tokens))
+            prefill[b].append(run(b, 1))
+    step_ms = {
+        b: 1e3 * (statistics.median(full[b]) - statistics.median(prefill[b])) / (tokens - 1)
+        for b in batch_sizes
+    }
+    first = batch_sizes[0]
+    return {
+        "context": context,
+        "step_ms": {b: round(ms, 3) for b, ms in step_ms.items()},
+        "ceiling_vs_first": {b: round(b / first * step_ms[first] / ms, 2) for b, ms in step_ms.items()},
+    }
 
 
 def main() -> None:
@@ -38,6 +84,14 @@ def main() -> None:
         default=3,
         help="timed passes per batch size, interleaved; the median is reported",
     )
+    parser.add_argument(
+        "--step-contexts",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time full-batch decode steps at these context lengths (the ratio's ceiling)",
+    )
+    parser.add_argument("--step-tokens", type=int, default=129, help="tokens per row when timing steps")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -102,6 +156,10 @@ def main() -> None:
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup_vs_first"] = round(row["tokens_per_s"] / base, 2)
+    ceilings = [
+        step_ceiling(model, tok.pad_token_id, args.batch_sizes, c, args.step_tokens, args.repeats)
+        for c in args.step_contexts
+    ]
     result = {
         "model": args.model,
         "device": args.device,
@@ -110,6 +168,7 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "rows": rows,
+        "step_ceiling": ceilings,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -126,6 +185,11 @@ def main() -> None:
             f"{r['batch_size']:>6} {r['tokens']:>8} {r['seconds']:>9.2f} {r['tokens_per_s']:>10.1f} "
             f"{r['rows_per_step']:>10.2f} {r['replies_equal_first']:>6} {r['speedup_vs_first']:>8.2f}x"
         )
+    for c in ceilings:
+        steps = ", ".join(
+            f"batch {b}: {ms:.2f} ms ({c['ceiling_vs_first'][b]:.2f}x)" for b, ms in c["step_ms"].items()
+        )
+        print(f"full-batch decode step, context {c['context']}: {steps}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""scripts/bench_distill.py's full-batch step ceiling runs end to end on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_distill.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_distill", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_without_eos_every_row_runs_to_the_cap(model):
+    """The ceiling's timing runs rely on this: no EOS id, so every row makes exactly max_new_tokens."""
+    replies = {}
+    batcher = ContinuousBatcher(model, batch_size=4, pad_id=0, eos_ids=[], max_new_tokens=7)
+    batcher.run(
+        [GenRequest(i, [5 + i, 9, 11]) for i in range(4)], lambda r, new: replies.__setitem__(r.key, new)
+    )
+    assert sorted(replies) == [0, 1, 2, 3] and all(len(v) == 7 for v in replies.values())
+    assert batcher.stats == {"prefills": 1, "decode_steps": 6, "row_steps": 24}
+
+
+def test_step_ceiling_reports_every_batch_size(bench, model):
+    result = bench.step_ceiling(model, 0, [1, 4], context=8, tokens=17, repeats=1)
+    assert result["context"] == 8
+    assert set(result["step_ms"]) == {1, 4} and all(ms > 0 for ms in result["step_ms"].values())
+    assert result["ceiling_vs_first"][1] == 1.0
+    expected = round(4 * result["step_ms"][1] / result["step_ms"][4], 1)
+    assert round(result["ceiling_vs_first"][4], 1) == pytest.approx(expected, abs=0.1)
