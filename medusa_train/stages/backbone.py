@@ -281,10 +281,13 @@ def _train(
         seconds = time.time() - start
         # the bar's total is the step count the budget allows at the speed so far (or the step cap)
         bar.total = min(bc.max_steps, max(step, round(step * budget / max(seconds, 1e-9))))
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{losses[-1]:.3f}", lr=f"{lr:.1e}", tok_s=f"{step * B * T / max(seconds, 1e-9):.0f}"
+        bar.set_postfix(  # refresh=False: drawn by update(), at most every tqdm mininterval
+            loss=f"{losses[-1]:.3f}",
+            lr=f"{lr:.1e}",
+            tok_s=f"{step * B * T / max(seconds, 1e-9):.0f}",
+            refresh=False,
         )
+        bar.update(1)
     bar.close()
     return losses, step, time.time() - start, step * B * T
 

@@ -431,9 +431,14 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
     bar = tqdm(total=total, initial=done, unit="rec", desc="distill", disable=rank != 0)
     start = time.perf_counter()
 
+    shown = [start]
+
     def on_reply(tokens: int) -> None:
         stats["tokens"] += tokens
-        bar.set_postfix(tok_s=f"{stats['tokens'] / max(time.perf_counter() - start, 1e-9):.0f}")
+        now = time.perf_counter()
+        if now - shown[0] >= 0.5:  # at most 2 redraws a second: a log file gets one line per redraw
+            shown[0] = now
+            bar.set_postfix(tok_s=f"{stats['tokens'] / max(now - start, 1e-9):.0f}")
 
     for n, index in enumerate(todo, start=1):
         chunk = slice(index * size, (index + 1) * size)
