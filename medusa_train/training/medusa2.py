@@ -3,7 +3,8 @@
 Cai et al., "Medusa" (arXiv:2401.10774), section 2.2.2: ``L = L_LM + lambda_0(t) * L_medusa`` with
 ``L_LM`` = KL to the frozen original on self-distilled data (or CE on the data), lambda_0 warmed up,
 heads learning ``head_lr_multiplier`` times faster than the backbone, and optionally a heads-only
-warm start of ``heads_only_steps`` steps.
+warm start of ``heads_only_steps`` steps (the paper's two-stage recipe: the lambda_0 warm-up then
+starts when joint training does).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: 
     model = MedusaTrainingModel(
         heads, backbone, mode="medusa2", lm_loss=tc.lm_loss, teacher=teacher, lambda0=0.0, **model_kwargs
     )
-    callbacks: list = [Lambda0Callback(model, tc.lambda0, tc.lambda_warmup_steps, tc.lambda_warmup)]
+    callbacks: list = [
+        Lambda0Callback(model, tc.lambda0, tc.lambda_warmup_steps, tc.lambda_warmup, tc.heads_only_steps)
+    ]
     if tc.heads_only_steps > 0:
         callbacks.append(HeadsOnlyCallback(model, tc.heads_only_steps))
     trainable = sum(p.numel() for p in backbone.parameters() if p.requires_grad)

@@ -3,7 +3,8 @@
 The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
 Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
 summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``head{k}/top1``,
-``head{k}/top5``), which go to wandb through ``TrackerCallback`` (our tracker, explicit mode).
+``head{k}/top5``; Medusa-2 also ``lm_loss`` and ``lambda0``), which go to wandb through
+``TrackerCallback`` (our tracker, explicit mode).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class MedusaTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.head_lr_multiplier = head_lr_multiplier
         self._sums: torch.Tensor | None = None  # (5, K): ce*count, count, top1, top5, rows with top-k counted
+        self._lm_sums: torch.Tensor | None = None  # (2,): medusa2 LM loss summed, micro-batches counted
         self.head_history: list[dict] = []
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -134,6 +136,13 @@ class MedusaTrainer(Trainer):
             )
         return self.optimizer
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Our module is not a PreTrainedModel, so the Trainer writes its state dict with safetensors,
+        # which refuses two names for one memory: Medusa-2 over a backbone with tied input/output
+        # embeddings (the embedded tiny one, many small models) failed at the first checkpoint.
+        state = self.model.state_dict() if state_dict is None else state_dict
+        super()._save(output_dir, state_dict=unshared(state))
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         outputs = model(**inputs)
         if model.training:
@@ -147,23 +156,47 @@ class MedusaTrainer(Trainer):
                 ]
             ).detach()  # (5, K)
             self._sums = stats if self._sums is None else self._sums + stats
+            lm = torch.zeros(2, device=stats.device)  # (2,); stays zero in Medusa-1 and heads-only steps
+            if "lm_loss" in outputs:
+                lm[0], lm[1] = outputs["lm_loss"].float(), 1.0
+            self._lm_sums = lm if self._lm_sums is None else self._lm_sums + lm
         return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every rank reaches a logging step together (the Trainer gathers the loss there too),
         # so the all-reduce below cannot deadlock.
         if "loss" in logs and self._sums is not None:
-            sums = self._sums.to(self.args.device)
+            k_heads = self._sums.shape[1]
+            # One all-reduce for the head figures and the LM loss: (5 * K + 2,).
+            sums = torch.cat([self._sums.flatten(), self._lm_sums]).to(self.args.device)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(sums)
-            count, metric_count = sums[1].clamp_min(1), sums[4].clamp_min(1)
-            for k in range(sums.shape[1]):
-                logs[f"head{k + 1}/loss"] = round(float(sums[0, k] / count[k]), 5)
-                logs[f"head{k + 1}/top1"] = round(float(sums[2, k] / metric_count[k]), 5)
-                logs[f"head{k + 1}/top5"] = round(float(sums[3, k] / metric_count[k]), 5)
+            heads, lm = sums[: 5 * k_heads].view(5, k_heads), sums[5 * k_heads :]
+            count, metric_count = heads[1].clamp_min(1), heads[4].clamp_min(1)
+            for k in range(k_heads):
+                logs[f"head{k + 1}/loss"] = round(float(heads[0, k] / count[k]), 5)
+                logs[f"head{k + 1}/top1"] = round(float(heads[2, k] / metric_count[k]), 5)
+                logs[f"head{k + 1}/top5"] = round(float(heads[3, k] / metric_count[k]), 5)
+            if lm[1] > 0:  # Medusa-2 joint steps since the last log: the LM loss and the heads' weight
+                logs["lm_loss"] = round(float(lm[0] / lm[1]), 5)
+                logs["lambda0"] = round(float(self.model.lambda0), 5)
             self.head_history.append({"step": self.state.global_step, **logs})
-            self._sums = None
+            self._sums = self._lm_sums = None
         super().log(logs, start_time)
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` where a tensor whose memory an earlier entry already uses is a copy (safetensors
+    refuses shared memory). Resuming loads both names into the one tied parameter: same values.
+    A state dict without shared memory (Medusa-1: the heads) comes back unchanged."""
+    seen: set[tuple[str, int]] = set()
+    out = {}
+    for name, tensor in state.items():
+        key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        out[name] = tensor.clone() if tensor.numel() and key in seen else tensor
+        if tensor.numel():
+            seen.add(key)
+    return out
 
 
 def model_metrics_on(model) -> bool:
@@ -228,10 +261,16 @@ class TimeBudgetCallback(TrainerCallback):
 
 
 class Lambda0Callback(TrainerCallback):
-    """Medusa-2: sets ``model.lambda0`` from the warm-up schedule before every optimizer step."""
+    """Medusa-2: sets ``model.lambda0`` from the warm-up schedule before every optimizer step.
 
-    def __init__(self, model, final: float, warmup_steps: int, kind: str) -> None:
+    The warm-up counts from ``start_step`` (the end of the heads-only phase): Medusa's two-stage
+    recipe trains the heads alone first, then warms lambda0 up during joint training.
+    """
+
+    def __init__(self, model, final: float, warmup_steps: int, kind: str, start_step: int = 0) -> None:
         self.model, self.final, self.warmup_steps, self.kind = model, final, warmup_steps, kind
+        self.start_step = start_step
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.model.lambda0 = lambda0_schedule(state.global_step, self.final, self.warmup_steps, self.kind)
+        step = state.global_step - self.start_step  # < 0 in the heads-only phase (the schedule clamps it)
+        self.model.lambda0 = lambda0_schedule(step, self.final, self.warmup_steps, self.kind)
