@@ -113,6 +113,32 @@ def load_backbone(
     return model, tokenizer
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""A peft adapter directory (Medusa-2 with LoRA/QLoRA saves only the adapter) holds this file."""
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """True for a peft adapter directory (no model of its own: it needs its base model)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def merge_adapter(base, adapter_dir: str | os.PathLike):
+    """Apply the peft (LoRA) adapter in ``adapter_dir`` to ``base`` and merge it into the weights.
+
+    Returns:
+        ``base`` with every adapted weight replaced by ``W + scale * B @ A`` (peft's
+        ``merge_and_unload``), in eval mode without gradients: a plain model again.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise UserError(f"{adapter_dir} is a LoRA adapter; merging it needs peft: pip install peft") from None
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.eval()
+    merged.requires_grad_(False)
+    return merged
+
+
 def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:
     """Name, architecture and a fingerprint of the weights: distill/train/export refuse to mix backbones.
 
@@ -132,6 +158,12 @@ def backbone_identity(model, name_or_path: str, revision: str | None = None) -> 
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
         "fingerprint": fingerprint,
     }
+
+
+def checkpoint_fingerprint(name_or_path: str, revision: str | None = None) -> str | None:
+    """The files part of :func:`backbone_identity` without loading the model; None if no local files."""
+    source = _checkpoint_dir(name_or_path, revision)
+    return _files_fingerprint(source) if source is not None else None
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

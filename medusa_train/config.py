@@ -41,7 +41,9 @@ class ModelConfig:
 
     name_or_path: str = MISSING
     """Hub id or local directory of the backbone. `model=tiny` points at `${workdir}/backbone`,
-    which `stage=backbone` creates; everything downstream loads it like any other model."""
+    which `stage=backbone` creates; everything downstream loads it like any other model. After
+    `training=medusa2`, export and eval use the backbone trained with the heads (`heads/backbone`; a
+    LoRA adapter is merged into this model) unless this names another checkpoint than the run's base."""
     embedded: bool = False
     """True only for `model=tiny`: `stage=backbone` may (re)create the model at `name_or_path`."""
     dtype: str = "float32"
@@ -255,7 +257,8 @@ class TrainingConfig:
     init_heads: str | None = None
     """Start from these heads (a heads directory, e.g. Medusa-1 heads before Medusa-2); null = fresh heads."""
     calibration_max_records: int = 200
-    """Held-out records used for the top-k accuracy table and tree calibration after training."""
+    """Held-out records used for the top-k accuracy table and tree calibration after training. A change
+    (like one of `tree.max_nodes|topk|latency_context`) re-runs only the calibration of finished heads."""
     # -- medusa2 -------------------------------------------------------------------------------
     head_lr_multiplier: float = 4.0
     """medusa2: heads lr = lr * head_lr_multiplier."""
@@ -264,11 +267,12 @@ class TrainingConfig:
     lambda_warmup: str = "sine"
     """medusa2: constant | linear | sine | sine_r schedule of lambda0 over lambda_warmup_steps."""
     lambda_warmup_steps: int = 100
-    """medusa2: optimizer steps over which lambda0 rises to its final value."""
+    """medusa2: optimizer steps over which lambda0 rises to its final value, counted from the end of
+    heads_only_steps."""
     lm_loss: str = "kl"
     """medusa2: kl (to the frozen original, for self-distilled data) | ce (on the data)."""
     heads_only_steps: int = 0
-    """medusa2 two-stage: train heads only for N steps, then jointly."""
+    """medusa2 two-stage: train heads only for N steps, then jointly (the lambda0 warm-up starts then)."""
     backbone_tuning: str = "full"
     """medusa2: full | lora | qlora."""
     lora_r: int = 16
@@ -375,7 +379,8 @@ class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["medusa", "vllm"])
     """medusa (FasterDecoding / TGI / TensorRT-LLM) and/or vllm."""
     dtype: str = "auto"
-    """Dtype of the exported weights: auto (as trained) | float32 | bfloat16 | float16."""
+    """Dtype of the exported weights (heads, and the Medusa-2 backbone): auto (as trained) | float32 |
+    bfloat16 | float16."""
 
     def __post_init__(self) -> None:
         for fmt in self.formats:

@@ -6,7 +6,8 @@ workdir/
   distill/    datasets Arrow shards + manifest.json
   train/      trainer checkpoints (resumable)
   heads/      final heads (FasterDecoding layout) + calibration.json + medusa_choices.json
-  export/     medusa/  vllm/  medusa_choices.json  README.md
+              (+ backbone/ after training=medusa2: the trained backbone, or its LoRA adapter)
+  export/     medusa/  vllm/  medusa_choices.json  README.md  (+ backbone/ after medusa2, LoRA merged)
   eval/       report.json  report.md  plots/*.png  generations.jsonl
 ```
 """

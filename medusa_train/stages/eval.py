@@ -8,9 +8,12 @@ Run as:
         eval.heads_dir=path/to/heads tree=medusa63 eval.all_turns=true     # one GPU; eval is batch size 1
 
 Steps: (1) backbone, heads (either export layout; checked against the backbone) and the tree
-(`tree=calibrated|medusa63|chain|custom`); (2) prompts: held-out embedded prompts, MT-bench
-questions or any prompt JSONL, rendered with the backbone's chat template (first turn, or every
-turn conditioned on the model's own earlier answers with `eval.all_turns=true`); (3) one warm-up
+(`tree=calibrated|medusa63|chain|custom`); after `training=medusa2` the backbone is the one trained
+with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_path`) unless
+`model.name_or_path` names another checkpoint than their base (see `medusa_train.stages`); (2)
+prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
+backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
+with `eval.all_turns=true`); (3) one warm-up
 prompt through both decoders; (4) every prompt through plain greedy `model.generate(do_sample=False)`
 and Medusa greedy decoding, each call timed whole with `time.perf_counter` (same max_new_tokens,
 same EOS ids); (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
@@ -75,7 +78,7 @@ def run(cfg) -> dict:
 
     from medusa_train.backbone import resolve_device
     from medusa_train.decoding import PackedHeads, TreeBuffers
-    from medusa_train.stages import load_configured_backbone
+    from medusa_train.stages import load_backbone_for_heads
     from medusa_train.tracking import is_main_process, start_tracking
 
     wd = Workdir(Path(cfg.workdir))
@@ -88,9 +91,13 @@ def run(cfg) -> dict:
     tree_name, choices = tree_choices(cfg.tree, heads_dir, heads.num_heads)
     prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
     device = resolve_device(cfg.model.device)
-    model, tok = load_configured_backbone(cfg.model, device)
-    check_heads_match(heads, model, heads_dir, cfg.model.name_or_path)
-    warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
+    model, tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
+    log.info(
+        "eval: backbone %s%s", backbone, " (trained with the heads: training=medusa2)" if trained else ""
+    )
+    check_heads_match(heads, model, heads_dir, backbone)
+    if not trained:  # a trained Medusa-2 backbone is the heads' own
+        warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
     lm_weight = model.get_output_embeddings().weight
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
     packed = PackedHeads(heads)
@@ -154,7 +161,7 @@ def run(cfg) -> dict:
     )
     report.update(
         prompts=ecfg.prompts,
-        backbone=str(cfg.model.name_or_path),
+        backbone=backbone,
         heads_dir=str(heads_dir),
         num_heads=heads.num_heads,
     )

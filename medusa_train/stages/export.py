@@ -8,16 +8,20 @@ Run as:
 Writes (into a temporary folder, renamed into place, so a killed run never leaves half an export)::
 
     workdir/export/
+      backbone/             training=medusa2 only: the trained backbone, LoRA merged (config.json,
+                            *.safetensors, tokenizer); the heads' base_model_name_or_path names it
       medusa/               config.json + medusa_lm_head.safetensors  (FasterDecoding, TGI, TensorRT-LLM)
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
       calibration.json      per-head accuracy and tree table from stage=train (when present)
       README.md             model card: base model, data, training, head accuracy, tau, how to load
 
-Steps: (1) load the heads (either layout) and the tree; (2) write every layout; (3) load each one
-back and check that its head logits equal the source's bit for bit; (4) the model card; (5) rename
-the folder into place. `stage=eval` rewrites the card with the measured tau and speed-up.
-Only the main process (rank 0) works; a single process is enough for any model size.
+Steps: (1) load the heads (either layout) and the tree; Medusa-2 heads: the trained backbone too
+(`heads/backbone`; a LoRA adapter is merged into `model.name_or_path`, loaded unquantized), see
+`medusa_train.stages` for when `model.name_or_path` wins instead; (2) write every layout (and the
+backbone); (3) load each one back and check that its logits equal the source's bit for bit; (4) the
+model card; (5) rename the folder into place. `stage=eval` rewrites the card with the measured tau
+and speed-up. Only the main process (rank 0) works; a single process is enough for any model size.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from medusa_train.formats import (
     save_vllm,
 )
 from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.stages import TRAINED_BACKBONE
 from medusa_train.workdir import Workdir, require
 
 log = logging.getLogger(__name__)
@@ -56,8 +61,10 @@ def run(cfg) -> dict:
     """Export ``export.heads_dir`` (default ``workdir/heads``) to ``workdir/export``.
 
     Returns:
-        ``{"export_dir", "formats", "num_heads", "num_layers", "tree_size", "roundtrip_identical", "bytes"}``.
+        ``{"export_dir", "formats", "num_heads", "num_layers", "tree_size", "roundtrip_identical", "bytes",
+        "backbone"}`` (``backbone``: the exported Medusa-2 backbone's directory, or None).
     """
+    from medusa_train.stages import backbone_for_heads
     from medusa_train.stages.eval import tree_choices
     from medusa_train.tracking import is_main_process
 
@@ -79,11 +86,17 @@ def run(cfg) -> dict:
         heads = heads.to(DTYPES[cfg.export.dtype])
     tree_name, choices = tree_choices(cfg.tree, heads_dir, heads.num_heads)
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
+    shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card
+    if backbone_for_heads(cfg.model, heads_dir) is not None:
+        shipped = wd.export / TRAINED_BACKBONE
+        heads.base_model_name_or_path = str(shipped)
 
     wd.root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-tmp-", dir=wd.root))
     try:
         # 2. Every layout. 3. Each one loaded back must give the same logits bit for bit.
+        if shipped is not None:
+            export_backbone(cfg, heads_dir, tmp / TRAINED_BACKBONE)
         for fmt in cfg.export.formats:
             if fmt == MEDUSA:
                 save_medusa(heads, tmp / MEDUSA, extra_config=extra)
@@ -103,6 +116,7 @@ def run(cfg) -> dict:
             manifest=_read_json(wd.distill / "manifest.json"),
             calibration=_read_json(heads_dir / CALIBRATION_NAME),
             report=_read_json(wd.eval / "report.json"),
+            backbone=str(shipped) if shipped is not None else None,
         )
         (tmp / CARD_NAME).write_text(card)
         # 5. Into place: the old export (if any) moves aside first, then goes.
@@ -121,7 +135,47 @@ def run(cfg) -> dict:
         "tree_size": len(choices),
         "roundtrip_identical": True,
         "bytes": size,
+        "backbone": str(shipped) if shipped is not None else None,
     }
+
+
+def export_backbone(cfg, heads_dir: Path, directory: Path) -> None:
+    """Write the trained Medusa-2 backbone as a plain Hugging Face model (LoRA merged) + tokenizer.
+
+    Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
+    ``export.dtype`` unless auto, saved, then loaded back: its logits on fixed tokens must equal the
+    in-memory model's bit for bit. Only one copy of the model is held at a time.
+
+    Raises:
+        AssertionError: the written model does not reproduce the logits (a bug, not a user error).
+    """
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    from medusa_train.stages import load_backbone_for_heads
+
+    model, tokenizer, source, _ = load_backbone_for_heads(cfg.model, heads_dir, quantize=False)
+    log.info("export: backbone %s (trained with the heads: training=medusa2)", source)
+    if cfg.export.dtype != "auto":
+        model = model.to(DTYPES[cfg.export.dtype])
+    weight = model.get_output_embeddings().weight  # (V, d)
+    device, dtype = weight.device, weight.dtype
+    ids = torch.randint(0, weight.shape[0], (1, 8), generator=torch.Generator().manual_seed(0))
+    del weight
+    with torch.no_grad():
+        expected = model(input_ids=ids.to(device)).logits  # (1, 8, V)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    gc.collect()
+    back = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+    ).to(device)
+    back.eval()
+    with torch.no_grad():
+        same = torch.equal(back(input_ids=ids.to(device)).logits, expected)  # (1, 8, V)
+    assert same, f"export to {directory} does not reproduce the trained backbone's logits"
 
 
 def check_roundtrip(heads: MedusaHeads, directory: Path) -> None:
@@ -145,6 +199,7 @@ def write_model_card(
     """Rewrite ``export_dir/README.md`` (atomically) from what is on disk now; used by stage=eval."""
     layouts = [fmt for fmt in (MEDUSA, VLLM) if (export_dir / fmt).is_dir()]
     source = export_dir / layouts[0]
+    backbone = export_dir / TRAINED_BACKBONE
     card = model_card(
         heads=load_heads(source),
         heads_config=read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir),
@@ -154,6 +209,7 @@ def write_model_card(
         manifest=_read_json(wd.distill / "manifest.json"),
         calibration=_read_json(heads_dir / CALIBRATION_NAME) or _read_json(export_dir / CALIBRATION_NAME),
         report=_read_json(wd.eval / "report.json"),
+        backbone=str(backbone) if backbone.is_dir() else None,
     )
     tmp = export_dir / f".{CARD_NAME}.tmp"
     tmp.write_text(card)
@@ -170,11 +226,20 @@ def model_card(
     manifest: dict | None,
     calibration: dict | None,
     report: dict | None,
+    backbone: str | None = None,
 ) -> str:
-    """The export's README.md: what the heads are, how they were made and measured, how to load them."""
+    """The export's README.md: what the heads are, how they were made and measured, how to load them.
+
+    ``backbone``: the exported Medusa-2 backbone (the base model to load with the heads), if any.
+    """
     from medusa_train.stages.eval import head_accuracy
 
-    base = heads.base_model_name_or_path or heads_config.get("base_model_name_or_path") or "<base model>"
+    base = (
+        backbone
+        or heads.base_model_name_or_path
+        or heads_config.get("base_model_name_or_path")
+        or "<base model>"
+    )
     k = heads.num_heads
     lines = [
         f"# Medusa heads for `{base}`",
@@ -186,11 +251,22 @@ def model_card(
         "",
         "## Base model",
         "",
-        f"- `{base}`",
     ]
     identity = heads_config.get("backbone") or heads_config.get("backbone_identity")
+    pad = ""
+    if backbone:  # Medusa-2: the shipped backbone first, then the one training started from
+        tuning = (heads_config.get("training") or {}).get("backbone_tuning", "full")
+        merged = ", LoRA adapter merged" if tuning in ("lora", "qlora") else ""
+        lines += [
+            f"- `{base}`: trained together with the heads (Medusa-2, backbone_tuning `{tuning}`{merged}) and "
+            "exported in `backbone/`; the heads match this backbone, not the original",
+            "- started from:",
+        ]
+        pad = "  "
+    else:
+        lines.append(f"- `{base}`")
     if isinstance(identity, dict):
-        lines += [f"- {key}: `{value}`" for key, value in identity.items()]
+        lines += [f"{pad}- {key}: `{value}`" for key, value in identity.items()]
     lines += ["", "## Data", ""]
     if manifest:  # the sections of distill/manifest.json a reader wants; all of it if none is there
         picked = {

@@ -12,14 +12,16 @@ resumes from the last checkpoint in workdir/train; a finished run with the same 
 
 Steps:
     1. Read the distilled data (workdir/distill) and check it was made by this backbone.
-    2. Skip if workdir/heads already holds heads trained with the same settings (unless overwrite).
+    2. Skip if workdir/heads already holds heads trained and calibrated with the same settings
+       (unless overwrite); if only the calibration settings differ (`tree.max_nodes`, `tree.topk`,
+       `tree.latency_context`, `training.calibration_max_records`), go to 5 with the published heads.
     3. Build the heads (lm_head init) and the training module; optionally cache hidden states.
     4. Train with the Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to
        workdir/train and resuming from its last checkpoint automatically.
     5. Rank 0: held-out top-1..10 accuracy per head -> calibration.json; grow trees, time tree
        forwards on this machine, choose the size with the best expected tokens/s -> medusa_choices.json;
        write everything to workdir/heads atomically (medusa2 also writes the trained backbone, or
-       its LoRA adapter, to workdir/heads/backbone).
+       only its LoRA adapter, to workdir/heads/backbone).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.backbone import ADAPTER_CONFIG
 from medusa_train.errors import UserError
 from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsFormatError, MedusaHeads
+from medusa_train.stages import TRAINED_BACKBONE
 from medusa_train.tracking import start_tracking
 from medusa_train.workdir import Workdir, require
 
@@ -107,6 +111,19 @@ def run_settings(cfg, identity: dict, manifest: dict) -> dict:
     return settings
 
 
+def calibration_settings(cfg) -> dict:
+    """Everything the tree calibration after training depends on, besides the trained model itself.
+
+    Stored in calibration.json: a change re-runs only the calibration (the heads stay as trained).
+    """
+    return {
+        "calibration_max_records": cfg.training.calibration_max_records,
+        "tree_max_nodes": cfg.tree.max_nodes,
+        "tree_topk": cfg.tree.topk,
+        "tree_latency_context": cfg.tree.latency_context,
+    }
+
+
 def _truncate(record: dict, max_len: int) -> dict:
     return {
         "input_ids": list(record["input_ids"][:max_len]),
@@ -142,8 +159,20 @@ def heads_complete(heads_dir: Path, settings: dict) -> dict | None:
     cfg_path = heads_dir / CONFIG_NAME
     if not (cfg_path.is_file() and (heads_dir / WEIGHTS_NAME).is_file() and (heads_dir / CHOICES).is_file()):
         return None
+    if settings["mode"] == "medusa2":  # the trained backbone: the model, or (LoRA/QLoRA) its adapter
+        lora = settings["backbone_tuning"] in ("lora", "qlora")
+        if not (heads_dir / TRAINED_BACKBONE / (ADAPTER_CONFIG if lora else CONFIG_NAME)).is_file():
+            return None
     meta = json.loads(cfg_path.read_text())
     return meta.get("training_result") if meta.get("training") == settings else None
+
+
+def calibrated_with(heads_dir: Path) -> dict | None:
+    """The calibration settings stored in ``heads_dir/calibration.json`` (None: none recorded)."""
+    try:
+        return json.loads((heads_dir / CALIBRATION).read_text()).get("settings")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
@@ -240,6 +269,24 @@ def calibrate_tree(backbone, acc: torch.Tensor, max_nodes: int, topk: int, conte
     return {"choices": choices, "table": table, "latency": latency, "context_len": context_len, "best": best}
 
 
+def _link_heads(src: Path, dst: Path, skip: tuple[str, ...]) -> None:
+    """Hard-link (copy where links are refused) every file of ``src`` into a new ``dst``, except the
+    top-level ``skip`` names: a recalibrated heads folder shares the unchanged (large) weight files."""
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(
+        src,
+        dst,
+        ignore=lambda folder, names: [n for n in names if Path(folder) == src and n in skip],
+        copy_function=link,
+    )
+
+
 def _publish(tmp_dir: Path, final_dir: Path) -> None:
     """Replace ``final_dir`` by ``tmp_dir`` with renames only (never a half-written heads folder)."""
     trash = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
@@ -255,7 +302,7 @@ def run(cfg) -> dict:
     """Train heads; write workdir/heads (+ calibration.json, medusa_choices.json). Returns the figures."""
     from medusa_train.backbone import backbone_identity, check_backbone_source, resolve_device
     from medusa_train.data.distilled import load_distilled, read_manifest, split_heldout
-    from medusa_train.stages import load_configured_backbone
+    from medusa_train.stages import load_configured_backbone, load_trained_backbone
     from medusa_train.training.trainer import deepspeed_config
 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
@@ -295,14 +342,23 @@ def run(cfg) -> dict:
             f"{made_by.get('fingerprint')}) than {cfg.model.name_or_path} (fingerprint {identity['fingerprint']}): "
             "run stage=distill with this model (distill.overwrite=true) or use the matching model"
         )
-    settings = run_settings(cfg, identity, manifest)
-    done = heads_complete(wd.heads, settings)
-    if done is not None and not tc.overwrite:
+    settings, calibration_keys = run_settings(cfg, identity, manifest), calibration_settings(cfg)
+    done = None if tc.overwrite else heads_complete(wd.heads, settings)
+    if done is not None:
+        stored = calibrated_with(wd.heads)
+        if stored == calibration_keys:
+            log.info(
+                "heads in %s are complete for these settings: skipping (training.overwrite=true retrains)",
+                wd.heads,
+            )
+            return {**done, "skipped": True}
+        changed = sorted(k for k in calibration_keys if (stored or {}).get(k) != calibration_keys[k])
         log.info(
-            "heads in %s are complete for these settings: skipping (training.overwrite=true retrains)",
+            "heads in %s are trained with these settings but their tree was calibrated with other ones "
+            "(differs in: %s): re-running the calibration only (training.overwrite=true retrains)",
             wd.heads,
+            ", ".join(changed),
         )
-        return {**done, "skipped": True}
 
     # 3. Data.
     ds = load_distilled(wd.distill)
@@ -316,7 +372,95 @@ def run(cfg) -> dict:
         )
     train_set = _Records(train_ds, train_idx, tc.max_seq_len)
 
-    # 4. Heads and the training module.
+    if done is None:
+        # 4. Heads, the training module, training (all ranks).
+        result, heads, trained = _train_heads(
+            cfg, backbone, tokenizer, identity, settings, train_set, ds_config, device, model_dtype
+        )
+        if result is None:  # not rank 0
+            return {"rank": _rank()}
+    else:
+        # 4. Calibration settings changed only: the published heads (and Medusa-2 backbone) as they are.
+        if _rank() != 0:
+            return {"rank": _rank()}
+        result, trained = dict(done), None
+        heads = MedusaHeads.from_pretrained(wd.heads, device=device)
+        if tc.mode == "medusa2":  # the trained backbone replaces the base loaded above (LoRA: merged into it)
+            base = None if tc.backbone_tuning == "full" else backbone
+            backbone = None  # full tuning: the base goes before the trained copy loads
+            backbone = load_trained_backbone(cfg.model, wd.heads / TRAINED_BACKBONE, device, base=base)
+
+    # 5. Rank 0: calibration + publish.
+    heads.eval()
+    held_idx = _usable_indices(held_ds, tc.max_seq_len) if len(held_ds) else []
+    if held_idx:
+        calib_set, calib_name = _Records(held_ds, held_idx, tc.max_seq_len), "heldout"
+    else:
+        log.warning(
+            "no held-out records (data.eval_fraction=%s): calibrating on training records",
+            cfg.data.eval_fraction,
+        )
+        calib_set, calib_name = train_set, "train"
+    records = [calib_set[i] for i in range(min(len(calib_set), tc.calibration_max_records))]
+    # medusa2 trained the backbone in place (LoRA layers injected in place too) and left it in
+    # training mode: no dropout (LoRA's included) while measuring.
+    backbone.eval()
+    acc, count = heldout_topk_accuracy(
+        backbone, heads, records, 10, tc.per_device_batch_size, tc.loss_chunk_size
+    )
+    tree = calibrate_tree(backbone, acc, cfg.tree.max_nodes, cfg.tree.topk, cfg.tree.latency_context)
+
+    result.update(
+        {
+            "heldout_top1": [round(float(a), 4) for a in acc[:, 0]],
+            "heldout_top5": [round(float(a), 4) for a in acc[:, 4]],
+            "calibration_split": calib_name,
+            "tree_size": len(tree["choices"]),
+            "expected_tau": round(tree["best"]["expected_tau"], 4),
+            "seconds": round(time.time() - start_time, 1),
+        }
+    )
+    calibration = {
+        "settings": calibration_keys,
+        "split": calib_name,
+        "records": len(records),
+        "count": count.tolist(),
+        "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in acc],
+        "tree": {k: tree[k] for k in ("table", "context_len", "best")},
+        "latency": {str(n): v for n, v in tree["latency"].items()},
+    }
+    from medusa_train.decoding.tree import save_choices
+
+    tmp = wd.root / f".heads.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if done is None:
+        # config.json: FasterDecoding keys + backbone identity (checked by later stages) + settings + figures.
+        heads.save_pretrained(
+            tmp, extra_config={"backbone": identity, "training": settings, "training_result": result}
+        )
+        if trained is not None:  # medusa2: ship the trained backbone (LoRA: the adapter only) with the heads
+            trained.save_pretrained(tmp / TRAINED_BACKBONE)
+            tokenizer.save_pretrained(tmp / TRAINED_BACKBONE)
+    else:  # recalibrated: the same weights (hard links), new figures
+        _link_heads(wd.heads, tmp, skip=(CONFIG_NAME, CALIBRATION, CHOICES))
+        meta = json.loads((wd.heads / CONFIG_NAME).read_text())
+        (tmp / CONFIG_NAME).write_text(json.dumps({**meta, "training_result": result}, indent=2) + "\n")
+    save_choices(tmp / CHOICES, tree["choices"])
+    (tmp / CALIBRATION).write_text(json.dumps(calibration, indent=2) + "\n")
+    _publish(tmp, wd.heads)
+    _print_summary(result)
+    return result if done is None else {**result, "skipped": True, "recalibrated": True}
+
+
+def _train_heads(cfg, backbone, tokenizer, identity, settings, train_set, ds_config, device, model_dtype):
+    """Step 4: fresh (or ``init_heads``) heads, the resume check, the Trainer run (all ranks).
+
+    Returns:
+        ``(figures, trained heads, trained Medusa-2 backbone or None)`` on rank 0, ``(None, None, None)``
+        elsewhere.
+    """
+    tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     d, vocab = identity["hidden_size"], identity["vocab_size"]
     if tc.init_heads:
         heads = _load_init_heads(tc.init_heads, d, vocab, tc.num_heads, tc.num_layers)
@@ -341,75 +485,19 @@ def run(cfg) -> dict:
     saved_env = {k: os.environ.get(k) for k in _PROCESS_ENV}
     own_group = ds_config is not None and "WORLD_SIZE" not in os.environ
     try:
-        result, heads = _train(
-            cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype
-        )
+        return _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype)
     finally:
         if ds_config is not None:
             _release_deepspeed(saved_env, own_group)
-    if result is None:  # not rank 0
-        return {"rank": _rank()}
-
-    # 5. Rank 0: calibration + publish.
-    heads.eval()
-    held_idx = _usable_indices(held_ds, tc.max_seq_len) if len(held_ds) else []
-    if held_idx:
-        calib_set, calib_name = _Records(held_ds, held_idx, tc.max_seq_len), "heldout"
-    else:
-        log.warning(
-            "no held-out records (data.eval_fraction=%s): calibrating on training records",
-            cfg.data.eval_fraction,
-        )
-        calib_set, calib_name = train_set, "train"
-    records = [calib_set[i] for i in range(min(len(calib_set), tc.calibration_max_records))]
-    frozen = backbone  # medusa2 trained it in place (LoRA layers injected in place too)
-    acc, count = heldout_topk_accuracy(
-        frozen, heads, records, 10, tc.per_device_batch_size, tc.loss_chunk_size
-    )
-    tree = calibrate_tree(frozen, acc, cfg.tree.max_nodes, cfg.tree.topk, cfg.tree.latency_context)
-
-    result.update(
-        {
-            "heldout_top1": [round(float(a), 4) for a in acc[:, 0]],
-            "heldout_top5": [round(float(a), 4) for a in acc[:, 4]],
-            "calibration_split": calib_name,
-            "tree_size": len(tree["choices"]),
-            "expected_tau": round(tree["best"]["expected_tau"], 4),
-            "seconds": round(time.time() - start_time, 1),
-        }
-    )
-    calibration = {
-        "split": calib_name,
-        "records": len(records),
-        "count": count.tolist(),
-        "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in acc],
-        "tree": {k: tree[k] for k in ("table", "context_len", "best")},
-        "latency": {str(n): v for n, v in tree["latency"].items()},
-    }
-    from medusa_train.decoding.tree import save_choices
-
-    tmp = wd.root / f".heads.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_choices(tmp / CHOICES, tree["choices"])
-    (tmp / CALIBRATION).write_text(json.dumps(calibration, indent=2) + "\n")
-    # config.json: FasterDecoding keys + backbone identity (checked by later stages) + settings + figures.
-    heads.save_pretrained(
-        tmp, extra_config={"backbone": identity, "training": settings, "training_result": result}
-    )
-    if tc.mode == "medusa2":  # the backbone changed too: ship it (LoRA: the adapter only) next to the heads
-        backbone.save_pretrained(tmp / "backbone")
-        tokenizer.save_pretrained(tmp / "backbone")
-    _publish(tmp, wd.heads)
-    _print_summary(result)
-    return result
 
 
 def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype):
     """Step 4: the Trainer run (all ranks).
 
     Returns:
-        ``(figures, trained heads)`` on rank 0, ``(None, None)`` elsewhere.
+        ``(figures, trained heads, trained Medusa-2 backbone or None)`` on rank 0, ``(None, None, None)``
+        elsewhere. The Medusa-2 backbone is the module that trained: a peft model with LoRA/QLoRA
+        (``save_pretrained`` then writes the adapter only).
     """
     from transformers import TrainingArguments
 
@@ -524,7 +612,7 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
         heads = _gather_zero3_heads(trainer, heads)  # collective: every rank takes part
     if not trainer.is_world_process_zero():
-        return None, None
+        return None, None, None
     hist = trainer.head_history
     final = hist[-1] if hist else {}
     k_heads = tc.num_heads
@@ -548,7 +636,7 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
         tokens *= max(trainer.state.global_step - done_before, 0) / max(trainer.state.global_step, 1)
     result["tokens_per_s"] = round(tokens / max(out.metrics.get("train_runtime", train_seconds), 1e-9), 1)
     result.update(extra)
-    return result, heads
+    return result, heads, model.backbone if tc.mode == "medusa2" else None
 
 
 def _gather_zero3_heads(trainer, heads: MedusaHeads) -> MedusaHeads:

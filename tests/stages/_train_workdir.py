@@ -31,7 +31,10 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def make_backbone(directory: Path, seed: int = 0, hidden: int = HIDDEN, kv_heads: int = 2) -> None:
+def make_backbone(
+    directory: Path, seed: int = 0, hidden: int = HIDDEN, kv_heads: int = 2, tie: bool = False
+) -> None:
+    """``tie``: lm_head shares the input embedding (as the embedded tiny backbone and many small models)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -44,6 +47,7 @@ def make_backbone(directory: Path, seed: int = 0, hidden: int = HIDDEN, kv_heads
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
+        tie_word_embeddings=tie,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
     make_tokenizer().save_pretrained(directory)
@@ -80,7 +84,7 @@ def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> Non
     (distill / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
-def make_train_workdir(root: Path, n_records: int = 48, **backbone: int) -> Path:
+def make_train_workdir(root: Path, n_records: int = 48, **backbone: int | bool) -> Path:
     """Create ``root`` with backbone/ and distill/ (``backbone``: make_backbone options); returns ``root``."""
     make_backbone(root / "backbone", **backbone)
     write_distill(root, make_records(n_records), root / "backbone")

@@ -72,6 +72,42 @@ def test_rerun_with_same_settings_skips(reference):
     assert (root / "heads" / "medusa_lm_head.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_changed_calibration_settings_rerun_only_the_calibration(reference, tmp_path, monkeypatch):
+    ref_root, ref = reference
+    root = tmp_path / "wd"
+    shutil.copytree(ref_root, root)
+    heads = root / "heads"
+    weights = (heads / "medusa_lm_head.safetensors").read_bytes()
+    before = json.loads((heads / "calibration.json").read_text())
+    assert before["settings"]["tree_max_nodes"] == 6  # train_overrides
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the heads were retrained")
+
+    monkeypatch.setattr(MedusaTrainer, "train", no_training)
+    result = run(train_cfg(root, "tree.max_nodes=3"))
+    assert result["skipped"] and result["recalibrated"] and result["steps"] == ref["steps"]
+    assert 0 < result["tree_size"] <= 3
+    assert len(json.loads((heads / "medusa_choices.json").read_text())) == result["tree_size"]
+    after = json.loads((heads / "calibration.json").read_text())
+    assert after["settings"]["tree_max_nodes"] == 3
+    assert after["head_topk_accuracy"] == before["head_topk_accuracy"]  # same heads, backbone, records
+    config = json.loads((heads / "config.json").read_text())
+    assert config["training_result"]["tree_size"] == result["tree_size"]
+    assert config["training"] == json.loads((ref_root / "heads" / "config.json").read_text())["training"]
+    assert (heads / "medusa_lm_head.safetensors").read_bytes() == weights
+    assert not list(root.glob(".heads*"))
+    # Nothing changed since: skipped; decoding-only tree settings (tree=medusa63) do not recalibrate.
+    mtime = (heads / "calibration.json").stat().st_mtime_ns
+    for overrides in (("tree.max_nodes=3",), ("tree.max_nodes=3", "tree=medusa63")):
+        again = run(train_cfg(root, *overrides))
+        assert again["skipped"] and "recalibrated" not in again
+    assert (heads / "calibration.json").stat().st_mtime_ns == mtime
+    # Fewer calibration records: the accuracy table is measured again too.
+    result = run(train_cfg(root, "tree.max_nodes=3", "training.calibration_max_records=2"))
+    assert result["recalibrated"] and json.loads((heads / "calibration.json").read_text())["records"] == 2
+
+
 @pytest.mark.parametrize("cache", ["false", "true"])
 def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeypatch, cache):
     ref_root, ref = reference

@@ -1,0 +1,272 @@
+"""training=medusa2 end to end on CPU: train (full tuning, LoRA) -> export -> eval use the TRAINED backbone.
+
+The workdir: the chat-template tiny Llama of tests/conftest.py (eval renders prompts with it) and the
+synthetic distilled records of _train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
+does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
+module is captured from ``medusa2.build`` to compare against what export and eval load from disk.
+The last test uses the plain _train_workdir.py backbone with tied embeddings (checkpoints, resume).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _tiny_workdir import build_tiny_backbone  # noqa: E402
+from _train_workdir import make_records, make_train_workdir, train_cfg, write_distill  # noqa: E402
+
+from medusa_train.backbone import load_backbone, load_tokenizer  # noqa: E402
+from medusa_train.formats import load_heads  # noqa: E402
+from medusa_train.stages import eval as eval_stage  # noqa: E402
+from medusa_train.stages import export, train  # noqa: E402
+from medusa_train.training import medusa2  # noqa: E402
+from medusa_train.training.model import last_hidden_state  # noqa: E402
+from medusa_train.training.trainer import MedusaTrainer, TrackerCallback  # noqa: E402
+
+EVAL = ("eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]")  # greedy parity only: fast
+TUNING = {
+    # full: heads-only phase, then joint training with a linear lambda0 warm-up, logged every step
+    "full": (
+        "training.lm_loss=ce",
+        "training.heads_only_steps=2",
+        "training.lambda_warmup=linear",
+        "training.lambda_warmup_steps=2",
+        "training.logging_steps=1",
+    ),
+    "lora": ("training.backbone_tuning=lora", "training.lambda_warmup=constant"),
+}
+
+
+def _cfg(root: Path, tuning: str, *extra: str):
+    return train_cfg(root, "training=medusa2", *TUNING[tuning], *EVAL, *extra)
+
+
+@dataclass
+class Medusa2Run:
+    root: Path
+    tuning: str
+    module: torch.nn.Module  # the training module as training left it (backbone + heads, in memory)
+    logs: dict[int, dict]  # what the Trainer sent to the tracker, by optimizer step (loss logs only)
+    report: dict  # stage=eval's report
+    generations: list[dict]  # eval/generations.jsonl
+
+    def cfg(self, *extra: str, root: Path | None = None):
+        return _cfg(root or self.root, self.tuning, *extra)
+
+
+@pytest.fixture(scope="module", params=sorted(TUNING))
+def run(request, tmp_path_factory) -> Medusa2Run:
+    root = tmp_path_factory.mktemp(f"medusa2_{request.param}")
+    build_tiny_backbone(root / "backbone")
+    write_distill(root, make_records(48), root / "backbone")
+    captured: dict = {}
+    recorded: dict[int, dict] = {}
+    build = medusa2.build
+
+    def capture_build(*args, **kwargs):
+        captured["module"], callbacks, extra = build(*args, **kwargs)
+        return captured["module"], callbacks, extra
+
+    def record_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            recorded[state.global_step] = dict(logs)
+
+    tuning = request.param
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(medusa2, "build", capture_build)
+        mp.setattr(TrackerCallback, "on_log", record_log)
+        train.run(_cfg(root, tuning))
+    export.run(_cfg(root, tuning, "stage=export"))
+    report = eval_stage.run(_cfg(root, tuning, "stage=eval"))
+    lines = (root / "eval" / "generations.jsonl").read_text().splitlines()
+    return Medusa2Run(
+        root, tuning, captured["module"].eval(), recorded, report, [json.loads(x) for x in lines]
+    )
+
+
+def _greedy_texts(model, run: Medusa2Run) -> list[str]:
+    """Plain greedy ``generate`` of ``model`` on the prompts eval used (first turns), decoded as eval does."""
+    cfg = run.cfg("stage=eval")
+    tok = load_tokenizer(str(run.root / "backbone"))
+    eos = eval_stage.eos_ids(model, tok)
+    texts = []
+    for prompt in eval_stage.load_eval_prompts(cfg.eval):
+        ids = eval_stage.render(tok, prompt, [], 0, "cpu")
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+            )
+        texts.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return texts
+
+
+def _original(run: Medusa2Run):
+    return load_backbone(str(run.root / "backbone"))[0]
+
+
+def _logits(backbone, heads, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(backbone logits (1, T, V), head logits (K, 1, T, V))``."""
+    with torch.no_grad():
+        h = last_hidden_state(backbone, ids, torch.ones_like(ids))  # (1, T, d)
+        return backbone(input_ids=ids).logits, heads(h.to(heads.proj(0).weight.dtype))
+
+
+def test_eval_decodes_with_the_trained_backbone(run: Medusa2Run) -> None:
+    report = run.report
+    assert report["backbone"] == str(run.root / "heads" / "backbone")
+    assert report["greedy_identical"] == 1.0 and len(run.generations) == report["num_prompts"] == 3
+    # Medusa greedy == plain greedy of the backbone as training left it in memory (LoRA: unmerged).
+    trained = _greedy_texts(run.module.backbone, run)
+    assert [g["medusa"] for g in run.generations] == trained == [g["baseline"] for g in run.generations]
+    # ... and the original backbone answers otherwise: eval on it would have failed the line above.
+    assert _greedy_texts(_original(run), run) != trained
+
+
+def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run) -> None:
+    out = run.root / "export"
+    exported = AutoModelForCausalLM.from_pretrained(out / "backbone").eval()
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
+    want_lm, want_heads = _logits(run.module.backbone, run.module.heads, ids)
+    for layout in ("medusa", "vllm"):
+        got_lm, got_heads = _logits(exported, load_heads(out / layout), ids)
+        if run.tuning == "full":  # the same weights, saved and loaded: bit for bit
+            assert torch.equal(got_lm, want_lm) and torch.equal(got_heads, want_heads)
+        else:  # LoRA merged into the weights (W + s B A) vs applied on the side: rounding only
+            torch.testing.assert_close(got_lm, want_lm, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got_heads, want_heads, atol=1e-5, rtol=0)
+    original_lm, _ = _logits(_original(run), run.module.heads, ids)
+    assert (original_lm - want_lm).abs().max() > 1e-2  # training changed the backbone
+    assert not (out / "backbone" / "adapter_config.json").exists()  # a plain model, LoRA merged
+    # Serving engines load the base named in medusa/config.json; the card names the same folder.
+    config = json.loads((out / "medusa" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == str(out / "backbone")
+    assert config["backbone"]["name_or_path"] == str(run.root / "backbone")  # where training started
+    loading = (out / "README.md").read_text().split("## Loading", 1)[1]
+    assert f'LLM(model="{out / "backbone"}"' in loading and f"--model_dir {out / 'backbone'} " in loading
+    assert f"{run.root / 'backbone'} " not in loading and f'"{run.root / "backbone"}"' not in loading
+
+
+def test_heads_folder_holds_the_full_model_or_the_adapter_only(run: Medusa2Run) -> None:
+    saved = {p.name for p in (run.root / "heads" / "backbone").iterdir()}
+    if run.tuning == "full":
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= saved
+    else:
+        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= saved
+        assert "model.safetensors" not in saved and "config.json" not in saved
+
+
+def test_lm_loss_and_lambda0_are_logged_and_warm_up_follows_the_heads_only_phase(run: Medusa2Run) -> None:
+    logged = run.logs
+    if run.tuning == "full":
+        # logging_steps=1, heads_only_steps=2, linear warm-up over 2 steps counted from step 2:
+        # lambda0 is set before each step from (steps done - 2) / 2.
+        assert "lm_loss" not in logged[1] and "lm_loss" not in logged[2]
+        assert [logged[s]["lambda0"] for s in (3, 4, 5, 6)] == [0.0, 0.1, 0.2, 0.2]
+        steps = (3, 4, 5, 6)
+    else:  # logging_steps=2, constant lambda0, no heads-only phase
+        assert sorted(logged) == [2, 4, 6] and all(logged[s]["lambda0"] == 0.2 for s in logged)
+        steps = (2, 4, 6)
+    assert all(logged[s]["lm_loss"] >= 0 for s in steps)
+    assert all("head1/loss" in logged[s] for s in logged)
+
+
+def test_moved_workdir_still_uses_the_trained_backbone_and_another_model_overrides(
+    run: Medusa2Run, tmp_path: Path
+) -> None:
+    """A copy of the workdir (its base at a new path: same checkpoint files) still decodes with the
+    trained backbone; model.name_or_path naming another checkpoint wins; an export's layout folder
+    finds the exported backbone."""
+    copy = tmp_path / "wd"
+    shutil.copytree(run.root, copy)
+    report = eval_stage.run(run.cfg("stage=eval", root=copy))
+    assert report["backbone"] == str(copy / "heads" / "backbone")
+    lines = [json.loads(x) for x in (copy / "eval" / "generations.jsonl").read_text().splitlines()]
+    assert [g["medusa"] for g in lines] == [g["medusa"] for g in run.generations]
+
+    other = tmp_path / "other_backbone"  # another checkpoint of the same shapes
+    model = _original(run)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    shutil.copytree(run.root / "backbone", other)  # tokenizer and chat template
+    model.save_pretrained(other)
+    report = eval_stage.run(run.cfg("stage=eval", f"model.name_or_path={other}", root=copy))
+    assert report["backbone"] == str(other) and report["greedy_identical"] == 1.0
+    lines = [json.loads(x) for x in (copy / "eval" / "generations.jsonl").read_text().splitlines()]
+    assert [g["medusa"] for g in lines] == _greedy_texts(model, run)
+
+    if run.tuning == "lora":  # the merged export, read through its vLLM layout
+        report = eval_stage.run(
+            run.cfg("stage=eval", f"eval.heads_dir={copy / 'export' / 'vllm'}", root=copy)
+        )
+        assert report["backbone"] == str(copy / "export" / "backbone") and report["greedy_identical"] == 1.0
+        lines = [json.loads(x) for x in (copy / "eval" / "generations.jsonl").read_text().splitlines()]
+        assert [g["medusa"] for g in lines] == [g["medusa"] for g in run.generations]
+
+
+def test_changed_tree_settings_recalibrate_with_the_trained_backbone(run: Medusa2Run, tmp_path: Path) -> None:
+    copy = tmp_path / "wd"
+    shutil.copytree(run.root, copy)
+    before = json.loads((copy / "heads" / "calibration.json").read_text())
+    weights = {p: p.read_bytes() for p in (copy / "heads").rglob("*.safetensors")}
+    result = train.run(run.cfg("tree.max_nodes=2", root=copy))
+    assert result["skipped"] and result["recalibrated"] and result["tree_size"] <= 2
+    after = json.loads((copy / "heads" / "calibration.json").read_text())
+    assert after["settings"]["tree_max_nodes"] == 2 and before["settings"]["tree_max_nodes"] == 6
+    # Accuracy measured again on the same records: equal only if the trained backbone was used
+    # (LoRA: merged now, applied on the side during training: allow one hit of rounding per entry).
+    assert after["count"] == before["count"]
+    tol = 0.0 if run.tuning == "full" else 1.0 / min(before["count"])
+    torch.testing.assert_close(
+        torch.tensor(after["head_topk_accuracy"]),
+        torch.tensor(before["head_topk_accuracy"]),
+        atol=tol,
+        rtol=0,
+    )
+    assert {p: p.read_bytes() for p in (copy / "heads").rglob("*.safetensors")} == weights
+
+
+def test_tied_embeddings_checkpoint_and_a_killed_run_resumes(tmp_path: Path, monkeypatch) -> None:
+    """Over a backbone whose lm_head is its input embedding the training module holds one tensor
+    under two names (safetensors refuses that): checkpoints still save, and a run killed at step 4
+    resumes from checkpoint-3 to the uninterrupted run's backbone and heads."""
+    overrides = ("training=medusa2", "training.lm_loss=ce", "training.lambda_warmup=constant")
+    ref = make_train_workdir(tmp_path / "ref", tie=True)
+    train.run(train_cfg(ref, *overrides))
+    root = make_train_workdir(tmp_path / "killed", tie=True)
+    original = MedusaTrainer.training_step
+
+    def dies_at_step_4(self, *args, **kwargs):
+        if self.state.global_step >= 4:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MedusaTrainer, "training_step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(train_cfg(root, *overrides))
+    monkeypatch.setattr(MedusaTrainer, "training_step", original)
+    assert (root / "train" / "checkpoint-3" / "trainer_state.json").is_file()
+    result = train.run(train_cfg(root, *overrides))
+    assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6
+    resumed = AutoModelForCausalLM.from_pretrained(root / "heads" / "backbone")
+    want = AutoModelForCausalLM.from_pretrained(ref / "heads" / "backbone")
+    assert resumed.lm_head.weight.data_ptr() == resumed.model.embed_tokens.weight.data_ptr()  # still tied
+    for (name, got), (_, expected) in zip(
+        resumed.state_dict().items(), want.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=name)
+    heads = load_heads(root / "heads").state_dict()
+    for name, expected in load_heads(ref / "heads").state_dict().items():
+        torch.testing.assert_close(heads[name], expected, atol=1e-5, rtol=1e-5, msg=name)
