@@ -571,7 +571,7 @@ def distill_records(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    on_reply: Callable[[int], None] | None = None,
+    on_reply: Callable[[int, bool], None] | None = None,
 ) -> list[DistilledRecord]:
     """Regenerate every assistant turn of ``records`` with continuous batching (:class:`ContinuousBatcher`).
 
@@ -592,7 +592,8 @@ def distill_records(
         temperature: 0 = greedy; otherwise per-record seeded sampling with ``top_p``.
         top_p: nucleus mass.
         seed: sampling seed.
-        on_reply: called with the number of tokens of each generated reply.
+        on_reply: called after each generated reply with its number of tokens and whether it was
+            the record's last (the record is then complete).
 
     Returns:
         One :class:`DistilledRecord` per input record, in input order.
@@ -615,17 +616,18 @@ def distill_records(
         ended = new[-1] if new and new[-1] in eos_ids else None
         st.cut += ended is None
         st.replies.append(tok.decode(new, skip_special_tokens=True))
+        follow = None
+        if st.turns < len(conv.turns):
+            cont = renderer.continuation_ids(conv, st.replies, ended)
+            if len(st.input_ids) + len(cont) > max_context:
+                st.turns_dropped = len(conv.turns) - st.turns
+            else:
+                st.input_ids += cont
+                st.loss_mask += [0] * len(cont)
+                follow = request(i)
         if on_reply is not None:
-            on_reply(len(new))
-        if st.turns >= len(conv.turns):
-            return None
-        cont = renderer.continuation_ids(conv, st.replies, ended)
-        if len(st.input_ids) + len(cont) > max_context:
-            st.turns_dropped = len(conv.turns) - st.turns
-            return None
-        st.input_ids += cont
-        st.loss_mask += [0] * len(cont)
-        return request(i)
+            on_reply(len(new), follow is None)
+        return follow
 
     batcher = ContinuousBatcher(
         model,

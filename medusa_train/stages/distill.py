@@ -428,17 +428,19 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
             "distill: resuming, %d of %d shards of rank 0 already on disk", len(mine) - len(todo), len(mine)
         )
     stats = {"tokens": 0, "seconds": 0.0, "shards": len(todo)}
-    bar = tqdm(total=total, initial=done, unit="rec", desc="distill", disable=rank != 0)
+    # mininterval: at most 2 redraws a second (a log file gets a line per redraw)
+    bar = tqdm(total=total, initial=done, unit="rec", desc="distill", disable=rank != 0, mininterval=0.5)
     start = time.perf_counter()
+    counted = [0]  # records of the current shard already counted on the bar
 
-    shown = [start]
-
-    def on_reply(tokens: int) -> None:
+    def on_reply(tokens: int, record_done: bool) -> None:
         stats["tokens"] += tokens
-        now = time.perf_counter()
-        if now - shown[0] >= 0.5:  # at most 2 redraws a second: a log file gets one line per redraw
-            shown[0] = now
-            bar.set_postfix(tok_s=f"{stats['tokens'] / max(now - start, 1e-9):.0f}")
+        bar.set_postfix(
+            tok_s=f"{stats['tokens'] / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False
+        )
+        if record_done:  # the bar counts generated records; they reach disk with their shard
+            counted[0] += 1
+            bar.update(1)
 
     for n, index in enumerate(todo, start=1):
         chunk = slice(index * size, (index + 1) * size)
@@ -458,7 +460,8 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
             on_reply=on_reply,
         )
         write_shard(shards_dir / shard_name(index), rows)
-        bar.update(len(rows))
+        bar.update(len(rows) - counted[0])  # records with nothing to generate
+        counted[0] = 0
         if tracker is not None:
             elapsed = time.perf_counter() - start
             tracker.log(

@@ -303,3 +303,33 @@ def test_torchrun_two_ranks_equal_one_process(reference, tiny_backbone_dir, prom
     manifest = read_manifest(tmp_path / "distill")
     assert manifest["world_size"] == 2 and manifest["counts"]["records"] == 10
     assert manifest["settings"] == read_manifest(reference[0] / "distill")["settings"]
+
+
+@pytest.mark.parametrize("max_context", [10_000, 40])
+def test_on_reply_reports_every_reply_and_each_records_end(tiny_backbone_dir, max_context) -> None:
+    """The progress bar's feed: one call per generated reply, the record's end flagged exactly once
+    (also when a later turn is dropped for ``max_context``), tokens summing to the masked tokens."""
+    from medusa_train.data.regenerate import ChatRenderer, distill_records, eos_token_ids
+    from medusa_train.data.sources import Conversation
+
+    model, tok = load_backbone(str(tiny_backbone_dir), dtype="float32", device="cpu")
+    renderer = ChatRenderer(tok)
+    convs = [Conversation(f"r{i}", [f"tell me a story {j}?" for j in range(1 + i % 3)]) for i in range(7)]
+    calls: list[tuple[str, int, bool]] = []
+    out = distill_records(
+        model,
+        renderer,
+        convs,
+        [renderer.prompt_ids(c) for c in convs],
+        max_new_tokens=MAX_NEW,
+        max_context=max_context,
+        batch_size=3,
+        eos_ids=eos_token_ids(model, tok),
+        pad_id=tok.pad_token_id,
+        on_reply=lambda n, done: calls.append((n, done)),
+    )
+    assert len(calls) == sum(r.turns for r in out)
+    assert sum(done for _, done in calls) == len(convs)
+    assert sum(n for n, _ in calls) == sum(sum(r.loss_mask) for r in out)
+    if max_context == 40:
+        assert any(r.turns_dropped for r in out)  # the flag also comes when later turns are dropped
