@@ -379,6 +379,8 @@ def run(cfg) -> dict:
         )
         if result is None:  # not rank 0
             return {"rank": _rank()}
+        if trained is not None:  # medusa2: calibrate with the backbone as trained (LoRA: adapters applied)
+            backbone = trained if tc.backbone_tuning == "full" else trained.get_base_model()
     else:
         # 4. Calibration settings changed only: the published heads (and Medusa-2 backbone) as they are.
         if _rank() != 0:
@@ -402,7 +404,7 @@ def run(cfg) -> dict:
         )
         calib_set, calib_name = train_set, "train"
     records = [calib_set[i] for i in range(min(len(calib_set), tc.calibration_max_records))]
-    # medusa2 trained the backbone in place (LoRA layers injected in place too) and left it in
+    # medusa2 trained the backbone (LoRA layers injected into the base in place) and left it in
     # training mode: no dropout (LoRA's included) while measuring.
     backbone.eval()
     acc, count = heldout_topk_accuracy(
@@ -458,7 +460,9 @@ def _train_heads(cfg, backbone, tokenizer, identity, settings, train_set, ds_con
 
     Returns:
         ``(figures, trained heads, trained Medusa-2 backbone or None)`` on rank 0, ``(None, None, None)``
-        elsewhere.
+        elsewhere. The Medusa-2 backbone is the module that trained: a peft model with LoRA/QLoRA
+        (``save_pretrained`` then writes the adapter only); after ZeRO-3 a fresh copy of it holding the
+        consolidated weights.
     """
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     d, vocab = identity["hidden_size"], identity["vocab_size"]
@@ -485,10 +489,17 @@ def _train_heads(cfg, backbone, tokenizer, identity, settings, train_set, ds_con
     saved_env = {k: os.environ.get(k) for k in _PROCESS_ENV}
     own_group = ds_config is not None and "WORLD_SIZE" not in os.environ
     try:
-        return _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype)
+        result, heads, trained = _train(
+            cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype
+        )
     finally:
         if ds_config is not None:
             _release_deepspeed(saved_env, own_group)
+    if isinstance(trained, dict):
+        # ZeRO-3 left the module that trained partitioned; rank 0 got its consolidated weights. Load
+        # them into a fresh copy, now that from_pretrained no longer partitions what it loads.
+        trained = _backbone_from_state(cfg, trained, device)
+    return result, heads, trained
 
 
 def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, model_dtype):
@@ -496,8 +507,8 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
 
     Returns:
         ``(figures, trained heads, trained Medusa-2 backbone or None)`` on rank 0, ``(None, None, None)``
-        elsewhere. The Medusa-2 backbone is the module that trained: a peft model with LoRA/QLoRA
-        (``save_pretrained`` then writes the adapter only).
+        elsewhere. The Medusa-2 backbone is the module that trained, or under ZeRO-3 its consolidated
+        state dict (the module stays partitioned).
     """
     from transformers import TrainingArguments
 
@@ -589,6 +600,8 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
 
         for k in range(heads.num_heads):
             register_external_parameter(model, heads.proj(k).weight)
+        if tc.mode == "medusa2":  # the LM loss reads lm_head's weight the same way
+            register_external_parameter(model, model.backbone.get_output_embeddings().weight)
     budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
     if budget:
         callbacks.append(budget)
@@ -609,8 +622,9 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
     finally:
         tracker.finish()
     train_seconds = time.time() - t0
+    trained = model.backbone if tc.mode == "medusa2" else None
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
-        heads = _gather_zero3_heads(trainer, heads)  # collective: every rank takes part
+        heads, trained = _gather_zero3(trainer, heads, medusa2=tc.mode == "medusa2")  # collective
     if not trainer.is_world_process_zero():
         return None, None, None
     hist = trainer.head_history
@@ -636,14 +650,16 @@ def _train(cfg, backbone, tokenizer, heads, train_set, ds_config, info, device, 
         tokens *= max(trainer.state.global_step - done_before, 0) / max(trainer.state.global_step, 1)
     result["tokens_per_s"] = round(tokens / max(out.metrics.get("train_runtime", train_seconds), 1e-9), 1)
     result.update(extra)
-    return result, heads, model.backbone if tc.mode == "medusa2" else None
+    return result, heads, trained
 
 
-def _gather_zero3_heads(trainer, heads: MedusaHeads) -> MedusaHeads:
-    """ZeRO-3 leaves the heads partitioned across ranks: rebuild whole heads from the consolidated state."""
+def _gather_zero3(trainer, heads: MedusaHeads, medusa2: bool) -> tuple[MedusaHeads, dict | None]:
+    """ZeRO-3 leaves the module partitioned across ranks: rebuild whole heads from the consolidated
+    state, and (medusa2) return the backbone's part of it (its own parameter names). Every rank
+    must call this; the results are rank 0's (the others get their inputs back)."""
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # full tensors on rank 0 only
     if not trainer.is_world_process_zero():
-        return heads
+        return heads, None
     whole = MedusaHeads(
         heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers, heads.base_model_name_or_path
     )
@@ -655,7 +671,23 @@ def _gather_zero3_heads(trainer, heads: MedusaHeads) -> MedusaHeads:
             if k.startswith(f"{prefix}heads.heads.")
         }
     )
-    return whole.to(trainer.args.device)
+    backbone_state = None
+    if medusa2:
+        start = f"{prefix}backbone."
+        backbone_state = {k.removeprefix(start): v for k, v in state.items() if k.startswith(start)}
+    return whole.to(trainer.args.device), backbone_state
+
+
+def _backbone_from_state(cfg, state: dict[str, torch.Tensor], device) -> torch.nn.Module:
+    """The Medusa-2 backbone as it trained (LoRA: the same peft wrapping), from the base checkpoint
+    loaded again and the trained weights ``state`` (all of them, adapters and frozen base alike)."""
+    from medusa_train.stages import load_configured_backbone
+    from medusa_train.training import medusa2
+
+    base, _ = load_configured_backbone(cfg.model, device, trainable=True)
+    backbone = medusa2.trainable_backbone(cfg.training, base)
+    backbone.load_state_dict(state)
+    return backbone
 
 
 def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -> str | None:
@@ -695,6 +727,12 @@ def _release_deepspeed(saved_env: dict[str, str | None], own_group: bool) -> Non
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            # DeepSpeed's own teardown: it also forgets the groups it derived from this one, which a
+            # second DeepSpeed run in this process would otherwise use ("group is not registered").
+            deepspeed.comm.destroy_process_group()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

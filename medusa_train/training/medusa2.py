@@ -29,8 +29,8 @@ def check_supported(cfg) -> None:
         and tc.backbone_tuning == "full"
     ):
         raise UserError(
-            "training=medusa2 with lm_loss=kl and full tuning keeps a frozen copy of the backbone, which ZeRO-3 "
-            "would shard: use deepspeed=zero2, backbone_tuning=lora, or training.lm_loss=ce"
+            "training=medusa2 with lm_loss=kl and full tuning keeps a whole frozen copy of the backbone on every "
+            "rank, which ZeRO-3 does not shard: use deepspeed=zero2, backbone_tuning=lora, or training.lm_loss=ce"
         )
     if tc.backbone_tuning in ("lora", "qlora"):
         try:
@@ -46,23 +46,24 @@ def check_supported(cfg) -> None:
 
 
 class HeadsOnlyCallback(TrainerCallback):
-    """Two-stage Medusa-2: the backbone gets no gradient for the first ``steps`` optimizer steps."""
+    """Two-stage Medusa-2: for the first ``steps`` optimizer steps the backbone gets no gradient and
+    the optimizer leaves its groups alone (see ``training.optim.FreezableAdamW``)."""
 
     def __init__(self, model: MedusaTrainingModel, steps: int) -> None:
         self.model, self.steps = model, steps
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.model.backbone_frozen = state.global_step < self.steps
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        frozen = state.global_step < self.steps
+        self.model.backbone_frozen = frozen
+        # Under DeepSpeed these are its optimizer's view of our groups. A checkpoint written before
+        # groups said whose they were restores groups without "backbone": never frozen, as then.
+        for group in optimizer.param_groups:
+            group["frozen"] = frozen and group.get("backbone", False)
 
 
-def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: dict):
-    """The Medusa-2 training module, its callbacks and extra result fields.
-
-    Returns:
-        ``(model, callbacks, extra)``.
-    """
-    tc = cfg.training
-    teacher = None
+def trainable_backbone(tc, backbone: torch.nn.Module) -> torch.nn.Module:
+    """``backbone`` made trainable as ``tc.backbone_tuning`` says, in training mode: every weight
+    (full), or a peft model with LoRA adapters injected into ``backbone`` in place (lora, qlora)."""
     if tc.backbone_tuning in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -75,12 +76,23 @@ def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: 
             target_modules=list(tc.lora_target_modules),
             task_type="CAUSAL_LM",
         )
-        backbone = get_peft_model(backbone, lora)  # the teacher = the same model with adapters disabled
+        backbone = get_peft_model(backbone, lora)
     else:
         backbone.requires_grad_(True)
-        if tc.lm_loss == "kl":
-            teacher = copy.deepcopy(backbone).eval().requires_grad_(False)
-    backbone.train()
+    return backbone.train()
+
+
+def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: dict):
+    """The Medusa-2 training module, its callbacks and extra result fields.
+
+    Returns:
+        ``(model, callbacks, extra)``.
+    """
+    tc = cfg.training
+    teacher = None
+    if tc.backbone_tuning == "full" and tc.lm_loss == "kl":
+        teacher = copy.deepcopy(backbone).eval().requires_grad_(False)
+    backbone = trainable_backbone(tc, backbone)  # LoRA: the teacher = the same model with adapters disabled
     model = MedusaTrainingModel(
         heads, backbone, mode="medusa2", lm_loss=tc.lm_loss, teacher=teacher, lambda0=0.0, **model_kwargs
     )

@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback
 
 from medusa_train.errors import UserError
 from medusa_train.training.losses import lambda0_schedule
-from medusa_train.training.optim import param_groups
+from medusa_train.training.optim import FreezableAdamW, param_groups
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class MedusaTrainer(Trainer):
                 self.args.weight_decay,
                 self.head_lr_multiplier,
             )
-            self.optimizer = torch.optim.AdamW(
+            self.optimizer = FreezableAdamW(
                 groups,
                 lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2),

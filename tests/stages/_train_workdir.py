@@ -4,12 +4,18 @@
 tokenizer, distill/ with one Arrow shard and a manifest carrying the backbone identity) in about a
 second. The records follow a pattern a head can learn from the current token alone
 (``x_{t+1} = x_t + 1`` over a window of the vocabulary), after a 4-token "prompt" with loss_mask 0.
+Also the DeepSpeed test helpers: ``launch`` (torchrun / deepspeed subprocess) and
+``zero3_partitioning_everything`` (ZeRO-3 in this process with every parameter sharded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +26,7 @@ from medusa_train.config import Config, compose_config
 
 VOCAB = 64
 HIDDEN = 32
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -120,3 +127,40 @@ def train_overrides(workdir: Path, *overrides: str) -> list[str]:
 def train_cfg(workdir: Path, *overrides: str) -> Config:
     """:func:`train_overrides` composed into the typed config."""
     return compose_config(train_overrides(workdir, *overrides))
+
+
+def launch(cmd: list[str], cwd: Path = REPO) -> None:
+    """Run a multi-process launcher command (torchrun, deepspeed), one thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def zero3_partitioning_everything(monkeypatch) -> Iterator[None]:
+    """``deepspeed=zero3`` in this process with every parameter really partitioned (persistence
+    threshold 0: by default ZeRO-3 keeps small tensors, i.e. all of a tiny model, whole), and the
+    process-wide state a 1-process DeepSpeed run leaves behind removed afterwards."""
+    import torch
+
+    import medusa_train.training.trainer as trainer_mod
+
+    original = trainer_mod.deepspeed_config
+
+    def partition_everything(*args, **kwargs):
+        config = original(*args, **kwargs)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return config
+
+    monkeypatch.setattr(trainer_mod, "deepspeed_config", partition_everything)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # so that teardown removes what the stage sets
+        monkeypatch.delenv(key)
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -4,7 +4,8 @@ The workdir: the chat-template tiny Llama of tests/conftest.py (eval renders pro
 synthetic distilled records of _train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
 does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
 module is captured from ``medusa2.build`` to compare against what export and eval load from disk.
-The last test uses the plain _train_workdir.py backbone with tied embeddings (checkpoints, resume).
+The last tests use the plain _train_workdir.py backbone with tied embeddings (checkpoints, resume;
+DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process).
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_workdir import build_tiny_backbone  # noqa: E402
-from _train_workdir import make_records, make_train_workdir, train_cfg, write_distill  # noqa: E402
+from _train_workdir import (  # noqa: E402
+    launch,
+    make_records,
+    make_train_workdir,
+    train_cfg,
+    train_overrides,
+    write_distill,
+    zero3_partitioning_everything,
+)
+from safetensors.torch import load_file  # noqa: E402
 
 from medusa_train.backbone import load_backbone, load_tokenizer  # noqa: E402
 from medusa_train.formats import load_heads  # noqa: E402
@@ -270,3 +280,86 @@ def test_tied_embeddings_checkpoint_and_a_killed_run_resumes(tmp_path: Path, mon
     heads = load_heads(root / "heads").state_dict()
     for name, expected in load_heads(ref / "heads").state_dict().items():
         torch.testing.assert_close(heads[name], expected, atol=1e-5, rtol=1e-5, msg=name)
+
+
+# -- DeepSpeed --------------------------------------------------------------------------------------
+# Both TUNING settings (full: CE, heads-only phase, linear warm-up; LoRA: KL to the adapter-disabled
+# model), LoRA without dropout (every rank draws its own masks), over the tied-embedding backbone.
+# One plain process with batch 2 x 2 accumulation steps is the reference for 2 ranks x batch 2.
+# Not full tuning with KL: its frozen copy's logits differ from the student's by rounding only, and
+# Adam scales that noise up to lr-sized steps (lm_head entries then differ by ~5e-3 between runs).
+PER_RANK = ("training.per_device_batch_size=2", "training.lora_dropout=0")
+
+
+@pytest.fixture(scope="module", params=sorted(TUNING))
+def plain(request, tmp_path_factory) -> tuple[str, Path, dict]:
+    """``(tuning, workdir, result)`` of the reference run without DeepSpeed."""
+    root = make_train_workdir(tmp_path_factory.mktemp(f"plain_{request.param}"), tie=True)
+    overrides = (
+        "training=medusa2",
+        *TUNING[request.param],
+        *PER_RANK,
+        "training.gradient_accumulation_steps=2",
+    )
+    return request.param, root, train.run(train_cfg(root, *overrides))
+
+
+def _assert_same_training(root: Path, ref: Path, tuning: str) -> None:
+    """``root/heads`` (heads and trained backbone) equals ``ref/heads``, and training moved the backbone."""
+    heads, want = load_heads(root / "heads").state_dict(), load_heads(ref / "heads").state_dict()
+    assert heads.keys() == want.keys()
+    for name, expected in want.items():
+        torch.testing.assert_close(heads[name], expected, atol=1e-5, rtol=1e-5, msg=name)
+    if tuning == "full":  # a loadable model: every weight, lm_head still tied to the input embedding
+        got = AutoModelForCausalLM.from_pretrained(root / "heads" / "backbone")
+        assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
+        got = got.state_dict()
+        expected = AutoModelForCausalLM.from_pretrained(ref / "heads" / "backbone").state_dict()
+        base = AutoModelForCausalLM.from_pretrained(ref / "backbone").state_dict()
+        assert max(float((expected[k] - base[k]).abs().max()) for k in base) > 1e-3
+    else:  # the adapter only
+        got = load_file(str(root / "heads" / "backbone" / "adapter_model.safetensors"))
+        expected = load_file(str(ref / "heads" / "backbone" / "adapter_model.safetensors"))
+        assert max(float(t.abs().max()) for k, t in expected.items() if "lora_B" in k) > 1e-3
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.distributed
+def test_two_process_zero2_equals_one_process(plain, tmp_path: Path) -> None:
+    """2 ranks x batch 2 (ZeRO-2, torchrun) == 1 process x batch 2 x 2 accumulation steps."""
+    tuning, ref, _ = plain
+    root = make_train_workdir(tmp_path, tie=True)
+    args = train_overrides(
+        root, "stage=train", "training=medusa2", *TUNING[tuning], *PER_RANK, "deepspeed=zero2"
+    )
+    port = {"full": "29633", "lora": "29634"}[tuning]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    launch([str(torchrun), "--nproc_per_node", "2", "--master_port", port, "-m", "medusa_train", *args])
+    assert json.loads((root / "heads" / "config.json").read_text())["training_result"]["steps"] == 6
+    _assert_same_training(root, ref, tuning)
+
+
+def test_single_process_zero3_with_everything_partitioned_equals_plain(
+    plain, tmp_path: Path, monkeypatch
+) -> None:
+    """ZeRO-3 shards the backbone too: the LM loss still reads the whole lm_head, and heads/backbone
+    holds the consolidated trained weights; the calibration after training uses them as well."""
+    tuning, ref, ref_result = plain
+    root = make_train_workdir(tmp_path, tie=True)
+    overrides = ("training=medusa2", *TUNING[tuning], *PER_RANK, "training.gradient_accumulation_steps=2")
+    with zero3_partitioning_everything(monkeypatch):
+        result = train.run(train_cfg(root, *overrides, "deepspeed=zero3"))
+    assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref_result["final_loss"], abs=1e-4)
+    _assert_same_training(root, ref, tuning)
+    calibration, ref_calibration = (
+        json.loads((r / "heads" / "calibration.json").read_text()) for r in (root, ref)
+    )
+    assert calibration["count"] == ref_calibration["count"]
+    torch.testing.assert_close(
+        torch.tensor(calibration["head_topk_accuracy"]),
+        torch.tensor(ref_calibration["head_topk_accuracy"]),
+        atol=1.0 / min(ref_calibration["count"]),  # one hit: the heads agree to 1e-5, not bit for bit
+        rtol=0,
+    )

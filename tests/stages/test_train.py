@@ -20,9 +20,14 @@ from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _train_workdir import make_train_workdir, train_cfg, train_overrides  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
+from _train_workdir import (  # noqa: E402
+    REPO,
+    launch,
+    make_train_workdir,
+    train_cfg,
+    train_overrides,
+    zero3_partitioning_everything,
+)
 
 
 def _heads_state(workdir: Path) -> dict[str, torch.Tensor]:
@@ -188,12 +193,6 @@ def test_cli_offload_on_cpu_is_one_line_exit_2(tmp_path, capsys):
 
 
 # -- multi-process -----------------------------------------------------------------------------------
-def _launch(cmd: list[str], cwd: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_two_process_zero2_equals_one_process(tmp_path, launcher):
@@ -229,7 +228,7 @@ def test_two_process_zero2_equals_one_process(tmp_path, launcher):
             "medusa_train",
             *args,
         ]
-    _launch(cmd, REPO)
+    launch(cmd)
     result = json.loads((two / "heads" / "config.json").read_text())["training_result"]
     assert result["steps"] == 6
     _assert_heads_close(two, one, atol=1e-5)
@@ -237,29 +236,10 @@ def test_two_process_zero2_equals_one_process(tmp_path, launcher):
 
 def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp_path, monkeypatch):
     """No launcher needed; heads really partitioned (persistence threshold 0), gathered at the end."""
-    import medusa_train.training.trainer as trainer_mod
-
     ref_root, ref = reference
-    original = trainer_mod.deepspeed_config
-
-    def partition_everything(*args, **kwargs):
-        config = original(*args, **kwargs)
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        return config
-
-    monkeypatch.setattr(trainer_mod, "deepspeed_config", partition_everything)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(key, "")  # so that teardown removes what the stage sets
-        monkeypatch.delenv(key)
     root = make_train_workdir(tmp_path)
-    try:
+    with zero3_partitioning_everything(monkeypatch):
         result = run(train_cfg(root, "deepspeed=zero3"))
-    finally:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
     assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(root, ref_root, atol=1e-5)
 

@@ -1,15 +1,22 @@
-"""Medusa-2 pieces: trainable backbone, LM loss (CE / KL to the frozen original), lambda0, LoRA."""
+"""Medusa-2 pieces: trainable backbone, LM loss (CE / KL to the frozen original), lambda0, LoRA,
+the heads-only phase's optimizer groups, combinations refused up front."""
 
 from __future__ import annotations
 
 import copy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from medusa_train.config import compose_config
+from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
+from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported
 from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.optim import FreezableAdamW, param_groups
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_training_model import batch, tiny_llama  # noqa: E402
@@ -56,3 +63,39 @@ def test_heads_only_phase_gives_backbone_no_gradient():
     assert "lm_loss" not in out
     out["loss"].backward()
     assert all(p.grad is None for p in model.backbone.parameters())
+
+
+def test_heads_only_phase_leaves_the_backbone_groups_alone_even_with_zero_gradients():
+    """DeepSpeed hands AdamW a zero gradient for the backbone in the heads-only phase: its groups
+    must still get no update, no weight decay and no counted step (the bias correction of the first
+    joint step), as without DeepSpeed, where those gradients are None."""
+    model = _model("ce")
+    optimizer = FreezableAdamW(param_groups(model, 1e-2, weight_decay=0.1, head_lr_multiplier=4.0), lr=1e-2)
+    assert {g["backbone"] for g in optimizer.param_groups} == {True, False}
+    callback = HeadsOnlyCallback(model, steps=1)
+    backbone_before = [p.detach().clone() for p in model.backbone.parameters()]
+    heads_before = [p.detach().clone() for p in model.heads.parameters()]
+    callback.on_step_begin(None, SimpleNamespace(global_step=0), None, optimizer=optimizer)
+    assert model.backbone_frozen
+    assert all(g["frozen"] == g["backbone"] for g in optimizer.param_groups)
+    model(**batch())["loss"].backward()
+    for p in model.backbone.parameters():
+        p.grad = torch.zeros_like(p)  # what DeepSpeed's flat gradient holds for the backbone
+    optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.backbone.parameters(), backbone_before, strict=True))
+    assert not any(p in optimizer.state for p in model.backbone.parameters())
+    assert all(not torch.equal(p, q) for p, q in zip(model.heads.parameters(), heads_before, strict=True))
+    callback.on_step_begin(None, SimpleNamespace(global_step=1), None, optimizer=optimizer)
+    assert not model.backbone_frozen and not any(g["frozen"] for g in optimizer.param_groups)
+
+
+def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():
+    def cfg(*overrides):
+        return compose_config(["training=medusa2", "deepspeed=zero3", *overrides])
+
+    with pytest.raises(UserError, match="use deepspeed=zero2") as err:
+        check_supported(cfg())  # lm_loss=kl, backbone_tuning=full: the conf defaults
+    assert "\n" not in str(err.value)
+    check_supported(cfg("training.lm_loss=ce"))
+    check_supported(cfg("training.backbone_tuning=lora"))
+    check_supported(compose_config(["training=medusa2", "deepspeed=zero2"]))
