@@ -327,14 +327,16 @@ def _assert_same_training(root: Path, ref: Path, tuning: str) -> None:
 
 
 @pytest.mark.distributed
-def test_two_process_zero2_equals_one_process(plain, tmp_path: Path) -> None:
-    """2 ranks x batch 2 (ZeRO-2, torchrun) == 1 process x batch 2 x 2 accumulation steps."""
+@pytest.mark.parametrize("deepspeed", ["zero2", "none"])
+def test_two_process_equals_one_process(plain, tmp_path: Path, deepspeed: str) -> None:
+    """2 ranks x batch 2 (torchrun; ZeRO-2, or plain DDP) == 1 process x batch 2 x 2 accumulation steps."""
     tuning, ref, _ = plain
     root = make_train_workdir(tmp_path, tie=True)
     args = train_overrides(
-        root, "stage=train", "training=medusa2", *TUNING[tuning], *PER_RANK, "deepspeed=zero2"
+        root, "stage=train", "training=medusa2", *TUNING[tuning], *PER_RANK, f"deepspeed={deepspeed}"
     )
-    port = {"full": "29633", "lora": "29634"}[tuning]
+    port = {("full", "zero2"): "29633", ("lora", "zero2"): "29634", ("full", "none"): "29635"}
+    port = port.get((tuning, deepspeed), "29636")
     torchrun = Path(sys.executable).parent / "torchrun"
     launch([str(torchrun), "--nproc_per_node", "2", "--master_port", port, "-m", "medusa_train", *args])
     assert json.loads((root / "heads" / "config.json").read_text())["training_result"]["steps"] == 6
