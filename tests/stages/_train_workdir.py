@@ -5,7 +5,8 @@ tokenizer, distill/ with one Arrow shard and a manifest carrying the backbone id
 second. The records follow a pattern a head can learn from the current token alone
 (``x_{t+1} = x_t + 1`` over a window of the vocabulary), after a 4-token "prompt" with loss_mask 0.
 Also the DeepSpeed test helpers: ``launch`` (torchrun / deepspeed subprocess) and
-``zero3_partitioning_everything`` (ZeRO-3 in this process with every parameter sharded).
+``zero3_partitioning_everything`` (ZeRO-3 in this process with every parameter sharded), and
+``run_killed_at_step`` (a training run interrupted mid-way, for the resume tests).
 """
 
 from __future__ import annotations
@@ -127,6 +128,29 @@ def train_overrides(workdir: Path, *overrides: str) -> list[str]:
 def train_cfg(workdir: Path, *overrides: str) -> Config:
     """:func:`train_overrides` composed into the typed config."""
     return compose_config(train_overrides(workdir, *overrides))
+
+
+def run_killed_at_step(cfg: Config, monkeypatch, step: int = 4) -> None:
+    """Run stage=train on ``cfg`` and interrupt it (``KeyboardInterrupt``) at optimizer step ``step``,
+    after the checkpoints before it were written; the Trainer is restored afterwards."""
+    import pytest
+
+    from medusa_train.stages import train
+    from medusa_train.training.trainer import MedusaTrainer
+
+    original = MedusaTrainer.training_step
+
+    def dies(self, *args, **kwargs):
+        if self.state.global_step >= step:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(MedusaTrainer, "training_step", dies)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train.run(cfg)
+    finally:
+        monkeypatch.setattr(MedusaTrainer, "training_step", original)
 
 
 def launch(cmd: list[str], cwd: Path = REPO) -> None:

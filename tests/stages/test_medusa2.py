@@ -26,6 +26,7 @@ from _train_workdir import (  # noqa: E402
     launch,
     make_records,
     make_train_workdir,
+    run_killed_at_step,
     train_cfg,
     train_overrides,
     write_distill,
@@ -39,7 +40,7 @@ from medusa_train.stages import eval as eval_stage  # noqa: E402
 from medusa_train.stages import export, train  # noqa: E402
 from medusa_train.training import medusa2  # noqa: E402
 from medusa_train.training.model import last_hidden_state  # noqa: E402
-from medusa_train.training.trainer import MedusaTrainer, TrackerCallback  # noqa: E402
+from medusa_train.training.trainer import TrackerCallback  # noqa: E402
 
 EVAL = ("eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]")  # greedy parity only: fast
 TUNING = {
@@ -256,17 +257,7 @@ def test_tied_embeddings_checkpoint_and_a_killed_run_resumes(tmp_path: Path, mon
     ref = make_train_workdir(tmp_path / "ref", tie=True)
     train.run(train_cfg(ref, *overrides))
     root = make_train_workdir(tmp_path / "killed", tie=True)
-    original = MedusaTrainer.training_step
-
-    def dies_at_step_4(self, *args, **kwargs):
-        if self.state.global_step >= 4:
-            raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(MedusaTrainer, "training_step", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train.run(train_cfg(root, *overrides))
-    monkeypatch.setattr(MedusaTrainer, "training_step", original)
+    run_killed_at_step(train_cfg(root, *overrides), monkeypatch, step=4)
     assert (root / "train" / "checkpoint-3" / "trainer_state.json").is_file()
     result = train.run(train_cfg(root, *overrides))
     assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6

@@ -24,6 +24,7 @@ from _train_workdir import (  # noqa: E402
     REPO,
     launch,
     make_train_workdir,
+    run_killed_at_step,
     train_cfg,
     train_overrides,
     zero3_partitioning_everything,
@@ -118,17 +119,7 @@ def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeyp
     ref_root, ref = reference
     root = make_train_workdir(tmp_path)
     overrides = (f"training.cache_hidden_states={cache}",)
-    original = MedusaTrainer.training_step
-
-    def dies_at_step_4(self, *args, **kwargs):
-        if self.state.global_step >= 4:
-            raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(MedusaTrainer, "training_step", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        run(train_cfg(root, *overrides))
-    monkeypatch.setattr(MedusaTrainer, "training_step", original)
+    run_killed_at_step(train_cfg(root, *overrides), monkeypatch, step=4)
     assert (root / "train" / "checkpoint-3").is_dir() and not (root / "heads").exists()
     # A kill while saving leaves a newer folder without trainer_state.json: it must be ignored.
     partial = root / "train" / "checkpoint-5"
