@@ -1,52 +1,108 @@
-"""The fixed layout of a run directory, so stages chain without the user passing paths.
+"""The run directory: artefact names, atomic writes and publishing, and the skip/resume key of a stage.
+
+Every stage reads its inputs from and writes its outputs to fixed places of ``cfg.workdir``, so
+stages chain without the user passing paths:
 
 ```
 workdir/
-  backbone/   HF model dir + tokenizer (model=tiny only)
-  distill/    datasets Arrow shards + manifest.json
-  train/      trainer checkpoints (resumable)
-  heads/      final heads (FasterDecoding layout) + calibration.json + medusa_choices.json
+  pretrain/   the embedded tiny LM (model=tiny only): HF model dir + tokenizer + train_report.json
+  distill/    manifest.json  progress.json  shards/*.arrow
+  train/      trainer checkpoints (resumable) + run.json; hidden_cache/ (training.cache_hidden_states)
+  heads/      config.json  medusa_lm_head.safetensors  calibration.json  medusa_choices.json
               (+ backbone/ after training=medusa2: the trained backbone, or its LoRA adapter)
   export/     medusa/  vllm/  medusa_choices.json  README.md  (+ backbone/ after medusa2, LoRA merged)
-  eval/       report.json  report.md  plots/*.png  generations.jsonl
+  eval/       report.json  report.md  generations.jsonl  plots/*.png
 ```
+
+This module is a leaf (standard library + :mod:`medusa_train.errors` only): the heads, the data
+readers and the stages all import their file names and atomic writes from here.
+
+Publishing: a stage builds an output folder under a temporary name beside its final place
+(:func:`staging_dir`) and swaps it in with renames (:func:`publish_dir`), so a reader never sees a
+half-written folder; leftovers of a killed run are removed by the next one (:func:`remove_stale`).
+
+Skip/resume keys: :func:`settings_key` turns config dataclasses and a stage's inputs into one
+JSON-able dict. Every dataclass field is part of the key unless the class lists it in its
+``RUN_ONLY`` class attribute (fields that steer how a run goes, not what it produces, e.g.
+``overwrite``), so a new config field is compared without anyone listing it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from medusa_train.errors import UserError
+
+# -- folders of the workdir (one per stage) ----------------------------------------------------------
+PRETRAIN = "pretrain"
+DISTILL = "distill"
+TRAIN = "train"
+HEADS = "heads"
+EXPORT = "export"
+EVAL = "eval"
+TRAINED_BACKBONE = "backbone"
+"""Medusa-2: the folder beside the heads (and in the export) holding the trained backbone."""
+
+# -- file names -----------------------------------------------------------------------------------
+PRETRAIN_REPORT = "train_report.json"
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+SHARDS = "shards"
+RUN_INFO = "run.json"
+HIDDEN_CACHE = "hidden_cache"
+HEADS_CONFIG = "config.json"
+HEADS_WEIGHTS = "medusa_lm_head.safetensors"
+CALIBRATION = "calibration.json"
+CHOICES = "medusa_choices.json"
+MODEL_CARD = "README.md"
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+GENERATIONS = "generations.jsonl"
+PLOTS = "plots"
 
 
 @dataclass(frozen=True)
 class Workdir:
+    """The fixed folders of a run directory (see the module docstring)."""
+
     root: Path
 
     @property
-    def backbone(self) -> Path:
+    def pretrain(self) -> Path:
+        return self.root / PRETRAIN
+
+    @property
+    def backbone(self) -> Path:  # TODO(issue 11): removed once stage=backbone is renamed stage=pretrain
         return self.root / "backbone"
 
     @property
     def distill(self) -> Path:
-        return self.root / "distill"
+        return self.root / DISTILL
 
     @property
     def train(self) -> Path:
-        return self.root / "train"
+        return self.root / TRAIN
 
     @property
     def heads(self) -> Path:
-        return self.root / "heads"
+        return self.root / HEADS
 
     @property
     def export(self) -> Path:
-        return self.root / "export"
+        return self.root / EXPORT
 
     @property
     def eval(self) -> Path:
-        return self.root / "eval"
+        return self.root / EVAL
 
 
 def require(path: Path, what: str, stage: str) -> Path:
@@ -56,3 +112,148 @@ def require(path: Path, what: str, stage: str) -> Path:
             f"{what} not found at {path}: run `python -m medusa_train stage={stage}` first (same workdir=)"
         )
     return path
+
+
+# -- atomic files -----------------------------------------------------------------------------------
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_path)``, fsync, then rename onto ``path`` (same folder: the rename is atomic).
+
+    The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        with open(tmp_path, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    return atomic_write(path, lambda p: p.write_text(text))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON (with a final newline) to ``path`` atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# -- atomic folders ---------------------------------------------------------------------------------
+_STALE = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-(?P<pid>\d+)$")
+
+
+def staging_dir(final: Path) -> Path:
+    """An empty folder beside ``final`` to build its next version in (``.<name>.tmp-<pid>``)."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, final: Path) -> Path:
+    """Replace ``final`` by ``tmp`` with renames only: a reader sees the old folder or the new one.
+
+    An existing ``final`` is renamed aside (``.<name>.old-<pid>``) first and deleted after the swap;
+    a kill between the two renames leaves ``final`` missing and both versions on disk, which
+    :func:`remove_stale` cleans up on the next run (the stage then redoes its work).
+    """
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def remove_stale(final: Path) -> list[Path]:
+    """Delete the staging/old folders and temp files a killed run left beside ``final``.
+
+    Only leftovers of processes that no longer run are removed (a concurrent run's are kept).
+    """
+    parent = final.parent
+    removed: list[Path] = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        match = _STALE.match(entry.name)
+        if not match or match["name"] != final.name or _alive(int(match["pid"])):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own leftovers from an earlier call in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- skip/resume keys -------------------------------------------------------------------------------
+def settings_key(**parts: Any) -> dict:
+    """The settings a stage's output depends on, as a JSON-able dict (compared to skip or resume).
+
+    Args:
+        **parts: config dataclasses (every field except those in the class's ``RUN_ONLY``) or any
+            JSON-able values (a stage's input identities: a fingerprint, a manifest digest).
+
+    Returns:
+        ``{part name: {field: value}}`` for dataclasses, ``{part name: value}`` otherwise, normalised
+        through JSON (tuples become lists, paths strings), so a key read back from disk compares equal.
+    """
+    key: dict[str, Any] = {}
+    for name, value in parts.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            skip = set(getattr(type(value), "RUN_ONLY", ()))
+            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name not in skip}
+        key[name] = value
+    return json.loads(json.dumps(key, sort_keys=True, default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+def settings_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the entries that differ between two keys; never empty when ``old != new``."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += settings_diff(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out or [prefix.rstrip(".") or "<settings>"]
+    return [prefix.rstrip(".") or "<settings>"]

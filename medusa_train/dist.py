@@ -1,0 +1,87 @@
+"""Ranks, world size and the few collective operations the stages need.
+
+One home for what ``torchrun`` / the ``deepspeed`` launcher tell a process (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``) and for the synchronisation points distill and train use. Everything is a no-op
+in a single process, so a stage never branches on "am I distributed" itself. The process group,
+where one is needed outside the HF Trainer, is gloo: the collectives here move small Python objects
+(counts, settings), not tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+
+def rank() -> int:
+    """Global rank of this process (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """Number of processes of the launch (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """Rank on this node: the CUDA device index of this process."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0: the process that publishes artefacts and talks to the tracker."""
+    return rank() == 0
+
+
+def launched() -> bool:
+    """A launcher (torchrun, deepspeed) started this process."""
+    return "WORLD_SIZE" in os.environ
+
+
+def init_process_group(timeout: timedelta = timedelta(days=7)) -> bool:
+    """Create the gloo group when several ranks run and none exists; returns whether it was created.
+
+    The default timeout is long on purpose: a rank can generate or train for hours before the next
+    collective, which must not time out meanwhile.
+    """
+    if world_size() <= 1 or tdist.is_initialized():
+        return False
+    tdist.init_process_group("gloo", timeout=timeout)
+    return True
+
+
+def destroy_process_group(created: bool) -> None:
+    """Undo :func:`init_process_group` (only the group this process created)."""
+    if created and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _active() -> bool:
+    return world_size() > 1 and tdist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if _active():
+        tdist.barrier()
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (any picklable object)."""
+    if not _active():
+        return value
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not _active():
+        return [value]
+    boxes: list[Any] = [None] * world_size()
+    tdist.all_gather_object(boxes, value)
+    return boxes
