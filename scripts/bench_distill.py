@@ -100,8 +100,9 @@ def main() -> None:
     import torch
 
     from medusa_train.backbone import load_backbone
+    from medusa_train.data.chat import ChatRenderer, eos_token_ids
     from medusa_train.data.embedded import embedded_prompts
-    from medusa_train.data.regenerate import ChatRenderer, ContinuousBatcher, GenRequest, eos_token_ids
+    from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
     from medusa_train.data.sources import Conversation
 
     model, tok = load_backbone(args.model, dtype=args.dtype, device=args.device)

@@ -40,75 +40,8 @@ from typing import Any
 
 import torch
 
+from medusa_train.data.chat import ChatRenderer
 from medusa_train.data.sources import Conversation
-from medusa_train.errors import UserError
-
-_SENTINEL = "MEDUSAREPLYSENTINEL"
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every id that ends an assistant turn: the generation config's EOS ids plus the tokenizer's."""
-    ids: set[int] = set()
-    gen_eos = model.generation_config.eos_token_id
-    if gen_eos is not None:
-        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise UserError("the backbone defines no EOS token: generation could not stop at the end of a turn")
-    return sorted(ids)
-
-
-class ChatRenderer:
-    """Token ids of the first prompt and of the continuations between turns (see the module docstring)."""
-
-    def __init__(self, tokenizer) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError(
-                f"the tokenizer of {tokenizer.name_or_path} has no chat template: distillation needs a chat model"
-            )
-        self.tokenizer = tokenizer
-
-    @staticmethod
-    def messages(conv: Conversation, replies: list[str], next_turn: bool) -> list[dict[str, str]]:
-        """Chat messages: system, then user/assistant pairs for ``replies``, then the next user turn."""
-        msgs = [{"role": "system", "content": conv.system}] if conv.system else []
-        for user, reply in zip(conv.turns, replies, strict=False):
-            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-        if next_turn:
-            msgs.append({"role": "user", "content": conv.turns[len(replies)]})
-        return msgs
-
-    def _render(self, msgs: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def prompt_ids(self, conv: Conversation) -> list[int]:
-        """Tokens of the first turn's prompt, as the chat template renders it (generation prompt included)."""
-        return self._encode(self._render(self.messages(conv, [], True)))
-
-    def continuation_ids(self, conv: Conversation, replies: list[str], eos_id: int | None) -> list[int]:
-        """Tokens between the end of reply ``len(replies) - 1`` and the generation of the next turn.
-
-        Args:
-            conv: the conversation; ``conv.turns[len(replies)]`` is the next user turn.
-            replies: decoded replies so far (the last one is replaced by a sentinel when rendering).
-            eos_id: the EOS token that ended the last reply, or None when it was cut by max_new_tokens.
-        """
-        text = self._render(self.messages(conv, [*replies[:-1], _SENTINEL], True))
-        at = text.rfind(_SENTINEL)
-        if at < 0:
-            raise UserError(
-                "the chat template drops earlier assistant turns: multi-turn distillation is impossible"
-            )
-        suffix = text[at + len(_SENTINEL) :]
-        if eos_id is not None:
-            eos_text = self.tokenizer.decode([eos_id])
-            if eos_text and suffix.startswith(eos_text):
-                suffix = suffix[len(eos_text) :]
-        return self._encode(suffix)
 
 
 def record_generator(seed: int, source_id: str, turn: int) -> torch.Generator:

@@ -104,7 +104,7 @@ def run(cfg) -> dict:
 
     # 3. backbone, prompts, long-prompt rule
     model, tokenizer = load_configured_backbone(cfg.model)
-    from medusa_train.data.regenerate import ChatRenderer, eos_token_ids
+    from medusa_train.data.chat import ChatRenderer, eos_token_ids
 
     renderer = ChatRenderer(tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)

@@ -309,7 +309,8 @@ def test_torchrun_two_ranks_equal_one_process(reference, tiny_backbone_dir, prom
 def test_on_reply_reports_every_reply_and_each_records_end(tiny_backbone_dir, max_context) -> None:
     """The progress bar's feed: one call per generated reply, the record's end flagged exactly once
     (also when a later turn is dropped for ``max_context``), tokens summing to the masked tokens."""
-    from medusa_train.data.regenerate import ChatRenderer, distill_records, eos_token_ids
+    from medusa_train.data.chat import ChatRenderer, eos_token_ids
+    from medusa_train.data.regenerate import distill_records
     from medusa_train.data.sources import Conversation
 
     model, tok = load_backbone(str(tiny_backbone_dir), dtype="float32", device="cpu")
