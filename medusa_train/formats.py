@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsFormatError, MedusaHeads
+from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 MEDUSA = "medusa"
 VLLM = "vllm"
@@ -76,16 +77,16 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     """
     directory = Path(directory)
     config = _read_config(directory)
-    if (directory / WEIGHTS_NAME).is_file():
-        state = load_file(str(directory / WEIGHTS_NAME))
+    if (directory / HEADS_WEIGHTS).is_file():
+        state = load_file(str(directory / HEADS_WEIGHTS))
     elif (directory / LEGACY_WEIGHTS_NAME).is_file():
         state = dict(torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True))
     else:
-        raise HeadsFormatError(f"{directory} has no {WEIGHTS_NAME}")
+        raise HeadsFormatError(f"{directory} has no {HEADS_WEIGHTS}")
     try:
         num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     except KeyError as err:
-        raise HeadsFormatError(f"{directory / CONFIG_NAME} lacks {err.args[0]}") from None
+        raise HeadsFormatError(f"{directory / HEADS_CONFIG} lacks {err.args[0]}") from None
     proj = _require(state.get(f"0.{num_layers}.weight"), f"0.{num_layers}.weight", directory)
     vocab_size, hidden_size = (int(n) for n in proj.shape)
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, config.get("base_model_name_or_path"))
@@ -124,8 +125,9 @@ def save_vllm(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     """Write the vLLM ``MedusaModel`` layout (``config.json`` + ``model.safetensors``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(vllm_state_dict(heads), str(directory / VLLM_WEIGHTS_NAME), metadata={"format": "pt"})
-    (directory / CONFIG_NAME).write_text(json.dumps(vllm_config(heads), indent=2) + "\n")
+    state = vllm_state_dict(heads)
+    atomic_write(directory / VLLM_WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    atomic_write_json(directory / HEADS_CONFIG, vllm_config(heads))
     return directory
 
 
@@ -151,7 +153,7 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
         num_heads, num_layers = int(config["num_heads"]), int(config["num_hidden_layers"])
         hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
     except KeyError as err:
-        raise HeadsFormatError(f"{directory / CONFIG_NAME} lacks {err.args[0]}") from None
+        raise HeadsFormatError(f"{directory / HEADS_CONFIG} lacks {err.args[0]}") from None
     truncated = config.get("truncated_vocab_size") or vocab_size
     if int(truncated) != vocab_size or "token_map" in state:
         raise HeadsFormatError(
@@ -189,15 +191,15 @@ def detect_layout(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_dir():
         raise HeadsFormatError(f"{path} is not a directory of Medusa heads")
-    config_path = path / CONFIG_NAME
+    config_path = path / HEADS_CONFIG
     if not config_path.is_file():
         raise HeadsFormatError(
-            f"{path} has no {CONFIG_NAME}: not a Medusa heads directory (FasterDecoding or vLLM layout)"
+            f"{path} has no {HEADS_CONFIG}: not a Medusa heads directory (FasterDecoding or vLLM layout)"
         )
     config = _read_config(path)
     if "medusa_num_heads" in config:
-        if not any((path / name).is_file() for name in (WEIGHTS_NAME, LEGACY_WEIGHTS_NAME)):
-            raise HeadsFormatError(f"{path} has a Medusa config.json but no {WEIGHTS_NAME}")
+        if not any((path / name).is_file() for name in (HEADS_WEIGHTS, LEGACY_WEIGHTS_NAME)):
+            raise HeadsFormatError(f"{path} has a Medusa config.json but no {HEADS_WEIGHTS}")
         return MEDUSA
     if config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or []):
         return VLLM
@@ -221,7 +223,7 @@ def load_heads(
         HeadsFormatError: not a heads directory, or weights that do not match the config.
     """
     path = Path(path)
-    if path.is_dir() and not (path / CONFIG_NAME).exists() and (path / MEDUSA / CONFIG_NAME).is_file():
+    if path.is_dir() and not (path / HEADS_CONFIG).exists() and (path / MEDUSA / HEADS_CONFIG).is_file():
         path = path / MEDUSA
     heads = load_vllm(path) if detect_layout(path) == VLLM else load_medusa(path)
     heads.eval()
@@ -236,13 +238,13 @@ def read_heads_config(path: str | os.PathLike) -> dict:
 # -- helpers --------------------------------------------------------------------------------------
 def _read_config(directory: Path) -> dict:
     try:
-        config = json.loads((directory / CONFIG_NAME).read_text())
+        config = json.loads((directory / HEADS_CONFIG).read_text())
     except FileNotFoundError:
-        raise HeadsFormatError(f"{directory} has no {CONFIG_NAME}") from None
+        raise HeadsFormatError(f"{directory} has no {HEADS_CONFIG}") from None
     except json.JSONDecodeError as err:
-        raise HeadsFormatError(f"{directory / CONFIG_NAME} is not valid JSON: {err}") from None
+        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
-        raise HeadsFormatError(f"{directory / CONFIG_NAME} is not a JSON object")
+        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is not a JSON object")
     return config
 
 

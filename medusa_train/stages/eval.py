@@ -76,9 +76,8 @@ def run(cfg) -> dict:
     """Evaluate Medusa decoding; writes ``workdir/eval/`` and returns the report dict."""
     from tqdm.auto import tqdm
 
-    from medusa_train.backbone import resolve_device
+    from medusa_train.backbone import load_backbone_for_heads, resolve_device
     from medusa_train.decoding import PackedHeads, TreeBuffers
-    from medusa_train.stages import load_backbone_for_heads
     from medusa_train.tracking import is_main_process, start_tracking
 
     wd = Workdir(Path(cfg.workdir))

@@ -46,8 +46,7 @@ from medusa_train.formats import (
     save_vllm,
 )
 from medusa_train.heads import HeadsFormatError, MedusaHeads
-from medusa_train.stages import TRAINED_BACKBONE
-from medusa_train.workdir import Workdir, require
+from medusa_train.workdir import TRAINED_BACKBONE, Workdir, require
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def run(cfg) -> dict:
         ``{"export_dir", "formats", "num_heads", "num_layers", "tree_size", "roundtrip_identical", "bytes",
         "backbone"}`` (``backbone``: the exported Medusa-2 backbone's directory, or None).
     """
-    from medusa_train.stages import backbone_for_heads
+    from medusa_train.backbone import backbone_for_heads
     from medusa_train.stages.eval import tree_choices
     from medusa_train.tracking import is_main_process
 
@@ -153,7 +152,7 @@ def export_backbone(cfg, heads_dir: Path, directory: Path) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from medusa_train.stages import load_backbone_for_heads
+    from medusa_train.backbone import load_backbone_for_heads
 
     model, tokenizer, source, _ = load_backbone_for_heads(cfg.model, heads_dir, quantize=False)
     log.info("export: backbone %s (trained with the heads: training=medusa2)", source)
