@@ -20,7 +20,7 @@ import time
 
 from medusa_train.errors import UserError
 
-HELP = """usage: python -m medusa_train stage=<backbone|distill|train|export|eval|all> [group=option] [key=value]
+HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
 groups (conf/):  model=tiny|hf  data=embedded|sharegpt|alpaca|mtbench|jsonl|text|hub
                  training=medusa1|medusa2  deepspeed=none|zero2|zero3
@@ -61,7 +61,7 @@ def run_stage(cfg) -> dict:
         return get_stage(cfg.stage)(cfg)
     results: dict = {}
     for name in STAGE_ORDER:
-        if name == "backbone" and not cfg.model.embedded:
+        if name == "pretrain" and not cfg.model.embedded:
             continue
         start = time.time()
         results[name] = get_stage(name)(cfg)

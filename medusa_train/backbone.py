@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 from medusa_train.errors import UserError
-from medusa_train.workdir import refuse_old_layout
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
 from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import HEADS_CONFIG, TRAINED_BACKBONE
+from medusa_train.workdir import HEADS_CONFIG, TRAINED_BACKBONE, refuse_old_layout
 
 log = logging.getLogger(__name__)
 

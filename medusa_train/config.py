@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 from medusa_train.errors import ConfigError
 
-STAGES = ("backbone", "distill", "train", "export", "eval", "all")
+STAGES = ("pretrain", "distill", "train", "export", "eval", "all")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
@@ -40,12 +40,12 @@ class ModelConfig:
     """The backbone: any Hugging Face causal LM, or the embedded tiny one (`model=tiny`)."""
 
     name_or_path: str = MISSING
-    """Hub id or local directory of the backbone. `model=tiny` points at `${workdir}/backbone`,
-    which `stage=backbone` creates; everything downstream loads it like any other model. After
+    """Hub id or local directory of the backbone. `model=tiny` points at `${workdir}/pretrain`,
+    which `stage=pretrain` creates; everything downstream loads it like any other model. After
     `training=medusa2`, export and eval use the backbone trained with the heads (`heads/backbone`; a
     LoRA adapter is merged into this model) unless this names another checkpoint than the run's base."""
     embedded: bool = False
-    """True only for `model=tiny`: `stage=backbone` may (re)create the model at `name_or_path`."""
+    """True only for `model=tiny`: `stage=pretrain` may (re)create the model at `name_or_path`."""
     dtype: str = "float32"
     """Weights dtype: float32 | bfloat16 | float16 | auto (the checkpoint's own)."""
     quantization: str = "none"
@@ -63,8 +63,8 @@ class ModelConfig:
 
 
 @dataclass
-class BackboneConfig:
-    """`stage=backbone`: train the embedded tiny Llama (model=tiny only)."""
+class PretrainConfig:
+    """`stage=pretrain`: train the embedded tiny Llama (model=tiny only), the backbone of the demo."""
 
     vocab_size: int = 2048
     """BPE vocabulary size of the embedded tokenizer."""
@@ -104,7 +104,7 @@ class BackboneConfig:
     heldout_fraction: float = 0.05
     """Fraction of documents held out to measure perplexity."""
     overwrite: bool = False
-    """Retrain even if `workdir/backbone` is complete."""
+    """Retrain even if `workdir/pretrain` is complete."""
 
     def __post_init__(self) -> None:
         for key in (
@@ -116,12 +116,12 @@ class BackboneConfig:
             "batch_size",
             "max_steps",
         ):
-            _positive(f"backbone.{key}", getattr(self, key))
-        _positive("backbone.max_minutes", self.max_minutes)
+            _positive(f"pretrain.{key}", getattr(self, key))
+        _positive("pretrain.max_minutes", self.max_minutes)
         if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"backbone.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+            raise ConfigError(f"pretrain.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError("backbone.hidden_size must be divisible by backbone.num_attention_heads")
+            raise ConfigError("pretrain.hidden_size must be divisible by pretrain.num_attention_heads")
 
 
 @dataclass
@@ -437,13 +437,13 @@ class Config:
     """The whole run. `python -m medusa_train stage=<stage> [group=option ...] [key=value ...]`."""
 
     stage: str = "all"
-    """backbone | distill | train | export | eval | all."""
+    """pretrain | distill | train | export | eval | all."""
     workdir: str = "runs/default"
     """Run directory; every stage writes a fixed subfolder and reads its inputs from here."""
     seed: int = 0
     """Global seed (stages derive their own seeds from their sections)."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -454,10 +454,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        if self.stage == "backbone":
+            raise ConfigError("stage=backbone is now called stage=pretrain (its settings: pretrain.*)")
         _choice("stage", self.stage, STAGES)
-        if self.stage == "backbone" and not self.model.embedded:
+        if self.stage == "pretrain" and not self.model.embedded:
             raise ConfigError(
-                "stage=backbone trains the embedded tiny model only: use model=tiny (a real model needs no backbone stage)"
+                "stage=pretrain trains the embedded tiny model only: use model=tiny (a real model needs no pretraining)"
             )
         if self.training.num_heads < self.tree.chain_depth and self.tree.name == "chain":
             raise ConfigError(

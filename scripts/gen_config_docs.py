@@ -21,7 +21,7 @@ OUT = ROOT / "docs" / "config.md"
 SECTIONS = {
     "Config": "",
     "ModelConfig": "model",
-    "BackboneConfig": "backbone",
+    "PretrainConfig": "pretrain",
     "DataConfig": "data",
     "DistillConfig": "distill",
     "TrainingConfig": "training",

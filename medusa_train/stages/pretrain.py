@@ -1,9 +1,12 @@
-"""Stage `backbone`: train the embedded tiny Llama from scratch, offline (model=tiny only).
+"""Stage `pretrain`: train the embedded tiny Llama from scratch, offline (model=tiny only).
+
+This model becomes the backbone the later stages train heads on (`model=tiny` points at
+`workdir/pretrain`); with a real model (`model=hf`) there is nothing to pretrain.
 
 Run as:
-    python -m medusa_train stage=backbone                     # embedded corpus, ~5 minutes on 2 CPU cores
-    python -m medusa_train stage=backbone data=text data.path=../shared/data/tinyshakespeare.txt
-    python -m medusa_train stage=backbone backbone.overwrite=true backbone.max_minutes=10
+    python -m medusa_train stage=pretrain                     # embedded corpus, ~5 minutes on 2 CPU cores
+    python -m medusa_train stage=pretrain data=text data.path=data/text.txt
+    python -m medusa_train stage=pretrain pretrain.overwrite=true pretrain.max_minutes=10
 
 Steps: (1) documents: the embedded conversations rendered with the chat template (train split;
 the eval split is held out), or chunks of a plain text file (its last `heldout_fraction` held out);
@@ -13,7 +16,11 @@ packed into one token stream; (4) AdamW with warmup then cosine decay on random 
 and next-token accuracy (plus, for the embedded corpus, how often greedy decoding reproduces the
 reference reply exactly); (6) a standard Hugging Face model directory (model, tokenizer, generation
 config, `train_report.json`) written into a temporary folder and renamed into place, so a killed
-run never leaves a half-written `backbone/`.
+run never leaves a half-written `pretrain/`.
+
+Workdirs made before the stage was renamed (issue 11) hold this model in `backbone/`: the stage
+stops with a one-line error asking to rename the folder rather than silently training a new model
+(:func:`medusa_train.workdir.refuse_old_layout`).
 
 The cosine schedule runs on the larger of step progress and wall-clock progress, so the learning
 rate reaches its floor exactly when the budget ends, whatever the speed of the machine.
@@ -24,8 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -37,11 +42,24 @@ from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
+from medusa_train.workdir import (
+    PRETRAIN_REPORT,
+    atomic_write_json,
+    publish_dir,
+    refuse_old_layout,
+    remove_stale,
+    staging_dir,
+)
 
 log = logging.getLogger(__name__)
 
-REPORT = "train_report.json"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", REPORT)
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    PRETRAIN_REPORT,
+)
 _MAX_EVAL_TOKENS = 32_768  # held-out tokens scored at most
 _TEXT_DOC_CHARS = 2000  # format=text: document size, characters
 _EXACT_PROMPTS = 8  # embedded: held-out prompts decoded greedily for the exact-match rate
@@ -49,32 +67,34 @@ _MIN_LR_RATIO = 0.1  # cosine floor, fraction of the peak learning rate
 
 
 def is_complete(path: Path) -> bool:
-    """True when `path` holds a finished backbone (every file, report written last)."""
+    """True when `path` holds a finished pretrained model (every file, report written last)."""
     return all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
 def run(cfg) -> dict:
-    """Train (or reuse) the embedded backbone and return its figures.
+    """Pretrain (or reuse) the embedded tiny LM and return its figures.
 
     Args:
-        cfg: the typed `medusa_train.config.Config`; reads `cfg.backbone`, `cfg.model`, `cfg.data`
+        cfg: the typed `medusa_train.config.Config`; reads `cfg.pretrain`, `cfg.model`, `cfg.data`
             (`format`, `path`), `cfg.seed`.
 
     Returns:
-        The report also saved as `backbone/train_report.json`: steps, minutes, train loss first/last,
+        The report also saved as `pretrain/train_report.json`: steps, minutes, train loss first/last,
         held-out perplexity / bits per byte / top-1, uniform perplexity, parameter count ...
-        `skipped: True` when an existing complete backbone was reused.
+        `skipped: True` when an existing complete model was reused.
 
     Raises:
-        UserError: not the embedded model, or an unusable `data.path` for format=text.
+        UserError: not the embedded model, a workdir from before the rename (`backbone/`), or an
+            unusable `data.path` for format=text.
     """
     if not cfg.model.embedded:
-        raise UserError("stage=backbone trains the embedded tiny model only: use model=tiny")
-    bc = cfg.backbone
+        raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
+    bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
+    refuse_old_layout(out_dir)
     if is_complete(out_dir) and not bc.overwrite:
-        report = json.loads((out_dir / REPORT).read_text())
-        log.info("backbone already trained at %s (backbone.overwrite=true retrains)", out_dir)
+        report = json.loads((out_dir / PRETRAIN_REPORT).read_text())
+        log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
         return {**report, "skipped": True}
 
     start = time.time()
@@ -105,7 +125,7 @@ def run(cfg) -> dict:
     heldout_ids = _pack(tokenizer, heldout_docs)[: _MAX_EVAL_TOKENS + 1]  # (N_heldout,)
     if len(train_ids) < bc.seq_len + 2 or len(heldout_ids) < 2:
         raise UserError(
-            f"too little text to train on: {len(train_ids)} training tokens for backbone.seq_len={bc.seq_len}"
+            f"too little text to train on: {len(train_ids)} training tokens for pretrain.seq_len={bc.seq_len}"
         )
     prep_seconds = time.time() - start
     log.info(
@@ -152,7 +172,7 @@ def run(cfg) -> dict:
     # 6. save atomically
     _save(model.cpu(), tokenizer, report, out_dir)
     log.info(
-        "backbone: %d params, %d steps, held-out ppl %.2f (uniform %d), %.3f bits/byte -> %s",
+        "pretrain: %d params, %d steps, held-out ppl %.2f (uniform %d), %.3f bits/byte -> %s",
         n_params,
         steps,
         report["heldout_ppl"],
@@ -258,7 +278,7 @@ def _train(
     losses: list[float] = []
     model.train()
     start = time.time()
-    bar = tqdm(total=bc.max_steps, desc="backbone", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=bc.max_steps, desc="pretrain", unit="step", dynamic_ncols=True)
     step = 0
     while step < bc.max_steps:
         elapsed = time.time() - start
@@ -352,21 +372,11 @@ def _greedy_exact(model, tokenizer, convs: list, device: torch.device) -> float:
 
 
 def _save(model, tokenizer, report: dict, out_dir: Path) -> None:
-    """Write into `.<name>.tmp-<pid>` next to `out_dir`, then rename it into place."""
+    """Write into a staging folder beside `out_dir` (report last), then swap it into place."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in [
-        *out_dir.parent.glob(f".{out_dir.name}.tmp-*"),
-        *out_dir.parent.glob(f".{out_dir.name}.old-*"),
-    ]:
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    remove_stale(out_dir)
+    tmp = staging_dir(out_dir)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    atomic_write_json(tmp / PRETRAIN_REPORT, report)
+    publish_dir(tmp, out_dir)

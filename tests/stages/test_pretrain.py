@@ -1,4 +1,4 @@
-"""stage=backbone on a tiny setting: a loadable HF model that learned, written atomically, skipped when done."""
+"""stage=pretrain on a tiny setting: a loadable HF model that learned, written atomically, skipped when done."""
 
 from __future__ import annotations
 
@@ -9,25 +9,27 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from medusa_train.backbone import load_backbone
 from medusa_train.config import compose_config
 from medusa_train.data.embedded import embedded_prompts
-from medusa_train.stages import backbone
+from medusa_train.errors import UserError
+from medusa_train.stages import pretrain
 
 TINY = [
-    "stage=backbone",
+    "stage=pretrain",
     "debug=fast",
-    "backbone.max_steps=40",
-    "backbone.warmup_steps=5",
-    "backbone.lr=1e-2",
-    "backbone.max_minutes=1",
+    "pretrain.max_steps=40",
+    "pretrain.warmup_steps=5",
+    "pretrain.lr=1e-2",
+    "pretrain.max_minutes=1",
 ]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("bb")
+    workdir = tmp_path_factory.mktemp("pretrain")
     cfg = compose_config([*TINY, f"workdir={workdir}"])
-    return cfg, backbone.run(cfg)
+    return cfg, pretrain.run(cfg)
 
 
 def test_learns_and_loads(trained):
@@ -49,35 +51,35 @@ def test_learns_and_loads(trained):
     ids = tok.apply_chat_template(conv[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out_ids = model.generate(**ids, max_new_tokens=5, do_sample=False)  # (1, P + new)
     assert out_ids.shape[1] > ids["input_ids"].shape[1]
-    assert not list(Path(out).parent.glob(".backbone.*")), "temp dirs left behind"
+    assert not list(Path(out).parent.glob(".pretrain.*")), "temp dirs left behind"
 
 
 def test_skip_if_done_and_overwrite(trained):
     cfg, report = trained
     weights = Path(cfg.model.name_or_path) / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    again = backbone.run(cfg)
+    again = pretrain.run(cfg)
     assert again["skipped"] and again["heldout_ppl"] == report["heldout_ppl"]
     assert weights.stat().st_mtime_ns == mtime
 
     cfg2 = compose_config(
-        [*TINY, f"workdir={Path(cfg.workdir)}", "backbone.overwrite=true", "backbone.max_steps=3"]
+        [*TINY, f"workdir={Path(cfg.workdir)}", "pretrain.overwrite=true", "pretrain.max_steps=3"]
     )
-    redone = backbone.run(cfg2)
+    redone = pretrain.run(cfg2)
     assert not redone.get("skipped") and redone["steps"] == 3
-    assert backbone.is_complete(Path(cfg.model.name_or_path))
+    assert pretrain.is_complete(Path(cfg.model.name_or_path))
 
 
 def test_incomplete_dir_is_retrained(tmp_path):
-    """A backbone/ without its report (e.g. copied by hand, half-written) is not trusted."""
-    cfg = compose_config([*TINY, f"workdir={tmp_path}", "backbone.max_steps=2"])
+    """A pretrain/ without its report (e.g. copied by hand, half-written) is not trusted."""
+    cfg = compose_config([*TINY, f"workdir={tmp_path}", "pretrain.max_steps=2"])
     out = Path(cfg.model.name_or_path)
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")
-    (tmp_path / ".backbone.tmp-999999").mkdir()  # left by a killed run
-    report = backbone.run(cfg)
-    assert not report.get("skipped") and backbone.is_complete(out)
-    assert not (tmp_path / ".backbone.tmp-999999").exists()
+    (tmp_path / ".pretrain.tmp-999999").mkdir()  # left by a killed run
+    report = pretrain.run(cfg)
+    assert not report.get("skipped") and pretrain.is_complete(out)
+    assert not (tmp_path / ".pretrain.tmp-999999").exists()
 
 
 def test_text_format(tmp_path):
@@ -89,9 +91,29 @@ def test_text_format(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text("".join(lines))
     cfg = compose_config(
-        [*TINY, f"workdir={tmp_path}", "data=text", f"data.path={path}", "backbone.max_steps=20"]
+        [*TINY, f"workdir={tmp_path}", "data=text", f"data.path={path}", "pretrain.max_steps=20"]
     )
-    report = backbone.run(cfg)
+    report = pretrain.run(cfg)
     assert report["data_format"] == "text" and report["heldout_ppl"] < report["uniform_ppl"]
     assert "heldout_greedy_exact" not in report
     assert torch.isfinite(torch.tensor(report["heldout_loss"]))
+
+
+def test_old_workdir_layout_is_refused_not_retrained(trained, tmp_path):
+    """A workdir from before the rename holds the model in backbone/: one line says to rename it."""
+    cfg, _ = trained
+    old = tmp_path / "backbone"
+    old.mkdir()
+    for f in Path(cfg.model.name_or_path).iterdir():
+        (old / f.name).write_bytes(f.read_bytes())
+    stale = compose_config([*TINY, f"workdir={tmp_path}"])
+    assert stale.model.name_or_path == str(tmp_path / "pretrain")
+    expected = f"rename it with `mv {old} {tmp_path / 'pretrain'}`"
+    with pytest.raises(UserError, match="old folder name") as err:
+        pretrain.run(stale)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(UserError, match="old folder name"):  # distill/train/export/eval load it
+        load_backbone(stale.model.name_or_path)
+    assert not (tmp_path / "pretrain").exists()
+    old.rename(tmp_path / "pretrain")
+    assert pretrain.run(stale)["skipped"]

@@ -34,8 +34,8 @@ def test_frozen_load_has_no_gradients(tmp_path: Path) -> None:
 
 
 def test_missing_local_backbone_names_the_stage(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="stage=backbone"):
-        load_backbone(str(tmp_path / "runs" / "backbone"))
+    with pytest.raises(UserError, match="stage=pretrain"):
+        load_backbone(str(tmp_path / "runs" / "pretrain"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="config.json"):
         load_backbone(str(tmp_path / "empty"))

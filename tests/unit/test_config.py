@@ -46,13 +46,13 @@ def test_defaults() -> None:
     cfg = compose_config([])
     assert cfg.stage == "all"
     assert cfg.workdir == "runs/default"
-    assert cfg.model.embedded and cfg.model.name_or_path == "runs/default/backbone"
+    assert cfg.model.embedded and cfg.model.name_or_path == "runs/default/pretrain"
     assert cfg.tracking.mode == "offline"
     assert cfg.training.mode == "medusa1" and cfg.training.decay == 0.8
 
 
 def test_workdir_interpolates_into_backbone_path() -> None:
-    assert compose_config(["workdir=/tmp/xyz"]).model.name_or_path == "/tmp/xyz/backbone"
+    assert compose_config(["workdir=/tmp/xyz"]).model.name_or_path == "/tmp/xyz/pretrain"
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,8 @@ def test_workdir_interpolates_into_backbone_path() -> None:
         (["training.decay=1.5"], "training.decay"),
         (["deepspeed=zero2", "deepspeed.offload_param=true"], "offload_param"),
         (["tree=chain", "tree.chain_depth=6"], "chain_depth"),
-        (["stage=backbone", "model=hf", "model.name_or_path=x"], "model=tiny"),
+        (["stage=pretrain", "model=hf", "model.name_or_path=x"], "model=tiny"),
+        (["stage=backbone"], "stage=pretrain"),  # the stage's name before issue 11
         (["training=medusa2", "training.cache_hidden_states=true"], "cache_hidden_states"),
     ],
 )
