@@ -2,7 +2,7 @@
 
 Run as:
     # trained backbone + heads, prompts from a JSONL ({"text": ...} or {"input_ids": [...]} per line)
-    python scripts/bench_decode.py --model workdir/backbone --heads workdir/heads \
+    python scripts/bench_decode.py --model workdir/pretrain --heads workdir/heads \
         --prompts prompts.jsonl --tree workdir/export/medusa_choices.json --json bench.json
     # CPU smoke test: tiny random Llama + random heads
     python scripts/bench_decode.py --random

@@ -1,7 +1,7 @@
 """Tokens/s of distillation's generation (continuous batching) at batch 16 vs batch 1.
 
 Run as:
-    python scripts/bench_distill.py                         # the embedded backbone in runs/default/backbone
+    python scripts/bench_distill.py                         # the embedded backbone in runs/default/pretrain
     python scripts/bench_distill.py path/to/model --batch-sizes 1 4 16 --prompts 128 --max-new-tokens 256 --json
 
 The same prompts (first turns of the embedded eval split, rendered with the model's chat template)
@@ -71,7 +71,7 @@ def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="runs/default/backbone", help="HF model dir or hub id")
+    parser.add_argument("model", nargs="?", default="runs/default/pretrain", help="HF model dir or hub id")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=128, help="prompts generated at each batch size")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="cap per reply (distill's default)")
