@@ -5,7 +5,7 @@ Run as:
     python scripts/bench_distill.py path/to/model --batch-sizes 1 4 16 --prompts 128 --max-new-tokens 256 --json
 
 The same prompts (first turns of the embedded eval split, rendered with the model's chat template)
-are generated greedily at each batch size by :class:`medusa_train.data.regenerate.ContinuousBatcher`,
+are generated greedily at each batch size by :class:`medusa_train.engines.inprocess.ContinuousBatcher`,
 exactly what ``stage=distill`` runs, after one warm-up pass. tokens/s counts generated tokens (up to
 and including each reply's EOS) over wall time; "rows/step" is the mean number of rows per decode
 step (how full continuous batching keeps the batch). Each batch size runs ``--repeats`` times,
@@ -35,7 +35,8 @@ def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, token
     one prefill plus ``tokens - 1`` full-batch decode steps. The same run with one token (the prefill
     alone) is subtracted. Medians of ``repeats`` interleaved runs.
     """
-    from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+    from medusa_train.engines.base import GenRequest
+    from medusa_train.engines.inprocess import ContinuousBatcher
 
     vocab = model.get_output_embeddings().weight.shape[0]
 
@@ -102,8 +103,9 @@ def main() -> None:
     from medusa_train.backbone import load_backbone
     from medusa_train.data.chat import ChatRenderer, eos_token_ids
     from medusa_train.data.embedded import embedded_prompts
-    from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
     from medusa_train.data.sources import Conversation
+    from medusa_train.engines.base import GenRequest
+    from medusa_train.engines.inprocess import ContinuousBatcher
 
     model, tok = load_backbone(args.model, dtype=args.dtype, device=args.device)
     renderer = ChatRenderer(tok)

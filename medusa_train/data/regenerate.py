@@ -1,477 +1,34 @@
-"""Regenerate every assistant turn of a conversation with a causal LM (self-distillation core).
+"""The multi-turn self-distillation loop: regenerate every assistant turn with the backbone.
 
 Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
 Heads", section 3.2.1) trains the heads on the backbone's own replies, so they learn the backbone's
-distribution rather than that of the dataset's original answers. This module holds the side-effect
-free part: chat rendering to exact token sequences, continuous batching over a KV cache
-(:class:`ContinuousBatcher`), and per-record seeded sampling. ``medusa_train/stages/distill.py`` assembles it with files and ranks.
+distribution rather than that of the dataset's original answers. :func:`distill_records` builds
+each conversation turn by turn: the first prompt and the template text between turns come from
+:class:`medusa_train.data.chat.ChatRenderer` (exact token sequences, see there), the replies from an
+engine (:class:`medusa_train.engines.base.Engine`). Turn ``t+1`` is generated from exactly the ids
+built so far, i.e. conditioned on the model's OWN earlier replies, token for token, and is queued
+the moment turn ``t`` ends, so turns of different conversations share the engine's batch freely.
+``medusa_train/stages/distill.py`` assembles this with files and ranks.
 
-Exact token sequences: a record's ``input_ids`` are built by concatenation, never by re-tokenising
-decoded text, so ``loss_mask`` is exactly the generated tokens:
-
-    ids = prompt(turn 0)                       # chat template, add_generation_prompt=True
-    ids += generated(turn 0)                   # mask 1, incl. the EOS when generation emitted it
-    ids += continuation(turn 0 -> turn 1)      # template text between the reply and the next
-    ids += generated(turn 1) ...               # generation prompt (mask 0), tokenised on its own
-
-The continuation is found by rendering the conversation with a sentinel in place of the last reply
-and taking the text after it; when the reply ended with an EOS whose text starts that continuation
-(``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``), that text is dropped since the generated EOS token
-already closes the turn. A reply cut by ``max_new_tokens`` gets no EOS in its masked span; the
-template's end-of-turn text follows unmasked when another turn comes. Turn ``t+1`` is generated from
-exactly ``ids`` above, i.e. conditioned on the model's OWN earlier replies, token for token.
-
-Sampling (temperature > 0) draws each token of row ``r`` with that record's own
-``torch.Generator`` (seeded from ``seed``, ``source_id`` and the turn index), one draw per token
-(:func:`sample_rows`). A record's sample therefore does not depend on which records share its
-batch or rank. Limitation: a padded batched forward differs
-from an unpadded one in the last floating-point bits, so a draw that lands within ~1e-7 of a
-boundary between two tokens' probability mass can still differ between batchings.
+Sampling seeds are per record and turn (:func:`record_seed`, from ``seed``, ``source_id`` and the
+turn index), so a record's sample does not depend on which records share its batch, shard or rank.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from medusa_train.data.chat import ChatRenderer
 from medusa_train.data.sources import Conversation
+from medusa_train.engines.base import Engine, GenRequest
 
 
-def record_generator(seed: int, source_id: str, turn: int) -> torch.Generator:
-    """A CPU generator seeded by (seed, record, turn): samples independent of batching and rank."""
+def record_seed(seed: int, source_id: str, turn: int) -> int:
+    """The sampling seed of one reply, from (seed, record, turn): independent of batching and rank."""
     digest = hashlib.sha256(f"{seed}:{source_id}:{turn}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "big") & ((1 << 63) - 1))
-
-
-def sample_rows(
-    scores: torch.Tensor, generators: list[torch.Generator], temperature: float, top_p: float
-) -> torch.Tensor:
-    """Draw one token per row of ``scores`` (B, V) with that row's generator (temperature, top-p).
-
-    Each row consumes exactly one float64 draw from its own generator, so a record's sample does
-    not depend on which rows share its batch.
-    """
-    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # nucleus; the top token is always kept
-    sorted_p = sorted_p * keep
-    cum = sorted_p.cumsum(-1)  # (B, V)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
-    pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
-    return order.gather(-1, pos).squeeze(-1)  # (B,)
-
-
-class RecordSampler:
-    """Logits processor for ``generate``: :func:`sample_rows`, as scores 0 at the drawn token, -inf elsewhere.
-
-    ``generate``'s greedy step then picks exactly the drawn token (used by the static fallback).
-    """
-
-    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float) -> None:
-        self.generators = generators
-        self.temperature = temperature
-        self.top_p = top_p
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        token = sample_rows(scores, self.generators, self.temperature, self.top_p).unsqueeze(-1)  # (B, 1)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(-1, token, 0.0)
-
-
-def _left_pad(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids and the matching attention mask, both (rows, longest context)."""
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, ctx in enumerate(contexts):
-        ids[row, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
-        mask[row, width - len(ctx) :] = 1
-    return ids, mask
-
-
-@torch.no_grad()
-def generate_batch(
-    model,
-    contexts: list[list[int]],
-    *,
-    pad_id: int,
-    eos_ids: list[int],
-    max_new_tokens: int,
-    generators: list[torch.Generator] | None = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-) -> list[list[int]]:
-    """One static batched ``generate`` call with left padding and KV cache.
-
-    The fallback of :class:`ContinuousBatcher` for models whose KV cache it cannot edit (see there).
-
-    Args:
-        model: a causal LM in eval mode.
-        contexts: token ids per row (different lengths; left-padded here).
-        pad_id: padding id (masked out by the attention mask).
-        eos_ids: ids that end a row.
-        max_new_tokens: cap per row.
-        generators: one per row when sampling (temperature > 0); None = greedy.
-        temperature: sampling temperature (ignored when greedy).
-        top_p: nucleus mass (ignored when greedy).
-
-    Returns:
-        The new tokens of every row, up to and including its first EOS (no EOS when cut by the cap).
-    """
-    from transformers import GenerationConfig, LogitsProcessorList
-
-    input_ids, attention_mask = _left_pad(contexts, pad_id)  # (B, T), (B, T)
-    width = input_ids.shape[1]
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_ids,
-        pad_token_id=pad_id,
-        use_cache=True,
-    )
-    processors = LogitsProcessorList([RecordSampler(generators, temperature, top_p)]) if generators else None
-    out = model.generate(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        generation_config=config,
-        logits_processor=processors,
-    )  # (B, T + new)
-    eos = set(eos_ids)
-    result = []
-    for row in out[:, width:].tolist():
-        end = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
-        result.append(row[:end])
-    return result
-
-
-@dataclass
-class GenRequest:
-    """One reply to generate: the context, the caller's handle, and the row's sampling generator."""
-
-    key: Any
-    context: list[int]
-    generator: torch.Generator | None = None
-
-
-@dataclass
-class _Row:
-    request: GenRequest
-    slot: int
-    """Row of the slot cache this request occupies."""
-    length: int
-    """Tokens of this row in the KV cache: its real entries are the last ``length`` columns."""
-    new: list[int]
-    """Tokens generated so far; the last one is not in the cache yet (it is the next input)."""
-
-
-_HEADROOM = 128
-"""Free time columns a slot cache is (re)allocated with, so ~128 decode steps pass between copies."""
-
-
-class _SlotCache:
-    """Preallocated KV buffers (slots, kv_heads, capacity, head_dim) per layer, shared by all rows.
-
-    Every row is right-aligned: its real entries are the last ``length`` columns of the live window
-    ``[start, end)``, and a decode step writes every slot's new entry at column ``end``. So a step
-    copies nothing (``DynamicLayer`` concatenates, i.e. copies the whole cache, every step), a
-    finished row just frees its slot, and trimming the columns no live row uses moves ``start``.
-    Buffers start zeroed and only receive finite keys/values, so masked-out stale columns cannot
-    inject NaN into attention.
-    """
-
-    def __init__(self, prefill_cache, slots: int) -> None:
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        first = prefill_cache.layers[0].keys  # (n, H, W, D)
-        self.shape = (slots, first.shape[1], first.shape[3])
-        self.dtype, self.device = first.dtype, first.device
-        self.num_layers = len(prefill_cache.layers)
-        self.start = self.end = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self._allocate(slots, first.shape[-2] + _HEADROOM)
-        owner = self
-
-        class SlotLayer(DynamicLayer):
-            """A ``DynamicLayer`` whose update writes at column ``end`` of the owner's buffers."""
-
-            def __init__(self, index: int) -> None:
-                super().__init__()
-                self.index = index
-                self.is_initialized = True
-                self.dtype, self.device = owner.dtype, owner.device
-
-            def update(self, key_states, value_states, *args, **kwargs):
-                q = key_states.shape[-2]
-                k, v = owner.k[self.index], owner.v[self.index]
-                k[:, :, owner.end : owner.end + q] = key_states
-                v[:, :, owner.end : owner.end + q] = value_states
-                self.keys = k[:, :, owner.start : owner.end + q]
-                self.values = v[:, :, owner.start : owner.end + q]
-                return self.keys, self.values
-
-            def get_seq_length(self) -> int:
-                return owner.end - owner.start
-
-        self.cache = DynamicCache()
-        self.cache.layers = [SlotLayer(i) for i in range(self.num_layers)]
-
-    @property
-    def slots(self) -> int:
-        return self.k[0].shape[0]
-
-    def _allocate(self, slots: int, capacity: int, keep: torch.Tensor | None = None) -> None:
-        """New zeroed buffers; the live window (of the rows ``keep``) is copied right-aligned at ``capacity - _HEADROOM``."""
-        width = self.end - self.start
-        end = max(capacity - _HEADROOM, width)
-        new_k, new_v = [], []
-        for i in range(self.num_layers):
-            k = torch.zeros(
-                (slots, self.shape[1], end + _HEADROOM, self.shape[2]), dtype=self.dtype, device=self.device
-            )
-            v = torch.zeros_like(k)
-            if self.k and width:
-                old_k, old_v = self.k[i][:, :, self.start : self.end], self.v[i][:, :, self.start : self.end]
-                if keep is not None:
-                    old_k, old_v = old_k.index_select(0, keep), old_v.index_select(0, keep)
-                k[: old_k.shape[0], :, end - width : end] = old_k
-                v[: old_v.shape[0], :, end - width : end] = old_v
-            new_k.append(k)
-            new_v.append(v)
-        self.k, self.v = new_k, new_v
-        self.start, self.end = end - width, end
-
-    def reserve_step(self) -> None:
-        """Make room for one more column at ``end`` (shift the window left, or grow)."""
-        if self.end < self.k[0].shape[-2]:
-            return
-        self._allocate(self.slots, self.end - self.start + _HEADROOM)
-
-    def install(self, slots: list[int], prefill_cache, lengths: list[int]) -> None:
-        """Copy the prefilled rows (right-aligned, as a left-padded prefill leaves them) into ``slots``."""
-        width = max(lengths)
-        if width > self.end:  # not enough columns left of the window: re-lay it out further right
-            self._allocate(self.slots, max(width, self.end - self.start) + _HEADROOM)
-        self.start = min(self.start, self.end - width)
-        index = torch.tensor(slots, device=self.device)
-        for i, layer in enumerate(prefill_cache.layers):
-            self.k[i][:, :, self.end - width : self.end].index_copy_(0, index, layer.keys[:, :, -width:])
-            self.v[i][:, :, self.end - width : self.end].index_copy_(0, index, layer.values[:, :, -width:])
-
-    def trim(self, longest: int) -> None:
-        """Drop the window's columns left of the longest live row."""
-        self.start = max(self.start, self.end - longest)
-
-    def compact(self, keep: list[int]) -> None:
-        """Keep only the slots ``keep`` (in that order), e.g. when few rows remain and no request waits."""
-        self._allocate(len(keep), self.end - self.start + _HEADROOM, torch.tensor(keep, device=self.device))
-
-
-class ContinuousBatcher:
-    """Generate replies for a queue of requests, keeping up to ``batch_size`` rows busy every step.
-
-    Why: a static batch keeps stepping until its longest reply ends; with the ragged reply lengths
-    of chat data most of its row-steps then carry no real token (measured: 613 of 1,024 on the
-    embedded backbone). Here a row leaves the batch the moment it emits EOS or reaches
-    ``max_new_tokens``, and waiting requests join it, so the batch stays full.
-
-    How: one Hugging Face ``DynamicCache`` holds every active row, left-padded so that each row's
-    real entries are the last ``length`` columns of the time axis. A decode step feeds each row's
-    last token with ``position_ids = length`` and a 2-D attention mask that is 1 on that suffix, i.e.
-    exactly what ``generate`` does for a left-padded batch. A finished row is removed with an
-    ``index_select`` on every layer's keys/values; columns that are padding for every remaining row
-    are trimmed. Joining rows are prefilled together in one forward (left-padded among themselves)
-    and their caches concatenated on the batch axis after left-padding both sides to one width.
-    Rows join once ``refill_min`` slots are free (or the batch ran empty): a prefill is a forward
-    of its own, so refilling one slot at a time would add a forward nearly every step.
-
-    Greedy rows equal unbatched ``generate(do_sample=False)`` token for token (a padded forward
-    differs from an unpadded one only in the last floating-point bits, as in ``generate``'s own
-    batching); sampled rows draw with their own generator (:func:`sample_rows`). The model's
-    ``generation_config`` extras (repetition penalty, ...) are not applied: distillation samples
-    the model's raw distribution with the configured temperature and top-p.
-
-    Models whose cache layers are not plain ``DynamicLayer`` (sliding-window or hybrid caches, e.g.
-    Mistral with ``sliding_window`` set) cannot be edited this way; for them requests run in static
-    ``generate`` batches of ``batch_size`` (:func:`generate_batch`), with the same results.
-    """
-
-    def __init__(
-        self,
-        model,
-        *,
-        batch_size: int,
-        pad_id: int,
-        eos_ids: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        refill_min: int | None = None,
-    ) -> None:
-        self.model = model
-        self.batch_size = batch_size
-        self.pad_id = pad_id
-        self.eos = set(eos_ids)
-        self.eos_ids = list(eos_ids)
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        # A quarter of the batch. At batch 16 on the embedded backbone, joining at 1, 2 or 4 free slots
-        # gave tokens/s within 3% of each other and 8 was 10% slower; 4 runs 3.5x fewer prefills than
-        # 1 (each a forward of its own), which matters more where a forward costs more.
-        self.refill_min = refill_min if refill_min is not None else max(1, batch_size // 4)
-        self.continuous = self._cache_is_editable()
-        self.stats = {"prefills": 0, "decode_steps": 0, "row_steps": 0}
-        """Forwards run so far: prefills, decode steps, and rows summed over decode steps."""
-        self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    def _cache_is_editable(self) -> bool:
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except Exception:  # noqa: BLE001 - any model whose config the cache cannot read: static fallback
-            return False
-        return all(type(layer) is DynamicLayer for layer in cache.layers)
-
-    @torch.no_grad()
-    def run(
-        self,
-        requests: list[GenRequest],
-        on_done: Callable[[GenRequest, list[int]], GenRequest | None],
-    ) -> None:
-        """Generate every request; ``on_done(request, new_tokens)`` may return a follow-up request.
-
-        A follow-up (e.g. the next turn of the same conversation) is queued ahead of requests not
-        started yet, so conversations finish early and their memory is released.
-        """
-        queue = deque(requests)
-        if self.continuous:
-            self._run_continuous(queue, on_done)
-        else:
-            self._run_static(queue, on_done)
-
-    def _run_static(self, queue: deque, on_done) -> None:
-        while queue:
-            batch = [queue.popleft() for _ in range(min(self.batch_size, len(queue)))]
-            gens = [r.generator for r in batch] if self.temperature > 0 else None
-            outs = generate_batch(
-                self.model,
-                [r.context for r in batch],
-                pad_id=self.pad_id,
-                eos_ids=self.eos_ids,
-                max_new_tokens=self.max_new_tokens,
-                generators=gens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-            )
-            follow = [f for r, o in zip(batch, outs, strict=True) if (f := on_done(r, o)) is not None]
-            queue.extendleft(reversed(follow))
-
-    def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Next token per row from its last-position logits (B, V)."""
-        if self.temperature > 0:
-            return sample_rows(
-                logits, [r.request.generator for r in rows], self.temperature, self.top_p
-            ).tolist()
-        return logits.argmax(dim=-1).tolist()
-
-    def _prefill(self, requests: list[GenRequest]):
-        """One forward over the joining requests, left-padded among themselves; their first tokens chosen."""
-        from transformers import DynamicCache
-
-        device = self.model.device
-        ids, mask = _left_pad([r.context for r in requests], self.pad_id)  # (n, W), (n, W)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (n, W): 0.. on each row's real tokens
-        cache = DynamicCache(config=self.model.config)
-        extra = {"logits_to_keep": 1} if self._keep_one else {}
-        out = self.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            past_key_values=cache,
-            use_cache=True,
-            **extra,
-        )
-        self.stats["prefills"] += 1
-        rows = [_Row(r, -1, len(r.context), []) for r in requests]
-        for row, tok in zip(rows, self._choose(out.logits[:, -1].float(), rows), strict=True):
-            row.new.append(tok)
-        return cache, rows
-
-    def _decode_step(self, slots: _SlotCache, rows: list[_Row]) -> None:
-        """Feed every row's last token; free slots get a pad token that attends only to itself."""
-        device = self.model.device
-        slots.reserve_step()
-        width = slots.end - slots.start
-        ids = torch.full((slots.slots, 1), self.pad_id, dtype=torch.long)  # (S, 1)
-        lengths = torch.zeros(slots.slots, dtype=torch.long)  # (S,): 0 on free slots
-        live = torch.tensor([r.slot for r in rows])
-        ids[live, 0] = torch.tensor([r.new[-1] for r in rows])
-        lengths[live] = torch.tensor([r.length for r in rows])
-        mask = (torch.arange(width + 1) >= (width - lengths).unsqueeze(-1)).long()  # (S, W + 1)
-        out = self.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=lengths.unsqueeze(-1).to(device),
-            past_key_values=slots.cache,
-            use_cache=True,
-        )
-        slots.end += 1
-        self.stats["decode_steps"] += 1
-        self.stats["row_steps"] += len(rows)
-        logits = out.logits[:, -1].float()[live.to(device)]  # (B, V)
-        for row, tok in zip(rows, self._choose(logits, rows), strict=True):
-            row.length += 1
-            row.new.append(tok)
-
-    def _run_continuous(self, queue: deque, on_done) -> None:
-        slots: _SlotCache | None = None
-        rows: list[_Row] = []
-        while queue or rows:
-            capacity = self.batch_size if slots is None else slots.slots
-            free = capacity - len(rows)
-            if queue and (not rows or free >= min(self.refill_min, len(queue))):
-                joining = [queue.popleft() for _ in range(min(free, len(queue)))]
-                cache, new_rows = self._prefill(joining)
-                if slots is None:
-                    slots = _SlotCache(cache, self.batch_size)
-                taken = {r.slot for r in rows}
-                open_slots = [i for i in range(slots.slots) if i not in taken]
-                for row, slot in zip(new_rows, open_slots[: len(new_rows)], strict=True):
-                    row.slot = slot
-                slots.install([r.slot for r in new_rows], cache, [r.length for r in new_rows])
-                rows += new_rows
-            else:
-                self._decode_step(slots, rows)
-            done = [r for r in rows if r.new[-1] in self.eos or len(r.new) >= self.max_new_tokens]
-            if not done:
-                continue
-            follow = [f for r in done if (f := on_done(r.request, r.new)) is not None]
-            queue.extendleft(reversed(follow))
-            finished = {id(r) for r in done}
-            rows = [r for r in rows if id(r) not in finished]
-            if not rows:
-                slots.trim(0)
-                continue
-            slots.trim(max(r.length for r in rows))
-            # The tail (nothing waits): stop computing empty slots. Never needs growing back: a
-            # finished row queues at most one follow-up, so the queue stays within the free slots.
-            if not queue and len(rows) <= slots.slots // 2:
-                rows.sort(key=lambda r: r.slot)
-                slots.compact([r.slot for r in rows])
-                for i, r in enumerate(rows):
-                    r.slot = i
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -491,40 +48,27 @@ class DistilledRecord:
 
 
 def distill_records(
-    model,
+    engine: Engine,
     renderer: ChatRenderer,
     records: list[Conversation],
     prompt_ids: list[list[int]],
     *,
-    max_new_tokens: int,
     max_context: int,
-    batch_size: int,
     eos_ids: list[int],
-    pad_id: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
     seed: int = 0,
     on_reply: Callable[[int, bool], None] | None = None,
 ) -> list[DistilledRecord]:
-    """Regenerate every assistant turn of ``records`` with continuous batching (:class:`ContinuousBatcher`).
-
-    A conversation's turn ``t + 1`` is queued as soon as its turn ``t`` ends, conditioned on the
-    model's own reply; turns of different conversations share the batch freely.
+    """Regenerate every assistant turn of ``records`` with ``engine`` (see the module docstring).
 
     Args:
-        model: frozen causal LM in eval mode.
+        engine: generates the replies (its cap per turn, sampling settings and batching are its own).
         renderer: chat rendering for the model's tokenizer.
         records: conversations (user turns).
         prompt_ids: first-turn prompt ids per record (already within ``max_context``).
-        max_new_tokens: cap per assistant turn.
         max_context: a later turn whose context would exceed this many tokens is not answered
             (the conversation ends with the previous reply).
-        batch_size: rows generated together.
-        eos_ids: ids that end a turn.
-        pad_id: left-padding id.
-        temperature: 0 = greedy; otherwise per-record seeded sampling with ``top_p``.
-        top_p: nucleus mass.
-        seed: sampling seed.
+        eos_ids: ids that end a turn (a reply without one was cut at the engine's cap).
+        seed: sampling seed (per record and turn: :func:`record_seed`; greedy engines ignore it).
         on_reply: called after each generated reply with its number of tokens and whether it was
             the record's last (the record is then complete).
 
@@ -537,8 +81,9 @@ def distill_records(
     ]
 
     def request(i: int) -> GenRequest:
-        gen = record_generator(seed, records[i].source_id, states[i].turns) if temperature > 0 else None
-        return GenRequest(i, list(states[i].input_ids), gen)
+        return GenRequest(
+            i, list(states[i].input_ids), record_seed(seed, records[i].source_id, states[i].turns)
+        )
 
     def on_done(req: GenRequest, new: list[int]) -> GenRequest | None:
         i = req.key
@@ -562,14 +107,5 @@ def distill_records(
             on_reply(len(new), follow is None)
         return follow
 
-    batcher = ContinuousBatcher(
-        model,
-        batch_size=batch_size,
-        pad_id=pad_id,
-        eos_ids=eos_ids,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-    )
-    batcher.run([request(i) for i, c in enumerate(records) if c.turns], on_done)
+    engine.run([request(i) for i, c in enumerate(records) if c.turns], on_done)
     return states

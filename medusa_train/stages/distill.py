@@ -15,7 +15,7 @@ Steps (every rank):
        settings and data?) and refuses a mismatch unless ``distill.overwrite=true`` (clears the folder);
     5. records, in source order, form shards of ``distill.shard_size``; rank r owns the shards with
        ``index % world_size == r``, skips those already on disk, regenerates the others
-       (:mod:`medusa_train.data.regenerate`) and writes each to a temp file renamed atomically to
+       (:mod:`medusa_train.data.regenerate` over :mod:`medusa_train.engines.inprocess`) and writes each to a temp file renamed atomically to
        ``shards/shard-{index:05d}.arrow`` — so a run killed at any moment (SIGKILL included) and
        restarted with the same command ends with every record exactly once, and the result does not
        depend on the number of ranks;
@@ -415,6 +415,7 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
     from tqdm.auto import tqdm
 
     from medusa_train.data.regenerate import distill_records
+    from medusa_train.engines.inprocess import ContinuousBatcher
 
     g, records, prompts = plan.cfg.distill, plan.records, plan.prompts
     shards_dir = plan.out / SHARDS
@@ -442,20 +443,24 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
             counted[0] += 1
             bar.update(1)
 
+    engine = ContinuousBatcher(
+        model,
+        batch_size=g.batch_size,
+        pad_id=renderer.tokenizer.pad_token_id,
+        eos_ids=plan.eos_ids,
+        max_new_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        top_p=g.top_p,
+    )
     for n, index in enumerate(todo, start=1):
         chunk = slice(index * size, (index + 1) * size)
         rows = distill_records(
-            model,
+            engine,
             renderer,
             records[chunk],
             prompts[chunk],
-            max_new_tokens=g.max_new_tokens,
             max_context=plan.max_context,
-            batch_size=g.batch_size,
             eos_ids=plan.eos_ids,
-            pad_id=renderer.tokenizer.pad_token_id,
-            temperature=g.temperature,
-            top_p=g.top_p,
             seed=g.seed,
             on_reply=on_reply,
         )

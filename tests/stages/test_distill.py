@@ -17,7 +17,11 @@ import torch
 
 from medusa_train.backbone import load_backbone
 from medusa_train.config import compose_config
+from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, read_manifest, shard_files
+from medusa_train.data.regenerate import distill_records
+from medusa_train.data.sources import Conversation
+from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
 from medusa_train.stages import distill
 
@@ -309,24 +313,21 @@ def test_torchrun_two_ranks_equal_one_process(reference, tiny_backbone_dir, prom
 def test_on_reply_reports_every_reply_and_each_records_end(tiny_backbone_dir, max_context) -> None:
     """The progress bar's feed: one call per generated reply, the record's end flagged exactly once
     (also when a later turn is dropped for ``max_context``), tokens summing to the masked tokens."""
-    from medusa_train.data.chat import ChatRenderer, eos_token_ids
-    from medusa_train.data.regenerate import distill_records
-    from medusa_train.data.sources import Conversation
-
     model, tok = load_backbone(str(tiny_backbone_dir), dtype="float32", device="cpu")
     renderer = ChatRenderer(tok)
     convs = [Conversation(f"r{i}", [f"tell me a story {j}?" for j in range(1 + i % 3)]) for i in range(7)]
     calls: list[tuple[str, int, bool]] = []
+    eos_ids = eos_token_ids(model, tok)
+    engine = ContinuousBatcher(
+        model, batch_size=3, pad_id=tok.pad_token_id, eos_ids=eos_ids, max_new_tokens=MAX_NEW
+    )
     out = distill_records(
-        model,
+        engine,
         renderer,
         convs,
         [renderer.prompt_ids(c) for c in convs],
-        max_new_tokens=MAX_NEW,
         max_context=max_context,
-        batch_size=3,
-        eos_ids=eos_token_ids(model, tok),
-        pad_id=tok.pad_token_id,
+        eos_ids=eos_ids,
         on_reply=lambda n, done: calls.append((n, done)),
     )
     assert len(calls) == sum(r.turns for r in out)

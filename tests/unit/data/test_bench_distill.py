@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers as tf
 
-from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+from medusa_train.engines.base import GenRequest
+from medusa_train.engines.inprocess import ContinuousBatcher
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_distill.py"
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 import transformers as tf
 
-from medusa_train.data import regenerate
-from medusa_train.data.regenerate import ContinuousBatcher, GenRequest
+from medusa_train.engines import inprocess
+from medusa_train.engines.base import GenRequest
+from medusa_train.engines.inprocess import ContinuousBatcher
 
 VOCAB = 96
 MAX_NEW = 9
@@ -93,7 +94,7 @@ def _run(model, prompts, eos: list[int], batch_size: int, refill_min: int | None
     def on_done(req: GenRequest, new: list[int]):
         replies[req.key] = (req.context, new)
         if isinstance(req.key, int):
-            return GenRequest(("turn2", req.key), req.context + new + [7, 8, 9], req.generator)
+            return GenRequest(("turn2", req.key), req.context + new + [7, 8, 9], req.seed)
         return None
 
     batcher = ContinuousBatcher(
@@ -105,16 +106,13 @@ def _run(model, prompts, eos: list[int], batch_size: int, refill_min: int | None
         refill_min=refill_min,
         **kw,
     )
-    generators = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]
-    batcher.run(
-        [GenRequest(i, p, g) for i, (p, g) in enumerate(zip(prompts, generators, strict=True))], on_done
-    )
+    batcher.run([GenRequest(i, p, seed=100 + i) for i, p in enumerate(prompts)], on_done)
     return replies
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_replies_equal_unbatched_generate(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(regenerate, "_HEADROOM", 3)  # re-lay the slot cache out every few steps
+    monkeypatch.setattr(inprocess, "_HEADROOM", 3)  # re-lay the slot cache out every few steps
     model = _model(arch)
     prompts = _prompts(19)
     eos = _pick_eos(model, prompts)

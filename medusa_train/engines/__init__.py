@@ -1,0 +1,1 @@
+"""Generation engines (interface: base.py): in-process batching (inprocess.py); OpenAI-compatible servers next."""
