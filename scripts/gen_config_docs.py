@@ -41,6 +41,8 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
             continue
         name = node.target.id
         annotation = ast.unparse(node.annotation)
+        if annotation.startswith(("ClassVar", "typing.ClassVar")):
+            continue  # class attributes (e.g. RUN_ONLY) are not config keys
         default = ast.unparse(node.value) if node.value is not None else ""
         if default.startswith("field(default_factory=lambda: "):
             default = default[len("field(default_factory=lambda: ") : -1]

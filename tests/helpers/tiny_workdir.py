@@ -1,13 +1,12 @@
 """A tiny workdir for the export/eval stage tests: the shared random Llama + random heads, no training.
 
-``make_workdir`` writes what stage=backbone and stage=train would leave behind (backbone/ with a
-chat-template tokenizer, heads/ in the FasterDecoding layout, calibration.json, medusa_choices.json)
-in well under a second, so the export and eval stages run for real on it.
+``make_workdir`` writes a backbone to backbone/ (with a chat-template tokenizer; ``model=hf`` points
+there) and what stage=train would leave behind (heads/ in the FasterDecoding layout, calibration.json,
+medusa_choices.json) in well under a second, so the export and eval stages run for real on it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,15 +15,7 @@ from transformers import LlamaForCausalLM
 
 from medusa_train.config import Config, compose_config
 from medusa_train.heads import MedusaHeads
-
-# tests/conftest.py by path: a plain `from conftest import ...` picks whichever conftest module
-# pytest imported first (tests/unit/decoding has one too) and breaks when directories run together.
-_spec = importlib.util.spec_from_file_location(
-    "_tests_conftest", Path(__file__).resolve().parents[1] / "conftest.py"
-)
-_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_conftest)
-build_tiny_backbone = _conftest.build_tiny_backbone
+from tests.helpers.models import build_tiny_backbone
 
 HIDDEN = 32
 NUM_HEADS = 3
@@ -35,7 +26,7 @@ TOPK = [[0.8, 0.9] + [0.95] * 8, [0.6, 0.75] + [0.85] * 8, [0.4, 0.55] + [0.7] *
 
 def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) -> Path:
     """Create ``root`` as a workdir with backbone/ and heads/ (+ calibration files); returns ``root``."""
-    backbone = build_tiny_backbone(root / "backbone")  # tests/conftest.py: some replies end with EOS early
+    backbone = build_tiny_backbone(root / "backbone")  # some replies end with EOS early
     model = LlamaForCausalLM.from_pretrained(backbone)
     vocab = model.get_output_embeddings().weight.shape[0]
     torch.manual_seed(0)

@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from _tiny_workdir import make_workdir, tiny_cfg
 
 from medusa_train.errors import UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
+from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 
 REPORT_KEYS = {
     "tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_medusa", "greedy_identical", "head_top1",

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_workdir import CHOICES, NUM_HEADS, make_workdir, tiny_cfg
 
 from medusa_train.errors import UserError
 from medusa_train.formats import VLLM_WEIGHTS_NAME, detect_layout, load_heads
 from medusa_train.heads import MedusaHeads
 from medusa_train.stages import export
+from tests.helpers.tiny_workdir import CHOICES, NUM_HEADS, make_workdir, tiny_cfg
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
 """training=medusa2 end to end on CPU: train (full tuning, LoRA) -> export -> eval use the TRAINED backbone.
 
 The workdir: the chat-template tiny Llama of tests/conftest.py (eval renders prompts with it) and the
-synthetic distilled records of _train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
+synthetic distilled records of tests/helpers/train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
 does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
 module is captured from ``medusa2.build`` to compare against what export and eval load from disk.
-The last tests use the plain _train_workdir.py backbone with tied embeddings (checkpoints, resume;
+The last tests use the plain tests/helpers/train_workdir.py backbone with tied embeddings (checkpoints, resume;
 DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process).
 """
 
@@ -20,9 +20,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_workdir import build_tiny_backbone  # noqa: E402
-from _train_workdir import (  # noqa: E402
+from safetensors.torch import load_file
+
+from medusa_train.backbone import load_backbone, load_tokenizer
+from medusa_train.formats import load_heads
+from medusa_train.stages import eval as eval_stage
+from medusa_train.stages import export, train
+from medusa_train.training import medusa2
+from medusa_train.training.model import last_hidden_state
+from medusa_train.training.trainer import TrackerCallback
+from tests.helpers.models import build_tiny_backbone
+from tests.helpers.train_workdir import (
     launch,
     make_records,
     make_train_workdir,
@@ -32,15 +40,6 @@ from _train_workdir import (  # noqa: E402
     write_distill,
     zero3_partitioning_everything,
 )
-from safetensors.torch import load_file  # noqa: E402
-
-from medusa_train.backbone import load_backbone, load_tokenizer  # noqa: E402
-from medusa_train.formats import load_heads  # noqa: E402
-from medusa_train.stages import eval as eval_stage  # noqa: E402
-from medusa_train.stages import export, train  # noqa: E402
-from medusa_train.training import medusa2  # noqa: E402
-from medusa_train.training.model import last_hidden_state  # noqa: E402
-from medusa_train.training.trainer import TrackerCallback  # noqa: E402
 
 EVAL = ("eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]")  # greedy parity only: fast
 TUNING = {

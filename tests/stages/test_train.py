@@ -18,9 +18,7 @@ from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _train_workdir import (  # noqa: E402
+from tests.helpers.train_workdir import (
     REPO,
     launch,
     make_train_workdir,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.errors import UserError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
-from _train_workdir import make_backbone  # noqa: E402
+from tests.helpers.train_workdir import make_backbone
 
 
 def test_identity_is_the_checkpoint_whatever_the_dtype(tmp_path: Path) -> None:

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-import torch
-import transformers as tf
 
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
-
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_distill.py"
+from tests.helpers.models import tiny_model
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_distill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_distill")
 
 
 @pytest.fixture(scope="module")
 def model():
-    config = tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_model("llama", layers=1, vocab=64)
 
 
 def test_without_eos_every_row_runs_to_the_cap(model):

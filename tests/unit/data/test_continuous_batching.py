@@ -12,11 +12,11 @@ import random
 
 import pytest
 import torch
-import transformers as tf
 
 from medusa_train.engines import inprocess
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
+from tests.helpers.models import tiny_model
 
 VOCAB = 96
 MAX_NEW = 9
@@ -31,28 +31,10 @@ def _one_thread():
 
 
 def _model(arch: str) -> torch.nn.Module:
-    common = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    if arch == "llama":
-        config = tf.LlamaConfig(**common)
-    elif arch == "qwen2":
-        config = tf.Qwen2Config(**common)
-    elif arch == "mistral-window":
-        config = tf.MistralConfig(sliding_window=6, **common)
-    else:
-        config = tf.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128, bos_token_id=1, eos_token_id=1
-        )
-    return tf.AutoModelForCausalLM.from_config(config).eval()
+    if arch == "gpt2":
+        return tiny_model("gpt2", vocab=VOCAB, max_pos=128, bos_token_id=1, eos_token_id=1)
+    window = {"sliding_window": 6} if arch == "mistral-window" else {}
+    return tiny_model(arch.removesuffix("-window"), vocab=VOCAB, max_pos=128, **window)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding_helpers import VOCAB, random_heads, tiny_model
 
 from medusa_train.decoding import (
     TreeBuffers,
@@ -16,6 +15,7 @@ from medusa_train.decoding import (
     measure_forward_latency,
     per_rank_accuracy,
 )
+from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 
 def test_head_topk_accuracy_by_hand():

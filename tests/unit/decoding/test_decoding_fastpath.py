@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from decoding_helpers import VOCAB, random_heads, random_tree, tiny_model
 from transformers import DynamicCache
 
 from medusa_train.decoding import (
@@ -30,6 +29,7 @@ from medusa_train.decoding import (
 from medusa_train.decoding.acceptance import argmax_list, walk_matches
 from medusa_train.decoding.generate import _tree_inputs, compact_cache
 from medusa_train.decoding.tree import as_tree
+from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model
 
 
 def reference_match_path(tree: TreeBuffers, tokens: torch.Tensor, pred: torch.Tensor) -> list[int]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding_helpers import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, TreeError, chain_tree, medusa_generate
 from medusa_train.heads import MedusaHeads
+from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 

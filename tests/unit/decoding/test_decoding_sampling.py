@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from decoding_helpers import tiny_model
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from medusa_train.decoding import PackedHeads, TreeBuffers, accept_sample, medusa_generate, warp_probs
+from tests.helpers.models import tiny_model
 
 SMALL_VOCAB = 6
 

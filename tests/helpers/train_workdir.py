@@ -1,8 +1,8 @@
 """A tiny workdir for the train-stage tests: random Llama backbone + synthetic distilled data.
 
-``make_train_workdir`` writes what stage=backbone and stage=distill leave behind (backbone/ with a
-tokenizer, distill/ with one Arrow shard and a manifest carrying the backbone identity) in about a
-second. The records follow a pattern a head can learn from the current token alone
+``make_train_workdir`` writes a backbone to backbone/ (with a tokenizer; ``model=hf`` points there) and
+what stage=distill leaves behind (distill/ with one Arrow shard and a manifest carrying the backbone
+identity) in about a second. The records follow a pattern a head can learn from the current token alone
 (``x_{t+1} = x_t + 1`` over a window of the vocabulary), after a 4-token "prompt" with loss_mask 0.
 Also the DeepSpeed test helpers: ``launch`` (torchrun / deepspeed subprocess) and
 ``zero3_partitioning_everything`` (ZeRO-3 in this process with every parameter sharded), and
@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.config import Config, compose_config
+from tests.helpers.models import tiny_config
 
 VOCAB = 64
 HIDDEN = 32
@@ -44,15 +45,11 @@ def make_backbone(
 ) -> None:
     """``tie``: lm_head shares the input embedding (as the embedded tiny backbone and many small models)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        pad_token_id=0,
+    config = tiny_config(
+        vocab=VOCAB,
+        hidden=hidden,
+        kv_heads=kv_heads,
+        max_pos=256,
         eos_token_id=1,
         bos_token_id=None,
         tie_word_embeddings=tie,
@@ -167,16 +164,16 @@ def zero3_partitioning_everything(monkeypatch) -> Iterator[None]:
     process-wide state a 1-process DeepSpeed run leaves behind removed afterwards."""
     import torch
 
-    import medusa_train.training.trainer as trainer_mod
+    import medusa_train.stages.train as train_stage
 
-    original = trainer_mod.deepspeed_config
+    original = train_stage.deepspeed_config
 
     def partition_everything(*args, **kwargs):
         config = original(*args, **kwargs)
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         return config
 
-    monkeypatch.setattr(trainer_mod, "deepspeed_config", partition_everything)
+    monkeypatch.setattr(train_stage, "deepspeed_config", partition_everything)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "")  # so that teardown removes what the stage sets
         monkeypatch.delenv(key)
