@@ -67,7 +67,7 @@ def run_stage(cfg) -> dict:
         results[name] = get_stage(name)(cfg)
         results[name]["stage_seconds"] = round(time.time() - start, 1)
     if results.get("eval", {}).get("tau") is not None:
-        from medusa_train.stages.eval import summary_table
+        from medusa_train.report import summary_table
 
         print(f"\n{summary_table(results['eval'])}\n\nfull report: {cfg.workdir}/eval/report.md")
     return results

@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa_train.heads import HeadsFormatError, MedusaHeads
@@ -78,7 +79,7 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     directory = Path(directory)
     config = _read_config(directory)
     if (directory / HEADS_WEIGHTS).is_file():
-        state = load_file(str(directory / HEADS_WEIGHTS))
+        state = _load_safetensors(directory / HEADS_WEIGHTS)
     elif (directory / LEGACY_WEIGHTS_NAME).is_file():
         state = dict(torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True))
     else:
@@ -148,7 +149,7 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
         raise HeadsFormatError(f"{directory} has a vLLM Medusa config.json but no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update({k.removeprefix("medusa_heads."): v for k, v in load_file(str(f)).items()})
+        state.update({k.removeprefix("medusa_heads."): v for k, v in _load_safetensors(f).items()})
     try:
         num_heads, num_layers = int(config["num_heads"]), int(config["num_hidden_layers"])
         hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
@@ -236,6 +237,14 @@ def read_heads_config(path: str | os.PathLike) -> dict:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a damaged file is a :class:`HeadsFormatError`."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:
+        raise HeadsFormatError(f"cannot read {path}: {err}") from None
+
+
 def _read_config(directory: Path) -> dict:
     try:
         config = json.loads((directory / HEADS_CONFIG).read_text())

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.errors import UserError
+from medusa_train.workdir import CHOICES
+
 Path_ = tuple[int, ...]
 
 
@@ -247,6 +250,48 @@ def load_choices(path: str | os.PathLike) -> list[list[int]]:
     if isinstance(raw, dict) and "medusa_choices" in raw:
         raw = raw["medusa_choices"]
     return [list(p) for p in _normalise(raw)]
+
+
+def resolve_tree(
+    name: str,
+    heads_dir: Path,
+    num_heads: int,
+    *,
+    chain_depth: int = 0,
+    choices: Sequence[Sequence[int]] = (),
+) -> list[list[int]]:
+    """The tree a ``tree=`` setting names, checked against the number of heads it will run with.
+
+    Args:
+        name: calibrated (``medusa_choices.json`` next to the heads, or one folder up for an export's
+            ``medusa/``/``vllm/`` folder) | medusa63 | chain | custom.
+        heads_dir: the heads' folder.
+        num_heads: K; the tree may be at most K deep.
+        chain_depth: nodes of the ``chain`` tree.
+        choices: the paths of the ``custom`` tree.
+
+    Raises:
+        UserError: the calibrated tree is missing, or the tree is malformed or deeper than the heads.
+    """
+    try:
+        if name == "calibrated":
+            found = [p for p in (heads_dir / CHOICES, heads_dir.parent / CHOICES) if p.is_file()]
+            if not found:
+                raise UserError(
+                    f"no calibrated tree at {heads_dir / CHOICES}: run `python -m medusa_train stage=train` "
+                    "first (it calibrates the tree), or choose tree=medusa63|chain|custom"
+                )
+            paths = load_choices(found[0])
+        elif name == "medusa63":
+            paths = [list(p) for p in MEDUSA_63]
+        elif name == "chain":
+            paths = chain_tree(chain_depth)
+        else:
+            paths = [list(p) for p in choices]
+        TreeBuffers.from_choices(paths).check_heads(num_heads)
+    except TreeError as err:
+        raise UserError(f"tree={name}: {err}") from None
+    return paths
 
 
 # The 63-node tree of the Medusa repository (mc_sim_7b_63), as listed in seed 003.

@@ -10,7 +10,7 @@ Run as:
 Steps: (1) backbone, heads (either export layout; checked against the backbone) and the tree
 (`tree=calibrated|medusa63|chain|custom`); after `training=medusa2` the backbone is the one trained
 with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_path`) unless
-`model.name_or_path` names another checkpoint than their base (see `medusa_train.stages`); (2)
+`model.name_or_path` names another checkpoint than their base (see `medusa_train.backbone`); (2)
 prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
 backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
 with `eval.all_turns=true`); (3) one warm-up
@@ -18,34 +18,69 @@ prompt through both decoders; (4) every prompt through plain greedy `model.gener
 and Medusa greedy decoding, each call timed whole with `time.perf_counter` (same max_new_tokens,
 same EOS ids); (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for
-calibrated trees of `eval.sweep_tree_sizes` nodes; (8) report.json, report.md, plots, generations.jsonl,
-wandb, and the export's model card updated with the figures.
+calibrated trees of `eval.sweep_tree_sizes` nodes; (8) report.json, report.md, plots and
+generations.jsonl, written into a staging folder and swapped into `workdir/eval` as one (they always
+come from the same run), then wandb, and the export's model card updated with the figures.
 
-Metrics (DESIGN.md): tau = new tokens / verification steps, the bonus token counted (plain decoding
-= 1.0); speed-up = Medusa tokens/s over plain greedy tokens/s; greedy_identical = fraction of prompts
-whose Medusa greedy output equals plain greedy (must be 1.0).
+Metrics (DESIGN.md, computed in `medusa_train.report`): tau = new tokens / verification steps, the
+bonus token counted (plain decoding = 1.0); speed-up = Medusa tokens/s over plain greedy tokens/s;
+greedy_identical = fraction of prompts whose Medusa greedy output equals plain greedy (must be 1.0).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import platform
+import shutil
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from medusa_train.backbone import backbone_identity, load_backbone_for_heads, resolve_device
+from medusa_train.data.distilled import load_distilled, split_heldout
+from medusa_train.data.embedded import embedded_prompts
+from medusa_train.data.sources import read_records
+from medusa_train.decoding import PackedHeads, TreeBuffers, compute_head_accuracy, medusa_generate
+from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
+from medusa_train.decoding.generate import context_limit
+from medusa_train.decoding.tree import resolve_tree
+from medusa_train.dist import is_main
 from medusa_train.errors import UserError
-from medusa_train.workdir import Workdir, require
+from medusa_train.formats import load_heads, read_heads_config
+from medusa_train.heads import HeadsFormatError
+from medusa_train.report import (
+    calibration_topk,
+    machine_info,
+    report_markdown,
+    summarise,
+    top1_top5,
+    write_model_card,
+    write_plots,
+)
+from medusa_train.tracking import start_tracking
+from medusa_train.workdir import (
+    CALIBRATION,
+    GENERATIONS,
+    MANIFEST,
+    MODEL_CARD,
+    PLOTS,
+    REPORT_JSON,
+    REPORT_MD,
+    Workdir,
+    atomic_write_json,
+    atomic_write_text,
+    publish_dir,
+    remove_stale,
+    require,
+    staging_dir,
+)
 
 log = logging.getLogger(__name__)
 
-CHOICES_NAME = "medusa_choices.json"
-CALIBRATION_NAME = "calibration.json"
 HEADS_ACC_RECORDS = 64
 """Held-out distilled records used for head accuracy when calibration.json is missing."""
 
@@ -74,20 +109,17 @@ class Decoded:
 
 def run(cfg) -> dict:
     """Evaluate Medusa decoding; writes ``workdir/eval/`` and returns the report dict."""
-    from tqdm.auto import tqdm
-
-    from medusa_train.backbone import load_backbone_for_heads, resolve_device
-    from medusa_train.decoding import PackedHeads, TreeBuffers
-    from medusa_train.tracking import is_main_process, start_tracking
-
     wd = Workdir(Path(cfg.workdir))
-    if not is_main_process():
+    if not is_main():
         return {"skipped": "not the main process"}
     ecfg = cfg.eval
     # 1. Backbone, heads, tree.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
     heads = _load_heads(heads_dir)
-    tree_name, choices = tree_choices(cfg.tree, heads_dir, heads.num_heads)
+    tc = cfg.tree
+    choices = resolve_tree(
+        tc.name, heads_dir, heads.num_heads, chain_depth=tc.chain_depth, choices=tc.choices or ()
+    )
     prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
     device = resolve_device(cfg.model.device)
     model, tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
@@ -156,7 +188,7 @@ def run(cfg) -> dict:
 
     report = summarise(records, num_prompts=len({r["prompt_index"] for r in records}))
     report.update(
-        tree=tree_name, tree_size=len(choices), max_new_tokens=ecfg.max_new_tokens, all_turns=ecfg.all_turns
+        tree=tc.name, tree_size=len(choices), max_new_tokens=ecfg.max_new_tokens, all_turns=ecfg.all_turns
     )
     report.update(
         prompts=ecfg.prompts,
@@ -179,23 +211,28 @@ def run(cfg) -> dict:
     # 6. Per-head accuracy.
     topk, source = head_topk(heads_dir, wd, cfg, model, heads)
     report["head_accuracy_source"] = source
-    report["head_top1"] = [round(row[0], 4) for row in topk] if topk else None
-    report["head_top5"] = [round(row[min(4, len(row) - 1)], 4) for row in topk] if topk else None
+    top1, top5 = top1_top5(topk) if topk else (None, None)
+    report["head_top1"] = [round(a, 4) for a in top1] if top1 else None
+    report["head_top5"] = [round(a, 4) for a in top5] if top5 else None
 
     # 7. Tau and speed-up against tree size (calibrated trees grown from the head accuracies).
     report["sweep"] = sweep(decode, topk, inputs, ecfg) if topk and ecfg.sweep_tree_sizes else []
     report["machine"] = machine_info(lm_weight.device)
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
-    # 8. Files, plots, tracking, model card.
+    # 8. Files and plots, published together; tracking; model card.
     out = wd.eval
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "generations.jsonl", "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec) + "\n")
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
-    plots = write_plots(report, out / "plots")
+    remove_stale(out)
+    tmp = staging_dir(out)
+    try:
+        atomic_write_text(tmp / GENERATIONS, "".join(json.dumps(rec) + "\n" for rec in records))
+        atomic_write_json(tmp / REPORT_JSON, report)
+        atomic_write_text(tmp / REPORT_MD, report_markdown(report))
+        plots = {name: out / PLOTS / path.name for name, path in write_plots(report, tmp / PLOTS).items()}
+        publish_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     tracker = start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg))
     tracker.summary(
         {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -207,13 +244,13 @@ def run(cfg) -> dict:
     for name, path in plots.items():
         tracker.log_image(f"eval/{name}", path)
     tracker.finish()
-    if (wd.export / "README.md").is_file() and _is_workdir_heads(heads_dir, wd):
-        _refresh_model_card(wd, heads_dir, tree_name, len(choices))
+    if (wd.export / MODEL_CARD).is_file() and _is_workdir_heads(heads_dir, wd):
+        _refresh_model_card(wd, heads_dir, tc.name, len(choices))
     if report["greedy_identical"] < 1.0:
         log.error(
             "Medusa greedy output differs from plain greedy on %.0f%% of prompts: see %s",
             100 * (1 - report["greedy_identical"]),
-            out / "generations.jsonl",
+            out / GENERATIONS,
         )
     log.info(
         "eval: tau %.2f, speed-up %.2fx, greedy identical %.0f%%",
@@ -228,44 +265,7 @@ def run(cfg) -> dict:
 # inputs
 
 
-def tree_choices(tree_cfg, heads_dir: Path, num_heads: int) -> tuple[str, list[list[int]]]:
-    """The configured tree as ``(name, paths)``, checked against the number of heads.
-
-    ``calibrated`` reads ``medusa_choices.json`` next to the heads (or one folder up, for an
-    export's ``medusa/``/``vllm/`` folder).
-
-    Raises:
-        UserError: the calibrated tree is missing, or the tree is malformed or deeper than the heads.
-    """
-    from medusa_train.decoding import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices
-
-    try:
-        if tree_cfg.name == "calibrated":
-            path = next(
-                (p for p in (heads_dir / CHOICES_NAME, heads_dir.parent / CHOICES_NAME) if p.is_file()), None
-            )
-            if path is None:
-                raise UserError(
-                    f"no calibrated tree at {heads_dir / CHOICES_NAME}: run `python -m medusa_train stage=train` "
-                    "first (it calibrates the tree), or choose tree=medusa63|chain|custom"
-                )
-            choices = load_choices(path)
-        elif tree_cfg.name == "medusa63":
-            choices = [list(p) for p in MEDUSA_63]
-        elif tree_cfg.name == "chain":
-            choices = chain_tree(tree_cfg.chain_depth)
-        else:
-            choices = [list(p) for p in tree_cfg.choices]
-        TreeBuffers.from_choices(choices).check_heads(num_heads)
-    except TreeError as err:
-        raise UserError(f"tree={tree_cfg.name}: {err}") from None
-    return tree_cfg.name, choices
-
-
 def _load_heads(heads_dir: Path):
-    from medusa_train.formats import load_heads
-    from medusa_train.heads import HeadsFormatError
-
     try:
         return load_heads(heads_dir)
     except HeadsFormatError as err:
@@ -287,10 +287,6 @@ def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
 
 def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:
     """Warn when stage=train recorded a different backbone fingerprint (same shapes, other weights)."""
-    from medusa_train.backbone import backbone_identity
-    from medusa_train.formats import read_heads_config
-    from medusa_train.heads import HeadsFormatError
-
     try:
         recorded = read_heads_config(heads_dir).get("backbone")
     except HeadsFormatError:
@@ -312,16 +308,12 @@ def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:
 def load_eval_prompts(ecfg) -> list[EvalPrompt]:
     """``eval.num_prompts`` prompts from the configured source (held-out embedded, MT-bench, JSONL)."""
     if ecfg.prompts == "embedded":
-        from medusa_train.data.embedded import embedded_prompts
-
         prompts = []
         for i, conv in enumerate(embedded_prompts("eval", ecfg.num_prompts, ecfg.seed)):
             system = next((m["content"] for m in conv if m["role"] == "system"), None)
             turns = [m["content"] for m in conv if m["role"] == "user"]
             prompts.append(EvalPrompt(f"embedded-eval:{i}", turns, system))
     else:
-        from medusa_train.data.sources import read_records
-
         if not Path(ecfg.path).is_file():
             raise UserError(f"eval.path={ecfg.path} does not exist")
         result = read_records(
@@ -363,8 +355,6 @@ def eos_ids(model, tok) -> list[int]:
 
 def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:
     """``max_new_tokens``, cut so that prompt + new tokens fit the model's positions (same for both decoders)."""
-    from medusa_train.decoding.generate import context_limit
-
     limit = context_limit(model)
     return max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_len)
 
@@ -412,8 +402,6 @@ class _Decoders:
         ecfg=None,
         generator=None,
     ) -> Decoded:
-        from medusa_train.decoding import medusa_generate
-
         extra = {}
         if ecfg is not None:
             extra = {
@@ -455,16 +443,13 @@ def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[lis
     Read from ``calibration.json`` (written by stage=train) when present, else computed on the
     held-out distilled records; ``(None, None)`` when neither exists (heads from elsewhere).
     """
-    for path in (heads_dir / CALIBRATION_NAME, heads_dir.parent / CALIBRATION_NAME):
+    for path in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION):
         if path.is_file():
             topk = calibration_topk(json.loads(path.read_text()))
             if topk:
                 return topk, str(path)
-    if not (wd.distill / "manifest.json").is_file():
+    if not (wd.distill / MANIFEST).is_file():
         return None, None
-    from medusa_train.data.distilled import load_distilled, split_heldout
-    from medusa_train.decoding import compute_head_accuracy
-
     _, held = split_heldout(load_distilled(wd.distill), cfg.data.eval_fraction)
     if len(held) == 0:
         return None, None
@@ -478,25 +463,6 @@ def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[lis
     return acc.tolist(), f"{wd.distill} (held-out, {len(rows)} records)"
 
 
-def calibration_topk(calibration: dict) -> list[list[float]] | None:
-    """The per-head cumulative top-k accuracy table ``(K, R)`` in a calibration.json, if any."""
-    for key in ("head_topk_accuracy", "topk_accuracy", "head_accuracy", "accuracy"):
-        value = calibration.get(key)
-        if isinstance(value, dict):  # {"topk": [[...]], ...} or {"top1": [...], "top5": [...]}
-            value = value.get("topk") or value.get("cumulative")
-        if isinstance(value, list) and value and all(isinstance(row, list) and row for row in value):
-            return [[float(x) for x in row] for row in value]
-    return None
-
-
-def head_accuracy(calibration: dict) -> tuple[list[float], list[float]] | None:
-    """``(top1, top5)`` per head from a calibration.json, or None when it holds no accuracy table."""
-    topk = calibration_topk(calibration)
-    if not topk:
-        return None
-    return [row[0] for row in topk], [row[min(4, len(row) - 1)] for row in topk]
-
-
 def sweep(
     decode: _Decoders, topk: list[list[float]], inputs: list[tuple[torch.Tensor, int]], ecfg
 ) -> list[dict]:
@@ -505,8 +471,6 @@ def sweep(
     Prompt by prompt, plain greedy and every tree size run back to back, so a machine whose load
     drifts (shared CPUs) skews all of them alike.
     """
-    from medusa_train.decoding import TreeBuffers, grow_tree, per_rank_accuracy
-
     trees, expected = grow_tree(per_rank_accuracy(torch.tensor(topk)), max(ecfg.sweep_tree_sizes))
     sizes = sorted({int(s) for s in ecfg.sweep_tree_sizes if 0 < int(s) <= len(trees)})
     if len(sizes) < len(set(ecfg.sweep_tree_sizes)):
@@ -544,182 +508,6 @@ def sweep(
     return rows
 
 
-# ---------------------------------------------------------------------------------------------
-# report
-
-
-def summarise(records: list[dict], num_prompts: int) -> dict:
-    """The headline figures of the main run, computed from the per-turn records (generations.jsonl)."""
-    tokens = sum(r["tokens"] for r in records)
-    steps = sum(r["steps"] for r in records)
-    base_tokens = sum(r["baseline_tokens"] for r in records)
-    base_s = sum(r["baseline_s"] for r in records)
-    med_s = sum(r["medusa_s"] for r in records)
-    tps_base = base_tokens / max(1e-9, base_s)
-    tps_med = tokens / max(1e-9, med_s)
-    by_prompt: dict[int, bool] = {}
-    for r in records:
-        by_prompt[r["prompt_index"]] = by_prompt.get(r["prompt_index"], True) and r["identical"]
-    hist = Counter(length for r in records for length in r["accepted_lengths"])
-    max_len = max(hist) if hist else 1
-    return {
-        "tau": tokens / max(1, steps),
-        "speedup": tps_med / tps_base if tps_base > 0 else 0.0,
-        "tokens_per_s_baseline": tps_base,
-        "tokens_per_s_medusa": tps_med,
-        "greedy_identical": sum(by_prompt.values()) / max(1, len(by_prompt)),
-        "num_prompts": num_prompts,
-        "num_turns": len(records),
-        "new_tokens_medusa": tokens,
-        "new_tokens_baseline": base_tokens,
-        "steps": steps,
-        "seconds_baseline": base_s,
-        "seconds_medusa": med_s,
-        "accepted_length_histogram": {str(n): hist.get(n, 0) for n in range(1, max_len + 1)},
-    }
-
-
-def machine_info(device: torch.device) -> dict:
-    """Where the timings were taken."""
-    import os
-
-    import transformers
-
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["device"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def _fmt(value, spec: str = ".2f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def summary_table(report: dict) -> str:
-    """The headline figures as a Markdown table (printed at the end of stage=all)."""
-    temp = report.get("temperature")
-    acc1, acc5 = report.get("head_top1"), report.get("head_top5")
-    rows = [
-        ("prompts (turns)", f"{report['num_prompts']} ({report.get('num_turns', report['num_prompts'])})"),
-        ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes"),
-        ("tau, greedy (tokens/step)", _fmt(report["tau"])),
-        ("plain greedy tokens/s", _fmt(report["tokens_per_s_baseline"], ".1f")),
-        ("Medusa greedy tokens/s", _fmt(report["tokens_per_s_medusa"], ".1f")),
-        ("speed-up", f"{report['speedup']:.2f}x"),
-        ("greedy output identical", f"{report['greedy_identical']:.0%}"),
-        (f"tau, typical (T={temp})", _fmt(report.get("tau_typical"))),
-        (f"tau, sample (T={temp})", _fmt(report.get("tau_sample"))),
-        ("head top-1", " / ".join(f"{a:.2f}" for a in acc1) if acc1 else "n/a"),
-        ("head top-5", " / ".join(f"{a:.2f}" for a in acc5) if acc5 else "n/a"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    return "\n".join(lines)
-
-
-def report_markdown(report: dict) -> str:
-    """report.md: the summary table, the tree-size sweep, the accepted-length histogram, the machine."""
-    lines = [
-        "# Medusa evaluation",
-        "",
-        f"{report['date']}, backbone `{report.get('backbone')}`, heads `{report.get('heads_dir')}`.",
-        "",
-    ]
-    lines += [summary_table(report), ""]
-    if report.get("sweep"):
-        lines += [
-            "## Tree size",
-            "",
-            "| nodes | expected tau | tau | tokens/s | speed-up |",
-            "|---|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['tree_size']} | {r['expected_tau']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
-            for r in report["sweep"]
-        ]
-        lines.append("")
-    hist = report["accepted_length_histogram"]
-    lines += ["## Tokens per step", "", "| tokens | steps |", "|---|---|"]
-    lines += [f"| {n} | {c} |" for n, c in hist.items()]
-    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in report["machine"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(report: dict, directory: Path) -> dict[str, Path]:
-    """PNG figures: accepted-length histogram, per-head accuracy, tau and speed-up vs tree size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directory.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
-
-    hist = report["accepted_length_histogram"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar([int(n) for n in hist], list(hist.values()), color="tab:blue")
-    ax.set(
-        xlabel="tokens gained per step (bonus included)",
-        ylabel="steps",
-        title=f"accepted lengths, tau = {report['tau']:.2f}",
-    )
-    paths["accepted_lengths"] = _save(fig, directory / "accepted_lengths.png")
-
-    if report.get("head_top1"):
-        k = range(1, len(report["head_top1"]) + 1)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(k, report["head_top1"], "o-", label="top-1")
-        ax.plot(k, report["head_top5"], "s-", label="top-5")
-        ax.set(
-            xlabel="head k (predicts t+k+1)",
-            ylabel="held-out accuracy",
-            ylim=(0, 1.02),
-            title="head accuracy",
-        )
-        ax.set_xticks(list(k))
-        ax.legend()
-        paths["head_accuracy"] = _save(fig, directory / "head_accuracy.png")
-
-    if report.get("sweep"):
-        sizes = [r["tree_size"] for r in report["sweep"]]
-        fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        ax.plot(sizes, [r["tau"] for r in report["sweep"]], "o-", color="tab:blue", label="tau (measured)")
-        ax.plot(
-            sizes, [r["expected_tau"] for r in report["sweep"]], ":", color="tab:blue", label="tau (expected)"
-        )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(s) for s in sizes])
-        ax.minorticks_off()
-        ax.set(xlabel="tree nodes", ylabel="tokens per step")
-        ax2 = ax.twinx()
-        ax2.plot(sizes, [r["speedup"] for r in report["sweep"]], "s--", color="tab:red", label="speed-up")
-        ax2.set_ylabel("speed-up over plain greedy")
-        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-        ax.legend(handles, [h.get_label() for h in handles], loc="best")
-        ax.set_title("tau and speed-up vs tree size")
-        paths["tree_size"] = _save(fig, directory / "tree_size.png")
-    return paths
-
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def _is_workdir_heads(heads_dir: Path, wd: Workdir) -> bool:
     """True when the evaluated heads are this workdir's (workdir/heads or inside workdir/export)."""
     resolved, export = heads_dir.resolve(), wd.export.resolve()
@@ -728,9 +516,7 @@ def _is_workdir_heads(heads_dir: Path, wd: Workdir) -> bool:
 
 def _refresh_model_card(wd: Workdir, heads_dir: Path, tree_name: str, tree_size: int) -> None:
     """Add the measured figures to ``workdir/export/README.md`` (export runs before eval in stage=all)."""
-    from medusa_train.stages.export import write_model_card
-
     try:
         write_model_card(wd.export, heads_dir=heads_dir, wd=wd, tree_name=tree_name, tree_size=tree_size)
     except Exception as err:  # the card is a convenience: never fail an evaluation over it
-        log.warning("could not update %s: %s", wd.export / "README.md", err)
+        log.warning("could not update %s: %s", wd.export / MODEL_CARD, err)

@@ -10,6 +10,7 @@ import pytest
 from medusa_train.errors import UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
+from medusa_train.report import summary_table
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
@@ -58,7 +59,7 @@ def test_report_is_consistent_with_generations(evaluated: tuple[Path, dict]) -> 
 def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> None:
     workdir, report = evaluated
     out = workdir / "eval"
-    table = eval_stage.summary_table(report)
+    table = summary_table(report)
     assert table in (out / "report.md").read_text()
     assert "| speed-up" in table and "100%" in table
     for name in ("accepted_lengths", "head_accuracy", "tree_size"):

@@ -77,3 +77,42 @@ def test_export_errors_name_the_fix(tmp_path: Path, workdir: Path) -> None:
         export.run(
             tiny_cfg(workdir, "stage=export", "tree=custom", "tree.choices=[[0],[0,0],[0,0,0],[0,0,0,0]]")
         )
+
+
+def _flip_last_bytes(path: Path) -> None:
+    """Damage the last tensor's data in a safetensors file (its header stays valid)."""
+    data = bytearray(path.read_bytes())
+    data[-4:] = bytes(b ^ 0x5A for b in data[-4:])
+    path.write_bytes(bytes(data))
+
+
+def test_roundtrip_check_sees_a_corrupted_file(tmp_path: Path) -> None:
+    workdir = make_workdir(tmp_path / "wd")
+    assert export.run(tiny_cfg(workdir, "stage=export"))["roundtrip_identical"] is True
+    out, source = workdir / "export", load_heads(workdir / "heads")
+    assert export.roundtrip_identical(source, out / "medusa") and export.roundtrip_identical(
+        source, out / "vllm"
+    )
+    _flip_last_bytes(out / "vllm" / VLLM_WEIGHTS_NAME)
+    assert not export.roundtrip_identical(source, out / "vllm")
+    (out / "medusa" / "medusa_lm_head.safetensors").write_bytes(b"\x08\x00")  # truncated: unreadable
+    assert not export.roundtrip_identical(source, out / "medusa")
+
+
+def test_export_refuses_a_layout_that_reads_back_different(tmp_path: Path, monkeypatch) -> None:
+    workdir = make_workdir(tmp_path / "wd")
+    export.run(tiny_cfg(workdir, "stage=export"))
+    before = {p.relative_to(workdir): p.read_bytes() for p in (workdir / "export").rglob("*") if p.is_file()}
+    save_vllm = export.save_vllm
+
+    def corrupting_save(heads: MedusaHeads, directory: Path) -> Path:
+        save_vllm(heads, directory)
+        _flip_last_bytes(directory / VLLM_WEIGHTS_NAME)
+        return directory
+
+    monkeypatch.setattr(export, "save_vllm", corrupting_save)
+    with pytest.raises(export.ExportError, match="vllm read back with other weights"):
+        export.run(tiny_cfg(workdir, "stage=export", "tree=chain", "tree.chain_depth=2"))
+    after = {p.relative_to(workdir): p.read_bytes() for p in (workdir / "export").rglob("*") if p.is_file()}
+    assert after == before  # nothing published: the previous export is untouched
+    assert not [p for p in workdir.iterdir() if p.name.startswith(".export")]

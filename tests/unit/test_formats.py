@@ -20,7 +20,8 @@ from medusa_train.formats import (
     save_vllm,
     vllm_config,
 )
-from medusa_train.heads import CONFIG_NAME, WEIGHTS_NAME, HeadsFormatError, MedusaHeads
+from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 
 D, V, K, L = 16, 40, 3, 2
 
@@ -42,11 +43,11 @@ def _logits(heads: MedusaHeads) -> torch.Tensor:
 
 def test_medusa_key_names_are_what_tgi_and_fasterdecoding_read(tmp_path: Path) -> None:
     save_medusa(_random_heads(), tmp_path, extra_config={"training": {"lr": 1e-3}, "medusa_num_heads": 99})
-    keys = set(load_file(str(tmp_path / WEIGHTS_NAME)))
+    keys = set(load_file(str(tmp_path / HEADS_WEIGHTS)))
     expected = {f"{h}.{j}.linear.{p}" for h in range(K) for j in range(L) for p in ("weight", "bias")}
     expected |= {f"{h}.{L}.weight" for h in range(K)}
     assert keys == expected
-    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
     assert config["medusa_num_heads"] == K  # extra_config cannot override the layout keys
     assert (config["medusa_num_layers"], config["hidden_size"], config["vocab_size"]) == (L, D, V)
     assert config["base_model_name_or_path"] == "tiny/base"
@@ -62,7 +63,7 @@ def test_vllm_key_names_are_what_vllm_medusa_model_reads(tmp_path: Path) -> None
     assert tensors["blocks.0.layers.0.weight"].shape == (D, D)
     assert tensors["blocks.0.layers.0.bias"].shape == (D,)
     assert tensors["lm_heads.0.weight"].shape == (V, D)
-    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
     assert config == {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -120,7 +121,7 @@ def test_vllm_prefixed_names_and_shared_lm_head(tmp_path: Path) -> None:
     (tmp_path / VLLM_WEIGHTS_NAME).unlink()
     save_file(state, str(tmp_path / "weights.safetensors"))
     config = {**vllm_config(heads), "original_lm_head": True}
-    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    (tmp_path / HEADS_CONFIG).write_text(json.dumps(config))
     assert torch.equal(_logits(load_heads(tmp_path)), _logits(heads))
 
 
@@ -128,8 +129,8 @@ def test_fasterdecoding_pickle_and_export_root(tmp_path: Path) -> None:
     heads = _random_heads()
     legacy = tmp_path / "legacy"
     save_medusa(heads, legacy)
-    torch.save(load_file(str(legacy / WEIGHTS_NAME)), legacy / LEGACY_WEIGHTS_NAME)
-    (legacy / WEIGHTS_NAME).unlink()
+    torch.save(load_file(str(legacy / HEADS_WEIGHTS)), legacy / LEGACY_WEIGHTS_NAME)
+    (legacy / HEADS_WEIGHTS).unlink()
     assert torch.equal(_logits(load_heads(legacy)), _logits(heads))
     save_medusa(heads, tmp_path / "export" / MEDUSA)  # workdir/export itself loads its medusa/ folder
     assert torch.equal(_logits(load_heads(tmp_path / "export")), _logits(heads))
@@ -142,22 +143,31 @@ def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
         load_heads(tmp_path)
     backbone = tmp_path / "backbone"
     backbone.mkdir()
-    (backbone / CONFIG_NAME).write_text(json.dumps({"model_type": "llama", "hidden_size": D}))
+    (backbone / HEADS_CONFIG).write_text(json.dumps({"model_type": "llama", "hidden_size": D}))
     with pytest.raises(HeadsFormatError, match="backbone"):
         load_heads(backbone)
     no_weights = tmp_path / "no_weights"
     save_medusa(_random_heads(), no_weights)
-    (no_weights / WEIGHTS_NAME).unlink()
-    with pytest.raises(HeadsFormatError, match=WEIGHTS_NAME):
+    (no_weights / HEADS_WEIGHTS).unlink()
+    with pytest.raises(HeadsFormatError, match=HEADS_WEIGHTS):
         load_heads(no_weights)
     mismatch = tmp_path / "mismatch"
     save_vllm(_random_heads(), mismatch)
-    config = json.loads((mismatch / CONFIG_NAME).read_text())
-    (mismatch / CONFIG_NAME).write_text(json.dumps({**config, "num_heads": K + 1}))
+    config = json.loads((mismatch / HEADS_CONFIG).read_text())
+    (mismatch / HEADS_CONFIG).write_text(json.dumps({**config, "num_heads": K + 1}))
     with pytest.raises(HeadsFormatError, match="blocks.3.layers.0.weight"):
         load_heads(mismatch)
     wrong_shape = tmp_path / "wrong_shape"
     save_vllm(_random_heads(), wrong_shape)
-    (wrong_shape / CONFIG_NAME).write_text(json.dumps({**config, "hidden_size": D + 1}))
+    (wrong_shape / HEADS_CONFIG).write_text(json.dumps({**config, "hidden_size": D + 1}))
     with pytest.raises(HeadsFormatError, match="shape"):
         load_heads(wrong_shape)
+    for layout, save, weights in (
+        ("medusa", save_medusa, HEADS_WEIGHTS),
+        ("vllm", save_vllm, VLLM_WEIGHTS_NAME),
+    ):
+        damaged = tmp_path / f"damaged_{layout}"
+        save(_random_heads(), damaged)
+        (damaged / weights).write_bytes((damaged / weights).read_bytes()[:100])  # cut short
+        with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights}"):
+            load_heads(damaged)

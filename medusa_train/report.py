@@ -1,0 +1,414 @@
+"""What the pipeline reports: eval's figures, report.md, plots and the export's model card.
+
+Metrics (DESIGN.md; Cai et al., arXiv:2401.10774, section 3): tau = new tokens / verification steps,
+the bonus token counted (plain decoding = 1.0); speed-up = Medusa tokens/s over plain greedy
+tokens/s; greedy_identical = fraction of prompts whose Medusa greedy output equals plain greedy.
+
+- :func:`summarise` turns eval's per-turn records (``generations.jsonl``) into the headline figures;
+  :func:`machine_info` says where they were timed.
+- :func:`summary_table` / :func:`report_markdown` render them (``report.md``; the table is printed
+  at the end of ``stage=all``); :func:`write_plots` draws ``plots/*.png`` (matplotlib, imported lazily).
+- :func:`model_card` is the export's ``README.md`` (what the heads are, how they were made and
+  measured, how to load them); :func:`write_model_card` rewrites it from what is on disk, so
+  ``stage=eval`` can add its figures.
+
+Plain arguments only (dicts, paths, heads): no Hydra config, no stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections import Counter
+from pathlib import Path
+
+import torch
+import transformers
+
+from medusa_train.formats import MEDUSA, MEDUSA_CONFIG_KEYS, VLLM, load_heads, read_heads_config
+from medusa_train.heads import MedusaHeads
+from medusa_train.workdir import (
+    CALIBRATION,
+    MANIFEST,
+    MODEL_CARD,
+    REPORT_JSON,
+    TRAINED_BACKBONE,
+    Workdir,
+    atomic_write_text,
+)
+
+
+# -- head accuracy (calibration.json, written by stage=train) -----------------------------------------
+def calibration_topk(calibration: dict | None) -> list[list[float]] | None:
+    """The per-head cumulative top-k accuracy table ``(K, R)`` of a calibration.json, if it has one."""
+    value = (calibration or {}).get("head_topk_accuracy")
+    if isinstance(value, list) and value and all(isinstance(row, list) and row for row in value):
+        return [[float(x) for x in row] for row in value]
+    return None
+
+
+def top1_top5(topk: list[list[float]]) -> tuple[list[float], list[float]]:
+    """``(top1, top5)`` per head from a cumulative top-k table ``(K, R)`` (top-R when R < 5)."""
+    return [row[0] for row in topk], [row[min(4, len(row) - 1)] for row in topk]
+
+
+# -- eval's figures ---------------------------------------------------------------------------------
+def summarise(records: list[dict], num_prompts: int) -> dict:
+    """The headline figures of the main run, computed from the per-turn records (generations.jsonl)."""
+    tokens = sum(r["tokens"] for r in records)
+    steps = sum(r["steps"] for r in records)
+    base_tokens = sum(r["baseline_tokens"] for r in records)
+    base_s = sum(r["baseline_s"] for r in records)
+    med_s = sum(r["medusa_s"] for r in records)
+    tps_base = base_tokens / max(1e-9, base_s)
+    tps_med = tokens / max(1e-9, med_s)
+    by_prompt: dict[int, bool] = {}
+    for r in records:
+        by_prompt[r["prompt_index"]] = by_prompt.get(r["prompt_index"], True) and r["identical"]
+    hist = Counter(length for r in records for length in r["accepted_lengths"])
+    max_len = max(hist) if hist else 1
+    return {
+        "tau": tokens / max(1, steps),
+        "speedup": tps_med / tps_base if tps_base > 0 else 0.0,
+        "tokens_per_s_baseline": tps_base,
+        "tokens_per_s_medusa": tps_med,
+        "greedy_identical": sum(by_prompt.values()) / max(1, len(by_prompt)),
+        "num_prompts": num_prompts,
+        "num_turns": len(records),
+        "new_tokens_medusa": tokens,
+        "new_tokens_baseline": base_tokens,
+        "steps": steps,
+        "seconds_baseline": base_s,
+        "seconds_medusa": med_s,
+        "accepted_length_histogram": {str(n): hist.get(n, 0) for n in range(1, max_len + 1)},
+    }
+
+
+def machine_info(device: torch.device) -> dict:
+    """Where the timings were taken."""
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+# -- report.md --------------------------------------------------------------------------------------
+def summary_table(report: dict) -> str:
+    """The headline figures as a Markdown table (printed at the end of stage=all)."""
+    temp = report.get("temperature")
+    acc1, acc5 = report.get("head_top1"), report.get("head_top5")
+    rows = [
+        ("prompts (turns)", f"{report['num_prompts']} ({report.get('num_turns', report['num_prompts'])})"),
+        ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes"),
+        ("tau, greedy (tokens/step)", _fmt(report["tau"])),
+        ("plain greedy tokens/s", _fmt(report["tokens_per_s_baseline"], ".1f")),
+        ("Medusa greedy tokens/s", _fmt(report["tokens_per_s_medusa"], ".1f")),
+        ("speed-up", f"{report['speedup']:.2f}x"),
+        ("greedy output identical", f"{report['greedy_identical']:.0%}"),
+        (f"tau, typical (T={temp})", _fmt(report.get("tau_typical"))),
+        (f"tau, sample (T={temp})", _fmt(report.get("tau_sample"))),
+        ("head top-1", " / ".join(f"{a:.2f}" for a in acc1) if acc1 else "n/a"),
+        ("head top-5", " / ".join(f"{a:.2f}" for a in acc5) if acc5 else "n/a"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def report_markdown(report: dict) -> str:
+    """report.md: the summary table, the tree-size sweep, the accepted-length histogram, the machine."""
+    lines = [
+        "# Medusa evaluation",
+        "",
+        f"{report['date']}, backbone `{report.get('backbone')}`, heads `{report.get('heads_dir')}`.",
+        "",
+    ]
+    lines += [summary_table(report), ""]
+    if report.get("sweep"):
+        lines += [
+            "## Tree size",
+            "",
+            "| nodes | expected tau | tau | tokens/s | speed-up |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['tree_size']} | {r['expected_tau']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
+            for r in report["sweep"]
+        ]
+        lines.append("")
+    hist = report["accepted_length_histogram"]
+    lines += ["## Tokens per step", "", "| tokens | steps |", "|---|---|"]
+    lines += [f"| {n} | {c} |" for n, c in hist.items()]
+    lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in report["machine"].items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- plots ----------------------------------------------------------------------------------------
+def write_plots(report: dict, directory: Path) -> dict[str, Path]:
+    """PNG figures: accepted-length histogram, per-head accuracy, tau and speed-up vs tree size.
+
+    Returns:
+        ``{name: path}`` of the figures written into ``directory`` (created if missing).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+
+    hist = report["accepted_length_histogram"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar([int(n) for n in hist], list(hist.values()), color="tab:blue")
+    ax.set(
+        xlabel="tokens gained per step (bonus included)",
+        ylabel="steps",
+        title=f"accepted lengths, tau = {report['tau']:.2f}",
+    )
+    paths["accepted_lengths"] = _save(fig, directory / "accepted_lengths.png")
+
+    if report.get("head_top1"):
+        k = range(1, len(report["head_top1"]) + 1)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(k, report["head_top1"], "o-", label="top-1")
+        ax.plot(k, report["head_top5"], "s-", label="top-5")
+        ax.set(
+            xlabel="head k (predicts t+k+1)",
+            ylabel="held-out accuracy",
+            ylim=(0, 1.02),
+            title="head accuracy",
+        )
+        ax.set_xticks(list(k))
+        ax.legend()
+        paths["head_accuracy"] = _save(fig, directory / "head_accuracy.png")
+
+    if report.get("sweep"):
+        sizes = [r["tree_size"] for r in report["sweep"]]
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        ax.plot(sizes, [r["tau"] for r in report["sweep"]], "o-", color="tab:blue", label="tau (measured)")
+        ax.plot(
+            sizes, [r["expected_tau"] for r in report["sweep"]], ":", color="tab:blue", label="tau (expected)"
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set(xlabel="tree nodes", ylabel="tokens per step")
+        ax2 = ax.twinx()
+        ax2.plot(sizes, [r["speedup"] for r in report["sweep"]], "s--", color="tab:red", label="speed-up")
+        ax2.set_ylabel("speed-up over plain greedy")
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="best")
+        ax.set_title("tau and speed-up vs tree size")
+        paths["tree_size"] = _save(fig, directory / "tree_size.png")
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the export's model card ----------------------------------------------------------------------
+def write_model_card(
+    export_dir: Path, *, heads_dir: Path, wd: Workdir, tree_name: str, tree_size: int
+) -> None:
+    """Rewrite ``export_dir/README.md`` (atomically) from what is on disk now; used by stage=eval.
+
+    Reads the exported heads, ``wd``'s distill manifest and eval report, and the calibration next to
+    ``heads_dir`` (else the export's copy).
+    """
+    layouts = [fmt for fmt in (MEDUSA, VLLM) if (export_dir / fmt).is_dir()]
+    source = export_dir / layouts[0]
+    backbone = export_dir / TRAINED_BACKBONE
+    card = model_card(
+        heads=load_heads(source),
+        heads_config=read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir),
+        formats=layouts,
+        tree_name=tree_name,
+        tree_size=tree_size,
+        manifest=read_json(wd.distill / MANIFEST),
+        calibration=read_json(heads_dir / CALIBRATION) or read_json(export_dir / CALIBRATION),
+        report=read_json(wd.eval / REPORT_JSON),
+        backbone=str(backbone) if backbone.is_dir() else None,
+    )
+    atomic_write_text(export_dir / MODEL_CARD, card)
+
+
+def model_card(
+    *,
+    heads: MedusaHeads,
+    heads_config: dict,
+    formats: list[str],
+    tree_name: str,
+    tree_size: int,
+    manifest: dict | None,
+    calibration: dict | None,
+    report: dict | None,
+    backbone: str | None = None,
+) -> str:
+    """The export's README.md: what the heads are, how they were made and measured, how to load them.
+
+    ``backbone``: the exported Medusa-2 backbone (the base model to load with the heads), if any.
+    """
+    base = (
+        backbone
+        or heads.base_model_name_or_path
+        or heads_config.get("base_model_name_or_path")
+        or "<base model>"
+    )
+    k = heads.num_heads
+    lines = [
+        f"# Medusa heads for `{base}`",
+        "",
+        f"{k} Medusa heads (Cai et al., arXiv:2401.10774), {heads.num_layers} residual block(s) each, "
+        f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.proj(0).weight.dtype).removeprefix('torch.')}. "
+        "Head k reads the base model's last hidden state and predicts token t+k+1; a tree of their "
+        "candidates is verified in one forward pass of the base model.",
+        "",
+        "## Base model",
+        "",
+    ]
+    identity = heads_config.get("backbone")
+    pad = ""
+    if backbone:  # Medusa-2: the shipped backbone first, then the one training started from
+        tuning = (heads_config.get("training") or {}).get("backbone_tuning", "full")
+        merged = ", LoRA adapter merged" if tuning in ("lora", "qlora") else ""
+        lines += [
+            f"- `{base}`: trained together with the heads (Medusa-2, backbone_tuning `{tuning}`{merged}) and "
+            "exported in `backbone/`; the heads match this backbone, not the original",
+            "- started from:",
+        ]
+        pad = "  "
+    else:
+        lines.append(f"- `{base}`")
+    if isinstance(identity, dict):
+        lines += [f"{pad}- {key}: `{value}`" for key, value in identity.items()]
+    lines += ["", "## Data", ""]
+    if manifest:  # the sections of distill/manifest.json a reader wants; all of it if none is there
+        picked = {
+            key: manifest[key] for key in ("data", "generation", "counts", "created") if key in manifest
+        }
+        lines += _bullets(picked or manifest)
+    else:
+        lines.append("- (no distill manifest found: heads trained elsewhere)")
+    training = {
+        key: v
+        for key, v in heads_config.items()
+        if key not in MEDUSA_CONFIG_KEYS and key != "backbone"
+    }
+    lines += ["", "## Training", ""]
+    lines += _bullets(training) if training else ["- (no training settings recorded in config.json)"]
+    lines += ["", "## Measured", ""]
+    topk = calibration_topk(calibration)
+    if topk:
+        acc = top1_top5(topk)
+        lines += ["| head | predicts | top-1 | top-5 |", "|---|---|---|---|"]
+        lines += [
+            f"| {i + 1} | t+{i + 2} | {t1:.3f} | {t5:.3f} |"
+            for i, (t1, t5) in enumerate(zip(*acc, strict=True))
+        ]
+        lines += ["", "Held-out self-distilled data (`calibration.json`)."]
+    else:
+        lines.append("- head accuracy: not measured (no calibration.json)")
+    if report:
+        lines += [
+            "",
+            f"- tau (tokens per verification step, greedy, {report.get('tree_size')}-node tree): **{report.get('tau', 0):.2f}**",
+            f"- speed-up over plain greedy `generate`: **{report.get('speedup', 0):.2f}x** "
+            f"({report.get('tokens_per_s_medusa', 0):.1f} vs {report.get('tokens_per_s_baseline', 0):.1f} tokens/s, "
+            f"{report.get('num_prompts')} prompts, {(report.get('machine') or {}).get('device', 'this machine')})",
+            f"- Medusa greedy output identical to plain greedy: {report.get('greedy_identical', 0):.0%} of prompts",
+        ]
+    else:
+        lines.append("- tau / speed-up: run `python -m medusa_train stage=eval` (it updates this card)")
+    lines += ["", f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`.", ""]
+    lines += _usage(base, k, formats)
+    return "\n".join(lines) + "\n"
+
+
+def _usage(base: str, k: int, formats: list[str]) -> list[str]:
+    out = ["## Loading", ""]
+    if VLLM in formats:
+        out += [
+            "**vLLM** (`vllm/`; vLLM's Medusa proposer drafts the top-1 chain, the tree is not used):",
+            "",
+            "```python",
+            "from vllm import LLM",
+            f'llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "export/vllm", "num_speculative_tokens": {k}}})',
+            "```",
+            "",
+        ]
+    if MEDUSA in formats:
+        out += [
+            "**TGI** (`medusa/`; `base_model_name_or_path` in its config.json must name the base model TGI can load):",
+            "",
+            "```bash",
+            "text-generation-launcher --model-id export/medusa",
+            "```",
+            "",
+            "**TensorRT-LLM** (`medusa/`, see TensorRT-LLM's `examples/medusa`):",
+            "",
+            "```bash",
+            f"python convert_checkpoint.py --model_dir {base} --medusa_model_dir export/medusa --num_medusa_heads {k} --output_dir ckpt",
+            "trtllm-build --checkpoint_dir ckpt --speculative_decoding_mode medusa --output_dir engine",
+            'python ../run.py --engine_dir engine --medusa_choices="$(cat export/medusa_choices.json)" --temperature 1.0 ...',
+            "```",
+            "",
+            "**FasterDecoding Medusa** (`medusa/`):",
+            "",
+            "```python",
+            "from medusa.model.medusa_model import MedusaModel",
+            'model = MedusaModel.from_pretrained("export/medusa")  # loads the base model named in config.json',
+            "```",
+            "",
+            "**medusa_train** (either layout): `python -m medusa_train stage=eval eval.heads_dir=export/medusa`, or",
+            "`medusa_train.formats.load_heads(dir)` + `medusa_train.decoding.medusa_generate(model, heads, ids, tree=choices, ...)`.",
+            "",
+        ]
+    return out
+
+
+def _bullets(d: dict, depth: int = 0) -> list[str]:
+    """Scalars and short lists as a bullet list, nested dicts indented; long lists summarised, nulls left out."""
+    out = []
+    for key, value in d.items():
+        if value is None or value == {}:
+            continue
+        pad = "  " * depth
+        if isinstance(value, dict):
+            out.append(f"{pad}- {key}:")
+            out += _bullets(value, depth + 1)
+        elif isinstance(value, list) and len(value) > 8:
+            out.append(f"{pad}- {key}: ({len(value)} entries)")
+        else:
+            out.append(f"{pad}- {key}: `{value}`")
+    return out
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
