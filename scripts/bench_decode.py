@@ -4,7 +4,7 @@ Run as:
     # trained backbone + heads, prompts from a JSONL ({"text": ...} or {"input_ids": [...]} per line)
     python scripts/bench_decode.py --model workdir/pretrain --heads workdir/heads \
         --prompts prompts.jsonl --tree workdir/export/medusa_choices.json --json bench.json
-    # CPU smoke test: tiny random Llama + random heads
+    # CPU smoke test: tiny random Llama (tests/helpers/models.py's tiny_config) + random heads
     python scripts/bench_decode.py --random
     # GPU: verification cost of N = 1..64 tree tokens on a Llama-3-8B-shaped random bf16 model
     python scripts/bench_decode.py --llama8b-shape --device cuda --dtype bfloat16
@@ -38,6 +38,7 @@ from medusa_train.decoding import (  # noqa: E402
     medusa_generate,
 )
 from medusa_train.heads import MedusaHeads  # noqa: E402
+from tests.helpers.models import tiny_config  # noqa: E402
 
 TREE_SIZES = (1, 4, 8, 16, 32, 64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,16 +60,10 @@ def llama8b_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**shape)
 
 
-def tiny_config() -> LlamaConfig:
-    """A small random Llama for the ``--random`` CPU run."""
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
+def random_run_config() -> LlamaConfig:
+    """A small random Llama for the ``--random`` CPU run (the tests' builder; LlamaConfig's token ids)."""
+    return tiny_config(
+        "llama", vocab=256, hidden=64, max_pos=512, bos_token_id=1, eos_token_id=2, pad_token_id=None
     )
 
 
@@ -254,7 +249,7 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
         contexts = args.contexts or [512, 2048]
     else:
         if args.random:
-            model, heads = build_random(tiny_config(), args.num_heads, args.device, dtype)
+            model, heads = build_random(random_run_config(), args.num_heads, args.device, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
             heads = MedusaHeads.from_pretrained(args.heads, device=args.device, dtype=dtype).eval()

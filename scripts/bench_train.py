@@ -92,21 +92,26 @@ def cache_epoch_ratio(args: argparse.Namespace) -> dict:
     """Seconds per Medusa-1 epoch online vs from the hidden-state cache (same heads, same batches)."""
     import tempfile
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from medusa_train.heads import MedusaHeads
     from medusa_train.training.hidden_cache import build_hidden_cache
     from medusa_train.training.model import MedusaTrainingModel
     from medusa_train.training.trainer import PadCollator, row_collator
+    from tests.helpers.models import tiny_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        max_position_embeddings=1024,
+    cfg = tiny_config(  # the tests' builder at about the embedded backbone's size; LlamaConfig's token ids
+        "llama",
+        vocab=2048,
+        hidden=256,
+        intermediate=688,
+        layers=4,
+        kv_heads=4,
+        max_pos=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
     )
     backbone = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)

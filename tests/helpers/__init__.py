@@ -6,6 +6,7 @@
 - :mod:`tests.helpers.tiny_workdir`: a workdir with a random backbone and random heads (export/eval).
 - :mod:`tests.helpers.train_workdir`: a workdir with a random backbone and synthetic distilled data
   (train, Medusa-2), the DeepSpeed launch helpers and the kill-and-resume helper.
+- :mod:`tests.helpers.training`: ``tiny_llama`` and ``batch`` for the training unit tests.
 - :mod:`tests.helpers.scripts`: ``load_script`` imports a file of ``scripts/`` as a module.
 
 The repository root is on ``sys.path`` under pytest (``tests/`` is a package: pytest's rootdir

@@ -4,8 +4,6 @@ the heads-only phase's optimizer groups, combinations refused up front."""
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +15,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.optim import FreezableAdamW, param_groups
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training_model import batch, tiny_llama  # noqa: E402
+from tests.helpers.training import batch, tiny_llama
 
 
 def _model(lm_loss: str, lora: bool = False) -> MedusaTrainingModel:

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaForCausalLM
 
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
@@ -19,34 +12,9 @@ from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.losses import medusa_targets, select_trained_rows
 from medusa_train.training.model import MedusaTrainingModel, last_hidden_state
 from medusa_train.training.optim import param_groups
-from medusa_train.training.trainer import PadCollator, deepspeed_config
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def batch(seed: int = 0, b: int = 3, t: int = 14) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    records = []
-    for i in range(b):
-        n = t - 3 * i
-        ids = torch.randint(2, 64, (n,), generator=g).tolist()
-        records.append({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (n - 3)})
-    return PadCollator(0)(records)
+from medusa_train.training.trainer import deepspeed_config
+from tests.helpers.models import tiny_model
+from tests.helpers.training import batch, tiny_llama
 
 
 def make_model(seed: int = 0, k: int = 3) -> tuple[MedusaTrainingModel, LlamaForCausalLM]:
@@ -63,20 +31,9 @@ def test_last_hidden_state_is_what_lm_head_reads(arch):
     if arch == "llama":
         model = tiny_llama()
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                vocab_size=64,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=64,
-            )
-        ).eval()
+        model = tiny_model("qwen2", vocab=64)
     else:
-        model = GPT2LMHeadModel(
-            GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1)
-        ).eval()
+        model = tiny_model("gpt2", vocab=64, bos_token_id=1, eos_token_id=1)
     b = batch()
     with torch.no_grad():
         out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True)
