@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -128,6 +128,10 @@ class PretrainConfig:
 class DataConfig:
     """Where prompts/conversations come from (`data=` group)."""
 
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("strict",)
+    """Not part of a stage's skip/resume key: `strict` only decides whether a bad record fails the run
+    or is skipped; a run that completes distills the same records either way."""
+
     format: str = "embedded"
     """embedded | sharegpt | alpaca | mtbench | jsonl | text | hub."""
     path: str | None = None
@@ -179,6 +183,11 @@ class DataConfig:
 class DistillConfig:
     """`stage=distill`: regenerate every assistant turn with the frozen backbone."""
 
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("overwrite", "batch_size")
+    """Not part of the skip/resume key: `overwrite` steers the run; `batch_size` changes no record
+    (greedy replies equal unbatched `generate`, and each record samples with its own seeded generator,
+    both tested), so a run may resume with another batch size."""
+
     max_new_tokens: int = 256
     """Per assistant turn, tokens."""
     temperature: float = 0.0
@@ -192,9 +201,10 @@ class DistillConfig:
     seed: int = 0
     """Sampling seed (per record and turn, so results do not depend on batching or rank)."""
     overwrite: bool = False
-    """Discard an existing distill folder made with other settings (backbone fingerprint, tokenizer,
-    generation settings, shard_size, data) instead of refusing; a folder with the same settings is
-    always resumed or, when complete, reused as is."""
+    """Discard an existing distill folder made with other settings (backbone fingerprint, dtype,
+    tokenizer, every distill.* and data.* field but batch_size, strict and eval_fraction; top_p and seed
+    only when sampling) instead of refusing; a folder with the same settings is always resumed or,
+    when complete, reused as is."""
 
     def __post_init__(self) -> None:
         _positive("distill.max_new_tokens", self.max_new_tokens)

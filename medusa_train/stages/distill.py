@@ -1,5 +1,10 @@
 """stage=distill: self-distilled training data from the frozen backbone.
 
+Medusa (Cai et al., 2024, section 3.2.1) trains the heads on the backbone's own replies. This stage
+assembles the pieces with files and ranks: the source readers (:mod:`medusa_train.data.sources`),
+the multi-turn loop (:mod:`medusa_train.data.regenerate`) over the in-process engine
+(:mod:`medusa_train.engines.inprocess`), and the distilled format (:mod:`medusa_train.data.distilled`).
+
 Run as:
     python -m medusa_train stage=distill                                  # embedded backbone + prompts, CPU
     python -m medusa_train stage=distill model=hf model.name_or_path=lmsys/vicuna-7b-v1.3 \\
@@ -14,15 +19,20 @@ Steps (every rank):
     4. rank 0 checks ``distill/progress.json`` (same backbone fingerprint, tokenizer, generation
        settings and data?) and refuses a mismatch unless ``distill.overwrite=true`` (clears the folder);
     5. records, in source order, form shards of ``distill.shard_size``; rank r owns the shards with
-       ``index % world_size == r``, skips those already on disk, regenerates the others
-       (:mod:`medusa_train.data.regenerate` over :mod:`medusa_train.engines.inprocess`) and writes each to a temp file renamed atomically to
-       ``shards/shard-{index:05d}.arrow`` — so a run killed at any moment (SIGKILL included) and
-       restarted with the same command ends with every record exactly once, and the result does not
-       depend on the number of ranks;
-    6. rank 0 writes ``manifest.json`` (format: :mod:`medusa_train.data.distilled`).
+       ``index % world_size == r``, skips those already on disk, regenerates the others and writes
+       each to a temp file renamed atomically to ``shards/shard-{index:05d}.arrow`` -- so a run
+       killed at any moment (SIGKILL included) and restarted with the same command ends with every
+       record exactly once, and the result does not depend on the number of ranks;
+    6. rank 0 writes ``manifest.json`` once every shard is on disk.
 
-Several ranks synchronise through a gloo process group (created only when WORLD_SIZE > 1): one
-broadcast after step 4 and one gather before step 6.
+Several ranks synchronise through :mod:`medusa_train.dist` (a gloo group only when WORLD_SIZE > 1):
+one broadcast after step 4 and one gather before step 6.
+
+Settings compared (skip in step 2, resume in step 4): :func:`medusa_train.workdir.settings_key` of
+``cfg.distill`` and ``cfg.data`` (every field but their ``RUN_ONLY`` ones), the backbone (source and
+files before it loads, weights fingerprint after), dtype, quantization, tokenizer and the records
+read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
+and ``data.eval_fraction`` belongs to stage=train.
 
 Context limits: the first prompt may hold at most ``min(data.max_prompt_tokens,
 max_position_embeddings - distill.max_new_tokens)`` tokens (longer ones are skipped with a count, or
@@ -35,30 +45,36 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
-from medusa_train.backbone import backbone_identity, check_backbone_source
-from medusa_train.data.distilled import MANIFEST, SHARDS
+from tqdm.auto import tqdm
+
+from medusa_train import dist
+from medusa_train.backbone import backbone_identity, check_backbone_source, load_configured_backbone
+from medusa_train.data.chat import ChatRenderer, eos_token_ids
+from medusa_train.data.distilled import (
+    FORMAT_VERSION,
+    complete_manifest,
+    has_output,
+    read_manifest,
+    read_progress,
+    shard_path,
+    start_run,
+    total_counts,
+    write_manifest,
+    write_shard,
+)
+from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
+from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
-from medusa_train.stages import load_configured_backbone
-from medusa_train.tracking import start_tracking
-from medusa_train.workdir import Workdir
+from medusa_train.tracking import Tracker, start_tracking
+from medusa_train.workdir import Workdir, settings_diff, settings_key
 
 log = logging.getLogger(__name__)
-
-PROGRESS = "progress.json"
-FORMAT_VERSION = 1
-_STATS_KEY = b"medusa_distill"  # per-shard counts in the Arrow schema metadata
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.arrow"
 
 
 @dataclass
@@ -70,7 +86,7 @@ class _Plan:
     source: ReadResult
     records: list[Conversation]
     prompts: list[list[int]]
-    long_skipped: list
+    long_skipped: list[str]
     eos_ids: list[int]
     max_context: int
     identity: dict
@@ -82,19 +98,18 @@ class _Plan:
 def run(cfg) -> dict:
     """Regenerate every assistant turn of the data source with the frozen backbone (see module docstring)."""
     out = Workdir(Path(cfg.workdir)).distill
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
     # 1. the source: fails on a missing / unreadable file before the model loads
     source = _read_source(cfg)
-    if rank == 0:
+    if dist.is_main():
         source.log_warning(log)
     check_backbone_source(cfg.model.name_or_path)
     quick = _quick_settings(cfg, source)
 
     # 2. already complete with these settings?
-    manifest = _complete_manifest(out, quick)
+    manifest = complete_manifest(out, quick)
     if manifest is not None:
-        if rank == 0:
+        if dist.is_main():
             log.info(
                 "distill: %s is complete with these settings (%d records); nothing to do",
                 out,
@@ -104,8 +119,6 @@ def run(cfg) -> dict:
 
     # 3. backbone, prompts, long-prompt rule
     model, tokenizer = load_configured_backbone(cfg.model)
-    from medusa_train.data.chat import ChatRenderer, eos_token_ids
-
     renderer = ChatRenderer(tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     max_context = _max_context(cfg, model)
@@ -115,54 +128,42 @@ def run(cfg) -> dict:
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
     identity = backbone_identity(model, cfg.model.name_or_path, cfg.model.revision)
-    settings = _full_settings(cfg, quick, identity, tokenizer, eos_ids, max_context, prompts)
+    settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
     num_shards = -(-len(records) // cfg.distill.shard_size)
-
-    # 4. folder check / preparation on rank 0, decision shared with every rank
-    created_group = _init_process_group(world)
-    error = None
-    if rank == 0:
-        try:
-            _prepare_folder(out, settings, quick, num_shards, cfg.distill.overwrite)
-        except UserError as err:
-            error = str(err)
-    error = _broadcast(error, world)
-    if error:
-        _destroy_process_group(created_group)
-        raise UserError(error)
-
-    # 5. this rank's shards
     plan = _Plan(
-        cfg,
-        out,
-        source,
-        records,
-        prompts,
-        long_skipped,
-        eos_ids,
-        max_context,
-        identity,
-        settings,
-        quick,
+        cfg, out, source, records, prompts, long_skipped, eos_ids, max_context, identity, settings, quick,
         num_shards,
-    )
-    tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg)) if rank == 0 else None
+    )  # fmt: skip
+
+    created_group = dist.init_process_group()
+    tracker = Tracker(None)
     try:
-        stats = _distill_shards(plan, model, renderer, rank, world, tracker)
-        all_stats = _gather(stats, world)
+        # 4. folder check / preparation on rank 0, decision shared with every rank
+        error = None
+        if dist.is_main():
+            try:
+                _prepare_folder(out, settings, quick, num_shards, cfg.distill.overwrite)
+            except UserError as err:
+                error = str(err)
+        error = dist.broadcast(error)
+        if error:
+            raise UserError(error)
+
+        # 5. this rank's shards
+        tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg))  # no-op off rank 0
+        stats = _distill_shards(plan, model, renderer, tracker)
+        all_stats = dist.gather(stats)
+
         # 6. one manifest, written by rank 0 once every shard is on disk
-        if rank == 0:
-            manifest = _write_manifest(plan, tokenizer, all_stats, world)
-        _barrier(world)
-        if rank != 0:
-            manifest = json.loads((out / MANIFEST).read_text())
+        if dist.is_main():
+            _write_manifest(plan, tokenizer, all_stats)
+        dist.barrier()
+        manifest = read_manifest(out)
         figures = _figures(manifest, generated_now=sum(s["tokens"] for s in all_stats), resumed=False)
-        if tracker is not None:
-            tracker.summary({f"distill/{k}": v for k, v in figures.items() if isinstance(v, int | float)})
+        tracker.summary({f"distill/{k}": v for k, v in figures.items() if isinstance(v, int | float)})
     finally:
-        if tracker is not None:
-            tracker.finish()
-        _destroy_process_group(created_group)
+        tracker.finish()
+        dist.destroy_process_group(created_group)
     return figures
 
 
@@ -208,51 +209,30 @@ def _backbone_files_signature(name_or_path: str) -> str | None:
     return h.hexdigest()[:16]
 
 
-def _generation_settings(cfg) -> dict:
-    g = cfg.distill
-    sampled = g.temperature > 0
-    return {
-        "max_new_tokens": g.max_new_tokens,
-        "temperature": g.temperature,
-        "top_p": g.top_p if sampled else None,
-        "seed": g.seed if sampled else None,
-        "shard_size": g.shard_size,
-    }
-
-
-def _data_settings(cfg, source: ReadResult) -> dict:
-    d = cfg.data
-    return {
-        "format": d.format,
-        "path": str(Path(d.path).expanduser().resolve()) if d.path else None,
-        "name": d.name,
-        "subset": d.subset,
-        "split": d.split,
-        "hub_format": d.hub_format,
-        "prompt_key": d.prompt_key,
-        "text_prompt_chars": d.text_prompt_chars,
-        "max_records": d.max_records,
-        "num_prompts": d.num_prompts,
-        "max_prompt_tokens": d.max_prompt_tokens,
-        "long_prompts": d.long_prompts,
-        "records_read": len(source.records),
-        "records_hash": _records_hash(source.records),
-    }
-
-
 def _quick_settings(cfg, source: ReadResult) -> dict:
     """What can be checked without loading the model (decides the early return of a complete folder)."""
-    return {
-        "backbone_source": {
-            "name_or_path": cfg.model.name_or_path,
-            "revision": cfg.model.revision,
-            "files": _backbone_files_signature(cfg.model.name_or_path),
-        },
-        "dtype": cfg.model.dtype,
-        "quantization": cfg.model.quantization,
-        "generation": _generation_settings(cfg),
-        "data": _data_settings(cfg, source),
+    distill = settings_key(distill=cfg.distill)["distill"]
+    if cfg.distill.temperature == 0:
+        distill.update(top_p=None, seed=None)  # neither changes a greedy reply
+    data = settings_key(data=cfg.data)["data"]
+    del data["eval_fraction"]  # stage=train's held-out split: the records do not depend on it
+    data.update(
+        path=str(Path(cfg.data.path).expanduser().resolve()) if cfg.data.path else None,
+        records_read=len(source.records),
+        records_hash=_records_hash(source.records),
+    )
+    backbone = {
+        "name_or_path": cfg.model.name_or_path,
+        "revision": cfg.model.revision,
+        "files": _backbone_files_signature(cfg.model.name_or_path),
     }
+    return settings_key(
+        backbone_source=backbone,
+        dtype=cfg.model.dtype,
+        quantization=cfg.model.quantization,
+        distill=distill,
+        data=data,
+    )
 
 
 def _max_context(cfg, model) -> int:
@@ -270,7 +250,7 @@ def _max_context(cfg, model) -> int:
 
 
 def _prepare_prompts(
-    cfg, renderer, records: list[Conversation], max_context: int
+    cfg, renderer: ChatRenderer, records: list[Conversation], max_context: int
 ) -> tuple[list[Conversation], list[list[int]], list[str]]:
     """First-turn prompt ids; prompts over ``max_context`` tokens are skipped or left-truncated."""
     kept, prompts, skipped = [], [], []
@@ -288,7 +268,7 @@ def _prepare_prompts(
             ids = ids[-max_context:]
         kept.append(conv)
         prompts.append(ids)
-    if skipped and int(os.environ.get("RANK", "0")) == 0:
+    if skipped and dist.is_main():
         shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
         log.warning(
             "skipped %d records whose prompt is longer than %d tokens (%s); data.long_prompts=truncate keeps them",
@@ -300,26 +280,21 @@ def _prepare_prompts(
 
 
 def _full_settings(
-    cfg, quick: dict, identity: dict, tokenizer, eos_ids: list[int], max_context: int, prompts
+    quick: dict, identity: dict, tokenizer, eos_ids: list[int], max_context: int, prompts
 ) -> dict:
     """What a resumed run must share with the interrupted one (the backbone by fingerprint, not by path)."""
     h = hashlib.sha256()
     for p in prompts:
         h.update(json.dumps(p).encode())
-    return {
-        "format_version": FORMAT_VERSION,
-        "backbone_fingerprint": identity["fingerprint"],
-        "dtype": quick["dtype"],
-        "quantization": quick["quantization"],
-        "tokenizer": _tokenizer_info(tokenizer, eos_ids),
-        "generation": quick["generation"],
-        "data": {
-            **quick["data"],
-            "path": None,
-            "prompts_hash": h.hexdigest()[:16],
-            "max_context": max_context,
-        },
-    }
+    return settings_key(
+        format_version=FORMAT_VERSION,
+        backbone_fingerprint=identity["fingerprint"],
+        dtype=quick["dtype"],
+        quantization=quick["quantization"],
+        tokenizer=_tokenizer_info(tokenizer, eos_ids),
+        distill=quick["distill"],
+        data={**quick["data"], "path": None, "prompts_hash": h.hexdigest()[:16], "max_context": max_context},
+    )
 
 
 def _tokenizer_info(tokenizer, eos_ids: list[int]) -> dict:
@@ -333,104 +308,53 @@ def _tokenizer_info(tokenizer, eos_ids: list[int]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2/4: the folder
-
-
-def _complete_manifest(out: Path, quick: dict) -> dict | None:
-    """The manifest if ``out`` is complete with the same quick settings, else None."""
-    path = out / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    if manifest.get("quick_settings") != quick:
-        return None
-    shards = out / SHARDS
-    if all((shards / shard_name(i)).is_file() for i in range(manifest["num_shards"])):
-        return manifest
-    return None
+# 4: the folder
 
 
 def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool) -> None:
-    """Refuse to resume with other settings (unless overwrite), clear stale temp files, record the settings."""
-    progress = out / PROGRESS
+    """Refuse to resume with other settings (unless overwrite), then record the settings."""
     if out.exists() and any(out.iterdir()):
-        previous = None
-        if progress.is_file():
-            try:
-                previous = json.loads(progress.read_text()).get("settings")
-            except json.JSONDecodeError:
-                previous = None
-        started = any((out / SHARDS).glob("*.arrow")) or (out / MANIFEST).exists()
-        if previous != settings and (previous is not None or started):
+        progress = read_progress(out)
+        previous = progress.get("settings") if isinstance(progress, dict) else None
+        if previous != settings and (previous is not None or has_output(out)):
+            what = _difference(previous, settings)
             if not overwrite:
-                what = _difference(previous, settings)
                 raise UserError(
                     f"{out} holds distilled data made with other settings ({what}): pass distill.overwrite=true "
                     "to discard it, or use another workdir="
                 )
-            log.warning("distill.overwrite=true: clearing %s (%s)", out, _difference(previous, settings))
+            log.warning("distill.overwrite=true: clearing %s (%s)", out, what)
             shutil.rmtree(out)
-    shards = out / SHARDS
-    shards.mkdir(parents=True, exist_ok=True)
-    for stale in [*shards.glob(".*.tmp-*"), *out.glob(".*.tmp-*")]:  # partial files of a killed run
-        stale.unlink()
-    (out / MANIFEST).unlink(missing_ok=True)  # rewritten once every shard is on disk
-    _atomic_write_text(
-        progress,
-        json.dumps({"settings": settings, "quick_settings": quick, "num_shards": num_shards}, indent=2),
-    )
+    start_run(out, {"settings": settings, "quick_settings": quick, "num_shards": num_shards})
 
 
 def _difference(previous: dict | None, current: dict) -> str:
     if previous is None:
         return "no readable progress.json"
-    keys = []
-    for key in sorted(set(previous) | set(current)):
-        a, b = previous.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            keys += [f"{key}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif a != b:
-            keys.append(key)
     labels = {"backbone_fingerprint": "a different backbone"}
-    return "differs in " + ", ".join(labels.get(k, k) for k in keys[:4]) if keys else "unknown difference"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return "differs in " + ", ".join(labels.get(k, k) for k in settings_diff(previous, current)[:4])
 
 
 # ----------------------------------------------------------------------------------------------
 # 5: generation
 
 
-def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker) -> dict:
-    from tqdm.auto import tqdm
-
-    from medusa_train.data.regenerate import distill_records
-    from medusa_train.engines.inprocess import ContinuousBatcher
-
+def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker) -> dict:
     g, records, prompts = plan.cfg.distill, plan.records, plan.prompts
-    shards_dir = plan.out / SHARDS
-    size = g.shard_size
-    mine = [i for i in range(-(-len(records) // size)) if i % world == rank]
-    todo = [i for i in mine if not (shards_dir / shard_name(i)).is_file()]
+    rank, world, size = dist.rank(), dist.world_size(), g.shard_size
+    mine = [i for i in range(plan.num_shards) if i % world == rank]
+    todo = [i for i in mine if not shard_path(plan.out, i).is_file()]
     total = sum(len(records[i * size : (i + 1) * size]) for i in mine)
     done = total - sum(len(records[i * size : (i + 1) * size]) for i in todo)
-    if done and rank == 0:
+    if done and dist.is_main():
         log.info(
             "distill: resuming, %d of %d shards of rank 0 already on disk", len(mine) - len(todo), len(mine)
         )
     stats = {"tokens": 0, "seconds": 0.0, "shards": len(todo)}
     # mininterval: at most 2 redraws a second (a log file gets a line per redraw)
-    bar = tqdm(total=total, initial=done, unit="rec", desc="distill", disable=rank != 0, mininterval=0.5)
+    bar = tqdm(
+        total=total, initial=done, unit="rec", desc="distill", disable=not dist.is_main(), mininterval=0.5
+    )
     start = time.perf_counter()
     counted = [0]  # records of the current shard already counted on the bar
 
@@ -464,91 +388,30 @@ def _distill_shards(plan: _Plan, model, renderer, rank: int, world: int, tracker
             seed=g.seed,
             on_reply=on_reply,
         )
-        write_shard(shards_dir / shard_name(index), rows)
+        write_shard(shard_path(plan.out, index), rows)
         bar.update(len(rows) - counted[0])  # records with nothing to generate
         counted[0] = 0
-        if tracker is not None:
-            elapsed = time.perf_counter() - start
-            tracker.log(
-                {
-                    "distill/records": bar.n,
-                    "distill/tokens_generated": stats["tokens"],
-                    "distill/tokens_per_s": stats["tokens"] / elapsed,
-                },
-                step=n,
-            )
+        elapsed = time.perf_counter() - start
+        tracker.log(
+            {
+                "distill/records": bar.n,
+                "distill/tokens_generated": stats["tokens"],
+                "distill/tokens_per_s": stats["tokens"] / elapsed,
+            },
+            step=n,
+        )
     bar.close()
     stats["seconds"] = time.perf_counter() - start
     return stats
-
-
-def write_shard(path: Path, rows) -> None:
-    """Write one shard as a datasets-readable Arrow stream: temp file, fsync, atomic rename."""
-    import datasets
-    import pyarrow as pa
-
-    features = datasets.Features(
-        {
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "loss_mask": datasets.List(datasets.Value("int8")),
-            "source_id": datasets.Value("string"),
-        }
-    )
-    counts = {
-        "records": len(rows),
-        "tokens_generated": sum(sum(r.loss_mask) for r in rows),
-        "tokens_total": sum(len(r.input_ids) for r in rows),
-        "turns": sum(r.turns for r in rows),
-        "turns_dropped": sum(r.turns_dropped for r in rows),
-        "turns_cut_at_max_new_tokens": sum(r.cut for r in rows),
-    }
-    schema = features.arrow_schema
-    schema = schema.with_metadata({**(schema.metadata or {}), _STATS_KEY: json.dumps(counts).encode()})
-    table = pa.table(
-        {
-            "input_ids": [r.input_ids for r in rows],
-            "loss_mask": [r.loss_mask for r in rows],
-            "source_id": [r.source_id for r in rows],
-        },
-        schema=schema,
-    )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        with pa.ipc.new_stream(f, schema) as writer:
-            writer.write_table(table)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _shard_counts(path: Path) -> dict:
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        schema = pa.ipc.open_stream(source).schema
-    return json.loads(schema.metadata[_STATS_KEY])
 
 
 # ----------------------------------------------------------------------------------------------
 # 6: manifest and figures
 
 
-def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict], world: int) -> dict:
-    cfg, out, source, max_context = plan.cfg, plan.out, plan.source, plan.max_context
-    counts: dict = {}
-    for i in range(plan.num_shards):
-        path = out / SHARDS / shard_name(i)
-        if not path.is_file():
-            raise UserError(
-                f"shard {path.name} is missing after every rank finished: run the same command again"
-            )
-        for key, value in _shard_counts(path).items():
-            counts[key] = counts.get(key, 0) + value
+def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
+    cfg, source, max_context = plan.cfg, plan.source, plan.max_context
+    counts = total_counts(plan.out, plan.num_shards)
     skipped = {reason: len(lines) for reason, lines in source.skipped.items()}
     if plan.long_skipped:
         skipped[f"prompt longer than {max_context} tokens"] = len(plan.long_skipped)
@@ -559,7 +422,7 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict], world: int) -
         "backbone": plan.identity,
         "tokenizer": _tokenizer_info(tokenizer, plan.eos_ids),
         "generation": {
-            **_generation_settings(cfg),
+            **plan.quick["distill"],
             "top_p": cfg.distill.top_p,
             "batch_size": cfg.distill.batch_size,
             "dtype": cfg.model.dtype,
@@ -571,22 +434,21 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict], world: int) -
         "counts": {**counts, "skipped": skipped, "records_skipped": sum(skipped.values())},
         "tokens_per_s": round(tokens_now / seconds, 1) if tokens_now and seconds > 0 else None,
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
-        "world_size": world,
+        "world_size": dist.world_size(),
         "num_shards": plan.num_shards,
         "shard_size": cfg.distill.shard_size,
         "settings": plan.settings,
         "quick_settings": plan.quick,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2))
+    write_manifest(plan.out, manifest)
     log.info(
         "distill: %d records, %d tokens generated, %s tokens/s -> %s",
         counts.get("records", 0),
         counts.get("tokens_generated", 0),
         manifest["tokens_per_s"],
-        out,
+        plan.out,
     )
-    return manifest
 
 
 def _figures(manifest: dict, *, generated_now: int, resumed: bool) -> dict:
@@ -602,53 +464,3 @@ def _figures(manifest: dict, *, generated_now: int, resumed: bool) -> dict:
         "world_size": manifest["world_size"],
         "already_complete": resumed,
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# ranks (gloo only for the two synchronisation points; nothing when WORLD_SIZE == 1)
-
-
-def _init_process_group(world: int) -> bool:
-    if world <= 1:
-        return False
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    # generation can take hours on a rank: the final gather must not time out
-    dist.init_process_group("gloo", timeout=timedelta(days=7))
-    return True
-
-
-def _destroy_process_group(created: bool) -> None:
-    if created:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-
-
-def _broadcast(value, world: int):
-    if world <= 1:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(stats: dict, world: int) -> list[dict]:
-    if world <= 1:
-        return [stats]
-    import torch.distributed as dist
-
-    boxes: list = [None] * world
-    dist.all_gather_object(boxes, stats)
-    return boxes
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()

@@ -164,6 +164,9 @@ def test_complete_folder_returns_immediately(
     )
     again = _run(workdir, tiny_backbone_dir, prompts)
     assert again["already_complete"] and again["records"] == figures["records"]
+    # settings that change no record (RUN_ONLY fields; top_p and seed of a greedy run) reuse it too
+    same = ("distill.batch_size=2", "data.strict=true", "distill.seed=7", "distill.top_p=0.5")
+    assert _run(workdir, tiny_backbone_dir, prompts, *same)["already_complete"]
 
 
 def test_injected_failure_then_resume_gives_the_same_records(
@@ -188,38 +191,73 @@ def test_injected_failure_then_resume_gives_the_same_records(
     assert _rows(tmp_path) == _rows(reference[0])
 
 
+# Runs stage=distill from the CLI; before writing shard number PAUSE_AT it touches the marker file and
+# sleeps, so the test's SIGKILL lands at a known point: PAUSE_AT shards on disk, one more generated
+# but not written (a kill at any other moment leaves the same kind of state: finished shards only).
+_PAUSING_CLI = """
+import sys, time
+from pathlib import Path
+from medusa_train.__main__ import main
+from medusa_train.stages import distill
+
+PAUSE_AT, real, written = {pause_at}, distill.write_shard, []
+
+def write_or_pause(path, rows):
+    if len(written) == PAUSE_AT:
+        Path(sys.argv[1]).touch()
+        time.sleep(600)
+    real(path, rows)
+    written.append(path)
+
+distill.write_shard = write_or_pause
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 def test_sigkill_then_restart_gives_the_same_records(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "medusa_train",
-        *_overrides(tmp_path, tiny_backbone_dir, prompts, "distill.batch_size=1", "distill.shard_size=1"),
-    ]
+    overrides = _overrides(
+        tmp_path, tiny_backbone_dir, prompts, "distill.batch_size=1", "distill.shard_size=1"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    shards = tmp_path / "distill" / "shards"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not list(shards.glob("*.arrow")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
+    shards, marker = tmp_path / "distill" / "shards", tmp_path / "paused"
+    script = _PAUSING_CLI.format(pause_at=3)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(marker), *overrides],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 180
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    alive = proc.poll() is None
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = len(list(shards.glob("*.arrow")))
-    assert 1 <= done, proc.stderr.read().decode()[-2000:]
-    (shards / ".shard-00009.arrow.tmp-123").write_bytes(b"half a shard")  # what a kill mid-write leaves
-    # shard_size differs from the reference run, so compare with an uninterrupted run of these settings
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    _, err = proc.communicate()
+    assert alive and marker.exists(), err.decode()[-2000:]
+    kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("*.arrow")}
+    assert sorted(kept) == [f"shard-{i:05d}.arrow" for i in range(3)]
+    (shards / ".shard-00003.arrow.k1ll3d.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    result = subprocess.run(
+        [sys.executable, "-m", "medusa_train", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "resuming, 3 of 10 shards" in result.stderr
     assert not list(shards.glob(".*tmp*"))
     assert [p.name for p in shard_files(tmp_path / "distill")] == [f"shard-{i:05d}.arrow" for i in range(10)]
-    # greedy results do not depend on shard or batch size: equal to the reference records
+    assert {name: (shards / name).stat().st_mtime_ns for name in kept} == kept  # finished shards not redone
+    # greedy results do not depend on shard or batch size: equal to the uninterrupted reference run
     assert _rows(tmp_path) == _rows(reference[0])
-    if done == 10:
-        pytest.skip("the run finished before the kill landed (resume path not exercised)")
 
 
 def test_resume_with_other_settings_is_refused(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
     shutil.copytree(reference[0] / "distill", tmp_path / "distill")
-    with pytest.raises(UserError, match=r"other settings.*generation.max_new_tokens.*distill.overwrite=true"):
+    with pytest.raises(UserError, match=r"other settings.*distill.max_new_tokens.*distill.overwrite=true"):
         _run(tmp_path, tiny_backbone_dir, prompts, "distill.max_new_tokens=5")
     other_data = _write_prompts(tmp_path / "other.jsonl", seed=1)
     with pytest.raises(UserError, match=r"other settings.*data"):
