@@ -68,6 +68,14 @@ class ChatRenderer:
         """Tokens of the first turn's prompt, as the chat template renders it (generation prompt included)."""
         return self._encode(self._render(self.messages(conv, [], True)))
 
+    def turn_prompt_ids(self, conv: Conversation, replies: list[str]) -> list[int]:
+        """Tokens of turn ``len(replies)``'s prompt after the earlier turns and ``replies``, rendered whole.
+
+        What ``stage=eval`` feeds both decoders: the chat template applied to the full history at once
+        (a model's own earlier answers as text), generation prompt included.
+        """
+        return self._encode(self._render(self.messages(conv, replies, True)))
+
     def continuation_ids(self, conv: Conversation, replies: list[str], eos_id: int | None) -> list[int]:
         """Tokens between the end of reply ``len(replies) - 1`` and the generation of the next turn.
 

@@ -41,9 +41,10 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_train.backbone import backbone_identity, load_backbone_for_heads, resolve_device
+from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
-from medusa_train.data.sources import read_records
+from medusa_train.data.sources import Conversation, read_records
 from medusa_train.decoding import PackedHeads, TreeBuffers, compute_head_accuracy, medusa_generate
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
@@ -86,15 +87,6 @@ HEADS_ACC_RECORDS = 64
 
 
 @dataclass
-class EvalPrompt:
-    """One evaluation conversation: its user turns (only the first is used unless `eval.all_turns`)."""
-
-    source_id: str
-    turns: list[str]
-    system: str | None = None
-
-
-@dataclass
 class Decoded:
     """One decoder call: new token ids and the wall-clock seconds of the whole call."""
 
@@ -133,13 +125,20 @@ def run(cfg) -> dict:
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
-    eos = eos_ids(model, tok)
+    decode = _Decoders(model, packed, tree, eos_token_ids(model, tok), tok.pad_token_id)
 
-    # 2. Prompts (rendered once the tokenizer is loaded).
-    decode = _Decoders(model, packed, tree, eos, tok.pad_token_id)
+    # 2. Prompts (loaded in 1.), rendered with the backbone's chat template, turn by turn.
+    if not tok.chat_template:
+        raise UserError(
+            "the backbone's tokenizer has no chat template: eval renders prompts with apply_chat_template"
+        )
+    renderer = ChatRenderer(tok)
+
+    def render(prompt: Conversation, history: list[str]) -> torch.Tensor:
+        return torch.tensor([renderer.turn_prompt_ids(prompt, history)], device=lm_weight.device)  # (1, T)
 
     # 3. Warm-up (allocators, kernels, caches) on the first prompt; not timed.
-    first = render(tok, prompts[0], [], 0, lm_weight.device)
+    first = render(prompts[0], [])
     decode.plain(first, min(ecfg.max_new_tokens, 32))
     decode.medusa(first, min(ecfg.max_new_tokens, 32))
 
@@ -149,7 +148,7 @@ def run(cfg) -> dict:
     for p_idx, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt")):
         history: list[str] = []
         for t_idx in range(len(prompt.turns) if ecfg.all_turns else 1):
-            ids = render(tok, prompt, history, t_idx, lm_weight.device)
+            ids = render(prompt, history)  # (1, T): turn t_idx after the model's own earlier answers
             budget = turn_budget(model, ids.shape[1], ecfg.max_new_tokens)
             if budget <= 0:
                 log.warning(
@@ -305,14 +304,14 @@ def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:
             )
 
 
-def load_eval_prompts(ecfg) -> list[EvalPrompt]:
+def load_eval_prompts(ecfg) -> list[Conversation]:
     """``eval.num_prompts`` prompts from the configured source (held-out embedded, MT-bench, JSONL)."""
     if ecfg.prompts == "embedded":
         prompts = []
         for i, conv in enumerate(embedded_prompts("eval", ecfg.num_prompts, ecfg.seed)):
             system = next((m["content"] for m in conv if m["role"] == "system"), None)
             turns = [m["content"] for m in conv if m["role"] == "user"]
-            prompts.append(EvalPrompt(f"embedded-eval:{i}", turns, system))
+            prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
     else:
         if not Path(ecfg.path).is_file():
             raise UserError(f"eval.path={ecfg.path} does not exist")
@@ -320,37 +319,13 @@ def load_eval_prompts(ecfg) -> list[EvalPrompt]:
             ecfg.prompts, ecfg.path, prompt_key=ecfg.prompt_key, max_records=ecfg.num_prompts
         )
         result.log_warning(log)
-        prompts = [EvalPrompt(r.source_id, list(r.turns), r.system) for r in result.records if r.turns]
+        prompts = [r for r in result.records if r.turns]
     prompts = prompts[: ecfg.num_prompts]
     if not prompts:
         raise UserError(
             f"no usable evaluation prompt in eval.prompts={ecfg.prompts} {ecfg.path or ''}".rstrip()
         )
     return prompts
-
-
-def render(tok, prompt: EvalPrompt, history: list[str], turn: int, device) -> torch.Tensor:
-    """Turn ``turn`` of ``prompt`` after ``history`` (earlier answers) with the chat template: ``(1, T)``."""
-    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
-    for user, answer in zip(prompt.turns[:turn], history, strict=True):
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-    messages.append({"role": "user", "content": prompt.turns[turn]})
-    if not tok.chat_template:
-        raise UserError(
-            "the backbone's tokenizer has no chat template: eval renders prompts with apply_chat_template"
-        )
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]  # (1, T)
-    return ids.to(device)
-
-
-def eos_ids(model, tok) -> list[int]:
-    """The EOS ids ``generate`` stops at (generation config + tokenizer), given to both decoders."""
-    ids = model.generation_config.eos_token_id
-    out = set([ids] if isinstance(ids, int) else list(ids or []))
-    if tok.eos_token_id is not None:
-        out.add(int(tok.eos_token_id))
-    return sorted(out)
 
 
 def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:
