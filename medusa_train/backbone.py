@@ -29,6 +29,8 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.utils import cached_file
 
 from medusa_train.errors import UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
@@ -50,7 +52,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def check_backbone_source(name_or_path: str) -> None:
-    """Fail early (before any heavy import) when a local backbone directory is missing."""
+    """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -71,8 +73,6 @@ def check_backbone_source(name_or_path: str) -> None:
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation."""
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -99,15 +99,11 @@ def load_backbone(
         device: where to put the model (quantized models are placed by bitsandbytes).
         trainable: False puts the model in eval mode with ``requires_grad=False`` everywhere.
     """
-    from transformers import AutoModelForCausalLM
-
     check_backbone_source(name_or_path)
     kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision}
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     kwargs["dtype"] = torch_dtype
     if quantization != "none":
-        from transformers import BitsAndBytesConfig
-
         if quantization == "8bit":
             kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
         else:
@@ -197,8 +193,6 @@ def _checkpoint_dir(name_or_path: str, revision: str | None) -> Path | None:
     if path.is_dir():
         return path
     try:
-        from transformers.utils import cached_file
-
         config = cached_file(
             name_or_path, "config.json", revision=revision, _raise_exceptions_for_missing_entries=False
         )

@@ -13,8 +13,7 @@ with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_pa
 `model.name_or_path` names another checkpoint than their base (see `medusa_train.backbone`); (2)
 prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
 backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
-with `eval.all_turns=true`); (3) one warm-up
-prompt through both decoders; (4) every prompt through plain greedy `model.generate(do_sample=False)`
+with `eval.all_turns=true`); (3) one warm-up prompt through both decoders; (4) every prompt through plain greedy `model.generate(do_sample=False)`
 and Medusa greedy decoding, each call timed whole with `time.perf_counter` (same max_new_tokens,
 same EOS ids); (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
-from medusa_train.backbone import backbone_identity, load_backbone
+from medusa_train.backbone import backbone_for_heads, backbone_identity, checkpoint_fingerprint, load_backbone
+from medusa_train.config import ModelConfig
 from medusa_train.errors import UserError
 from tests.helpers.train_workdir import make_backbone
 
@@ -36,3 +40,37 @@ def test_missing_local_backbone_names_the_stage(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="config.json"):
         load_backbone(str(tmp_path / "empty"))
+
+
+def test_backbone_for_heads_follows_the_recorded_base(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Medusa-2 heads bring their trained backbone when model.name_or_path is their base (by path or files)."""
+    make_backbone(tmp_path / "base", seed=0)
+    make_backbone(tmp_path / "other", seed=1)
+    shutil.copytree(tmp_path / "base", tmp_path / "moved_base")
+    record = {
+        "name_or_path": str(tmp_path / "base"),
+        "fingerprint": checkpoint_fingerprint(str(tmp_path / "base")),
+    }
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "backbone": record}))
+
+    def pick(name: str, heads_dir: Path = heads) -> Path | None:
+        return backbone_for_heads(ModelConfig(name_or_path=str(tmp_path / name)), heads_dir)
+
+    assert pick("base") is None  # Medusa-1 heads: no trained backbone beside them
+    (heads / "backbone").mkdir()
+    (heads / "backbone" / "config.json").write_text("{}")
+    assert pick("base") == heads / "backbone"
+    assert pick("moved_base") == heads / "backbone"  # same checkpoint files elsewhere
+    with caplog.at_level(logging.WARNING, logger="medusa_train.backbone"):
+        assert pick("other") is None  # another model asked for: used as asked, with a warning
+    assert "another model than their base" in caplog.text
+    export = tmp_path / "export"  # an export's layout folder finds export/backbone
+    (export / "medusa").mkdir(parents=True)
+    (export / "medusa" / "config.json").write_text(json.dumps({"backbone": record}))
+    (export / "backbone").mkdir()
+    (export / "backbone" / "config.json").write_text("{}")
+    assert pick("base", export / "vllm") == export / "backbone"
