@@ -13,11 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from medusa_train import dist
+
 log = logging.getLogger(__name__)
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 class Tracker:
@@ -55,7 +53,7 @@ def start_tracking(
     tracking_cfg, workdir: str | os.PathLike, stage: str, config: dict | None = None
 ) -> Tracker:
     """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0)."""
-    if tracking_cfg.mode == "disabled" or not is_main_process():
+    if tracking_cfg.mode == "disabled" or not dist.is_main():
         return Tracker(None)
     import wandb
 

@@ -27,6 +27,15 @@ import json
 import statistics
 import time
 
+import torch
+
+from medusa_train.backbone import load_backbone
+from medusa_train.data.chat import ChatRenderer, eos_token_ids
+from medusa_train.data.embedded import embedded_prompts
+from medusa_train.data.sources import Conversation
+from medusa_train.engines.base import GenRequest
+from medusa_train.engines.inprocess import ContinuousBatcher
+
 
 def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, tokens: int, repeats: int) -> dict:
     """Milliseconds per decode step with every row busy, by batch size, and the implied ceiling ratio.
@@ -35,9 +44,6 @@ def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, token
     one prefill plus ``tokens - 1`` full-batch decode steps. The same run with one token (the prefill
     alone) is subtracted. Medians of ``repeats`` interleaved runs.
     """
-    from medusa_train.engines.base import GenRequest
-    from medusa_train.engines.inprocess import ContinuousBatcher
-
     vocab = model.get_output_embeddings().weight.shape[0]
 
     def run(batch: int, new_tokens: int) -> float:
@@ -97,15 +103,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
-
-    import torch
-
-    from medusa_train.backbone import load_backbone
-    from medusa_train.data.chat import ChatRenderer, eos_token_ids
-    from medusa_train.data.embedded import embedded_prompts
-    from medusa_train.data.sources import Conversation
-    from medusa_train.engines.base import GenRequest
-    from medusa_train.engines.inprocess import ContinuousBatcher
 
     model, tok = load_backbone(args.model, dtype=args.dtype, device=args.device)
     renderer = ChatRenderer(tok)

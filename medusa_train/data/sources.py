@@ -54,6 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
+
+from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -280,8 +283,6 @@ def _text_chunks(text: str, size: int) -> Iterator[tuple[int, str]]:
 
 def _load_hub(name: str, subset: str | None, split: str, data_files: str | None):
     """A ``datasets`` split: a ``save_to_disk`` directory, or anything ``load_dataset`` accepts."""
-    import datasets
-
     local = Path(name).expanduser()
     try:
         if local.is_dir() and (
@@ -413,8 +414,6 @@ def _collect(raw, parse, source: str, strict: bool, max_records: int | None) -> 
 
 
 def _read_embedded(num_prompts: int, seed: int, max_records: int | None) -> ReadResult:
-    from medusa_train.data.embedded import embedded_prompts
-
     n = num_prompts if max_records is None else min(num_prompts, max_records)
     records = []
     for i, conv in enumerate(embedded_prompts("train", n, seed)):
