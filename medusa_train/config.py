@@ -409,7 +409,7 @@ class EvalConfig:
     prompts: str = "embedded"
     """embedded (held-out embedded prompts) | mtbench | jsonl."""
     path: str | None = None
-    """prompts=mtbench|jsonl: the file (e.g. ../shared/data/mt_bench_questions.jsonl)."""
+    """prompts=mtbench|jsonl: the file (e.g. data/mt_bench/question.jsonl, data/prompts.jsonl)."""
     prompt_key: str = "prompt"
     """prompts=jsonl: the key holding the prompt."""
     all_turns: bool = False

@@ -5,7 +5,7 @@ This model becomes the backbone the later stages train heads on (`model=tiny` po
 
 Run as:
     python -m medusa_train stage=pretrain                     # embedded corpus, ~5 minutes on 2 CPU cores
-    python -m medusa_train stage=pretrain data=text data.path=data/text.txt
+    python -m medusa_train stage=pretrain data=text data.path=data/text/harbour.txt
     python -m medusa_train stage=pretrain pretrain.overwrite=true pretrain.max_minutes=10
 
 Steps: (1) documents: the embedded conversations rendered with the chat template (train split;
