@@ -21,6 +21,7 @@ from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, read_manifest, shard_files
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
+from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
 from medusa_train.stages import distill
@@ -373,3 +374,49 @@ def test_on_reply_reports_every_reply_and_each_records_end(tiny_backbone_dir, ma
     assert sum(n for n, _ in calls) == sum(sum(r.loss_mask) for r in out)
     if max_context == 40:
         assert any(r.turns_dropped for r in out)  # the flag also comes when later turns are dropped
+
+
+class _OneAtATime:
+    """An :class:`Engine` that generates each request alone with ``model.generate``, newest first
+    (follow-ups jump the queue, later requests wait): another order, no batching, same contract."""
+
+    def __init__(self, model, tok, eos_ids: list[int]) -> None:
+        self.model, self.tok, self.eos_ids = model, tok, eos_ids
+
+    def run(self, requests: list[GenRequest], on_done) -> None:
+        stack = list(requests)
+        while stack:
+            req = stack.pop()
+            ids = torch.tensor([req.context])
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW,
+                eos_token_id=self.eos_ids,
+                pad_token_id=self.tok.pad_token_id,
+            )[0, len(req.context) :].tolist()
+            end = next((i + 1 for i, t in enumerate(out) if t in self.eos_ids), len(out))
+            follow = on_done(req, out[:end])
+            if follow is not None:
+                stack.append(follow)
+
+
+def test_any_engine_drives_the_loop_to_the_same_records(tiny_backbone_dir) -> None:
+    """distill_records talks to its engine only through ``Engine.run``: a different engine (unbatched,
+    reversed order) gives the same greedy records as the in-process continuous batcher."""
+    model, tok = load_backbone(str(tiny_backbone_dir), dtype="float32", device="cpu")
+    renderer = ChatRenderer(tok)
+    eos_ids = eos_token_ids(model, tok)
+    words = ["cat", "dog", "mat"]
+    convs = [Conversation(f"r{i}", [f"why is the {w} big?" for w in words[: 1 + i % 3]]) for i in range(6)]
+    prompts = [renderer.prompt_ids(c) for c in convs]
+    batched = ContinuousBatcher(
+        model, batch_size=4, pad_id=tok.pad_token_id, eos_ids=eos_ids, max_new_tokens=MAX_NEW
+    )
+    a = distill_records(batched, renderer, convs, prompts, max_context=10_000, eos_ids=eos_ids)
+    b = distill_records(
+        _OneAtATime(model, tok, eos_ids), renderer, convs, prompts, max_context=10_000, eos_ids=eos_ids
+    )
+    assert [r.turns for r in a] == [len(c.turns) for c in convs] and sum(r.turns for r in a) > len(convs)
+    assert [(r.input_ids, r.loss_mask, r.cut) for r in a] == [(r.input_ids, r.loss_mask, r.cut) for r in b]
