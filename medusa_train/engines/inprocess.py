@@ -37,7 +37,7 @@ def sample_rows(
 ) -> torch.Tensor:
     """Draw one token per row of ``scores`` (B, V) with that row's generator (temperature, top-p).
 
-    Each row consumes exactly one float64 draw from its own generator, so a record's sample does
+    Each row consumes exactly one float64 draw from its own generator, so a request's sample does
     not depend on which rows share its batch.
     """
     probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
@@ -249,19 +249,22 @@ class _SlotCache:
 class ContinuousBatcher:
     """Generate replies for a queue of requests, keeping up to ``batch_size`` rows busy every step.
 
+    The in-process :class:`medusa_train.engines.base.Engine`: :meth:`run` takes the requests and
+    the ``on_done`` callback; ``max_new_tokens``, the end-of-turn ids and the sampling settings are
+    fixed at construction.
+
     Why: a static batch keeps stepping until its longest reply ends; with the ragged reply lengths
     of chat data most of its row-steps then carry no real token (measured: 613 of 1,024 on the
     embedded backbone). Here a row leaves the batch the moment it emits EOS or reaches
     ``max_new_tokens``, and waiting requests join it, so the batch stays full.
 
-    How: one Hugging Face ``DynamicCache`` holds every active row, left-padded so that each row's
-    real entries are the last ``length`` columns of the time axis. A decode step feeds each row's
-    last token with ``position_ids = length`` and a 2-D attention mask that is 1 on that suffix, i.e.
-    exactly what ``generate`` does for a left-padded batch. A finished row is removed with an
-    ``index_select`` on every layer's keys/values; columns that are padding for every remaining row
-    are trimmed. Joining rows are prefilled together in one forward (left-padded among themselves)
-    and their caches concatenated on the batch axis after left-padding both sides to one width.
-    Rows join once ``refill_min`` slots are free (or the batch ran empty): a prefill is a forward
+    How: one preallocated KV cache (:class:`_SlotCache`) holds every active row in a slot of its
+    own, right-aligned so that each row's real entries are the last ``length`` columns of the time
+    axis. A decode step feeds each row's last token with ``position_ids = length`` and a 2-D
+    attention mask that is 1 on that suffix, i.e. exactly what ``generate`` does for a left-padded
+    batch. A finished row frees its slot; columns that are padding for every remaining row are
+    trimmed. Joining rows are prefilled together in one forward (left-padded among themselves) and
+    copied into free slots. Rows join once ``refill_min`` slots are free (or the batch ran empty): a prefill is a forward
     of its own, so refilling one slot at a time would add a forward nearly every step.
 
     Greedy rows equal unbatched ``generate(do_sample=False)`` token for token (a padded forward
