@@ -17,8 +17,13 @@ import os
 import re
 import sys
 import time
+from dataclasses import asdict
 
+from medusa_train.config import compose_config
 from medusa_train.errors import UserError
+from medusa_train.report import summary_table
+from medusa_train.stages import STAGE_ORDER, get_stage
+from medusa_train.workdir import EVAL, REPORT_MD
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
@@ -55,8 +60,6 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def run_stage(cfg) -> dict:
     """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
-    from medusa_train.stages import STAGE_ORDER, get_stage
-
     if cfg.stage != "all":
         return get_stage(cfg.stage)(cfg)
     results: dict = {}
@@ -67,9 +70,8 @@ def run_stage(cfg) -> dict:
         results[name] = get_stage(name)(cfg)
         results[name]["stage_seconds"] = round(time.time() - start, 1)
     if results.get("eval", {}).get("tau") is not None:
-        from medusa_train.report import summary_table
-
-        print(f"\n{summary_table(results['eval'])}\n\nfull report: {cfg.workdir}/eval/report.md")
+        report = f"{cfg.workdir}/{EVAL}/{REPORT_MD}"
+        print(f"\n{summary_table(results['eval'])}\n\nfull report: {report}")
     return results
 
 
@@ -84,12 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
     try:
-        from medusa_train.config import compose_config
-
         cfg = compose_config(argv)
         if print_cfg:
-            from dataclasses import asdict
-
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
         run_stage(cfg)

@@ -1,0 +1,267 @@
+"""The package's import graph keeps the layering of docs/architecture.md.
+
+Every module of ``medusa_train`` is parsed (nothing imported), and its imports of the project
+(``import medusa_train.x``, ``from medusa_train.x import y``, relative imports) are resolved to
+modules. Imports under ``if TYPE_CHECKING:`` are left out (they never run). Checked:
+
+- no import cycle, counting imports anywhere in a file (inside functions too);
+- stages never import one another (nor the ``stages`` package, the dispatcher);
+- ``decoding/`` and ``heads.py`` reach nothing of ``training/``, ``stages/``, ``engines/``, nor Hydra
+  or OmegaConf, following imports through other modules (a reusable part knows nothing of the CLI);
+- ``engines/`` reaches nothing of ``stages/`` or ``training/``;
+- ``workdir.py`` and ``errors.py`` import no project module but ``errors``;
+- the project's own modules are imported at the top of each file, not inside functions;
+- the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib) are imported
+  lazily, where used, so that importing any module needs none of them.
+
+The checker itself is tested on a small package written to a temporary folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "medusa_train"
+HEAVY_OPTIONAL = ("deepspeed", "peft", "bitsandbytes", "wandb", "matplotlib")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, as found in ``module``."""
+
+    module: str  # the importing module
+    target: str  # a project module, or the top-level name of a third-party package
+    line: int
+    in_function: bool  # inside a def (runs when called), not at import time
+
+
+def module_names(root: Path, package: str) -> dict[str, Path]:
+    """``{dotted module name: file}`` for every ``.py`` file of ``root/package``."""
+    out = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Import statements with whether they sit inside a function (``if TYPE_CHECKING`` skipped)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub, in_function)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, in_function))
+            visit(
+                child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            )
+
+    visit(tree, False)
+    return found
+
+
+def import_graph(root: Path, package: str) -> dict[str, list[Import]]:
+    """``{module: its imports}``: project targets resolved to modules, others to their top-level name."""
+    modules = module_names(root, package)
+    graph: dict[str, list[Import]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        here = name if is_package else name.rpartition(".")[0]
+        edges: list[Import] = []
+        for node, in_function in _imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = here.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                # `from pkg import sub` names a module when pkg.sub is one, else an attribute of pkg
+                targets = [
+                    f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix for a in node.names
+                ]
+            for target in dict.fromkeys(targets):
+                if target == package or target.startswith(f"{package}."):
+                    while target not in modules:  # `import medusa_train.x.attr`-style: the module holding it
+                        target = target.rpartition(".")[0]
+                else:
+                    target = target.partition(".")[0]
+                edges.append(Import(name, target, node.lineno, in_function))
+        graph[name] = edges
+    return graph
+
+
+def project_edges(graph: dict[str, list[Import]]) -> dict[str, set[str]]:
+    return {m: {e.target for e in edges if e.target in graph and e.target != m} for m, edges in graph.items()}
+
+
+def cycles(graph: dict[str, list[Import]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    edges = project_edges(graph)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            strongconnect(v)
+    return out
+
+
+def reachable(graph: dict[str, list[Import]], start: str, *, top_level_only: bool = False) -> set[str]:
+    """Every target (project module or third-party name) ``start`` pulls in, through project modules."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for edge in graph[todo.pop()]:
+            if top_level_only and edge.in_function:
+                continue
+            if edge.target not in seen:
+                seen.add(edge.target)
+                if edge.target in graph:
+                    todo.append(edge.target)
+    return seen
+
+
+def _in(module: str, *areas: str) -> bool:
+    return any(module == a or module.startswith(f"{a}.") for a in areas)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, list[Import]]:
+    return import_graph(ROOT, PACKAGE)
+
+
+def test_no_import_cycle(graph):
+    assert cycles(graph) == []
+
+
+def test_stages_do_not_import_each_other(graph):
+    bad = [
+        f"{e.module} imports {e.target} (line {e.line})"
+        for m, edges in graph.items()
+        if _in(m, "medusa_train.stages") and m != "medusa_train.stages"
+        for e in edges
+        if _in(e.target, "medusa_train.stages") and e.target != m
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize(
+    ("areas", "forbidden"),
+    [
+        (
+            ("medusa_train.decoding", "medusa_train.heads"),
+            ("medusa_train.training", "medusa_train.stages", "medusa_train.engines", "hydra", "omegaconf"),
+        ),
+        (("medusa_train.engines",), ("medusa_train.stages", "medusa_train.training")),
+    ],
+)
+def test_building_blocks_do_not_reach_up(graph, areas, forbidden):
+    bad = {m: sorted(t for t in reachable(graph, m) if _in(t, *forbidden)) for m in graph if _in(m, *areas)}
+    assert {m: found for m, found in bad.items() if found} == {}
+
+
+@pytest.mark.parametrize("leaf", ["medusa_train.workdir", "medusa_train.errors"])
+def test_leaves_import_only_errors(graph, leaf):
+    project = {e.target for e in graph[leaf] if e.target in graph}
+    assert project <= {"medusa_train.errors"} - {leaf}
+
+
+def test_project_imports_are_at_the_top_of_each_file(graph):
+    bad = [
+        f"{e.module}:{e.line} imports {e.target} inside a function"
+        for edges in graph.values()
+        for e in edges
+        if e.in_function and e.target in graph
+    ]
+    assert bad == []
+
+
+def test_heavy_optional_dependencies_are_imported_lazily(graph):
+    bad = [
+        f"{e.module}:{e.line} imports {e.target} at import time"
+        for edges in graph.values()
+        for e in edges
+        if not e.in_function and e.target in HEAVY_OPTIONAL
+    ]
+    assert bad == []
+
+
+# -- the checker itself ------------------------------------------------------------------------------
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def test_checker_resolves_relative_imports_and_finds_cycles(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/errors.py": "",
+            "pkg/a.py": "from . import b\nfrom .errors import UserError\n",
+            "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\nimport wandb\n",
+            "pkg/sub/__init__.py": "from .x import f\n",
+            "pkg/sub/x.py": "def f():\n    from ..a import thing\n    import deepspeed\n",
+            "pkg/c.py": "import pkg.sub.x\nfrom pkg.sub import x\n",
+        },
+    )
+    g = import_graph(tmp_path, "pkg")
+    assert set(g) == {"pkg", "pkg.errors", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.x", "pkg.c"}
+    assert {(e.target, e.in_function) for e in g["pkg.a"]} == {("pkg.b", False), ("pkg.errors", False)}
+    assert {e.target for e in g["pkg.b"]} == {"typing", "wandb"}  # TYPE_CHECKING import left out
+    assert {(e.target, e.in_function) for e in g["pkg.sub.x"]} == {("pkg.a", True), ("deepspeed", True)}
+    assert {e.target for e in g["pkg.sub"]} == {"pkg.sub.x"}
+    assert {e.target for e in g["pkg.c"]} == {"pkg.sub.x"}
+    assert cycles(g) == []
+    assert reachable(g, "pkg.c") >= {"pkg.a", "pkg.b", "wandb", "deepspeed"}
+    assert "deepspeed" not in reachable(g, "pkg.c", top_level_only=True)
+
+    (tmp_path / "pkg/b.py").write_text("import pkg.sub\n")  # b -> sub -> x -> a -> b
+    assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.b", "pkg.sub", "pkg.sub.x"]]
