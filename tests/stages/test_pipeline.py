@@ -39,7 +39,8 @@ def test_stage_all_end_to_end_then_resume(tmp_path: Path) -> None:
     first = _run(wd)
     assert first.returncode == 0, first.stderr[-3000:]
     for path in (
-        "backbone/config.json",
+        "pretrain/config.json",
+        "pretrain/train_report.json",
         "distill/manifest.json",
         "heads/medusa_lm_head.safetensors",
         "heads/medusa_choices.json",
@@ -52,6 +53,7 @@ def test_stage_all_end_to_end_then_resume(tmp_path: Path) -> None:
         "eval/generations.jsonl",
     ):
         assert (wd / path).is_file(), path
+    assert not (wd / "backbone").exists()  # the embedded model's folder is pretrain/ (issue 11)
     report = json.loads((wd / "eval" / "report.json").read_text())
     assert report["greedy_identical"] == 1.0
     assert report["tau"] >= 1.0
