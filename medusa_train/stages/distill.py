@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 
 from medusa_train import dist
 from medusa_train.backbone import backbone_identity, check_backbone_source, load_configured_backbone
+from medusa_train.config import Config
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import (
     FORMAT_VERSION,
@@ -81,7 +82,7 @@ log = logging.getLogger(__name__)
 class _Plan:
     """What this invocation distills: shared by the generation (step 5) and the manifest (step 6)."""
 
-    cfg: object
+    cfg: Config
     out: Path
     source: ReadResult
     records: list[Conversation]
@@ -95,7 +96,7 @@ class _Plan:
     num_shards: int
 
 
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Regenerate every assistant turn of the data source with the frozen backbone (see module docstring)."""
     out = Workdir(Path(cfg.workdir)).distill
 
