@@ -49,5 +49,6 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
 
 
 def tiny_cfg(workdir: Path, *overrides: str) -> Config:
-    """The fast debug config on ``workdir`` (tracking off), plus ``overrides``."""
-    return compose_config([f"workdir={workdir}", "debug=fast", "tracking=disabled", *overrides])
+    """The fast debug config on ``workdir`` (tracking off, ``model=hf`` on its backbone/), plus ``overrides``."""
+    model = ["model=hf", f"model.name_or_path={workdir / 'backbone'}", "model.dtype=float32"]
+    return compose_config([f"workdir={workdir}", "debug=fast", "tracking=disabled", *model, *overrides])
