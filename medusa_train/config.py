@@ -219,6 +219,25 @@ class DistillConfig:
 class TrainingConfig:
     """`stage=train` (`training=medusa1|medusa2`)."""
 
+    RUN_ONLY: ClassVar[tuple[str, ...]] = (
+        "per_device_batch_size",
+        "gradient_accumulation_steps",
+        "max_minutes",
+        "loss_chunk_size",
+        "logging_steps",
+        "save_steps",
+        "save_total_limit",
+        "cache_hidden_states",
+        "overwrite",
+        "calibration_max_records",
+    )
+    """Fields left out of the trained heads' skip/resume key (``workdir.settings_key``): how a run goes,
+    not what it trains. The batch split (the key holds the global batch size instead), the time
+    budget (a stopped run resumes under any budget), loss chunking and the hidden-state cache
+    (same heads up to rounding), logging and checkpointing, ``overwrite``; and
+    ``calibration_max_records``, which is part of the calibration's key (a change re-runs only the
+    calibration). Every other field, new ones included, is compared."""
+
     mode: str = "medusa1"
     """medusa1 (frozen backbone, heads only) | medusa2 (joint training)."""
     num_heads: int = 4
@@ -339,6 +358,10 @@ class DeepSpeedConfig:
 @dataclass
 class TreeConfig:
     """`tree=calibrated|medusa63|chain|custom`: the candidate tree verified per step."""
+
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("name", "choices", "chain_depth")
+    """Fields left out of the tree calibration's key (stage=train): they pick the tree at decode time,
+    the calibration does not read them. Every other field, new ones included, is compared."""
 
     name: str = "calibrated"
     """calibrated (chosen after training, saved in workdir/heads) | medusa63 | chain | custom."""

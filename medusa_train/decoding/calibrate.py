@@ -7,9 +7,11 @@ over its nodes of the product of ``a`` along the node's path; grow the tree gree
 frontier node with the largest path probability. The node count is then chosen to maximise expected
 tokens per second, ``tau(N) / latency(N + 1)``, using the forward latency measured on this machine.
 
-Pipeline: :func:`compute_head_accuracy` (or :func:`head_topk_accuracy` on logits you already have)
+Pipeline: :func:`head_topk_counts` (or :func:`head_topk_accuracy` on logits you already have)
 -> :func:`per_rank_accuracy` -> :func:`grow_tree` -> :func:`measure_forward_latency` ->
-:func:`choose_tree` -> :func:`~medusa_train.decoding.tree.save_choices`.
+:func:`choose_tree` -> :func:`~medusa_train.decoding.tree.save_choices`; :func:`calibrate` runs it
+all on held-out batches (what stage=train does after training, into ``calibration.json`` and
+``medusa_choices.json``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ import heapq
 import statistics
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from ..heads import MedusaHeads
+from ..heads import (
+    IGNORE_INDEX,
+    MedusaHeads,
+    chunked_topk_correct,
+    last_hidden_state,
+    medusa_targets,
+    select_trained_rows,
+)
 from .generate import context_limit, verify_forward
 from .tree import TreeBuffers
 
@@ -58,54 +68,88 @@ def per_rank_accuracy(topk_acc: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, topk_acc[:, 1:] - topk_acc[:, :-1]], dim=1).clamp(min=0)  # (K, R)
 
 
+Batch = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]
+
+
+def _batch_tensors(batch: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, loss_mask)``, each ``(B, T)``, from any accepted batch form."""
+    if isinstance(batch, dict):
+        ids = batch["input_ids"]
+        attn = batch.get("attention_mask", torch.ones_like(ids))
+        mask = batch.get("loss_mask", torch.ones_like(ids))
+    elif isinstance(batch, (tuple, list)):
+        ids, mask = batch
+        attn = torch.ones_like(ids)
+    else:
+        ids = batch
+        attn = mask = torch.ones_like(ids)
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
 @torch.inference_mode()
+def head_topk_counts(
+    model: torch.nn.Module,
+    heads: MedusaHeads,
+    batches: Iterable[Batch],
+    max_k: int = 10,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head top-1..max_k hit counts of ``heads`` on token batches, with the training targets.
+
+    Head k (1-based) at position t is scored on token ``t+k+1`` where that token is loss-masked and
+    real (:func:`medusa_train.heads.medusa_targets`, the targets the training loss uses).
+
+    Args:
+        model: the backbone (its decoder's last hidden state feeds the heads).
+        heads: the Medusa heads.
+        batches: ``(B, T)`` token ids (every token a target), ``(input_ids, loss_mask)`` pairs, or dicts
+            with ``input_ids``, ``attention_mask`` (0 on right padding) and ``loss_mask``.
+        max_k: largest k.
+        chunk_size: rows per chunk of logits (peak memory ``chunk_size * V``).
+
+    Returns:
+        ``(hits (K, max_k), count (K,))`` long on the CPU: ``hits[k, i]`` = scored positions whose
+        target is within head k's top-(i + 1); ``count[k]`` = positions scored for head k.
+    """
+    weight = heads.proj(0).weight
+    max_k = min(max_k, heads.vocab_size)
+    hits = torch.zeros(heads.num_heads, max_k, dtype=torch.long)
+    count = torch.zeros(heads.num_heads, dtype=torch.long)
+    for batch in batches:
+        ids, attn, mask = _batch_tensors(batch, weight.device)
+        hidden = last_hidden_state(model, ids, attn)  # (B, T, d)
+        targets = medusa_targets(ids, mask, attn, heads.num_heads)  # (B, T, K)
+        rows, row_targets = select_trained_rows(hidden, targets)  # (N, d), (N, K)
+        feats = heads.hidden(rows.to(weight.dtype))  # (K, N, d)
+        for k in range(heads.num_heads):
+            y = row_targets[:, k]  # (N,)
+            hits[k] += chunked_topk_correct(feats[k], heads.proj(k).weight, y, max_k, chunk_size).cpu()
+            count[k] += int((y != IGNORE_INDEX).sum())
+    return hits, count
+
+
 def compute_head_accuracy(
     model: torch.nn.Module,
     heads: MedusaHeads,
-    batches: Iterable[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[Batch],
     max_k: int = 10,
+    chunk_size: int = 1024,
 ) -> torch.Tensor:
     """Per-head cumulative top-k accuracy of ``heads`` on held-out token batches.
 
-    Head k (0-based) at position t predicts token ``t + k + 2``; positions whose target falls outside
-    the sequence, or is masked, are skipped.
-
     Args:
-        model: the backbone (its last hidden state feeds the heads).
-        heads: the Medusa heads.
-        batches: ``(B, T)`` token ids, or ``(input_ids, mask)`` pairs with ``mask`` ``(B, T)`` true
-            where a token may serve as a target (e.g. assistant tokens only).
-        max_k: largest k.
+        model, heads, batches, max_k, chunk_size: as :func:`head_topk_counts`.
 
     Returns:
         ``(K, max_k)`` cumulative accuracies, as :func:`head_topk_accuracy`.
+
+    Raises:
+        ValueError: no position could be scored for any head.
     """
-    hits: torch.Tensor | None = None
-    total = torch.zeros(heads.num_heads)
-    for batch in batches:
-        ids, mask = (
-            batch if isinstance(batch, (tuple, list)) else (batch, torch.ones_like(batch, dtype=torch.bool))
-        )
-        out = model(input_ids=ids, output_hidden_states=True)
-        hidden = out.hidden_states[-1]  # (B, T, d)
-        for k in range(heads.num_heads):
-            shift = k + 2
-            if ids.shape[1] <= shift:
-                continue
-            feats = hidden[:, :-shift]  # (B, T - shift, d)
-            logits = heads.proj(k)(heads.blocks(k)(feats.to(heads.proj(k).weight.dtype)))  # (B, T - shift, V)
-            targets = ids[:, shift:].masked_fill(~mask[:, shift:].bool(), -100)  # (B, T - shift)
-            acc = head_topk_accuracy(logits.reshape(1, -1, logits.shape[-1]), targets.reshape(1, -1), max_k)[
-                0
-            ]
-            n = int((targets != -100).sum())
-            if hits is None:
-                hits = torch.zeros(heads.num_heads, acc.shape[0])
-            hits[k] += acc.cpu() * n
-            total[k] += n
-    if hits is None:
-        raise ValueError("compute_head_accuracy got no usable batch (sequences must be longer than 2 tokens)")
-    return hits / total.clamp(min=1)[:, None]
+    hits, count = head_topk_counts(model, heads, batches, max_k, chunk_size)
+    if int(count.sum()) == 0:
+        raise ValueError("compute_head_accuracy got no position to score (sequences longer than 2 tokens)")
+    return hits.float() / count.clamp(min=1)[:, None].float()
 
 
 def grow_tree(
@@ -270,3 +314,94 @@ def choose_tree(
         )
     best = max(range(len(table)), key=lambda i: table[i]["tau_per_latency"])
     return [list(p) for p in trees[best]], table
+
+
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""Tree node counts whose forward latency is timed (up to the largest grown tree; others interpolated)."""
+
+
+def calibrate_tree(
+    model: torch.nn.Module, topk_acc: torch.Tensor, max_nodes: int, topk: int, context_len: int
+) -> dict:
+    """Grow Medusa trees from an accuracy table and choose the size with the best expected tokens/s.
+
+    Args:
+        model: the backbone whose tree forwards are timed on this machine.
+        topk_acc: ``(K, R)`` cumulative top-k accuracy per head, ``R >= topk``.
+        max_nodes: largest tree considered.
+        topk: candidates per head considered.
+        context_len: KV-cache length of the timed forwards (lowered to fit the model's positions).
+
+    Returns:
+        ``{"choices", "table", "latency", "context_len", "best"}``: the chosen tree's paths, the
+        table of :func:`choose_tree`, :func:`measure_forward_latency`'s timings, the context length
+        used, and the table row of the chosen size.
+    """
+    per_rank = per_rank_accuracy(topk_acc[:, :topk])  # (K, topk)
+    trees, taus = grow_tree(per_rank, max_nodes)
+    n_max = len(trees)
+    sizes = sorted({n + 1 for n in TREE_SIZES if n <= n_max} | {n_max + 1})
+    limit = context_limit(model)
+    if limit is not None:
+        context_len = max(0, min(context_len, limit - max(sizes)))
+    latency = measure_forward_latency(model, sizes, context_len)
+    choices, table = choose_tree(trees, taus, latency)
+    best = next(row for row in table if row["nodes"] == len(choices))
+    return {"choices": choices, "table": table, "latency": latency, "context_len": context_len, "best": best}
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured and chose.
+
+    Attributes:
+        choices: the chosen tree's paths (for ``medusa_choices.json``).
+        acc: ``(K, max_k)`` cumulative top-k accuracy per head.
+        count: ``(K,)`` positions scored per head.
+        tree: :func:`calibrate_tree`'s result.
+    """
+
+    choices: list[list[int]]
+    acc: torch.Tensor
+    count: torch.Tensor
+    tree: dict
+
+    def to_json(self) -> dict:
+        """The measured part of ``calibration.json``: ``count``, ``head_topk_accuracy``, ``tree``
+        (table, context_len, best) and ``latency``."""
+        return {
+            "count": self.count.tolist(),
+            "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in self.acc],
+            "tree": {k: self.tree[k] for k in ("table", "context_len", "best")},
+            "latency": {str(n): v for n, v in self.tree["latency"].items()},
+        }
+
+
+def calibrate(
+    model: torch.nn.Module,
+    heads: MedusaHeads,
+    batches: Iterable[Batch],
+    *,
+    max_nodes: int,
+    topk: int,
+    context_len: int,
+    chunk_size: int = 1024,
+    max_k: int = 10,
+) -> Calibration:
+    """Held-out accuracy of ``heads`` -> the tree with the best expected tokens/s on this machine.
+
+    Args:
+        model: the backbone (eval mode: no dropout while measuring).
+        heads: the trained heads.
+        batches: held-out batches, as :func:`head_topk_counts` takes them.
+        max_nodes, topk, context_len: as :func:`calibrate_tree`.
+        chunk_size: rows per chunk of logits.
+        max_k: length of the top-k table.
+
+    Returns:
+        :class:`Calibration`.
+    """
+    hits, count = head_topk_counts(model, heads, batches, max_k, chunk_size)
+    acc = hits.float() / count.clamp(min=1)[:, None].float()  # (K, max_k)
+    tree = calibrate_tree(model, acc, max_nodes, topk, context_len)
+    return Calibration(tree["choices"], acc, count, tree)

@@ -18,28 +18,23 @@ hidden rows are filled in batch by batch; a killed build resumes from ``progress
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from medusa_train.training.losses import IGNORE_INDEX, medusa_targets, select_trained_rows
+from medusa_train.heads import IGNORE_INDEX, last_hidden_state, medusa_targets, select_trained_rows
+from medusa_train.training.trainer import PadCollator
+from medusa_train.workdir import atomic_write_json
 
 META = "meta.json"
 PROGRESS = "progress.json"
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def record_targets(input_ids: list[int], loss_mask: list[int], num_heads: int) -> np.ndarray:
-    """Targets ``(n, K)`` of one record's trained rows (see :func:`losses.medusa_targets`)."""
+    """Targets ``(n, K)`` of one record's trained rows (see :func:`medusa_train.heads.medusa_targets`)."""
     ids = torch.tensor([input_ids])
     mask = torch.tensor([loss_mask])
     tgt = medusa_targets(ids, mask, torch.ones_like(ids), num_heads)[0]  # (T, K)
@@ -99,8 +94,6 @@ def build_hidden_cache(
     Returns:
         The opened :class:`HiddenCache`.
     """
-    from medusa_train.training.model import last_hidden_state
-
     directory = Path(directory)
     if is_complete(directory, settings):
         return HiddenCache(directory)
@@ -123,25 +116,18 @@ def build_hidden_cache(
         np.memmap(
             directory / "hidden.bin", dtype=_NP_DTYPES[dtype], mode="w+", shape=(max(int(offsets[-1]), 1), d)
         ).flush()
-        _write_json(progress_path, {"settings": settings, "records_done": 0})
+        atomic_write_json(progress_path, {"settings": settings, "records_done": 0})
     offsets = np.load(directory / "offsets.npy")
     rows_total = int(offsets[-1])
     hidden = np.memmap(
         directory / "hidden.bin", dtype=_NP_DTYPES[dtype], mode="r+", shape=(max(rows_total, 1), d)
     )
     done = json.loads(progress_path.read_text())["records_done"]
+    collate = PadCollator(0)
     for start in range(done, len(records), batch_size):
         batch = records[start : start + batch_size]
-        t = max(len(r["input_ids"]) for r in batch)
-        ids = torch.zeros(len(batch), t, dtype=torch.long)
-        am = torch.zeros_like(ids)
-        lm = torch.zeros_like(ids)
-        for i, r in enumerate(batch):  # right padding
-            n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            am[i, :n] = 1
-            lm[i, :n] = torch.tensor(r["loss_mask"])
-        ids, am, lm = ids.to(device), am.to(device), lm.to(device)
+        padded = collate(batch)  # right padding
+        ids, am, lm = (padded[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
         h = last_hidden_state(backbone, ids, am)  # (b, t, d)
         tgt = medusa_targets(ids, lm, am, num_heads)  # (b, t, K)
         rows, _ = select_trained_rows(h, tgt)  # (n_rows, d), records in order
@@ -150,9 +136,9 @@ def build_hidden_cache(
         arr = rows.to(dtype).cpu()
         hidden[lo:hi] = (arr.view(torch.uint16) if dtype == torch.bfloat16 else arr).numpy()
         hidden.flush()
-        _write_json(progress_path, {"settings": settings, "records_done": start + len(batch)})
+        atomic_write_json(progress_path, {"settings": settings, "records_done": start + len(batch)})
     del hidden
-    _write_json(
+    atomic_write_json(
         directory / META,
         {
             "settings": settings,

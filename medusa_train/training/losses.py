@@ -9,8 +9,9 @@ Medusa-1 loss::
 
 Which positions count: the prediction head k makes at position t is a prediction of token
 ``t+k+1``; it is trained iff ``loss_mask[t+k+1] == 1`` (the target is a token the backbone
-generated) and ``t+k+1`` lies inside the (unpadded) sequence. Each head's CE is the mean over its
-counted positions in the batch; a head with no counted position contributes 0.
+generated) and ``t+k+1`` lies inside the (unpadded) sequence (:func:`medusa_train.heads.medusa_targets`,
+the one definition the held-out accuracy of decoding/calibrate.py shares). Each head's CE is the
+mean over its counted positions in the batch; a head with no counted position contributes 0.
 
 Memory: a naive implementation materialises ``(K, B, T, V)`` logits plus their softmax and
 gradient. :class:`ChunkedLinearCrossEntropy` instead walks over ``chunk_size`` rows at a time,
@@ -20,7 +21,7 @@ then only scales the stored gradients by the incoming scalar. Peak extra memory 
 O(chunk * V + V * d) instead of O(T * V), and the flop count equals the naive version's
 (one logits matmul + two gradient matmuls), so it is not slower.
 
-Also here: top-k accuracy counts (chunked, no grad), the LM losses Medusa-2 adds (CE on data, KL to
+Also here: the LM losses Medusa-2 adds (CE on data, KL to
 the frozen original), and the lambda_0 warm-up schedules.
 """
 
@@ -33,51 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
-
-
-# -- targets ---------------------------------------------------------------------------------------
-def medusa_targets(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_heads: int
-) -> torch.Tensor:
-    """Per-head targets of every position, ``IGNORE_INDEX`` where the prediction is not trained.
-
-    Args:
-        input_ids: ``(B, T)``.
-        loss_mask: ``(B, T)``, 1 on tokens the backbone generated.
-        attention_mask: ``(B, T)``, 0 on padding.
-        num_heads: K.
-
-    Returns:
-        ``(B, T, K)`` long: ``[b, t, k-1] = input_ids[b, t+k+1]`` when ``loss_mask[b, t+k+1] == 1`` and
-        that position is real (not padding, inside T), else ``IGNORE_INDEX``.
-    """
-    b, t = input_ids.shape
-    valid = (loss_mask.bool() & attention_mask.bool()).to(input_ids.device)  # (B, T)
-    targets = torch.full((b, t, num_heads), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
-    for k in range(1, num_heads + 1):
-        shift = k + 1
-        if shift >= t:
-            break
-        tgt = torch.where(valid[:, shift:], input_ids[:, shift:], IGNORE_INDEX)  # (B, T-shift)
-        targets[:, : t - shift, k - 1] = tgt
-    return targets
-
-
-def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep only positions where at least one head has a target (the rest cost compute, add nothing).
-
-    Args:
-        hidden: ``(B, T, d)``.
-        targets: ``(B, T, K)`` from :func:`medusa_targets`.
-
-    Returns:
-        ``(N, d)`` hidden rows and ``(N, K)`` targets.
-    """
-    d, k = hidden.shape[-1], targets.shape[-1]
-    flat_t = targets.reshape(-1, k)  # (B*T, K)
-    keep = (flat_t != IGNORE_INDEX).any(dim=-1).nonzero(as_tuple=True)[0]  # (N,)
-    return hidden.reshape(-1, d)[keep], flat_t[keep]  # (N, d), (N, K)
+from medusa_train.heads import IGNORE_INDEX, chunked_topk_correct
 
 
 # -- fused chunked linear + cross-entropy -----------------------------------------------------------
@@ -173,31 +130,6 @@ def chunked_cross_entropy(
     if not torch.is_grad_enabled():  # evaluation: skip the gradient work inside forward
         feats, weight = feats.detach(), weight.detach()
     return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale)
-
-
-@torch.no_grad()
-def chunked_topk_correct(
-    feats: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, topk: int, chunk_size: int = 1024
-) -> torch.Tensor:
-    """How many counted rows have their target within the top-1, top-2, ..., top-``topk`` logits.
-
-    Args:
-        feats: ``(N, d)``; weight: ``(V, d)``; targets: ``(N,)`` with ``IGNORE_INDEX`` = not counted.
-
-    Returns:
-        ``(topk,)`` long cumulative counts: ``[i]`` = rows whose target ranks within the top ``i+1``.
-    """
-    correct = torch.zeros(topk, dtype=torch.long, device=feats.device)
-    for start in range(0, feats.shape[0], chunk_size):
-        y = targets[start : start + chunk_size]  # (c,)
-        ok = y != IGNORE_INDEX
-        if not bool(ok.any()):
-            continue
-        logits = feats[start : start + chunk_size][ok] @ weight.t()  # (c', V)
-        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (c', topk)
-        hit = top == y[ok][:, None]  # (c', topk): at most one True per row
-        correct[: hit.shape[1]] += hit.long().cumsum(dim=-1).sum(dim=0)
-    return correct
 
 
 # -- the Medusa-1 head loss -------------------------------------------------------------------------

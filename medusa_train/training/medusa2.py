@@ -5,18 +5,18 @@ Cai et al., "Medusa" (arXiv:2401.10774), section 2.2.2: ``L = L_LM + lambda_0(t)
 heads learning ``head_lr_multiplier`` times faster than the backbone, and optionally a heads-only
 warm start of ``heads_only_steps`` steps (the paper's two-stage recipe: the lambda_0 warm-up then
 starts when joint training does).
+
+The pieces of Medusa-2 the recipe (``training/recipes.py``) assembles: the supported combinations,
+the trainable backbone, the heads-only phase.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from transformers import TrainerCallback
 
 from medusa_train.errors import UserError
 from medusa_train.training.model import MedusaTrainingModel
-from medusa_train.training.trainer import Lambda0Callback
 
 
 def check_supported(cfg) -> None:
@@ -80,26 +80,3 @@ def trainable_backbone(tc, backbone: torch.nn.Module) -> torch.nn.Module:
     else:
         backbone.requires_grad_(True)
     return backbone.train()
-
-
-def build(cfg, backbone: torch.nn.Module, heads: torch.nn.Module, model_kwargs: dict):
-    """The Medusa-2 training module, its callbacks and extra result fields.
-
-    Returns:
-        ``(model, callbacks, extra)``.
-    """
-    tc = cfg.training
-    teacher = None
-    if tc.backbone_tuning == "full" and tc.lm_loss == "kl":
-        teacher = copy.deepcopy(backbone).eval().requires_grad_(False)
-    backbone = trainable_backbone(tc, backbone)  # LoRA: the teacher = the same model with adapters disabled
-    model = MedusaTrainingModel(
-        heads, backbone, mode="medusa2", lm_loss=tc.lm_loss, teacher=teacher, lambda0=0.0, **model_kwargs
-    )
-    callbacks: list = [
-        Lambda0Callback(model, tc.lambda0, tc.lambda_warmup_steps, tc.lambda_warmup, tc.heads_only_steps)
-    ]
-    if tc.heads_only_steps > 0:
-        callbacks.append(HeadsOnlyCallback(model, tc.heads_only_steps))
-    trainable = sum(p.numel() for p in backbone.parameters() if p.requires_grad)
-    return model, callbacks, {"backbone_trainable_params": trainable}

@@ -7,7 +7,7 @@ Medusa-1: the frozen backbone is held *outside* the module tree (see ``_Frozen``
 ``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer checkpoint contain the
 heads only -- checkpoints stay small and ZeRO never shards or touches the frozen weights. The
 backbone runs under ``torch.no_grad()`` and its decoder's last hidden state (what ``lm_head`` reads,
-checked per architecture in the tests) feeds the heads. With a hidden-state cache the module has no
+checked per architecture in the tests; :func:`medusa_train.heads.last_hidden_state`) feeds the heads. With a hidden-state cache the module has no
 backbone at all and takes ``hidden_states``/``targets`` rows directly.
 
 Medusa-2: the backbone (optionally LoRA-wrapped) is a registered submodule; the LM loss is CE on
@@ -23,14 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from medusa_train.heads import IGNORE_INDEX, last_hidden_state, medusa_targets, select_trained_rows
 from medusa_train.training.losses import (
-    IGNORE_INDEX,
     chunked_cross_entropy,
     chunked_kl_to_teacher,
     lm_targets,
     medusa_head_loss,
-    medusa_targets,
-    select_trained_rows,
 )
 
 
@@ -39,25 +37,6 @@ class _Frozen:
     """Holds a module without registering it as a submodule (not in state_dict / parameters)."""
 
     module: nn.Module | None
-
-
-def last_hidden_state(
-    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` reads.
-
-    Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.
-
-    Args:
-        backbone: a Hugging Face causal LM (or a peft model around one).
-        input_ids: ``(B, T)``; attention_mask: ``(B, T)``.
-
-    Returns:
-        ``(B, T, d)``.
-    """
-    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
-    decoder = base.get_decoder()
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 class MedusaTrainingModel(nn.Module):
@@ -119,6 +98,14 @@ class MedusaTrainingModel(nn.Module):
     def frozen_backbone(self) -> nn.Module | None:
         """The Medusa-1 backbone (None in medusa2 or when training from cached hidden states)."""
         return self._frozen.module if self.mode == "medusa1" else None
+
+    def directly_read_weights(self) -> list[nn.Parameter]:
+        """Weights the loss reads without calling their module (ZeRO-3 must gather them for it): each
+        head's ``(V, d)`` projection (the fused loss), and in medusa2 the backbone's lm_head (LM loss)."""
+        weights = [self.heads.proj(k).weight for k in range(self.heads.num_heads)]
+        if self.mode == "medusa2":
+            weights.append(self.backbone.get_output_embeddings().weight)
+        return weights
 
     def train(self, mode: bool = True) -> MedusaTrainingModel:
         super().train(mode)

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` pieces for Medusa: data collation, DeepSpeed config, metrics, callbacks.
+"""Hugging Face ``Trainer`` pieces for Medusa: data collation, metrics, callbacks.
 
 The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
 Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
@@ -15,7 +15,6 @@ import time
 import torch
 from transformers import Trainer, TrainerCallback
 
-from medusa_train.errors import UserError
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
 
@@ -48,60 +47,6 @@ def row_collator(records: list[dict]) -> dict[str, torch.Tensor]:
         "hidden_states": torch.cat([r["hidden_states"] for r in records]),
         "targets": torch.cat([r["targets"] for r in records]),
     }
-
-
-# -- DeepSpeed --------------------------------------------------------------------------------------
-def deepspeed_config(
-    zero_stage: int,
-    *,
-    offload_optimizer: bool = False,
-    offload_param: bool = False,
-    dtype: torch.dtype = torch.float32,
-    on_cpu: bool = True,
-) -> dict:
-    """The DeepSpeed config dict handed to ``TrainingArguments(deepspeed=...)``.
-
-    Batch sizes, lr, clipping are ``"auto"`` (filled from the TrainingArguments). Mixed precision is
-    bf16/fp16 per the model dtype on GPU; fp32 on CPU.
-
-    Raises:
-        UserError: deepspeed is not importable, or offload is asked for on CPU.
-    """
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as err:  # ImportError, or a broken build failing at import time
-        raise UserError(
-            f"deepspeed={'zero' + str(zero_stage)} needs the deepspeed package ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}): pip install deepspeed, or use deepspeed=none"
-        ) from None
-    if on_cpu and (offload_optimizer or offload_param):
-        raise UserError(
-            "deepspeed.offload_optimizer/offload_param move state from GPU to CPU memory and cannot run on a "
-            "CPU-only machine: set them to false"
-        )
-    zero: dict = {"stage": zero_stage}
-    if zero_stage >= 1:
-        zero.update({"overlap_comm": False, "contiguous_gradients": True})
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if zero_stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    config: dict = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "train_batch_size": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if not on_cpu and dtype == torch.bfloat16:
-        config["bf16"] = {"enabled": True}
-    elif not on_cpu and dtype == torch.float16:
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return config
 
 
 # -- trainer ----------------------------------------------------------------------------------------

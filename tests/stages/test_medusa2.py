@@ -3,7 +3,7 @@
 The workdir: the chat-template tiny Llama of tests/conftest.py (eval renders prompts with it) and the
 synthetic distilled records of tests/helpers/train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
 does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
-module is captured from ``medusa2.build`` to compare against what export and eval load from disk.
+module is captured from ``Medusa2.training_module`` to compare against what export and eval load from disk.
 The last tests use the plain tests/helpers/train_workdir.py backbone with tied embeddings (checkpoints, resume;
 DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process).
 """
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from safetensors.torch import load_file
-
 from medusa_train.backbone import load_backbone, load_tokenizer
+from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.formats import load_heads
+from medusa_train.heads import last_hidden_state
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export, train
-from medusa_train.training import medusa2
-from medusa_train.training.model import last_hidden_state
+from medusa_train.training.recipes import Medusa2
 from medusa_train.training.trainer import TrackerCallback
 from tests.helpers.models import build_tiny_backbone
 from tests.helpers.train_workdir import (
@@ -79,10 +79,10 @@ def run(request, tmp_path_factory) -> Medusa2Run:
     write_distill(root, make_records(48), root / "backbone")
     captured: dict = {}
     recorded: dict[int, dict] = {}
-    build = medusa2.build
+    build = Medusa2.training_module
 
-    def capture_build(*args, **kwargs):
-        captured["module"], callbacks, extra = build(*args, **kwargs)
+    def capture_build(self, *args, **kwargs):
+        captured["module"], callbacks, extra = build(self, *args, **kwargs)
         return captured["module"], callbacks, extra
 
     def record_log(self, args, state, control, logs=None, **kwargs):
@@ -91,7 +91,7 @@ def run(request, tmp_path_factory) -> Medusa2Run:
 
     tuning = request.param
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(medusa2, "build", capture_build)
+        mp.setattr(Medusa2, "training_module", capture_build)
         mp.setattr(TrackerCallback, "on_log", record_log)
         train.run(_cfg(root, tuning))
     export.run(_cfg(root, tuning, "stage=export"))
@@ -106,10 +106,10 @@ def _greedy_texts(model, run: Medusa2Run) -> list[str]:
     """Plain greedy ``generate`` of ``model`` on the prompts eval used (first turns), decoded as eval does."""
     cfg = run.cfg("stage=eval")
     tok = load_tokenizer(str(run.root / "backbone"))
-    eos = eval_stage.eos_ids(model, tok)
+    eos, renderer = eos_token_ids(model, tok), ChatRenderer(tok)
     texts = []
     for prompt in eval_stage.load_eval_prompts(cfg.eval):
-        ids = eval_stage.render(tok, prompt, [], 0, "cpu")
+        ids = torch.tensor([renderer.turn_prompt_ids(prompt, [])])  # (1, T)
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids,

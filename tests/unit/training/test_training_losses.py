@@ -9,18 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from medusa_train.decoding.calibrate import head_topk_accuracy
-from medusa_train.heads import MedusaHeads
-from medusa_train.training.losses import (
+from medusa_train.heads import (
     IGNORE_INDEX,
+    MedusaHeads,
+    chunked_topk_correct,
+    medusa_targets,
+    select_trained_rows,
+)
+from medusa_train.training.losses import (
     chunked_cross_entropy,
     chunked_kl_to_teacher,
-    chunked_topk_correct,
     lambda0_schedule,
     lm_targets,
     medusa_head_loss,
-    medusa_targets,
     naive_medusa_head_loss,
-    select_trained_rows,
 )
 
 

@@ -7,12 +7,11 @@ import torch
 from transformers import LlamaForCausalLM
 
 from medusa_train.errors import UserError
-from medusa_train.heads import MedusaHeads
+from medusa_train.heads import MedusaHeads, last_hidden_state, medusa_targets, select_trained_rows
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
-from medusa_train.training.losses import medusa_targets, select_trained_rows
-from medusa_train.training.model import MedusaTrainingModel, last_hidden_state
+from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.optim import param_groups
-from medusa_train.training.trainer import deepspeed_config
+from medusa_train.training.zero import deepspeed_config
 from tests.helpers.models import tiny_model
 from tests.helpers.training import batch, tiny_llama
 

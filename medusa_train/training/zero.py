@@ -1,0 +1,175 @@
+"""DeepSpeed plumbing of stage=train: the config dict, a run's process-wide state, ZeRO-3 gathering.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(arXiv:1910.02054). The Hugging Face Trainer drives DeepSpeed (``TrainingArguments(deepspeed=...)``);
+this module holds what the Trainer does not do for us:
+
+- :func:`deepspeed_config`: the config dict (batch sizes, lr, clipping left ``"auto"``).
+- :func:`deepspeed_process`: a context for one DeepSpeed run in this process. Without a launcher
+  it sets up a 1-process rendezvous (DeepSpeed would otherwise look for MPI); afterwards it undoes
+  what the run left behind (``ACCELERATE_USE_DEEPSPEED`` and the rank variables in the environment,
+  transformers' global DeepSpeed config, the 1-process group) so later stages in the same process
+  (``stage=all``) and library users get plain ``from_pretrained`` / ``Trainer`` behaviour back.
+- :func:`register_gathered`: ZeRO-3 must gather weights a module reads directly (the fused loss
+  reads each head's projection weight, Medusa-2's LM loss reads ``lm_head``'s).
+- :func:`gather_zero3`: ZeRO-3 leaves the trained module partitioned; rank 0 gets it whole.
+
+Nothing here reads the Hydra config; ranks come from :mod:`medusa_train.dist`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from medusa_train import dist
+from medusa_train.errors import UserError
+from medusa_train.heads import MedusaHeads
+
+PROCESS_ENV = ("ACCELERATE_USE_DEEPSPEED", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables a DeepSpeed run sets (restored by :func:`deepspeed_process`)."""
+
+
+def deepspeed_config(
+    zero_stage: int,
+    *,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    dtype: torch.dtype = torch.float32,
+    on_cpu: bool = True,
+) -> dict:
+    """The DeepSpeed config dict handed to ``TrainingArguments(deepspeed=...)``.
+
+    Batch sizes, lr, clipping are ``"auto"`` (filled from the TrainingArguments). Mixed precision is
+    bf16/fp16 per the model dtype on GPU; fp32 on CPU.
+
+    Raises:
+        UserError: deepspeed is not importable, or offload is asked for on CPU.
+    """
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as err:  # ImportError, or a broken build failing at import time
+        raise UserError(
+            f"deepspeed={'zero' + str(zero_stage)} needs the deepspeed package ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): pip install deepspeed, or use deepspeed=none"
+        ) from None
+    if on_cpu and (offload_optimizer or offload_param):
+        raise UserError(
+            "deepspeed.offload_optimizer/offload_param move state from GPU to CPU memory and cannot run on a "
+            "CPU-only machine: set them to false"
+        )
+    zero: dict = {"stage": zero_stage}
+    if zero_stage >= 1:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True})
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config: dict = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if not on_cpu and dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif not on_cpu and dtype == torch.float16:
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return config
+
+
+def is_zero3(ds_config: dict | None) -> bool:
+    """Whether ``ds_config`` (None: no DeepSpeed) partitions the parameters (ZeRO stage 3)."""
+    return ds_config is not None and ds_config["zero_optimization"]["stage"] == 3
+
+
+@contextlib.contextmanager
+def deepspeed_process(enabled: bool) -> Iterator[None]:
+    """One DeepSpeed run in this process (no-op when not ``enabled``); see the module docstring."""
+    if not enabled:
+        yield
+        return
+    saved = {key: os.environ.get(key) for key in PROCESS_ENV}
+    own_group = not dist.launched()
+    if own_group:
+        _single_process_rendezvous()
+    try:
+        yield
+    finally:
+        _release(saved, own_group)
+
+
+def _single_process_rendezvous() -> None:
+    """Environment of a 1-process group, so DeepSpeed starts without a launcher."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
+    """Undo the process-wide state a DeepSpeed run leaves (see the module docstring)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    for key, value in saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if own_group:
+        import deepspeed.comm
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if deepspeed.comm.is_initialized():
+            # DeepSpeed's own teardown: it also forgets the groups it derived from this one, which a
+            # second DeepSpeed run in this process would otherwise use ("group is not registered").
+            deepspeed.comm.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def register_gathered(module: torch.nn.Module, weights: Iterable[torch.nn.Parameter]) -> None:
+    """ZeRO-3: gather ``weights`` whenever ``module`` runs (it reads them without calling their owner)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    for weight in weights:
+        register_external_parameter(module, weight)
+
+
+def gather_zero3(trainer, heads: MedusaHeads, with_backbone: bool) -> tuple[MedusaHeads, dict | None]:
+    """ZeRO-3 leaves the training module partitioned across ranks: rebuild whole heads from the
+    consolidated state and (``with_backbone``) return the backbone's part of it (its own parameter
+    names). Every rank must call this (a collective); the results are rank 0's, the other ranks get
+    ``(heads, None)`` back."""
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # full tensors on rank 0 only
+    if not trainer.is_world_process_zero():
+        return heads, None
+    whole = MedusaHeads(
+        heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers, heads.base_model_name_or_path
+    )
+    prefix = "module." if any(k.startswith("module.heads.") for k in state) else ""
+    whole.heads.load_state_dict(
+        {
+            k.removeprefix(f"{prefix}heads.heads."): v.float()
+            for k, v in state.items()
+            if k.startswith(f"{prefix}heads.heads.")
+        }
+    )
+    backbone_state = None
+    if with_backbone:
+        start = f"{prefix}backbone."
+        backbone_state = {k.removeprefix(start): v for k, v in state.items() if k.startswith(start)}
+    return whole.to(trainer.args.device), backbone_state
