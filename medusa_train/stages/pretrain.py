@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
@@ -226,9 +227,8 @@ def _pack(tokenizer, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _build_model(bc, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _build_model(bc, tokenizer) -> LlamaForCausalLM:
+    """The tiny Llama of `pretrain.*` (tied embeddings), random, with the tokenizer's special ids."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=bc.hidden_size,
