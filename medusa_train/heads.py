@@ -30,9 +30,6 @@ from torch import nn
 
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
-# TODO(issue 11): the old names, until stages/train.py imports HEADS_CONFIG/HEADS_WEIGHTS from workdir.
-CONFIG_NAME, WEIGHTS_NAME = HEADS_CONFIG, HEADS_WEIGHTS
-
 
 class HeadsFormatError(ValueError):
     """A heads directory is missing, incomplete or does not match the expected shapes."""
@@ -270,7 +267,9 @@ def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return hidden.reshape(-1, d)[keep], flat_t[keep]  # (N, d), (N, K)
 
 
-def last_hidden_state(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def last_hidden_state(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` and the heads read.
 
     Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.

@@ -9,11 +9,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-# TODO(issue 11): re-exported until stages/train.py and stages/distill.py import them from
-# medusa_train.backbone / medusa_train.workdir; then these two lines go.
-from medusa_train.backbone import load_configured_backbone, load_trained_backbone  # noqa: F401
-from medusa_train.workdir import TRAINED_BACKBONE  # noqa: F401
-
 STAGE_ORDER = ("pretrain", "distill", "train", "export", "eval")
 
 
