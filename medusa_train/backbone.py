@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-from transformers.utils import cached_file
+from transformers.utils import CONFIG_NAME, cached_file
 
 from medusa_train.errors import UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
 from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import HEADS_CONFIG, TRAINED_BACKBONE, refuse_old_layout
+from medusa_train.workdir import TRAINED_BACKBONE, refuse_old_layout
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def check_backbone_source(name_or_path: str) -> None:
     """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if not (path / CONFIG_NAME).is_file():
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
         return
     refuse_old_layout(path)  # a workdir from before stage=backbone was renamed stage=pretrain
@@ -194,7 +194,7 @@ def _checkpoint_dir(name_or_path: str, revision: str | None) -> Path | None:
         return path
     try:
         config = cached_file(
-            name_or_path, "config.json", revision=revision, _raise_exceptions_for_missing_entries=False
+            name_or_path, CONFIG_NAME, revision=revision, _raise_exceptions_for_missing_entries=False
         )
     except Exception:  # offline, gated, or not a hub id: fall back to the tensors
         return None
@@ -207,7 +207,7 @@ def _files_fingerprint(directory: Path) -> str | None:
         return None
     h = hashlib.sha256()
     mib = 1 << 20
-    for path in [directory / "config.json", *weights]:
+    for path in [directory / CONFIG_NAME, *weights]:
         if not path.is_file():
             continue
         size = path.stat().st_size
@@ -269,7 +269,7 @@ def trained_backbone_dir(heads_dir: Path) -> Path | None:
     candidates = [heads_dir / TRAINED_BACKBONE]
     if heads_dir.name in LAYOUTS:
         candidates.append(heads_dir.parent / TRAINED_BACKBONE)
-    return next((p for p in candidates if (p / HEADS_CONFIG).is_file() or is_adapter_dir(p)), None)
+    return next((p for p in candidates if (p / CONFIG_NAME).is_file() or is_adapter_dir(p)), None)
 
 
 def recorded_base(heads_dir: Path) -> dict | None:
