@@ -64,6 +64,7 @@ from medusa_train.training.trainer import (
     PadCollator,
     TimeBudgetCallback,
     TrackerCallback,
+    last_complete_checkpoint,
     row_collator,
 )
 from medusa_train.training.zero import (
@@ -497,26 +498,6 @@ def _hidden_cache(args, backbone, train_set: _Records, directory: Path, key: dic
             build_hidden_cache(backbone, records, directory, tc.num_heads, settings, tc.per_device_batch_size)
             log.info("hidden-state cache ready in %.1fs", time.time() - t0)
     return HiddenCache(directory)
-
-
-def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -> str | None:
-    """The newest ``checkpoint-N`` whose save finished (the Trainer writes trainer_state.json last).
-
-    A run killed while saving leaves a newer, incomplete folder: it is skipped (and removed when
-    ``remove_incomplete``), so the same command resumes from the previous checkpoint.
-    """
-    found = sorted(
-        (int(p.name.split("-")[1]), p)
-        for p in train_dir.glob("checkpoint-*")
-        if p.is_dir() and p.name.split("-")[1].isdigit()
-    )
-    for _, path in reversed(found):
-        if (path / "trainer_state.json").is_file():
-            return str(path)
-        log.warning("ignoring incomplete checkpoint %s (killed while saving)", path)
-        if remove_incomplete:
-            shutil.rmtree(path, ignore_errors=True)
-    return None
 
 
 # -- publishing -------------------------------------------------------------------------------------

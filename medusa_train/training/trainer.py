@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` pieces for Medusa: data collation, metrics, callbacks.
+"""Hugging Face ``Trainer`` pieces for Medusa: data collation, metrics, checkpoints, callbacks.
 
 The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
 Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
@@ -10,7 +10,9 @@ summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``he
 from __future__ import annotations
 
 import logging
+import shutil
 import time
+from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -147,6 +149,27 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def model_metrics_on(model) -> bool:
     """Whether the (possibly DeepSpeed/DDP-wrapped) training module counts top-k hits right now."""
     return bool(getattr(getattr(model, "module", model), "with_metrics", True))
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -> str | None:
+    """The newest ``checkpoint-N`` whose save finished (the Trainer writes trainer_state.json last).
+
+    A run killed while saving leaves a newer, incomplete folder: it is skipped (and removed when
+    ``remove_incomplete``), so the same command resumes from the previous checkpoint.
+    """
+    found = sorted(
+        (int(p.name.split("-")[1]), p)
+        for p in train_dir.glob("checkpoint-*")
+        if p.is_dir() and p.name.split("-")[1].isdigit()
+    )
+    for _, path in reversed(found):
+        if (path / "trainer_state.json").is_file():
+            return str(path)
+        log.warning("ignoring incomplete checkpoint %s (killed while saving)", path)
+        if remove_incomplete:
+            shutil.rmtree(path, ignore_errors=True)
+    return None
 
 
 # -- callbacks --------------------------------------------------------------------------------------

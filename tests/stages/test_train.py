@@ -105,6 +105,10 @@ def test_rerun_with_same_settings_skips(reference):
     mtime = (root / "heads" / "medusa_lm_head.safetensors").stat().st_mtime_ns
     again = run(train_cfg(root))
     assert again["skipped"] and again["steps"] == result["steps"]
+    # Logging, checkpointing and the batch split (same global batch) do not change the heads.
+    run_only = ("training.logging_steps=1", "training.save_steps=5", "training.per_device_batch_size=2")
+    again = run(train_cfg(root, *run_only, "training.gradient_accumulation_steps=2"))
+    assert again["skipped"] and "recalibrated" not in again
     assert (root / "heads" / "medusa_lm_head.safetensors").stat().st_mtime_ns == mtime
 
 

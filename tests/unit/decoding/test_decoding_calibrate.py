@@ -15,6 +15,7 @@ from medusa_train.decoding import (
     measure_forward_latency,
     per_rank_accuracy,
 )
+from medusa_train.decoding.calibrate import calibrate, head_topk_counts
 from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 
@@ -82,3 +83,45 @@ def test_measure_forward_latency_and_head_accuracy():
         logits = heads(h)[0, :, :-2]  # (B, T - 2, V)
     manual = head_topk_accuracy(logits.reshape(1, -1, VOCAB), batches[0][:, 2:].reshape(1, -1))[0]
     torch.testing.assert_close(compute_head_accuracy(model, heads, batches[:1])[0], manual)
+
+
+def test_head_accuracy_scores_the_training_targets_on_padded_masked_batches():
+    """One accuracy: head k at t is scored on token t+k+1 where it is loss-masked and real
+    (``heads.medusa_targets``, the training loss's targets); right padding changes nothing."""
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=3)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (12, 7)]
+    masks = [(torch.rand(n, generator=gen) > 0.3).long() for n in (12, 7)]
+    singles = [(i[None], m[None]) for i, m in zip(ids, masks, strict=True)]
+    hits, count = head_topk_counts(model, heads, singles, max_k=10)
+    padded = {
+        "input_ids": torch.stack([ids[0], torch.cat([ids[1], torch.zeros(5, dtype=torch.long)])]),
+        "attention_mask": torch.tensor([[1] * 12, [1] * 7 + [0] * 5]),
+        "loss_mask": torch.stack([masks[0], torch.cat([masks[1], torch.ones(5, dtype=torch.long)])]),
+    }
+    hits_padded, count_padded = head_topk_counts(model, heads, [padded], max_k=10)
+    assert torch.equal(hits, hits_padded) and torch.equal(count, count_padded)
+    # By hand for head k (0-based): position t scored on token t + k + 2 when its mask is 1.
+    with torch.no_grad():
+        logits = [heads(model(i[None], output_hidden_states=True).hidden_states[-1])[:, 0] for i in ids]
+    for k in range(3):
+        shift = k + 2
+        top1 = sum(
+            int(((lg[k, :-shift].argmax(-1) == i[shift:]) & m[shift:].bool()).sum())
+            for lg, i, m in zip(logits, ids, masks, strict=True)
+        )
+        assert count[k] == sum(int(m[shift:].sum()) for m in masks) and hits[k, 0] == top1
+
+
+def test_calibrate_measures_and_chooses_a_tree():
+    model = tiny_model("llama")
+    heads = random_heads(model, num_heads=3)
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))]
+    cal = calibrate(model, heads, batches, max_nodes=5, topk=4, context_len=8)
+    torch.testing.assert_close(cal.acc, compute_head_accuracy(model, heads, batches))
+    assert 1 <= len(cal.choices) <= 5 and cal.tree["best"]["nodes"] == len(cal.choices)
+    TreeBuffers.from_choices(cal.choices)
+    saved = cal.to_json()
+    assert saved["count"] == cal.count.tolist() == [20, 18, 16]
+    assert {"table", "context_len", "best"} == set(saved["tree"]) and "1" in saved["latency"]
