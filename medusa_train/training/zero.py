@@ -25,6 +25,8 @@ import socket
 from collections.abc import Iterable, Iterator
 
 import torch
+from accelerate.state import AcceleratorState
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from medusa_train import dist
 from medusa_train.errors import UserError
@@ -120,8 +122,6 @@ def _single_process_rendezvous() -> None:
 
 def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
     """Undo the process-wide state a DeepSpeed run leaves (see the module docstring)."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
     unset_hf_deepspeed_config()
     for key, value in saved_env.items():
         if value is None:
@@ -130,7 +130,6 @@ def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
             os.environ[key] = value
     if own_group:
         import deepspeed.comm
-        from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
         if deepspeed.comm.is_initialized():
