@@ -12,7 +12,8 @@ modules. Imports under ``if TYPE_CHECKING:`` are left out (they never run). Chec
 - ``workdir.py`` and ``errors.py`` import no project module but ``errors``;
 - the project's own modules are imported at the top of each file, not inside functions;
 - the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib) are imported
-  lazily, where used, so that importing any module needs none of them.
+  lazily, where used, so that importing any module needs none of them;
+- docs/architecture.md lists every module.
 
 The checker itself is tested on a small package written to a temporary folder.
 """
@@ -229,6 +230,18 @@ def test_heavy_optional_dependencies_are_imported_lazily(graph):
         if not e.in_function and e.target in HEAVY_OPTIONAL
     ]
     assert bad == []
+
+
+def test_docs_architecture_lists_every_module(graph):
+    """docs/architecture.md's package map names every module (package ``__init__`` files aside)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    files = [
+        str(path.relative_to(ROOT / PACKAGE))
+        for path in module_names(ROOT, PACKAGE).values()
+        if path.name != "__init__.py"
+    ]
+    assert "stages/pretrain.py" in files and "workdir.py" in files
+    assert [f for f in files if f"`{f}`" not in doc] == []
 
 
 # -- the checker itself ------------------------------------------------------------------------------
