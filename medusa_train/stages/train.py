@@ -232,9 +232,8 @@ def run(cfg) -> dict:
         heads.save_pretrained(
             tmp, extra_config={"backbone": identity, "training": key, "training_result": result}
         )
-        if (
-            trained is not None
-        ):  # Medusa-2: the trained backbone (LoRA: the adapter only) ships with the heads
+        # Medusa-2: the trained backbone (LoRA: the adapter only) ships with the heads.
+        if trained is not None:
             trained.save_pretrained(tmp / TRAINED_BACKBONE)
             tokenizer.save_pretrained(tmp / TRAINED_BACKBONE)
     else:  # recalibrated: the same weights (hard links), new figures
