@@ -11,6 +11,7 @@ Writes (into a staging folder, swapped into place, so a killed run never leaves 
       backbone/             training=medusa2 only: the trained backbone, LoRA merged (config.json,
                             *.safetensors, tokenizer); the heads' base_model_name_or_path names it
       medusa/               config.json + medusa_lm_head.safetensors  (FasterDecoding, TGI, TensorRT-LLM)
+                            + medusa_lm_head.pt with export.write_pickle=true (FasterDecoding's loader)
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
       calibration.json      per-head accuracy and tree table from stage=train (when present)
@@ -45,7 +46,9 @@ from medusa_train.formats import (
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
     VLLM,
+    add_legacy_config_keys,
     load_heads,
+    portable_base_model,
     read_heads_config,
     save_medusa,
     save_vllm,
@@ -111,8 +114,15 @@ def run(cfg) -> dict:
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
     shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card
     if backbone_for_heads(cfg.model, heads_dir) is not None:
-        shipped = wd.export / TRAINED_BACKBONE
+        shipped = (wd.export / TRAINED_BACKBONE).absolute()
         heads.base_model_name_or_path = str(shipped)
+    else:  # a Hub id stays one; a local path becomes absolute, so consumers resolve it from anywhere
+        try:
+            heads.base_model_name_or_path = portable_base_model(
+                heads.base_model_name_or_path or cfg.model.name_or_path
+            )
+        except HeadsFormatError as err:
+            raise UserError(f"cannot export: {err}") from None
 
     wd.root.mkdir(parents=True, exist_ok=True)
     remove_stale(wd.export)
@@ -124,7 +134,7 @@ def run(cfg) -> dict:
             identical[TRAINED_BACKBONE] = _export_backbone(cfg, heads_dir, tmp / TRAINED_BACKBONE)
         for fmt in cfg.export.formats:
             if fmt == MEDUSA:
-                save_medusa(heads, tmp / MEDUSA, extra_config=extra)
+                save_medusa(heads, tmp / MEDUSA, extra_config=extra, write_pickle=cfg.export.write_pickle)
             else:
                 save_vllm(heads, tmp / VLLM)
             identical[fmt] = roundtrip_identical(heads, tmp / fmt)
@@ -215,6 +225,10 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
         expected = model(input_ids=ids.to(device)).logits  # (1, 8, V)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    # transformers 4.x consumers read rope_theta/rope_scaling/torch_dtype at the top level; the
+    # reload below (transformers 5) must still give the same logits with those keys added.
+    added = add_legacy_config_keys(directory)
+    log.info("export: backbone config.json also carries %s for transformers 4.x consumers", sorted(added))
     del model
     gc.collect()
     back = AutoModelForCausalLM.from_pretrained(
