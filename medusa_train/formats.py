@@ -36,7 +36,8 @@ Medusa path off, a ``model_type`` its tokenizer fallback to the base model); Fas
 An exported backbone (Medusa-2) is written by transformers 5, which folds ``rope_theta`` and
 ``rope_scaling`` into ``rope_parameters`` and writes ``dtype`` for ``torch_dtype``: consumers on
 transformers 4.x would silently use their defaults (rope_theta 10000). :func:`add_legacy_config_keys`
-writes those keys beside the new ones.
+writes those keys beside the new ones; :func:`add_legacy_tokenizer_keys` makes its tokenizer files
+readable by transformers 4.x / tokenizers < 0.20 too.
 
 Torch + safetensors only (no Hydra): the decoder and the GPU image use this module.
 """
@@ -373,6 +374,46 @@ def add_legacy_config_keys(directory: str | os.PathLike) -> dict:
     if added:
         atomic_write_json(path, {**config, **added})
     return added
+
+
+def add_legacy_tokenizer_keys(directory: str | os.PathLike) -> list[str]:
+    """Make a tokenizer saved by transformers 5 readable by transformers 4.x; returns what changed.
+
+    - ``tokenizer_config.json``: ``tokenizer_class`` ``TokenizersBackend`` (transformers 5's name) becomes
+      ``PreTrainedTokenizerFast`` (the same class under its 4.x name, an alias in 5); ``chat_template``
+      is copied in from ``chat_template.jinja`` (4.x before ~4.50 reads it only from there).
+    - ``tokenizer.json``: BPE ``merges`` written by tokenizers >= 0.20 as pairs (``["a", "b"]``) go back
+      to the ``"a b"`` strings that tokenizers < 0.20 (the one transformers 4.34 pins) requires and
+      every later version reads too -- only when no merged piece contains a space (byte-level BPE
+      never does), since the string form cannot express that.
+
+    Each file is rewritten atomically; the tokens and ids are unchanged.
+    """
+    directory = Path(directory)
+    changed: list[str] = []
+    config_path, template_path = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        new = dict(config)
+        if new.get("tokenizer_class") == "TokenizersBackend":
+            new["tokenizer_class"] = "PreTrainedTokenizerFast"
+        if "chat_template" not in new and template_path.is_file():
+            new["chat_template"] = template_path.read_text()
+        if new != config:
+            atomic_write_json(config_path, new)
+            changed += [f"tokenizer_config.json:{key}" for key in new if new[key] != config.get(key)]
+    tokenizer_path = directory / "tokenizer.json"
+    if tokenizer_path.is_file():
+        tokenizer = json.loads(tokenizer_path.read_text())
+        merges = (tokenizer.get("model") or {}).get("merges")
+        if merges and all(isinstance(m, list) and len(m) == 2 and " " not in m[0] + m[1] for m in merges):
+            tokenizer["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+            atomic_write(
+                tokenizer_path,
+                lambda p: p.write_text(json.dumps(tokenizer, indent=2, ensure_ascii=False) + "\n"),
+            )
+            changed.append("tokenizer.json:merges")
+    return changed
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_train.backbone import DTYPES, backbone_for_heads, load_backbone_for_heads
 from medusa_train.decoding.tree import resolve_tree
@@ -47,6 +47,7 @@ from medusa_train.formats import (
     MEDUSA_CONFIG_KEYS,
     VLLM,
     add_legacy_config_keys,
+    add_legacy_tokenizer_keys,
     load_heads,
     portable_base_model,
     read_heads_config,
@@ -208,10 +209,14 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
     """Write the trained Medusa-2 backbone as a plain Hugging Face model (LoRA merged) + tokenizer.
 
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
-    ``export.dtype`` unless auto, saved, then loaded back. Only one copy of the model is held at a time.
+    ``export.dtype`` unless auto, saved, then loaded back. config.json and the tokenizer files also
+    carry what transformers 4.x consumers read (:func:`~medusa_train.formats.add_legacy_config_keys`,
+    :func:`~medusa_train.formats.add_legacy_tokenizer_keys`). Only one copy of the model is held at a
+    time.
 
     Returns:
-        True when the written model's logits on fixed tokens equal the in-memory model's bit for bit.
+        True when the written model's logits on fixed tokens equal the in-memory model's bit for bit
+        and the written tokenizer encodes a sample text as the in-memory one does.
     """
     model, tokenizer, source, _ = load_backbone_for_heads(cfg.model, heads_dir, quantize=False)
     log.info("export: backbone %s (trained with the heads: training=medusa2)", source)
@@ -225,10 +230,17 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
         expected = model(input_ids=ids.to(device)).logits  # (1, 8, V)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    # transformers 4.x consumers read rope_theta/rope_scaling/torch_dtype at the top level; the
-    # reload below (transformers 5) must still give the same logits with those keys added.
+    # transformers 4.x consumers read rope_theta/rope_scaling/torch_dtype at the top level and cannot
+    # read transformers 5's tokenizer class name or tokenizers >= 0.20's merges; the reloads below
+    # (transformers 5) must still give the same logits and token ids with those files adapted.
     added = add_legacy_config_keys(directory)
-    log.info("export: backbone config.json also carries %s for transformers 4.x consumers", sorted(added))
+    changed = add_legacy_tokenizer_keys(directory)
+    log.info("export: backbone files adapted for transformers 4.x consumers: %s", sorted(added) + changed)
+    sample = "Medusa heads draft tokens; the backbone verifies them."
+    reloaded = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)
+    if reloaded(sample).input_ids != tokenizer(sample).input_ids:
+        log.error("the tokenizer written to %s encodes differently", directory)
+        return False
     del model
     gc.collect()
     back = AutoModelForCausalLM.from_pretrained(

@@ -164,6 +164,8 @@ def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run
     written = json.loads((out / "backbone" / "config.json").read_text())
     assert written["rope_theta"] == written["rope_parameters"]["rope_theta"]
     assert "rope_scaling" in written and written["torch_dtype"] == written["dtype"]
+    tokenizer_config = json.loads((out / "backbone" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # a name transformers 4.x knows
     # Serving engines load the base named in medusa/config.json; the card names the same folder.
     config = json.loads((out / "medusa" / "config.json").read_text())
     assert config["base_model_name_or_path"] == str(out / "backbone")

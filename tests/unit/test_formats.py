@@ -479,3 +479,38 @@ def test_backbone_config_reads_the_same_in_transformers_4(
     ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)  # (1, 6, V)
+
+
+def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
+    tmp_path: Path, tiny_backbone_dir: Path
+) -> None:
+    """transformers 4.x resolves ``tokenizer_class`` by its 4.x names (``TokenizersBackend`` is
+    unknown there), reads ``chat_template`` from tokenizer_config.json, and tokenizers < 0.20 reads
+    BPE merges only as "a b" strings."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from medusa_train.formats import add_legacy_tokenizer_keys
+
+    shutil.copytree(tiny_backbone_dir, tmp_path, dirs_exist_ok=True)
+    before = AutoTokenizer.from_pretrained(tmp_path)
+    assert (
+        json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    )
+    changed = add_legacy_tokenizer_keys(tmp_path)
+    assert "tokenizer.json:merges" in changed
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["chat_template"] == (tmp_path / "chat_template.jinja").read_text()
+    merges = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+
+    after = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "the heads draft"}, {"role": "assistant", "content": "ok!"}]
+    for text in ("Medusa heads draft tokens; the backbone verifies them.", " spaces  and\nlines ?!"):
+        assert after(text).input_ids == before(text).input_ids
+    assert after.apply_chat_template(messages, tokenize=False) == before.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert after.get_vocab() == before.get_vocab() and add_legacy_tokenizer_keys(tmp_path) == []
