@@ -161,6 +161,8 @@ def run(cfg) -> dict:
             calibration=read_json(heads_dir / CALIBRATION),
             report=read_json(wd.eval / REPORT_JSON),
             backbone=str(shipped) if shipped is not None else None,
+            export_dir=wd.export.absolute(),
+            pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
         )
         atomic_write_text(tmp / MODEL_CARD, card)
 
