@@ -414,6 +414,10 @@ class ExportConfig:
     dtype: str = "auto"
     """Dtype of the exported weights (heads, and the Medusa-2 backbone): auto (as trained) | float32 |
     bfloat16 | float16."""
+    write_pickle: bool = False
+    """Also write `medusa/medusa_lm_head.pt` (the same tensors as a torch pickle), the only weights file
+    FasterDecoding's `MedusaModel.from_pretrained` opens. Off by default: loading a pickle can run code
+    (a warning says so); TGI, vLLM, TensorRT-LLM and medusa_train read the safetensors file."""
 
     def __post_init__(self) -> None:
         for fmt in self.formats:

@@ -10,6 +10,10 @@ because vLLM skips unknown weight names without a word, so the tests pin them):
     medusa_lm_head.safetensors   {h}.{l}.linear.weight (d, d)   {h}.{l}.linear.bias (d,)   l < L
                                  {h}.{L}.weight (V, d)           (head h's vocab projection)
 
+    medusa_lm_head.pt            only with ``write_pickle``: the same tensors as a torch pickle, for
+                                 FasterDecoding's ``MedusaModel.from_pretrained``, which opens no other
+                                 weights file (loading it runs pickle; our loaders never read it)
+
 ``vllm`` -- vLLM's ``MedusaModel`` (speculative_config={"method": "medusa", "model": <dir>})::
 
     config.json                  {model_type: "medusa", architectures: ["MedusaModel"], hidden_size,
@@ -22,13 +26,28 @@ vLLM's ``MedusaConfig.from_pretrained`` renames every config key containing "num
 ``num_heads`` (and "num" + "layers" to ``num_hidden_layers``), so the vLLM config carries no other
 key with "num" in it. Both layouts hold exactly the same tensors; only names differ.
 
+What each consumer's loader reads, with the source files and commits, is tabled in
+``docs/pipeline.md`` ("What each engine's loader reads"); ``tests/unit/test_formats.py`` pins it. In
+short: TGI and vLLM read safetensors only; TGI needs ``base_model_name_or_path`` and no
+``architectures`` or ``model_type`` key in the medusa config (an ``architectures`` key turns its
+Medusa path off, a ``model_type`` its tokenizer fallback to the base model); FasterDecoding opens only
+``medusa_lm_head.pt``.
+
+An exported backbone (Medusa-2) is written by transformers 5, which folds ``rope_theta`` and
+``rope_scaling`` into ``rope_parameters`` and writes ``dtype`` for ``torch_dtype``: consumers on
+transformers 4.x would silently use their defaults (rope_theta 10000). :func:`add_legacy_config_keys`
+writes those keys beside the new ones; :func:`add_legacy_tokenizer_keys` makes its tokenizer files
+readable by transformers 4.x / tokenizers < 0.20 too.
+
 Torch + safetensors only (no Hydra): the decoder and the GPU image use this module.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -38,12 +57,15 @@ from safetensors.torch import load_file, save_file
 from medusa_train.heads import HeadsFormatError, MedusaHeads
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
+log = logging.getLogger(__name__)
+
 MEDUSA = "medusa"
 VLLM = "vllm"
 LAYOUTS = (MEDUSA, VLLM)
 VLLM_WEIGHTS_NAME = "model.safetensors"
 LEGACY_WEIGHTS_NAME = "medusa_lm_head.pt"
-"""FasterDecoding's published checkpoints (e.g. FasterDecoding/medusa-vicuna-7b-v1.3) ship a torch pickle."""
+"""A torch pickle: the only weights file FasterDecoding's loader opens (its published checkpoints, e.g.
+FasterDecoding/medusa-vicuna-7b-v1.3, ship one); TensorRT-LLM's converter prefers it when present."""
 MEDUSA_CONFIG_KEYS = (
     "medusa_num_heads",
     "medusa_num_layers",
@@ -51,26 +73,57 @@ MEDUSA_CONFIG_KEYS = (
     "hidden_size",
     "vocab_size",
 )
+"""The medusa layout's config.json keys (TGI reads the first three, FasterDecoding the first three via its
+``MedusaConfig``, TensorRT-LLM's converter the first two)."""
+MEDUSA_FORBIDDEN_KEYS = ("architectures", "model_type")
+"""Keys the medusa layout's config.json must not have: with ``architectures`` TGI's ``SpeculativeHead``
+takes the folder for another speculator and serves without Medusa; with ``model_type`` TGI's router no
+longer falls back to the base model's tokenizer."""
 
 
 # -- medusa (FasterDecoding / TGI / TensorRT-LLM) --------------------------------------------------
-def save_medusa(heads: MedusaHeads, directory: str | os.PathLike, extra_config: dict | None = None) -> Path:
+def save_medusa(
+    heads: MedusaHeads,
+    directory: str | os.PathLike,
+    extra_config: dict | None = None,
+    write_pickle: bool = False,
+) -> Path:
     """Write the FasterDecoding layout (``config.json`` + ``medusa_lm_head.safetensors``).
 
     Args:
         heads: the heads to write (any dtype; tensors are written as they are).
         directory: created if missing.
         extra_config: more config.json keys (training settings, backbone identity); the five layout
-            keys always come from ``heads``.
+            keys always come from ``heads``, and ``model_type``/``architectures`` are left out (TGI
+            reads an ``architectures`` key as "not Medusa" and a ``model_type`` as "not a heads-only
+            folder", see the module docstring).
+        write_pickle: also write ``medusa_lm_head.pt`` (the same tensors, ``torch.save`` of a dict),
+            the only file FasterDecoding's ``MedusaModel.from_pretrained`` opens. Loading a pickle can
+            run code, so this logs a warning; nothing in medusa_train reads it back.
     """
-    extra = {k: v for k, v in (extra_config or {}).items() if k not in MEDUSA_CONFIG_KEYS}
-    return heads.save_pretrained(directory, extra_config=extra)
+    dropped = set(MEDUSA_CONFIG_KEYS) | set(MEDUSA_FORBIDDEN_KEYS)
+    extra = {k: v for k, v in (extra_config or {}).items() if k not in dropped}
+    directory = heads.save_pretrained(directory, extra_config=extra)
+    if write_pickle:
+        state = {
+            name: t.detach().to("cpu").contiguous().clone() for name, t in heads.heads.state_dict().items()
+        }
+        atomic_write(directory / LEGACY_WEIGHTS_NAME, lambda p: torch.save(state, p))
+        log.warning(
+            "wrote %s for FasterDecoding's loader: it is a pickle, and loading a pickle can run code; "
+            "share it only with people who trust this run (TGI, vLLM and TensorRT-LLM read the "
+            "safetensors file)",
+            directory / LEGACY_WEIGHTS_NAME,
+        )
+    return directory
 
 
 def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     """Read the FasterDecoding layout, keeping the stored dtype.
 
-    Also reads FasterDecoding's published ``medusa_lm_head.pt`` (a state dict with the same names).
+    Reads ``medusa_lm_head.safetensors`` whenever it is there (so never the ``medusa_lm_head.pt`` that
+    ``write_pickle`` puts beside it); only a folder without it, such as FasterDecoding's published
+    checkpoints, is read from ``medusa_lm_head.pt``, with torch's restricted ``weights_only`` unpickler.
     Hidden and vocab sizes come from the weights (not every FasterDecoding config has them).
 
     Raises:
@@ -234,6 +287,133 @@ def load_heads(
 def read_heads_config(path: str | os.PathLike) -> dict:
     """The raw config.json of a heads directory (extra keys such as training settings included)."""
     return _read_config(Path(path))
+
+
+# -- base_model_name_or_path ----------------------------------------------------------------------
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def portable_base_model(name_or_path: str) -> str:
+    """``base_model_name_or_path`` as a consumer resolves it from any working directory.
+
+    A path that exists here becomes absolute (a relative one such as ``runs/default/backbone``
+    resolves only from the folder training ran in); a Hub id (``org/name``) stays as it is; an
+    absolute path that does not exist here is kept (another machine's path), with a warning.
+
+    Raises:
+        HeadsFormatError: a relative path that does not exist here and is no Hub id.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path.resolve())
+    if _HUB_ID.match(name_or_path):
+        return name_or_path
+    if path.is_absolute():
+        log.warning("base model %s does not exist on this machine; the export names it anyway", path)
+        return str(path)
+    raise HeadsFormatError(
+        f"base model '{name_or_path}' is neither a folder under {Path.cwd()} nor a Hub id: run from the "
+        "folder training ran in, or give the base model's Hub id or absolute path"
+    )
+
+
+def is_hub_id(name_or_path: str) -> bool:
+    """True for a Hub id as :func:`portable_base_model` leaves it (not an absolute path)."""
+    return not Path(name_or_path).is_absolute() and bool(_HUB_ID.match(name_or_path))
+
+
+# -- an exported backbone's config.json, for transformers 4.x consumers -------------------------------
+def legacy_config_keys(config: dict) -> dict:
+    """The config.json keys transformers 4.x reads that transformers 5 no longer writes.
+
+    transformers 5 keeps RoPE settings only in ``rope_parameters`` (``rope_theta`` and the scaling
+    type and factors together) and the weights' dtype under ``dtype``. A loader on transformers 4.x
+    (FasterDecoding's pinned 4.34, TensorRT-LLM's converter, older vLLM and TGI images) reads
+    ``rope_theta``, ``rope_scaling``, ``partial_rotary_factor`` and ``torch_dtype`` from the top level
+    and, when they are missing, takes its defaults (rope_theta 10000 where Llama-3 needs 500000, no
+    scaling, float32) without a word. Returns those keys, derived from the new ones; keys already at
+    the top level are kept as they are (an empty dict when there is nothing to add).
+
+    ``rope_scaling`` is ``rope_parameters`` without ``rope_theta`` (and without a
+    ``partial_rotary_factor``), or null for plain RoPE -- what 4.x LlamaConfig defaults to and what
+    transformers 5 reads back into the same ``rope_parameters``. Per-layer-type RoPE (nested
+    ``rope_parameters``, e.g. Gemma 3) maps to model-specific 4.x keys and is left alone, with a
+    warning.
+    """
+    out: dict = {}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and rope:
+        if "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values()):
+            log.warning(
+                "config.json has per-layer-type rope_parameters %s: transformers 4.x consumers need "
+                "model-specific keys for them, which are not written",
+                sorted(rope),
+            )
+        else:
+            if "rope_theta" in rope and "rope_theta" not in config:
+                out["rope_theta"] = rope["rope_theta"]
+            if "partial_rotary_factor" in rope and "partial_rotary_factor" not in config:
+                out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+            if "rope_scaling" not in config:
+                scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+                out["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    if config.get("dtype") is not None and "torch_dtype" not in config:
+        out["torch_dtype"] = config["dtype"]
+    return out
+
+
+def add_legacy_config_keys(directory: str | os.PathLike) -> dict:
+    """Add :func:`legacy_config_keys` to ``directory/config.json`` (atomically); returns the keys added.
+
+    transformers 5 reads the file back to the same config (``rope_parameters`` is rebuilt from
+    ``rope_scaling`` + ``rope_theta``, ``dtype`` wins over ``torch_dtype``).
+    """
+    path = Path(directory) / "config.json"  # the Hugging Face model config
+    config = json.loads(path.read_text())
+    added = legacy_config_keys(config)
+    if added:
+        atomic_write_json(path, {**config, **added})
+    return added
+
+
+def add_legacy_tokenizer_keys(directory: str | os.PathLike) -> list[str]:
+    """Make a tokenizer saved by transformers 5 readable by transformers 4.x; returns what changed.
+
+    - ``tokenizer_config.json``: ``tokenizer_class`` ``TokenizersBackend`` (transformers 5's name) becomes
+      ``PreTrainedTokenizerFast`` (the same class under its 4.x name, an alias in 5); ``chat_template``
+      is copied in from ``chat_template.jinja`` (4.x before ~4.50 reads it only from there).
+    - ``tokenizer.json``: BPE ``merges`` written by tokenizers >= 0.20 as pairs (``["a", "b"]``) go back
+      to the ``"a b"`` strings that tokenizers < 0.20 (the one transformers 4.34 pins) requires and
+      every later version reads too -- only when no merged piece contains a space (byte-level BPE
+      never does), since the string form cannot express that.
+
+    Each file is rewritten atomically; the tokens and ids are unchanged.
+    """
+    directory = Path(directory)
+    changed: list[str] = []
+    config_path, template_path = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        new = dict(config)
+        if new.get("tokenizer_class") == "TokenizersBackend":
+            new["tokenizer_class"] = "PreTrainedTokenizerFast"
+        if "chat_template" not in new and template_path.is_file():
+            new["chat_template"] = template_path.read_text()
+        if new != config:
+            atomic_write_json(config_path, new)
+            changed += [f"tokenizer_config.json:{key}" for key in new if new[key] != config.get(key)]
+    tokenizer_path = directory / "tokenizer.json"
+    if tokenizer_path.is_file():
+        tokenizer = json.loads(tokenizer_path.read_text())
+        merges = (tokenizer.get("model") or {}).get("merges")
+        if merges and all(isinstance(m, list) and len(m) == 2 and " " not in m[0] + m[1] for m in merges):
+            tokenizer["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+            atomic_write(
+                tokenizer_path,
+                lambda p: p.write_text(json.dumps(tokenizer, indent=2, ensure_ascii=False) + "\n"),
+            )
+            changed.append("tokenizer.json:merges")
+    return changed
 
 
 # -- helpers --------------------------------------------------------------------------------------

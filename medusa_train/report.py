@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 import transformers
 
-from medusa_train.formats import MEDUSA, MEDUSA_CONFIG_KEYS, VLLM, load_heads, read_heads_config
+from medusa_train.formats import (
+    LEGACY_WEIGHTS_NAME,
+    MEDUSA,
+    MEDUSA_CONFIG_KEYS,
+    VLLM,
+    is_hub_id,
+    load_heads,
+    read_heads_config,
+)
 from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import (
     CALIBRATION,
@@ -249,7 +257,9 @@ def write_model_card(
         manifest=read_json(wd.distill / MANIFEST),
         calibration=read_json(heads_dir / CALIBRATION) or read_json(export_dir / CALIBRATION),
         report=read_json(wd.eval / REPORT_JSON),
-        backbone=str(backbone) if backbone.is_dir() else None,
+        backbone=str(backbone.absolute()) if backbone.is_dir() else None,
+        export_dir=export_dir.absolute(),
+        pickle=(export_dir / MEDUSA / LEGACY_WEIGHTS_NAME).is_file(),
     )
     atomic_write_text(export_dir / MODEL_CARD, card)
 
@@ -265,10 +275,16 @@ def model_card(
     calibration: dict | None,
     report: dict | None,
     backbone: str | None = None,
+    export_dir: Path | None = None,
+    pickle: bool = False,
 ) -> str:
-    """The export's README.md: what the heads are, how they were made and measured, how to load them.
+    """The export's README.md: what the heads are, how they were made and measured, how to load them
+    with each engine, and the traps of those engines' loaders (docs/pipeline.md, "What each engine's
+    loader reads").
 
     ``backbone``: the exported Medusa-2 backbone (the base model to load with the heads), if any.
+    ``export_dir``: where the export lives (its final place), for the loading commands.
+    ``pickle``: the medusa layout has ``medusa_lm_head.pt`` (``export.write_pickle``).
     """
     base = (
         backbone
@@ -303,6 +319,24 @@ def model_card(
         lines.append(f"- `{base}`")
     if isinstance(identity, dict):
         lines += [f"{pad}- {key}: `{value}`" for key, value in identity.items()]
+    if base != "<base model>":  # what `base_model_name_or_path` is, so a reader knows if it travels
+        where = (
+            "a Hugging Face Hub id: every engine downloads it by that name"
+            if is_hub_id(base)
+            else "an absolute path on the machine that exported: serving elsewhere, copy that folder "
+            "along and point `base_model_name_or_path` in `medusa/config.json` (and the commands "
+            "below) at the copy"
+        )
+        lines += ["", f"`base_model_name_or_path` (in `medusa/config.json`) is {where}."]
+    if backbone:
+        lines += [
+            "",
+            "`backbone/config.json` also carries `rope_theta`, `rope_scaling` and `torch_dtype` (transformers 5 "
+            "keeps them only in `rope_parameters` and `dtype`), and its tokenizer files the names "
+            "transformers 4.x and tokenizers < 0.20 read, so consumers on transformers 4.x (FasterDecoding, "
+            "TensorRT-LLM's converter, older vLLM/TGI) load the same model instead of silently falling back "
+            "to rope_theta 10000.",
+        ]
     lines += ["", "## Data", ""]
     if manifest:  # the sections of distill/manifest.json a reader wants; all of it if none is there
         picked = {
@@ -312,9 +346,7 @@ def model_card(
     else:
         lines.append("- (no distill manifest found: heads trained elsewhere)")
     training = {
-        key: v
-        for key, v in heads_config.items()
-        if key not in MEDUSA_CONFIG_KEYS and key != "backbone"
+        key: v for key, v in heads_config.items() if key not in MEDUSA_CONFIG_KEYS and key != "backbone"
     }
     lines += ["", "## Training", ""]
     lines += _bullets(training) if training else ["- (no training settings recorded in config.json)"]
@@ -342,49 +374,108 @@ def model_card(
     else:
         lines.append("- tau / speed-up: run `python -m medusa_train stage=eval` (it updates this card)")
     lines += ["", f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`.", ""]
-    lines += _usage(base, k, formats)
+    lines += _usage(
+        base,
+        heads,
+        formats,
+        tree_size=tree_size,
+        export_dir=str(export_dir) if export_dir is not None else "export",
+        pickle=pickle,
+    )
     return "\n".join(lines) + "\n"
 
 
-def _usage(base: str, k: int, formats: list[str]) -> list[str]:
-    out = ["## Loading", ""]
+def _usage(
+    base: str, heads: MedusaHeads, formats: list[str], *, tree_size: int, export_dir: str, pickle: bool
+) -> list[str]:
+    """The "Loading" section: one snippet per engine, with the traps of that engine's loader."""
+    k, layers, ex = heads.num_heads, heads.num_layers, export_dir
+    out = ["## Loading", "", f"This export is `{ex}`; the base model is `{base}`.", ""]
     if VLLM in formats:
         out += [
-            "**vLLM** (`vllm/`; vLLM's Medusa proposer drafts the top-1 chain, the tree is not used):",
+            f"**vLLM** (`vllm/`). vLLM's Medusa proposer drafts the chain of each head's top-1 token; the tree "
+            f"is not used. `num_speculative_tokens` is the number of heads vLLM builds: at most {k} (more "
+            "fails to load: weights not initialized from the checkpoint).",
             "",
             "```python",
             "from vllm import LLM",
-            f'llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "export/vllm", "num_speculative_tokens": {k}}})',
+            f'llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "{ex}/vllm", "num_speculative_tokens": {k}}})',
             "```",
             "",
         ]
-    if MEDUSA in formats:
-        out += [
-            "**TGI** (`medusa/`; `base_model_name_or_path` in its config.json must name the base model TGI can load):",
-            "",
-            "```bash",
-            "text-generation-launcher --model-id export/medusa",
-            "```",
-            "",
-            "**TensorRT-LLM** (`medusa/`, see TensorRT-LLM's `examples/medusa`):",
-            "",
-            "```bash",
-            f"python convert_checkpoint.py --model_dir {base} --medusa_model_dir export/medusa --num_medusa_heads {k} --output_dir ckpt",
-            "trtllm-build --checkpoint_dir ckpt --speculative_decoding_mode medusa --output_dir engine",
-            'python ../run.py --engine_dir engine --medusa_choices="$(cat export/medusa_choices.json)" --temperature 1.0 ...',
-            "```",
-            "",
-            "**FasterDecoding Medusa** (`medusa/`):",
-            "",
-            "```python",
-            "from medusa.model.medusa_model import MedusaModel",
-            'model = MedusaModel.from_pretrained("export/medusa")  # loads the base model named in config.json',
-            "```",
-            "",
-            "**medusa_train** (either layout): `python -m medusa_train stage=eval eval.heads_dir=export/medusa`, or",
-            "`medusa_train.formats.load_heads(dir)` + `medusa_train.decoding.medusa_generate(model, heads, ids, tree=choices, ...)`.",
-            "",
-        ]
+    if MEDUSA not in formats:
+        return out
+    out += [
+        "**TGI** (`medusa/`). TGI sees `medusa_num_heads` in `medusa/config.json`, serves the model named by "
+        f"`base_model_name_or_path` and reads `medusa_lm_head.safetensors`; `--speculate` may be at most {k} "
+        "(the default). Do not add an `architectures` key to `medusa/config.json`: TGI then serves without "
+        "Medusa, without an error. The chat template comes from the model folder, which has none: pass the "
+        "base model's `tokenizer_config.json` (a local file) for `/v1/chat/completions`.",
+        "",
+        "```bash",
+        f"text-generation-launcher --model-id {ex}/medusa"
+        + ("" if is_hub_id(base) else f" --tokenizer-config-path {base}/tokenizer_config.json"),
+        "```",
+        "",
+        "**TensorRT-LLM** (`medusa/`, TensorRT-LLM's `examples/medusa`). Pass `--num_medusa_heads`: the "
+        "converter's default (4) wins over `medusa/config.json`; `--max_medusa_token_len` (default 63) "
+        f"must cover the tree's {tree_size} nodes."
+        + (" The converter reads `medusa_lm_head.pt` when it is there (the same tensors)." if pickle else ""),
+        "",
+        "```bash",
+        f"python convert_checkpoint.py --model_dir {base} --medusa_model_dir {ex}/medusa --num_medusa_heads {k} "
+        f"--max_medusa_token_len {max(63, tree_size)} --output_dir ckpt",
+        "trtllm-build --checkpoint_dir ckpt --speculative_decoding_mode medusa --output_dir engine",
+        f'python ../run.py --engine_dir engine --medusa_choices="$(cat {ex}/medusa_choices.json)" --temperature 1.0 ...',
+        "```",
+        "",
+        "**FasterDecoding Medusa** (`medusa/`). "
+        + (
+            "Its loader opens only `medusa_lm_head.pt`, which this export has (`export.write_pickle=true`): "
+            "it is a pickle, and loading a pickle can run code, so load only exports you trust."
+            if pickle
+            else "Its loader opens only `medusa_lm_head.pt`, which this export does not have: re-run "
+            "`python -m medusa_train stage=export export.write_pickle=true` (it writes that file, a pickle: "
+            "loading it can run code)."
+        )
+        + " Its traps:",
+        "",
+        "- it builds 5 heads whatever `medusa_num_heads` says and loads the weights non-strictly, without a word: "
+        + (
+            f"here {'head 5 stays' if k == 4 else f'heads {k + 1}..5 stay'} random. Always pass "
+            f"`medusa_choices` from `medusa_choices.json` (depth <= {k}); its default trees reach depth 5 "
+            "and would draft from a random head (greedy output is unchanged, fewer tokens are accepted)."
+            if k < 5
+            else f"here {'head 6 is' if k == 6 else f'heads 6..{k} are'} dropped; use trees of depth <= 5."
+            if k > 5
+            else "with 5 heads, as here, every head loads."
+        ),
+    ]
+    if layers > 1:
+        out.append(
+            f"- its heads repeat one residual block {layers} times (the last block's weights serve every "
+            "block), so these heads compute something else there: serve them with TGI, vLLM, TensorRT-LLM or "
+            "medusa_train instead."
+        )
+    out += [
+        "- it supports Llama and Mistral base models only.",
+        "",
+        "```python",
+        "import json",
+        "import torch",
+        "from medusa.model.medusa_model import MedusaModel",
+        "",
+        f'model = MedusaModel.from_pretrained("{ex}/medusa", torch_dtype=torch.float16, device_map="auto")',
+        f'choices = json.load(open("{ex}/medusa_choices.json"))',
+        'ids = model.get_tokenizer()(prompt, return_tensors="pt").input_ids.to(model.base_model.device)',
+        "for out in model.medusa_generate(ids, temperature=0.0, medusa_choices=choices):",
+        '    print(out["text"])',
+        "```",
+        "",
+        f"**medusa_train** (either layout): `python -m medusa_train stage=eval eval.heads_dir={ex}/medusa`, or",
+        "`medusa_train.formats.load_heads(dir)` + `medusa_train.decoding.medusa_generate(model, heads, ids, tree=choices, ...)`.",
+        "",
+    ]
     return out
 
 

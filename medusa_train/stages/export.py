@@ -11,6 +11,7 @@ Writes (into a staging folder, swapped into place, so a killed run never leaves 
       backbone/             training=medusa2 only: the trained backbone, LoRA merged (config.json,
                             *.safetensors, tokenizer); the heads' base_model_name_or_path names it
       medusa/               config.json + medusa_lm_head.safetensors  (FasterDecoding, TGI, TensorRT-LLM)
+                            + medusa_lm_head.pt with export.write_pickle=true (FasterDecoding's loader)
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
       calibration.json      per-head accuracy and tree table from stage=train (when present)
@@ -35,7 +36,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_train.backbone import DTYPES, backbone_for_heads, load_backbone_for_heads
 from medusa_train.decoding.tree import resolve_tree
@@ -45,7 +46,10 @@ from medusa_train.formats import (
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
     VLLM,
+    add_legacy_config_keys,
+    add_legacy_tokenizer_keys,
     load_heads,
+    portable_base_model,
     read_heads_config,
     save_medusa,
     save_vllm,
@@ -111,8 +115,15 @@ def run(cfg) -> dict:
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
     shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card
     if backbone_for_heads(cfg.model, heads_dir) is not None:
-        shipped = wd.export / TRAINED_BACKBONE
+        shipped = (wd.export / TRAINED_BACKBONE).absolute()
         heads.base_model_name_or_path = str(shipped)
+    else:  # a Hub id stays one; a local path becomes absolute, so consumers resolve it from anywhere
+        try:
+            heads.base_model_name_or_path = portable_base_model(
+                heads.base_model_name_or_path or cfg.model.name_or_path
+            )
+        except HeadsFormatError as err:
+            raise UserError(f"cannot export: {err}") from None
 
     wd.root.mkdir(parents=True, exist_ok=True)
     remove_stale(wd.export)
@@ -124,7 +135,7 @@ def run(cfg) -> dict:
             identical[TRAINED_BACKBONE] = _export_backbone(cfg, heads_dir, tmp / TRAINED_BACKBONE)
         for fmt in cfg.export.formats:
             if fmt == MEDUSA:
-                save_medusa(heads, tmp / MEDUSA, extra_config=extra)
+                save_medusa(heads, tmp / MEDUSA, extra_config=extra, write_pickle=cfg.export.write_pickle)
             else:
                 save_vllm(heads, tmp / VLLM)
             identical[fmt] = roundtrip_identical(heads, tmp / fmt)
@@ -150,6 +161,8 @@ def run(cfg) -> dict:
             calibration=read_json(heads_dir / CALIBRATION),
             report=read_json(wd.eval / REPORT_JSON),
             backbone=str(shipped) if shipped is not None else None,
+            export_dir=wd.export.absolute(),
+            pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
         )
         atomic_write_text(tmp / MODEL_CARD, card)
 
@@ -198,10 +211,14 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
     """Write the trained Medusa-2 backbone as a plain Hugging Face model (LoRA merged) + tokenizer.
 
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
-    ``export.dtype`` unless auto, saved, then loaded back. Only one copy of the model is held at a time.
+    ``export.dtype`` unless auto, saved, then loaded back. config.json and the tokenizer files also
+    carry what transformers 4.x consumers read (:func:`~medusa_train.formats.add_legacy_config_keys`,
+    :func:`~medusa_train.formats.add_legacy_tokenizer_keys`). Only one copy of the model is held at a
+    time.
 
     Returns:
-        True when the written model's logits on fixed tokens equal the in-memory model's bit for bit.
+        True when the written model's logits on fixed tokens equal the in-memory model's bit for bit
+        and the written tokenizer encodes a sample text as the in-memory one does.
     """
     model, tokenizer, source, _ = load_backbone_for_heads(cfg.model, heads_dir, quantize=False)
     log.info("export: backbone %s (trained with the heads: training=medusa2)", source)
@@ -215,6 +232,17 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
         expected = model(input_ids=ids.to(device)).logits  # (1, 8, V)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    # transformers 4.x consumers read rope_theta/rope_scaling/torch_dtype at the top level and cannot
+    # read transformers 5's tokenizer class name or tokenizers >= 0.20's merges; the reloads below
+    # (transformers 5) must still give the same logits and token ids with those files adapted.
+    added = add_legacy_config_keys(directory)
+    changed = add_legacy_tokenizer_keys(directory)
+    log.info("export: backbone files adapted for transformers 4.x consumers: %s", sorted(added) + changed)
+    sample = "Medusa heads draft tokens; the backbone verifies them."
+    reloaded = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)
+    if reloaded(sample).input_ids != tokenizer(sample).input_ids:
+        log.error("the tokenizer written to %s encodes differently", directory)
+        return False
     del model
     gc.collect()
     back = AutoModelForCausalLM.from_pretrained(

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from medusa_train.errors import UserError
-from medusa_train.formats import VLLM_WEIGHTS_NAME, detect_layout, load_heads
+from medusa_train.formats import LEGACY_WEIGHTS_NAME, VLLM_WEIGHTS_NAME, detect_layout, load_heads
 from medusa_train.heads import MedusaHeads
+from medusa_train.report import write_model_card
 from medusa_train.stages import export
+from medusa_train.workdir import HEADS_WEIGHTS, Workdir
 from tests.helpers.tiny_workdir import CHOICES, NUM_HEADS, make_workdir, tiny_cfg
 
 
@@ -45,6 +48,42 @@ def test_export_writes_both_layouts_with_identical_logits(workdir: Path) -> None
     assert "| 1 | t+2 | 0.800 | 0.950 |" in card  # head accuracy from calibration.json
     assert "speculative_config" in card and "text-generation-launcher" in card and "trtllm-build" in card
     assert not [p for p in workdir.iterdir() if p.name.startswith(".export")]  # no temp folder left
+    assert not (out / "medusa" / LEGACY_WEIGHTS_NAME).exists()  # the pickle only on request
+    assert "export.write_pickle=true" in card  # ... and the card says how to ask for it
+
+
+def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A relative base (as stage=train records `model.name_or_path`) becomes absolute, so TGI and
+    FasterDecoding find it from any folder; export.write_pickle=true adds FasterDecoding's file."""
+    root = make_workdir(tmp_path / "run")
+    config_path = root / "heads" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "run/backbone"}))
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="medusa_train.formats"):
+        export.run(tiny_cfg(Path("run"), "stage=export", "export.write_pickle=true"))
+    medusa = root / "export" / "medusa"
+    assert json.loads((medusa / "config.json").read_text())["base_model_name_or_path"] == str(
+        root / "backbone"
+    )
+    assert (medusa / LEGACY_WEIGHTS_NAME).is_file() and "pickle" in caplog.text
+    pickled = torch.load(medusa / LEGACY_WEIGHTS_NAME, weights_only=True)
+    assert pickled.keys() == load_file(str(medusa / HEADS_WEIGHTS)).keys()
+    card = (root / "export" / "README.md").read_text()
+    assert "is an absolute path on the machine that exported" in card
+    assert f"--model-id {root / 'export' / 'medusa'} --tokenizer-config-path {root / 'backbone'}/" in card
+    assert f"--num_medusa_heads {NUM_HEADS} " in card and "which this export has" in card
+    assert f"heads {NUM_HEADS + 1}..5 stay random" in card and f"depth <= {NUM_HEADS}" in card
+    # stage=eval's rewrite of the card (no eval report yet) says the same
+    write_model_card(
+        root / "export", heads_dir=root / "heads", wd=Workdir(root), tree_name="calibrated", tree_size=5
+    )
+    assert (root / "export" / "README.md").read_text() == card
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "elsewhere/run/backbone"}))
+    with pytest.raises(UserError, match="neither a folder"):
+        export.run(tiny_cfg(Path("run"), "stage=export"))
 
 
 def test_export_again_replaces_atomically_and_casts(workdir: Path) -> None:

@@ -160,6 +160,12 @@ def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run
     original_lm, _ = _logits(_original(run), run.module.heads, ids)
     assert (original_lm - want_lm).abs().max() > 1e-2  # training changed the backbone
     assert not (out / "backbone" / "adapter_config.json").exists()  # a plain model, LoRA merged
+    # transformers 4.x consumers read RoPE and dtype from top-level keys (tests/unit/test_formats.py)
+    written = json.loads((out / "backbone" / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"]
+    assert "rope_scaling" in written and written["torch_dtype"] == written["dtype"]
+    tokenizer_config = json.loads((out / "backbone" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # a name transformers 4.x knows
     # Serving engines load the base named in medusa/config.json; the card names the same folder.
     config = json.loads((out / "medusa" / "config.json").read_text())
     assert config["base_model_name_or_path"] == str(out / "backbone")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,13 @@ from safetensors.torch import load_file, save_file
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
+    MEDUSA_FORBIDDEN_KEYS,
     VLLM,
     VLLM_WEIGHTS_NAME,
     detect_layout,
+    is_hub_id,
     load_heads,
+    portable_base_model,
     save_medusa,
     save_vllm,
     vllm_config,
@@ -171,3 +175,342 @@ def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
         (damaged / weights).write_bytes((damaged / weights).read_bytes()[:100])  # cut short
         with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights}"):
             load_heads(damaged)
+
+
+# -- what each consumer's loader reads (docs/pipeline.md, "What each engine's loader reads") -------------
+# Written from reading the loaders (no engine is installed here); the sources and commits are cited in
+# docs/pipeline.md. A change to our layout that breaks one of these breaks that engine.
+#   TGI      server/text_generation_server/models/__init__.py, layers/speculative.py, layers/medusa.py
+#   FD       medusa/model/medusa_model.py (MedusaConfig, MedusaModelABC.from_pretrained)
+#   TRT-LLM  examples/medusa/convert_checkpoint.py, tensorrt_llm/models/medusa/weight.py
+#   vLLM     vllm/transformers_utils/configs/medusa.py, vllm/model_executor/models/medusa.py
+MEDUSA_FILES_READ = {
+    "tgi": {HEADS_CONFIG, HEADS_WEIGHTS},
+    "fasterdecoding": {HEADS_CONFIG, LEGACY_WEIGHTS_NAME},  # its head-only path opens nothing else
+    "tensorrt_llm": {HEADS_CONFIG, HEADS_WEIGHTS},  # medusa_lm_head.pt instead when that exists
+}
+MEDUSA_KEYS_READ = {
+    "tgi": {"medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"},
+    "fasterdecoding": {"medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"},
+    "tensorrt_llm": {"medusa_num_heads", "medusa_num_layers"},
+}
+VLLM_KEYS_READ = {
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "vocab_size",
+    "num_heads",
+    "num_hidden_layers",
+}
+VLLM_KEYS_READ |= {"truncated_vocab_size", "medusa_fc_bias"}
+
+
+def _medusa_names(num_heads: int, num_layers: int) -> set[str]:
+    """``{h}.{l}.linear.weight|bias`` (l < L) and ``{h}.{L}.weight``: TGI's MedusaHeadV1 prefixes,
+    TensorRT-LLM's ``load_medusa_hf`` keys and FasterDecoding's ``medusa_head`` state-dict names."""
+    names = {
+        f"{h}.{j}.linear.{p}" for h in range(num_heads) for j in range(num_layers) for p in ("weight", "bias")
+    }
+    return names | {f"{h}.{num_layers}.weight" for h in range(num_heads)}
+
+
+def test_medusa_layout_has_every_file_and_key_tgi_and_tensorrt_llm_read(tmp_path: Path) -> None:
+    heads = _random_heads()
+    save_medusa(heads, tmp_path, extra_config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    files = {p.name for p in tmp_path.iterdir()}
+    assert MEDUSA_FILES_READ["tgi"] <= files and MEDUSA_FILES_READ["tensorrt_llm"] <= files
+    assert LEGACY_WEIGHTS_NAME not in files  # no pickle unless asked for
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
+    assert MEDUSA_KEYS_READ["tgi"] | MEDUSA_KEYS_READ["tensorrt_llm"] <= set(config)
+    # TGI: an `architectures` key sends the folder down the non-Medusa speculator path (Medusa silently
+    # off); a `model_type` stops its router from taking the tokenizer from base_model_name_or_path.
+    assert not set(MEDUSA_FORBIDDEN_KEYS) & set(config)
+    # TGI (MedusaHeadV1 for i < medusa_num_heads, blocks for l < medusa_num_layers) and TensorRT-LLM
+    # index the safetensors file by these names; a missing one makes TGI fall back to MedusaHeadV2,
+    # which ignores the heads' own vocab projections.
+    names = set(load_file(str(tmp_path / HEADS_WEIGHTS)))
+    assert names == _medusa_names(config["medusa_num_heads"], config["medusa_num_layers"])
+
+
+def _fasterdecoding_head_only_load(
+    directory: Path, hidden_size: int, vocab_size: int
+) -> tuple[torch.nn.Module, list]:
+    """FasterDecoding's head-only path (``MedusaModelABC.from_pretrained``'s fallback), as that code reads
+    the folder: ``MedusaConfig`` keys with their defaults, heads built for 5 whatever the config says,
+    ``medusa_num_layers`` copies of ONE ResBlock (list multiplication), then a non-strict load of
+    ``medusa_lm_head.pt``. Returns the heads and the missing keys it would ignore."""
+    config = json.loads((directory / HEADS_CONFIG).read_text())
+    num_layers = config.get("medusa_num_layers", 1)
+    assert config.get("base_model_name_or_path", "lmsys/vicuna-7b-v1.3")  # it loads the base model from there
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(hidden_size, hidden_size)
+            self.act = torch.nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.act(self.linear(x))
+
+    heads = torch.nn.ModuleList(
+        [
+            torch.nn.Sequential(
+                *([Block()] * num_layers), torch.nn.Linear(hidden_size, vocab_size, bias=False)
+            )
+            for _ in range(5)  # base_model_config.medusa_num_heads = 5, whatever the file says
+        ]
+    )
+    state = torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    assert not unexpected or len(heads) < config["medusa_num_heads"]
+    return heads, missing
+
+
+@pytest.mark.parametrize("num_heads", [5, 4])
+def test_write_pickle_gives_fasterdecoding_its_file_with_the_same_tensors(
+    tmp_path: Path, num_heads: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    heads = MedusaHeads(D, V, num_heads, 1, base_model_name_or_path="tiny/base")
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    with caplog.at_level("WARNING", logger="medusa_train.formats"):
+        save_medusa(heads, tmp_path, write_pickle=True)
+    assert "pickle" in caplog.text and "run code" in caplog.text
+    assert MEDUSA_FILES_READ["fasterdecoding"] <= {p.name for p in tmp_path.iterdir()}
+    pickled = torch.load(tmp_path / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+    stored = load_file(str(tmp_path / HEADS_WEIGHTS))
+    assert set(pickled) == set(stored) == _medusa_names(num_heads, 1)
+    assert all(torch.equal(pickled[k], stored[k]) for k in stored)
+
+    fd_heads, missing = _fasterdecoding_head_only_load(tmp_path, D, V)
+    hidden = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = torch.stack([fd_heads[k](hidden) for k in range(num_heads)])  # (K, 2, 5, V)
+    assert torch.equal(theirs, _logits(heads))  # every head we trained loads and computes the same
+    # The trap the model card warns about: with fewer than 5 heads, head 5 stays random, silently.
+    assert sorted(missing) == sorted(_medusa_names(5, 1) - _medusa_names(num_heads, 1))
+
+
+def test_fasterdecoding_shares_one_block_across_layers(tmp_path: Path) -> None:
+    """With medusa_num_layers > 1 FasterDecoding's heads hold one ResBlock L times: the last layer's
+    weights overwrite the others, so its logits differ from ours (the model card says so)."""
+    heads = _random_heads(num_layers=2)
+    save_medusa(heads, tmp_path, write_pickle=True)
+    fd_heads, _ = _fasterdecoding_head_only_load(tmp_path, D, V)
+    hidden = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = torch.stack([fd_heads[k](hidden) for k in range(K)])
+    assert not torch.allclose(theirs, _logits(heads))
+
+
+def test_our_loaders_never_read_the_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    heads = _random_heads()
+    save_medusa(heads, tmp_path, write_pickle=True)
+    torch.save({"0.0.linear.weight": torch.zeros(1)}, tmp_path / LEGACY_WEIGHTS_NAME)  # a different pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called: medusa_train read the pickle")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    assert detect_layout(tmp_path) == MEDUSA
+    assert torch.equal(_logits(load_heads(tmp_path)), _logits(heads))
+
+
+def test_vllm_config_survives_vllm_medusa_config_renaming(tmp_path: Path) -> None:
+    """vLLM's ``MedusaConfig.from_pretrained`` renames every key holding "num" and "heads" to
+    ``num_heads`` ("num" and "layers" to ``num_hidden_layers``); ``model_type: medusa`` selects the
+    Medusa method, ``architectures: [MedusaModel]`` the model class."""
+    heads = _random_heads()
+    save_vllm(heads, tmp_path)
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
+    assert VLLM_KEYS_READ <= set(config)
+    renamed = dict(config)
+    for key in list(renamed):
+        if "num" in key and "heads" in key:
+            renamed["num_heads"] = renamed.pop(key)
+        elif "num" in key and "layers" in key:
+            renamed["num_hidden_layers"] = renamed.pop(key)
+    assert renamed == config and (config["num_heads"], config["num_hidden_layers"]) == (K, L)
+    assert config["model_type"] == "medusa" and config["architectures"][0] == "MedusaModel"
+    # vLLM builds Linear(bias=medusa_fc_bias) and ParallelLMHead(truncated_vocab_size, hidden_size).
+    tensors = load_file(str(tmp_path / VLLM_WEIGHTS_NAME))
+    assert config["medusa_fc_bias"] is True and "blocks.0.layers.0.bias" in tensors
+    assert tensors["lm_heads.0.weight"].shape == (config["truncated_vocab_size"], config["hidden_size"])
+
+
+def test_portable_base_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "runs" / "default" / "backbone").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert portable_base_model("runs/default/backbone") == str(tmp_path / "runs" / "default" / "backbone")
+    assert portable_base_model("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert is_hub_id("meta-llama/Llama-3.1-8B") and not is_hub_id(str(tmp_path))
+    assert portable_base_model("/nowhere/llama") == "/nowhere/llama"  # another machine's path
+    with pytest.raises(HeadsFormatError, match="neither a folder"):
+        portable_base_model("runs/other/backbone")
+
+
+# -- an exported backbone's config.json read by a transformers 4.x consumer ---------------------------
+# The keys and defaults of transformers 4.x (4.45/4.46) LlamaConfig, Qwen2Config and MistralConfig
+# __init__, and PretrainedConfig's `torch_dtype` kwarg, as their source reads them. Only what changes
+# the math is listed.
+_V4_DEFAULTS = {
+    "llama": {
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    "mistral": {
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def _read_like_transformers_4(config: dict) -> dict:
+    """The values a transformers 4.x consumer takes from ``config`` (the exported config.json)."""
+    defaults = _V4_DEFAULTS[config["model_type"]]
+    out = {key: config.get(key, default) for key, default in defaults.items()}
+    out["hidden_size"], out["num_attention_heads"] = config["hidden_size"], config["num_attention_heads"]
+    out["num_key_value_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+    out["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    out["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6)
+    out["torch_dtype"] = config.get(
+        "torch_dtype"
+    )  # PretrainedConfig.__init__: kwargs.pop("torch_dtype", None)
+    if out["rope_scaling"] is not None and "type" in out["rope_scaling"]:  # 4.x LlamaConfig's BC step
+        out["rope_scaling"]["rope_type"] = out["rope_scaling"]["type"]
+    return out
+
+
+def _inv_freq_like_transformers_4(v4: dict) -> torch.Tensor:
+    """RoPE inverse frequencies from the 4.x values: default RoPE, and the 'llama3' rule of 4.x's
+    ``_compute_llama3_parameters``."""
+    dim = v4["head_dim"]
+    inv_freq = 1.0 / (v4["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = v4["rope_scaling"]
+    if scaling is None:
+        return inv_freq
+    assert scaling["rope_type"] == "llama3"
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs"),
+    [
+        (
+            "llama",
+            {"rope_parameters": {"rope_theta": 500000.0, **_LLAMA3_SCALING}, "max_position_embeddings": 256},
+        ),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}),
+        (
+            "qwen2",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": True},
+        ),
+        ("mistral", {}),
+    ],
+)
+def test_backbone_config_reads_the_same_in_transformers_4(
+    tmp_path: Path, model_type: str, kwargs: dict
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_train.formats import add_legacy_config_keys
+
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, num_key_value_heads=2, **sizes, **kwargs)
+    ).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / HEADS_CONFIG).read_text())
+    rope = model.config.rope_parameters
+    if rope["rope_theta"] != _V4_DEFAULTS[model_type]["rope_theta"]:  # the bug: 4.x falls back to 10000
+        assert _read_like_transformers_4(written)["rope_theta"] != rope["rope_theta"]
+
+    add_legacy_config_keys(tmp_path)
+    v4 = _read_like_transformers_4(json.loads((tmp_path / HEADS_CONFIG).read_text()))
+    assert v4["rope_theta"] == rope["rope_theta"]
+    expected_scaling = (
+        None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    )
+    assert v4["rope_scaling"] == expected_scaling
+    assert v4["torch_dtype"] == "bfloat16"
+    tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert v4["tie_word_embeddings"] == tied
+    assert v4["max_position_embeddings"] == model.config.max_position_embeddings
+    assert (v4["num_key_value_heads"], v4["head_dim"]) == (2, 8)
+    assert v4["rms_norm_eps"] == model.config.rms_norm_eps
+    # The RoPE a 4.x consumer computes from those values is the one our model runs.
+    ours = type(model.model.rotary_emb)(model.config).inv_freq  # float32, from the in-memory config
+    assert torch.allclose(_inv_freq_like_transformers_4(v4), ours, rtol=1e-6, atol=0)
+
+    # transformers 5 reads the file with the added keys back to the same config and the same logits.
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert back.config.rope_parameters == rope
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)  # (1, 6, V)
+
+
+def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
+    tmp_path: Path, tiny_backbone_dir: Path
+) -> None:
+    """transformers 4.x resolves ``tokenizer_class`` by its 4.x names (``TokenizersBackend`` is
+    unknown there), reads ``chat_template`` from tokenizer_config.json, and tokenizers < 0.20 reads
+    BPE merges only as "a b" strings."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from medusa_train.formats import add_legacy_tokenizer_keys
+
+    shutil.copytree(tiny_backbone_dir, tmp_path, dirs_exist_ok=True)
+    before = AutoTokenizer.from_pretrained(tmp_path)
+    assert (
+        json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    )
+    changed = add_legacy_tokenizer_keys(tmp_path)
+    assert "tokenizer.json:merges" in changed
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["chat_template"] == (tmp_path / "chat_template.jinja").read_text()
+    merges = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+
+    after = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "the heads draft"}, {"role": "assistant", "content": "ok!"}]
+    for text in ("Medusa heads draft tokens; the backbone verifies them.", " spaces  and\nlines ?!"):
+        assert after(text).input_ids == before(text).input_ids
+    assert after.apply_chat_template(messages, tokenize=False) == before.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert after.get_vocab() == before.get_vocab() and add_legacy_tokenizer_keys(tmp_path) == []
