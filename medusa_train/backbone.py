@@ -36,7 +36,7 @@ from transformers.utils import CONFIG_NAME, cached_file
 from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
 from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import PRETRAIN, TRAINED_BACKBONE, refuse_old_layout
+from medusa_train.workdir import HEADS, PRETRAIN, TRAINED_BACKBONE, refuse_old_layout, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ def resolve_device(spec: str = "auto") -> torch.device:
 def check_backbone_source(name_or_path: str) -> None:
     """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
+    if not path.exists() and path.parent.is_dir():
+        remove_stale(path)  # workdir/pretrain left aside by a run killed while publishing it comes back
     if path.exists():
         if not (path / CONFIG_NAME).is_file():
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -137,6 +139,8 @@ def load_backbone(
 
 
 def _repair_backbone(name_or_path: str) -> str:
+    if Path(name_or_path).parent.name == HEADS:  # Medusa-2's trained backbone ships with the heads
+        return "run `python -m medusa_train stage=train training.overwrite=true` to train it again"
     if Path(name_or_path).name == PRETRAIN:
         return "run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain it again"
     return "copy or download the checkpoint again"

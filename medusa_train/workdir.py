@@ -119,7 +119,12 @@ def refuse_old_layout(model_dir: Path) -> None:
 
 
 def require(path: Path, what: str, stage: str) -> Path:
-    """Fail with a message naming the stage to run first when ``path`` does not exist."""
+    """Fail with a message naming the stage to run first when ``path`` does not exist.
+
+    Leftovers of a run killed while publishing ``path`` are resolved first (:func:`remove_stale`:
+    a folder a kill left aside is put back).
+    """
+    remove_stale(path)
     if not path.exists():
         raise UserError(
             f"{what} not found at {path}: run `python -m medusa_train stage={stage}` first (same workdir=)"

@@ -93,6 +93,7 @@ def run(cfg) -> dict:
     bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
     refuse_old_layout(out_dir)
+    remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
     if is_complete(out_dir) and not bc.overwrite:
         report = read_json(
             out_dir / PRETRAIN_REPORT,

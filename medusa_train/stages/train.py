@@ -139,6 +139,8 @@ def run(cfg) -> dict:
     # 3. Skip finished heads, or re-run only their calibration.
     key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
     accepted = [key, run_key(cfg, identity, manifest, legacy=True)]  # heads trained before issue 12 too
+    if dist.is_main():
+        remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
     done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)

@@ -179,6 +179,23 @@ def test_moved_workdir_resumes_then_skips_then_exports(tmp_path, monkeypatch) ->
     config = json.loads((tmp_path / "c" / "export" / "medusa" / "config.json").read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "c" / "backbone").resolve())
     assert oct((tmp_path / "c" / "export").stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    # Killed while publishing recalibrated heads: the next run finds the old heads and recalibrates.
+    heads = tmp_path / "c" / "heads"
+    weights = (heads / "medusa_lm_head.safetensors").read_bytes()
+    real = os.replace
+
+    def killed(src, dst):
+        if Path(src).name.startswith(".heads.tmp-"):
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(workdir_mod.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_run(train_cfg(tmp_path / "c", "tree.max_nodes=3"))
+    monkeypatch.setattr(workdir_mod.os, "replace", real)
+    again = train_run(train_cfg(tmp_path / "c", "tree.max_nodes=3"))
+    assert again["recalibrated"] and (heads / "medusa_lm_head.safetensors").read_bytes() == weights
+    _no_dot_leftovers(tmp_path / "c")
 
 
 def _umask() -> int:
