@@ -29,13 +29,14 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import CONFIG_NAME, cached_file
 
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
 from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import TRAINED_BACKBONE, refuse_old_layout
+from medusa_train.workdir import HEADS, PRETRAIN, TRAINED_BACKBONE, refuse_old_layout, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def resolve_device(spec: str = "auto") -> torch.device:
 def check_backbone_source(name_or_path: str) -> None:
     """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
+    if not path.exists() and path.parent.is_dir():
+        remove_stale(path)  # workdir/pretrain left aside by a run killed while publishing it comes back
     if path.exists():
         if not (path / CONFIG_NAME).is_file():
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -121,6 +124,10 @@ def load_backbone(
     except OSError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+    except SafetensorError as err:  # a truncated or damaged weights file
+        raise DamagedArtefactError(
+            f"the weights of backbone {name_or_path!r} are damaged ({err}): {_repair_backbone(name_or_path)}"
+        ) from None
     if quantization == "none":
         model.to(device)
     if not trainable:
@@ -129,6 +136,14 @@ def load_backbone(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _repair_backbone(name_or_path: str) -> str:
+    if Path(name_or_path).parent.name == HEADS:  # Medusa-2's trained backbone ships with the heads
+        return "run `python -m medusa_train stage=train training.overwrite=true` to train it again"
+    if Path(name_or_path).name == PRETRAIN:
+        return "run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain it again"
+    return "copy or download the checkpoint again"
 
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -182,6 +197,21 @@ def checkpoint_fingerprint(name_or_path: str, revision: str | None = None) -> st
     """The files part of :func:`backbone_identity` without loading the model; None if no local files."""
     source = _checkpoint_dir(name_or_path, revision)
     return _files_fingerprint(source) if source is not None else None
+
+
+def local_fingerprint(name_or_path: str) -> str | None:
+    """The files fingerprint of a local checkpoint directory (cheap, no load, no network); None for
+    anything else (a Hub id). The content stands in for the path: a moved or copied model is the same."""
+    path = Path(name_or_path).expanduser()
+    return _files_fingerprint(path) if path.is_dir() else None
+
+
+def identity_content(identity: dict | None) -> dict | None:
+    """A :func:`backbone_identity` as compared between runs: without ``name_or_path`` when a
+    fingerprint says what the weights are (so a moved or copied backbone is the same backbone)."""
+    if not isinstance(identity, dict) or not identity.get("fingerprint"):
+        return identity
+    return {k: v for k, v in identity.items() if k != "name_or_path"}
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -297,6 +327,21 @@ def _is_base(model_cfg, base: dict) -> bool:
         return True
     found = checkpoint_fingerprint(model_cfg.name_or_path, model_cfg.revision)
     return found is not None and found == base.get("fingerprint")
+
+
+def base_model_here(model_cfg, heads_dir: Path, recorded: str | None) -> str:
+    """The heads' base model as a path valid here: ``recorded`` (their ``base_model_name_or_path``),
+    unless it is a local path that no longer exists (the workdir was moved, copied or renamed) and
+    ``model.name_or_path`` holds the same checkpoint (by fingerprint): then ``model.name_or_path``.
+    Without a recorded name, ``model.name_or_path``."""
+    if not recorded:
+        return model_cfg.name_or_path
+    if recorded == model_cfg.name_or_path or Path(recorded).expanduser().exists():
+        return recorded
+    base = recorded_base(heads_dir)
+    if base is not None and base.get("fingerprint") and _is_base(model_cfg, base):
+        return model_cfg.name_or_path
+    return recorded
 
 
 def backbone_for_heads(model_cfg, heads_dir: Path) -> Path | None:

@@ -7,3 +7,8 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A configuration value is misspelt, has the wrong type, or contradicts another one."""
+
+
+class DamagedArtefactError(UserError):
+    """A file a stage reads (written by an earlier stage) is missing, truncated or of the wrong shape;
+    the message names the file and the command that writes it again."""

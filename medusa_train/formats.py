@@ -54,7 +54,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.heads import HeadsFormatError, MedusaHeads, safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,11 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     if (directory / HEADS_WEIGHTS).is_file():
         state = _load_safetensors(directory / HEADS_WEIGHTS)
     elif (directory / LEGACY_WEIGHTS_NAME).is_file():
-        state = dict(torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True))
+        try:
+            state = dict(torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True))
+        except Exception as err:  # unpickling refused (arbitrary objects), truncated, not a torch file
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise HeadsFormatError(f"cannot read {directory / LEGACY_WEIGHTS_NAME}: {first}") from None
     else:
         raise HeadsFormatError(f"{directory} has no {HEADS_WEIGHTS}")
     try:
@@ -419,9 +423,10 @@ def add_legacy_tokenizer_keys(directory: str | os.PathLike) -> list[str]:
 # -- helpers --------------------------------------------------------------------------------------
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file; a damaged file is a :class:`HeadsFormatError`."""
+    safetensors_shapes(path)  # truncated, foreign (a pickle) or damaged: one clear line
     try:
         return load_file(str(path))
-    except SafetensorError as err:
+    except (SafetensorError, OSError) as err:
         raise HeadsFormatError(f"cannot read {path}: {err}") from None
 
 
@@ -430,8 +435,8 @@ def _read_config(directory: Path) -> dict:
         config = json.loads((directory / HEADS_CONFIG).read_text())
     except FileNotFoundError:
         raise HeadsFormatError(f"{directory} has no {HEADS_CONFIG}") from None
-    except json.JSONDecodeError as err:
-        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, nesting too deep
+        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is damaged (not valid JSON: {err})") from None
     if not isinstance(config, dict):
         raise HeadsFormatError(f"{directory / HEADS_CONFIG} is not a JSON object")
     return config

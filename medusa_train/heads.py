@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -33,6 +34,52 @@ from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atom
 
 class HeadsFormatError(ValueError):
     """A heads directory is missing, incomplete or does not match the expected shapes."""
+
+
+def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from a safetensors file's header, checking that the file holds all the
+    bytes the header announces (a truncated or foreign file fails here without reading the data).
+
+    Raises:
+        HeadsFormatError: missing, unreadable, not safetensors (e.g. a pickle), or truncated.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size or n > 100 << 20:
+                raise HeadsFormatError(
+                    f"cannot read {path}: truncated, or not a safetensors file ({size} bytes)"
+                )
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise HeadsFormatError(f"cannot read {path}: it is missing") from None
+    except OSError as err:
+        raise HeadsFormatError(f"cannot read {path}: {err.strerror or err}") from None
+    except ValueError:  # the header is no JSON
+        raise HeadsFormatError(
+            f"cannot read {path}: truncated, or not a safetensors file (its header does not parse)"
+        ) from None
+    if not isinstance(header, dict):
+        raise HeadsFormatError(f"cannot read {path}: not a safetensors file (its header is not an object)")
+    shapes, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shapes[name] = tuple(int(d) for d in info["shape"])
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise HeadsFormatError(
+                f"cannot read {path}: damaged (tensor '{name}' has no valid shape/offsets)"
+            ) from None
+    if 8 + n + end != size:
+        raise HeadsFormatError(
+            f"cannot read {path}: truncated or damaged ({size} bytes, its header says {8 + n + end})"
+        )
+    return shapes
 
 
 class ResBlock(nn.Module):
@@ -187,13 +234,26 @@ class MedusaHeads(nn.Module):
             raise HeadsFormatError(
                 f"{directory} is not a Medusa heads directory (needs {HEADS_CONFIG} and {HEADS_WEIGHTS})"
             )
-        config = json.loads(config_path.read_text())
-        state = load_file(str(weights_path))
+        try:
+            config = json.loads(config_path.read_bytes())
+        except (ValueError, RecursionError):
+            raise HeadsFormatError(f"{config_path} is damaged (not valid JSON)") from None
+        if not isinstance(config, dict):
+            raise HeadsFormatError(f"{config_path} is damaged (not a JSON object)")
+        safetensors_shapes(weights_path)
+        try:
+            state = load_file(str(weights_path))
+        except SafetensorError as err:
+            raise HeadsFormatError(f"cannot read {weights_path}: {err}") from None
         try:
             num_heads = int(config["medusa_num_heads"])
             num_layers = int(config["medusa_num_layers"])
         except KeyError as err:
             raise HeadsFormatError(f"{config_path} lacks {err.args[0]}") from None
+        except (TypeError, ValueError):
+            raise HeadsFormatError(
+                f"{config_path} has a non-integer medusa_num_heads/medusa_num_layers"
+            ) from None
         # hidden/vocab sizes are not in every FasterDecoding config: read them off the weights.
         proj = state.get(f"0.{num_layers}.weight")
         if proj is None:
@@ -206,6 +266,13 @@ class MedusaHeads(nn.Module):
             num_layers=num_layers,
             base_model_name_or_path=config.get("base_model_name_or_path"),
         )
+        expected = heads.heads.state_dict()
+        for name, tensor in state.items():
+            if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+                raise HeadsFormatError(
+                    f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, its config implies "
+                    f"{tuple(expected[name].shape)}"
+                )
         missing, unexpected = heads.heads.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise HeadsFormatError(

@@ -30,6 +30,7 @@ JSON-able dict. Every dataclass field is part of the key unless the class lists 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 
 # -- folders of the workdir (one per stage) ----------------------------------------------------------
 PRETRAIN = "pretrain"
@@ -118,12 +119,76 @@ def refuse_old_layout(model_dir: Path) -> None:
 
 
 def require(path: Path, what: str, stage: str) -> Path:
-    """Fail with a message naming the stage to run first when ``path`` does not exist."""
+    """Fail with a message naming the stage to run first when ``path`` does not exist.
+
+    Leftovers of a run killed while publishing ``path`` are resolved first (:func:`remove_stale`:
+    a folder a kill left aside is put back).
+    """
+    remove_stale(path)
     if not path.exists():
         raise UserError(
             f"{what} not found at {path}: run `python -m medusa_train stage={stage}` first (same workdir=)"
         )
     return path
+
+
+def read_json(
+    path: str | os.PathLike, *, expect: type | tuple[type, ...] = dict, repair: str, keys=()
+) -> Any:
+    """Parse the JSON file ``path`` written by an earlier stage, checking its shape.
+
+    Args:
+        path: the file.
+        expect: the type(s) the top-level value must have (an object by default).
+        repair: what the user runs to write the file again (ends the error message).
+        keys: entries an object must hold.
+
+    Raises:
+        DamagedArtefactError: missing, unreadable, truncated or not of the expected shape; one line
+            naming the file and ``repair``.
+    """
+    path = Path(path)
+    try:
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise DamagedArtefactError(f"{path} is missing: {repair}") from None
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, nesting too deep
+        reason = (
+            f"{err.msg} at line {err.lineno}" if isinstance(err, json.JSONDecodeError) else type(err).__name__
+        )
+        raise DamagedArtefactError(f"{path} is damaged (not valid JSON: {reason}): {repair}") from None
+    except OSError as err:
+        raise DamagedArtefactError(f"{path} cannot be read ({err.strerror or err}): {repair}") from None
+    if not isinstance(value, expect):
+        want = " or ".join(
+            _JSON_NAMES.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,))
+        )
+        got = _JSON_NAMES.get(type(value), type(value).__name__)
+        raise DamagedArtefactError(f"{path} is damaged (a JSON {got} where {want} is expected): {repair}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise DamagedArtefactError(f"{path} is damaged (lacks {', '.join(map(repr, missing))}): {repair}")
+    return value
+
+
+_JSON_NAMES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # -- atomic files -----------------------------------------------------------------------------------
@@ -182,11 +247,13 @@ def publish_dir(tmp: Path, final: Path) -> Path:
 
     An existing ``final`` is renamed aside (``.<name>.old-<pid>``) first and deleted after the swap;
     a kill between the two renames leaves ``final`` missing and both versions on disk, which
-    :func:`remove_stale` cleans up on the next run (the stage then redoes its work).
+    :func:`remove_stale` resolves on the next run by putting the old version back. The published
+    folder gets ordinary permissions (0777 less the umask).
     """
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if old.exists():
         shutil.rmtree(old)
+    os.chmod(tmp, 0o777 & ~_umask())
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
@@ -198,16 +265,25 @@ def publish_dir(tmp: Path, final: Path) -> Path:
 def remove_stale(final: Path) -> list[Path]:
     """Delete the staging/old folders and temp files a killed run left beside ``final``.
 
-    Only leftovers of processes that no longer run are removed (a concurrent run's are kept).
+    A run killed between :func:`publish_dir`'s two renames left ``final`` missing and its previous
+    version aside: that version is put back (the new one may be incomplete and is deleted). Only
+    leftovers of processes that no longer run are touched (a concurrent run's are kept).
     """
     parent = final.parent
     removed: list[Path] = []
     if not parent.is_dir():
         return removed
+    stale = []
     for entry in parent.iterdir():
         match = _STALE.match(entry.name)
-        if not match or match["name"] != final.name or _alive(int(match["pid"])):
-            continue
+        if match and match["name"] == final.name and not _alive(int(match["pid"])):
+            stale.append(entry)
+    olds = [e for e in stale if e.is_dir() and ".old-" in e.name]
+    if olds and not final.exists():  # killed between publish_dir's two renames: the old version goes back
+        newest = max(olds, key=lambda e: e.stat().st_mtime_ns)
+        os.replace(newest, final)
+        stale.remove(newest)
+    for entry in stale:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
@@ -269,3 +345,33 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
             out += settings_diff(old.get(k), new.get(k), f"{prefix}{k}.")
         return out or [prefix.rstrip(".") or "<settings>"]
     return [prefix.rstrip(".") or "<settings>"]
+
+
+def describe_diff(old: Any, new: Any, limit: int = 4) -> str:
+    """The entries that differ between two keys as ``name (old -> new), ...``; never empty.
+
+    Values are shown short (a long one is cut), so a user can rerun with the old value to keep the
+    data made with it.
+    """
+    names = settings_diff(old, new) or ["<settings>"]
+    parts = []
+    for name in names[:limit]:
+        a, b = _lookup(old, name), _lookup(new, name)
+        parts.append(f"{name} ({_short(a)} -> {_short(b)})")
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(parts) + more
+
+
+def _lookup(key: Any, dotted: str) -> Any:
+    if dotted == "<settings>":
+        return key
+    for part in dotted.split("."):
+        if not isinstance(key, dict):
+            return None
+        key = key.get(part)
+    return key
+
+
+def _short(value: Any, width: int = 40) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -245,7 +245,7 @@ def load_choices(path: str | os.PathLike) -> list[list[int]]:
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, too deep
         raise TreeError(f"cannot read a tree from {path}: {err}") from None
     if isinstance(raw, dict) and "medusa_choices" in raw:
         raw = raw["medusa_choices"]
@@ -281,7 +281,13 @@ def resolve_tree(
                     f"no calibrated tree at {heads_dir / CHOICES}: run `python -m medusa_train stage=train` "
                     "first (it calibrates the tree), or choose tree=medusa63|chain|custom"
                 )
-            paths = load_choices(found[0])
+            try:
+                paths = load_choices(found[0])
+            except TreeError as err:  # a damaged file: stage=train writes it again
+                raise TreeError(
+                    f"{err} (run `python -m medusa_train stage=train` to calibrate again, or choose "
+                    "tree=medusa63|chain|custom)"
+                ) from None
         elif name == "medusa63":
             paths = [list(p) for p in MEDUSA_63]
         elif name == "chain":

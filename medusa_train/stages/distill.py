@@ -53,27 +53,44 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from medusa_train import dist
-from medusa_train.backbone import backbone_identity, check_backbone_source, load_configured_backbone
+from medusa_train.backbone import (
+    backbone_identity,
+    check_backbone_source,
+    load_configured_backbone,
+    local_fingerprint,
+)
 from medusa_train.config import Config
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import (
     FORMAT_VERSION,
+    REGENERATE,
+    comparable,
     complete_manifest,
     has_output,
     read_manifest,
     read_progress,
+    shard_entries,
     shard_path,
     start_run,
     total_counts,
+    verify_shards,
     write_manifest,
     write_shard,
 )
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
 from medusa_train.engines.inprocess import ContinuousBatcher
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.tracking import Tracker, start_tracking
-from medusa_train.workdir import Workdir, settings_diff, settings_key
+from medusa_train.workdir import (
+    MANIFEST,
+    PROGRESS,
+    Workdir,
+    describe_diff,
+    read_json,
+    settings_diff,
+    settings_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +157,17 @@ def run(cfg: Config) -> dict:
     tracker = Tracker(None)
     try:
         # 4. folder check / preparation on rank 0, decision shared with every rank
-        error = None
+        error, complete = None, None
         if dist.is_main():
             try:
-                _prepare_folder(out, settings, quick, num_shards, cfg.distill.overwrite)
+                complete = _prepare_folder(out, settings, quick, num_shards, cfg.distill.overwrite)
             except UserError as err:
                 error = str(err)
-        error = dist.broadcast(error)
+        error, complete = dist.broadcast((error, complete))
         if error:
             raise UserError(error)
+        if complete is not None:
+            return _figures(complete, generated_now=0, resumed=True)
 
         # 5. this rank's shards
         tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg))  # no-op off rank 0
@@ -223,9 +242,10 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
         records_hash=_records_hash(source.records),
     )
     backbone = {
-        "name_or_path": cfg.model.name_or_path,
+        "name_or_path": cfg.model.name_or_path,  # recorded; compared only for a Hub id (see comparable)
         "revision": cfg.model.revision,
-        "files": _backbone_files_signature(cfg.model.name_or_path),
+        "files": _backbone_files_signature(cfg.model.name_or_path),  # recorded, not compared
+        "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
     }
     return settings_key(
         backbone_source=backbone,
@@ -312,28 +332,70 @@ def _tokenizer_info(tokenizer, eos_ids: list[int]) -> dict:
 # 4: the folder
 
 
-def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool) -> None:
-    """Refuse to resume with other settings (unless overwrite), then record the settings."""
-    if out.exists() and any(out.iterdir()):
+def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool) -> dict | None:
+    """Refuse to resume with other settings (unless overwrite), then record the settings.
+
+    Settings are compared by content (:func:`~medusa_train.data.distilled.comparable`): a copied or
+    moved workdir or backbone is the same. A damaged ``progress.json`` falls back to the manifest's
+    settings.
+
+    Returns:
+        The manifest when the folder is already complete with these settings (nothing to do: the
+        quick check only missed it, e.g. a manifest of an older version), else None.
+    """
+    manifest = _readable_manifest(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
         progress = read_progress(out)
         previous = progress.get("settings") if isinstance(progress, dict) else None
-        if previous != settings and (previous is not None or has_output(out)):
-            what = _difference(previous, settings)
-            if not overwrite:
-                raise UserError(
-                    f"{out} holds distilled data made with other settings ({what}): pass distill.overwrite=true "
-                    "to discard it, or use another workdir="
-                )
-            log.warning("distill.overwrite=true: clearing %s (%s)", out, what)
+        if previous is None and manifest is not None:
+            previous = manifest.get("settings")
+        if (
+            manifest is not None
+            and comparable(manifest.get("settings")) == comparable(settings)
+            and manifest.get("num_shards") == num_shards
+            and not verify_shards(out, manifest)
+        ):
+            log.info("distill: %s is complete with these settings; nothing to do", out)
+            if comparable(manifest.get("quick_settings")) != comparable(quick):  # the next run skips early
+                write_manifest(out, {**manifest, "quick_settings": quick})
+            return manifest
+        if comparable(previous) != comparable(settings) and (previous is not None or has_output(out)):
+            raise UserError(
+                f"{out} holds distilled data made with other settings ({_difference(previous, settings)}): "
+                "run with the old values to keep and finish it, pass distill.overwrite=true to discard it, "
+                "or use another workdir="
+            )
+    elif overwrite and out.exists() and any(out.iterdir()):
+        progress = read_progress(out)
+        previous = progress.get("settings") if isinstance(progress, dict) else None
+        if comparable(previous) != comparable(settings) and (previous is not None or has_output(out)):
+            log.warning("distill.overwrite=true: clearing %s (%s)", out, _difference(previous, settings))
             shutil.rmtree(out)
-    start_run(out, {"settings": settings, "quick_settings": quick, "num_shards": num_shards})
+    removed = start_run(out, {"settings": settings, "quick_settings": quick, "num_shards": num_shards})
+    for path in removed:
+        log.warning("distill: %s was damaged: generating it again", path)
+    return None
+
+
+def _readable_manifest(out: Path) -> dict | None:
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        return read_json(out / MANIFEST, repair=REGENERATE)
+    except DamagedArtefactError as err:
+        log.warning("%s", err)
+        return None
 
 
 def _difference(previous: dict | None, current: dict) -> str:
+    """The differing settings, never empty (``a different backbone`` for the weights' fingerprint)."""
     if previous is None:
-        return "no readable progress.json"
-    labels = {"backbone_fingerprint": "a different backbone"}
-    return "differs in " + ", ".join(labels.get(k, k) for k in settings_diff(previous, current)[:4])
+        return f"no readable {PROGRESS} or {MANIFEST} says which"
+    old, new = comparable(previous), comparable(current)
+    text = describe_diff(old, new)
+    if "backbone_fingerprint" in settings_diff(old, new):
+        text = "a different backbone: " + text
+    return text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,6 +499,7 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
         "world_size": dist.world_size(),
         "num_shards": plan.num_shards,
+        "shards": shard_entries(plan.out, plan.num_shards),
         "shard_size": cfg.distill.shard_size,
         "settings": plan.settings,
         "quick_settings": plan.quick,

@@ -74,6 +74,7 @@ from medusa_train.workdir import (
     atomic_write_json,
     atomic_write_text,
     publish_dir,
+    read_json,
     remove_stale,
     require,
     staging_dir,
@@ -106,7 +107,7 @@ def run(cfg) -> dict:
     ecfg = cfg.eval
     # 1. Backbone, heads, tree.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
-    heads = _load_heads(heads_dir)
+    heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     tc = cfg.tree
     choices = resolve_tree(
         tc.name, heads_dir, heads.num_heads, chain_depth=tc.chain_depth, choices=tc.choices or ()
@@ -263,13 +264,17 @@ def run(cfg) -> dict:
 # inputs
 
 
-def _load_heads(heads_dir: Path):
+def _load_heads(heads_dir: Path, own: bool = False):
+    """The heads in ``heads_dir``; ``own``: the workdir's (a damaged folder is written again by stage=train)."""
     try:
         return load_heads(heads_dir)
     except HeadsFormatError as err:
-        raise UserError(
-            f"cannot load Medusa heads: {err} (set eval.heads_dir= to a heads directory)"
-        ) from None
+        fix = (
+            "run `python -m medusa_train stage=train training.overwrite=true` to write them again, or set eval.heads_dir="
+            if own and heads_dir.exists()
+            else "set eval.heads_dir= to a heads directory"
+        )
+        raise UserError(f"cannot load Medusa heads: {err} ({fix})") from None
 
 
 def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
@@ -419,7 +424,10 @@ def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[lis
     """
     for path in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION):
         if path.is_file():
-            topk = calibration_topk(json.loads(path.read_text()))
+            calibration = read_json(
+                path, repair="run `python -m medusa_train stage=train` (same settings) to calibrate again"
+            )
+            topk = calibration_topk(calibration)
             if topk:
                 return topk, str(path)
     if not (wd.distill / MANIFEST).is_file():

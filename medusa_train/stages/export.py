@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from medusa_train.backbone import DTYPES, backbone_for_heads, load_backbone_for_heads
+from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, load_backbone_for_heads
 from medusa_train.decoding.tree import resolve_tree
 from medusa_train.dist import is_main
 from medusa_train.errors import UserError
@@ -105,7 +105,7 @@ def run(cfg) -> dict:
             heads_dir if (heads_dir / HEADS_CONFIG).exists() else heads_dir / MEDUSA
         )
     except HeadsFormatError as err:
-        raise UserError(f"cannot export: {err}") from None
+        raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
     if cfg.export.dtype != "auto":
         heads = heads.to(DTYPES[cfg.export.dtype])
     tc = cfg.tree
@@ -120,7 +120,7 @@ def run(cfg) -> dict:
     else:  # a Hub id stays one; a local path becomes absolute, so consumers resolve it from anywhere
         try:
             heads.base_model_name_or_path = portable_base_model(
-                heads.base_model_name_or_path or cfg.model.name_or_path
+                base_model_here(cfg.model, heads_dir, heads.base_model_name_or_path)
             )
         except HeadsFormatError as err:
             raise UserError(f"cannot export: {err}") from None
@@ -184,6 +184,13 @@ def run(cfg) -> dict:
         "bytes": size,
         "backbone": str(shipped) if shipped is not None else None,
     }
+
+
+def _heads_repair(cfg, heads_dir: Path) -> str:
+    """What rewrites a damaged heads folder: stage=train for the workdir's own, else another folder."""
+    if cfg.export.heads_dir:
+        return " (set export.heads_dir= to a whole heads folder)"
+    return f" (run `python -m medusa_train stage=train training.overwrite=true` to write {heads_dir} again)"
 
 
 def roundtrip_identical(heads: MedusaHeads, directory: Path) -> bool:

@@ -28,7 +28,6 @@ rate reaches its floor exactly when the budget ends, whatever the speed of the m
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -47,6 +46,7 @@ from medusa_train.workdir import (
     PRETRAIN_REPORT,
     atomic_write_json,
     publish_dir,
+    read_json,
     refuse_old_layout,
     remove_stale,
     staging_dir,
@@ -93,8 +93,12 @@ def run(cfg) -> dict:
     bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
     refuse_old_layout(out_dir)
+    remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
     if is_complete(out_dir) and not bc.overwrite:
-        report = json.loads((out_dir / PRETRAIN_REPORT).read_text())
+        report = read_json(
+            out_dir / PRETRAIN_REPORT,
+            repair="run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain again",
+        )
         log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
         return {**report, "skipped": True}
 

@@ -47,14 +47,15 @@ from medusa_train.backbone import (
     DTYPES,
     backbone_identity,
     check_backbone_source,
+    identity_content,
     load_configured_backbone,
     resolve_device,
 )
-from medusa_train.data.distilled import load_distilled, read_manifest, split_heldout
+from medusa_train.data.distilled import comparable, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
-from medusa_train.errors import UserError
-from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.errors import DamagedArtefactError, UserError
+from medusa_train.heads import HeadsFormatError, MedusaHeads, safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.recipes import Medusa1, recipe_for
@@ -84,10 +85,12 @@ from medusa_train.workdir import (
     TRAINED_BACKBONE,
     Workdir,
     atomic_write_json,
+    describe_diff,
+    file_sha256,
     publish_dir,
+    read_json,
     remove_stale,
     require,
-    settings_diff,
     settings_key,
     staging_dir,
 )
@@ -135,7 +138,10 @@ def run(cfg) -> dict:
 
     # 3. Skip finished heads, or re-run only their calibration.
     key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
-    done = None if tc.overwrite else trained_with(wd.heads, key, recipe)
+    accepted = [key, run_key(cfg, identity, manifest, legacy=True)]  # heads trained before issue 12 too
+    if dist.is_main():
+        remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
+    done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)
         if stored == calibration_settings:
@@ -146,9 +152,9 @@ def run(cfg) -> dict:
             return {**done, "skipped": True}
         log.info(
             "heads in %s are trained with these settings but their tree was calibrated with other ones "
-            "(differs in: %s): re-running the calibration only (training.overwrite=true retrains)",
+            "(%s): re-running the calibration only (training.overwrite=true retrains)",
             wd.heads,
-            ", ".join(settings_diff(stored, calibration_settings)),
+            describe_diff(stored, calibration_settings) if stored else f"{CALIBRATION} missing or damaged",
         )
 
     # 4. Data: the training split and the records the calibration measures on.
@@ -176,7 +182,7 @@ def run(cfg) -> dict:
     # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
     if done is None:
         result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, key, train_set, ds_config, device
+            cfg, recipe, backbone, tokenizer, identity, accepted, train_set, ds_config, device
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
@@ -238,7 +244,7 @@ def run(cfg) -> dict:
             tokenizer.save_pretrained(tmp / TRAINED_BACKBONE)
     else:  # recalibrated: the same weights (hard links), new figures
         _link_tree(wd.heads, tmp, skip=(HEADS_CONFIG, CALIBRATION, CHOICES))
-        meta = json.loads((wd.heads / HEADS_CONFIG).read_text())
+        meta = read_json(wd.heads / HEADS_CONFIG, repair=_RETRAIN)
         atomic_write_json(tmp / HEADS_CONFIG, {**meta, "training_result": result})
     save_choices(tmp / CHOICES, calib.choices)
     atomic_write_json(tmp / CALIBRATION, calibration)
@@ -248,16 +254,29 @@ def run(cfg) -> dict:
 
 
 # -- skip / resume keys -----------------------------------------------------------------------------
-def run_key(cfg, identity: dict, manifest: dict) -> dict:
+def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dict:
     """Everything that changes the trained heads: compared to skip finished work and to resume safely.
 
     Every ``training.*`` field except ``TrainingConfig.RUN_ONLY``, plus the inputs: the backbone
     (fingerprint, dtype, quantization), the global batch size, the held-out fraction and what the
     distilled data is (its settings and counts, not when or how fast it was written: a distill run
     that only rewrote the manifest must not force a retrain). Flat, as ``config.json["training"]``.
+
+    Inputs count by content, not by place: the distilled data's settings without file paths
+    (:func:`~medusa_train.data.distilled.comparable`), the backbone by fingerprint, and
+    ``training.init_heads`` by its weights file's SHA-256, so a copied or moved workdir has the same
+    key. ``legacy=True`` gives the key as versions before that computed it (paths included), which
+    heads and checkpoints written then still carry.
     """
     tc = cfg.training
-    content = {k: manifest.get(k) for k in ("settings", "counts", "backbone")}
+    if legacy:
+        content = {k: manifest.get(k) for k in ("settings", "counts", "backbone")}
+    else:
+        content = {
+            "settings": comparable(manifest.get("settings")),
+            "counts": manifest.get("counts"),
+            "backbone": identity_content(manifest.get("backbone")),
+        }
     key = settings_key(
         training=tc,
         model_dtype=cfg.model.dtype,
@@ -267,7 +286,11 @@ def run_key(cfg, identity: dict, manifest: dict) -> dict:
         backbone_fingerprint=identity["fingerprint"],
         distill=hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16],
     )
-    return {**key.pop("training"), **key}
+    flat = {**key.pop("training"), **key}
+    if tc.init_heads and not legacy:
+        weights = Path(tc.init_heads) / HEADS_WEIGHTS
+        flat["init_heads"] = f"sha256:{file_sha256(weights)[:16]}" if weights.is_file() else tc.init_heads
+    return flat
 
 
 def calibration_key(cfg) -> dict:
@@ -280,37 +303,64 @@ def calibration_key(cfg) -> dict:
     return {**{f"tree_{k}": v for k, v in key.pop("tree").items()}, **key}
 
 
-def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
-    """The stored training result if ``heads_dir`` is complete and was trained with ``key``."""
+_RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
+
+
+def trained_with(heads_dir: Path, keys: list[dict], recipe: Medusa1) -> dict | None:
+    """The stored training result if ``heads_dir`` is complete, whole and was trained with one of
+    ``keys``; None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
     if not all((heads_dir / name).is_file() for name in (HEADS_CONFIG, HEADS_WEIGHTS, CHOICES)):
         return None
     if not recipe.is_published(heads_dir):  # Medusa-2: the trained backbone (or its adapter) too
         return None
-    meta = json.loads(config.read_text())
-    return meta.get("training_result") if meta.get("training") == key else None
+    try:
+        meta = read_json(config, repair=_RETRAIN)
+        safetensors_shapes(heads_dir / HEADS_WEIGHTS)
+    except (DamagedArtefactError, HeadsFormatError) as err:
+        log.warning("%s: training the heads again", err)
+        return None
+    return meta.get("training_result") if meta.get("training") in keys else None
 
 
 def calibrated_with(heads_dir: Path) -> dict | None:
-    """The calibration settings stored in ``heads_dir/calibration.json`` (None: none recorded)."""
+    """The calibration settings stored in ``heads_dir/calibration.json`` (None: none recorded, or
+    the file is damaged: the calibration then runs again)."""
     try:
-        return json.loads((heads_dir / CALIBRATION).read_text()).get("settings")
-    except (OSError, json.JSONDecodeError, AttributeError):
+        settings = read_json(heads_dir / CALIBRATION, repair=_RETRAIN).get("settings")
+    except DamagedArtefactError:
         return None
+    return settings if isinstance(settings, dict) else None
 
 
-def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
-    """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite)."""
+def _check_resume(train_dir: Path, info: dict, accepted: list[dict], overwrite: bool) -> None:
+    """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
+
+    ``info`` is this run's ``run.json`` (``settings``: the run key, ``backbone``: its identity);
+    ``accepted`` the run keys that count as this run's. The backbone counts by content (its
+    fingerprint), not by where it lies, so a moved or copied workdir resumes.
+    """
     path = train_dir / RUN_INFO
     if train_dir.exists() and overwrite and dist.is_main():
         shutil.rmtree(train_dir)
     if path.is_file() and not overwrite:
-        old = json.loads(path.read_text())
-        if old != info:
-            diff = settings_diff(old.get("settings"), info["settings"]) or settings_diff(old, info)
+        old = read_json(
+            path,
+            repair=f"pass training.overwrite=true to start training again (the checkpoints in {train_dir} are discarded)",
+        )
+        same_settings = old.get("settings") in accepted
+        same_backbone = identity_content(old.get("backbone")) == identity_content(info["backbone"])
+        if not (same_settings and same_backbone):
+            if not same_settings:
+                what = describe_diff(old.get("settings"), info["settings"])
+            else:
+                what = describe_diff(
+                    identity_content(old.get("backbone")), identity_content(info["backbone"])
+                )
+                what = "the backbone: " + what
             raise UserError(
-                f"{train_dir} holds checkpoints of another run (differs in: {', '.join(diff[:5])}): "
-                "delete it or pass training.overwrite=true"
+                f"{train_dir} holds checkpoints of another run (differs in {what}): run with the old values to "
+                "resume them, pass training.overwrite=true to discard them, or use another workdir="
             )
 
 
@@ -368,7 +418,7 @@ def _initial_heads(cfg, backbone, identity: dict) -> MedusaHeads:
     return heads
 
 
-def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, ds_config, device):
+def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, accepted, train_set, ds_config, device):
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
@@ -379,8 +429,9 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
     heads = _initial_heads(cfg, backbone, identity).to(device)
+    key = accepted[0]
     info = {"settings": key, "backbone": identity}
-    _check_resume(wd.train, info, tc.overwrite)
+    _check_resume(wd.train, info, accepted, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
     with deepspeed_process(ds_config is not None):

@@ -12,7 +12,9 @@ Layout of ``workdir/train/hidden_cache/``::
     meta.json      written last: shapes, dtype, settings; its presence marks a complete cache
 
 Row counts depend only on the loss masks, so offsets and targets are written first and the
-hidden rows are filled in batch by batch; a killed build resumes from ``progress.json``.
+hidden rows are filled in batch by batch; a killed build resumes from ``progress.json``. A cache
+whose files do not match its meta.json (truncated, damaged, missing) counts as absent and is built
+again (:func:`cache_problem`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medusa_train.errors import DamagedArtefactError
 from medusa_train.heads import IGNORE_INDEX, last_hidden_state, medusa_targets, select_trained_rows
 from medusa_train.training.trainer import PadCollator
-from medusa_train.workdir import atomic_write_json
+from medusa_train.workdir import atomic_write_json, read_json
 
 META = "meta.json"
 PROGRESS = "progress.json"
@@ -47,6 +50,11 @@ class HiddenCache:
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
+        problem = cache_problem(self.dir)
+        if problem:
+            raise DamagedArtefactError(
+                f"the hidden-state cache {self.dir} is {problem}: delete it and run stage=train again (it is rebuilt)"
+            )
         self.meta = json.loads((self.dir / META).read_text())
         self.dtype = getattr(torch, self.meta["dtype"])
         n, d = self.meta["rows"], self.meta["hidden_size"]
@@ -66,9 +74,32 @@ class HiddenCache:
 
 
 def is_complete(directory: str | Path, settings: dict) -> bool:
-    """True when a finished cache built with exactly ``settings`` exists."""
-    meta = Path(directory) / META
-    return meta.is_file() and json.loads(meta.read_text()).get("settings") == settings
+    """True when a finished, whole cache built with exactly ``settings`` exists."""
+    directory = Path(directory)
+    if not (directory / META).is_file() or cache_problem(directory):
+        return False
+    return json.loads((directory / META).read_text()).get("settings") == settings
+
+
+def cache_problem(directory: Path) -> str | None:
+    """Why the finished cache in ``directory`` cannot be read, or None (sizes checked against meta.json)."""
+    try:
+        meta = read_json(
+            directory / META, repair="", keys=("rows", "hidden_size", "num_heads", "records", "dtype")
+        )
+        dtype = _NP_DTYPES[getattr(torch, str(meta["dtype"]))]
+        rows, d, k, n = (int(meta[x]) for x in ("rows", "hidden_size", "num_heads", "records"))
+        targets = np.load(directory / "targets.npy", mmap_mode="r")
+        offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+    except (DamagedArtefactError, AttributeError, KeyError, TypeError, ValueError, OSError, EOFError) as err:
+        return f"damaged ({str(err).splitlines()[0][:100] if str(err) else type(err).__name__})"
+    hidden = directory / "hidden.bin"
+    want = max(rows, 1) * d * np.dtype(dtype).itemsize
+    if not hidden.is_file() or hidden.stat().st_size != want:
+        return f"damaged (hidden.bin has {hidden.stat().st_size if hidden.is_file() else 0} bytes, {want} expected)"
+    if targets.shape != (rows, k) or offsets.shape != (n + 1,) or (n and int(offsets[-1]) != rows):
+        return "damaged (targets.npy/offsets.npy do not match meta.json)"
+    return None
 
 
 @torch.no_grad()
@@ -98,14 +129,20 @@ def build_hidden_cache(
     if is_complete(directory, settings):
         return HiddenCache(directory)
     progress_path = directory / PROGRESS
-    resumable = progress_path.is_file() and json.loads(progress_path.read_text()).get("settings") == settings
+    weight = backbone.get_output_embeddings().weight
+    dtype, d = weight.dtype, weight.shape[1]
+    device = weight.device
+    try:  # resumable: same settings, and the files a killed build left are whole
+        resumable = read_json(progress_path, repair="").get("settings") == settings
+        rows = int(np.load(directory / "offsets.npy")[-1])
+        want = max(rows, 1) * d * np.dtype(_NP_DTYPES[dtype]).itemsize
+        resumable = resumable and (directory / "hidden.bin").stat().st_size == want
+    except (DamagedArtefactError, OSError, ValueError, EOFError, IndexError):  # none yet, or damaged
+        resumable = False
     if not resumable and directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
 
-    weight = backbone.get_output_embeddings().weight
-    dtype, d = weight.dtype, weight.shape[1]
-    device = weight.device
     if not resumable:
         per_record = [record_targets(r["input_ids"], r["loss_mask"], num_heads) for r in records]
         offsets = np.zeros(len(records) + 1, dtype=np.int64)

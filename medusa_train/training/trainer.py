@@ -16,9 +16,13 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
 
+from medusa_train.errors import DamagedArtefactError
+from medusa_train.heads import HeadsFormatError, safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
+from medusa_train.workdir import read_json
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +157,13 @@ def model_metrics_on(model) -> bool:
 
 # -- checkpoints ------------------------------------------------------------------------------------
 def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -> str | None:
-    """The newest ``checkpoint-N`` whose save finished (the Trainer writes trainer_state.json last).
+    """The newest ``checkpoint-N`` whose save finished (the Trainer writes trainer_state.json last)
+    and whose files are whole.
 
-    A run killed while saving leaves a newer, incomplete folder: it is skipped (and removed when
-    ``remove_incomplete``), so the same command resumes from the previous checkpoint.
+    A run killed while saving leaves a newer, incomplete folder; a damaged disk or a bad copy a
+    checkpoint whose ``trainer_state.json`` does not parse or whose ``model.safetensors`` is
+    truncated. Either is skipped (and removed when ``remove_incomplete``), so the same command
+    resumes from the previous checkpoint.
     """
     found = sorted(
         (int(p.name.split("-")[1]), p)
@@ -164,11 +171,29 @@ def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -
         if p.is_dir() and p.name.split("-")[1].isdigit()
     )
     for _, path in reversed(found):
-        if (path / "trainer_state.json").is_file():
+        problem = checkpoint_problem(path)
+        if problem is None:
             return str(path)
-        log.warning("ignoring incomplete checkpoint %s (killed while saving)", path)
+        log.warning("ignoring checkpoint %s: %s", path, problem)
         if remove_incomplete:
             shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the Trainer checkpoint ``path`` cannot be resumed from, or None."""
+    state = path / TRAINER_STATE_NAME
+    if not state.is_file():
+        return "incomplete (killed while saving)"
+    try:
+        read_json(state, repair="", keys=("global_step",))
+    except DamagedArtefactError:
+        return f"{TRAINER_STATE_NAME} is damaged"
+    for weights in path.glob("*.safetensors"):
+        try:
+            safetensors_shapes(weights)
+        except HeadsFormatError as err:
+            return str(err)
     return None
 
 

@@ -24,6 +24,7 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.config import Config, compose_config
+from medusa_train.workdir import file_sha256
 from tests.helpers.models import tiny_config
 
 VOCAB = 64
@@ -85,7 +86,19 @@ def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> Non
     ):
         w.write_table(table)
     model, _ = load_backbone(str(backbone_dir))
-    manifest = {"backbone": backbone_identity(model, str(backbone_dir)), "records": len(records)}
+    shard = distill / "shards" / "00000.arrow"
+    manifest = {
+        "backbone": backbone_identity(model, str(backbone_dir)),
+        "records": len(records),
+        "shards": [  # what readers check the shards against (stage=distill writes the same)
+            {
+                "file": shard.name,
+                "records": len(records),
+                "bytes": shard.stat().st_size,
+                "sha256": file_sha256(shard),
+            }
+        ],
+    }
     (distill / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
