@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from decoding_helpers import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 from medusa_train.decoding import (
     MEDUSA_63,
@@ -18,6 +17,7 @@ from medusa_train.decoding import (
     medusa_generate_batch,
     warp_probs,
 )
+from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(1)}
