@@ -459,9 +459,22 @@ class EvalConfig:
     """Prompts used per point of the tree-size sweep."""
     seed: int = 0
     """Seed of the sampling runs."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    """Speed-up against batch size: for each B, plain batched `generate` (left padding) vs batched
+    Medusa (`medusa_generate_batch`) on the evaluated turns in groups of B (the first floor(n/B)*B
+    turns; B above the number of turns is skipped); B=1 is the main run's figures; [] to skip."""
+    prompt_lookup_tokens: int = 10
+    """Prompt-lookup decoding (transformers' `prompt_lookup_num_tokens`, no training), measured on
+    every turn next to plain greedy and Medusa: candidate tokens copied from the prompt per step."""
+    assistant_model: str | None = None
+    """A draft model (Hugging Face name or directory, same vocabulary as the backbone) for
+    transformers' assisted generation, measured on every turn next to plain greedy; null = skip."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
+        if any(int(b) < 1 for b in self.batch_sizes):
+            raise ConfigError(f"eval.batch_sizes must be positive integers, got {list(self.batch_sizes)}")
+        _positive("eval.prompt_lookup_tokens", self.prompt_lookup_tokens)
         if self.prompts in ("mtbench", "jsonl") and not self.path:
             raise ConfigError(f"eval.prompts={self.prompts} needs eval.path=<file>")
         _positive("eval.num_prompts", self.num_prompts)

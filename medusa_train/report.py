@@ -93,6 +93,30 @@ def summarise(records: list[dict], num_prompts: int) -> dict:
     }
 
 
+ALTERNATIVES = {"prompt_lookup": "prompt lookup", "assisted": "assisted generation"}
+"""The other speed-ups eval measures next to Medusa (record key prefix -> name in the report)."""
+
+
+def alternatives(records: list[dict]) -> dict[str, dict]:
+    """Tokens/s, speed-up over plain greedy and the identical fraction of each alternative in the records.
+
+    An alternative is there when every record has its ``<name>_tokens``, ``<name>_s`` and
+    ``<name>_identical`` (stage eval's step 4 writes them next to the plain and Medusa figures).
+    """
+    base_tps = sum(r["baseline_tokens"] for r in records) / max(1e-9, sum(r["baseline_s"] for r in records))
+    out = {}
+    for name in ALTERNATIVES:
+        if not records or any(f"{name}_s" not in r for r in records):
+            continue
+        tps = sum(r[f"{name}_tokens"] for r in records) / max(1e-9, sum(r[f"{name}_s"] for r in records))
+        out[name] = {
+            "tokens_per_s": tps,
+            "speedup": tps / base_tps if base_tps > 0 else 0.0,
+            "identical": sum(bool(r[f"{name}_identical"]) for r in records) / len(records),
+        }
+    return out
+
+
 def machine_info(device: torch.device) -> dict:
     """Where the timings were taken."""
     info = {
@@ -157,6 +181,37 @@ def report_markdown(report: dict) -> str:
         lines += [
             f"| {r['tree_size']} | {r['expected_tau']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
             for r in report["sweep"]
+        ]
+        lines.append("")
+    if report.get("alternatives"):
+        lines += [
+            "## Medusa and the alternatives (same turns, batch size 1)",
+            "",
+            "| method | tokens/s | speed-up | output identical to plain greedy |",
+            "|---|---|---|---|",
+            f"| plain greedy `generate` | {report['tokens_per_s_baseline']:.1f} | 1.00x | - |",
+            f"| Medusa ({report['tree_size']}-node tree) | {report['tokens_per_s_medusa']:.1f} | "
+            f"{report['speedup']:.2f}x | {report['greedy_identical']:.0%} |",
+        ]
+        lines += [
+            f"| {ALTERNATIVES[name]} ({row.get('setting', '')}) | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['identical']:.0%} |"
+            for name, row in report["alternatives"].items()
+        ]
+        lines.append("")
+    if report.get("batch_sizes"):
+        lines += [
+            "## Batch size",
+            "",
+            "Plain batched `generate` (left padding) vs batched Medusa on the same turns in groups of B.",
+            "",
+            "| batch | turns | plain tokens/s | Medusa tokens/s | speed-up | tau | rows identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['batch_size']} | {r['turns']} | {r['tokens_per_s_baseline']:.1f} | {r['tokens_per_s_medusa']:.1f} "
+            f"| {r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical']:.0%} |"
+            for r in report["batch_sizes"]
         ]
         lines.append("")
     hist = report["accepted_length_histogram"]
@@ -224,6 +279,29 @@ def write_plots(report: dict, directory: Path) -> dict[str, Path]:
         ax.legend(handles, [h.get_label() for h in handles], loc="best")
         ax.set_title("tau and speed-up vs tree size")
         paths["tree_size"] = _save(fig, directory / "tree_size.png")
+
+    if report.get("batch_sizes"):
+        rows = report["batch_sizes"]
+        sizes = [r["batch_size"] for r in rows]
+        fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        ax.plot(sizes, [r["speedup"] for r in rows], "o-", color="tab:red", label="speed-up")
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()
+        ax.set(xlabel="batch size", ylabel="Medusa over plain batched generate", ylim=(0, None))
+        ax2 = ax.twinx()
+        ax2.plot(
+            sizes, [r["tokens_per_s_baseline"] for r in rows], "s--", color="tab:grey", label="plain tokens/s"
+        )
+        ax2.plot(
+            sizes, [r["tokens_per_s_medusa"] for r in rows], "^--", color="tab:blue", label="Medusa tokens/s"
+        )
+        ax2.set_ylabel("tokens/s (all rows)")
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="best")
+        ax.set_title("speed-up vs batch size")
+        paths["batch_size"] = _save(fig, directory / "batch_size.png")
     return paths
 
 

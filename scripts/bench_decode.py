@@ -8,10 +8,16 @@ Run as:
     python scripts/bench_decode.py --random
     # GPU: verification cost of N = 1..64 tree tokens on a Llama-3-8B-shaped random bf16 model
     python scripts/bench_decode.py --llama8b-shape --device cuda --dtype bfloat16
+    # the demo workdir at batch sizes 1, 4 and 16: plain batched generate vs batched Medusa
+    python scripts/bench_decode.py --model runs/default/backbone --heads runs/default/heads \
+        --tree runs/default/heads/medusa_choices.json --embedded-prompts --num-prompts 16 \
+        --max-new-tokens 128 --batch-sizes 1 4 16 --repeats 3
 
 Reports wall-clock tokens/s of plain greedy ``generate`` and greedy ``medusa_generate`` on the same
 prompts (same machine, same run), the speed-up, tau (tokens per step), the forward cost of N tree
-tokens relative to 1, and the decoder's own overhead (time outside the model forward). Needs only
+tokens relative to 1, and the decoder's own overhead (time outside the model forward). With
+``--batch-sizes``: for each batch size B, plain batched ``generate`` (left padding) against
+``medusa_generate_batch`` on the same prompts in groups of B, repeats interleaved. Needs only
 torch + transformers (no Hydra).
 """
 
@@ -36,6 +42,7 @@ from medusa_train.decoding import (  # noqa: E402
     load_choices,
     measure_forward_latency,
     medusa_generate,
+    medusa_generate_batch,
 )
 from medusa_train.heads import MedusaHeads  # noqa: E402
 from tests.helpers.models import tiny_config  # noqa: E402
@@ -95,6 +102,133 @@ def read_prompts(path: str | None, model, num: int, length: int, seed: int = 0) 
         tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
         return [tokenizer(row["text"], return_tensors="pt").input_ids for row in lines]
     return [torch.tensor([row["input_ids"]], dtype=torch.long) for row in lines]
+
+
+def embedded_chat_prompts(model_dir: str, num: int, seed: int = 0) -> list[torch.Tensor]:
+    """The first user turn of ``num`` held-out embedded conversations (what ``stage=eval`` uses by
+    default), rendered with the backbone's chat template: ``(1, T)`` each."""
+    from transformers import AutoTokenizer
+
+    from medusa_train.data.embedded import embedded_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for conv in embedded_prompts("eval", num, seed):
+        messages = [m for m in conv if m["role"] == "system"]
+        messages.append(next(m for m in conv if m["role"] == "user"))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"])
+    return out
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """The tokens up to and including the first EOS (``generate`` pads finished rows after it)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def plain_batch(
+    model, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id, pad: int
+) -> list[list[int]]:
+    """Plain greedy ``generate`` on left-padded prompts; each row's new tokens up to its EOS."""
+    device = next(model.parameters()).device
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1] :] = p[0]
+        mask[i, width - p.shape[1] :] = 1
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad,
+    )[:, width:]
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
+    return [_until_eos(row, eos) for row in out.tolist()]
+
+
+def bench_batches(
+    model,
+    heads,
+    prompts,
+    tree,
+    max_new_tokens: int,
+    eos_token_id,
+    batch_sizes,
+    repeats: int,
+    batch1_fast_path=True,
+) -> list[dict]:
+    """Plain batched ``generate`` vs ``medusa_generate_batch`` at each batch size, same prompts.
+
+    The prompts are decoded in consecutive groups of B (the last group may be smaller); every repeat
+    runs every batch size, plain then Medusa on each group, so slow phases of a shared machine hit
+    all of them. Tokens/s = new tokens over wall-clock seconds, summed over groups and repeats.
+    """
+    device = next(model.parameters()).device
+    packed = PackedHeads(heads)
+    tree = TreeBuffers.from_choices(tree).to(device)
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else 0)
+    # Warm-up both paths at every batch size (kernels, allocator, the tree's buffers).
+    for bsz in batch_sizes:
+        group = prompts[:bsz]
+        plain_batch(model, group, 4, eos_token_id, pad)
+        medusa_generate_batch(
+            model, packed, group, max_new_tokens=4, tree=tree, batch1_fast_path=batch1_fast_path
+        )
+    stats = {b: {"plain_s": 0.0, "medusa_s": 0.0, "plain_tok": 0, "medusa_tok": 0, "steps": 0,
+                 "mismatch": 0, "speedups": []} for b in batch_sizes}  # fmt: skip
+    for _ in range(repeats):
+        for bsz in batch_sizes:
+            st = stats[bsz]
+            p_s = m_s = 0.0
+            p_tok = m_tok = 0
+            for start in range(0, len(prompts), bsz):
+                group = prompts[start : start + bsz]
+                _sync(device)
+                t0 = time.perf_counter()
+                ref = plain_batch(model, group, max_new_tokens, eos_token_id, pad)
+                _sync(device)
+                p_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = medusa_generate_batch(
+                    model, packed, [p.to(device) for p in group], max_new_tokens=max_new_tokens, tree=tree,
+                    eos_token_id=eos_token_id, pad_token_id=pad, batch1_fast_path=batch1_fast_path,
+                )  # fmt: skip
+                _sync(device)
+                m_s += time.perf_counter() - t0
+                p_tok += sum(len(r) for r in ref)
+                m_tok += out.num_tokens
+                st["steps"] += sum(r.num_steps for r in out.rows)
+                st["mismatch"] += sum(r.tokens.tolist() != e for r, e in zip(out.rows, ref, strict=True))
+            st["plain_s"] += p_s
+            st["medusa_s"] += m_s
+            st["plain_tok"] += p_tok
+            st["medusa_tok"] += m_tok
+            st["speedups"].append((m_tok / m_s) / (p_tok / p_s))
+    rows = []
+    for bsz in batch_sizes:
+        st = stats[bsz]
+        plain_tps, medusa_tps = st["plain_tok"] / st["plain_s"], st["medusa_tok"] / st["medusa_s"]
+        rows.append(
+            {
+                "batch_size": bsz,
+                "plain_tokens_per_s": plain_tps,
+                "medusa_tokens_per_s": medusa_tps,
+                "speedup": medusa_tps / plain_tps,
+                "speedup_min": min(st["speedups"]),
+                "speedup_max": max(st["speedups"]),
+                "tau": st["medusa_tok"] / max(1, st["steps"]),
+                "rows_differing": st["mismatch"] / repeats,
+            }
+        )
+    return rows
 
 
 def _sync(device: torch.device) -> None:
@@ -184,6 +318,19 @@ def bench_overhead(model, heads, context_lens, sizes=TREE_SIZES, repeats: int = 
 def markdown(results: dict) -> str:
     """Results as markdown tables."""
     lines = []
+    batches = results.get("batches")
+    if batches:
+        lines += [
+            "| batch | plain tokens/s | Medusa tokens/s | speed-up (min-max over repeats) | tau | rows differing |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['batch_size']} | {r['plain_tokens_per_s']:.1f} | {r['medusa_tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['tau']:.2f} | "
+            f"{r['rows_differing']:g} |"
+            for r in batches
+        ]
+        lines.append("")
     gen = results.get("generation")
     if gen:
         lines += ["| metric | value |", "|---|---|"]
@@ -194,6 +341,8 @@ def markdown(results: dict) -> str:
         lines += ["| decoder (random heads) | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in dec.items()]
         lines.append("")
+    if "overhead" not in results:
+        return "\n".join(lines)
     fwd = results["overhead"]["forward"]
     ctxs = list(fwd)
     sizes = list(next(iter(fwd.values())))
@@ -217,6 +366,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--llama8b-shape", action="store_true", help="random Llama-3-8B-shaped model: overhead only"
     )
     p.add_argument("--prompts", help="JSONL of prompts ({'text': ...} or {'input_ids': [...]})")
+    p.add_argument(
+        "--embedded-prompts",
+        action="store_true",
+        help="held-out embedded prompts rendered with --model's chat template (stage=eval's default prompts)",
+    )
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32, help="length of random prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -228,20 +382,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="also the batch-size table (e.g. 1 4 16)"
+    )
+    p.add_argument(
+        "--no-batch1-fast-path",
+        action="store_true",
+        help="batch size 1 through the batched decoder too (default: medusa_generate's batch-1 path)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--skip-overhead", action="store_true", help="skip the N-tree-tokens table")
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if sum([bool(args.model), args.random, args.llama8b_shape]) != 1:
         p.error("give exactly one of --model (with --heads), --random or --llama8b-shape")
     if args.model and not args.heads:
         p.error("--model needs --heads")
+    if args.embedded_prompts and not args.model:
+        p.error("--embedded-prompts needs --model (its tokenizer's chat template)")
     return args
 
 
 def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
     """Run the benchmark described by ``args``; ``config_overrides`` shrink --llama8b-shape for tests."""
     dtype = DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tree = load_choices(args.tree) if args.tree else MEDUSA_63
-    results: dict = {"device": args.device, "dtype": args.dtype, "tree_nodes": len(tree)}
+    results: dict = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "tree_nodes": len(tree),
+        "threads": torch.get_num_threads(),
+    }
     if args.llama8b_shape:
         model, heads = build_random(
             llama8b_config(**(config_overrides or {})), args.num_heads, args.device, dtype
@@ -254,10 +427,19 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
             heads = MedusaHeads.from_pretrained(args.heads, device=args.device, dtype=dtype).eval()
         contexts = args.contexts or [args.prompt_len]
-        prompts = read_prompts(args.prompts, model, args.num_prompts, args.prompt_len)
+        if args.embedded_prompts:
+            prompts = embedded_chat_prompts(args.model, args.num_prompts)
+        else:
+            prompts = read_prompts(args.prompts, model, args.num_prompts, args.prompt_len)
         eos = getattr(model.generation_config, "eos_token_id", None) if args.model else None
         results["generation"] = bench_generation(model, heads, prompts, tree, args.max_new_tokens, eos)
-    results["overhead"] = bench_overhead(model, heads, contexts, repeats=args.repeats)
+        if args.batch_sizes:
+            results["batches"] = bench_batches(
+                model, heads, prompts, tree, args.max_new_tokens, eos, args.batch_sizes, args.repeats,
+                batch1_fast_path=not args.no_batch1_fast_path,
+            )  # fmt: skip
+    if not args.skip_overhead:
+        results["overhead"] = bench_overhead(model, heads, contexts, repeats=args.repeats)
     if args.llama8b_shape:
         results["decoder"] = bench_decoder_overhead(model, heads, tree, contexts[0], args.max_new_tokens)
     return results

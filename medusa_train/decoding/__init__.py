@@ -4,6 +4,7 @@ Needs only torch and transformers; never imports training code.
 """
 
 from .acceptance import ACCEPTANCE_RULES, Accepted, accept_greedy, accept_sample, accept_typical, warp_probs
+from .batched import MedusaBatchOutput, RowKVCache, medusa_generate_batch
 from .calibrate import (
     choose_tree,
     compute_head_accuracy,
@@ -20,8 +21,10 @@ __all__ = [
     "ACCEPTANCE_RULES",
     "MEDUSA_63",
     "Accepted",
+    "MedusaBatchOutput",
     "MedusaOutput",
     "PackedHeads",
+    "RowKVCache",
     "TreeBuffers",
     "TreeError",
     "accept_greedy",
@@ -36,6 +39,7 @@ __all__ = [
     "load_choices",
     "measure_forward_latency",
     "medusa_generate",
+    "medusa_generate_batch",
     "per_rank_accuracy",
     "save_choices",
     "tree_attention_mask",

@@ -153,6 +153,24 @@ class PackedHeads:
             x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, 1, d)
         return torch.bmm(x, w2t).squeeze(1)  # (k, V)
 
+    def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits of the first ``num_heads`` heads at one position of each of B rows.
+
+        Args:
+            hidden: ``(B, d)`` the backbone's last hidden state of each row.
+            num_heads: compute only heads ``0 .. num_heads - 1``.
+
+        Returns:
+            ``(B, num_heads, V)``.
+        """
+        layers, w2t = self._views(self.num_heads if num_heads is None else num_heads)
+        if hidden.dtype != w2t.dtype:
+            hidden = hidden.to(w2t.dtype)
+        x = hidden.expand(w2t.shape[0], -1, -1)  # (k, B, d)
+        for b1, w1t in layers:
+            x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, B, d)
+        return torch.bmm(x, w2t).transpose(0, 1)  # (B, k, V)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.w2t.dtype

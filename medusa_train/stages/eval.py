@@ -5,7 +5,8 @@ Run as:
     python -m medusa_train stage=eval eval.prompts=mtbench eval.path=../shared/data/mt_bench_questions.jsonl
     python -m medusa_train stage=eval eval.prompts=jsonl eval.path=prompts.jsonl eval.prompt_key=text
     python -m medusa_train stage=eval model=hf model.name_or_path=lmsys/vicuna-7b-v1.3 model.dtype=float16 \
-        eval.heads_dir=path/to/heads tree=medusa63 eval.all_turns=true     # one GPU; eval is batch size 1
+        eval.heads_dir=path/to/heads tree=medusa63 eval.all_turns=true     # one GPU
+    python -m medusa_train stage=eval eval.batch_sizes=[1,8,32] eval.assistant_model=path/to/small-draft-lm
 
 Steps: (1) backbone, heads (either export layout; checked against the backbone) and the tree
 (`tree=calibrated|medusa63|chain|custom`); after `training=medusa2` the backbone is the one trained
@@ -13,11 +14,14 @@ with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_pa
 `model.name_or_path` names another checkpoint than their base (see `medusa_train.backbone`); (2)
 prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
 backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
-with `eval.all_turns=true`); (3) one warm-up prompt through both decoders; (4) every prompt through plain greedy `model.generate(do_sample=False)`
-and Medusa greedy decoding, each call timed whole with `time.perf_counter` (same max_new_tokens,
-same EOS ids); (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
+with `eval.all_turns=true`); (3) one warm-up prompt through every decoder; (4) every prompt through plain greedy `model.generate(do_sample=False)`,
+Medusa greedy decoding and the alternatives a user would pick instead, back to back: transformers'
+prompt-lookup decoding (no training) and, with `eval.assistant_model`, assisted generation with that
+draft model; each call timed whole with `time.perf_counter` (same max_new_tokens, same EOS ids);
+(5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for
-calibrated trees of `eval.sweep_tree_sizes` nodes; (8) report.json, report.md, plots and
+calibrated trees of `eval.sweep_tree_sizes` nodes; (8) plain batched `generate` vs batched Medusa at
+each of `eval.batch_sizes`; (9) report.json, report.md, plots and
 generations.jsonl, written into a staging folder and swapped into `workdir/eval` as one (they always
 come from the same run), then wandb, and the export's model card updated with the figures.
 
@@ -38,13 +42,20 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
 
 from medusa_train.backbone import backbone_identity, load_backbone_for_heads, resolve_device
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.data.sources import Conversation, read_records
-from medusa_train.decoding import PackedHeads, TreeBuffers, compute_head_accuracy, medusa_generate
+from medusa_train.decoding import (
+    PackedHeads,
+    TreeBuffers,
+    compute_head_accuracy,
+    medusa_generate,
+    medusa_generate_batch,
+)
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
 from medusa_train.decoding.tree import resolve_tree
@@ -53,6 +64,7 @@ from medusa_train.errors import UserError
 from medusa_train.formats import load_heads, read_heads_config
 from medusa_train.heads import HeadsFormatError
 from medusa_train.report import (
+    alternatives,
     calibration_topk,
     machine_info,
     report_markdown,
@@ -88,7 +100,8 @@ HEADS_ACC_RECORDS = 64
 
 @dataclass
 class Decoded:
-    """One decoder call: new token ids and the wall-clock seconds of the whole call."""
+    """One decoder call: new token ids (one list per row for the batched calls) and the wall-clock
+    seconds of the whole call."""
 
     tokens: list[int]
     seconds: float
@@ -126,6 +139,10 @@ def run(cfg) -> dict:
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
     decode = _Decoders(model, packed, tree, eos_token_ids(model, tok), tok.pad_token_id)
+    # The alternatives, each a plain `generate` with one more argument (greedy: outputs must match).
+    others: dict[str, dict] = {"prompt_lookup": {"prompt_lookup_num_tokens": ecfg.prompt_lookup_tokens}}
+    if ecfg.assistant_model:
+        others["assisted"] = {"assistant_model": load_assistant(ecfg.assistant_model, model)}
 
     # 2. Prompts (loaded in 1.), rendered with the backbone's chat template, turn by turn.
     if not tok.chat_template:
@@ -141,8 +158,10 @@ def run(cfg) -> dict:
     first = render(prompts[0], [])
     decode.plain(first, min(ecfg.max_new_tokens, 32))
     decode.medusa(first, min(ecfg.max_new_tokens, 32))
+    for extra in others.values():
+        decode.plain(first, min(ecfg.max_new_tokens, 32), **extra)
 
-    # 4. Plain greedy vs Medusa greedy, prompt by prompt (turn by turn).
+    # 4. Plain greedy, Medusa greedy and the alternatives, prompt by prompt (turn by turn).
     records: list[dict] = []
     inputs: list[tuple[torch.Tensor, int]] = []  # (prompt ids, max_new_tokens) per turn, for 5. and 7.
     for p_idx, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt")):
@@ -160,6 +179,7 @@ def run(cfg) -> dict:
                 break
             base = decode.plain(ids, budget)
             med = decode.medusa(ids, budget)
+            alt = {name: decode.plain(ids, budget, **extra) for name, extra in others.items()}
             base_text = tok.decode(base.tokens, skip_special_tokens=True)
             records.append(
                 {
@@ -176,6 +196,9 @@ def run(cfg) -> dict:
                     "baseline_s": base.seconds,
                     "medusa_s": med.seconds,
                     "accepted_lengths": med.accepted_lengths,
+                    **{f"{name}_tokens": len(out.tokens) for name, out in alt.items()},
+                    **{f"{name}_s": out.seconds for name, out in alt.items()},
+                    **{f"{name}_identical": out.tokens == base.tokens for name, out in alt.items()},
                 }
             )
             inputs.append((ids, budget))
@@ -216,10 +239,17 @@ def run(cfg) -> dict:
 
     # 7. Tau and speed-up against tree size (calibrated trees grown from the head accuracies).
     report["sweep"] = sweep(decode, topk, inputs, ecfg) if topk and ecfg.sweep_tree_sizes else []
+
+    # 8. The alternatives (from 4.) and speed-up against batch size.
+    report["alternatives"] = alternatives(records)
+    report["alternatives"]["prompt_lookup"]["setting"] = f"{ecfg.prompt_lookup_tokens} tokens"
+    if ecfg.assistant_model:
+        report["alternatives"]["assisted"]["setting"] = ecfg.assistant_model
+    report["batch_sizes"] = batch_table(decode, inputs, ecfg.batch_sizes, report)
     report["machine"] = machine_info(lm_weight.device)
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
-    # 8. Files and plots, published together; tracking; model card.
+    # 9. Files and plots, published together; tracking; model card.
     out = wd.eval
     remove_stale(out)
     tmp = staging_dir(out)
@@ -236,10 +266,20 @@ def run(cfg) -> dict:
     tracker.summary(
         {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     )
+    tracker.summary(
+        {
+            f"{name}/{k}": v
+            for name, row in report["alternatives"].items()
+            for k, v in row.items()
+            if k != "setting"
+        }
+    )
     for row in report["sweep"]:
         tracker.log(
             {"sweep/tau": row["tau"], "sweep/speedup": row["speedup"], "sweep/tree_size": row["tree_size"]}
         )
+    for row in report["batch_sizes"]:
+        tracker.log({f"batch/{k}": v for k, v in row.items()})
     for name, path in plots.items():
         tracker.log_image(f"eval/{name}", path)
     tracker.finish()
@@ -354,7 +394,8 @@ class _Decoders:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def plain(self, ids: torch.Tensor, max_new_tokens: int) -> Decoded:
+    def plain(self, ids: torch.Tensor, max_new_tokens: int, **extra) -> Decoded:
+        """Greedy ``generate``; ``extra`` turns it into prompt lookup or assisted generation."""
         self._sync()
         t0 = time.perf_counter()
         out = self.model.generate(
@@ -365,11 +406,65 @@ class _Decoders:
             repetition_penalty=1.0,  # the model's generation_config may set one: plain greedy here
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos,
-            pad_token_id=self.pad if self.pad is not None else self.eos[0],
+            pad_token_id=self.pad_id,
+            **extra,
         )
         self._sync()
         seconds = time.perf_counter() - t0
         return Decoded(out[0, ids.shape[1] :].tolist(), seconds)
+
+    @property
+    def pad_id(self) -> int:
+        return self.pad if self.pad is not None else self.eos[0]
+
+    @torch.inference_mode()
+    def plain_batch(self, rows: list[torch.Tensor], max_new_tokens: int) -> Decoded:
+        """Greedy ``generate`` on left-padded ``(1, T)`` prompts; each row's tokens up to its EOS."""
+        width = max(r.shape[1] for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, width - r.shape[1] :] = r[0]
+            mask[i, width - r.shape[1] :] = 1
+        self._sync()
+        t0 = time.perf_counter()
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            num_beams=1,
+            repetition_penalty=1.0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad_id,
+        )
+        self._sync()
+        seconds = time.perf_counter() - t0
+        eos = set(self.eos)
+        tokens = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            tokens.append(row[:cut])
+        return Decoded(tokens, seconds)
+
+    @torch.inference_mode()
+    def medusa_batch(self, rows: list[torch.Tensor], max_new_tokens: int) -> Decoded:
+        """Greedy ``medusa_generate_batch`` on the same prompts; ``accepted_lengths`` of all rows."""
+        self._sync()
+        t0 = time.perf_counter()
+        out = medusa_generate_batch(
+            self.model,
+            self.packed,
+            rows,
+            max_new_tokens=max_new_tokens,
+            tree=self.tree,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad_id,
+        )
+        self._sync()
+        seconds = time.perf_counter() - t0
+        steps = [n for r in out.rows for n in r.accepted_lengths]
+        return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps)
 
     @torch.inference_mode()
     def medusa(
@@ -488,6 +583,82 @@ def sweep(
             }
         )
     return rows
+
+
+def batch_table(decode: _Decoders, inputs: list[tuple[torch.Tensor, int]], sizes, report: dict) -> list[dict]:
+    """Plain batched ``generate`` vs batched Medusa at each batch size in ``sizes``, same turns.
+
+    B = 1 is the main run (4.); for B > 1 the first ``floor(n / B) * B`` turns are decoded in
+    consecutive groups of B, plain then Medusa per group, with the group's smallest budget for both.
+    ``identical`` is the fraction of rows whose Medusa tokens equal the plain batched row.
+    """
+    rows = []
+    for bsz in sorted({int(b) for b in sizes}):
+        if bsz == 1:
+            rows.append(
+                {
+                    "batch_size": 1,
+                    "tokens_per_s_baseline": report["tokens_per_s_baseline"],
+                    "tokens_per_s_medusa": report["tokens_per_s_medusa"],
+                    "speedup": report["speedup"],
+                    "tau": report["tau"],
+                    "identical": report["greedy_identical"],
+                    "turns": report["num_turns"],
+                }
+            )
+            continue
+        if bsz > len(inputs):
+            log.warning("eval.batch_sizes: %d is more than the %d evaluated turns: skipped", bsz, len(inputs))
+            continue
+        groups = [inputs[i : i + bsz] for i in range(0, len(inputs) - bsz + 1, bsz)]
+        warm = [ids for ids, _ in groups[0]]
+        decode.plain_batch(warm, 4)
+        decode.medusa_batch(warm, 4)
+        base_tok = med_tok = steps = same = 0
+        base_s = med_s = 0.0
+        for group in groups:
+            ids = [i for i, _ in group]
+            budget = min(b for _, b in group)
+            base = decode.plain_batch(ids, budget)
+            med = decode.medusa_batch(ids, budget)
+            base_tok += sum(len(t) for t in base.tokens)
+            med_tok += sum(len(t) for t in med.tokens)
+            steps += len(med.accepted_lengths or [])
+            same += sum(a == b for a, b in zip(base.tokens, med.tokens, strict=True))
+            base_s, med_s = base_s + base.seconds, med_s + med.seconds
+        base_tps, med_tps = base_tok / max(1e-9, base_s), med_tok / max(1e-9, med_s)
+        rows.append(
+            {
+                "batch_size": bsz,
+                "tokens_per_s_baseline": base_tps,
+                "tokens_per_s_medusa": med_tps,
+                "speedup": med_tps / base_tps if base_tps > 0 else 0.0,
+                "tau": med_tok / max(1, steps),
+                "identical": same / (len(groups) * bsz),
+                "turns": len(groups) * bsz,
+            }
+        )
+        log.info("batch %d: speed-up %.2fx, tau %.2f", bsz, rows[-1]["speedup"], rows[-1]["tau"])
+    return rows
+
+
+def load_assistant(name_or_path: str, model) -> torch.nn.Module:
+    """The draft model for assisted generation, on the backbone's device and dtype, same vocabulary."""
+    weight = model.get_output_embeddings().weight
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weight.dtype)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"eval.assistant_model={name_or_path} cannot be loaded ({err}): give a Hugging Face causal LM "
+            "name or directory, or eval.assistant_model=null"
+        ) from None
+    vocab = draft.get_output_embeddings().weight.shape[0]
+    if vocab != weight.shape[0]:
+        raise UserError(
+            f"eval.assistant_model={name_or_path} has a vocabulary of {vocab} tokens, the backbone {weight.shape[0]}: "
+            "assisted generation needs a draft model with the backbone's tokenizer"
+        )
+    return draft.to(weight.device).eval()
 
 
 def _is_workdir_heads(heads_dir: Path, wd: Workdir) -> bool:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from medusa_train.errors import UserError
+from medusa_train.errors import ConfigError, UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import summary_table
@@ -18,7 +19,7 @@ from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 REPORT_KEYS = {
     "tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_medusa", "greedy_identical", "head_top1",
     "head_top5", "tau_typical", "tau_sample", "tree_size", "num_prompts", "accepted_length_histogram",
-    "sweep", "machine", "date",
+    "sweep", "machine", "date", "alternatives", "batch_sizes",
 }  # fmt: skip
 
 
@@ -54,6 +55,27 @@ def test_report_is_consistent_with_generations(evaluated: tuple[Path, dict]) -> 
     assert [row["tree_size"] for row in report["sweep"]] == [1, 4]
     assert report["sweep"][0]["expected_tau"] == pytest.approx(1.8)
     assert report["machine"]["torch"] and report["machine"]["threads"] >= 1
+
+
+def test_alternatives_and_batch_sizes(evaluated: tuple[Path, dict]) -> None:
+    """Prompt lookup on every turn (identical outputs), and the batch-size table (debug=fast: [1, 3])."""
+    workdir, report = evaluated
+    lines = [json.loads(line) for line in (workdir / "eval" / "generations.jsonl").read_text().splitlines()]
+    lookup = report["alternatives"]["prompt_lookup"]
+    assert set(report["alternatives"]) == {"prompt_lookup"}  # no eval.assistant_model
+    assert lookup["identical"] == 1.0 and all(r["prompt_lookup_identical"] for r in lines)
+    tps = sum(r["prompt_lookup_tokens"] for r in lines) / sum(r["prompt_lookup_s"] for r in lines)
+    assert lookup["tokens_per_s"] == pytest.approx(tps)
+    assert lookup["speedup"] == pytest.approx(tps / report["tokens_per_s_baseline"])
+    assert lookup["setting"] == "10 tokens"
+    one, three = report["batch_sizes"]
+    assert one["batch_size"] == 1 and one["speedup"] == report["speedup"] and one["tau"] == report["tau"]
+    assert three["batch_size"] == 3 and three["turns"] == 3 and three["identical"] == 1.0
+    assert 1.0 <= three["tau"] <= 4.0 and three["tokens_per_s_baseline"] > 0
+    assert three["speedup"] == pytest.approx(three["tokens_per_s_medusa"] / three["tokens_per_s_baseline"])
+    md = (workdir / "eval" / "report.md").read_text()
+    assert "## Batch size" in md and "| 3 | 3 |" in md and "| prompt lookup (10 tokens) |" in md
+    assert (workdir / "eval" / "plots" / "batch_size.png").stat().st_size > 1000
 
 
 def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> None:
@@ -109,3 +131,28 @@ def test_errors_name_the_fix(tmp_path: Path, evaluated: tuple[Path, dict]) -> No
         )
     with pytest.raises(UserError, match="not a Medusa heads directory|no config.json"):
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.heads_dir={tmp_path}"))
+
+
+def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, dict]) -> None:
+    """eval.assistant_model: assisted generation with a draft (here the backbone itself) in the report."""
+    workdir, _ = evaluated
+    quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
+    report = eval_stage.run(
+        tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={workdir / 'backbone'}", *quick)
+    )
+    assisted = report["alternatives"]["assisted"]
+    assert assisted["identical"] == 1.0 and assisted["tokens_per_s"] > 0
+    assert assisted["setting"] == str(workdir / "backbone") and report["batch_sizes"] == []
+    assert "| assisted generation (" in (workdir / "eval" / "report.md").read_text()
+    with pytest.raises(UserError, match="eval.assistant_model=.*cannot be loaded"):
+        eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={tmp_path / 'none'}", *quick))
+    other = tmp_path / "other_vocab"
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=77, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    ).save_pretrained(other)
+    with pytest.raises(UserError, match="vocabulary of 77 tokens"):
+        eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={other}", *quick))
+    with pytest.raises(ConfigError, match="eval.batch_sizes"):
+        tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")

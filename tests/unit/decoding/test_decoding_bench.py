@@ -89,3 +89,18 @@ def test_cli_rejects_ambiguous_source(bench):
         bench.parse_args(["--random", "--llama8b-shape"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "x"])
+
+
+def test_batch_size_table(bench, capsys):
+    """--batch-sizes: plain batched generate vs batched Medusa, every row identical, same tokens."""
+    argv = ["--random", "--num-prompts", "3", "--prompt-len", "6", "--max-new-tokens", "10", "--repeats", "2",
+            "--batch-sizes", "1", "2", "--skip-overhead", "--threads", "1"]  # fmt: skip
+    results = bench.run(bench.parse_args(argv))
+    rows = results["batches"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rows_differing"] == 0 and r["tau"] >= 1
+        assert r["plain_tokens_per_s"] > 0 and r["medusa_tokens_per_s"] > 0
+        assert r["speedup_min"] <= r["speedup"] * 1.0001 and r["speedup"] <= r["speedup_max"] * 1.0001
+    assert "overhead" not in results
+    assert "| batch | plain tokens/s |" in bench.markdown(results)

@@ -1,0 +1,547 @@
+"""Medusa tree decoding for a batch of prompts: every row verifies its own tree in one shared forward.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774), applied per row of a batch. The Medusa reference code asserts batch size 1;
+here each row of a batch keeps its own accepted length, so rows drift apart in the KV cache and
+the decoder tracks one cache length per row.
+
+Layout. The prompts are left-padded to a common length and prefilled in one forward with a 4-D float
+mask (causal, padding columns masked) and per-row position ids. After that, row b's cache holds its
+tokens in columns ``[pad_b, L_b)`` of a :class:`RowKVCache`, a cache preallocated once for the whole
+call (``(B, H, capacity, D)`` per layer). Each step writes row b's M tree nodes at columns
+``[L_b, L_b + M)`` (one indexed write per layer, no concatenation), attends through a mask whose row b
+is the batch-1 tree mask shifted to ``L_b`` (a gather from one right-aligned buffer) with padding
+columns masked, and then moves the KV entries of row b's accepted path to ``[L_b, L_b + n_b)``
+(one indexed gather/scatter per layer for all rows; entries already in place are not copied) and
+advances ``L_b`` by n_b. Entries beyond ``L_b`` are stale and masked. A row that finishes (EOS,
+budget, context limit) leaves the batch: the remaining rows are moved down in place and later
+forwards run only on them.
+
+Per row, every rule sees exactly what batch-1 :func:`~medusa_train.decoding.medusa_generate` sees:
+the same sub-tree near the end of its budget, the same acceptance call on its own ``(m, V)`` logits,
+and under ``sample`` its own generator consumed in the same order (first token, then one draw per
+node of each step), so a row's tokens do not depend on its batch mates. Greedy output equals each
+row's plain greedy ``generate`` up to float rounding of the batched forward (see docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..heads import MedusaHeads
+from .acceptance import (
+    ACCEPTANCE_RULES,
+    accept_sample,
+    accept_typical,
+    argmax_list,
+    first_token,
+    walk_matches,
+)
+from .generate import (
+    MedusaOutput,
+    PackedHeads,
+    _eos_set,
+    _mask_slab,
+    _now,
+    _sliding_window_kinds,
+    context_limit,
+    medusa_generate,
+)
+from .tree import TreeBuffers, as_tree
+
+
+class _RowLayer(CacheLayerMixin):
+    """One layer of a :class:`RowKVCache`: preallocated keys/values, written where the cache says."""
+
+    is_sliding = False
+
+    def __init__(self, owner: RowKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self.owner
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros(b, h, o.capacity, d)  # (B, H, C, D)
+        self.values = value_states.new_zeros(b, h, o.capacity, value_states.shape[-1])  # (B, H, C, Dv)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new entries (prefill: columns ``[0, T)``; a step: the owner's per-row columns)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        o = self.owner
+        n = key_states.shape[0]  # active rows
+        if o.write_cols is None:
+            t = key_states.shape[2]
+            self.keys[:n, :, :t] = key_states
+            self.values[:n, :, :t] = value_states
+        else:
+            # (n, M, H, D) through advanced indexing on rows and columns at once.
+            self.keys[o.row_index, :, o.write_cols] = key_states.transpose(1, 2)
+            self.values[o.row_index, :, o.write_cols] = value_states.transpose(1, 2)
+        return self.keys[:n, :, : o.width], self.values[:n, :, : o.width]  # (n, H, W, D) views
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.width
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class RowKVCache(Cache):
+    """A KV cache with one length per row, allocated once (``(B, H, capacity, D)`` per layer).
+
+    The decoder sets, before each forward, ``width`` (columns the attention reads), and for a tree
+    step ``write_cols`` ``(n, M)`` (the columns each active row's new entries go to) and
+    ``row_index`` ``(n, 1)``; ``write_cols=None`` writes columns ``[0, T)`` (the prefill). Only the
+    first n rows (the active ones) are read and written; :meth:`keep_rows` moves rows down.
+
+    Args:
+        num_layers: attention layers of the model.
+        capacity: columns per row (longest padded prompt + largest budget + tree nodes).
+    """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.width = 0
+        self.write_cols: torch.Tensor | None = None
+        self.row_index: torch.Tensor | None = None
+
+    def move_entries(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For each i: entry ``(rows[i], src[i])`` is copied to ``(rows[i], dst[i])`` in every layer.
+
+        All sources are read before any destination is written.
+        """
+        for layer in self.layers:
+            layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # (N, H, D)
+            layer.values[rows, :, dst] = layer.values[rows, :, src]
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Rows ``keep`` (ascending slot indices) become rows ``0 .. len(keep) - 1``, in place."""
+        n = keep.numel()
+        for layer in self.layers:
+            layer.keys[:n] = layer.keys.index_select(0, keep)
+            layer.values[:n] = layer.values.index_select(0, keep)
+
+
+@dataclass
+class MedusaBatchOutput:
+    """What :func:`medusa_generate_batch` produced.
+
+    Attributes:
+        rows: one :class:`MedusaOutput` per prompt, in the prompts' order (``tokens``,
+            ``accepted_lengths``, ``stop_reason``; ``num_forwards`` counts the forwards the row took
+            part in; the timing fields of the rows are 0: the batch shares its forwards).
+        num_forwards: batched verification forwards (the prefill is not counted).
+        prefill_s: seconds in the batched prefill forward (and the first roots' choice).
+        forward_s: seconds in the verification forwards (the model calls only).
+        total_s: wall-clock seconds of the whole call.
+    """
+
+    rows: list[MedusaOutput] = field(default_factory=list)
+    num_forwards: int = 0
+    prefill_s: float = 0.0
+    forward_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens over all rows."""
+        return sum(len(r.tokens) for r in self.rows)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per row-step over all rows (plain decoding = 1.0)."""
+        return self.num_tokens / max(1, sum(r.num_steps for r in self.rows))
+
+    @property
+    def overhead_s(self) -> float:
+        """Seconds outside the prefill and the verification forwards."""
+        return max(0.0, self.total_s - self.prefill_s - self.forward_s)
+
+
+def _as_prompt(p: torch.Tensor | Sequence[int]) -> list[int]:
+    if isinstance(p, torch.Tensor):
+        if p.ndim == 2 and p.shape[0] == 1:
+            p = p[0]
+        if p.ndim != 1:
+            raise ValueError(f"each prompt must be 1-D token ids (or (1, T)), got shape {tuple(p.shape)}")
+        return [int(t) for t in p.tolist()]
+    return [int(t) for t in p]
+
+
+class _BatchMask:
+    """Every step's ``(n, 1, m, W)`` masks as gathers from one right-aligned buffer.
+
+    ``ext`` is the batch-1 slab (``(M, S + M)``: the past in the first S columns, the tree in the last
+    M) followed by S masked columns. Row b with ``L_b`` cached columns (padding included) reads the
+    window starting at ``S - L_b``: the past before its tree, the tree at ``[L_b, L_b + M)``, masked
+    columns after. Left padding columns are masked afterwards.
+    """
+
+    def __init__(self, model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype):
+        self.max_past = max_past
+        self.neg = torch.finfo(dtype).min
+        slab = _mask_slab(model, tree, max_past, dtype)
+        slabs = slab if isinstance(slab, dict) else {"": slab}
+        self.ext = {
+            k: torch.cat(
+                [v[0, 0], torch.full((tree.num_nodes, max_past), self.neg, dtype=dtype, device=v.device)], 1
+            )
+            for k, v in slabs.items()
+        }  # each (M, 2S + M)
+        self.is_dict = isinstance(slab, dict)
+
+    def build(
+        self, lens: torch.Tensor, pads: torch.Tensor, m: int, width: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Masks ``(n, 1, m, width)`` for rows with ``lens`` ``(n,)`` cached columns and ``pads`` ``(n,)``."""
+        start = self.max_past - lens  # (n,)
+        col = torch.arange(width, device=lens.device)  # (W,)
+        pad_cols = (col[None, :] < pads[:, None])[:, None, None, :]  # (n, 1, 1, W)
+        out = {}
+        for k, ext in self.ext.items():
+            windows = ext[:m].unfold(1, width, 1).transpose(0, 1)  # (2S + M - W + 1, m, W), a view
+            mask = windows.index_select(0, start)  # (n, m, W)
+            out[k] = mask[:, None].masked_fill_(pad_cols, self.neg)  # (n, 1, m, W)
+        return out if self.is_dict else out[""]
+
+
+def _prefill_masks(
+    model: torch.nn.Module, allowed: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Float masks ``(n, 1, T, T)`` from the causal/padding ``allowed`` ``(n, T, T)``, windowed like
+    :func:`~medusa_train.decoding.generate._mask_slab` (query i sees key j only if ``i - j < window``)."""
+    neg = torch.finfo(dtype).min
+
+    def to_float(a: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(a.shape, dtype=dtype, device=a.device).masked_fill_(~a, neg)[:, None]
+
+    window, kind = _sliding_window_kinds(model.config)
+    if kind == "full":
+        return to_float(allowed)
+    col = torch.arange(allowed.shape[-1], device=allowed.device)  # (T,)
+    windowed = allowed & ((col[:, None] - col[None, :]) < window)[None]  # (n, T, T)
+    if kind == "sliding":
+        return to_float(windowed)
+    return {"full_attention": to_float(allowed), "sliding_attention": to_float(windowed)}
+
+
+def _num_layers(model: torch.nn.Module) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return cfg.num_hidden_layers
+
+
+@torch.inference_mode()
+def medusa_generate_batch(
+    model: torch.nn.Module,
+    heads: MedusaHeads | PackedHeads,
+    prompts: Sequence[torch.Tensor | Sequence[int]],
+    *,
+    max_new_tokens: int,
+    tree: TreeBuffers | Sequence[Sequence[int]],
+    acceptance: str = "greedy",
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+    eos_token_id: int | Sequence[int] | None = None,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None = None,
+    pad_token_id: int = 0,
+    batch1_fast_path: bool = True,
+) -> MedusaBatchOutput:
+    """Generate with Medusa heads for several prompts of any lengths at once.
+
+    Args:
+        model: as for :func:`~medusa_train.decoding.medusa_generate` (a 4-D float mask, explicit
+            position ids; "sdpa" or "eager" attention).
+        heads: the Medusa heads (or :class:`PackedHeads`).
+        prompts: B prompts, each 1-D token ids (a list or a ``(T,)`` / ``(1, T)`` tensor), T >= 1.
+        max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
+        tree: one tree for every row.
+        acceptance, temperature, top_p, posterior_threshold, posterior_alpha, eos_token_id: as for
+            :func:`~medusa_train.decoding.medusa_generate`, applied to each row.
+        generators: for ``sample``: one generator per row (a row's draws then depend on its
+            generator only), or one generator shared by all rows (draws in row order each step).
+        pad_token_id: the token placed in left-padding positions (masked; any valid id).
+        batch1_fast_path: with one prompt, run :func:`medusa_generate` (its batch-1 fast paths).
+
+    Returns:
+        :class:`MedusaBatchOutput`, rows in the prompts' order.
+
+    Raises:
+        ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
+            the wrong length, or a flash-attention model.
+        TreeError: the tree is malformed or deeper than the number of heads.
+    """
+    t_start = time.perf_counter()
+    rows_in = [_as_prompt(p) for p in prompts]
+    if not rows_in:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if any(len(r) == 0 for r in rows_in):
+        raise ValueError("a prompt is empty: give at least one token per prompt")
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn.startswith("flash"):
+        raise ValueError(
+            f"tree verification needs a 4-D float attention mask, which {attn} cannot take: "
+            "load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    bsz = len(rows_in)
+    if generators is None or isinstance(generators, torch.Generator):
+        gens = [generators] * bsz
+    else:
+        gens = list(generators)
+        if len(gens) != bsz:
+            raise ValueError(f"got {len(gens)} generators for {bsz} prompts: give one per prompt")
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    tree = as_tree(tree).to(device)
+    tree.check_heads(heads.num_heads)
+    packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
+    rule = dict(
+        acceptance=acceptance,
+        temperature=temperature,
+        top_p=top_p,
+        posterior_threshold=posterior_threshold,
+        posterior_alpha=posterior_alpha,
+        eos_token_id=eos_token_id,
+    )
+
+    if bsz == 1 and batch1_fast_path:
+        ids = torch.tensor([rows_in[0]], device=device)  # (1, T)
+        one = medusa_generate(
+            model, packed, ids, max_new_tokens=max_new_tokens, tree=tree, generator=gens[0], **rule
+        )
+        timing = dict(prefill_s=one.prefill_s, forward_s=one.forward_s)
+        one.prefill_s = one.forward_s = one.total_s = 0.0
+        return MedusaBatchOutput(
+            rows=[one], num_forwards=one.num_forwards, total_s=time.perf_counter() - t_start, **timing
+        )
+
+    eos = _eos_set(eos_token_id)
+    limit = context_limit(model)
+    lengths = [len(r) for r in rows_in]
+    budgets = [max_new_tokens if limit is None else min(max_new_tokens, limit - t) for t in lengths]
+    outs = [MedusaOutput(tokens=torch.empty(0, dtype=torch.long)) for _ in range(bsz)]
+    for b in range(bsz):
+        outs[b].stop_reason = "context" if budgets[b] < max_new_tokens else "max_new_tokens"
+    result = MedusaBatchOutput(rows=outs)
+    live = [b for b in range(bsz) if budgets[b] > 0]  # original row of each batch slot
+    for b in range(bsz):
+        if budgets[b] <= 0:
+            outs[b].stop_reason = "empty"
+    if not live:
+        result.total_s = time.perf_counter() - t_start
+        return result
+
+    # Per-call setup. Cache columns: the longest padded prompt, then at most budget - 1 accepted
+    # tokens (the last step needs no room after it) and one tree.
+    t_max = max(lengths[b] for b in live)
+    capacity = t_max + max(budgets[b] for b in live) + tree.num_nodes
+    masks = _BatchMask(model, tree, capacity, dtype)
+    cache = RowKVCache(_num_layers(model), capacity)
+    depth = tree.depth  # (M,)
+    pos_cap = None if limit is None else limit - 1
+
+    # 1. Prefill the left-padded prompts in one forward: a causal 4-D mask with padding columns masked
+    #    (a padding row sees itself only), per-row position ids from 0 at the first real token.
+    n = len(live)
+    pads = [t_max - lengths[b] for b in live]
+    ids = torch.full((n, t_max), pad_token_id, dtype=torch.long)
+    for i, b in enumerate(live):
+        ids[i, pads[i] :] = torch.tensor(rows_in[b])
+    ids = ids.to(device)  # (n, T)
+    pads_t = torch.tensor(pads, device=device)  # (n,)
+    col = torch.arange(t_max, device=device)  # (T,)
+    allowed = (col[None, :] <= col[:, None])[None] & (
+        col[None, None, :] >= pads_t[:, None, None]
+    )  # (n, T, T)
+    allowed |= torch.eye(t_max, dtype=torch.bool, device=device)[None]
+    prefill_mask = _prefill_masks(model, allowed, dtype)  # (n, 1, T, T), or one per layer type
+    position_ids = (col[None, :] - pads_t[:, None]).clamp(min=0)  # (n, T)
+    t0 = _now(device)
+    cache.width = t_max
+    out = model(
+        input_ids=ids,
+        attention_mask=prefill_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,
+    )
+    hidden = out.hidden_states[-1][:, -1]  # (n, d)
+    # 2. Each row's first root, drawn with its own generator under "sample".
+    roots = [
+        first_token(out.logits[i, -1], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
+        for i, b in enumerate(live)
+    ]
+    result.prefill_s = _now(device) - t0
+    del out, prefill_mask, allowed
+
+    cache_len = np.full(n, t_max, dtype=np.int64)  # L per slot: cached columns, padding included
+    pad_np = np.asarray(pads, dtype=np.int64)
+    emitted: list[list[int]] = [[] for _ in range(bsz)]
+    steps: list[list[int]] = [[] for _ in range(bsz)]
+    node_range = torch.arange(tree.num_nodes, device=device)  # (M,)
+
+    while live:
+        n = len(live)
+        # 3. Rows whose root is EOS or their last allowed token emit it without a forward and leave.
+        done: list[int] = []
+        for i, b in enumerate(live):
+            room = budgets[b] - len(emitted[b])
+            if roots[i] in eos or room == 1:
+                emitted[b].append(roots[i])
+                steps[b].append(1)
+                if roots[i] in eos:
+                    outs[b].stop_reason = "eos"
+                done.append(i)
+        if done:
+            keep = [i for i in range(n) if i not in set(done)]
+            if not keep:
+                break
+            live, roots, hidden, cache_len, pad_np = _drop(
+                cache, keep, live, roots, hidden, cache_len, pad_np
+            )
+            n = len(live)
+        # 4. Candidates for every row from its last hidden state: the tree is cut to the depth the
+        #    roomiest row can still emit; rows with less room use their own prefix at acceptance.
+        rooms = [budgets[b] - len(emitted[b]) for b in live]
+        sub = tree.prefix(max(rooms) - 1)
+        m = sub.num_nodes
+        head_logits = packed.logits_rows(hidden, sub.max_depth)  # (n, D, V)
+        top = head_logits.topk(sub.topk, dim=-1).indices  # (n, D, topk)
+        root_t = torch.tensor(roots, device=device)[:, None]  # (n, 1)
+        flat = torch.cat([root_t, top.reshape(n, -1)], dim=1)  # (n, 1 + D * topk)
+        tree_tokens = flat[:, sub.tree_indices]  # (n, m)
+        # 5. One forward for all rows: row b's nodes go to cache columns [L_b, L_b + m), its mask is the
+        #    tree mask shifted to L_b, its position ids continue its own sequence.
+        lens = torch.from_numpy(cache_len).to(device)  # (n,)
+        pads_t = torch.from_numpy(pad_np).to(device)  # (n,)
+        width = int(cache_len.max()) + m
+        mask = masks.build(lens, pads_t, m, width)  # (n, 1, m, W)
+        position_ids = (lens - pads_t)[:, None] + depth[:m]  # (n, m)
+        if pos_cap is not None:
+            position_ids = position_ids.clamp(max=pos_cap)  # nodes past a row's room are discarded
+        cache.width = width
+        cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
+        cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
+        t0 = _now(device)
+        fwd = model(
+            input_ids=tree_tokens,
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        result.forward_s += _now(device) - t0
+        result.num_forwards += 1
+        logits, node_hidden = fwd.logits, fwd.hidden_states[-1]  # (n, m, V), (n, m, d)
+        del fwd
+        # 6. Acceptance per row on its own sub-tree (the first m_b nodes).
+        host_tokens = tree_tokens.tolist()
+        preds = argmax_list(logits) if acceptance == "greedy" or temperature <= 0 else None
+        new_roots: list[int] = []
+        last_nodes: list[int] = []
+        finished: list[int] = []
+        moves: list[tuple[int, int, int]] = []  # (slot, src column, dst column)
+        for i, b in enumerate(live):
+            outs[b].num_forwards += 1
+            sub_b = tree.prefix(rooms[i] - 1)
+            m_b = sub_b.num_nodes
+            if preds is not None:
+                path = walk_matches(host_tokens[i], preds[i], sub_b.child_lists())
+                nxt = preds[i][path[-1]]
+            elif acceptance == "typical":
+                acc = accept_typical(
+                    tree_tokens[i, :m_b],
+                    logits[i, :m_b],
+                    sub_b,
+                    temperature=temperature,
+                    posterior_threshold=posterior_threshold,
+                    posterior_alpha=posterior_alpha,
+                )
+                path, nxt = acc.path, acc.next_token
+            else:
+                acc = accept_sample(
+                    tree_tokens[i, :m_b], logits[i, :m_b], sub_b, temperature=temperature, top_p=top_p,
+                    generator=gens[b],
+                )  # fmt: skip
+                path, nxt = acc.path, acc.next_token
+            path_tokens = [host_tokens[i][p] for p in path]
+            # 7. EOS inside the path: emit up to and including it; the row is done.
+            if eos and not eos.isdisjoint(path_tokens):
+                cut = next(j + 1 for j, tok in enumerate(path_tokens) if tok in eos)
+                emitted[b].extend(path_tokens[:cut])
+                steps[b].append(cut)
+                outs[b].stop_reason = "eos"
+                finished.append(i)
+                new_roots.append(0)
+                last_nodes.append(0)
+                continue
+            emitted[b].extend(path_tokens)
+            steps[b].append(len(path))
+            new_roots.append(nxt)
+            last_nodes.append(path[-1])
+            if len(emitted[b]) >= budgets[b]:
+                finished.append(i)
+                continue
+            # 8. The accepted entries out of place move to [L_b, L_b + n_b).
+            base = int(cache_len[i])
+            moves.extend((i, base + p, base + j) for j, p in enumerate(path) if p != j)
+            cache_len[i] = base + len(path)
+        if moves:
+            mv = torch.tensor(moves, device=device)  # (N, 3)
+            cache.move_entries(mv[:, 0], mv[:, 1], mv[:, 2])
+        # 9. The last accepted node's hidden state feeds the heads; finished rows leave the batch.
+        hidden = node_hidden[
+            torch.arange(n, device=device), torch.tensor(last_nodes, device=device)
+        ]  # (n, d)
+        roots = new_roots
+        if finished:
+            keep = [i for i in range(n) if i not in set(finished)]
+            if not keep:
+                break
+            live, roots, hidden, cache_len, pad_np = _drop(
+                cache, keep, live, roots, hidden, cache_len, pad_np
+            )
+        cache.write_cols = None
+
+    for b in range(bsz):
+        outs[b].tokens = torch.tensor(emitted[b], dtype=torch.long)
+        outs[b].accepted_lengths = steps[b]
+    result.total_s = time.perf_counter() - t_start
+    return result
+
+
+def _drop(cache: RowKVCache, keep: list[int], live, roots, hidden, cache_len, pad_np):
+    """Keep batch slots ``keep``: move their cache rows down in place and select their state."""
+    idx = torch.tensor(keep, device=hidden.device)
+    cache.keep_rows(idx)
+    return (
+        [live[i] for i in keep],
+        [roots[i] for i in keep],
+        hidden.index_select(0, idx),
+        cache_len[keep],
+        pad_np[keep],
+    )
