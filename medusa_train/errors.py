@@ -1,7 +1,7 @@
 """Errors a user can fix. The CLI prints them as one line on stderr and exits with code 2.
 
 :func:`environment_fault` turns the faults of the machine a run writes to (a read-only or full disk,
-a folder without write permission) into such a line too: the stages write every artefact to a temp
+a folder without write permission, a file where a folder must go) into such a line too: the stages write every artefact to a temp
 name and rename it into place, so a write that fails leaves the previous artefact (or none), never a
 half-written one, and the same command resumes once the fault is fixed.
 """
@@ -34,6 +34,7 @@ _FAULTS = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a file stands where a folder is needed",
 }
 # The disk faults as libraries word them when they raise no OSError (safetensors' Rust I/O errors,
 # Arrow): strerror's text and Rust's "(os error N)". Permission faults count only as a real OSError.
@@ -106,6 +107,8 @@ def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
             f"{message}: free space on that disk or pass workdir=<a folder on another disk>, then run the "
             "same command again (finished work is kept)"
         )
+    if code == errno.ENOTDIR:
+        return f"{message}: pass workdir=<a folder> (a part of that path is a file)"
     return (
         f"{message}: make {folder} writable (or pass workdir=<a writable folder>), then run the same "
         "command again (finished work is kept)"

@@ -210,6 +210,24 @@ def test_read_only_workdir(
     assert _tree(root) == before and not _leftovers(root)
 
 
+def test_workdir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "a question?"}) + "\n")
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    argv = [
+        f"workdir={afile}",
+        "stage=distill",
+        "debug=fast",
+        "tracking=disabled",
+        "data=jsonl",
+        f"data.path={data}",
+    ]
+    assert main([*argv, "model=hf", f"model.name_or_path={make_workdir(tmp_path / 'run') / 'backbone'}"]) == 2
+    assert f"a file stands where a folder is needed: {afile}/" in _error_line(capsys)
+    assert afile.read_text() == "not a folder"
+
+
 def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
     """Every fsync fails with ENOSPC (only for files whose name contains ``only``, where /proc says)."""
     real_fsync = os.fsync
