@@ -37,6 +37,17 @@ def _choice(key: str, value: Any, options: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, options))}")
 
 
+LR_SCHEDULERS = (
+    "cosine",
+    "linear",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+)
+"""transformers' schedulers the trainer can build from a name alone (the others need
+``lr_scheduler_kwargs`` or evaluation metrics)."""
 SEED_MAX = 2**32 - 1
 """Largest seed: ``transformers.set_seed`` hands the seed to NumPy, which takes 0 .. 2**32 - 1."""
 
@@ -306,7 +317,8 @@ class TrainingConfig:
     warmup_ratio: float = 0.05
     """Fraction of the total optimizer steps spent in linear warm-up, in [0, 1)."""
     lr_scheduler: str = "cosine"
-    """Any transformers scheduler name: cosine | linear | constant | constant_with_warmup ..."""
+    """A transformers scheduler that needs no extra arguments: cosine | linear | constant |
+    constant_with_warmup | cosine_with_restarts | polynomial | inverse_sqrt."""
     per_device_batch_size: int = 8
     """Sequences per process per micro-batch, >= 1 (global batch = this x processes x accumulation)."""
     gradient_accumulation_steps: int = 1
@@ -369,6 +381,7 @@ class TrainingConfig:
         _choice("training.mode", self.mode, ("medusa1", "medusa2"))
         _choice("training.lambda_warmup", self.lambda_warmup, ("constant", "linear", "sine", "sine_r"))
         _choice("training.lm_loss", self.lm_loss, ("kl", "ce"))
+        _choice("training.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _choice("training.backbone_tuning", self.backbone_tuning, ("full", "lora", "qlora"))
         for key in (
             "num_heads",
