@@ -375,7 +375,8 @@ class TrainingConfig:
     lora_dropout: float = 0.05
     """medusa2 lora/qlora: dropout on the adapter input, in [0, 1)."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """medusa2 lora/qlora: module names that get adapters."""
+    """medusa2 lora/qlora: module names that get adapters (at least one; each must name a module of the
+    backbone, checked when it is loaded)."""
 
     def __post_init__(self) -> None:
         _choice("training.mode", self.mode, ("medusa1", "medusa2"))
@@ -415,6 +416,10 @@ class TrainingConfig:
                 f"{self.num_heads + 2} (the last head needs a target token)"
             )
         _seed("training.seed", self.seed)
+        if self.backbone_tuning in ("lora", "qlora") and not self.lora_target_modules:
+            raise ConfigError(
+                f"training.backbone_tuning={self.backbone_tuning} needs training.lora_target_modules=[q_proj,...]"
+            )
         if self.cache_hidden_states and self.mode != "medusa1":
             raise ConfigError("training.cache_hidden_states=true needs a frozen backbone (training=medusa1)")
 

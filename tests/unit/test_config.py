@@ -187,6 +187,7 @@ BAD_VALUES = [
     "training.save_total_limit=0",
     "training.seed=-1",
     "training.lr_scheduler=bogus",
+    "training.lora_target_modules=[]",  # with backbone_tuning=lora (below)
     "training.lr_scheduler=cosine_with_min_lr",  # needs lr_scheduler_kwargs
     "training.calibration_max_records=-1",
     "training.calibration_max_records=0",
@@ -247,13 +248,17 @@ def _build(*overrides: str) -> Config:
 
 @pytest.mark.parametrize("override", BAD_VALUES)
 def test_out_of_range_value_is_one_config_error(override: str) -> None:
-    extra = ["tree.name=custom"] if override.startswith("tree.choices") else []
+    extra = {
+        "tree.choices": ["tree.name=custom"],
+        "training.lora_target_modules": ["training.backbone_tuning=lora"],
+    }
+    extra = extra.get(_key(override), [])
     with pytest.raises(ConfigError) as err:
         _build(*extra, override)
     message = str(err.value)
     assert _key(override) in message and "\n" not in message, message
     if not override.startswith("tree.choices"):  # a range or the allowed values
-        assert "must be" in message or "is not one of" in message or "set training." in message, message
+        assert any(w in message for w in ("must be", "is not one of", "set training.", " needs ")), message
 
 
 def test_every_numeric_field_has_a_range_check() -> None:
