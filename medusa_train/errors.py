@@ -110,6 +110,6 @@ def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
     if code == errno.ENOTDIR:
         return f"{message}: pass workdir=<a folder> (a part of that path is a file)"
     return (
-        f"{message}: make {folder} writable (or pass workdir=<a writable folder>), then run the same "
-        "command again (finished work is kept)"
+        f"{message}: give this user access to {folder} (or pass workdir=<a folder you can write>), then "
+        "run the same command again (finished work is kept)"
     )
