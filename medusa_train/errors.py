@@ -109,6 +109,8 @@ def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
         )
     if code == errno.ENOTDIR:
         return f"{message}: pass workdir=<a folder> (a part of that path is a file)"
+    if code == errno.EROFS:
+        return f"{message}: pass workdir=<a folder on a writable disk>, then run the same command again"
     return (
         f"{message}: give this user access to {folder} (or pass workdir=<a folder you can write>), then "
         "run the same command again (finished work is kept)"
