@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from medusa_train.__main__ import main
+from medusa_train.errors import environment_fault
 from tests.helpers.tiny_workdir import make_workdir
 
 
@@ -299,3 +300,28 @@ def test_full_disk_during_distill_publishes_no_shard(
     assert (distill_dir / "progress.json").is_file()
     assert not list(distill_dir.rglob("*.arrow")) and not (distill_dir / "manifest.json").exists()
     assert not _leftovers(run)
+
+
+def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) -> None:
+    """A fault inside a staging folder or an atomic write's temp file names the artefact it was becoming;
+    libraries that reword the OS error (safetensors' Rust I/O, Arrow) are recognised by its text; other
+    errors are not taken for faults (they stay tracebacks: bugs)."""
+    temp = tmp_path / ".export.tmp-4242" / "medusa" / ".medusa_lm_head.safetensors.a1b2c3d4.tmp"
+    full = environment_fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temp)), tmp_path)
+    assert full.startswith(
+        f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
+    )
+    assert "free there" in full
+    wrapped = RuntimeError(
+        "Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"
+    )
+    assert environment_fault(wrapped, tmp_path).startswith(f"no space left on the device: {tmp_path} (")
+    try:  # a cause further down the chain counts too
+        try:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        except OSError as err:
+            raise ValueError("save failed") from err
+    except ValueError as chained:
+        assert environment_fault(chained, tmp_path).startswith(f"the file system is read-only: {tmp_path}:")
+    assert environment_fault(RuntimeError("Permission denied by the hub"), tmp_path) is None
+    assert environment_fault(KeyError("x"), tmp_path) is None
