@@ -1,9 +1,10 @@
 """Errors a user can fix. The CLI prints them as one line on stderr and exits with code 2.
 
 :func:`environment_fault` turns the faults of the machine a run writes to (a read-only or full disk,
-a folder without write permission, a file where a folder must go) into such a line too: the stages write every artefact to a temp
-name and rename it into place, so a write that fails leaves the previous artefact (or none), never a
-half-written one, and the same command resumes once the fault is fixed.
+a folder without write permission, a file where a folder must go) into such a line too: the stages
+write every artefact to a temp name and rename it into place, so a write that fails leaves the
+previous artefact (or none), never a half-written one, and the same command resumes once the fault
+is fixed.
 """
 
 from __future__ import annotations

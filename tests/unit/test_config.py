@@ -105,8 +105,16 @@ def test_cli_subprocess_no_traceback(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir()), "a rejected config must write nothing"
 
 
+def _forget_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset LOCAL_RANK now and after the test, whatever sets it meanwhile (main exports --local_rank):
+    a leaked LOCAL_RANK makes later tests' Trainer start torch.distributed. ``delenv`` of an unset
+    variable records nothing to undo, hence the ``setenv`` first."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
+
+
 def test_local_rank_flag_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    _forget_local_rank(monkeypatch)
     assert strip_launcher_args(["--local_rank=3", "stage=train"]) == ["stage=train"]
     import os
 
@@ -114,7 +122,8 @@ def test_local_rank_flag_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert strip_launcher_args(["stage=eval", "--local-rank", "1", "x=1"]) == ["stage=eval", "x=1"]
 
 
-def test_cfg_flag_prints_config(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cfg_flag_prints_config(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_local_rank(monkeypatch)
     assert main(["--cfg", "--local_rank=0", "training.lr=0.5"]) == 0
     assert '"lr": 0.5' in capsys.readouterr().out
 
