@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 
 from medusa_train.config import compose_config
-from medusa_train.errors import UserError
+from medusa_train.errors import UserError, environment_fault
 from medusa_train.report import summary_table
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, REPORT_MD
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    cfg = None
     try:
         cfg = compose_config(argv)
         if print_cfg:
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         run_stage(cfg)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a full or read-only disk, no permission: one line too; anything else is a bug
+        message = environment_fault(err, cfg.workdir if cfg is not None else ".")
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)

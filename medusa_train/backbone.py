@@ -44,12 +44,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
-    """``auto`` -> this process's CUDA device (LOCAL_RANK) if CUDA is available, else CPU."""
+    """The device ``model.device`` names, checked against this machine.
+
+    ``auto`` -> this process's CUDA device (LOCAL_RANK) if CUDA is available, else CPU.
+
+    Raises:
+        UserError: an unknown device, or one this machine does not have (CUDA without a GPU or a
+            CUDA build of torch, a GPU index beyond the visible GPUs, MPS off a Mac).
+    """
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
-    return torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"model.device={spec!r} is not one of auto, cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
+            raise UserError(f"model.device={spec} but {why}: use model.device=cpu (or auto)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UserError(
+                f"model.device={spec} but this machine has {count} GPU(s) (cuda:0 .. cuda:{count - 1}): "
+                "pick one of those, or model.device=cuda"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"model.device={spec} but MPS is not available here: use model.device=cpu (or auto)")
+    elif device.type not in ("cpu", "mps"):
+        raise UserError(f"model.device={spec!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    return device
 
 
 def check_backbone_source(name_or_path: str) -> None:

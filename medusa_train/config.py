@@ -4,7 +4,9 @@
 tree, tracking). Every field is documented here, with units. Composition runs OmegaConf's type
 checks (a misspelt key or a wrong type fails before any work, naming the key), then
 ``OmegaConf.to_object`` builds the dataclasses below, whose ``__post_init__`` checks the
-combinations that types alone cannot express.
+combinations that types alone cannot express and the range of every number (sizes, counts, rates,
+fractions, seeds; each field's docstring gives it; NaN and infinities never pass), so that no value
+starts unbounded or empty work (tests/unit/test_config.py holds an out-of-range value for each).
 
 Only ``medusa_train/__main__.py`` and ``medusa_train/stages/`` read this config; reusable parts
 (heads, decoding, losses, data readers) take plain arguments.
@@ -12,6 +14,8 @@ Only ``medusa_train/__main__.py`` and ``medusa_train/stages/`` read this config;
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -19,10 +23,13 @@ from typing import Any, ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from medusa_train.decoding.tree import TreeError, normalise_choices
 from medusa_train.errors import ConfigError
 
 STAGES = ("pretrain", "distill", "train", "export", "eval", "all")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+DEVICE_SPEC = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+"""The values `model.device` accepts (whether this machine has the device is checked when it is used)."""
 
 
 def _choice(key: str, value: Any, options: tuple) -> None:
@@ -30,9 +37,55 @@ def _choice(key: str, value: Any, options: tuple) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, options))}")
 
 
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+LR_SCHEDULERS = (
+    "cosine",
+    "linear",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+)
+"""transformers' schedulers the trainer can build from a name alone (the others need
+``lr_scheduler_kwargs`` or evaluation metrics)."""
+SEED_MAX = 2**32 - 1
+"""Largest seed: ``transformers.set_seed`` hands the seed to NumPy, which takes 0 .. 2**32 - 1."""
+
+
+def _range(
+    key: str,
+    value: float | None,
+    low: float,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise ConfigError unless ``low <= value <= high`` (``<`` where open); NaN and infinities fail too.
+
+    ``None`` passes: fields typed ``X | None`` use it for "all" / "no limit".
+    """
+    if value is None:
+        return
+    above = value > low if low_open else value >= low
+    below = high is None or (value < high if high_open else value <= high)
+    if math.isfinite(value) and above and below:
+        return
+    if high is None:
+        allowed = f"{'>' if low_open else '>='} {low}"
+    else:
+        allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    finite = "" if math.isfinite(value) else "a finite number "
+    raise ConfigError(f"{key}={value} must be {finite}{allowed}")
+
+
+def _positive(key: str, value: float | None, allow_zero: bool = False) -> None:
+    """``value > 0`` (``>= 0`` with ``allow_zero``), finite; None passes."""
+    _range(key, value, 0, low_open=not allow_zero)
+
+
+def _seed(key: str, value: int) -> None:
+    _range(key, value, 0, SEED_MAX)
 
 
 @dataclass
@@ -55,11 +108,14 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
     device: str = "auto"
-    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N. Distributed launches use the local rank."""
+    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps. Distributed launches use the local rank.
+    A device this machine does not have fails before any work."""
 
     def __post_init__(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))
         _choice("model.quantization", self.quantization, ("none", "8bit", "4bit"))
+        if not DEVICE_SPEC.fullmatch(self.device):
+            raise ConfigError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
 
 
 @dataclass
@@ -67,7 +123,7 @@ class PretrainConfig:
     """`stage=pretrain`: train the embedded tiny Llama (model=tiny only), the backbone of the demo."""
 
     vocab_size: int = 2048
-    """BPE vocabulary size of the embedded tokenizer."""
+    """BPE vocabulary size of the embedded tokenizer; >= 262 (the 256 byte tokens and 6 special tokens)."""
     hidden_size: int = 192
     """Width of the tiny Llama (3.05M parameters at the defaults). Chosen for the Medusa demo, not only
     for perplexity: a 128-wide 4-layer model (1.05M) learns the corpus faster per second, but its
@@ -75,51 +131,55 @@ class PretrainConfig:
     (measured tau 2.45, speed-up 1.38x); at 192 x 6 layers the same pipeline measured tau 4.0 and
     2.4x (docs/benchmarks.md). A model the size of a real LLM is forward-bound anyway."""
     num_layers: int = 6
-    """Decoder layers."""
+    """Decoder layers, >= 1."""
     num_attention_heads: int = 6
-    """Attention heads (head dim = hidden_size / num_attention_heads)."""
+    """Attention heads, >= 1 (head dim = hidden_size / num_attention_heads)."""
     intermediate_size: int = 512
-    """MLP width."""
+    """MLP width, >= 1."""
     max_position_embeddings: int = 1024
     """Context limit the tiny model declares, tokens. It only trains on `seq_len`-token windows, and
     past them its quality drops (held-out perplexity of the demo's model, measured 2026-11-22: 3.8 at
     positions 128-255, 5.2 at 256-383, 8.1 at 384-511, 13.9 at 512-767). 18 of the demo's 600
     distilled records run past 256 tokens (the longest: 309). The limit stays at 1024 so that
     `distill.max_new_tokens=256` still leaves room for prompts (distill caps prompts at this minus
-    max_new_tokens)."""
+    max_new_tokens). At least `seq_len`."""
     seq_len: int = 256
-    """Training sequence length, tokens (documents are packed)."""
+    """Training sequence length, tokens (documents are packed); 2 .. max_position_embeddings."""
     batch_size: int = 8
-    """Sequences per optimizer step; small batches give more steps in the short CPU budget."""
+    """Sequences per optimizer step, >= 1; small batches give more steps in the short CPU budget."""
     lr: float = 4e-3
-    """Peak AdamW learning rate; cosine decay to 10% of it over the step cap or the time budget."""
+    """Peak AdamW learning rate, > 0; cosine decay to 10% of it over the step cap or the time budget."""
     warmup_steps: int = 30
-    """Linear learning-rate warm-up, optimizer steps."""
+    """Linear learning-rate warm-up, optimizer steps, >= 0."""
     max_steps: int = 100000
-    """Step cap; the wall-clock budget `max_minutes` usually ends training first."""
+    """Step cap, >= 1; the wall-clock budget `max_minutes` usually ends training first."""
     max_minutes: float = 3.5
-    """Wall-clock budget for the optimisation loop, minutes (tokenizer + eval come on top)."""
+    """Wall-clock budget for the optimisation loop, minutes, > 0 (tokenizer + eval come on top)."""
     num_conversations: int = 30000
-    """Embedded corpus size (conversations) used to train tokenizer and model."""
+    """Embedded corpus size (conversations) used to train tokenizer and model, >= 1."""
     heldout_fraction: float = 0.05
-    """Fraction of documents held out to measure perplexity."""
+    """Fraction of documents held out to measure perplexity, in (0, 1)."""
     overwrite: bool = False
     """Retrain even if `workdir/pretrain` is complete."""
 
     def __post_init__(self) -> None:
+        _range("pretrain.vocab_size", self.vocab_size, 262)
         for key in (
-            "vocab_size",
             "hidden_size",
             "num_layers",
             "num_attention_heads",
-            "seq_len",
+            "intermediate_size",
+            "max_position_embeddings",
             "batch_size",
             "max_steps",
+            "num_conversations",
         ):
-            _positive(f"pretrain.{key}", getattr(self, key))
+            _range(f"pretrain.{key}", getattr(self, key), 1)
+        _range("pretrain.seq_len", self.seq_len, 2, self.max_position_embeddings)
+        _positive("pretrain.lr", self.lr)
+        _range("pretrain.warmup_steps", self.warmup_steps, 0)
         _positive("pretrain.max_minutes", self.max_minutes)
-        if not 0 < self.heldout_fraction < 1:
-            raise ConfigError(f"pretrain.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
+        _range("pretrain.heldout_fraction", self.heldout_fraction, 0, 1, low_open=True, high_open=True)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("pretrain.hidden_size must be divisible by pretrain.num_attention_heads")
 
@@ -147,13 +207,13 @@ class DataConfig:
     prompt_key: str = "prompt"
     """format=jsonl: the key holding the prompt text."""
     max_records: int | None = None
-    """Use at most this many records (after skipping bad ones); null = all."""
+    """Use at most this many records (after skipping bad ones), >= 1; null = all."""
     num_prompts: int = 600
-    """format=embedded: how many prompts of the embedded train split to distill."""
+    """format=embedded: how many prompts of the embedded train split to distill, >= 1."""
     text_prompt_chars: int = 400
-    """format=text: prompts are consecutive chunks of about this many characters."""
+    """format=text: prompts are consecutive chunks of about this many characters, >= 1."""
     max_prompt_tokens: int = 512
-    """Token limit of a distillation context (capped at the model's max_position_embeddings minus
+    """Token limit of a distillation context, >= 1 (capped at the model's max_position_embeddings minus
     distill.max_new_tokens): longer first prompts are handled by `long_prompts`; a later turn whose
     context would be longer is not answered (the conversation ends with the previous reply)."""
     long_prompts: str = "skip"
@@ -162,7 +222,7 @@ class DataConfig:
     """Fail on the first bad record (malformed JSON, empty conversation, leading assistant turn, prompt
     too long) naming its line, instead of skipping it with one summary warning."""
     eval_fraction: float = 0.05
-    """Fraction of distilled records held out for head accuracy / tree calibration."""
+    """Fraction of distilled records held out for head accuracy / tree calibration, in [0, 1)."""
 
     def __post_init__(self) -> None:
         _choice(
@@ -174,9 +234,11 @@ class DataConfig:
             raise ConfigError(f"data.format={self.format} needs data.path=<file>")
         if self.format == "hub" and not self.name:
             raise ConfigError("data.format=hub needs data.name=<dataset id>")
-        _positive("data.max_prompt_tokens", self.max_prompt_tokens)
-        if not 0 <= self.eval_fraction < 1:
-            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        _range("data.max_records", self.max_records, 1)
+        _range("data.num_prompts", self.num_prompts, 1)
+        _range("data.text_prompt_chars", self.text_prompt_chars, 1)
+        _range("data.max_prompt_tokens", self.max_prompt_tokens, 1)
+        _range("data.eval_fraction", self.eval_fraction, 0, 1, high_open=True)
 
 
 @dataclass
@@ -189,17 +251,17 @@ class DistillConfig:
     both tested), so a run may resume with another batch size."""
 
     max_new_tokens: int = 256
-    """Per assistant turn, tokens."""
+    """Per assistant turn, tokens, >= 1."""
     temperature: float = 0.0
-    """0 = greedy; > 0 samples (with top_p)."""
+    """0 = greedy; > 0 samples (with top_p). Finite, >= 0."""
     top_p: float = 1.0
-    """Nucleus sampling mass when temperature > 0 (1.0 = off)."""
+    """Nucleus sampling mass when temperature > 0, in (0, 1] (1.0 = off)."""
     batch_size: int = 16
-    """Rows generated together (continuous batching: a finished row frees its slot for the next prompt)."""
+    """Rows generated together, >= 1 (continuous batching: a finished row frees its slot for the next prompt)."""
     shard_size: int = 256
-    """Records per Arrow shard; a killed run loses at most the shard in progress."""
+    """Records per Arrow shard, >= 1; a killed run loses at most the shard in progress."""
     seed: int = 0
-    """Sampling seed (per record and turn, so results do not depend on batching or rank)."""
+    """Sampling seed, 0 .. 2**32 - 1 (per record and turn, so results do not depend on batching or rank)."""
     overwrite: bool = False
     """Discard an existing distill folder made with other settings (backbone fingerprint, dtype,
     tokenizer, every distill.* and data.* field but batch_size, strict and eval_fraction; top_p and seed
@@ -207,12 +269,12 @@ class DistillConfig:
     when complete, reused as is."""
 
     def __post_init__(self) -> None:
-        _positive("distill.max_new_tokens", self.max_new_tokens)
+        _range("distill.max_new_tokens", self.max_new_tokens, 1)
         _positive("distill.temperature", self.temperature, allow_zero=True)
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"distill.top_p={self.top_p} must be in (0, 1]")
-        _positive("distill.batch_size", self.batch_size)
-        _positive("distill.shard_size", self.shard_size)
+        _range("distill.top_p", self.top_p, 0, 1, low_open=True)
+        _range("distill.batch_size", self.batch_size, 1)
+        _range("distill.shard_size", self.shard_size, 1)
+        _seed("distill.seed", self.seed)
 
 
 @dataclass
@@ -241,97 +303,123 @@ class TrainingConfig:
     mode: str = "medusa1"
     """medusa1 (frozen backbone, heads only) | medusa2 (joint training)."""
     num_heads: int = 4
-    """K: head k predicts token t+k+1."""
+    """K, >= 1: head k predicts token t+k+1."""
     num_layers: int = 1
-    """Residual blocks per head."""
+    """Residual blocks per head, >= 0."""
     init_from_lm_head: bool = True
     """Initialise every head's vocab projection from the backbone's lm_head."""
     decay: float = 0.8
-    """Head-loss weights lambda_k = decay^(k-1)."""
+    """Head-loss weights lambda_k = decay^(k-1), decay in (0, 1]."""
     lr: float = 1e-3
-    """Learning rate of the heads (medusa1) / of the backbone (medusa2)."""
+    """Learning rate of the heads (medusa1) / of the backbone (medusa2), > 0."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, >= 0."""
     warmup_ratio: float = 0.05
-    """Fraction of the total optimizer steps spent in linear warm-up."""
+    """Fraction of the total optimizer steps spent in linear warm-up, in [0, 1)."""
     lr_scheduler: str = "cosine"
-    """Any transformers scheduler name: cosine | linear | constant | constant_with_warmup ..."""
+    """A transformers scheduler that needs no extra arguments: cosine | linear | constant |
+    constant_with_warmup | cosine_with_restarts | polynomial | inverse_sqrt."""
     per_device_batch_size: int = 8
-    """Sequences per process per micro-batch (global batch = this x processes x accumulation)."""
+    """Sequences per process per micro-batch, >= 1 (global batch = this x processes x accumulation)."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches per optimizer step, >= 1."""
     num_epochs: float = 1.0
-    """Passes over the training split (fractions allowed)."""
+    """Passes over the training split (fractions allowed), >= 0 (> 0 unless max_steps is set)."""
     max_steps: int = -1
-    """Overrides num_epochs when > 0."""
+    """Overrides num_epochs when >= 1; -1 = use num_epochs (no other value below 1)."""
     max_minutes: float | None = None
-    """Optional wall-clock budget, minutes: training stops cleanly (and saves) when reached."""
+    """Optional wall-clock budget, minutes, > 0: training stops cleanly (and saves) when reached; null = none."""
     max_seq_len: int = 512
-    """Longer distilled records are truncated to this many tokens."""
+    """Longer distilled records are truncated to this many tokens; >= num_heads + 2 (so that the last head
+    has a target)."""
     loss_chunk_size: int = 512
-    """Tokens per chunk in the chunked head cross-entropy (memory vs speed)."""
+    """Tokens per chunk in the chunked head cross-entropy (memory vs speed), >= 1."""
     logging_steps: int = 10
-    """Log loss and per-head top-1/top-5 every N optimizer steps."""
+    """Log loss and per-head top-1/top-5 every N >= 1 optimizer steps."""
     save_steps: int = 200
-    """Checkpoint every N optimizer steps (resumable)."""
+    """Checkpoint every N >= 1 optimizer steps (resumable)."""
     save_total_limit: int = 2
-    """Checkpoints kept in workdir/train (older ones are deleted)."""
+    """Checkpoints kept in workdir/train, >= 1 (older ones are deleted)."""
     cache_hidden_states: bool = False
     """Medusa-1: compute the backbone's last hidden states once into a memory-mapped store and
     train the heads from it (no backbone forward per epoch)."""
     seed: int = 0
-    """Seed of head init, data order and dropout."""
+    """Seed of head init, data order and dropout, 0 .. 2**32 - 1."""
     overwrite: bool = False
     """Retrain even if `workdir/heads` is complete for the same settings (also discards `workdir/train`)."""
     init_heads: str | None = None
     """Start from these heads (a heads directory, e.g. Medusa-1 heads before Medusa-2); null = fresh heads."""
     calibration_max_records: int = 200
-    """Held-out records used for the top-k accuracy table and tree calibration after training. A change
+    """Held-out records used for the top-k accuracy table and tree calibration after training, >= 1. A change
     (like one of `tree.max_nodes|topk|latency_context`) re-runs only the calibration of finished heads."""
     # -- medusa2 -------------------------------------------------------------------------------
     head_lr_multiplier: float = 4.0
-    """medusa2: heads lr = lr * head_lr_multiplier."""
+    """medusa2: heads lr = lr * head_lr_multiplier, > 0."""
     lambda0: float = 0.2
-    """medusa2: final weight of the heads' loss next to the LM loss."""
+    """medusa2: final weight of the heads' loss next to the LM loss, > 0."""
     lambda_warmup: str = "sine"
     """medusa2: constant | linear | sine | sine_r schedule of lambda0 over lambda_warmup_steps."""
     lambda_warmup_steps: int = 100
     """medusa2: optimizer steps over which lambda0 rises to its final value, counted from the end of
-    heads_only_steps."""
+    heads_only_steps; >= 0."""
     lm_loss: str = "kl"
     """medusa2: kl (to the frozen original, for self-distilled data) | ce (on the data)."""
     heads_only_steps: int = 0
-    """medusa2 two-stage: train heads only for N steps, then jointly (the lambda0 warm-up starts then)."""
+    """medusa2 two-stage: train heads only for N >= 0 steps, then jointly (the lambda0 warm-up starts then)."""
     backbone_tuning: str = "full"
     """medusa2: full | lora | qlora."""
     lora_r: int = 16
-    """medusa2 lora/qlora: adapter rank."""
+    """medusa2 lora/qlora: adapter rank, >= 1."""
     lora_alpha: int = 32
-    """medusa2 lora/qlora: adapter scaling numerator (scale = alpha / r)."""
+    """medusa2 lora/qlora: adapter scaling numerator (scale = alpha / r), >= 1."""
     lora_dropout: float = 0.05
-    """medusa2 lora/qlora: dropout on the adapter input."""
+    """medusa2 lora/qlora: dropout on the adapter input, in [0, 1)."""
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """medusa2 lora/qlora: module names that get adapters."""
+    """medusa2 lora/qlora: module names that get adapters (at least one; each must name a module of the
+    backbone, checked when it is loaded)."""
 
     def __post_init__(self) -> None:
         _choice("training.mode", self.mode, ("medusa1", "medusa2"))
         _choice("training.lambda_warmup", self.lambda_warmup, ("constant", "linear", "sine", "sine_r"))
         _choice("training.lm_loss", self.lm_loss, ("kl", "ce"))
+        _choice("training.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         _choice("training.backbone_tuning", self.backbone_tuning, ("full", "lora", "qlora"))
-        _positive("training.num_heads", self.num_heads)
-        _positive("training.num_layers", self.num_layers, allow_zero=True)
-        _positive("training.lr", self.lr)
-        _positive("training.per_device_batch_size", self.per_device_batch_size)
-        _positive("training.gradient_accumulation_steps", self.gradient_accumulation_steps)
-        _positive("training.loss_chunk_size", self.loss_chunk_size)
-        _positive("training.save_steps", self.save_steps)
-        _positive("training.logging_steps", self.logging_steps)
-        if not 0 < self.decay <= 1:
-            raise ConfigError(f"training.decay={self.decay} must be in (0, 1]")
-        if self.max_steps <= 0 and self.num_epochs <= 0:
-            raise ConfigError("set training.num_epochs > 0 or training.max_steps > 0")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"training.warmup_ratio={self.warmup_ratio} must be in [0, 1)")
+        for key in (
+            "num_heads",
+            "per_device_batch_size",
+            "gradient_accumulation_steps",
+            "loss_chunk_size",
+            "logging_steps",
+            "save_steps",
+            "save_total_limit",
+            "calibration_max_records",
+            "lora_r",
+            "lora_alpha",
+        ):
+            _range(f"training.{key}", getattr(self, key), 1)
+        for key in ("num_layers", "lambda_warmup_steps", "heads_only_steps"):
+            _range(f"training.{key}", getattr(self, key), 0)
+        for key in ("lr", "head_lr_multiplier", "lambda0", "max_minutes"):
+            _positive(f"training.{key}", getattr(self, key))
+        _positive("training.weight_decay", self.weight_decay, allow_zero=True)
+        _range("training.decay", self.decay, 0, 1, low_open=True)
+        _range("training.warmup_ratio", self.warmup_ratio, 0, 1, high_open=True)
+        _range("training.lora_dropout", self.lora_dropout, 0, 1, high_open=True)
+        _positive("training.num_epochs", self.num_epochs, allow_zero=True)
+        if self.max_steps != -1:
+            _range("training.max_steps", self.max_steps, 1)
+        if self.max_steps == -1 and self.num_epochs <= 0:
+            raise ConfigError("set training.num_epochs > 0 or training.max_steps >= 1")
+        if self.max_seq_len < self.num_heads + 2:
+            raise ConfigError(
+                f"training.max_seq_len={self.max_seq_len} must be >= training.num_heads + 2 = "
+                f"{self.num_heads + 2} (the last head needs a target token)"
+            )
+        _seed("training.seed", self.seed)
+        if self.backbone_tuning in ("lora", "qlora") and not self.lora_target_modules:
+            raise ConfigError(
+                f"training.backbone_tuning={self.backbone_tuning} needs training.lora_target_modules=[q_proj,...]"
+            )
         if self.cache_hidden_states and self.mode != "medusa1":
             raise ConfigError("training.cache_hidden_states=true needs a frozen backbone (training=medusa1)")
 
@@ -366,24 +454,31 @@ class TreeConfig:
     name: str = "calibrated"
     """calibrated (chosen after training, saved in workdir/heads) | medusa63 | chain | custom."""
     choices: list[Any] | None = None
-    """tree=custom: list of index paths, e.g. [[0], [0, 0], [1]]."""
+    """tree=custom: list of index paths, e.g. [[0], [0, 0], [1]]: each a non-empty list of ranks >= 0, every
+    path's parent in the list too, at most training.num_heads deep; a rank must be below the heads'
+    vocabulary size (checked when the heads are loaded)."""
     chain_depth: int = 4
-    """tree=chain: number of nodes (at most the number of heads)."""
+    """tree=chain: number of nodes, 1 .. training.num_heads."""
     max_nodes: int = 64
-    """Calibration: largest tree considered."""
+    """Calibration: largest tree considered, nodes, >= 1."""
     topk: int = 10
-    """Calibration: candidates per head considered."""
+    """Calibration: candidates per head considered, 1 .. 10."""
     latency_context: int = 256
-    """Calibration: KV-cache length at which tree forwards are timed, tokens."""
+    """Calibration: KV-cache length at which tree forwards are timed, tokens, >= 1."""
 
     def __post_init__(self) -> None:
         _choice("tree.name", self.name, ("calibrated", "medusa63", "chain", "custom"))
         if self.name == "custom" and not self.choices:
             raise ConfigError("tree=custom needs tree.choices=[[0],[0,0],...]")
-        _positive("tree.chain_depth", self.chain_depth)
-        _positive("tree.max_nodes", self.max_nodes)
-        if not 1 <= self.topk <= 10:
-            raise ConfigError(f"tree.topk={self.topk} must be in 1..10")
+        if self.name == "custom":
+            try:
+                normalise_choices(self.choices)
+            except TreeError as err:
+                raise ConfigError(f"tree.choices: {err}") from None
+        _range("tree.chain_depth", self.chain_depth, 1)
+        _range("tree.max_nodes", self.max_nodes, 1)
+        _range("tree.topk", self.topk, 1, 10)
+        _range("tree.latency_context", self.latency_context, 1)
 
 
 @dataclass
@@ -442,23 +537,24 @@ class EvalConfig:
     all_turns: bool = False
     """mtbench: evaluate every turn (conditioned on the model's own earlier answers), not only the first."""
     num_prompts: int = 40
-    """Prompts evaluated (the first N of the source)."""
+    """Prompts evaluated (the first N >= 1 of the source)."""
     max_new_tokens: int = 128
-    """New tokens per prompt turn, for both decoders."""
+    """New tokens per prompt turn, for both decoders, >= 1."""
     acceptance_extra: bool = True
     """Also measure tau of typical acceptance and exact sampling."""
     temperature: float = 0.7
-    """Temperature for the typical / sample tau measurement."""
+    """Temperature for the typical / sample tau measurement, > 0."""
     posterior_threshold: float = 0.09
-    """Typical acceptance: the hard probability threshold epsilon (Medusa's default 0.09)."""
+    """Typical acceptance: the hard probability threshold epsilon, in [0, 1] (Medusa's default 0.09)."""
     posterior_alpha: float = 0.3
-    """Typical acceptance: the entropy-scaled threshold factor (Medusa's default 0.3, i.e. sqrt(epsilon))."""
+    """Typical acceptance: the entropy-scaled threshold factor, in [0, 1] (Medusa's default 0.3, i.e.
+    sqrt(epsilon))."""
     sweep_tree_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    """Tree sizes for the tau / speed-up vs tree size plot (calibrated trees); [] to skip."""
+    """Tree sizes (nodes, each >= 1) for the tau / speed-up vs tree size plot (calibrated trees); [] to skip."""
     sweep_prompts: int = 6
-    """Prompts used per point of the tree-size sweep."""
+    """Prompts used per point of the tree-size sweep, >= 1."""
     seed: int = 0
-    """Seed of the sampling runs."""
+    """Seed of the sampling runs, 0 .. 2**32 - 1."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     """Speed-up against batch size: for each B, plain batched `generate` (left padding) vs batched
     Medusa (`medusa_generate_batch`) on the evaluated turns in groups of B (the first floor(n/B)*B
@@ -472,14 +568,20 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
-        if any(int(b) < 1 for b in self.batch_sizes):
-            raise ConfigError(f"eval.batch_sizes must be positive integers, got {list(self.batch_sizes)}")
-        _positive("eval.prompt_lookup_tokens", self.prompt_lookup_tokens)
+        for size in self.batch_sizes:
+            _range("eval.batch_sizes[]", size, 1)
+        _range("eval.prompt_lookup_tokens", self.prompt_lookup_tokens, 1)
         if self.prompts in ("mtbench", "jsonl") and not self.path:
             raise ConfigError(f"eval.prompts={self.prompts} needs eval.path=<file>")
-        _positive("eval.num_prompts", self.num_prompts)
-        _positive("eval.max_new_tokens", self.max_new_tokens)
+        _range("eval.num_prompts", self.num_prompts, 1)
+        _range("eval.max_new_tokens", self.max_new_tokens, 1)
         _positive("eval.temperature", self.temperature)
+        _range("eval.posterior_threshold", self.posterior_threshold, 0, 1)
+        _range("eval.posterior_alpha", self.posterior_alpha, 0, 1)
+        for size in self.sweep_tree_sizes:
+            _range("eval.sweep_tree_sizes[]", size, 1)
+        _range("eval.sweep_prompts", self.sweep_prompts, 1)
+        _seed("eval.seed", self.seed)
 
 
 @dataclass
@@ -491,7 +593,7 @@ class Config:
     workdir: str = "runs/default"
     """Run directory; every stage writes a fixed subfolder and reads its inputs from here."""
     seed: int = 0
-    """Global seed (stages derive their own seeds from their sections)."""
+    """Global seed, 0 .. 2**32 - 1 (stages derive their own seeds from their sections)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -507,6 +609,7 @@ class Config:
         if self.stage == "backbone":
             raise ConfigError("stage=backbone is now called stage=pretrain (its settings: pretrain.*)")
         _choice("stage", self.stage, STAGES)
+        _seed("seed", self.seed)
         if self.stage == "pretrain" and not self.model.embedded:
             raise ConfigError(
                 "stage=pretrain trains the embedded tiny model only: use model=tiny (a real model needs no pretraining)"

@@ -1,4 +1,19 @@
-"""Errors a user can fix. The CLI prints them as one line on stderr and exits with code 2."""
+"""Errors a user can fix. The CLI prints them as one line on stderr and exits with code 2.
+
+:func:`environment_fault` turns the faults of the machine a run writes to (a read-only or full disk,
+a folder without write permission, a file where a folder must go) into such a line too: the stages
+write every artefact to a temp name and rename it into place, so a write that fails leaves the
+previous artefact (or none), never a half-written one, and the same command resumes once the fault
+is fixed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -12,3 +27,92 @@ class ConfigError(UserError):
 class DamagedArtefactError(UserError):
     """A file a stage reads (written by an earlier stage) is missing, truncated or of the wrong shape;
     the message names the file and the command that writes it again."""
+
+
+_FAULTS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a file stands where a folder is needed",
+}
+# The disk faults as libraries word them when they raise no OSError (safetensors' Rust I/O errors,
+# Arrow): strerror's text and Rust's "(os error N)". Permission faults count only as a real OSError.
+_FAULT_TEXTS = {
+    code: (f"(os error {code})", os.strerror(code)) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+}
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Temp names the stages write under (workdir.staging_dir's ".<name>.tmp-<pid>", atomic_write's
+# mkstemp ".<name>.<8 chars>.tmp"): a message names the artefact they were becoming instead.
+_TEMP_NAMES = (re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"), re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"))
+
+
+def _artefact_path(path: Path) -> Path:
+    """``path`` with each temp component replaced by the name of the artefact it is being built as."""
+    parts = []
+    for part in path.parts:
+        match = next((m for m in (p.match(part) for p in _TEMP_NAMES) if m), None)
+        parts.append(match.group("name") if match else part)
+    return Path(*parts)
+
+
+def _fault_in(err: BaseException) -> tuple[int, str | None] | None:
+    """``(errno, file name or None)`` of the first environment fault in ``err``'s chain, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _FAULTS:
+            return cause.errno, cause.filename
+        text = str(cause)
+        for code, needles in _FAULT_TEXTS.items():
+            if any(n in text for n in needles):
+                return code, getattr(cause, "filename", None)
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _human(num_bytes: int) -> str:
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{num_bytes} B"
+
+
+def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
+    """One line for an environment fault (full or read-only disk, no permission) raised by a stage.
+
+    Args:
+        err: what a stage raised (the fault may be its cause, or only named in its text when a
+            library rewraps it).
+        workdir: the run's workdir, named when the fault does not say which file it hit.
+
+    Returns:
+        The message (what happened, where, what to do), or None when ``err`` is no such fault.
+    """
+    found = _fault_in(err)
+    if found is None:
+        return None
+    code, filename = found
+    where = _artefact_path(Path(os.fsdecode(filename))) if filename else Path(workdir)
+    folder = where if where.is_dir() or not filename else where.parent
+    message = f"{_FAULTS[code]}: {where}"
+    if code in _DISK_FULL:
+        existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
+        if existing is not None:
+            message += f" ({_human(shutil.disk_usage(existing).free)} free there)"
+        return (
+            f"{message}: free space on that disk or pass workdir=<a folder on another disk>, then run the "
+            "same command again (finished work is kept)"
+        )
+    if code == errno.ENOTDIR:
+        return f"{message}: pass workdir=<a folder> (a part of that path is a file)"
+    if code == errno.EROFS:
+        return f"{message}: pass workdir=<a folder on a writable disk>, then run the same command again"
+    return (
+        f"{message}: give this user access to {folder} (or pass workdir=<a folder you can write>), then "
+        "run the same command again (finished work is kept)"
+    )

@@ -47,7 +47,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -134,11 +136,7 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     if (directory / HEADS_WEIGHTS).is_file():
         state = _load_safetensors(directory / HEADS_WEIGHTS)
     elif (directory / LEGACY_WEIGHTS_NAME).is_file():
-        try:
-            state = dict(torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True))
-        except Exception as err:  # unpickling refused (arbitrary objects), truncated, not a torch file
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
-            raise HeadsFormatError(f"cannot read {directory / LEGACY_WEIGHTS_NAME}: {first}") from None
+        state = _load_pickle(directory / LEGACY_WEIGHTS_NAME)
     else:
         raise HeadsFormatError(f"{directory} has no {HEADS_WEIGHTS}")
     try:
@@ -428,6 +426,26 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise HeadsFormatError(f"cannot read {path}: {err}") from None
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``torch.save`` file, through torch's restricted ``weights_only`` unpickler.
+
+    A pickle that would run code (or import anything but tensors and containers), a damaged file or
+    anything else that is not a dict of tensors is a :class:`HeadsFormatError`, never executed.
+    """
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols it was not written with
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError):
+        raise HeadsFormatError(
+            f"refused {path}: it is not a plain torch pickle of tensors (it is damaged, or opening it would "
+            f"need the unrestricted unpickler, which can run code): use heads saved as {HEADS_WEIGHTS}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise HeadsFormatError(f"{path} holds no dict of tensors")
+    return dict(state)
 
 
 def _read_config(directory: Path) -> dict:

@@ -26,7 +26,10 @@ Formats:
 name order).
 
 Bad input (each rule counted under its reason in :attr:`ReadResult.skipped`):
-    * malformed JSON line, or a record that is not an object: skipped.
+    * malformed JSON line (a syntax error, nesting too deep for the parser, an integer too long to
+      convert), or a record that is not an object: skipped.
+    * a turn that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which JSON allows but
+      no tokenizer can encode): the record is skipped.
     * a record without the expected field (``conversations``, ``instruction``, ``turns``,
       ``prompt_key``), or with a non-string turn or an unknown role: skipped.
     * a conversation that starts with the assistant: the leading assistant turns are DROPPED and
@@ -135,6 +138,10 @@ class _Bad(Exception):
 def _text(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise _Bad(f"{what} is not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in JSON): no tokenizer can encode it
+        raise _Bad(f"{what} is not valid Unicode (a lone surrogate)") from None
     return value
 
 
@@ -250,8 +257,10 @@ def _iter_json_records(files: list[Path], root: Path) -> Iterator[tuple[str, int
         if text.lstrip().startswith("["):
             try:
                 items = json.loads(text)
-            except json.JSONDecodeError as err:
+            except ValueError as err:  # JSONDecodeError, or an integer too long to convert
                 raise UserError(f"{file} starts like a JSON array but does not parse: {err}") from None
+            except RecursionError:
+                raise UserError(f"{file} starts like a JSON array but nests too deeply to parse") from None
             for i, item in enumerate(items, start=1):
                 yield f"{name}:{i}", i, item
             continue
@@ -259,9 +268,12 @@ def _iter_json_records(files: list[Path], root: Path) -> Iterator[tuple[str, int
             if not line.strip():
                 continue
             try:
-                yield f"{name}:{i}", i, json.loads(line)
-            except json.JSONDecodeError:
-                yield f"{name}:{i}", i, _Bad("malformed JSON")
+                record = json.loads(line)
+            except ValueError:  # JSONDecodeError, or an integer too long to convert
+                record = _Bad("malformed JSON")
+            except RecursionError:
+                record = _Bad("JSON nested too deeply")
+            yield f"{name}:{i}", i, record
 
 
 def _text_chunks(text: str, size: int) -> Iterator[tuple[int, str]]:

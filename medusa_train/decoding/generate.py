@@ -411,7 +411,7 @@ def medusa_generate(
 
     Raises:
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
-        TreeError: the tree is malformed or deeper than the number of heads.
+        TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -434,7 +434,7 @@ def medusa_generate(
         )
     device = input_ids.device
     tree = as_tree(tree).to(device)
-    tree.check_heads(heads.num_heads)
+    tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
     eos = _eos_set(eos_token_id)
 

@@ -26,19 +26,30 @@ from medusa_train.workdir import CHOICES
 Path_ = tuple[int, ...]
 
 
-class TreeError(ValueError):
-    """A tree (list of index paths) is malformed or does not fit the heads it is used with."""
+class TreeError(UserError, ValueError):
+    """A tree (list of index paths) is malformed or does not fit the heads it is used with.
+
+    A :class:`~medusa_train.errors.UserError`: the CLI shows it as one line (exit code 2).
+    """
 
 
-def _normalise(choices: Sequence[Sequence[int]]) -> list[Path_]:
-    """Validate paths and return them sorted canonically (depth, then lexicographic)."""
+def normalise_choices(choices: Sequence[Sequence[int]]) -> list[Path_]:
+    """Validate paths and return them sorted canonically (depth, then lexicographic).
+
+    Raises:
+        TreeError: not a list of paths, or a path that is empty, has a negative or non-int entry, is
+            duplicated, or lacks its parent; the message names the path.
+    """
     if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
         raise TreeError(f"a tree is a list of index paths such as [[0], [0, 0], [1]], got {choices!r}")
     paths: list[Path_] = []
     seen: set[Path_] = set()
     for raw in choices:
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
-            raise TreeError(f"tree path {raw!r} is not a non-empty list of ints")
+            raise TreeError(
+                f"tree path {raw!r} is not a non-empty list of ints (a tree is a list of paths such as "
+                "[[0], [0, 0], [1]])"
+            )
         for i in raw:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise TreeError(f"tree path {list(raw)} has entry {i!r}: entries must be non-negative ints")
@@ -95,7 +106,7 @@ class TreeBuffers:
             TreeError: a path is empty, has a negative or non-int entry, is duplicated, or lacks
                 its parent; the message names the path.
         """
-        paths = _normalise(choices)
+        paths = normalise_choices(choices)
         m = len(paths) + 1
         index = {(): 0} | {p: n + 1 for n, p in enumerate(paths)}
         topk = max((max(p) for p in paths), default=-1) + 1
@@ -155,13 +166,25 @@ class TreeBuffers:
             self._child_lists = tuple(tuple(c for c in row if c >= 0) for row in self.children.tolist())
         return self._child_lists
 
-    def check_heads(self, num_heads: int) -> None:
-        """Raise :class:`TreeError` if the tree is deeper than the number of heads."""
+    def check_heads(self, num_heads: int, vocab_size: int | None = None) -> None:
+        """Raise :class:`TreeError` if the tree does not fit the heads.
+
+        Args:
+            num_heads: K; the tree may be at most K deep.
+            vocab_size: V of the heads, when known; a rank must be below it (a head gives at most V
+                candidates).
+        """
         if self.max_depth > num_heads:
             deepest = next(p for p in self.choices if len(p) == self.max_depth)
             raise TreeError(
                 f"tree path {list(deepest)} has depth {self.max_depth} but there are only {num_heads} "
                 f"Medusa heads: use a tree of depth <= {num_heads}"
+            )
+        if vocab_size is not None and self.topk > vocab_size:
+            widest = next(p for p in self.choices if max(p) == self.topk - 1)
+            raise TreeError(
+                f"tree path {list(widest)} asks for rank {self.topk - 1} but the heads give only "
+                f"{vocab_size} candidates (their vocabulary): use ranks < {vocab_size}"
             )
 
     def prefix(self, max_depth: int) -> TreeBuffers:
@@ -233,7 +256,7 @@ def chain_tree(depth: int) -> list[list[int]]:
 
 def save_choices(path: str | os.PathLike, choices: Sequence[Sequence[int]]) -> Path:
     """Write a tree as JSON (a list of paths, canonically sorted) after validating it."""
-    paths = _normalise(choices)
+    paths = normalise_choices(choices)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([list(p) for p in paths]) + "\n")
@@ -249,7 +272,7 @@ def load_choices(path: str | os.PathLike) -> list[list[int]]:
         raise TreeError(f"cannot read a tree from {path}: {err}") from None
     if isinstance(raw, dict) and "medusa_choices" in raw:
         raw = raw["medusa_choices"]
-    return [list(p) for p in _normalise(raw)]
+    return [list(p) for p in normalise_choices(raw)]
 
 
 def resolve_tree(
@@ -257,6 +280,7 @@ def resolve_tree(
     heads_dir: Path,
     num_heads: int,
     *,
+    vocab_size: int | None = None,
     chain_depth: int = 0,
     choices: Sequence[Sequence[int]] = (),
 ) -> list[list[int]]:
@@ -267,6 +291,7 @@ def resolve_tree(
             ``medusa/``/``vllm/`` folder) | medusa63 | chain | custom.
         heads_dir: the heads' folder.
         num_heads: K; the tree may be at most K deep.
+        vocab_size: V of the heads, when known: every rank in the tree must be below it.
         chain_depth: nodes of the ``chain`` tree.
         choices: the paths of the ``custom`` tree.
 
@@ -293,8 +318,8 @@ def resolve_tree(
         elif name == "chain":
             paths = chain_tree(chain_depth)
         else:
-            paths = [list(p) for p in choices]
-        TreeBuffers.from_choices(paths).check_heads(num_heads)
+            paths = [list(p) for p in normalise_choices(choices)]
+        TreeBuffers.from_choices(paths).check_heads(num_heads, vocab_size)
     except TreeError as err:
         raise UserError(f"tree={name}: {err}") from None
     return paths

@@ -123,7 +123,12 @@ def run(cfg) -> dict:
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     tc = cfg.tree
     choices = resolve_tree(
-        tc.name, heads_dir, heads.num_heads, chain_depth=tc.chain_depth, choices=tc.choices or ()
+        tc.name,
+        heads_dir,
+        heads.num_heads,
+        vocab_size=heads.vocab_size,
+        chain_depth=tc.chain_depth,
+        choices=tc.choices or (),
     )
     prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
     device = resolve_device(cfg.model.device)

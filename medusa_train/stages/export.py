@@ -110,7 +110,12 @@ def run(cfg) -> dict:
         heads = heads.to(DTYPES[cfg.export.dtype])
     tc = cfg.tree
     choices = resolve_tree(
-        tc.name, heads_dir, heads.num_heads, chain_depth=tc.chain_depth, choices=tc.choices or ()
+        tc.name,
+        heads_dir,
+        heads.num_heads,
+        vocab_size=heads.vocab_size,
+        chain_depth=tc.chain_depth,
+        choices=tc.choices or (),
     )
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
     shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card

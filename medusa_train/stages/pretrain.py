@@ -44,6 +44,7 @@ from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
 from medusa_train.workdir import (
     PRETRAIN_REPORT,
+    Workdir,
     atomic_write_json,
     publish_dir,
     read_json,
@@ -85,8 +86,9 @@ def run(cfg) -> dict:
         `skipped: True` when an existing complete model was reused.
 
     Raises:
-        UserError: not the embedded model, a workdir from before the rename (`backbone/`), or an
-            unusable `data.path` for format=text.
+        UserError: not the embedded model, a workdir from before the rename (`backbone/`), a
+            `model.name_or_path` that holds another model (it would be replaced), or an unusable
+            `data.path` for format=text.
     """
     if not cfg.model.embedded:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
@@ -101,6 +103,14 @@ def run(cfg) -> dict:
         )
         log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
         return {**report, "skipped": True}
+    own = out_dir.absolute() == Workdir(Path(cfg.workdir)).pretrain.absolute()  # the workdir's own folder
+    if not own and out_dir.exists() and not (out_dir / PRETRAIN_REPORT).is_file() and any(out_dir.iterdir()):
+        # elsewhere, and not written by this stage (it publishes a whole folder, report included, or nothing)
+        raise UserError(
+            f"model.name_or_path={out_dir} holds files stage=pretrain did not write (no {PRETRAIN_REPORT}), "
+            "which pretraining would replace: leave model.name_or_path at its model=tiny default "
+            "(${workdir}/pretrain) or point it at a new folder"
+        )
 
     start = time.time()
     torch.manual_seed(cfg.seed)

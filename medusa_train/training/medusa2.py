@@ -67,6 +67,16 @@ def trainable_backbone(tc, backbone: torch.nn.Module) -> torch.nn.Module:
     if tc.backbone_tuning in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+        names = [name for name, _ in backbone.named_modules()]
+        missing = [t for t in tc.lora_target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+        if missing:
+            linears = sorted(
+                {n.rsplit(".", 1)[-1] for n, m in backbone.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            raise UserError(
+                f"training.lora_target_modules: {', '.join(missing)} not in the backbone (its linear layers: "
+                f"{', '.join(linears)})"
+            )
         if tc.backbone_tuning == "qlora":
             backbone = prepare_model_for_kbit_training(backbone, use_gradient_checkpointing=False)
         lora = LoraConfig(

@@ -117,3 +117,16 @@ def test_old_workdir_layout_is_refused_not_retrained(trained, tmp_path):
     assert not (tmp_path / "pretrain").exists()
     old.rename(tmp_path / "pretrain")
     assert pretrain.run(stale)["skipped"]
+
+
+def test_another_model_at_model_name_or_path_is_not_replaced(tmp_path, tiny_backbone_dir):
+    """Issue 12: model=tiny with model.name_or_path naming a real model folder must not pretrain over it."""
+    other = tmp_path / "my-model"
+    other.mkdir()
+    for f in tiny_backbone_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    before = sorted((f.name, f.read_bytes()) for f in other.iterdir())
+    cfg = compose_config([*TINY, f"workdir={tmp_path / 'run'}", f"model.name_or_path={other}"])
+    with pytest.raises(UserError, match="holds files stage=pretrain did not write"):
+        pretrain.run(cfg)
+    assert sorted((f.name, f.read_bytes()) for f in other.iterdir()) == before

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
 
 from medusa_train.__main__ import main, strip_launcher_args
-from medusa_train.config import CONF_DIR, Config, compose_config
+from medusa_train.config import CONF_DIR, Config, compose_config, register_configs
 from medusa_train.errors import ConfigError
 
 # Options that need a value no default can supply (a file, a hub id, a tree).
@@ -100,8 +105,16 @@ def test_cli_subprocess_no_traceback(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir()), "a rejected config must write nothing"
 
 
+def _forget_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset LOCAL_RANK now and after the test, whatever sets it meanwhile (main exports --local_rank):
+    a leaked LOCAL_RANK makes later tests' Trainer start torch.distributed. ``delenv`` of an unset
+    variable records nothing to undo, hence the ``setenv`` first."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")
+
+
 def test_local_rank_flag_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    _forget_local_rank(monkeypatch)
     assert strip_launcher_args(["--local_rank=3", "stage=train"]) == ["stage=train"]
     import os
 
@@ -109,7 +122,8 @@ def test_local_rank_flag_is_stripped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert strip_launcher_args(["stage=eval", "--local-rank", "1", "x=1"]) == ["stage=eval", "x=1"]
 
 
-def test_cfg_flag_prints_config(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cfg_flag_prints_config(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_local_rank(monkeypatch)
     assert main(["--cfg", "--local_rank=0", "training.lr=0.5"]) == 0
     assert '"lr": 0.5' in capsys.readouterr().out
 
@@ -117,3 +131,206 @@ def test_cfg_flag_prints_config(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     assert "stage=" in capsys.readouterr().out
+
+
+# One bad value per line, each for a field whose range __post_init__ checks (issue 12): the message
+# names the key and says the allowed range. Every numeric field must appear here (next test).
+BAD_VALUES = [
+    "model.device=tpu",
+    "model.device=cuda:x",
+    "pretrain.vocab_size=261",
+    "pretrain.hidden_size=0",
+    "pretrain.num_layers=0",
+    "pretrain.num_attention_heads=0",
+    "pretrain.intermediate_size=0",
+    "pretrain.max_position_embeddings=-1",
+    "pretrain.seq_len=1",
+    "pretrain.seq_len=2048",  # beyond max_position_embeddings
+    "pretrain.batch_size=0",
+    "pretrain.lr=0",
+    "pretrain.lr=nan",
+    "pretrain.warmup_steps=-1",
+    "pretrain.max_steps=0",
+    "pretrain.max_minutes=0",
+    "pretrain.max_minutes=inf",
+    "pretrain.num_conversations=-5",
+    "pretrain.heldout_fraction=0",
+    "pretrain.heldout_fraction=1",
+    "data.max_records=0",
+    "data.max_records=-3",
+    "data.num_prompts=0",
+    "data.num_prompts=-1",
+    "data.text_prompt_chars=0",
+    "data.max_prompt_tokens=0",
+    "data.eval_fraction=-0.1",
+    "data.eval_fraction=1",
+    "distill.max_new_tokens=0",
+    "distill.temperature=-1",
+    "distill.temperature=nan",
+    "distill.top_p=0",
+    "distill.top_p=1.5",
+    "distill.batch_size=0",
+    "distill.shard_size=0",
+    "distill.seed=-1",
+    "distill.seed=4294967296",
+    "training.num_heads=0",
+    "training.num_layers=-1",
+    "training.decay=0",
+    "training.lr=-0.001",
+    "training.lr=inf",
+    "training.weight_decay=-0.1",
+    "training.warmup_ratio=1",
+    "training.per_device_batch_size=0",
+    "training.gradient_accumulation_steps=0",
+    "training.num_epochs=-1",
+    "training.num_epochs=0",  # and no max_steps: nothing to train
+    "training.max_steps=0",
+    "training.max_steps=-5",
+    "training.max_minutes=0",
+    "training.max_minutes=-1",
+    "training.max_seq_len=-5",
+    "training.max_seq_len=5",  # 4 heads need 6 tokens
+    "training.loss_chunk_size=0",
+    "training.logging_steps=0",
+    "training.save_steps=0",
+    "training.save_total_limit=0",
+    "training.seed=-1",
+    "training.lr_scheduler=bogus",
+    "training.lora_target_modules=[]",  # with backbone_tuning=lora (below)
+    "training.lr_scheduler=cosine_with_min_lr",  # needs lr_scheduler_kwargs
+    "training.calibration_max_records=-1",
+    "training.calibration_max_records=0",
+    "training.head_lr_multiplier=0",
+    "training.lambda0=-0.2",
+    "training.lambda_warmup_steps=-1",
+    "training.heads_only_steps=-1",
+    "training.lora_r=0",
+    "training.lora_alpha=0",
+    "training.lora_dropout=1",
+    "deepspeed.zero_stage=4",
+    "tree.chain_depth=0",
+    "tree.max_nodes=0",
+    "tree.topk=0",
+    "tree.topk=11",
+    "tree.latency_context=0",
+    "tree.choices=[1,2,3]",  # ints instead of paths
+    "tree.choices=[[0],[]]",  # an empty path
+    "tree.choices=[[0],[0,0,0]]",  # [0, 0] missing
+    "tree.choices=[[0],[-1]]",
+    "tree.choices=[[0],[0]]",
+    "eval.num_prompts=0",
+    "eval.max_new_tokens=0",
+    "eval.temperature=0",
+    "eval.posterior_threshold=-0.1",
+    "eval.posterior_threshold=1.5",
+    "eval.posterior_alpha=-1",
+    "eval.sweep_tree_sizes=[1,0]",
+    "eval.sweep_prompts=0",
+    "eval.seed=-1",
+    "seed=-1",
+    "seed=4294967296",
+]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0]
+
+
+@functools.cache
+def _composed_defaults() -> DictConfig:
+    """conf/config.yaml composed once (Hydra's compose takes ~0.4 s, too slow to run 90 times)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config")
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _build(*overrides: str) -> Config:
+    """What compose_config does after Hydra's parsing: merge the overrides into the typed schema and
+    build the dataclasses (their ``__post_init__`` checks run here)."""
+    merged = OmegaConf.merge(_composed_defaults(), OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_object(merged)
+
+
+@pytest.mark.parametrize("override", BAD_VALUES)
+def test_out_of_range_value_is_one_config_error(override: str) -> None:
+    extra = {
+        "tree.choices": ["tree.name=custom"],
+        "training.lora_target_modules": ["training.backbone_tuning=lora"],
+    }
+    extra = extra.get(_key(override), [])
+    with pytest.raises(ConfigError) as err:
+        _build(*extra, override)
+    message = str(err.value)
+    assert _key(override) in message and "\n" not in message, message
+    if not override.startswith("tree.choices"):  # a range or the allowed values
+        assert any(w in message for w in ("must be", "is not one of", "set training.", " needs ")), message
+
+
+def test_every_numeric_field_has_a_range_check() -> None:
+    """A new int/float option without an entry in BAD_VALUES (and so maybe without a check) fails here."""
+    numeric = {"int", "float", "int | None", "float | None", "list[int]", "list[Any] | None"}
+
+    def walk(cls: type, prefix: str) -> list[str]:
+        keys = []
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(
+                f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            ):
+                keys += walk(f.default_factory, f"{prefix}{f.name}.")
+            elif f.type in numeric:
+                keys.append(f"{prefix}{f.name}")
+        return keys
+
+    checked = {_key(o) for o in BAD_VALUES}
+    missing = sorted(set(walk(Config, "")) - checked)
+    assert not missing, f"no out-of-range test value for {missing}"
+    assert "model.device" in checked
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "training.max_seq_len=-5",
+        "data.num_prompts=0",
+        "training.calibration_max_records=-1",
+        "training.lr=nan",
+    ],
+)
+def test_out_of_range_value_through_compose_config_and_cli(
+    override: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same checks on the real path: Hydra's override parser, compose_config, the CLI (exit 2, one line)."""
+    with pytest.raises(ConfigError, match=_key(override).replace(".", r"\.")):
+        compose_config([override])
+    assert main(["stage=train", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {_key(override)}=") and err.count("\n") == 1, err
+
+
+def test_good_edge_values_pass() -> None:
+    """The ends of each range that are allowed stay allowed (null means "all" where typed so)."""
+    cfg = compose_config(
+        [
+            "data.max_records=1",
+            "data.max_records=null",
+            "training.num_layers=0",
+            "training.max_steps=-1",
+            "training.max_seq_len=6",
+            "training.max_minutes=null",
+            "distill.temperature=0",
+            "distill.top_p=1",
+            "pretrain.vocab_size=262",
+            "pretrain.seq_len=1024",
+            "tree.topk=10",
+            "eval.sweep_tree_sizes=[]",
+            "seed=4294967295",
+            "model.device=cuda:3",  # the syntax only; whether this machine has it is checked at load
+            "tree=custom",
+            "tree.choices=[[1],[0],[1,0]]",
+        ]
+    )
+    assert cfg.data.max_records is None and cfg.training.max_seq_len == 6

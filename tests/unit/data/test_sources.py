@@ -195,3 +195,33 @@ def test_missing_unreadable_and_empty_sources_fail_in_one_line(tmp_path: Path) -
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="data.format"):
         read_records("csv", tmp_path / "x")
+
+
+def test_hostile_json_is_a_bad_record_not_a_crash(tmp_path: Path) -> None:
+    """Issue 12: nesting deeper than the parser recurses, a lone surrogate (valid JSON, no tokenizer can
+    encode it: it used to fail later, at tokenisation) and an integer too long to convert."""
+    path = _jsonl(
+        tmp_path / "hostile.jsonl",
+        [
+            '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+            '{"prompt": "ok \\ud800"}',
+            '{"prompt": ["fine", "\\udfff"]}',
+            '{"prompt": ' + "9" * 5000 + "}",
+            {"prompt": "a good one"},
+            {"prompt": "emoji \U0001f600 are fine"},
+        ],
+    )
+    result = read_records("jsonl", path)
+    assert [r.turns for r in result.records] == [["a good one"], ["emoji \U0001f600 are fine"]]
+    assert result.skipped == {
+        "JSON nested too deeply": [1],
+        "'prompt' is not valid Unicode (a lone surrogate)": [2, 3],
+        "malformed JSON": [4],
+    }
+    with pytest.raises(
+        UserError, match=r"record hostile.jsonl:1: JSON nested too deeply \(data.strict=true\)"
+    ):
+        read_records("jsonl", path, strict=True)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match="nests too deeply"):
+        read_records("sharegpt", tmp_path / "deep.json")

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices, save_choices
+from medusa_train.decoding.tree import resolve_tree
+from medusa_train.errors import UserError
 
 # From the seed notes (Medusa's generate_medusa_buffers on mc_sim_7b_63).
 SEED_TREE_INDICES = [
@@ -140,3 +142,16 @@ def test_package_needs_only_torch_and_transformers():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
+
+
+def test_tree_ranks_must_fit_the_heads_vocabulary_and_errors_are_user_errors(tmp_path: Path) -> None:
+    """Issue 12: a rank no head can give, or ints instead of paths, is one UserError line, not a traceback."""
+    tree = TreeBuffers.from_choices([[0], [7], [7, 3]])
+    tree.check_heads(2, vocab_size=8)  # rank 7 is the 8th candidate: fine
+    with pytest.raises(TreeError, match=r"tree path \[7\] asks for rank 7 but the heads give only 7"):
+        tree.check_heads(2, vocab_size=7)
+    assert issubclass(TreeError, UserError)
+    with pytest.raises(UserError, match=r"tree=custom: tree path 1 is not a non-empty list"):
+        resolve_tree("custom", tmp_path, 3, vocab_size=100, choices=[1, 2, 3])
+    with pytest.raises(UserError, match=r"rank 200"):
+        resolve_tree("custom", tmp_path, 3, vocab_size=100, choices=[[0], [200]])

@@ -12,7 +12,7 @@ import torch
 from medusa_train.config import compose_config
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
-from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported
+from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported, trainable_backbone
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.optim import FreezableAdamW, param_groups
 from tests.helpers.training import batch, tiny_llama
@@ -95,3 +95,18 @@ def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():
     check_supported(cfg("training.lm_loss=ce"))
     check_supported(cfg("training.backbone_tuning=lora"))
     check_supported(compose_config(["training=medusa2", "deepspeed=zero2"]))
+
+
+def test_lora_target_modules_the_backbone_lacks_are_one_user_error():
+    """Issue 12: peft's NoMatchingPeftModuleError was a traceback; the message lists the linear layers."""
+    tc = compose_config(
+        ["training=medusa2", "training.backbone_tuning=lora", "training.lora_target_modules=[q_proj,nope]"]
+    ).training
+    with pytest.raises(
+        UserError, match=r"lora_target_modules: nope not in the backbone \(its linear layers: .*q_proj"
+    ):
+        trainable_backbone(tc, tiny_llama())
+    tc = compose_config(
+        ["training=medusa2", "training.backbone_tuning=lora", "training.lora_target_modules=[q_proj]"]
+    ).training
+    assert any("lora_" in n for n, _ in trainable_backbone(tc, tiny_llama()).named_parameters())

@@ -1,0 +1,327 @@
+"""Issue 12: a user's mistake or a fault of the machine ends in ONE error line and exit code 2.
+
+Each test runs the CLI in-process (``medusa_train.__main__.main``) on the tiny workdir (random Llama +
+random heads, ``tests.helpers.tiny_workdir``) and checks the return code, that stderr holds one
+``error:`` line and no traceback, and that nothing half-written is left behind: malformed trees,
+a device this machine does not have, hostile data lines, a pickle where safetensors are expected,
+a read-only workdir and a full disk during distill, export and eval.
+
+The disk faults are simulated (the tests may run as root, whom ``chmod`` does not stop, and a full
+file system cannot be made without mounting one): a read-only workdir by ``mkdir``/``mkstemp``
+raising ``EROFS`` under it (a real ``chmod 0555`` when not root), a full disk by ``os.fsync``
+raising ``ENOSPC`` -- every artefact is fsynced before it is renamed into place, and that is where
+a full disk shows up for writes the page cache took.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_train.__main__ import main
+from medusa_train.errors import environment_fault
+from tests.helpers.tiny_workdir import make_workdir
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_workdir(tmp_path_factory.mktemp("cli_errors"))
+
+
+def _argv(workdir: Path, *extra: str) -> list[str]:
+    return [
+        f"workdir={workdir}",
+        "debug=fast",
+        "tracking=disabled",
+        "model=hf",
+        f"model.name_or_path={workdir / 'backbone'}",
+        "model.dtype=float32",
+        *extra,
+    ]
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one ``error:`` line on stderr (log lines and progress bars aside, which may leave the cursor
+    mid-line); fails on a traceback or a second error."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error: ") == 1, err
+    return ("error: " + err.split("error: ", 1)[1]).split("\n", 1)[0]
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (empty when it does not exist)."""
+    if not folder.exists():
+        return {}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _leftovers(workdir: Path) -> list[str]:
+    return sorted(str(p.relative_to(workdir)) for p in workdir.rglob(".*") if ".tmp" in p.name)
+
+
+# -- malformed trees ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("choices", "needle"),
+    [
+        ("[1,2,3]", "tree path 1 is not a non-empty list"),  # ints instead of paths
+        ("[[0],[]]", "tree path [] is not"),  # an empty path
+        ("[[0],[0,0,0]]", "add [0, 0] to the tree"),  # a missing prefix
+    ],
+)
+def test_malformed_tree_fails_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], choices: str, needle: str
+) -> None:
+    assert main([f"workdir={tmp_path}", "stage=eval", "tree=custom", f"tree.choices={choices}"]) == 2
+    line = _error_line(capsys)
+    assert "tree.choices" in line and needle in line, line
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stage", ["export", "eval"])
+def test_tree_rank_beyond_the_heads_vocabulary(
+    workdir: Path, capsys: pytest.CaptureFixture[str], stage: str
+) -> None:
+    before = _tree(workdir / stage)
+    assert main(_argv(workdir, f"stage={stage}", "tree=custom", "tree.choices=[[0],[100000]]")) == 2
+    line = _error_line(capsys)
+    assert "tree path [100000] asks for rank 100000" in line and "candidates" in line, line
+    assert _tree(workdir / stage) == before and not _leftovers(workdir)
+
+
+# -- devices --------------------------------------------------------------------------------------
+def test_device_this_machine_does_not_have(
+    workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(_argv(workdir, "stage=eval", "model.device=tpu")) == 2
+    assert "model.device='tpu' is not one of" in _error_line(capsys)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, whatever runs this
+    assert main(_argv(workdir, "stage=eval", "model.device=cuda")) == 2
+    assert "model.device=cuda but" in _error_line(capsys)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, asked for the eighth
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(_argv(workdir, "stage=eval", "model.device=cuda:7")) == 2
+    assert "model.device=cuda:7 but this machine has 1 GPU(s)" in _error_line(capsys)
+    assert not (workdir / "eval").exists()
+
+
+# -- hostile data ---------------------------------------------------------------------------------
+def test_hostile_data_lines_are_skipped_or_named_in_strict_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n"  # RecursionError in json
+        '{"prompt": "\\ud800 lone surrogate"}\n'  # valid JSON, not encodable text
+        '{"prompt": ' + "1" * 5000 + "}\n"  # an integer too long to convert
+    )
+    base = [
+        f"workdir={tmp_path / 'run'}",
+        "stage=distill",
+        "data=jsonl",
+        f"data.path={data}",
+        "tracking=disabled",
+    ]
+    assert main(base) == 2
+    line = _error_line(capsys)
+    assert "no usable record" in line and "nested too deeply" in line and "lone surrogate" in line, line
+    assert main([*base, "data.strict=true"]) == 2
+    assert "record prompts.jsonl:1: JSON nested too deeply" in _error_line(capsys)
+    assert not (tmp_path / "run" / "distill").exists()
+
+
+# -- a pickle where safetensors are expected ------------------------------------------------------
+class _Payload:
+    """A pickle that, if unpickled without restrictions, creates ``marker`` (it must not)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_pickle_heads_are_refused_in_one_line(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    shutil.copy(workdir / "heads" / "config.json", heads)
+    marker = tmp_path / "code-ran"
+    (heads / "medusa_lm_head.pt").write_bytes(pickle.dumps({"0.0.linear.weight": _Payload(marker)}))
+    out = tmp_path / "out"
+    assert main(_argv(workdir, f"workdir={out}", "stage=export", f"export.heads_dir={heads}")) == 2
+    line = _error_line(capsys)
+    assert "refused" in line and "medusa_lm_head.pt" in line, line
+    assert not marker.exists() and not (out / "export").exists()
+
+
+# -- the disk -------------------------------------------------------------------------------------
+def _read_only(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """Make ``root`` read-only: for real when chmod binds this user, else creation under it fails."""
+    if os.geteuid() != 0:
+        root.chmod(0o555)
+        return
+
+    def refuse(path: os.PathLike | str) -> None:
+        if Path(path).absolute().is_relative_to(root.absolute()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    real_mkdir, real_mkstemp = Path.mkdir, tempfile.mkstemp
+
+    def mkdir(self: Path, *args, **kwargs) -> None:
+        if not self.exists():
+            refuse(self)
+        return real_mkdir(self, *args, **kwargs)
+
+    def mkstemp(*args, **kwargs):
+        refuse(kwargs.get("dir") or (args[2] if len(args) > 2 else tempfile.gettempdir()))
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_read_only_workdir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = make_workdir(tmp_path / "run")
+    before = _tree(root)
+    _read_only(monkeypatch, root)
+    try:
+        assert main(_argv(root, "stage=export")) == 2
+    finally:
+        root.chmod(0o755)
+    line = _error_line(capsys)
+    assert ("read-only" in line or "permission denied" in line) and str(root) in line, line
+    assert _tree(root) == before and not _leftovers(root)
+
+
+def test_workdir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "a question?"}) + "\n")
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    argv = [
+        f"workdir={afile}",
+        "stage=distill",
+        "debug=fast",
+        "tracking=disabled",
+        "data=jsonl",
+        f"data.path={data}",
+    ]
+    assert main([*argv, "model=hf", f"model.name_or_path={make_workdir(tmp_path / 'run') / 'backbone'}"]) == 2
+    assert f"a file stands where a folder is needed: {afile}/" in _error_line(capsys)
+    assert afile.read_text() == "not a folder"
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
+    """Every fsync fails with ENOSPC (only for files whose name contains ``only``, where /proc says)."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = only
+        if only not in name:
+            return real_fsync(fd)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_full_disk_during_export_and_eval_keeps_the_previous_artefacts(
+    workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast_eval = [
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=4",
+        "eval.acceptance_extra=false",
+        "eval.sweep_tree_sizes=[]",
+    ]
+    for stage in ("export", "eval"):  # a good run first: the failed one must leave it as it was
+        assert main(_argv(workdir, f"stage={stage}", *fast_eval)) == 0
+    before = {stage: _tree(workdir / stage) for stage in ("export", "eval")}
+    assert all(before.values())
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        _full_disk(patch)
+        for stage in ("export", "eval"):
+            assert main(_argv(workdir, f"stage={stage}", *fast_eval)) == 2
+            line = _error_line(capsys)
+            assert (
+                line.startswith(f"error: no space left on the device: {workdir}") and "free there" in line
+            ), line
+    assert {stage: _tree(workdir / stage) for stage in ("export", "eval")} == before
+    assert not _leftovers(workdir)
+
+
+def test_full_disk_during_distill_publishes_no_shard(
+    tmp_path: Path,
+    tiny_backbone_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
+    run = tmp_path / "run"
+    argv = [
+        f"workdir={run}",
+        "stage=distill",
+        "tracking=disabled",
+        "model=hf",
+        f"model.name_or_path={tiny_backbone_dir}",
+        "model.device=cpu",
+        "data=jsonl",
+        f"data.path={data}",
+        "distill.max_new_tokens=4",
+        "distill.shard_size=1",
+    ]
+    _full_disk(monkeypatch, only="shard-")  # progress.json fits, the first shard does not
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"error: no space left on the device: {run}"), line
+    distill_dir = run / "distill"
+    assert (distill_dir / "progress.json").is_file()
+    assert not list(distill_dir.rglob("*.arrow")) and not (distill_dir / "manifest.json").exists()
+    assert not _leftovers(run)
+
+
+def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) -> None:
+    """A fault inside a staging folder or an atomic write's temp file names the artefact it was becoming;
+    libraries that reword the OS error (safetensors' Rust I/O, Arrow) are recognised by its text; other
+    errors are not taken for faults (they stay tracebacks: bugs)."""
+    temp = tmp_path / ".export.tmp-4242" / "medusa" / ".medusa_lm_head.safetensors.a1b2c3d4.tmp"
+    full = environment_fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temp)), tmp_path)
+    assert full.startswith(
+        f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
+    )
+    assert "free there" in full
+    wrapped = RuntimeError(
+        "Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"
+    )
+    assert environment_fault(wrapped, tmp_path).startswith(f"no space left on the device: {tmp_path} (")
+    try:  # a cause further down the chain counts too
+        try:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        except OSError as err:
+            raise ValueError("save failed") from err
+    except ValueError as chained:
+        assert environment_fault(chained, tmp_path).startswith(f"the file system is read-only: {tmp_path}:")
+    assert environment_fault(RuntimeError("Permission denied by the hub"), tmp_path) is None
+    assert environment_fault(KeyError("x"), tmp_path) is None
