@@ -414,12 +414,14 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
                 seed=g.seed,
                 on_reply=on_reply,
             )
-            extra, handled = None, len(rows)
-            if plan.server is not None:  # this shard's share of the server engine's exactness counts
+            handled = len(rows)
+            if plan.server is None:
+                write_shard(shard_path(plan.out, index), rows)
+            else:  # with this shard's share of the server engine's exactness counts
                 extra = _exactness_counts(engine.stats, before, rows)
                 before = dict(engine.stats)
                 rows = [r for r in rows if r.turns]  # first reply not token-exact: nothing to train on
-            write_shard(shard_path(plan.out, index), rows, extra)
+                write_shard(shard_path(plan.out, index), rows, extra)
             bar.update(handled - counted[0])  # records with nothing to generate
             counted[0] = 0
             elapsed = time.perf_counter() - start
