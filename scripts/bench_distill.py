@@ -195,7 +195,7 @@ def server_rows(model_dir: str, tok, convs, prompts, eos, reference, args) -> li
                         "token_count_differs": engine.stats["token_count_differs"],
                     }
                 )
-                print(json.dumps(rows[-1]), flush=True)
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress; --json stays one object
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

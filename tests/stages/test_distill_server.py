@@ -280,7 +280,7 @@ def test_client_sigkill_resumes_to_the_same_records(served, word_backbone, promp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shards = tmp_path / "distill" / "shards"
     kills = 0
-    for _ in range(3):  # kill it three times at a random moment after a shard landed
+    for _ in range(5):  # kill it five times (the target) at a random moment after a shard landed
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         start = len(list(shards.glob("*.arrow"))) if shards.is_dir() else 0
         deadline = time.time() + 120
@@ -297,7 +297,7 @@ def test_client_sigkill_resumes_to_the_same_records(served, word_backbone, promp
     assert result.returncode == 0, result.stderr[-2000:]
     assert [p.name for p in shard_files(tmp_path / "distill")][-1] == "shard-00009.arrow"
     assert _rows(tmp_path) == _rows(served[0])  # every record exactly once, the same tokens
-    assert kills >= 1
+    assert kills >= 3  # most kills landed mid-run (a late one may find the run finished)
 
 
 def test_server_down_fails_in_one_line_then_resumes_and_restarts_mid_run_complete(
