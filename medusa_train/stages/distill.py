@@ -243,14 +243,15 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
         "revision": cfg.model.revision,
         "files": _backbone_files_signature(cfg.model.name_or_path),
     }
+    served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
     quick = settings_key(
         backbone_source=backbone,
-        dtype=cfg.model.dtype,
-        quantization=cfg.model.quantization,
+        dtype="server's" if served else cfg.model.dtype,
+        quantization="server's" if served else cfg.model.quantization,
         distill=distill,
         data=data,
     )
-    if cfg.distill.engine == "server":  # the served model, not URLs or client settings (RUN_ONLY)
+    if served:  # the served model, not URLs or client settings (RUN_ONLY)
         s = cfg.distill.server
         quick["engine"] = {"kind": "server", "api": s.api, "model": s.model or cfg.model.name_or_path}
     return quick
@@ -459,8 +460,8 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
             **plan.quick["distill"],
             "top_p": cfg.distill.top_p,
             "batch_size": cfg.distill.batch_size,
-            "dtype": cfg.model.dtype,
-            "quantization": cfg.model.quantization,
+            "dtype": plan.quick["dtype"],
+            "quantization": plan.quick["quantization"],
             "max_context": max_context,
             "eos_token_ids": plan.eos_ids,
         },
