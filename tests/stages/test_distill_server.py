@@ -241,6 +241,8 @@ def test_greedy_records_equal_inprocess_except_non_canonical_replies(
     flagged = counts["replies_token_count_differs"] + counts["replies_dropped_not_round_trip"]
     assert (len(ours) - equal) <= flagged
     assert counts["replies_prompt_tokens_differ"] == 0  # the server renders our template to our tokens
+    # stage=train checks the data's backbone identity: the same whichever engine made it
+    assert manifest["backbone"] == read_manifest(inprocess / "distill")["backbone"]
     print(f"\nserver vs in-process: {equal}/{len(ours)} records equal; counts {counts}")
 
 
