@@ -271,72 +271,118 @@ def test_switching_engine_or_served_model_is_refused(
         srv.kill()
 
 
+# The CLI, pausing before writing its second shard while a "hold" file exists (it touches a marker
+# file first), so a kill lands at a known point: one more shard on disk, the next one generated
+# through the server but not written. argv: marker, hold, then the overrides.
+_PAUSING_CLI = """
+import sys, time
+from pathlib import Path
+from medusa_train.__main__ import main
+from medusa_train.stages import distill
+
+real, written = distill.write_shard, []
+marker, hold = Path(sys.argv[1]), Path(sys.argv[2])
+
+def write_or_pause(path, rows, *extra):
+    if len(written) == 1 and hold.exists():
+        marker.touch()
+        deadline = time.time() + 600
+        while hold.exists() and time.time() < deadline:
+            time.sleep(0.05)
+    real(path, rows, *extra)
+    written.append(path)
+
+distill.write_shard = write_or_pause
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _start_paused(
+    tmp_path: Path, name: str, overrides: list[str], env: dict
+) -> tuple[subprocess.Popen, Path]:
+    """The CLI run up to its pause (see _PAUSING_CLI); returns it and its hold file (remove to go on)."""
+    marker, hold = tmp_path / f"{name}.paused", tmp_path / f"{name}.hold"
+    hold.touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSING_CLI, str(marker), str(hold), *overrides],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 180
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None and marker.exists(), proc.communicate()[1].decode()[-2000:]
+    return proc, hold
+
+
 def test_client_sigkill_resumes_to_the_same_records(served, word_backbone, prompts, server, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "medusa_train",
+    """Five client SIGKILLs (the issue's target), then the same command: every record exactly once."""
+    overrides = [
         *_overrides(tmp_path, word_backbone, prompts, "distill.shard_size=1"),
         *_server_overrides(server.url, "distill.server.concurrency=1"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shards = tmp_path / "distill" / "shards"
-    kills = 0
-    for _ in range(5):  # kill it five times (the issue's target) at a random moment after a shard landed
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        start = len(list(shards.glob("*.arrow"))) if shards.is_dir() else 0
-        deadline = time.time() + 120
-        while proc.poll() is None and time.time() < deadline:
-            if shards.is_dir() and len(list(shards.glob("*.arrow"))) > start:
-                time.sleep(random.uniform(0, 0.3))
-                break
-            time.sleep(0.01)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    for kill in range(1, 6):
+        proc, _ = _start_paused(tmp_path, f"kill{kill}", overrides, env)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        assert sorted(p.name for p in shards.glob("*.arrow")) == [f"shard-{i:05d}.arrow" for i in range(kill)]
+    result = subprocess.run(
+        [sys.executable, "-m", "medusa_train", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [p.name for p in shard_files(tmp_path / "distill")][-1] == "shard-00009.arrow"
+    assert "resuming, 5 of 10 shards" in result.stderr
+    assert [p.name for p in shard_files(tmp_path / "distill")] == [f"shard-{i:05d}.arrow" for i in range(10)]
     assert _rows(tmp_path) == _rows(served[0])  # every record exactly once, the same tokens
-    assert kills >= 3  # most kills landed mid-run (a late one may find the run finished)
 
 
 def test_server_down_fails_in_one_line_then_resumes_and_restarts_mid_run_complete(
     served, word_backbone, prompts, tmp_path_factory, tmp_path
 ) -> None:
+    """Two server kills: one it stays down from (one line naming the URL, exit 2, shards kept), one
+    it comes back from within the retry budget (the run completes); then the records are the same."""
     srv = Server(word_backbone, tmp_path_factory.mktemp("hub_cache2")).start()
     try:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         shards = tmp_path / "distill" / "shards"
 
-        def command(*extra: str) -> list[str]:
+        def overrides(*extra: str) -> list[str]:
             return [
-                sys.executable, "-m", "medusa_train",
                 *_overrides(tmp_path, word_backbone, prompts, "distill.shard_size=1"),
                 *_server_overrides(srv.url, "distill.server.concurrency=1", *extra),
-            ]  # fmt: skip
+            ]
 
-        # 1. the server dies after the first shard and stays down: one line naming the URL, exit 2
-        proc = subprocess.Popen(
-            command(), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        deadline = time.time() + 120
-        while not list(shards.glob("*.arrow")) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
+        # 1. the server dies mid-run and stays down
+        proc, hold = _start_paused(tmp_path, "down", overrides(), env)
         srv.kill()
+        hold.unlink()
         _, err = proc.communicate(timeout=120)
         errors = [ln for ln in err.decode().splitlines() if ln.startswith("error:")]
-        done = len(list(shards.glob("*.arrow")))
-        if proc.returncode == 0:
-            pytest.skip("the run finished before the server was killed")
         assert proc.returncode == 2 and len(errors) == 1, err.decode()[-2000:]
-        assert srv.url in errors[0] and "did not answer" in errors[0]
-        assert 1 <= done < 10  # finished shards kept
+        assert srv.url in errors[0] and "did not answer after 3 attempts" in errors[0]
+        assert sorted(p.name for p in shards.glob("*.arrow")) == ["shard-00000.arrow", "shard-00001.arrow"]
 
-        # 2. the server comes back while the run retries: the run completes
+        # 2. the same command while the server is still down, with a longer retry budget: the server
+        #    comes back, then dies mid-run once more and is restarted a second later; the run completes
+        patient = overrides("distill.server.max_retries=30", "distill.server.backoff_max_s=1")
+        (tmp_path / "again.hold").touch()
         proc = subprocess.Popen(
-            command("distill.server.max_retries=30", "distill.server.backoff_max_s=1"),
+            [
+                sys.executable,
+                "-c",
+                _PAUSING_CLI,
+                str(tmp_path / "again.paused"),
+                str(tmp_path / "again.hold"),
+                *patient,
+            ],
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -344,17 +390,18 @@ def test_server_down_fails_in_one_line_then_resumes_and_restarts_mid_run_complet
         )
         time.sleep(3)  # the client starts, finds nothing listening, backs off
         srv.start()
-        deadline = time.time() + 120
-        while (
-            len(list(shards.glob("*.arrow"))) <= done + 1 and proc.poll() is None and time.time() < deadline
-        ):
-            time.sleep(0.01)
-        srv.kill()  # and once more mid-run, restarted a second later
+        deadline = time.time() + 180
+        while not (tmp_path / "again.paused").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        srv.kill()
+        (tmp_path / "again.hold").unlink()
         time.sleep(1)
         srv.start()
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-2000:]
-        assert _rows(tmp_path) == _rows(served[0])
+        assert "resuming, 2 of 10 shards" in err.decode()
+        assert _rows(tmp_path) == _rows(served[0])  # every record exactly once, the same tokens
     finally:
         srv.kill()
 
