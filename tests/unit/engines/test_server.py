@@ -143,3 +143,22 @@ def test_tokens_api_reads_vllm_ids_and_closes_replies_with_eos(scripted, shape) 
     bodies = [b for _, _, b in srv.seen]
     assert [b["prompt"] for b in bodies] == [[1, 4, 0], [1, 4, 1], [1, 4, 2]]  # our exact ids
     assert all(b["return_tokens_as_token_ids"] and b["stop_token_ids"] == [2] for b in bodies)
+
+
+def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
+    """Two endpoints, one request in flight each: both serve, and follow-ups are generated too."""
+    answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
+    a, b = scripted([answer] * 6), scripted([answer] * 6)
+    engine = ServerEngine(
+        ServerClient([a.url, b.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
+        eos_ids=[2], end_id=2, concurrency=1,
+    )  # fmt: skip
+    done: list[int] = []
+
+    def on_done(request, new):
+        done.append(request.key)
+        return GenRequest(request.key + 100, [1]) if request.key < 2 else None  # one follow-up each
+
+    engine.run([GenRequest(i, [1, i]) for i in range(4)], on_done)
+    assert sorted(done) == [0, 1, 2, 3, 100, 101]
+    assert len(a.seen) >= 1 and len(b.seen) >= 1 and len(a.seen) + len(b.seen) == 6  # the first two: one each
