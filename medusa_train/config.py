@@ -242,13 +242,63 @@ class DataConfig:
 
 
 @dataclass
+class DistillServerConfig:
+    """`distill.engine=server`: OpenAI-compatible endpoints (vLLM, SGLang, TGI, `transformers serve`)."""
+
+    urls: list[str] = field(default_factory=lambda: [])
+    """Base URLs ending in /v1, e.g. `[http://gpu0:8000/v1,http://gpu1:8000/v1]`; requests are spread
+    over them (the least busy first). No credentials in URLs: use `api_key_env`."""
+    model: str | None = None
+    """The served model name requests ask for (vLLM `--served-model-name`, the path given to
+    `transformers serve`); null = `model.name_or_path`. Checked against `/v1/models` before any work."""
+    api_key_env: str | None = None
+    """NAME of the environment variable holding the API key (sent as `Authorization: Bearer`); the
+    key itself is never stored in configs, manifests or logs. null = no key. A named variable that is
+    not set fails before any work."""
+    api: str = "chat"
+    """chat: `/v1/chat/completions` with the conversation as messages; the server applies the chat
+    template and returns text, which is re-tokenised (every server). tokens: `/v1/completions` with our
+    exact token-id prompt and the generated ids returned (`return_token_ids` /
+    `return_tokens_as_token_ids`, vLLM only): token-exact."""
+    concurrency: int = 8
+    """Requests in flight per endpoint (the server batches them)."""
+    timeout_s: float = 600.0
+    """Seconds one request may take (connect + generate) before it is retried."""
+    max_retries: int = 6
+    """Retries of a request after a connection error, a timeout, HTTP 429 or 5xx, with exponential
+    backoff and jitter; after that the run stops with one line naming the URL (finished shards kept)."""
+    backoff_s: float = 1.0
+    """First retry delay, seconds; doubled per retry (x0.5-1.0 jitter), capped at `backoff_max_s`."""
+    backoff_max_s: float = 60.0
+    """Longest delay between two retries, seconds."""
+
+    def __post_init__(self) -> None:
+        _choice("distill.server.api", self.api, ("chat", "tokens"))
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"distill.server.urls: {url!r} must start with http:// or https://")
+            if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+                raise ConfigError(
+                    "distill.server.urls must not hold credentials: put the key in an environment "
+                    "variable and name it in distill.server.api_key_env"
+                )
+        _range("distill.server.concurrency", self.concurrency, 1, 4096)
+        _range("distill.server.timeout_s", self.timeout_s, 0, low_open=True)
+        _range("distill.server.max_retries", self.max_retries, 0, 100)
+        _range("distill.server.backoff_s", self.backoff_s, 0)
+        _range("distill.server.backoff_max_s", self.backoff_max_s, 0)
+
+
+@dataclass
 class DistillConfig:
     """`stage=distill`: regenerate every assistant turn with the frozen backbone."""
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("overwrite", "batch_size")
+    RUN_ONLY: ClassVar[tuple[str, ...]] = ("overwrite", "batch_size", "engine", "server")
     """Not part of the skip/resume key: `overwrite` steers the run; `batch_size` changes no record
     (greedy replies equal unbatched `generate`, and each record samples with its own seeded generator,
-    both tested), so a run may resume with another batch size."""
+    both tested), so a run may resume with another batch size. `engine` and `server` enter the key
+    through the stage (with engine=server only: the api and served model, never URLs or the key), so
+    in-process folders keep their keys."""
 
     max_new_tokens: int = 256
     """Per assistant turn, tokens, >= 1."""
@@ -264,11 +314,20 @@ class DistillConfig:
     """Sampling seed, 0 .. 2**32 - 1 (per record and turn, so results do not depend on batching or rank)."""
     overwrite: bool = False
     """Discard an existing distill folder made with other settings (backbone fingerprint, dtype,
-    tokenizer, every distill.* and data.* field but batch_size, strict and eval_fraction; top_p and seed
+    tokenizer, every distill.* and data.* field but batch_size, strict and eval_fraction, and with
+    distill.engine=server the served model, not the URLs or client settings; top_p and seed
     only when sampling) instead of refusing; a folder with the same settings is always resumed or,
     when complete, reused as is."""
+    engine: str = "inprocess"
+    """inprocess: the backbone generates in this process (continuous batching, `batch_size` rows).
+    server: OpenAI-compatible servers generate (`distill.server`); this process loads only the
+    tokenizer and config of `model.name_or_path` (which must be the served model's)."""
+    server: DistillServerConfig = field(default_factory=DistillServerConfig)
 
     def __post_init__(self) -> None:
+        _choice("distill.engine", self.engine, ("inprocess", "server"))
+        if self.engine == "server" and not self.server.urls:
+            raise ConfigError("distill.engine=server needs distill.server.urls=[http://host:port/v1,...]")
         _range("distill.max_new_tokens", self.max_new_tokens, 1)
         _positive("distill.temperature", self.temperature, allow_zero=True)
         _range("distill.top_p", self.top_p, 0, 1, low_open=True)

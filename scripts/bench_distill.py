@@ -14,6 +14,16 @@ to 1.5x within minutes). The greedy replies at every batch size are compared wit
 first one. Target on 2 CPU cores with the embedded backbone: batch 16
 >= 8x batch 1.
 
+``--library`` also times transformers' own continuous batching (``model.generate_batch``, paged
+attention, ``max_requests_per_batch`` = the largest batch size) on the same prompts, and checks both
+engines' greedy replies against unbatched ``model.generate`` on the first ``--parity-prompts``.
+
+``--server`` also measures ``distill.engine=server`` (:class:`medusa_train.engines.server.ServerEngine`,
+chat API): the script starts ``transformers serve`` on 127.0.0.1 (with and without its
+``--continuous-batching``), sends the same first turns at each ``--concurrency``, and reports
+records/s, tokens/s and how many replies equal the in-process ones (the server and this client
+share the machine's cores).
+
 ``--step-contexts 16 128`` also measures the ceiling that bounds the ratio: the cost of one decode
 step with every row busy, no prefill and no finished rows (each batch size runs ``batch`` requests of
 the given context length for ``--step-tokens`` tokens, minus the same run for one token), so that
@@ -24,8 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 
 import torch
 
@@ -35,6 +53,7 @@ from medusa_train.data.embedded import embedded_prompts
 from medusa_train.data.sources import Conversation
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
+from medusa_train.engines.server import ServerClient, ServerEngine, reply_end_id
 
 
 def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, tokens: int, repeats: int) -> dict:
@@ -76,6 +95,113 @@ def step_ceiling(model, pad_id: int, batch_sizes: list[int], context: int, token
     }
 
 
+def library_batch(model, prompts: list[list[int]], eos: list[int], pad_id: int, batch: int, max_new: int):
+    """``model.generate_batch`` (transformers' continuous batching): replies by prompt index, seconds.
+
+    The paged cache is sized for the job (``batch`` rows of the longest prompt + ``max_new`` tokens,
+    pages of 256 tokens, 2,048 tokens per forward at most): left to its defaults on a CPU it sizes
+    itself from free RAM and zero-fills gigabytes per call (measured: 12 of 18 s for 16 prompts).
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=pad_id)
+    pages = -(-(max(len(p) for p in prompts) + max_new) // 256)
+    cb = ContinuousBatchingConfig(
+        max_requests_per_batch=batch, num_blocks=batch * pages + batch, max_batch_tokens=2048
+    )
+    start = time.perf_counter()
+    out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb)
+    seconds = time.perf_counter() - start
+    replies = {}
+    for i in range(len(prompts)):
+        ids = list(out[f"req_{i}"].generated_tokens)
+        end = next((j + 1 for j, t in enumerate(ids) if t in eos), len(ids))
+        replies[i] = ids[:end]
+    return replies, seconds
+
+
+def generate_reference(model, prompts: list[list[int]], eos: list[int], pad_id: int, max_new: int) -> dict:
+    """Unbatched, unpadded greedy ``model.generate`` per prompt (the parity reference)."""
+    import torch
+
+    replies = {}
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+            eos_token_id=eos, pad_token_id=pad_id,
+        )[0, len(p) :].tolist()  # fmt: skip
+        end = next((j + 1 for j, t in enumerate(out) if t in eos), len(out))
+        replies[i] = out[:end]
+    return replies
+
+
+def server_rows(model_dir: str, tok, convs, prompts, eos, reference, args) -> list[dict]:
+    """Records/s and tokens/s through ``transformers serve`` (with and without --continuous-batching)."""
+    renderer = ChatRenderer(tok)
+    rows = []
+    for cb in (False, True):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [
+            str(Path(sys.executable).parent / "transformers"), "serve", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", "--dtype", args.dtype,
+        ]  # fmt: skip
+        if cb:  # its paged cache sized for the job, as in library_batch (else it sizes itself from free RAM)
+            pages = -(-(max(len(p) for p in prompts) + args.max_new_tokens) // 256)
+            blocks = max(args.concurrency) * (pages + 1)
+            cmd += ["--continuous-batching", "--cb-num-blocks", str(blocks), "--cb-max-batch-tokens", "2048"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": tempfile.mkdtemp()}
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            url = f"http://127.0.0.1:{port}/v1"
+            for concurrency in args.concurrency:
+                engine = ServerEngine(
+                    ServerClient([url], timeout_s=600, max_retries=2),
+                    model=model_dir, tokenizer=tok, api="chat", max_new_tokens=args.max_new_tokens,
+                    eos_ids=eos, end_id=reply_end_id(tok, eos), concurrency=concurrency,
+                )  # fmt: skip
+                requests = [
+                    GenRequest(i, p, None, renderer.messages(c, [], True))
+                    for i, (c, p) in enumerate(zip(convs, prompts, strict=True))
+                ]
+                warm = requests[: 2 * concurrency]
+                engine.run(warm, lambda req, new: None)
+                replies: dict[int, list[int] | None] = {}
+                start = time.perf_counter()
+                engine.run(requests, lambda req, new, out=replies: out.__setitem__(req.key, new))
+                seconds = time.perf_counter() - start
+                tokens = sum(len(r or []) for r in replies.values())
+                rows.append(
+                    {
+                        "engine": "transformers serve" + (" --continuous-batching" if cb else ""),
+                        "concurrency": concurrency,
+                        "records": len(replies),
+                        "tokens": tokens,
+                        "seconds": round(seconds, 3),
+                        "records_per_s": round(len(replies) / seconds, 2),
+                        "tokens_per_s": round(tokens / seconds, 1),
+                        "replies_equal_inprocess": sum(replies[k] == reference[k] for k in reference),
+                        "not_round_trip": engine.stats["not_round_trip"],
+                        "token_count_differs": engine.stats["token_count_differs"],
+                    }
+                )
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress; --json stays one object
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="runs/default/pretrain", help="HF model dir or hub id")
@@ -99,6 +225,12 @@ def main() -> None:
         help="also time full-batch decode steps at these context lengths (the ratio's ceiling)",
     )
     parser.add_argument("--step-tokens", type=int, default=129, help="tokens per row when timing steps")
+    parser.add_argument("--library", action="store_true", help="also time model.generate_batch (see above)")
+    parser.add_argument("--parity-prompts", type=int, default=32, help="prompts checked against generate")
+    parser.add_argument("--server", action="store_true", help="also time transformers serve (see above)")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 4, 16], help="server requests in flight"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -107,10 +239,11 @@ def main() -> None:
     model, tok = load_backbone(args.model, dtype=args.dtype, device=args.device)
     renderer = ChatRenderer(tok)
     eos = eos_token_ids(model, tok)
-    convs = embedded_prompts("eval", args.prompts, seed=0)
-    prompts = [
-        renderer.prompt_ids(Conversation(f"embedded:{i}", [c[0]["content"]])) for i, c in enumerate(convs)
+    convs = [
+        Conversation(f"embedded:{i}", [c[0]["content"]])
+        for i, c in enumerate(embedded_prompts("eval", args.prompts, seed=0))
     ]
+    prompts = [renderer.prompt_ids(c) for c in convs]
 
     def generate(batch_size: int, requests: list[list[int]]) -> tuple[dict[int, list[int]], dict]:
         replies: dict[int, list[int]] = {}
@@ -131,11 +264,20 @@ def main() -> None:
     generate(max(args.batch_sizes), prompts[: 2 * max(args.batch_sizes)])  # warm-up
     timings: dict[int, list[float]] = {bs: [] for bs in args.batch_sizes}
     results: dict[int, tuple[dict, dict]] = {}
+    library: dict = {"seconds": [], "replies": None}
+    if args.library:
+        library_batch(model, prompts[:8], eos, tok.pad_token_id, max(args.batch_sizes), 8)  # warm-up
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every size alike
         for bs in args.batch_sizes:
             start = time.perf_counter()
             results[bs] = generate(bs, prompts)
             timings[bs].append(time.perf_counter() - start)
+        if args.library:
+            replies, seconds = library_batch(
+                model, prompts, eos, tok.pad_token_id, max(args.batch_sizes), args.max_new_tokens
+            )
+            library["seconds"].append(seconds)
+            library["replies"] = replies
     rows, reference = [], results[args.batch_sizes[0]][0]
     for bs in args.batch_sizes:
         replies, stats = results[bs]
@@ -160,6 +302,26 @@ def main() -> None:
         step_ceiling(model, tok.pad_token_id, args.batch_sizes, c, args.step_tokens, args.repeats)
         for c in args.step_contexts
     ]
+    extra = {}
+    ours = results[max(args.batch_sizes)][0]
+    if args.library:
+        seconds = statistics.median(library["seconds"])
+        theirs = library["replies"]
+        n = min(args.parity_prompts, len(prompts))
+        ref = generate_reference(model, prompts[:n], eos, tok.pad_token_id, args.max_new_tokens)
+        extra["library"] = {
+            "batch_size": max(args.batch_sizes),
+            "tokens": sum(len(r) for r in theirs.values()),
+            "seconds": round(seconds, 3),
+            "seconds_all": [round(t, 3) for t in library["seconds"]],
+            "tokens_per_s": round(sum(len(r) for r in theirs.values()) / seconds, 1),
+            "replies_equal_ours": sum(theirs[k] == ours[k] for k in ours),
+            "parity_prompts": n,
+            "library_equal_generate": sum(theirs[k] == ref[k] for k in ref),
+            "ours_equal_generate": sum(ours[k] == ref[k] for k in ref),
+        }
+    if args.server:
+        extra["server"] = server_rows(args.model, tok, convs, prompts, eos, ours, args)
     result = {
         "model": args.model,
         "device": args.device,
@@ -169,6 +331,7 @@ def main() -> None:
         "repeats": args.repeats,
         "rows": rows,
         "step_ceiling": ceilings,
+        **extra,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -184,6 +347,19 @@ def main() -> None:
         print(
             f"{r['batch_size']:>6} {r['tokens']:>8} {r['seconds']:>9.2f} {r['tokens_per_s']:>10.1f} "
             f"{r['rows_per_step']:>10.2f} {r['replies_equal_first']:>6} {r['speedup_vs_first']:>8.2f}x"
+        )
+    if "library" in extra:
+        lib = extra["library"]
+        print(
+            f"model.generate_batch (batch {lib['batch_size']}): {lib['tokens']} tokens, {lib['seconds']:.2f} s, "
+            f"{lib['tokens_per_s']:.1f} tokens/s; replies equal ours {lib['replies_equal_ours']}/{len(ours)}; "
+            f"equal to generate on {lib['parity_prompts']}: library {lib['library_equal_generate']}, "
+            f"ours {lib['ours_equal_generate']}"
+        )
+    for r in extra.get("server", []):
+        print(
+            f"{r['engine']}, concurrency {r['concurrency']}: {r['records_per_s']:.2f} records/s, "
+            f"{r['tokens_per_s']:.1f} tokens/s, {r['replies_equal_inprocess']}/{r['records']} replies equal in-process"
         )
     for c in ceilings:
         steps = ", ".join(

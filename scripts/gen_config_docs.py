@@ -24,6 +24,7 @@ SECTIONS = {
     "PretrainConfig": "pretrain",
     "DataConfig": "data",
     "DistillConfig": "distill",
+    "DistillServerConfig": "distill.server",
     "TrainingConfig": "training",
     "DeepSpeedConfig": "deepspeed",
     "TreeConfig": "tree",

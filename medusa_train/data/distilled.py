@@ -127,15 +127,16 @@ def shard_counts(records) -> dict:
     }
 
 
-def write_shard(path: Path, records) -> None:
+def write_shard(path: Path, records, extra_counts: dict | None = None) -> None:
     """Write one shard as a datasets-readable Arrow stream: temp file, fsync, atomic rename.
 
     Args:
         path: the shard's final place (:func:`shard_path`).
         records: :class:`medusa_train.data.regenerate.DistilledRecord` objects, in source order.
+        extra_counts: more counts of this shard (an engine's), summed into the manifest like the others.
     """
     schema = _FEATURES.arrow_schema
-    counts = json.dumps(shard_counts(records)).encode()
+    counts = json.dumps({**shard_counts(records), **(extra_counts or {})}).encode()
     schema = schema.with_metadata({**(schema.metadata or {}), _COUNTS_KEY: counts})
     table = pa.table(
         {

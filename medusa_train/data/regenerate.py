@@ -44,6 +44,9 @@ class DistilledRecord:
     """User turns left unanswered because the context would exceed ``max_context``."""
     cut: int = 0
     """Turns that hit ``max_new_tokens`` without EOS."""
+    inexact: int = 0
+    """Replies the engine could not give token-exactly (None from a text engine); the conversation
+    ended before such a reply."""
     replies: list[str] = field(default_factory=list)
 
 
@@ -81,13 +84,19 @@ def distill_records(
     ]
 
     def request(i: int) -> GenRequest:
-        return GenRequest(
-            i, list(states[i].input_ids), record_seed(seed, records[i].source_id, states[i].turns)
-        )
+        st = states[i]
+        turn_seed = record_seed(seed, records[i].source_id, st.turns)
+        messages = renderer.messages(records[i], st.replies, True)  # the same context, for text engines
+        return GenRequest(i, list(st.input_ids), turn_seed, messages)
 
-    def on_done(req: GenRequest, new: list[int]) -> GenRequest | None:
+    def on_done(req: GenRequest, new: list[int] | None) -> GenRequest | None:
         i = req.key
         st, conv = states[i], records[i]
+        if new is None:  # a text engine could not give this reply exactly: the conversation ends here
+            st.inexact += 1
+            if on_reply is not None:
+                on_reply(0, True)
+            return None
         st.input_ids += new
         st.loss_mask += [1] * len(new)
         st.turns += 1

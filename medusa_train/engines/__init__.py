@@ -1,1 +1,1 @@
-"""Generation engines (interface: base.py): in-process batching (inprocess.py); OpenAI-compatible servers next."""
+"""Generation engines (interface: base.py): in-process batching (inprocess.py); OpenAI-compatible servers (server.py)."""

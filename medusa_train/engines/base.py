@@ -11,7 +11,10 @@ server, say) plugs in by implementing :class:`Engine` alone.
 Contract of :meth:`Engine.run`:
     * every request, and every follow-up ``on_done`` returns, gets exactly one ``on_done`` call;
     * ``new_tokens`` holds the generated ids up to and including the first end-of-turn id, or
-      exactly the engine's ``max_new_tokens`` ids when the reply was cut (no end-of-turn id then);
+      exactly the engine's ``max_new_tokens`` ids when the reply was cut (no end-of-turn id then).
+      An engine that receives text, not ids (a chat-completions server), gives the reply's
+      re-tokenisation instead (its length may then differ; engines/server.py counts it), or None
+      when even the text does not survive re-tokenisation: the loop then ends that conversation;
     * ``on_done`` is called from the thread that called ``run`` (the loop keeps no locks), and
       ``run`` returns once every request and follow-up is done;
     * greedy replies depend only on the context; a sampled reply depends only on the context and
@@ -34,15 +37,18 @@ class GenRequest:
         key: the caller's handle, returned untouched with the reply.
         context: the token ids to continue (prompt, earlier turns and template text).
         seed: sampling seed of this reply (ignored by greedy engines); None = the engine's own.
+        messages: the same context as chat messages (system, user and earlier replies as text), for
+            engines that take text (a chat-completions server); None where the caller has none.
     """
 
     key: Any
     context: list[int]
     seed: int | None = None
+    messages: list[dict[str, str]] | None = None
 
 
-OnDone = Callable[[GenRequest, list[int]], "GenRequest | None"]
-"""``on_done(request, new_tokens)``: a finished reply; returns a follow-up request or None."""
+OnDone = Callable[[GenRequest, "list[int] | None"], "GenRequest | None"]
+"""``on_done(request, new_tokens)``: a finished reply (None: not exact, see above); returns a follow-up or None."""
 
 
 class Engine(Protocol):

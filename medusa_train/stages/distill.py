@@ -56,7 +56,9 @@ from medusa_train import dist
 from medusa_train.backbone import (
     backbone_identity,
     check_backbone_source,
+    checkpoint_fingerprint,
     load_configured_backbone,
+    load_tokenizer,
     local_fingerprint,
 )
 from medusa_train.config import Config
@@ -80,6 +82,7 @@ from medusa_train.data.distilled import (
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
 from medusa_train.engines.inprocess import ContinuousBatcher
+from medusa_train.engines.server import ServerClient, ServerEngine, check_server, reply_end_id
 from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.tracking import Tracker, start_tracking
 from medusa_train.workdir import (
@@ -111,6 +114,8 @@ class _Plan:
     settings: dict
     quick: dict
     num_shards: int
+    server: dict | None = None
+    """distill.engine=server: what :func:`medusa_train.engines.server.check_server` found."""
 
 
 def run(cfg: Config) -> dict:
@@ -135,8 +140,12 @@ def run(cfg: Config) -> dict:
             )
         return _figures(manifest, generated_now=0, resumed=True)
 
-    # 3. backbone, prompts, long-prompt rule
-    model, tokenizer = load_configured_backbone(cfg.model)
+    # 3. backbone (distill.engine=server: its tokenizer and config only), prompts, long-prompt rule
+    if cfg.distill.engine == "server":
+        model, tokenizer, identity = _served_backbone(cfg)
+    else:
+        model, tokenizer = load_configured_backbone(cfg.model)
+        identity = backbone_identity(model, cfg.model.name_or_path, cfg.model.revision)
     renderer = ChatRenderer(tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     max_context = _max_context(cfg, model)
@@ -145,12 +154,15 @@ def run(cfg: Config) -> dict:
         raise UserError(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
-    identity = backbone_identity(model, cfg.model.name_or_path, cfg.model.revision)
     settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
+    server = None
+    if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
+        server = _check_server(cfg, renderer, records[0], prompts[0])
+        settings["engine"] = {**quick["engine"], "served": sorted({e["root"] for e in server["endpoints"]})}
     num_shards = -(-len(records) // cfg.distill.shard_size)
     plan = _Plan(
         cfg, out, source, records, prompts, long_skipped, eos_ids, max_context, identity, settings, quick,
-        num_shards,
+        num_shards, server,
     )  # fmt: skip
 
     created_group = dist.init_process_group()
@@ -247,13 +259,18 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
         "files": _backbone_files_signature(cfg.model.name_or_path),  # recorded, not compared
         "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
     }
-    return settings_key(
+    served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
+    quick = settings_key(
         backbone_source=backbone,
-        dtype=cfg.model.dtype,
-        quantization=cfg.model.quantization,
+        dtype="server's" if served else cfg.model.dtype,
+        quantization="server's" if served else cfg.model.quantization,
         distill=distill,
         data=data,
     )
+    if served:  # the served model, not URLs or client settings (RUN_ONLY)
+        s = cfg.distill.server
+        quick["engine"] = {"kind": "server", "api": s.api, "model": s.model or cfg.model.name_or_path}
+    return quick
 
 
 def _max_context(cfg, model) -> int:
@@ -393,8 +410,11 @@ def _difference(previous: dict | None, current: dict) -> str:
         return f"no readable {PROGRESS} or {MANIFEST} says which"
     old, new = comparable(previous), comparable(current)
     text = describe_diff(old, new)
-    if "backbone_fingerprint" in settings_diff(old, new):
+    differing = settings_diff(old, new)
+    if "backbone_fingerprint" in differing:
         text = "a different backbone: " + text
+    elif "engine.served" in differing:
+        text = "another served model: " + text
     return text
 
 
@@ -430,40 +450,53 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             counted[0] += 1
             bar.update(1)
 
-    engine = ContinuousBatcher(
-        model,
-        batch_size=g.batch_size,
-        pad_id=renderer.tokenizer.pad_token_id,
-        eos_ids=plan.eos_ids,
-        max_new_tokens=g.max_new_tokens,
-        temperature=g.temperature,
-        top_p=g.top_p,
-    )
-    for n, index in enumerate(todo, start=1):
-        chunk = slice(index * size, (index + 1) * size)
-        rows = distill_records(
-            engine,
-            renderer,
-            records[chunk],
-            prompts[chunk],
-            max_context=plan.max_context,
+    if plan.server is not None:
+        engine = _server_engine(plan, renderer)
+    else:
+        engine = ContinuousBatcher(
+            model,
+            batch_size=g.batch_size,
+            pad_id=renderer.tokenizer.pad_token_id,
             eos_ids=plan.eos_ids,
-            seed=g.seed,
-            on_reply=on_reply,
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
         )
-        write_shard(shard_path(plan.out, index), rows)
-        bar.update(len(rows) - counted[0])  # records with nothing to generate
-        counted[0] = 0
-        elapsed = time.perf_counter() - start
-        tracker.log(
-            {
-                "distill/records": bar.n,
-                "distill/tokens_generated": stats["tokens"],
-                "distill/tokens_per_s": stats["tokens"] / elapsed,
-            },
-            step=n,
-        )
-    bar.close()
+    before = dict(engine.stats)
+    try:  # the bar ends its line also when generation fails (an error then starts a line of its own)
+        for n, index in enumerate(todo, start=1):
+            chunk = slice(index * size, (index + 1) * size)
+            rows = distill_records(
+                engine,
+                renderer,
+                records[chunk],
+                prompts[chunk],
+                max_context=plan.max_context,
+                eos_ids=plan.eos_ids,
+                seed=g.seed,
+                on_reply=on_reply,
+            )
+            handled = len(rows)
+            if plan.server is None:
+                write_shard(shard_path(plan.out, index), rows)
+            else:  # with this shard's share of the server engine's exactness counts
+                extra = _exactness_counts(engine.stats, before, rows)
+                before = dict(engine.stats)
+                rows = [r for r in rows if r.turns]  # first reply not token-exact: nothing to train on
+                write_shard(shard_path(plan.out, index), rows, extra)
+            bar.update(handled - counted[0])  # records with nothing to generate
+            counted[0] = 0
+            elapsed = time.perf_counter() - start
+            tracker.log(
+                {
+                    "distill/records": bar.n,
+                    "distill/tokens_generated": stats["tokens"],
+                    "distill/tokens_per_s": stats["tokens"] / elapsed,
+                },
+                step=n,
+            )
+    finally:
+        bar.close()
     stats["seconds"] = time.perf_counter() - start
     return stats
 
@@ -488,8 +521,8 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
             **plan.quick["distill"],
             "top_p": cfg.distill.top_p,
             "batch_size": cfg.distill.batch_size,
-            "dtype": cfg.model.dtype,
-            "quantization": cfg.model.quantization,
+            "dtype": plan.quick["dtype"],
+            "quantization": plan.quick["quantization"],
             "max_context": max_context,
             "eos_token_ids": plan.eos_ids,
         },
@@ -498,6 +531,7 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
         "tokens_per_s": round(tokens_now / seconds, 1) if tokens_now and seconds > 0 else None,
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
         "world_size": dist.world_size(),
+        "engine": _engine_manifest(plan),
         "num_shards": plan.num_shards,
         "shards": shard_entries(plan.out, plan.num_shards),
         "shard_size": cfg.distill.shard_size,
@@ -527,4 +561,114 @@ def _figures(manifest: dict, *, generated_now: int, resumed: bool) -> dict:
         "num_shards": manifest["num_shards"],
         "world_size": manifest["world_size"],
         "already_complete": resumed,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# distill.engine=server (issue 13): the backbone's weights stay with the servers; this process needs
+# its tokenizer (records are built with it), its config (context length, EOS ids) and the files'
+# fingerprint (stage=train checks the data came from the backbone it loads).
+
+
+def _served_backbone(cfg: Config):
+    """``(model-like, tokenizer, identity)`` of ``model.name_or_path`` without loading its weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    m = cfg.model
+    if cfg.data.long_prompts == "truncate" and cfg.distill.server.api == "chat":
+        raise UserError(
+            "data.long_prompts=truncate cannot be sent as chat messages: use data.long_prompts=skip, "
+            "or distill.server.api=tokens (vLLM)"
+        )
+    config = AutoConfig.from_pretrained(
+        m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+    )
+    try:
+        generation = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
+    except OSError:  # no generation_config.json: the model config's EOS
+        generation = GenerationConfig.from_model_config(config)
+    tokenizer = load_tokenizer(m.name_or_path, trust_remote_code=m.trust_remote_code, revision=m.revision)
+    fingerprint = checkpoint_fingerprint(m.name_or_path, m.revision)
+    if fingerprint is None:
+        raise UserError(
+            f"distill.engine=server needs the checkpoint files of {m.name_or_path} on this machine (a directory "
+            "or the hub cache): the manifest records their fingerprint for stage=train; no weights are loaded"
+        )
+    text = config.get_text_config()
+    identity = {
+        "name_or_path": str(m.name_or_path),
+        "architecture": (config.architectures or [config.model_type])[0],
+        "hidden_size": int(text.hidden_size),
+        "vocab_size": int(text.vocab_size),
+        "fingerprint": fingerprint,
+    }
+    return SimpleNamespace(config=text, generation_config=generation), tokenizer, identity
+
+
+def _server_client(cfg: Config) -> ServerClient:
+    s = cfg.distill.server
+    return ServerClient(
+        list(s.urls),
+        api_key_env=s.api_key_env,
+        timeout_s=s.timeout_s,
+        max_retries=s.max_retries,
+        backoff_s=s.backoff_s,
+        backoff_max_s=s.backoff_max_s,
+    )
+
+
+def _check_server(cfg: Config, renderer: ChatRenderer, conv: Conversation, prompt: list[int]) -> dict:
+    s = cfg.distill.server
+    messages = renderer.messages(conv, [], True)
+    server = check_server(_server_client(cfg), s.model or cfg.model.name_or_path, s.api, messages, prompt)
+    if dist.is_main():
+        log.info(
+            "distill: %d server endpoint(s) serve %s (%s API)",
+            len(server["endpoints"]),
+            ", ".join(sorted({e["root"] for e in server["endpoints"]})),
+            s.api,
+        )
+    return server
+
+
+def _server_engine(plan: _Plan, renderer: ChatRenderer) -> ServerEngine:
+    cfg, s = plan.cfg, plan.cfg.distill.server
+    return ServerEngine(
+        _server_client(cfg),
+        model=plan.server["model"],
+        tokenizer=renderer.tokenizer,
+        api=s.api,
+        max_new_tokens=cfg.distill.max_new_tokens,
+        eos_ids=plan.eos_ids,
+        end_id=reply_end_id(renderer.tokenizer, plan.eos_ids),
+        temperature=cfg.distill.temperature,
+        top_p=cfg.distill.top_p,
+        concurrency=s.concurrency,
+    )
+
+
+def _exactness_counts(stats: dict, before: dict, rows) -> dict:
+    """One shard's counts of replies that were not token-exact (see medusa_train.engines.server)."""
+    delta = {k: v - before.get(k, 0) for k, v in stats.items()}
+    return {
+        "replies_dropped_not_round_trip": delta["not_round_trip"],
+        "replies_token_count_differs": delta["token_count_differs"],
+        "replies_prompt_tokens_differ": delta["prompt_tokens_differ"],
+        "records_dropped_not_token_exact": sum(1 for r in rows if not r.turns),
+    }
+
+
+def _engine_manifest(plan: _Plan) -> dict:
+    if plan.server is None:
+        return {"kind": "inprocess", "batch_size": plan.cfg.distill.batch_size}
+    s = plan.cfg.distill.server
+    return {
+        "kind": "server",
+        "api": s.api,
+        "model": plan.server["model"],
+        "endpoints": plan.server["endpoints"],
+        "concurrency_per_endpoint": s.concurrency,
+        "token_exact": s.api == "tokens",
     }

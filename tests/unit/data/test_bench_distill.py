@@ -38,3 +38,15 @@ def test_step_ceiling_reports_every_batch_size(bench, model):
     assert result["ceiling_vs_first"][1] == 1.0
     expected = round(4 * result["step_ms"][1] / result["step_ms"][4], 1)
     assert round(result["ceiling_vs_first"][4], 1) == pytest.approx(expected, abs=0.1)
+
+
+def test_library_batch_and_ours_equal_unbatched_generate(bench, model):
+    """The --library comparison: transformers' generate_batch and our batcher, both greedy-exact."""
+    prompts = [[5 + i, 9, 11, 3 + 2 * i][: 2 + i % 3] for i in range(6)]
+    reference = bench.generate_reference(model, prompts, [7], 0, 6)
+    theirs, seconds = bench.library_batch(model, prompts, [7], 0, 4, 6)
+    ours = {}
+    ContinuousBatcher(model, batch_size=4, pad_id=0, eos_ids=[7], max_new_tokens=6).run(
+        [GenRequest(i, p) for i, p in enumerate(prompts)], lambda r, new: ours.__setitem__(r.key, new)
+    )
+    assert theirs == reference == ours and seconds > 0

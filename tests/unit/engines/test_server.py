@@ -1,0 +1,164 @@
+"""The OpenAI-compatible client: retries with backoff and jitter, refusals, the key, token-id replies.
+
+A scripted HTTP server on 127.0.0.1 (standard library) answers with the statuses and bodies under
+test; the real `transformers serve` runs in tests/stages/test_distill_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from medusa_train.engines.base import GenRequest
+from medusa_train.engines.server import ServerClient, ServerEngine, ServerRefused
+from medusa_train.errors import UserError
+
+
+class Scripted:
+    """Answers requests with ``script`` in order (status, headers, body), recording what came in."""
+
+    def __init__(self, script: list[tuple[int, dict, dict]]) -> None:
+        self.script = list(script)
+        self.seen: list[tuple[str, dict, dict | None]] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                owner.seen.append((self.path, dict(self.headers), body))
+                status, headers, payload = owner.script.pop(0) if owner.script else (500, {}, {})
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def scripted():
+    servers = []
+
+    def make(script):
+        servers.append(Scripted(script))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_retries_429_and_5xx_with_exponential_backoff_and_jitter(scripted) -> None:
+    srv = scripted([(503, {}, {}), (429, {"Retry-After": "0"}, {}), (502, {}, {}), (200, {}, {"ok": 1})])
+    delays: list[float] = []
+    client = ServerClient([srv.url], max_retries=5, backoff_s=0.5, backoff_max_s=1.5, sleep=delays.append)
+    assert client.request(srv.url, "/models") == {"ok": 1}
+    assert client.retries == 3 and len(srv.seen) == 4
+    for i, d in enumerate(delays):  # jitter in [0.5, 1] of min(cap, base * 2**i)
+        cap = min(1.5, 0.5 * 2**i)
+        assert 0.5 * cap <= d <= cap
+
+
+def test_a_4xx_is_not_retried(scripted) -> None:
+    srv = scripted([(400, {}, {"detail": "bad field"})])
+    client = ServerClient([srv.url], max_retries=5, sleep=lambda s: pytest.fail("must not retry"))
+    with pytest.raises(ServerRefused, match="HTTP 400.*bad field"):
+        client.request(srv.url, "/chat/completions", {"x": 1})
+
+
+def test_a_server_that_stays_down_fails_in_one_line_naming_the_url() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    url = f"http://127.0.0.1:{port}/v1"
+    client = ServerClient([url], max_retries=2, backoff_s=0.01)
+    with pytest.raises(UserError) as err:
+        client.request(url, "/models")
+    message = str(err.value)
+    assert "\n" not in message and url in message and "after 3 attempts" in message
+
+
+def test_the_key_comes_from_the_named_variable_and_is_sent_as_bearer(scripted, monkeypatch) -> None:
+    monkeypatch.delenv("MEDUSA_UNIT_KEY", raising=False)
+    with pytest.raises(UserError, match="MEDUSA_UNIT_KEY is not set"):
+        ServerClient(["http://127.0.0.1:9/v1"], api_key_env="MEDUSA_UNIT_KEY")
+    monkeypatch.setenv("MEDUSA_UNIT_KEY", "sk-unit-secret")
+    srv = scripted([(401, {}, {"error": "no"})])
+    client = ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY")
+    with pytest.raises(ServerRefused) as err:
+        client.request(srv.url, "/models")
+    assert srv.seen[0][1]["Authorization"] == "Bearer sk-unit-secret"
+    assert "sk-unit-secret" not in str(err.value)
+
+
+class _Tok:
+    """Enough of a tokenizer for the tokens API (which never re-tokenises)."""
+
+    eos_token_id = 2
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("shape", ["token_ids", "logprobs"])
+def test_tokens_api_reads_vllm_ids_and_closes_replies_with_eos(scripted, shape) -> None:
+    def choice(ids: list[int], finish: str) -> dict:
+        if shape == "token_ids":
+            return {"token_ids": ids, "finish_reason": finish}
+        return {"logprobs": {"tokens": [f"token_id:{i}" for i in ids]}, "finish_reason": finish}
+
+    srv = scripted(
+        [
+            (200, {}, {"model": "m", "choices": [choice([5, 6, 2], "stop")]}),  # EOS listed
+            (200, {}, {"model": "m", "choices": [choice([7, 8], "stop")]}),  # EOS not listed: appended
+            (200, {}, {"model": "m", "choices": [choice([9, 9, 9], "length")]}),  # cut at the cap
+        ]
+    )
+    engine = ServerEngine(
+        ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=3,
+        eos_ids=[2], end_id=2, concurrency=1,
+    )  # fmt: skip
+    got = {}
+    engine.run([GenRequest(i, [1, 4, i]) for i in range(3)], lambda r, new: got.__setitem__(r.key, new))
+    assert got == {0: [5, 6, 2], 1: [7, 8, 2], 2: [9, 9, 9]}
+    bodies = [b for _, _, b in srv.seen]
+    assert [b["prompt"] for b in bodies] == [[1, 4, 0], [1, 4, 1], [1, 4, 2]]  # our exact ids
+    assert all(b["return_tokens_as_token_ids"] and b["stop_token_ids"] == [2] for b in bodies)
+
+
+def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
+    """Two endpoints, one request in flight each: both serve, and follow-ups are generated too."""
+    answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
+    a, b = scripted([answer] * 6), scripted([answer] * 6)
+    engine = ServerEngine(
+        ServerClient([a.url, b.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
+        eos_ids=[2], end_id=2, concurrency=1,
+    )  # fmt: skip
+    done: list[int] = []
+
+    def on_done(request, new):
+        done.append(request.key)
+        return GenRequest(request.key + 100, [1]) if request.key < 2 else None  # one follow-up each
+
+    engine.run([GenRequest(i, [1, i]) for i in range(4)], on_done)
+    assert sorted(done) == [0, 1, 2, 3, 100, 101]
+    assert len(a.seen) >= 1 and len(b.seen) >= 1 and len(a.seen) + len(b.seen) == 6  # the first two: one each
