@@ -375,7 +375,7 @@ def model_card(
         f"# Medusa heads for `{base}`",
         "",
         f"{k} Medusa heads (Cai et al., arXiv:2401.10774), {heads.num_layers} residual block(s) each, "
-        f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.proj(0).weight.dtype).removeprefix('torch.')}. "
+        f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.dtype).removeprefix('torch.')}. "
         "Head k reads the base model's last hidden state and predicts token t+k+1; a tree of their "
         "candidates is verified in one forward pass of the base model.",
         "",
