@@ -147,7 +147,10 @@ def main() -> None:
     print("| variant | draft vocab | heads' params | vs own | loss peak (fwd+bwd) | vs own | loss s | step: heads + top-10 | vs own |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rel = (lambda key: f"{100 * r[key] / own[key]:.1f}%") if own else (lambda key: "-")
+
+        def rel(key: str, r: dict = r) -> str:
+            return f"{100 * r[key] / own[key]:.1f}%" if own else "-"
+
         print(
             f"| {r['variant']} | {r['draft_vocab']:,} | {r['param_bytes'] / gib:.3f} GiB | {rel('param_bytes')} | "
             f"{r['train_peak_bytes'] / gib:.2f} GiB | {rel('train_peak_bytes')} | {r['train_loss_s']:.1f} | "
