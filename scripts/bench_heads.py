@@ -144,7 +144,9 @@ def main() -> None:
         f"V={args.vocab} d={args.hidden} K={args.heads} L={args.layers} {args.dtype}, loss on {args.rows} rows "
         f"(chunk {args.chunk}), torch {torch.__version__}, {torch.get_num_threads()} threads\n"
     )
-    print("| variant | draft vocab | heads' params | vs own | loss peak (fwd+bwd) | vs own | loss s | step: heads + top-10 | vs own |")
+    print(
+        "| variant | draft vocab | heads' params | vs own | loss peak (fwd+bwd) | vs own | loss s | step: heads + top-10 | vs own |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
 
