@@ -222,6 +222,8 @@ def run(cfg) -> dict:
         backbone=backbone,
         heads_dir=str(heads_dir),
         num_heads=heads.num_heads,
+        head_projection=heads.head_projection,
+        draft_vocab_size=heads.draft_vocab_size,
     )
 
     # 5. Tau of typical acceptance and exact sampling (distribution-level rules: tau only).
