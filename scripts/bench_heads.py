@@ -11,8 +11,16 @@ each variant, in a fresh subprocess (so peak memory is that variant's alone):
 3. one decoding step's head computation: ``PackedHeads.logits`` on one hidden state + top-10 of every
    head (what the tree decoder runs per step), median of ``--repeats`` after 2 warm-ups.
 
+``--demo NAME=HEADS_DIR,...`` instead compares trained heads of every variant on the embedded demo:
+one backbone (``--backbone``), the same held-out embedded prompts and the same tree (``--tree``, a
+``medusa_choices.json``) for all; prompt by prompt, plain greedy ``generate`` and every variant run
+back to back in a rotating order (a shared, drifting machine skews them alike). Reports tau,
+tokens/s, speed-up over plain greedy and greedy parity per variant.
+
 Run as:
     python scripts/bench_heads.py                                   # bf16, markdown table
+    python scripts/bench_heads.py --demo own=runs/own/heads,shared=runs/shared/heads \
+        --backbone runs/own/pretrain --tree runs/own/heads/medusa_choices.json --prompts 40
     python scripts/bench_heads.py --dtype float32 --json            # JSON on the last line
     python scripts/bench_heads.py --vocab 32000 --draft 8000 --variants own,truncated
 """
@@ -108,6 +116,83 @@ def measure(args: argparse.Namespace, variant: str) -> dict:
     }
 
 
+def demo(args: argparse.Namespace) -> list[dict]:
+    """Tau and speed-up of trained heads of every variant, interleaved prompt by prompt."""
+    from medusa_train.backbone import load_backbone
+    from medusa_train.config import EvalConfig
+    from medusa_train.data.chat import ChatRenderer, eos_token_ids
+    from medusa_train.decoding import PackedHeads, TreeBuffers, medusa_generate
+    from medusa_train.formats import load_heads
+    from medusa_train.stages.eval import load_eval_prompts
+
+    model, tok = load_backbone(args.backbone, dtype="float32", device="cpu")
+    model.eval()
+    eos = eos_token_ids(model, tok)
+    tree = TreeBuffers.from_choices(json.loads(Path(args.tree).read_text()))
+    variants = {}
+    for item in args.demo.split(","):
+        name, path = item.split("=", 1)
+        variants[name] = PackedHeads(load_heads(path).attach(model).eval())
+    renderer = ChatRenderer(tok)
+    prompts = load_eval_prompts(EvalConfig(num_prompts=args.prompts))
+    names = ["plain", *variants]
+    totals = {n: {"tokens": 0, "steps": 0, "seconds": 0.0, "identical": 0} for n in names}
+
+    @torch.inference_mode()
+    def decode(name: str, ids: torch.Tensor) -> tuple[list[int], int, float]:
+        t0 = time.perf_counter()
+        if name == "plain":
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=args.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos[0],
+            )
+            return out[0, ids.shape[1] :].tolist(), 0, time.perf_counter() - t0
+        out = medusa_generate(
+            model, variants[name], ids, max_new_tokens=args.max_new_tokens, tree=tree, eos_token_id=eos
+        )
+        return out.tokens.tolist(), out.num_steps, time.perf_counter() - t0
+
+    first = torch.tensor([renderer.turn_prompt_ids(prompts[0], [])])
+    for name in names:  # warm-up, untimed
+        decode(name, first)
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([renderer.turn_prompt_ids(prompt, [])])  # (1, T)
+        order = names[i % len(names) :] + names[: i % len(names)]
+        outs = {name: decode(name, ids) for name in order}
+        for name, (tokens, steps, seconds) in outs.items():
+            totals[name]["tokens"] += len(tokens)
+            totals[name]["steps"] += steps
+            totals[name]["seconds"] += seconds
+            totals[name]["identical"] += tokens == outs["plain"][0]
+    base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    rows = []
+    for name in variants:
+        t = totals[name]
+        tps = t["tokens"] / t["seconds"]
+        rows.append(
+            {
+                "variant": name,
+                "tau": t["tokens"] / max(1, t["steps"]),
+                "tokens_per_s": tps,
+                "tokens_per_s_plain": base,
+                "speedup": tps / base,
+                "greedy_identical": t["identical"] / len(prompts),
+            }
+        )
+    print(f"{len(prompts)} prompts, tree of {tree.num_nodes - 1} nodes, plain greedy {base:.1f} tokens/s\n")
+    print("| variant | tau | tokens/s | speed-up | greedy identical |\n|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['tau']:.3f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{100 * r['greedy_identical']:.0f}% |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=128_256)
@@ -122,12 +207,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--variants", default="own,shared,truncated")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
+    parser.add_argument("--demo", help="NAME=HEADS_DIR,...: compare trained heads on the demo (see above)")
+    parser.add_argument("--backbone", help="--demo: the backbone directory")
+    parser.add_argument("--tree", help="--demo: medusa_choices.json of the tree every variant uses")
+    parser.add_argument("--prompts", type=int, default=40, help="--demo: held-out embedded prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="--demo: tokens per prompt")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one variant in this process
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps(measure(args, args.one)))
+        return
+    if args.demo:
+        rows = demo(args)
+        if args.json:
+            print(json.dumps(rows))
         return
     rows = []
     for variant in args.variants.split(","):

@@ -194,3 +194,17 @@ def test_shared_over_a_backbone_without_lm_head_is_a_user_error(tmp_path: Path, 
     identity = {"hidden_size": 32, "vocab_size": VOCAB}
     with pytest.raises(UserError, match="no output embedding"):
         train_stage._initial_heads(cfg, backbone, identity)
+
+
+def test_medusa2_shared_heads_export_the_trained_lm_head(tmp_path: Path):
+    """Medusa-2 (full tuning) trains the lm_head through the LM loss; shared heads follow it, and the
+    vLLM export carries the trained lm_head, not the base model's."""
+    root = make_train_workdir(tmp_path)
+    overrides = ("training=medusa2", "training.head_projection=shared", "training.cache_hidden_states=false")
+    result = run(train_cfg(root, "stage=train", *overrides))
+    assert result["head_projection"] == "shared" and result["steps"] == 6
+    assert export.run(train_cfg(root, "stage=export", *overrides))["roundtrip_identical"]
+    exported = load_file(str(root / "export" / "vllm" / VLLM_WEIGHTS_NAME))["lm_heads.0.weight"]
+    trained = load_file(str(next((root / "heads" / "backbone").glob("*.safetensors"))))["lm_head.weight"]
+    base = load_file(str(next((root / "backbone").glob("*.safetensors"))))["lm_head.weight"]
+    assert torch.equal(exported, trained) and not torch.equal(trained, base)
