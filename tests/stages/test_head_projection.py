@@ -111,6 +111,7 @@ def test_export_shared_both_layouts_and_truncated_vllm_only(trained, capsys):
     tensors = load_file(str(root / "export" / "vllm" / VLLM_WEIGHTS_NAME))
     assert torch.equal(tensors["lm_heads.0.weight"], backbone.get_output_embeddings().weight)
     assert "lm_heads.1.weight" not in tensors
+    assert "reuses the base model's lm_head" in (root / "export" / "README.md").read_text()
 
     root, _ = trained["truncated"]
     capsys.readouterr()
@@ -130,6 +131,7 @@ def test_export_shared_both_layouts_and_truncated_vllm_only(trained, capsys):
     assert result["roundtrip_identical"]
     vllm = json.loads((root / "export" / "vllm" / "config.json").read_text())
     assert (vllm["truncated_vocab_size"], vllm["vocab_size"]) == (DRAFT, VOCAB)
+    assert f"draft vocabulary of {DRAFT} tokens" in (root / "export" / "README.md").read_text()
     back = load_heads(root / "export" / "vllm")
     assert torch.equal(back.token_map, MedusaHeads.from_pretrained(root / "heads").token_map)
 
