@@ -181,15 +181,16 @@ class PackedHeads:
             num_heads: compute only heads ``0 .. num_heads - 1``.
 
         Returns:
-            ``(B, num_heads, V)``.
+            ``(B, num_heads, V)`` over the full vocabulary (truncated heads: ``-inf`` outside the map).
         """
-        layers, w2t = self._views(self.num_heads if num_heads is None else num_heads)
-        if hidden.dtype != w2t.dtype:
-            hidden = hidden.to(w2t.dtype)
-        x = hidden.expand(w2t.shape[0], -1, -1)  # (k, B, d)
+        k = self.num_heads if num_heads is None else num_heads
+        layers, w2t = self._views(k)
+        if hidden.dtype != self.dtype:
+            hidden = hidden.to(self.dtype)
+        x = hidden.expand(k, -1, -1)  # (k, B, d)
         for b1, w1t in layers:
             x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, B, d)
-        return torch.bmm(x, w2t).transpose(0, 1)  # (B, k, V)
+        return self._project(x, w2t).transpose(0, 1)  # (B, k, V)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, chain_tree, medusa_generate
+from medusa_train.decoding import (
+    MEDUSA_63,
+    PackedHeads,
+    TreeBuffers,
+    chain_tree,
+    medusa_generate,
+    medusa_generate_batch,
+)
 from medusa_train.decoding.calibrate import head_topk_counts
 from medusa_train.formats import (
     VLLM_WEIGHTS_NAME,
@@ -132,6 +139,34 @@ def test_greedy_parity_with_generate(arch, kind):
         out = medusa_generate(model, heads, prompt, max_new_tokens=30, tree=MEDUSA_63)
         assert out.tokens.tolist() == ref.tolist(), (arch, kind, prompt_len)
         assert sum(out.accepted_lengths) == 30
+
+
+def test_batched_decoder_maps_candidates_too(model):
+    """medusa_generate_batch reads the same full-vocabulary logits (PackedHeads.logits_rows): every row
+    equals plain greedy, and each row's accepted lengths equal the equivalent own heads'."""
+    own = random_heads(model, seed=4, std=0.3)
+    own.init_from_lm_head(model.get_output_embeddings().weight)
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(3, D)
+    for heads in (_truncated_from(own, perm[:40]), _shared_from(own, model)):
+        rows = PackedHeads(heads).logits_rows(hidden)  # (3, K, V)
+        for b in range(3):
+            assert torch.equal(rows[b], PackedHeads(heads).logits(hidden[b]))
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 9, 5)]
+    variants = {"own": own, "truncated": _truncated_from(own, perm), "shared": _shared_from(own, model)}
+    outs = {
+        name: medusa_generate_batch(model, h, prompts, max_new_tokens=24, tree=MEDUSA_63)
+        for name, h in variants.items()
+    }
+    for b, prompt in enumerate(prompts):
+        ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False, pad_token_id=0)[
+            0, len(prompt) :
+        ]
+        for name, out in outs.items():
+            assert out.rows[b].tokens.tolist() == ref.tolist(), (name, b)
+        assert outs["truncated"].rows[b].accepted_lengths == outs["own"].rows[b].accepted_lengths
+        assert outs["shared"].rows[b].accepted_lengths == outs["own"].rows[b].accepted_lengths
 
 
 def test_shared_packed_heads_hold_no_copy_of_the_lm_head(model):
