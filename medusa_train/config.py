@@ -438,7 +438,7 @@ class TrainingConfig:
                 raise ConfigError(
                     "training.head_projection=truncated needs training.draft_vocab_size=<N tokens>"
                 )
-            _positive("training.draft_vocab_size", self.draft_vocab_size)
+            _range("training.draft_vocab_size", self.draft_vocab_size, 1)
         elif self.draft_vocab_size is not None:
             raise ConfigError(
                 f"training.draft_vocab_size={self.draft_vocab_size} is for training.head_projection=truncated "
