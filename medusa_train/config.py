@@ -366,7 +366,17 @@ class TrainingConfig:
     num_layers: int = 1
     """Residual blocks per head, >= 0."""
     init_from_lm_head: bool = True
-    """Initialise every head's vocab projection from the backbone's lm_head."""
+    """Initialise every head's vocab projection from the backbone's lm_head (truncated: its rows of the
+    draft vocabulary; shared heads use the lm_head itself whatever this says)."""
+    head_projection: str = "own"
+    """How each head maps its features to tokens: own (a d x V projection per head, the paper's) | shared
+    (every head reuses the backbone's lm_head: only the residual blocks are stored and trained; needs a
+    backbone with an output embedding and num_layers >= 1) | truncated (a d x N projection per head over
+    the N = draft_vocab_size most frequent target tokens of the distilled training split, saved as
+    token_map; candidates are mapped back to full-vocabulary ids when decoding). See docs/training.md."""
+    draft_vocab_size: int | None = None
+    """head_projection=truncated: N, tokens in the draft vocabulary (1..V, the backbone's vocabulary
+    size; checked when the backbone is loaded). Must be unset for own and shared."""
     decay: float = 0.8
     """Head-loss weights lambda_k = decay^(k-1), decay in (0, 1]."""
     lr: float = 1e-3
@@ -481,6 +491,23 @@ class TrainingConfig:
             )
         if self.cache_hidden_states and self.mode != "medusa1":
             raise ConfigError("training.cache_hidden_states=true needs a frozen backbone (training=medusa1)")
+        _choice("training.head_projection", self.head_projection, ("own", "shared", "truncated"))
+        if self.head_projection == "truncated":
+            if self.draft_vocab_size is None:
+                raise ConfigError(
+                    "training.head_projection=truncated needs training.draft_vocab_size=<N tokens>"
+                )
+            _range("training.draft_vocab_size", self.draft_vocab_size, 1)
+        elif self.draft_vocab_size is not None:
+            raise ConfigError(
+                f"training.draft_vocab_size={self.draft_vocab_size} is for training.head_projection=truncated "
+                f"(not {self.head_projection}): drop it or set the projection"
+            )
+        if self.head_projection == "shared" and self.num_layers == 0:
+            raise ConfigError(
+                "training.head_projection=shared needs training.num_layers >= 1: with no residual block "
+                "every head would be the lm_head itself, with nothing to train"
+            )
 
 
 @dataclass
@@ -683,6 +710,25 @@ class Config:
             and self.training.backbone_tuning != "qlora"
         ):
             raise ConfigError("a quantized backbone can only be trained with training.backbone_tuning=qlora")
+        if (
+            self.training.head_projection == "shared"
+            and self.training.mode == "medusa2"
+            and self.deepspeed.enabled
+            and self.deepspeed.zero_stage == 3
+        ):
+            raise ConfigError(
+                "training.head_projection=shared with training=medusa2 cannot run under deepspeed=zero3 (the "
+                "shared lm_head is partitioned): use deepspeed=zero2 or head_projection=own|truncated"
+            )
+        if (
+            self.stage == "all"
+            and self.training.head_projection == "truncated"
+            and "medusa" in self.export.formats
+        ):
+            raise ConfigError(
+                "training.head_projection=truncated heads have no FasterDecoding/TGI layout (no token map "
+                "there): pass export.formats=[vllm]"
+            )
 
 
 def register_configs() -> None:

@@ -39,6 +39,17 @@ transformers 4.x would silently use their defaults (rope_theta 10000). :func:`ad
 writes those keys beside the new ones; :func:`add_legacy_tokenizer_keys` makes its tokenizer files
 readable by transformers 4.x / tokenizers < 0.20 too.
 
+Head projection variants (:mod:`medusa_train.heads`), as vLLM's ``Medusa.load_weights``
+(vllm/model_executor/models/medusa.py) reads them:
+
+- ``shared``: vLLM ``original_lm_head: true`` and ONE ``lm_heads.0.weight`` (V, d), a copy of the
+  backbone's lm_head (vLLM reads it from the draft checkpoint, not from the base model). medusa layout:
+  no ``{h}.{L}.weight`` at all and ``"version": "2"`` -- FasterDecoding's medusa2 heads (PR #97), which
+  TGI's ``MedusaHeadV2`` serves with the base model's lm_head (one block per head only).
+- ``truncated``: vLLM ``truncated_vocab_size: N`` (< ``vocab_size``), ``lm_heads.{h}.weight`` (N, d) and a
+  ``token_map`` (N,) int64 tensor (draft index -> token id). The medusa layout has no token map in any
+  of its loaders: :func:`save_medusa` refuses such heads.
+
 Torch + safetensors only (no Hydra): the decoder and the GPU image use this module.
 """
 
@@ -56,7 +67,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa_train.heads import HeadsFormatError, MedusaHeads, safetensors_shapes
+from medusa_train.heads import TOKEN_MAP, HeadsFormatError, MedusaHeads, safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -102,7 +113,15 @@ def save_medusa(
         write_pickle: also write ``medusa_lm_head.pt`` (the same tensors, ``torch.save`` of a dict),
             the only file FasterDecoding's ``MedusaModel.from_pretrained`` opens. Loading a pickle can
             run code, so this logs a warning; nothing in medusa_train reads it back.
+
+    Raises:
+        HeadsFormatError: truncated heads (FasterDecoding, TGI and TensorRT-LLM read no token map).
     """
+    if heads.head_projection == "truncated":
+        raise HeadsFormatError(
+            "heads with a truncated draft vocabulary have no FasterDecoding/TGI/TensorRT-LLM layout (none of "
+            "them reads a token_map): export them with export.formats=[vllm]"
+        )
     dropped = set(MEDUSA_CONFIG_KEYS) | set(MEDUSA_FORBIDDEN_KEYS)
     extra = {k: v for k, v in (extra_config or {}).items() if k not in dropped}
     directory = heads.save_pretrained(directory, extra_config=extra)
@@ -127,6 +146,7 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
     ``write_pickle`` puts beside it); only a folder without it, such as FasterDecoding's published
     checkpoints, is read from ``medusa_lm_head.pt``, with torch's restricted ``weights_only`` unpickler.
     Hidden and vocab sizes come from the weights (not every FasterDecoding config has them).
+    Shared heads come back unbound (:meth:`MedusaHeads.attach` them to their backbone).
 
     Raises:
         HeadsFormatError: missing files or keys, unexpected keys, shapes that contradict the config.
@@ -139,41 +159,44 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
         state = _load_pickle(directory / LEGACY_WEIGHTS_NAME)
     else:
         raise HeadsFormatError(f"{directory} has no {HEADS_WEIGHTS}")
-    try:
-        num_heads, num_layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
-    except KeyError as err:
-        raise HeadsFormatError(f"{directory / HEADS_CONFIG} lacks {err.args[0]}") from None
-    proj = _require(state.get(f"0.{num_layers}.weight"), f"0.{num_layers}.weight", directory)
-    vocab_size, hidden_size = (int(n) for n in proj.shape)
-    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, config.get("base_model_name_or_path"))
-    _load_state(heads, state, directory)
-    return heads
+    return MedusaHeads.from_state(config, state, directory)
 
 
 # -- vLLM -----------------------------------------------------------------------------------------
 def vllm_config(heads: MedusaHeads) -> dict:
-    """The config.json vLLM's ``MedusaConfig`` reads (no truncated vocabulary, biased block linears)."""
-    return {
+    """The config.json vLLM's ``MedusaConfig`` reads (biased block linears; ``original_lm_head`` for
+    shared heads, ``truncated_vocab_size`` < ``vocab_size`` for a draft vocabulary)."""
+    config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size,
         "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers,
-        "truncated_vocab_size": heads.vocab_size,
+        "truncated_vocab_size": heads.draft_vocab_size,
         "medusa_fc_bias": True,
     }
+    if heads.head_projection == "shared":
+        config["original_lm_head"] = True
+    return config
 
 
 def vllm_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
-    """Our tensors under vLLM ``MedusaModel`` parameter names (CPU, contiguous)."""
+    """Our tensors under vLLM ``MedusaModel`` parameter names (CPU, contiguous).
+
+    Shared heads write their bound lm_head once as ``lm_heads.0.weight`` (vLLM loads it into the one
+    ``lm_head`` every head uses); truncated heads add ``token_map``.
+    """
     state: dict[str, torch.Tensor] = {}
     for h in range(heads.num_heads):
         for layer in range(heads.num_layers):
             linear = heads.blocks(h)[layer].linear
             state[f"blocks.{h}.layers.{layer}.weight"] = linear.weight  # (d, d)
             state[f"blocks.{h}.layers.{layer}.bias"] = linear.bias  # (d,)
-        state[f"lm_heads.{h}.weight"] = heads.proj(h).weight  # (V, d)
+        if heads.head_projection != "shared" or h == 0:
+            state[f"lm_heads.{h}.weight"] = heads.head_weight(h)  # (V_draft, d)
+    if heads.token_map is not None:
+        state[TOKEN_MAP] = heads.token_map  # (N,) int64
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
 
 
@@ -192,10 +215,11 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
 
     Reads every ``*.safetensors`` file of the directory (as vLLM does), drops a ``medusa_heads.``
     prefix (as vLLM's loader does), fills missing block biases with zeros when ``medusa_fc_bias`` is
-    false and shares ``lm_heads.0`` when ``original_lm_head`` is true.
+    false, returns shared heads bound to ``lm_heads.0`` when ``original_lm_head`` is true, and truncated
+    heads with the ``token_map`` when ``truncated_vocab_size < vocab_size``.
 
     Raises:
-        HeadsFormatError: missing files or keys, unexpected keys, a truncated vocabulary.
+        HeadsFormatError: missing files or keys, unexpected keys, a token map that contradicts the config.
     """
     directory = Path(directory)
     config = _read_config(directory)
@@ -210,15 +234,33 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
         hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
     except KeyError as err:
         raise HeadsFormatError(f"{directory / HEADS_CONFIG} lacks {err.args[0]}") from None
-    truncated = config.get("truncated_vocab_size") or vocab_size
-    if int(truncated) != vocab_size or "token_map" in state:
+    truncated = int(config.get("truncated_vocab_size") or vocab_size)
+    token_map = state.pop(TOKEN_MAP, None)
+    shared = bool(config.get("original_lm_head", False))
+    if truncated > vocab_size or (truncated < vocab_size) != (token_map is not None):
         raise HeadsFormatError(
-            f"{directory}: heads with a truncated vocabulary (token_map) are not supported"
+            f"{directory}: truncated_vocab_size={truncated} with vocab_size={vocab_size} needs a '{TOKEN_MAP}' "
+            f"tensor of {truncated} ids exactly when it is smaller ({'one' if token_map is not None else 'none'} found)"
         )
-    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, config.get("base_model_name_or_path"))
-    if config.get("original_lm_head", False) and "lm_heads.0.weight" in state:
-        for h in range(1, num_heads):
-            state.setdefault(f"lm_heads.{h}.weight", state["lm_heads.0.weight"])
+    if shared and token_map is not None:
+        raise HeadsFormatError(f"{directory}: original_lm_head with a truncated vocabulary is not supported")
+    kind = "shared" if shared else "truncated" if token_map is not None else "own"
+    try:
+        heads = MedusaHeads(
+            hidden_size,
+            vocab_size,
+            num_heads,
+            num_layers,
+            config.get("base_model_name_or_path"),
+            head_projection=kind,
+            token_map=token_map,
+        )
+    except HeadsFormatError as err:
+        raise HeadsFormatError(f"{directory}: {err}") from None
+    if heads.draft_vocab_size != truncated:
+        raise HeadsFormatError(
+            f"{directory}: token_map has {heads.draft_vocab_size} ids, truncated_vocab_size says {truncated}"
+        )
     ours: dict[str, torch.Tensor] = {}
     for h in range(num_heads):
         for layer in range(num_layers):
@@ -228,7 +270,15 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
                 bias = torch.zeros(hidden_size, dtype=state.get(f"{prefix}.weight", torch.empty(0)).dtype)
             ours[f"{h}.{layer}.linear.weight"] = _pop(state, f"{prefix}.weight", directory)
             ours[f"{h}.{layer}.linear.bias"] = _require(bias, f"{prefix}.bias", directory)
-        ours[f"{h}.{num_layers}.weight"] = _pop(state, f"lm_heads.{h}.weight", directory)
+        if not shared:
+            ours[f"{h}.{num_layers}.weight"] = _pop(state, f"lm_heads.{h}.weight", directory)
+    if shared:  # vLLM reads lm_heads.0 into the one lm_head all heads use
+        lm_head = _pop(state, "lm_heads.0.weight", directory)
+        if tuple(lm_head.shape) != (vocab_size, hidden_size):
+            raise HeadsFormatError(
+                f"{directory}: 'lm_heads.0.weight' has shape {tuple(lm_head.shape)}, config implies {(vocab_size, hidden_size)}"
+            )
+        heads.bind_lm_head(lm_head)
     if state:
         raise HeadsFormatError(
             f"{directory}: unexpected weights {sorted(state)[:4]} for {num_heads} heads x {num_layers} layers"

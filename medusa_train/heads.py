@@ -9,10 +9,25 @@ a ``d -> V`` projection without bias. W1 starts at zero so every block is the id
 the projection starts as a copy of the backbone's lm_head, so an untrained head predicts what the
 backbone predicts for t+1 -- a far better start than random for t+k+1.
 
+The vocabulary projection comes in three variants (``head_projection`` in config.json), because at
+Llama-3 scale (V = 128,256, d = 4,096) one ``d -> V`` projection is 1 GB in bf16 per head:
+
+- ``own`` (default): every head has its own ``d -> V`` projection (the Medusa paper).
+- ``shared``: every head reuses the backbone's lm_head (FasterDecoding PR #97 "medusa2" heads, vLLM's
+  ``original_lm_head``). Nothing but the residual blocks is stored or trained; the lm_head weight is
+  bound at load/attach time (:meth:`MedusaHeads.attach`), never copied.
+- ``truncated``: every head projects to a draft vocabulary of N tokens, the N most frequent targets
+  of the distilled data (vLLM's ``truncated_vocab_size`` + ``token_map``, EAGLE-3's draft vocabulary).
+  ``token_map`` ``(N,)`` gives the full-vocabulary id of every draft index and is saved with the heads;
+  the decoder maps candidates back through it (:meth:`MedusaHeads.full_vocab_logits`). The tree's root
+  always comes from the backbone's full lm_head, so greedy output stays that of plain decoding.
+
 On disk we use the FasterDecoding layout (also read by TGI and TensorRT-LLM):
 ``config.json`` + ``medusa_lm_head.safetensors`` with keys ``{h}.{l}.linear.weight``,
 ``{h}.{l}.linear.bias`` (l < L) and ``{h}.{L}.weight``. That naming falls out of the module tree
 below (``ModuleList[Sequential[ResBlock..., Linear]]``), so ``self.heads.state_dict()`` *is* the file format.
+Shared heads store no ``{h}.{L}.weight`` (and say ``"version": "2"``, as FasterDecoding's medusa2 heads
+do); truncated heads store ``{h}.{L}.weight`` of shape ``(N, d)`` and a ``token_map`` tensor.
 
 This module never imports Hydra or training code: decoding and export use it in a bare
 torch + transformers environment.
@@ -28,8 +43,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
+
+OWN, SHARED, TRUNCATED = "own", "shared", "truncated"
+PROJECTIONS = (OWN, SHARED, TRUNCATED)
+"""Head projection variants (``training.head_projection``; ``head_projection`` in config.json)."""
+TOKEN_MAP = "token_map"
+"""Name of the draft vocabulary's ``(N,)`` int64 tensor in the weights file (vLLM reads the same name)."""
 
 
 class HeadsFormatError(ValueError):
@@ -82,6 +104,15 @@ def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class _Unregistered:
+    """Holds a tensor (or a module) without making it a parameter, buffer or submodule of the module
+    that owns the holder: a shared head's lm_head stays out of ``state_dict()``, ``parameters()``,
+    checkpoints and ``.to()`` (it lives where the backbone lives)."""
+
+    def __init__(self, tensor: torch.Tensor | nn.Module | None = None) -> None:
+        self.tensor = tensor
+
+
 class ResBlock(nn.Module):
     """``h + SiLU(W1 h + b1)``; W1 and b1 start at zero so the block starts as the identity."""
 
@@ -105,8 +136,15 @@ class MedusaHeads(nn.Module):
         num_heads: K, number of heads; head k predicts token t+k+1.
         num_layers: L, residual blocks per head.
         base_model_name_or_path: recorded in config.json for serving engines.
+        head_projection: ``own`` | ``shared`` | ``truncated`` (module docstring).
+        token_map: ``truncated`` only: ``(N,)`` distinct full-vocabulary ids, draft index -> token id.
 
-    Calling the module on hidden states ``(B, T, d)`` returns logits ``(K, B, T, V)``.
+    Calling the module on hidden states ``(B, T, d)`` returns logits ``(K, B, T, V_draft)`` over the
+    draft vocabulary: V (``own``, ``shared``) or N (``truncated``: column j is token ``token_map[j]``).
+
+    Raises:
+        HeadsFormatError: impossible shapes, an unknown variant, or a token map that is not N distinct
+            ids below V.
     """
 
     def __init__(
@@ -116,6 +154,9 @@ class MedusaHeads(nn.Module):
         num_heads: int = 4,
         num_layers: int = 1,
         base_model_name_or_path: str | None = None,
+        *,
+        head_projection: str = OWN,
+        token_map: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if num_heads < 1 or num_layers < 0 or hidden_size < 1 or vocab_size < 1:
@@ -123,20 +164,45 @@ class MedusaHeads(nn.Module):
                 f"invalid heads shape: num_heads={num_heads} num_layers={num_layers} "
                 f"hidden_size={hidden_size} vocab_size={vocab_size}"
             )
+        if head_projection not in PROJECTIONS:
+            raise HeadsFormatError(f"head_projection={head_projection!r}: expected one of {PROJECTIONS}")
+        if head_projection == SHARED and num_layers == 0:
+            raise HeadsFormatError(
+                "shared heads need num_layers >= 1: with none they would all be the lm_head"
+            )
+        if (token_map is not None) != (head_projection == TRUNCATED):
+            raise HeadsFormatError("a token_map goes with head_projection='truncated' and only with it")
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.base_model_name_or_path = base_model_name_or_path
+        self.head_projection = head_projection
+        self.draft_vocab_size = vocab_size
+        if token_map is not None:
+            token_map = check_token_map(token_map, vocab_size)
+            self.draft_vocab_size = int(token_map.numel())
         self.heads = nn.ModuleList(
             [
                 nn.Sequential(
                     *[ResBlock(hidden_size) for _ in range(num_layers)],
-                    nn.Linear(hidden_size, vocab_size, bias=False),
+                    *(
+                        []
+                        if head_projection == SHARED
+                        else [nn.Linear(hidden_size, self.draft_vocab_size, bias=False)]
+                    ),
                 )
                 for _ in range(num_heads)
             ]
         )
+        # token_map: saved with the heads; draft_index: its inverse, full id -> draft index or IGNORE_INDEX.
+        self.register_buffer(TOKEN_MAP, token_map)
+        draft_index = None
+        if token_map is not None:
+            draft_index = torch.full((vocab_size,), IGNORE_INDEX, dtype=torch.long)
+            draft_index[token_map] = torch.arange(self.draft_vocab_size)
+        self.register_buffer("draft_index", draft_index, persistent=False)
+        self._lm_head = _Unregistered()
 
     # -- structure -----------------------------------------------------------------------------
     def blocks(self, k: int) -> nn.Sequential:
@@ -144,19 +210,119 @@ class MedusaHeads(nn.Module):
         return self.heads[k][: self.num_layers]
 
     def proj(self, k: int) -> nn.Linear:
-        """The ``d -> V`` projection of head k (0-based)."""
+        """The ``d -> V_draft`` projection of head k (0-based); shared heads have none of their own."""
+        if self.head_projection == SHARED:
+            raise HeadsFormatError("shared heads have no projection of their own (see head_weight)")
         return self.heads[k][self.num_layers]
 
+    @property
+    def is_bound(self) -> bool:
+        """False for shared heads whose lm_head weight is not bound yet (always True otherwise)."""
+        return self.head_projection != SHARED or self._lm_head.tensor is not None
+
+    def head_weight(self, k: int) -> torch.Tensor:
+        """Head k's ``(V_draft, d)`` projection weight: its own, or (shared) the bound lm_head's, detached."""
+        if self.head_projection != SHARED:
+            return self.proj(k).weight
+        bound = self._lm_head.tensor
+        if bound is None:
+            raise HeadsFormatError(
+                "shared heads use the backbone's lm_head, which is not bound: call attach(backbone) first"
+            )
+        return (bound.weight if isinstance(bound, nn.Module) else bound).detach()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the heads' own weights (blocks, projections), else of the bound lm_head."""
+        first = next(self.parameters(), None)
+        return first.dtype if first is not None else self.head_weight(0).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the heads' own weights, else of the bound lm_head."""
+        first = next(self.parameters(), None)
+        return first.device if first is not None else self.head_weight(0).device
+
+    def bind_lm_head(self, lm_head: torch.Tensor | nn.Module) -> None:
+        """Shared heads: use ``lm_head`` (a ``(V, d)`` weight, or the backbone's output-embedding module,
+        whose ``.weight`` is then read at every use, so it follows the backbone through training, dtype
+        casts and in-place updates) as every head's projection. Never copied; no gradient reaches it
+        through the heads."""
+        if self.head_projection != SHARED:
+            raise HeadsFormatError(f"only shared heads bind an lm_head, these are {self.head_projection!r}")
+        weight = lm_head.weight if isinstance(lm_head, nn.Module) else lm_head
+        if tuple(weight.shape) != (self.vocab_size, self.hidden_size):
+            raise HeadsFormatError(
+                f"lm_head weight has shape {tuple(weight.shape)}, heads expect ({self.vocab_size}, {self.hidden_size})"
+            )
+        self._lm_head.tensor = lm_head if isinstance(lm_head, nn.Module) else lm_head.detach()
+
+    def attach(self, backbone: nn.Module) -> MedusaHeads:
+        """Check the heads fit ``backbone`` and bind its lm_head to shared heads.
+
+        Raises:
+            HeadsFormatError: other hidden/vocab sizes, a token map with ids outside the backbone's
+                vocabulary, or shared heads over a backbone without an output embedding (lm_head).
+        """
+        out = backbone.get_output_embeddings()
+        if out is None or getattr(out, "weight", None) is None:
+            if self.head_projection == SHARED:
+                raise HeadsFormatError(
+                    f"shared heads reuse the backbone's lm_head, but {type(backbone).__name__} has no output "
+                    "embedding (get_output_embeddings() is None): use head_projection own or truncated"
+                )
+            return self
+        vocab, hidden = out.weight.shape
+        if self.token_map is not None and int(self.token_map.max()) >= vocab:
+            raise HeadsFormatError(
+                f"the heads' token_map holds ids up to {int(self.token_map.max())}, but the backbone's vocabulary "
+                f"has {vocab} tokens: these heads belong to another tokenizer"
+            )
+        if (self.hidden_size, self.vocab_size) != (hidden, vocab):
+            raise HeadsFormatError(
+                f"heads are for hidden_size={self.hidden_size}, vocab_size={self.vocab_size} but the backbone "
+                f"has hidden_size={hidden}, vocab_size={vocab}"
+            )
+        if self.head_projection == SHARED:
+            self.bind_lm_head(out)
+        return self
+
     def init_from_lm_head(self, lm_head_weight: torch.Tensor) -> None:
-        """Copy the backbone's lm_head ``(V, d)`` into every head's projection."""
+        """Copy the backbone's lm_head ``(V, d)`` into every head's projection (truncated: its rows
+        ``token_map``); shared heads bind it instead (:meth:`bind_lm_head`)."""
+        if self.head_projection == SHARED:
+            self.bind_lm_head(lm_head_weight)
+            return
         if tuple(lm_head_weight.shape) != (self.vocab_size, self.hidden_size):
             raise HeadsFormatError(
                 f"lm_head weight has shape {tuple(lm_head_weight.shape)}, heads expect "
                 f"({self.vocab_size}, {self.hidden_size})"
             )
         with torch.no_grad():
+            rows = (
+                lm_head_weight
+                if self.token_map is None
+                else lm_head_weight[self.token_map.to(lm_head_weight.device)]
+            )
             for k in range(self.num_heads):
-                self.proj(k).weight.copy_(lm_head_weight.to(self.proj(k).weight))
+                self.proj(k).weight.copy_(rows.to(self.proj(k).weight))
+
+    # -- vocabularies --------------------------------------------------------------------------
+    def draft_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary targets as draft-vocabulary indices: truncated heads map ids outside the
+        token map (and ``IGNORE_INDEX``) to ``IGNORE_INDEX``; other heads return ``targets``."""
+        if self.draft_index is None:
+            return targets
+        index = self.draft_index.to(targets.device)
+        return torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, index[targets.clamp_min(0)])
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``(..., V_draft)`` as full-vocabulary logits ``(..., V)``: truncated heads put
+        ``-inf`` on tokens outside the map (as vLLM's Medusa does); other heads return ``logits``."""
+        if self.token_map is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.token_map.to(logits.device), logits)
 
     # -- compute -------------------------------------------------------------------------------
     def hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -174,51 +340,133 @@ class MedusaHeads(nn.Module):
         return torch.stack(outs, dim=0)
 
     def projection_weight(self) -> torch.Tensor:
-        """All vocab projections stacked: ``(K, V, d)``."""
+        """All own vocab projections stacked: ``(K, V_draft, d)`` (not for shared heads)."""
         return torch.stack([self.proj(k).weight for k in range(self.num_heads)], dim=0)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits of every head.
+        """Logits of every head over the draft vocabulary.
 
         Args:
             hidden_states: ``(B, T, d)`` (any leading shape works).
 
         Returns:
-            ``(K, B, T, V)``.
+            ``(K, B, T, V_draft)`` (see :meth:`full_vocab_logits` for full-vocabulary ids).
         """
         feats = self.hidden(hidden_states)  # (K, B, T, d)
-        weight = self.projection_weight()  # (K, V, d)
+        if self.head_projection == SHARED:
+            weight = self.head_weight(0)  # (V, d), one matrix for every head
+            return F.linear(feats.to(weight.dtype), weight)  # (K, B, T, V)
+        weight = self.projection_weight()  # (K, V_draft, d)
         k, *lead, d = feats.shape
         # One batched matmul for all heads instead of K separate projections.
-        logits = torch.bmm(feats.reshape(k, -1, d), weight.transpose(1, 2))  # (K, B*T, V)
-        return logits.reshape(k, *lead, self.vocab_size)
+        logits = torch.bmm(feats.reshape(k, -1, d), weight.transpose(1, 2))  # (K, B*T, V_draft)
+        return logits.reshape(k, *lead, self.draft_vocab_size)
 
     # -- persistence ---------------------------------------------------------------------------
     def config_dict(self) -> dict:
-        """The FasterDecoding-style config.json content."""
-        return {
+        """The FasterDecoding-style config.json content (plus the projection variant)."""
+        config = {
             "medusa_num_heads": self.num_heads,
             "medusa_num_layers": self.num_layers,
             "base_model_name_or_path": self.base_model_name_or_path,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
+            "head_projection": self.head_projection,
         }
+        if self.head_projection == SHARED:
+            config["version"] = "2"  # FasterDecoding's marker of heads that use the base model's lm_head
+        if self.head_projection == TRUNCATED:
+            config["draft_vocab_size"] = self.draft_vocab_size
+        return config
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What the weights file holds: ``self.heads.state_dict()`` (+ ``token_map``), CPU, contiguous."""
+        state = dict(self.heads.state_dict())
+        if self.token_map is not None:
+            state[TOKEN_MAP] = self.token_map
+        return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
 
     def save_pretrained(self, directory: str | os.PathLike, extra_config: dict | None = None) -> Path:
         """Write ``config.json`` + ``medusa_lm_head.safetensors`` atomically.
 
         Both files are written under temporary names in the target directory and renamed into
-        place, so a killed process never leaves a half-written file under the final name.
+        place, so a killed process never leaves a half-written file under the final name. The
+        layout keys of :meth:`config_dict` win over ``extra_config``'s.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.heads.state_dict().items()}
+        state = self.state_tensors()
         config = self.config_dict()
-        if extra_config:
-            config.update(extra_config)
+        config.update({k: v for k, v in (extra_config or {}).items() if k not in config})
         atomic_write(directory / HEADS_WEIGHTS, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
         atomic_write_json(directory / HEADS_CONFIG, config)
         return directory
+
+    @classmethod
+    def from_state(
+        cls, config: dict, state: dict[str, torch.Tensor], where: str | os.PathLike
+    ) -> MedusaHeads:
+        """Heads from a FasterDecoding-layout config and weights (names as :meth:`state_tensors`).
+
+        The variant is ``config["head_projection"]``; a file without it is ``own``, or ``shared`` when it
+        has no ``{h}.{L}.weight`` and says ``"version": "2"`` (FasterDecoding's medusa2 heads). Hidden and
+        vocab sizes are read off the weights where the config lacks them. Keeps the stored dtype.
+
+        Raises:
+            HeadsFormatError: missing keys, unexpected or misshaped tensors, a bad token map.
+        """
+        try:
+            num_heads = int(config["medusa_num_heads"])
+            num_layers = int(config["medusa_num_layers"])
+        except KeyError as err:
+            raise HeadsFormatError(f"{where}: config lacks {err.args[0]}") from None
+        except (TypeError, ValueError):
+            raise HeadsFormatError(
+                f"{where}: config has a non-integer medusa_num_heads/medusa_num_layers"
+            ) from None
+        proj_key, block_key = f"0.{num_layers}.weight", "0.0.linear.weight"
+        kind = config.get("head_projection")
+        if kind is None:
+            kind = SHARED if proj_key not in state and str(config.get("version")) == "2" else OWN
+        if kind not in PROJECTIONS:
+            raise HeadsFormatError(f"{where}: head_projection={kind!r}, expected one of {PROJECTIONS}")
+        ref = state.get(block_key if kind == SHARED else proj_key)
+        if ref is None:
+            raise HeadsFormatError(f"{where}: weights lack '{block_key if kind == SHARED else proj_key}'")
+        hidden_size = int(config.get("hidden_size", ref.shape[-1]))
+        vocab_size = config.get("vocab_size")
+        if vocab_size is None and kind == SHARED:
+            raise HeadsFormatError(f"{where}: shared heads need vocab_size in their config")
+        token_map = state.get(TOKEN_MAP)
+        if kind == TRUNCATED and token_map is None:
+            raise HeadsFormatError(f"{where}: truncated heads without a '{TOKEN_MAP}' tensor")
+        try:
+            heads = cls(
+                hidden_size=hidden_size,
+                vocab_size=int(vocab_size if vocab_size is not None else ref.shape[0]),
+                num_heads=num_heads,
+                num_layers=num_layers,
+                base_model_name_or_path=config.get("base_model_name_or_path"),
+                head_projection=kind,
+                token_map=token_map if kind == TRUNCATED else None,
+            )
+        except HeadsFormatError as err:
+            raise HeadsFormatError(f"{where}: {err}") from None
+        ours = {k: v for k, v in state.items() if k != TOKEN_MAP}
+        expected = heads.heads.state_dict()
+        missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
+        if missing or unexpected:
+            raise HeadsFormatError(
+                f"{where}: weights do not match the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+            )
+        for name, tensor in ours.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise HeadsFormatError(
+                    f"{where}: '{name}' has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
+                )
+        heads.to(next(iter(ours.values())).dtype)
+        heads.heads.load_state_dict(ours, strict=True)
+        return heads
 
     @classmethod
     def from_pretrained(
@@ -227,7 +475,8 @@ class MedusaHeads(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
     ) -> MedusaHeads:
-        """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa)."""
+        """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa). Shared heads
+        come back unbound (:meth:`attach` them to their backbone)."""
         directory = Path(directory)
         config_path, weights_path = directory / HEADS_CONFIG, directory / HEADS_WEIGHTS
         if not config_path.is_file() or not weights_path.is_file():
@@ -245,40 +494,58 @@ class MedusaHeads(nn.Module):
             state = load_file(str(weights_path))
         except SafetensorError as err:
             raise HeadsFormatError(f"cannot read {weights_path}: {err}") from None
-        try:
-            num_heads = int(config["medusa_num_heads"])
-            num_layers = int(config["medusa_num_layers"])
-        except KeyError as err:
-            raise HeadsFormatError(f"{config_path} lacks {err.args[0]}") from None
-        except (TypeError, ValueError):
-            raise HeadsFormatError(
-                f"{config_path} has a non-integer medusa_num_heads/medusa_num_layers"
-            ) from None
-        # hidden/vocab sizes are not in every FasterDecoding config: read them off the weights.
-        proj = state.get(f"0.{num_layers}.weight")
-        if proj is None:
-            raise HeadsFormatError(f"{weights_path} lacks key '0.{num_layers}.weight'")
-        vocab_size, hidden_size = proj.shape
-        heads = cls(
-            hidden_size=int(config.get("hidden_size", hidden_size)),
-            vocab_size=int(config.get("vocab_size", vocab_size)),
-            num_heads=num_heads,
-            num_layers=num_layers,
-            base_model_name_or_path=config.get("base_model_name_or_path"),
-        )
-        expected = heads.heads.state_dict()
-        for name, tensor in state.items():
-            if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-                raise HeadsFormatError(
-                    f"{weights_path}: '{name}' has shape {tuple(tensor.shape)}, its config implies "
-                    f"{tuple(expected[name].shape)}"
-                )
-        missing, unexpected = heads.heads.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise HeadsFormatError(
-                f"{weights_path} does not match its config: missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
-            )
+        heads = cls.from_state(config, state, directory)
         return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
+
+
+def check_token_map(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``token_map`` as a ``(N,)`` int64 tensor, checked: 1 <= N <= V distinct ids in ``[0, V)``.
+
+    Raises:
+        HeadsFormatError: otherwise (the message names what is wrong).
+    """
+    if token_map.ndim != 1 or token_map.numel() == 0 or token_map.is_floating_point():
+        raise HeadsFormatError(
+            f"token_map must be a non-empty 1-D integer tensor, got {token_map.dtype} of shape {tuple(token_map.shape)}"
+        )
+    token_map = token_map.detach().to("cpu", torch.long)
+    if token_map.numel() > vocab_size:
+        raise HeadsFormatError(
+            f"token_map has {token_map.numel()} ids, more than the vocabulary's {vocab_size}"
+        )
+    low, high = int(token_map.min()), int(token_map.max())
+    if low < 0 or high >= vocab_size:
+        raise HeadsFormatError(
+            f"token_map holds ids in [{low}, {high}], outside the vocabulary of {vocab_size} tokens"
+        )
+    if torch.unique(token_map).numel() != token_map.numel():
+        raise HeadsFormatError("token_map repeats ids: each draft index must name a different token")
+    return token_map.clone()
+
+
+def draft_token_map(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
+    """The draft vocabulary: the ``size`` most frequent tokens, in increasing id order.
+
+    Args:
+        counts: ``(V,)`` how often each token is a training target.
+        size: N, tokens kept (ties go to the smaller id).
+
+    Returns:
+        ``(token_map (N,) int64, coverage)``: coverage = share of the counted targets whose token is
+        in the map (1.0 when nothing was counted).
+
+    Raises:
+        HeadsFormatError: ``size`` outside ``1..V``.
+    """
+    vocab = counts.numel()
+    if not 1 <= size <= vocab:
+        raise HeadsFormatError(f"a draft vocabulary of {size} tokens does not fit a vocabulary of {vocab}")
+    # Stable sort on -count: equal counts keep increasing-id order, so ties go to the smaller id.
+    order = torch.sort(-counts.to(torch.long), stable=True).indices  # (V,)
+    token_map = order[:size].sort().values
+    total = int(counts.sum())
+    coverage = float(counts[token_map].sum()) / total if total else 1.0
+    return token_map, coverage
 
 
 # -- what the heads are trained and scored on -------------------------------------------------------
@@ -373,7 +640,7 @@ def chunked_topk_correct(
         ok = y != IGNORE_INDEX
         if not bool(ok.any()):
             continue
-        logits = feats[start : start + chunk_size][ok] @ weight.t()  # (c', V)
+        logits = feats[start : start + chunk_size][ok].to(weight.dtype) @ weight.t()  # (c', V)
         top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (c', topk)
         hit = top == y[ok][:, None]  # (c', topk): at most one True per row
         correct[: hit.shape[1]] += hit.long().cumsum(dim=-1).sum(dim=0)

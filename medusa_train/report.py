@@ -342,6 +342,22 @@ def write_model_card(
     atomic_write_text(export_dir / MODEL_CARD, card)
 
 
+def _projection_note(heads) -> str:
+    """One sentence on a shared or truncated head projection (nothing for ``own``)."""
+    if heads.head_projection == "shared":
+        return (
+            " Every head reuses the base model's lm_head (`head_projection: shared`): the heads store "
+            "only their residual blocks (vLLM: `original_lm_head`, one `lm_heads.0.weight`)."
+        )
+    if heads.head_projection == "truncated":
+        return (
+            f" Every head projects onto a draft vocabulary of {heads.draft_vocab_size} tokens "
+            "(`head_projection: truncated`, `token_map` in the weights; vLLM: `truncated_vocab_size`); "
+            "candidates are mapped back to full-vocabulary ids."
+        )
+    return ""
+
+
 def model_card(
     *,
     heads: MedusaHeads,
@@ -375,9 +391,9 @@ def model_card(
         f"# Medusa heads for `{base}`",
         "",
         f"{k} Medusa heads (Cai et al., arXiv:2401.10774), {heads.num_layers} residual block(s) each, "
-        f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.proj(0).weight.dtype).removeprefix('torch.')}. "
+        f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.dtype).removeprefix('torch.')}. "
         "Head k reads the base model's last hidden state and predicts token t+k+1; a tree of their "
-        "candidates is verified in one forward pass of the base model.",
+        "candidates is verified in one forward pass of the base model." + _projection_note(heads),
         "",
         "## Base model",
         "",

@@ -97,7 +97,10 @@ def head_topk_counts(
     """Per-head top-1..max_k hit counts of ``heads`` on token batches, with the training targets.
 
     Head k (1-based) at position t is scored on token ``t+k+1`` where that token is loss-masked and
-    real (:func:`medusa_train.heads.medusa_targets`, the targets the training loss uses).
+    real (:func:`medusa_train.heads.medusa_targets`, the targets the training loss uses). Targets are
+    full-vocabulary ids for every projection variant: a truncated head's target outside its draft
+    vocabulary counts as a miss, so the accuracies (and the tree grown from them) compare across
+    variants. Shared heads must be bound to their lm_head (:meth:`MedusaHeads.attach`).
 
     Args:
         model: the backbone (its decoder's last hidden state feeds the heads).
@@ -111,19 +114,21 @@ def head_topk_counts(
         ``(hits (K, max_k), count (K,))`` long on the CPU: ``hits[k, i]`` = scored positions whose
         target is within head k's top-(i + 1); ``count[k]`` = positions scored for head k.
     """
-    weight = heads.proj(0).weight
-    max_k = min(max_k, heads.vocab_size)
+    device, dtype = heads.device, heads.dtype
+    max_k = min(max_k, heads.draft_vocab_size)
     hits = torch.zeros(heads.num_heads, max_k, dtype=torch.long)
     count = torch.zeros(heads.num_heads, dtype=torch.long)
     for batch in batches:
-        ids, attn, mask = _batch_tensors(batch, weight.device)
+        ids, attn, mask = _batch_tensors(batch, device)
         hidden = last_hidden_state(model, ids, attn)  # (B, T, d)
         targets = medusa_targets(ids, mask, attn, heads.num_heads)  # (B, T, K)
         rows, row_targets = select_trained_rows(hidden, targets)  # (N, d), (N, K)
-        feats = heads.hidden(rows.to(weight.dtype))  # (K, N, d)
+        feats = heads.hidden(rows.to(dtype))  # (K, N, d)
         for k in range(heads.num_heads):
-            y = row_targets[:, k]  # (N,)
-            hits[k] += chunked_topk_correct(feats[k], heads.proj(k).weight, y, max_k, chunk_size).cpu()
+            y = row_targets[:, k]  # (N,) full-vocabulary ids
+            # Truncated heads: a target outside the draft vocabulary is scored, and never hit.
+            y_draft = heads.draft_targets(y)  # (N,)
+            hits[k] += chunked_topk_correct(feats[k], heads.head_weight(k), y_draft, max_k, chunk_size).cpu()
             count[k] += int((y != IGNORE_INDEX).sum())
     return hits, count
 

@@ -96,22 +96,26 @@ class MedusaOutput:
 class PackedHeads:
     """The K heads' weights stacked once, so one step's head logits are batched products.
 
-    Stacking costs one copy of the heads' weights (``K * (L * d * d + V * d)`` values); pack once and
-    pass the result to many :func:`medusa_generate` calls.
+    Stacking costs one copy of the heads' own weights (``K * (L * d * d + V_draft * d)`` values); pack
+    once and pass the result to many :func:`medusa_generate` calls. Shared heads keep a reference to
+    the backbone's lm_head (no copy: one ``(V, d)`` matrix read per step for all K heads); truncated
+    heads return full-vocabulary logits with ``-inf`` outside their token map, so every decoder's
+    top-k candidates are full-vocabulary ids without knowing the variant.
 
     Args:
-        heads: trained :class:`MedusaHeads`.
+        heads: trained :class:`MedusaHeads` (shared heads bound to their backbone's lm_head).
     """
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.num_heads = heads.num_heads
         self.num_layers = heads.num_layers
+        self.vocab_size = heads.vocab_size
         with torch.no_grad():
             blocks = [
                 [heads.blocks(k)[i].linear for i in range(heads.num_layers)] for k in range(heads.num_heads)
             ]
             d = heads.hidden_size
-            ref = heads.proj(0).weight
+            ref = heads.head_weight(0)
             # Stored transposed and contiguous ((in, out) per head) so each step's batched products
             # read their right-hand side in order: measured ~25% faster than transposed views.
             self.w1t = (
@@ -124,15 +128,30 @@ class PackedHeads:
                 if heads.num_layers
                 else ref.new_zeros(heads.num_heads, 0, d)
             )  # (K, L, d)
-            self.w2t = heads.projection_weight().detach().transpose(1, 2).contiguous()  # (K, d, V)
+            shared = heads.head_projection == "shared"
+            self.shared = ref.detach() if shared else None  # (V, d), the backbone's lm_head itself
+            self.w2t = (
+                None if shared else heads.projection_weight().detach().transpose(1, 2).contiguous()
+            )  # (K, d, V_draft)
+            self.token_map = heads.token_map  # (V_draft,) full-vocabulary ids, or None
 
-    def _views(self, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    def _views(self, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
         """Per-layer ``(b1 (k, 1, d), w1t (k, d, d))`` and ``w2t (k, d, V)`` views of the first k heads."""
         cache = self.__dict__.setdefault("_view_cache", {})
         if k not in cache:
             layers = [(self.b1[:k, i, None, :], self.w1t[:k, i]) for i in range(self.num_layers)]
-            cache[k] = (layers, self.w2t[:k])
+            cache[k] = (layers, None if self.w2t is None else self.w2t[:k])
         return cache[k]
+
+    def _project(self, x: torch.Tensor, w2t: torch.Tensor | None) -> torch.Tensor:
+        """``(k, n, d)`` head features -> ``(k, n, V)`` full-vocabulary logits."""
+        if self.shared is not None:
+            return F.linear(x.to(self.shared.dtype), self.shared)  # (k, n, V): one lm_head for all heads
+        logits = torch.bmm(x, w2t)  # (k, n, V_draft)
+        if self.token_map is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))  # (k, n, V)
+        return full.index_copy_(2, self.token_map, logits)
 
     def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Logits of the first ``num_heads`` heads (default: all) at one position.
@@ -142,16 +161,17 @@ class PackedHeads:
             num_heads: compute only heads ``0 .. num_heads - 1`` (a tree of depth D needs D).
 
         Returns:
-            ``(num_heads, V)``.
+            ``(num_heads, V)`` over the full vocabulary (truncated heads: ``-inf`` outside the map).
         """
-        layers, w2t = self._views(self.num_heads if num_heads is None else num_heads)
-        if hidden.dtype != w2t.dtype:
-            hidden = hidden.to(w2t.dtype)
-        x = hidden.expand(w2t.shape[0], 1, -1)  # (k, 1, d)
+        k = self.num_heads if num_heads is None else num_heads
+        layers, w2t = self._views(k)
+        if hidden.dtype != self.dtype:
+            hidden = hidden.to(self.dtype)
+        x = hidden.expand(k, 1, -1)  # (k, 1, d)
         for b1, w1t in layers:
             # x + SiLU(W1 x + b1) for the k heads in one batched product.
             x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, 1, d)
-        return torch.bmm(x, w2t).squeeze(1)  # (k, V)
+        return self._project(x, w2t).squeeze(1)  # (k, V)
 
     def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Logits of the first ``num_heads`` heads at one position of each of B rows.
@@ -161,19 +181,20 @@ class PackedHeads:
             num_heads: compute only heads ``0 .. num_heads - 1``.
 
         Returns:
-            ``(B, num_heads, V)``.
+            ``(B, num_heads, V)`` over the full vocabulary (truncated heads: ``-inf`` outside the map).
         """
-        layers, w2t = self._views(self.num_heads if num_heads is None else num_heads)
-        if hidden.dtype != w2t.dtype:
-            hidden = hidden.to(w2t.dtype)
-        x = hidden.expand(w2t.shape[0], -1, -1)  # (k, B, d)
+        k = self.num_heads if num_heads is None else num_heads
+        layers, w2t = self._views(k)
+        if hidden.dtype != self.dtype:
+            hidden = hidden.to(self.dtype)
+        x = hidden.expand(k, -1, -1)  # (k, B, d)
         for b1, w1t in layers:
             x = F.silu(torch.baddbmm(b1, x, w1t), inplace=True).add_(x)  # (k, B, d)
-        return torch.bmm(x, w2t).transpose(0, 1)  # (B, k, V)
+        return self._project(x, w2t).transpose(0, 1)  # (B, k, V)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.w2t.dtype
+        return self.b1.dtype
 
 
 def context_limit(model: torch.nn.Module) -> int | None:

@@ -222,6 +222,8 @@ def run(cfg) -> dict:
         backbone=backbone,
         heads_dir=str(heads_dir),
         num_heads=heads.num_heads,
+        head_projection=heads.head_projection,
+        draft_vocab_size=heads.draft_vocab_size,
     )
 
     # 5. Tau of typical acceptance and exact sampling (distribution-level rules: tau only).
@@ -323,7 +325,8 @@ def _load_heads(heads_dir: Path, own: bool = False):
 
 
 def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
-    """Raise :class:`UserError` when the heads' hidden/vocab sizes differ from the backbone's."""
+    """Raise :class:`UserError` when the heads do not fit the backbone (hidden/vocab sizes, a token map
+    outside its vocabulary, shared heads without an lm_head to use); bind shared heads to its lm_head."""
     vocab, hidden = model.get_output_embeddings().weight.shape
     if (heads.hidden_size, heads.vocab_size) != (hidden, vocab):
         raise UserError(
@@ -331,6 +334,10 @@ def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
             f"but backbone {backbone} has hidden_size={hidden}, vocab_size={vocab}: pass the backbone they were "
             "trained on (model.name_or_path=...) or other heads (eval.heads_dir=...)"
         )
+    try:
+        heads.attach(model)
+    except HeadsFormatError as err:
+        raise UserError(f"heads at {heads_dir} do not fit backbone {backbone}: {err}") from None
 
 
 def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:

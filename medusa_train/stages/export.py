@@ -106,8 +106,17 @@ def run(cfg) -> dict:
         )
     except HeadsFormatError as err:
         raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
+    if heads.head_projection == "truncated" and MEDUSA in cfg.export.formats:
+        raise UserError(
+            f"{heads_dir} holds heads with a truncated draft vocabulary ({heads.draft_vocab_size} tokens): the "
+            "FasterDecoding/TGI layout has no token map, export them with export.formats=[vllm]"
+        )
+    if heads.head_projection == "shared":  # vLLM's layout carries the lm_head they share: the backbone's
+        _bind_backbone_lm_head(cfg, heads, heads_dir)
     if cfg.export.dtype != "auto":
         heads = heads.to(DTYPES[cfg.export.dtype])
+        if heads.head_projection == "shared":
+            heads.bind_lm_head(heads.head_weight(0).to(DTYPES[cfg.export.dtype]))
     tc = cfg.tree
     choices = resolve_tree(
         tc.name,
@@ -199,24 +208,46 @@ def _heads_repair(cfg, heads_dir: Path) -> str:
 
 
 def roundtrip_identical(heads: MedusaHeads, directory: Path) -> bool:
-    """Read the layout in ``directory`` back: True when its tensors and its logits equal ``heads``' exactly.
+    """Read the layout in ``directory`` back: True when its tensors (token map, and for shared heads the
+    lm_head copy vLLM reads) and its logits equal ``heads``' exactly.
 
     The logits are compared on fixed random hidden states ``(2, 3, d)``, in ``heads``' dtype and device.
     A file that no longer parses counts as not identical.
     """
-    weight = heads.proj(0).weight
+    device, dtype = heads.device, heads.dtype
     try:
-        back = load_heads(directory, device=weight.device)
+        back = load_heads(directory, device=device)
     except (HeadsFormatError, OSError) as err:
         log.error("cannot read back %s: %s", directory, err)
+        return False
+    if back.head_projection != heads.head_projection:
+        return False
+    if heads.token_map is not None and not torch.equal(back.token_map.to(device), heads.token_map):
         return False
     theirs, ours = back.heads.state_dict(), heads.heads.state_dict()
     if theirs.keys() != ours.keys() or not all(torch.equal(theirs[k], ours[k]) for k in ours):
         return False
+    if heads.head_projection == "shared":  # vLLM's copy of the lm_head must be the one the heads use
+        lm_head = heads.head_weight(0)
+        if back.is_bound and not torch.equal(back.head_weight(0).to(lm_head.device), lm_head):
+            return False
+        back.bind_lm_head(lm_head)
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(2, 3, heads.hidden_size, generator=gen).to(device=weight.device, dtype=weight.dtype)
+    hidden = torch.randn(2, 3, heads.hidden_size, generator=gen).to(device=device, dtype=dtype)
     with torch.no_grad():
-        return torch.equal(back(hidden), heads(hidden))  # (K, 2, 3, V) each
+        return torch.equal(back(hidden), heads(hidden))  # (K, 2, 3, V_draft) each
+
+
+def _bind_backbone_lm_head(cfg, heads: MedusaHeads, heads_dir: Path) -> None:
+    """Shared heads: bind the lm_head of their backbone (loaded on the CPU, unquantized), which the
+    vLLM layout stores as ``lm_heads.0.weight``. Refuses a backbone without one, or of another shape."""
+    model, _, source, _ = load_backbone_for_heads(
+        cfg.model, heads_dir, device=torch.device("cpu"), quantize=False
+    )
+    try:
+        heads.attach(model)
+    except HeadsFormatError as err:
+        raise UserError(f"cannot export shared heads over {source}: {err}") from None
 
 
 def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:

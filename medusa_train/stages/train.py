@@ -16,7 +16,9 @@ Steps:
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
        (unless overwrite); if only the calibration's settings differ (`tree.max_nodes`, `tree.topk`,
        `tree.latency_context`, `training.calibration_max_records`), calibrate the published heads again.
-    4. Data: the training split and the held-out records the calibration measures on.
+    4. Data: the training split and the held-out records the calibration measures on;
+       `training.head_projection=truncated`: the draft vocabulary (token_map), the
+       `training.draft_vocab_size` most frequent target tokens of the training split.
     5. Train with the Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to
        workdir/train and resuming from its last checkpoint automatically (all ranks).
     6. Rank 0: held-out top-1..10 accuracy per head; grow trees, time tree forwards on this machine,
@@ -39,6 +41,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import TrainingArguments
 
@@ -55,7 +58,7 @@ from medusa_train.data.distilled import comparable, load_distilled, read_manifes
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, UserError
-from medusa_train.heads import HeadsFormatError, MedusaHeads, safetensors_shapes
+from medusa_train.heads import HeadsFormatError, MedusaHeads, draft_token_map, safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.recipes import Medusa1, recipe_for
@@ -139,6 +142,10 @@ def run(cfg) -> dict:
     # 3. Skip finished heads, or re-run only their calibration.
     key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
     accepted = [key, run_key(cfg, identity, manifest, legacy=True)]  # heads trained before issue 12 too
+    if tc.head_projection == "own":  # heads trained before issue 17 are own heads, keyed without these
+        accepted += [
+            {k: v for k, v in a.items() if k not in ("head_projection", "draft_vocab_size")} for a in accepted
+        ]
     if dist.is_main():
         remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
     done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
@@ -178,23 +185,40 @@ def run(cfg) -> dict:
         )
         calib_set, calib_split = train_set, "train"
     calib_records = [calib_set[i] for i in range(min(len(calib_set), tc.calibration_max_records))]
+    token_map, coverage = None, None
+    if tc.head_projection == "truncated" and done is None:
+        vocab = identity["vocab_size"]
+        if tc.draft_vocab_size > vocab:
+            raise UserError(
+                f"training.draft_vocab_size={tc.draft_vocab_size} is larger than the backbone's vocabulary "
+                f"({vocab} tokens): pick at most {vocab}"
+            )
+        token_map, coverage = draft_token_map(_target_counts(train_set, vocab), tc.draft_vocab_size)
+        log.info(
+            "draft vocabulary: the %d most frequent target tokens cover %.2f%% of the training targets",
+            tc.draft_vocab_size,
+            100 * coverage,
+        )
 
     # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
     if done is None:
         result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, accepted, train_set, ds_config, device
+            cfg, recipe, backbone, tokenizer, identity, accepted, train_set, ds_config, device, token_map
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
         if trained is not None:  # calibrate with the backbone as trained (LoRA: adapters applied)
             backbone = recipe.decoding_backbone(trained)
+        result.update(head_projection=tc.head_projection, draft_vocab_size=heads.draft_vocab_size)
+        if coverage is not None:
+            result["draft_vocab_coverage"] = round(coverage, 6)
     else:
         if not dist.is_main():
             return {"rank": dist.rank()}
         result, trained = dict(done), None
         heads = MedusaHeads.from_pretrained(wd.heads, device=device)
         backbone = recipe.published_backbone(wd.heads, backbone, device)
-
+    _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
     # 6. Rank 0: held-out accuracy -> the tree with the best expected tokens/s on this machine. A
     # trained backbone was left in training mode: no dropout (LoRA's included) while measuring.
     heads.eval()
@@ -377,6 +401,19 @@ def _usable_indices(ds, max_len: int) -> list[int]:
     return [i for i, m in enumerate(ds["loss_mask"]) if sum(m[2:max_len]) > 0]
 
 
+def _target_counts(records: _Records, vocab_size: int) -> torch.Tensor:
+    """``(V,)`` how often each token is a head target in the training split: loss-masked tokens at
+    positions 2 .. max_len - 1 of the truncated records (head 1 at position 0 predicts position 2)."""
+    rows = records.ds.select(records.indices)
+    picked = [
+        np.asarray(ids[2 : records.max_len])[np.asarray(mask[2 : records.max_len], dtype=bool)]
+        for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True)
+    ]
+    flat = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+    counts = np.bincount(flat.astype(np.int64), minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(counts)
+
+
 class _Records(torch.utils.data.Dataset):
     """Truncated ``input_ids``/``loss_mask`` records of a distilled split, read lazily."""
 
@@ -394,8 +431,14 @@ class _Records(torch.utils.data.Dataset):
 
 
 # -- training ---------------------------------------------------------------------------------------
-def _initial_heads(cfg, backbone, identity: dict) -> MedusaHeads:
-    """Fresh heads (projections copied from lm_head) or ``training.init_heads``, checked against the backbone."""
+def _initial_heads(cfg, backbone, identity: dict, token_map: torch.Tensor | None = None) -> MedusaHeads:
+    """Fresh heads (projections copied from lm_head, or bound to it when shared) or
+    ``training.init_heads``, checked against the backbone and ``training.head_projection``.
+
+    Args:
+        token_map: the draft vocabulary of ``head_projection=truncated`` (None otherwise); heads from
+            ``training.init_heads`` keep their own.
+    """
     tc = cfg.training
     want = (identity["hidden_size"], identity["vocab_size"], tc.num_heads, tc.num_layers)
     if tc.init_heads:
@@ -409,16 +452,40 @@ def _initial_heads(cfg, backbone, identity: dict) -> MedusaHeads:
                 f"training.init_heads={tc.init_heads} has (hidden, vocab, heads, layers)={got} but this "
                 f"backbone/config needs {want}: those heads belong to another backbone or setting"
             )
+        if heads.head_projection != tc.head_projection or (
+            token_map is not None and heads.draft_vocab_size != len(token_map)
+        ):
+            raise UserError(
+                f"training.init_heads={tc.init_heads} are {heads.head_projection} heads (draft vocabulary "
+                f"{heads.draft_vocab_size}) but training.head_projection={tc.head_projection}"
+                f"{f' with draft_vocab_size={len(token_map)}' if token_map is not None else ''}: make them agree"
+            )
         heads.base_model_name_or_path = cfg.model.name_or_path
-        return heads
+        return _attach(heads, backbone, cfg)
     torch.manual_seed(tc.seed)
-    heads = MedusaHeads(*want, base_model_name_or_path=cfg.model.name_or_path)
-    if tc.init_from_lm_head:
+    heads = MedusaHeads(
+        *want,
+        base_model_name_or_path=cfg.model.name_or_path,
+        head_projection=tc.head_projection,
+        token_map=token_map,
+    )
+    _attach(heads, backbone, cfg)
+    if tc.init_from_lm_head and tc.head_projection != "shared":
         heads.init_from_lm_head(backbone.get_output_embeddings().weight.detach().float())
     return heads
 
 
-def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, accepted, train_set, ds_config, device):
+def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
+    """:meth:`MedusaHeads.attach` with its refusals as one-line user errors."""
+    try:
+        return heads.attach(backbone)
+    except HeadsFormatError as err:
+        raise UserError(f"training.head_projection={cfg.training.head_projection}: {err}") from None
+
+
+def _train(
+    cfg, recipe: Medusa1, backbone, tokenizer, identity, accepted, train_set, ds_config, device, token_map
+):
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
@@ -428,7 +495,7 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, accepted, train_
     """
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
-    heads = _initial_heads(cfg, backbone, identity).to(device)
+    heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
     key = accepted[0]
     info = {"settings": key, "backbone": identity}
     _check_resume(wd.train, info, accepted, tc.overwrite)

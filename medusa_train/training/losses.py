@@ -21,6 +21,15 @@ then only scales the stored gradients by the incoming scalar. Peak extra memory 
 O(chunk * V + V * d) instead of O(T * V), and the flop count equals the naive version's
 (one logits matmul + two gradient matmuls), so it is not slower.
 
+Head projection variants (:mod:`medusa_train.heads`): ``shared`` heads use the backbone's lm_head as
+every head's projection (no gradient for it from the heads' loss, only the residual blocks train);
+``truncated`` heads project to a draft vocabulary of N tokens, and a target outside that vocabulary
+is **not counted** in the CE (the EAGLE-3 convention, where positions whose target falls outside the
+draft vocabulary are masked out of the loss). An "other" bucket would teach the head to spend
+probability on a candidate the decoder can never propose, and vLLM's layout has no row for one. It
+still counts as a miss in the top-k metrics (``count`` covers every full-vocabulary target), so
+accuracies compare across variants.
+
 Also here: the LM losses Medusa-2 adds (CE on data, KL to
 the frozen original), and the lambda_0 warm-up schedules.
 """
@@ -72,6 +81,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             ok = y != IGNORE_INDEX  # (c,)
             if not bool(ok.any()):
                 continue
+            if x.dtype != weight.dtype:  # fp32 heads over a bf16 lm_head (shared heads): no (V, d) copy
+                x = x.to(weight.dtype)
             logits = (x @ weight.t()).float()  # (c, V)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             y_safe = y.clamp_min(0)
@@ -170,7 +181,8 @@ def medusa_head_loss(
     Args:
         heads: the K heads.
         hidden: ``(N, d)`` backbone last hidden states (rows from :func:`select_trained_rows`).
-        targets: ``(N, K)``; column k-1 is head k's target, ``IGNORE_INDEX`` = not counted.
+        targets: ``(N, K)`` full-vocabulary ids; column k-1 is head k's target, ``IGNORE_INDEX`` = not
+            counted (truncated heads: ids outside the draft vocabulary are left out of the CE).
         decay: lambda_k = decay^(k-1).
         chunk_size: rows per chunk in the fused CE.
         with_metrics: also count top-1 / top-5 hits (chunked, no grad; costs one more logits pass).
@@ -184,14 +196,17 @@ def medusa_head_loss(
     loss = hidden.new_zeros((), dtype=torch.float32)
     ce, count, top1, top5 = [], [], [], []
     for k in range(num_heads):
-        proj = heads.proj(k).weight  # (V, d)
-        y = targets[:, k]  # (N,)
-        weighted = chunked_cross_entropy(feats[k], proj, y, chunk_size, scale=weights[k])  # lambda_k * CE_k
+        proj = heads.head_weight(k)  # (V_draft, d): own, the shared lm_head, or the truncated rows
+        y = targets[:, k]  # (N,) full-vocabulary ids
+        y_draft = heads.draft_targets(y)  # (N,) draft indices; outside a truncated map: not counted
+        weighted = chunked_cross_entropy(
+            feats[k], proj, y_draft, chunk_size, scale=weights[k]
+        )  # lambda_k * CE_k
         loss = loss + weighted
         ce.append(weighted.detach() / weights[k])
         count.append((y != IGNORE_INDEX).sum())
         if with_metrics:
-            hits = chunked_topk_correct(feats[k].detach(), proj.detach(), y, 5, chunk_size)
+            hits = chunked_topk_correct(feats[k].detach(), proj.detach(), y_draft, 5, chunk_size)
             top1.append(hits[0])
             top5.append(hits[4] if hits.numel() >= 5 else hits[-1])
     zeros = torch.zeros(num_heads, dtype=torch.long, device=hidden.device)
@@ -207,11 +222,11 @@ def medusa_head_loss(
 def naive_medusa_head_loss(
     heads, hidden: torch.Tensor, targets: torch.Tensor, decay: float = 0.8
 ) -> torch.Tensor:
-    """Reference: full ``(K, N, V)`` logits + ``F.cross_entropy`` (tests and benchmarks only)."""
-    logits = heads(hidden)  # (K, N, V)
+    """Reference: full ``(K, N, V_draft)`` logits + ``F.cross_entropy`` (tests and benchmarks only)."""
+    logits = heads(hidden)  # (K, N, V_draft)
     loss = hidden.new_zeros((), dtype=torch.float32)
     for k, w in enumerate(head_weights(heads.num_heads, decay)):
-        y = targets[:, k]
+        y = heads.draft_targets(targets[:, k])
         if bool((y != IGNORE_INDEX).any()):
             loss = loss + w * F.cross_entropy(logits[k].float(), y, ignore_index=IGNORE_INDEX)
     return loss

@@ -101,8 +101,13 @@ class MedusaTrainingModel(nn.Module):
 
     def directly_read_weights(self) -> list[nn.Parameter]:
         """Weights the loss reads without calling their module (ZeRO-3 must gather them for it): each
-        head's ``(V, d)`` projection (the fused loss), and in medusa2 the backbone's lm_head (LM loss)."""
-        weights = [self.heads.proj(k).weight for k in range(self.heads.num_heads)]
+        head's own ``(V, d)`` projection (the fused loss; shared heads have none), and in medusa2 the
+        backbone's lm_head (LM loss)."""
+        weights = [
+            self.heads.proj(k).weight
+            for k in range(self.heads.num_heads)
+            if self.heads.head_projection != "shared"
+        ]
         if self.mode == "medusa2":
             weights.append(self.backbone.get_output_embeddings().weight)
         return weights
@@ -155,7 +160,7 @@ class MedusaTrainingModel(nn.Module):
                 lm_rows_targets, row_targets = all_targets[:, 0], all_targets[:, 1:]  # (N,), (N, K)
             else:
                 row_targets = all_targets
-        head_rows = rows.to(self.heads.proj(0).weight.dtype)
+        head_rows = rows.to(self.heads.dtype)
         out = medusa_head_loss(
             self.heads, head_rows, row_targets, self.decay, self.chunk_size, self.with_metrics
         )

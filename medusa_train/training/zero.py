@@ -157,7 +157,13 @@ def gather_zero3(trainer, heads: MedusaHeads, with_backbone: bool) -> tuple[Medu
     if not trainer.is_world_process_zero():
         return heads, None
     whole = MedusaHeads(
-        heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers, heads.base_model_name_or_path
+        heads.hidden_size,
+        heads.vocab_size,
+        heads.num_heads,
+        heads.num_layers,
+        heads.base_model_name_or_path,
+        head_projection=heads.head_projection,
+        token_map=heads.token_map,
     )
     prefix = "module." if any(k.startswith("module.heads.") for k in state) else ""
     whole.heads.load_state_dict(
@@ -167,6 +173,8 @@ def gather_zero3(trainer, heads: MedusaHeads, with_backbone: bool) -> tuple[Medu
             if k.startswith(f"{prefix}heads.heads.")
         }
     )
+    if heads.head_projection == "shared":
+        whole.bind_lm_head(heads.head_weight(0))  # the backbone's lm_head, bound as before
     backbone_state = None
     if with_backbone:
         start = f"{prefix}backbone."

@@ -202,6 +202,7 @@ BAD_VALUES = [
     "training.seed=-1",
     "training.lr_scheduler=bogus",
     "training.lora_target_modules=[]",  # with backbone_tuning=lora (below)
+    "training.draft_vocab_size=0",  # with head_projection=truncated (below)
     "training.lr_scheduler=cosine_with_min_lr",  # needs lr_scheduler_kwargs
     "training.calibration_max_records=-1",
     "training.calibration_max_records=0",
@@ -267,6 +268,7 @@ def test_out_of_range_value_is_one_config_error(override: str) -> None:
     extra = {
         "tree.choices": ["tree.name=custom"],
         "training.lora_target_modules": ["training.backbone_tuning=lora"],
+        "training.draft_vocab_size": ["training.head_projection=truncated"],
     }
     extra = extra.get(_key(override), [])
     with pytest.raises(ConfigError) as err:

@@ -40,7 +40,7 @@ def _random_heads(num_layers: int = L, dtype: torch.dtype = torch.float32) -> Me
 
 
 def _logits(heads: MedusaHeads) -> torch.Tensor:
-    hidden = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1)).to(heads.proj(0).weight.dtype)
+    hidden = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1)).to(heads.dtype)
     with torch.no_grad():
         return heads(hidden)  # (K, 2, 5, V)
 
