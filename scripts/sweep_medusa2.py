@@ -1,0 +1,397 @@
+"""Sweep Medusa-2 recipes from Medusa-1 heads and measure what they buy: tau gain vs backbone drift.
+
+Cai et al., "Medusa" (arXiv:2401.10774), section 2.2.2 (Medusa-2: joint training, differential
+learning rates, lambda0 warm-up, self-distillation). This script is how the figures and the
+default of ``training=medusa2`` in docs/training.md were found (issue 15).
+
+Run as:
+    # 1. a Medusa-1 workdir (embedded backbone, distilled data, Medusa-1 heads):
+    python -m medusa_train stage=all workdir=runs/m1 tracking=disabled
+    # 2. the Medusa-1 reference figures, then settings (each in its own workdir under --out):
+    python scripts/sweep_medusa2.py baseline --base runs/m1 --out runs/sweep
+    python scripts/sweep_medusa2.py run --base runs/m1 --out runs/sweep default lr1e-3 ...
+    python scripts/sweep_medusa2.py run --base runs/m1 --out runs/sweep --extra my-try training.lr=5e-4 ...
+    # 3. the table (Markdown) and the plot:
+    python scripts/sweep_medusa2.py report --out runs/sweep --plot docs/medusa2_sweep.png
+    python scripts/sweep_medusa2.py list            # the named settings
+
+Each setting gets ``<out>/<name>/`` holding copies of the base's ``backbone/`` and ``distill/``
+(``cp -a``), trains there with ``python -m medusa_train stage=train training=medusa2
+training.init_heads=<base>/heads <overrides>`` (a subprocess, ``nice``, ``OMP_NUM_THREADS``), and is
+then measured in this process, all on the same inputs as the Medusa-1 reference:
+
+- ``tau_medusa63`` / ``tau_m1tree``: greedy tokens per step of ``medusa_generate`` with the trained
+  backbone and heads on the first turns of the 40 held-out embedded eval prompts (``stage=eval``'s
+  defaults: 128 new tokens), on the 63-node tree and on the Medusa-1 run's calibrated tree. Greedy
+  tau is a function of the weights: no timing noise.
+- ``agree`` / ``kl``: on every loss-masked position of the held-out distilled records, the share
+  where the trained backbone's next-token argmax equals the original's, and the mean
+  ``KL(p_original || p_trained)`` (nats).
+- ``same_outputs``: the share of eval prompts whose greedy continuation is token-for-token the
+  Medusa-1 reference's (the original backbone's).
+- ``top1`` / ``topk``: held-out per-head top-1..10 accuracy (the calibration's table), with which
+  ``exp_tau_*`` is the tree's expected tau, and ``ceil_*`` the tau of the same tree if every head
+  were as accurate as the oracle of :func:`oracle_accuracy`.
+
+``--control`` adds, for each named setting, its frozen-backbone control: the same command with
+``training.heads_only_steps`` = its steps (the heads train exactly as long, at the same learning
+rate and schedule, on the original backbone), so a gain is not only more head training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from medusa_train.backbone import is_adapter_dir, load_backbone, merge_adapter  # noqa: E402
+from medusa_train.data.chat import ChatRenderer, eos_token_ids  # noqa: E402
+from medusa_train.data.distilled import load_distilled, split_heldout  # noqa: E402
+from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, load_choices, medusa_generate  # noqa: E402
+from medusa_train.decoding.calibrate import compute_head_accuracy, expected_tau, per_rank_accuracy  # noqa: E402
+from medusa_train.heads import MedusaHeads  # noqa: E402
+from medusa_train.training.losses import IGNORE_INDEX, lm_targets  # noqa: E402
+from medusa_train.training.trainer import PadCollator  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# -- the settings ---------------------------------------------------------------------------------
+# name -> overrides of `stage=train training=medusa2` (on top of conf/training/medusa2.yaml as it is
+# in the checkout). Every setting reported in docs/training.md is here.
+SETTINGS: dict[str, list[str]] = {
+    "default": [],
+    # backbone learning rate (heads x4), lambda0 0.2 sine over 100 steps, KL, full tuning, 300 steps
+    "lr3e-4": ["training.lr=3e-4", "training.max_steps=300"],
+    "lr1e-3": ["training.lr=1e-3", "training.max_steps=300"],
+    "lr3e-3": ["training.lr=3e-3", "training.max_steps=300"],
+}
+
+
+def control_of(overrides: list[str]) -> list[str]:
+    """The frozen-backbone control of a setting: heads only for all of its steps."""
+    steps = next((o.split("=", 1)[1] for o in overrides if o.startswith("training.max_steps=")), None)
+    if steps is None:
+        raise SystemExit("a control needs training.max_steps in the setting's overrides")
+    return [o for o in overrides if not o.startswith("training.heads_only_steps=")] + [
+        f"training.heads_only_steps={steps}"
+    ]
+
+
+# -- measurement ----------------------------------------------------------------------------------
+def heldout_records(distill_dir: Path, eval_fraction: float = 0.05, max_len: int = 512) -> list[dict]:
+    """Held-out distilled records (the split ``stage=train`` calibrates on), truncated like training."""
+    _, held = split_heldout(load_distilled(distill_dir), eval_fraction)
+    out = []
+    for r in held:
+        if sum(r["loss_mask"][2:max_len]) > 0:
+            out.append(
+                {"input_ids": list(r["input_ids"][:max_len]), "loss_mask": list(r["loss_mask"][:max_len])}
+            )
+    return out
+
+
+@torch.no_grad()
+def drift(original, trained, records: list[dict], batch_size: int = 8) -> dict:
+    """Next-token argmax agreement and mean KL(original || trained) on loss-masked positions."""
+    collate = PadCollator(0)
+    agree = total = 0
+    kl = 0.0
+    for start in range(0, len(records), batch_size):
+        b = collate(records[start : start + batch_size])
+        keep = lm_targets(b["input_ids"], b["loss_mask"], b["attention_mask"]) != IGNORE_INDEX  # (B, T)
+        lo = (
+            original(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[keep].float()
+        )  # (N, V)
+        lt = (
+            trained(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[keep].float()
+        )  # (N, V)
+        agree += int((lo.argmax(-1) == lt.argmax(-1)).sum())
+        po, pt = lo.log_softmax(-1), lt.log_softmax(-1)  # (N, V)
+        kl += float((po.exp() * (po - pt)).sum())
+        total += int(keep.sum())
+    return {"agree": agree / max(total, 1), "kl": kl / max(total, 1), "positions": total}
+
+
+@torch.no_grad()
+def head_accuracy(backbone, heads: MedusaHeads, records: list[dict]) -> torch.Tensor:
+    """``(K, 10)`` held-out cumulative top-1..10 accuracy of each head (``stage=train``'s table)."""
+    collate = PadCollator(0)
+    batches = (collate(records[i : i + 8]) for i in range(0, len(records), 8))
+    return compute_head_accuracy(backbone, heads, batches, max_k=10)
+
+
+def oracle_accuracy(acc: torch.Tensor) -> torch.Tensor:
+    """The ceiling used in docs/training.md: head k is as accurate as head 1 (the best a head reading
+    the same hidden state achieves, one token ahead), at every rank. The real heads' gap to it is what
+    a backbone that encodes the future better could at most close; a perfect head would give K + 1."""
+    return acc[:1].expand_as(acc).clone()
+
+
+def eval_inputs(tok, num_prompts: int = 40, max_new_tokens: int = 128) -> list[tuple[torch.Tensor, int]]:
+    """First turns of ``stage=eval``'s default prompts (held-out embedded), rendered, with their budget."""
+    from medusa_train.config import EvalConfig
+    from medusa_train.stages.eval import load_eval_prompts
+
+    renderer = ChatRenderer(tok)
+    prompts = load_eval_prompts(EvalConfig(num_prompts=num_prompts))
+    return [(torch.tensor([renderer.turn_prompt_ids(p, [])]), max_new_tokens) for p in prompts]
+
+
+@torch.inference_mode()
+def greedy_tau(model, heads: MedusaHeads, inputs, choices, eos: list[int]) -> tuple[float, list[list[int]]]:
+    """Greedy tokens per step over ``inputs`` and the generated tokens of each."""
+    packed, tree = PackedHeads(heads), TreeBuffers.from_choices(choices)
+    tokens = steps = 0
+    outs = []
+    for ids, budget in inputs:
+        budget = min(budget, model.config.max_position_embeddings - ids.shape[1])
+        out = medusa_generate(model, packed, ids, max_new_tokens=budget, tree=tree, eos_token_id=eos)
+        tokens += len(out.tokens)
+        steps += out.num_steps
+        outs.append(out.tokens.tolist())
+    return tokens / max(steps, 1), outs
+
+
+def load_model(path: Path, base_dir: Path):
+    """A backbone directory (full model) or a LoRA adapter directory merged into ``base_dir``."""
+    if is_adapter_dir(path):
+        base, _ = load_backbone(str(base_dir))
+        return merge_adapter(base, path).eval()
+    model, _ = load_backbone(str(path))
+    return model
+
+
+def measure(base: Path, heads_dir: Path, backbone_dir: Path | None, cache: dict) -> dict:
+    """All figures of one set of heads (with its trained backbone, or the original when None)."""
+    if "original" not in cache:
+        original, tok = load_backbone(str(base_backbone(base)))
+        cache.update(
+            original=original,
+            tok=tok,
+            records=heldout_records(base / "distill"),
+            inputs=eval_inputs(tok),
+            m1_tree=load_choices(base / "heads" / "medusa_choices.json"),
+        )
+    original, tok = cache["original"], cache["tok"]
+    model = original if backbone_dir is None else load_model(backbone_dir, base_backbone(base))
+    heads = MedusaHeads.from_pretrained(heads_dir).eval()
+    eos = eos_token_ids(model, tok)
+    acc = head_accuracy(model, heads, cache["records"])
+    ceiling = oracle_accuracy(acc)
+    result = {"top1": [round(float(a), 4) for a in acc[:, 0]], "topk": acc.tolist()}
+    for name, choices in (("medusa63", [list(p) for p in MEDUSA_63]), ("m1tree", cache["m1_tree"])):
+        tau, outs = greedy_tau(model, heads, cache["inputs"], choices, eos)
+        result[f"tau_{name}"] = round(tau, 4)
+        result[f"exp_tau_{name}"] = round(expected_tau(per_rank_accuracy(acc), choices), 4)
+        result[f"ceil_{name}"] = round(expected_tau(per_rank_accuracy(ceiling), choices), 4)
+        if name == "medusa63":
+            cache.setdefault("reference_outputs", outs)
+            ref = cache["reference_outputs"]
+            result["same_outputs"] = round(sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref), 4)
+    result.update(
+        {
+            k: round(v, 6) if isinstance(v, float) else v
+            for k, v in drift(original, model, cache["records"]).items()
+        }
+    )
+    return result
+
+
+# -- running --------------------------------------------------------------------------------------
+def base_backbone(base: Path) -> Path:
+    """The embedded backbone of the base workdir: ``pretrain/`` (``backbone/`` in workdirs made before
+    the rename)."""
+    return base / "pretrain" if (base / "pretrain").is_dir() else base / "backbone"
+
+
+def prepare(base: Path, wd: Path) -> None:
+    """``wd`` with copies of the base's backbone (as ``pretrain/``) and distilled data (``cp -a``)."""
+    wd.mkdir(parents=True, exist_ok=True)
+    for src, name in ((base_backbone(base), "pretrain"), (base / "distill", "distill")):
+        if not (wd / name).exists():
+            subprocess.run(["cp", "-a", str(src), str(wd / name)], check=True)
+
+
+def train(base: Path, wd: Path, overrides: list[str], threads: int, nice: int) -> dict:
+    """``stage=train training=medusa2`` from the base's Medusa-1 heads; returns its training_result."""
+    for stale in ("heads", "train"):
+        shutil.rmtree(wd / stale, ignore_errors=True)
+    cmd = [
+        "nice",
+        "-n",
+        str(nice),
+        sys.executable,
+        "-m",
+        "medusa_train",
+        "stage=train",
+        "training=medusa2",
+        f"workdir={wd}",
+        "tracking=disabled",
+        f"training.init_heads={base / 'heads'}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with open(wd / "train.log", "w") as log:
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return json.loads((wd / "heads" / "config.json").read_text())["training_result"]
+
+
+def cmd_run(args) -> None:
+    base, out = Path(args.base).resolve(), Path(args.out).resolve()
+    todo: list[tuple[str, list[str]]] = []
+    if args.extra:
+        todo.append((args.extra[0], args.extra[1:]))
+    for name in args.names:
+        if name not in SETTINGS:
+            raise SystemExit(f"unknown setting {name!r}: see `list`, or pass --extra NAME key=value ...")
+        todo.append((name, SETTINGS[name]))
+    if args.control:
+        todo += [(f"{name}@frozen", control_of(ov)) for name, ov in list(todo)]
+    torch.set_num_threads(args.threads)
+    cache: dict = {}
+    for name, overrides in todo:
+        wd = out / name.replace("@", "_")
+        if (wd / "result.json").is_file() and not args.force:
+            print(f"{name}: done already ({wd / 'result.json'})", flush=True)
+            continue
+        prepare(base, wd)
+        t0 = time.time()
+        result = train(base, wd, overrides, args.threads, args.nice)
+        figures = measure(base, wd / "heads", wd / "heads" / "backbone", cache)
+        record = {
+            "name": name,
+            "overrides": overrides,
+            "steps": result["steps"],
+            "train_seconds": result["train_seconds"],
+            **figures,
+            "wall_seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        }
+        (wd / "result.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "topk"}), flush=True)
+
+
+def cmd_baseline(args) -> None:
+    base, out = Path(args.base).resolve(), Path(args.out).resolve()
+    torch.set_num_threads(args.threads)
+    record = {"name": "medusa1", "overrides": [], "steps": 0, "train_seconds": 0.0}
+    record.update(measure(base, base / "heads", None, {}))
+    record["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    (out / "medusa1").mkdir(parents=True, exist_ok=True)
+    (out / "medusa1" / "result.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "topk"}), flush=True)
+
+
+def load_results(out: Path) -> tuple[dict, list[dict]]:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/result.json"))]
+    ref = next((r for r in results if r["name"] == "medusa1"), None)
+    if ref is None:
+        raise SystemExit(f"no Medusa-1 reference in {out}: run `baseline` first")
+    return ref, [r for r in results if r["name"] != "medusa1"]
+
+
+def cmd_report(args) -> None:
+    ref, rows = load_results(Path(args.out))
+    rows.sort(key=lambda r: (r["name"].endswith("@frozen"), r["name"]))
+    head = (
+        "| setting | overrides | steps | train s | tau 63 (gain) | tau M1 tree (gain) | argmax agree | KL | "
+        "same outputs | held-out top-1 |"
+    )
+    lines = [head, "|" + "---|" * 10]
+
+    def row(r: dict, gain: bool = True) -> str:
+        g63 = f" ({r['tau_medusa63'] - ref['tau_medusa63']:+.2f})" if gain else ""
+        gm1 = f" ({r['tau_m1tree'] - ref['tau_m1tree']:+.2f})" if gain else ""
+        ov = " ".join(o.removeprefix("training.") for o in r["overrides"]) or "-"
+        top1 = "/".join(f"{a:.3f}" for a in r["top1"])
+        return (
+            f"| {r['name']} | `{ov}` | {r['steps']} | {r['train_seconds']:.0f} | {r['tau_medusa63']:.2f}{g63} | "
+            f"{r['tau_m1tree']:.2f}{gm1} | {r['agree']:.4f} | {r['kl']:.4f} | {r['same_outputs']:.2f} | {top1} |"
+        )
+
+    lines.append(row(ref, gain=False))
+    lines += [row(r) for r in rows]
+    print("\n".join(lines))
+    print(
+        f"\nMedusa-1 reference: expected tau (63 / M1 tree) {ref['exp_tau_medusa63']:.2f} / {ref['exp_tau_m1tree']:.2f}; "
+        f"oracle ceiling (every head as accurate as head 1) {ref['ceil_medusa63']:.2f} / {ref['ceil_m1tree']:.2f}"
+    )
+    if args.plot:
+        plot(ref, rows, Path(args.plot))
+
+
+def plot(ref: dict, rows: list[dict], path: Path) -> None:
+    """Tau gain over Medusa-1 (both trees) against backbone drift (1 - argmax agreement)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    for ax, tree, title in (
+        (axes[0], "medusa63", "63-node tree"),
+        (axes[1], "m1tree", "Medusa-1 calibrated tree"),
+    ):
+        for r in rows:
+            frozen = r["name"].endswith("@frozen")
+            x, y = 100 * (1 - r["agree"]), r[f"tau_{tree}"] - ref[f"tau_{tree}"]
+            ax.scatter(x, y, marker="s" if frozen else "o", color="grey" if frozen else "C0", s=28)
+            ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.axhline(0.3, color="C2", ls="--", lw=1, label="target: +0.3 tau")
+        ax.axvline(5.0, color="C3", ls="--", lw=1, label="limit: 95% argmax agreement")
+        ax.axhline(0.0, color="black", lw=0.6)
+        ax.set_xlabel("backbone drift: held-out positions whose argmax changed (%)")
+        ax.set_title(f"{title} (Medusa-1 tau {ref[f'tau_{tree}']:.2f})")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tau gain over Medusa-1 (greedy, 40 prompts)")
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(
+        "Medusa-2 from Medusa-1 heads: circles = joint training, squares = same steps, backbone frozen"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "baseline"):
+        p = sub.add_parser(name)
+        p.add_argument("--base", required=True, help="the Medusa-1 workdir (backbone/, distill/, heads/)")
+        p.add_argument("--out", required=True, help="folder of the sweep's workdirs and results")
+        p.add_argument("--threads", type=int, default=1, help="torch threads (training and measuring)")
+        if name == "run":
+            p.add_argument("names", nargs="*", help="named settings (see `list`)")
+            p.add_argument(
+                "--extra", nargs="+", metavar="NAME_OR_OVERRIDE", help="NAME key=value ...: an ad-hoc setting"
+            )
+            p.add_argument(
+                "--control", action="store_true", help="also each setting's frozen-backbone control"
+            )
+            p.add_argument("--nice", type=int, default=10)
+            p.add_argument("--force", action="store_true", help="redo settings that have a result")
+    p = sub.add_parser("report")
+    p.add_argument("--out", required=True)
+    p.add_argument("--plot", help="write the tau gain vs drift plot here (PNG)")
+    sub.add_parser("list")
+    args = parser.parse_args()
+    if args.command == "list":
+        for name, overrides in SETTINGS.items():
+            print(f"{name}: {' '.join(overrides) or '(the defaults)'}")
+        return
+    {"run": cmd_run, "baseline": cmd_baseline, "report": cmd_report}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
