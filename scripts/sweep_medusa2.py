@@ -30,8 +30,8 @@ then measured in this process, all on the same inputs as the Medusa-1 reference:
 - ``same_outputs``: the share of eval prompts whose greedy continuation is token-for-token the
   Medusa-1 reference's (the original backbone's).
 - ``top1`` / ``topk``: held-out per-head top-1..10 accuracy (the calibration's table), with which
-  ``exp_tau_*`` is the tree's expected tau, and ``ceil_*`` the tau of the same tree if every head
-  were as accurate as the oracle of :func:`oracle_accuracy`.
+  ``exp_tau_*`` is the tree's expected tau.
+- ``replay_*`` / ``clear_*`` / ``perfect_*`` / ``near_tie_share``: see :func:`replay` (the ceilings).
 
 ``--control`` adds, for each named setting, its frozen-backbone control: the same command with
 ``training.heads_only_steps`` = its steps (the heads train exactly as long, at the same learning
@@ -73,6 +73,32 @@ SETTINGS: dict[str, list[str]] = {
     "lr3e-4": ["training.lr=3e-4", "training.max_steps=300"],
     "lr1e-3": ["training.lr=1e-3", "training.max_steps=300"],
     "lr3e-3": ["training.lr=3e-3", "training.max_steps=300"],
+    "lr1e-4": ["training.lr=1e-4", "training.max_steps=300"],
+    # head multiplier, lambda0 and its warm-up, KL vs CE, LoRA, two-stage
+    "lr3e-4-x1": ["training.lr=3e-4", "training.max_steps=300", "training.head_lr_multiplier=1"],
+    "lr3e-4-lam1": ["training.lr=3e-4", "training.max_steps=300", "training.lambda0=1.0"],
+    "lr3e-4-lam.02": ["training.lr=3e-4", "training.max_steps=300", "training.lambda0=0.02"],
+    "lr3e-4-ce": ["training.lr=3e-4", "training.max_steps=300", "training.lm_loss=ce"],  # = ce-lr3e-4
+    "lr3e-4-const": ["training.lr=3e-4", "training.max_steps=300", "training.lambda_warmup=constant"],
+    "lr3e-4-2stage": ["training.lr=3e-4", "training.max_steps=300", "training.heads_only_steps=100"],
+    "lora-lr1e-3": ["training.lr=1e-3", "training.max_steps=300", "training.backbone_tuning=lora"],
+    "lora-lr3e-3": ["training.lr=3e-3", "training.max_steps=300", "training.backbone_tuning=lora"],
+    # CE on the (greedy) distilled tokens instead of the KL: the same knobs
+    "ce-lr1e-3": ["training.lr=1e-3", "training.max_steps=300", "training.lm_loss=ce"],
+    "ce-lr1e-4": ["training.lr=1e-4", "training.max_steps=300", "training.lm_loss=ce"],
+    "ce-lr3e-4-lam1": [
+        "training.lr=3e-4",
+        "training.max_steps=300",
+        "training.lm_loss=ce",
+        "training.lambda0=1.0",
+    ],
+    "ce-lr3e-4-150": ["training.lr=3e-4", "training.max_steps=150", "training.lm_loss=ce"],
+    "ce-lora-lr1e-3": [
+        "training.lr=1e-3",
+        "training.max_steps=300",
+        "training.lm_loss=ce",
+        "training.backbone_tuning=lora",
+    ],
 }
 
 
@@ -129,11 +155,74 @@ def head_accuracy(backbone, heads: MedusaHeads, records: list[dict]) -> torch.Te
     return compute_head_accuracy(backbone, heads, batches, max_k=10)
 
 
-def oracle_accuracy(acc: torch.Tensor) -> torch.Tensor:
-    """The ceiling used in docs/training.md: head k is as accurate as head 1 (the best a head reading
-    the same hidden state achieves, one token ahead), at every rank. The real heads' gap to it is what
-    a backbone that encodes the future better could at most close; a perfect head would give K + 1."""
-    return acc[:1].expand_as(acc).clone()
+CLEAR = 0.5
+"""A decision of the backbone is clear when its top-1 next-token probability beats its top-2 by this much."""
+
+
+@torch.no_grad()
+def replay(
+    model, heads: MedusaHeads, inputs, outputs: list[list[int]], trees: dict[str, list[list[int]]]
+) -> dict:
+    """Greedy tree decoding replayed from teacher-forced states, and two ceilings on the same turns.
+
+    Greedy tree decoding is exact, so the hidden state it reads at a step is the teacher-forced one
+    of the greedy sequence (prompt + ``outputs``): a step starts after the last accepted token j, its
+    root is token j+1, and the tree's node at depth d with rank i is right iff head d's rank-i token
+    at j is token j+1+d; the deepest right path is accepted. For each tree this gives
+
+    - ``replay_<tree>``: the tau of these heads (the measured tau, but for the last step's cut);
+    - ``clear_<tree>``: the tau if the rank-0 candidate of every head were right wherever the
+      backbone's own choice of that token was clear (top-1 minus top-2 probability >= ``CLEAR``),
+      the heads as they are at its near ties: what heads reading a better hidden state could reach
+      while the backbone keeps its decisions;
+    - ``perfect_<tree>``: every rank-0 candidate right (K + 1 but for the budget's cut);
+
+    and ``near_tie_share``: the share of generated tokens that were a near-tie choice of the backbone.
+    """
+    sums: dict[str, list[int]] = {}
+    near = total = 0
+    for (ids, _), out in zip(inputs, outputs, strict=True):
+        if not out:
+            continue
+        seq = torch.tensor([ids[0].tolist() + out])  # (1, T)
+        start = ids.shape[1] - 1  # the prompt's last position: its logits chose out[0]
+        res = model(input_ids=seq, output_hidden_states=True)
+        top2 = res.logits[0].float().softmax(-1).topk(2, dim=-1).values  # (T, 2)
+        clear = (top2[:, 0] - top2[:, 1]) >= CLEAR  # (T,): position t chose token t+1 clearly
+        hidden = res.hidden_states[-1][0].to(heads.proj(0).weight.dtype)  # (T, d)
+        tops = heads(hidden).topk(10, dim=-1).indices  # (K, T, 10)
+        tokens = seq[0].tolist()
+        near += int((~clear[start : start + len(out)]).sum())
+        total += len(out)
+        for name, choices in trees.items():
+            for mode in ("replay", "clear", "perfect"):
+                j, done, steps = start, 0, 0
+                while done < len(out):
+                    depth = 0
+                    for path in choices:
+                        ok = True
+                        for d, rank in enumerate(path, start=1):
+                            pos = j + 1 + d  # the token head d proposes at j
+                            if pos >= len(tokens):
+                                ok = False
+                            elif mode == "perfect":
+                                ok = rank == 0
+                            else:
+                                ok = int(tops[d - 1, j, rank]) == tokens[pos] or (
+                                    mode == "clear" and rank == 0 and bool(clear[pos - 1])
+                                )
+                            if not ok:
+                                break
+                        if ok:
+                            depth = max(depth, len(path))
+                    gained = min(1 + depth, len(out) - done)
+                    done, j, steps = done + gained, j + gained, steps + 1
+                acc = sums.setdefault(f"{mode}_{name}", [0, 0])
+                acc[0] += len(out)
+                acc[1] += steps
+    result = {k: round(v[0] / max(v[1], 1), 4) for k, v in sums.items()}
+    result["near_tie_share"] = round(near / max(total, 1), 4)
+    return result
 
 
 def eval_inputs(tok, num_prompts: int = 40, max_new_tokens: int = 128) -> list[tuple[torch.Tensor, int]]:
@@ -144,6 +233,34 @@ def eval_inputs(tok, num_prompts: int = 40, max_new_tokens: int = 128) -> list[t
     renderer = ChatRenderer(tok)
     prompts = load_eval_prompts(EvalConfig(num_prompts=num_prompts))
     return [(torch.tensor([renderer.turn_prompt_ids(p, [])]), max_new_tokens) for p in prompts]
+
+
+def eval_prompts(num_prompts: int = 40):
+    """``stage=eval``'s default prompts (held-out embedded conversations, all their turns)."""
+    from medusa_train.config import EvalConfig
+    from medusa_train.stages.eval import load_eval_prompts
+
+    return load_eval_prompts(EvalConfig(num_prompts=num_prompts))
+
+
+@torch.inference_mode()
+def all_turn_inputs(model, heads: MedusaHeads, tok, prompts, eos: list[int], max_new_tokens: int = 128):
+    """Every turn of ``prompts`` rendered after the model's own greedy answers to the earlier ones (as
+    ``stage=eval eval.all_turns=true``): ``(inputs, outputs)`` per turn."""
+    renderer, packed, chain = ChatRenderer(tok), PackedHeads(heads), TreeBuffers.from_choices([[0]])
+    inputs, outputs = [], []
+    for prompt in prompts:
+        history: list[str] = []
+        for _ in prompt.turns:
+            ids = torch.tensor([renderer.turn_prompt_ids(prompt, history)])  # (1, T)
+            budget = min(max_new_tokens, model.config.max_position_embeddings - ids.shape[1])
+            if budget <= 0:
+                break
+            out = medusa_generate(model, packed, ids, max_new_tokens=budget, tree=chain, eos_token_id=eos)
+            inputs.append((ids, budget))
+            outputs.append(out.tokens.tolist())
+            history.append(tok.decode(out.tokens, skip_special_tokens=True))
+    return inputs, outputs
 
 
 @torch.inference_mode()
@@ -179,6 +296,7 @@ def measure(base: Path, heads_dir: Path, backbone_dir: Path | None, cache: dict)
             tok=tok,
             records=heldout_records(base / "distill"),
             inputs=eval_inputs(tok),
+            prompts=eval_prompts(),
             m1_tree=load_choices(base / "heads" / "medusa_choices.json"),
         )
     original, tok = cache["original"], cache["tok"]
@@ -186,17 +304,25 @@ def measure(base: Path, heads_dir: Path, backbone_dir: Path | None, cache: dict)
     heads = MedusaHeads.from_pretrained(heads_dir).eval()
     eos = eos_token_ids(model, tok)
     acc = head_accuracy(model, heads, cache["records"])
-    ceiling = oracle_accuracy(acc)
     result = {"top1": [round(float(a), 4) for a in acc[:, 0]], "topk": acc.tolist()}
-    for name, choices in (("medusa63", [list(p) for p in MEDUSA_63]), ("m1tree", cache["m1_tree"])):
+    trees = {"medusa63": [list(p) for p in MEDUSA_63], "m1tree": cache["m1_tree"]}
+    for name, choices in trees.items():
         tau, outs = greedy_tau(model, heads, cache["inputs"], choices, eos)
         result[f"tau_{name}"] = round(tau, 4)
         result[f"exp_tau_{name}"] = round(expected_tau(per_rank_accuracy(acc), choices), 4)
-        result[f"ceil_{name}"] = round(expected_tau(per_rank_accuracy(ceiling), choices), 4)
-        if name == "medusa63":
-            cache.setdefault("reference_outputs", outs)
-            ref = cache["reference_outputs"]
+        if name == "medusa63":  # greedy outputs: the backbone's own, whatever the heads and tree
+            result["outputs"] = outs
+            ref = cache.get("reference_outputs", outs)  # the original backbone's (the Medusa-1 reference)
             result["same_outputs"] = round(sum(a == b for a, b in zip(outs, ref, strict=True)) / len(ref), 4)
+    result.update(replay(model, heads, cache["inputs"], result["outputs"], trees))
+    # Every turn, each after the model's own earlier answers (stage=eval eval.all_turns=true).
+    inputs, outs = all_turn_inputs(model, heads, tok, cache["prompts"], eos)
+    for name, choices in trees.items():
+        result[f"tau_all_{name}"] = round(greedy_tau(model, heads, inputs, choices, eos)[0], 4)
+    ceilings = replay(model, heads, inputs, outs, trees)
+    result["near_tie_share_all"] = ceilings.pop("near_tie_share")
+    result.update({k.replace("_", "_all_", 1): v for k, v in ceilings.items()})  # replay_all_medusa63, ...
+    result["turns_all"] = len(inputs)
     result.update(
         {
             k: round(v, 6) if isinstance(v, float) else v
@@ -257,16 +383,20 @@ def cmd_run(args) -> None:
     if args.control:
         todo += [(f"{name}@frozen", control_of(ov)) for name, ov in list(todo)]
     torch.set_num_threads(args.threads)
-    cache: dict = {}
+    cache: dict = {"reference_outputs": reference_outputs(out)}
     for name, overrides in todo:
         wd = out / name.replace("@", "_")
-        if (wd / "result.json").is_file() and not args.force:
+        if (wd / "result.json").is_file() and not (args.force or args.remeasure):
             print(f"{name}: done already ({wd / 'result.json'})", flush=True)
             continue
-        prepare(base, wd)
         t0 = time.time()
-        result = train(base, wd, overrides, args.threads, args.nice)
+        if args.remeasure:  # the trained heads as they are: measure again (after a change of the measures)
+            result = json.loads((wd / "heads" / "config.json").read_text())["training_result"]
+        else:
+            prepare(base, wd)
+            result = train(base, wd, overrides, args.threads, args.nice)
         figures = measure(base, wd / "heads", wd / "heads" / "backbone", cache)
+        (wd / "outputs.json").write_text(json.dumps(figures.pop("outputs")) + "\n")
         record = {
             "name": name,
             "overrides": overrides,
@@ -287,8 +417,17 @@ def cmd_baseline(args) -> None:
     record.update(measure(base, base / "heads", None, {}))
     record["date"] = time.strftime("%Y-%m-%d", time.gmtime())
     (out / "medusa1").mkdir(parents=True, exist_ok=True)
+    (out / "medusa1" / "outputs.json").write_text(json.dumps(record.pop("outputs")) + "\n")
     (out / "medusa1" / "result.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "topk"}), flush=True)
+
+
+def reference_outputs(out: Path) -> list[list[int]]:
+    """The original backbone's greedy outputs on the eval turns (written by ``baseline``)."""
+    path = out / "medusa1" / "outputs.json"
+    if not path.is_file():
+        raise SystemExit(f"no Medusa-1 reference in {out}: run `baseline` first")
+    return json.loads(path.read_text())
 
 
 def load_results(out: Path) -> tuple[dict, list[dict]]:
@@ -322,8 +461,10 @@ def cmd_report(args) -> None:
     lines += [row(r) for r in rows]
     print("\n".join(lines))
     print(
-        f"\nMedusa-1 reference: expected tau (63 / M1 tree) {ref['exp_tau_medusa63']:.2f} / {ref['exp_tau_m1tree']:.2f}; "
-        f"oracle ceiling (every head as accurate as head 1) {ref['ceil_medusa63']:.2f} / {ref['ceil_m1tree']:.2f}"
+        f"\nMedusa-1 reference (63 / M1 tree): tau replayed {ref['replay_medusa63']:.2f} / {ref['replay_m1tree']:.2f}; "
+        f"heads right on every clear decision {ref['clear_medusa63']:.2f} / {ref['clear_m1tree']:.2f}; "
+        f"perfect heads {ref['perfect_medusa63']:.2f} / {ref['perfect_m1tree']:.2f}; "
+        f"near-tie share of generated tokens {ref['near_tie_share']:.3f}"
     )
     if args.plot:
         plot(ref, rows, Path(args.plot))
@@ -381,6 +522,9 @@ def main() -> None:
             )
             p.add_argument("--nice", type=int, default=10)
             p.add_argument("--force", action="store_true", help="redo settings that have a result")
+            p.add_argument(
+                "--remeasure", action="store_true", help="measure trained settings again, no training"
+            )
     p = sub.add_parser("report")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", help="write the tau gain vs drift plot here (PNG)")
