@@ -68,7 +68,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> overrides of `stage=train training=medusa2` (on top of conf/training/medusa2.yaml as it is
 # in the checkout). Every setting reported in docs/training.md is here.
 SETTINGS: dict[str, list[str]] = {
-    "default": [],
+    "default": [],  # conf/training/medusa2.yaml as it is in the checkout
+    # the shipped default before this sweep (issue 15): 1 epoch (144 steps), lr 2e-5, KL
+    "old-default": [
+        "training.lr=2e-5",
+        "training.lm_loss=kl",
+        "training.max_steps=-1",
+        "training.num_epochs=1",
+    ],
     # backbone learning rate (heads x4), lambda0 0.2 sine over 100 steps, KL, full tuning, 300 steps
     "lr3e-4": ["training.lr=3e-4", "training.max_steps=300"],
     "lr1e-3": ["training.lr=1e-3", "training.max_steps=300"],
@@ -93,6 +100,18 @@ SETTINGS: dict[str, list[str]] = {
         "training.lambda0=1.0",
     ],
     "ce-lr3e-4-150": ["training.lr=3e-4", "training.max_steps=150", "training.lm_loss=ce"],
+    "ce-lr3e-4-x1": [
+        "training.lr=3e-4",
+        "training.max_steps=300",
+        "training.lm_loss=ce",
+        "training.head_lr_multiplier=1",
+    ],
+    "ce-lr3e-4-2stage": [
+        "training.lr=3e-4",
+        "training.max_steps=300",
+        "training.lm_loss=ce",
+        "training.heads_only_steps=100",
+    ],
     "ce-lora-lr1e-3": [
         "training.lr=1e-3",
         "training.max_steps=300",
@@ -441,66 +460,100 @@ def load_results(out: Path) -> tuple[dict, list[dict]]:
 def cmd_report(args) -> None:
     ref, rows = load_results(Path(args.out))
     rows.sort(key=lambda r: (r["name"].endswith("@frozen"), r["name"]))
-    head = (
-        "| setting | overrides | steps | train s | tau 63 (gain) | tau M1 tree (gain) | argmax agree | KL | "
-        "same outputs | held-out top-1 |"
-    )
-    lines = [head, "|" + "---|" * 10]
+    lines = [
+        "| setting | overrides | steps | train s | tau 63 | tau M1 tree | all turns: tau 63 | all turns: tau M1 tree "
+        "| argmax agree | KL | near ties | held-out top-1 |",
+        "|" + "---|" * 12,
+    ]
+
+    def tau(r: dict, key: str, gain: bool) -> str:
+        if key not in r:
+            return "n/a"
+        return f"{r[key]:.2f}" + (f" ({r[key] - ref[key]:+.2f})" if gain else "")
 
     def row(r: dict, gain: bool = True) -> str:
-        g63 = f" ({r['tau_medusa63'] - ref['tau_medusa63']:+.2f})" if gain else ""
-        gm1 = f" ({r['tau_m1tree'] - ref['tau_m1tree']:+.2f})" if gain else ""
-        ov = " ".join(o.removeprefix("training.") for o in r["overrides"]) or "-"
+        ov = " ".join(o.removeprefix("training.") for o in r["overrides"]) or "(shipped default)"
         top1 = "/".join(f"{a:.3f}" for a in r["top1"])
+        taus = " | ".join(
+            tau(r, k, gain) for k in ("tau_medusa63", "tau_m1tree", "tau_all_medusa63", "tau_all_m1tree")
+        )
         return (
-            f"| {r['name']} | `{ov}` | {r['steps']} | {r['train_seconds']:.0f} | {r['tau_medusa63']:.2f}{g63} | "
-            f"{r['tau_m1tree']:.2f}{gm1} | {r['agree']:.4f} | {r['kl']:.4f} | {r['same_outputs']:.2f} | {top1} |"
+            f"| {r['name']} | `{ov}` | {r['steps']} | {r['train_seconds']:.0f} | {taus} | {r['agree']:.4f} | "
+            f"{r['kl']:.4f} | {r.get('near_tie_share', float('nan')):.3f} | {top1} |"
         )
 
     lines.append(row(ref, gain=False))
     lines += [row(r) for r in rows]
     print("\n".join(lines))
-    print(
-        f"\nMedusa-1 reference (63 / M1 tree): tau replayed {ref['replay_medusa63']:.2f} / {ref['replay_m1tree']:.2f}; "
-        f"heads right on every clear decision {ref['clear_medusa63']:.2f} / {ref['clear_m1tree']:.2f}; "
-        f"perfect heads {ref['perfect_medusa63']:.2f} / {ref['perfect_m1tree']:.2f}; "
-        f"near-tie share of generated tokens {ref['near_tie_share']:.3f}"
-    )
+    print("\nceilings on each run's own greedy outputs (first turns; all turns):")
+    print("| setting | replayed 63 / M1 tree | right on every clear decision | perfect heads |")
+    print("|---|---|---|---|")
+    for r in [ref, *rows]:
+        cells = []
+        for mode in ("replay", "clear", "perfect"):
+            first = (
+                f"{r.get(f'{mode}_medusa63', float('nan')):.2f} / {r.get(f'{mode}_m1tree', float('nan')):.2f}"
+            )
+            every = (
+                f"; {r[f'{mode}_all_medusa63']:.2f} / {r[f'{mode}_all_m1tree']:.2f}"
+                if f"{mode}_all_medusa63" in r
+                else ""
+            )
+            cells.append(first + every)
+        print(f"| {r['name']} | " + " | ".join(cells) + " |")
     if args.plot:
         plot(ref, rows, Path(args.plot))
 
 
 def plot(ref: dict, rows: list[dict], path: Path) -> None:
-    """Tau gain over Medusa-1 (both trees) against backbone drift (1 - argmax agreement)."""
+    """Tau gain over Medusa-1 against backbone drift: (first turns, all turns) x (63-node tree, M1 tree)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
-    for ax, tree, title in (
-        (axes[0], "medusa63", "63-node tree"),
-        (axes[1], "m1tree", "Medusa-1 calibrated tree"),
-    ):
-        for r in rows:
-            frozen = r["name"].endswith("@frozen")
-            x, y = 100 * (1 - r["agree"]), r[f"tau_{tree}"] - ref[f"tau_{tree}"]
-            ax.scatter(x, y, marker="s" if frozen else "o", color="grey" if frozen else "C0", s=28)
-            ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
-        ax.axhline(0.3, color="C2", ls="--", lw=1, label="target: +0.3 tau")
-        ax.axvline(5.0, color="C3", ls="--", lw=1, label="limit: 95% argmax agreement")
-        ax.axhline(0.0, color="black", lw=0.6)
-        ax.set_xlabel("backbone drift: held-out positions whose argmax changed (%)")
-        ax.set_title(f"{title} (Medusa-1 tau {ref[f'tau_{tree}']:.2f})")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("tau gain over Medusa-1 (greedy, 40 prompts)")
-    axes[0].legend(fontsize=7, loc="lower right")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex=True)
+    panels = [
+        (0, "", "first turns (stage=eval default)"),
+        (1, "all_", "all turns (eval.all_turns=true)"),
+    ]
+    for row_i, prefix, turns in panels:
+        for col, tree, title in ((0, "medusa63", "63-node tree"), (1, "m1tree", "Medusa-1 calibrated tree")):
+            ax, key = axes[row_i][col], f"tau_{prefix}{tree}"
+            for r in rows:
+                if key not in r:
+                    continue
+                frozen = r["name"].endswith("@frozen")
+                ce = "lm_loss=ce" in " ".join(r["overrides"])
+                x, y = 100 * (1 - r["agree"]), r[key] - ref[key]
+                color = "grey" if frozen else ("C1" if ce else "C0")
+                ax.scatter(x, y, marker="s" if frozen else "o", color=color, s=30)
+                ax.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+            ax.axhline(0.3, color="C2", ls="--", lw=1, label="target: +0.3 tau")
+            ax.axhline(
+                ref[f"perfect_{prefix}{tree}"] - ref[key],
+                color="C3",
+                ls=":",
+                lw=1,
+                label="perfect heads on Medusa-1's outputs",
+            )
+            ax.axvline(5.0, color="C3", ls="--", lw=1, label="limit: 95% argmax agreement")
+            ax.axhline(0.0, color="black", lw=0.6)
+            ax.set_title(f"{title}, {turns}: Medusa-1 tau {ref[key]:.2f}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if row_i == 1:
+                ax.set_xlabel("backbone drift: held-out positions whose greedy token changed (%)")
+            if col == 0:
+                ax.set_ylabel("tau gain over Medusa-1 (greedy, 40 eval prompts)")
+    axes[0][0].legend(fontsize=7, loc="upper left")
     fig.suptitle(
-        "Medusa-2 from Medusa-1 heads: circles = joint training, squares = same steps, backbone frozen"
+        "Medusa-2 from Medusa-1 heads. Blue: KL to the original, orange: CE on the distilled tokens, "
+        "grey squares: the same steps with the backbone frozen",
+        fontsize=9,
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"plot: {path}")
 
 

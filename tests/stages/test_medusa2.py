@@ -52,7 +52,7 @@ TUNING = {
         "training.lambda_warmup_steps=2",
         "training.logging_steps=1",
     ),
-    "lora": ("training.backbone_tuning=lora", "training.lambda_warmup=constant"),
+    "lora": ("training.backbone_tuning=lora", "training.lm_loss=kl", "training.lambda_warmup=constant"),
 }
 
 
