@@ -438,3 +438,42 @@ def load_backbone_for_heads(model_cfg, heads_dir: Path, device=None, *, quantize
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, str(trained), True
+
+
+@torch.no_grad()
+def backbone_drift(original: torch.nn.Module, trained: torch.nn.Module, batches) -> dict:
+    """How far a trained (Medusa-2) backbone moved from the original, on held-out token batches.
+
+    Counted on every position whose next token is loss-masked (a token the original generated, for
+    self-distilled data), i.e. where the LM was trained and where the heads' tokens come from.
+
+    Args:
+        original: the backbone the training started from.
+        trained: the trained backbone (same tokenizer and vocabulary, same device).
+        batches: dicts with ``input_ids``, ``attention_mask`` (0 on right padding) and ``loss_mask``,
+            each ``(B, T)``.
+
+    Returns:
+        ``argmax_agreement``: share of positions where the trained greedy next token equals the
+        original's; ``kl``: mean ``KL(p_original || p_trained)`` of the next-token distribution, nats;
+        ``positions``: how many were counted.
+    """
+    device = next(trained.parameters()).device
+    agree, total, kl = 0, 0, 0.0
+    for batch in batches:
+        ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
+        keep = torch.zeros_like(mask, dtype=torch.bool)  # (B, T): position t predicts loss-masked t+1
+        keep[:, :-1] = (mask[:, 1:].bool() & attn[:, 1:].bool()) & attn[:, :-1].bool()
+        if not bool(keep.any()):
+            continue
+        lo = original(input_ids=ids, attention_mask=attn).logits[keep].float()  # (N, V)
+        lt = trained(input_ids=ids, attention_mask=attn).logits[keep].float()  # (N, V)
+        agree += int((lo.argmax(-1) == lt.argmax(-1)).sum())
+        po, pt = lo.log_softmax(-1), lt.log_softmax(-1)  # (N, V)
+        kl += float((po.exp() * (po - pt)).sum())
+        total += int(keep.sum())
+    return {
+        "argmax_agreement": agree / total if total else None,
+        "kl": kl / total if total else None,
+        "positions": total,
+    }

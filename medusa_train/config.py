@@ -639,6 +639,12 @@ class EvalConfig:
     """Tree sizes (nodes, each >= 1) for the tau / speed-up vs tree size plot (calibrated trees); [] to skip."""
     sweep_prompts: int = 6
     """Prompts used per point of the tree-size sweep, >= 1."""
+    compare: list[str] = field(default_factory=lambda: [])
+    """More heads to decode the same prompts with the same tree (with `tree=calibrated`, the evaluated
+    heads' tree), each with its own backbone as `eval.heads_dir` would load it: heads folders or
+    workdirs holding `heads/`, e.g. `['runs/m1','runs/m2']`. report.md gets a table of every set:
+    tau, speed-up, identical outputs, held-out head top-1, and for a trained (Medusa-2) backbone its
+    drift from `model.name_or_path` on held-out distilled positions: argmax agreement and mean KL."""
     seed: int = 0
     """Seed of the sampling runs, 0 .. 2**32 - 1."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])

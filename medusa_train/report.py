@@ -214,11 +214,29 @@ def report_markdown(report: dict) -> str:
             for r in report["batch_sizes"]
         ]
         lines.append("")
+    if report.get("comparison"):
+        lines += ["## Heads compared (same turns, same tree)", "", comparison_table(report["comparison"]), ""]
     hist = report["accepted_length_histogram"]
     lines += ["## Tokens per step", "", "| tokens | steps |", "|---|---|"]
     lines += [f"| {n} | {c} |" for n, c in hist.items()]
     lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in report["machine"].items()]
     return "\n".join(lines) + "\n"
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """eval.compare's sets of heads as a Markdown table (the first row is the evaluated heads)."""
+    lines = [
+        "| heads | backbone | tau | speed-up | identical | head top-1 | argmax agreement | KL (nats) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        top1 = " / ".join(f"{a:.3f}" for a in r["head_top1"]) if r.get("head_top1") else "n/a"
+        backbone = f"trained: `{r['backbone']}`" if r["trained"] else f"`{r['backbone']}`"
+        lines.append(
+            f"| `{r['name']}` | {backbone} | {r['tau']:.2f} | {r['speedup']:.2f}x | {r['greedy_identical']:.0%} | "
+            f"{top1} | {_fmt(r.get('argmax_agreement'), '.4f')} | {_fmt(r.get('kl'), '.4f')} |"
+        )
+    return "\n".join(lines)
 
 
 # -- plots ----------------------------------------------------------------------------------------

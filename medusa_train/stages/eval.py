@@ -21,7 +21,9 @@ draft model; each call timed whole with `time.perf_counter` (same max_new_tokens
 (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for
 calibrated trees of `eval.sweep_tree_sizes` nodes; (8) plain batched `generate` vs batched Medusa at
-each of `eval.batch_sizes`; (9) report.json, report.md, plots and
+each of `eval.batch_sizes`; (9) with `eval.compare`, the same turns and tree decoded with other sets
+of heads, each with its own backbone, and a trained backbone's drift from `model.name_or_path`
+(argmax agreement, KL on held-out distilled positions); (10) report.json, report.md, plots and
 generations.jsonl, written into a staging folder and swapped into `workdir/eval` as one (they always
 come from the same run), then wandb, and the export's model card updated with the figures.
 
@@ -44,7 +46,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from medusa_train.backbone import backbone_identity, load_backbone_for_heads, resolve_device
+from medusa_train.backbone import (
+    backbone_drift,
+    backbone_identity,
+    load_backbone_for_heads,
+    load_configured_backbone,
+    resolve_device,
+)
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
@@ -96,6 +104,8 @@ log = logging.getLogger(__name__)
 
 HEADS_ACC_RECORDS = 64
 """Held-out distilled records used for head accuracy when calibration.json is missing."""
+DRIFT_RECORDS = 200
+"""Held-out distilled records on which eval.compare measures a trained backbone's drift."""
 
 
 @dataclass
@@ -253,10 +263,20 @@ def run(cfg) -> dict:
     if ecfg.assistant_model:
         report["alternatives"]["assisted"]["setting"] = ecfg.assistant_model
     report["batch_sizes"] = batch_table(decode, inputs, ecfg.batch_sizes, report)
+
+    # 9. Other heads (eval.compare), each with its own backbone, on the same turns and tree.
+    report["comparison"] = []
+    if ecfg.compare:
+        main = {"name": str(heads_dir), "heads_dir": str(heads_dir), "backbone": backbone, "trained": trained}
+        main.update(
+            {k: report[k] for k in ("tau", "speedup", "greedy_identical")}, head_top1=report["head_top1"]
+        )
+        del decode, packed
+        report["comparison"] = compare_heads(cfg, wd, main, model, inputs, choices, tok)
     report["machine"] = machine_info(lm_weight.device)
     report["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
-    # 9. Files and plots, published together; tracking; model card.
+    # 10. Files and plots, published together; tracking; model card.
     out = wd.eval
     remove_stale(out)
     tmp = staging_dir(out)
@@ -671,6 +691,113 @@ def load_assistant(name_or_path: str, model) -> torch.nn.Module:
             "assisted generation needs a draft model with the backbone's tokenizer"
         )
     return draft.to(weight.device).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# several sets of heads
+
+
+def compare_heads(cfg, wd: Workdir, main: dict, model, inputs, choices, tok) -> list[dict]:
+    """One row per set of heads: ``main`` (measured above with ``model``), then each of ``eval.compare``.
+
+    Each set decodes the same turns (``inputs``: the rendered prompts and budgets of the main run)
+    with the same tree, plain greedy and Medusa back to back per turn, with the backbone that goes
+    with it (``load_backbone_for_heads``: a Medusa-2 set's trained backbone). A trained backbone's
+    drift is measured against ``model.name_or_path`` on the held-out distilled records.
+    """
+    device = next(model.parameters()).device
+    drift_batches = _drift_batches(wd, cfg)
+    original = None if main["trained"] else model  # the backbone as configured, loaded at most once
+    rows = []
+    for entry in [None, *cfg.eval.compare]:
+        if entry is None:
+            row, candidate = dict(main), model
+        else:
+            heads_dir = _compare_dir(Path(entry))
+            heads = _load_heads(heads_dir)
+            other, other_tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
+            check_heads_match(heads, other, heads_dir, backbone)
+            if other_tok.get_vocab() != tok.get_vocab():
+                raise UserError(
+                    f"eval.compare: {entry} comes with another tokenizer than {main['backbone']}: the sets "
+                    "compared must decode the same token ids"
+                )
+            row = {"name": entry, "heads_dir": str(heads_dir), "backbone": backbone, "trained": trained}
+            row.update(
+                _decode_turns(other, heads, choices, inputs, eos_token_ids(other, tok), tok.pad_token_id)
+            )
+            topk, _ = head_topk(heads_dir, wd, cfg, other, heads)
+            row["head_top1"] = [round(a, 4) for a in top1_top5(topk)[0]] if topk else None
+            candidate = other
+        row.update(argmax_agreement=None, kl=None, drift_positions=0)
+        if row["trained"] and drift_batches:
+            if original is None:
+                original, _ = load_configured_backbone(cfg.model, device)
+            drift = backbone_drift(original, candidate, drift_batches)
+            row.update(
+                argmax_agreement=drift["argmax_agreement"], kl=drift["kl"], drift_positions=drift["positions"]
+            )
+        log.info(
+            "eval.compare: %s: tau %.2f, speed-up %.2fx, identical %.0f%%%s",
+            row["name"],
+            row["tau"],
+            row["speedup"],
+            100 * row["greedy_identical"],
+            f", argmax agreement {row['argmax_agreement']:.4f}, KL {row['kl']:.4f}"
+            if row["argmax_agreement"] is not None
+            else "",
+        )
+        rows.append(row)
+        del candidate
+    return rows
+
+
+def _compare_dir(path: Path) -> Path:
+    """A heads folder as given, or ``<workdir>/heads`` for a workdir."""
+    if not path.exists():
+        raise UserError(
+            f"eval.compare: {path} does not exist (give heads folders or workdirs holding heads/)"
+        )
+    return path / "heads" if (path / "heads").is_dir() else path
+
+
+def _decode_turns(model, heads, choices, inputs, eos: list[int], pad: int | None) -> dict:
+    """Plain greedy and Medusa greedy on every turn of ``inputs``: tau, speed-up, identical outputs."""
+    weight = model.get_output_embeddings().weight
+    packed = PackedHeads(heads.to(device=weight.device, dtype=weight.dtype))
+    decode = _Decoders(model, packed, TreeBuffers.from_choices(choices).to(weight.device), eos, pad)
+    decode.plain(inputs[0][0], min(inputs[0][1], 32))  # warm-up, not timed
+    decode.medusa(inputs[0][0], min(inputs[0][1], 32))
+    records = []
+    for i, (ids, budget) in enumerate(inputs):
+        base, med = decode.plain(ids, budget), decode.medusa(ids, budget)
+        records.append(
+            {
+                "prompt_index": i,
+                "identical": base.tokens == med.tokens,
+                "tokens": len(med.tokens),
+                "steps": len(med.accepted_lengths or []),
+                "baseline_tokens": len(base.tokens),
+                "baseline_s": base.seconds,
+                "medusa_s": med.seconds,
+                "accepted_lengths": med.accepted_lengths,
+            }
+        )
+    figures = summarise(records, num_prompts=len(records))
+    return {k: figures[k] for k in ("tau", "speedup", "greedy_identical")}
+
+
+def _drift_batches(wd: Workdir, cfg) -> list[dict]:
+    """Held-out distilled records (at most ``DRIFT_RECORDS``), one per batch; [] without distilled data."""
+    if not (wd.distill / MANIFEST).is_file():
+        return []
+    _, held = split_heldout(load_distilled(wd.distill), cfg.data.eval_fraction)
+    batches = []
+    for r in held.select(range(min(DRIFT_RECORDS, len(held)))):
+        ids = torch.tensor([r["input_ids"][: cfg.training.max_seq_len]])  # (1, T)
+        mask = torch.tensor([r["loss_mask"][: cfg.training.max_seq_len]])  # (1, T)
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask})
+    return batches
 
 
 def _is_workdir_heads(heads_dir: Path, wd: Workdir) -> bool:

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from medusa_train.backbone import load_backbone, load_tokenizer
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
+from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.formats import load_heads
 from medusa_train.heads import last_hidden_state
 from medusa_train.stages import eval as eval_stage
@@ -51,7 +52,7 @@ TUNING = {
         "training.lambda_warmup_steps=2",
         "training.logging_steps=1",
     ),
-    "lora": ("training.backbone_tuning=lora", "training.lambda_warmup=constant"),
+    "lora": ("training.backbone_tuning=lora", "training.lm_loss=kl", "training.lambda_warmup=constant"),
 }
 
 
@@ -143,6 +144,49 @@ def test_eval_decodes_with_the_trained_backbone(run: Medusa2Run) -> None:
     assert [g["medusa"] for g in run.generations] == trained == [g["baseline"] for g in run.generations]
     # ... and the original backbone answers otherwise: eval on it would have failed the line above.
     assert _greedy_texts(_original(run), run) != trained
+
+
+def test_eval_compare_reports_every_set_of_heads_on_the_same_turns_with_its_backbone(
+    run: Medusa2Run, tmp_path: Path
+) -> None:
+    """eval.compare: the Medusa-2 heads (with their trained backbone) and the same heads on the original
+    backbone (a copy without backbone/), in one report. Each row is what evaluating that set alone
+    measures (greedy tau is a function of weights and turns), and the trained backbone's drift is its
+    argmax agreement / KL to the original on the held-out distilled records, counted here by hand."""
+    on_original = tmp_path / "heads_on_original"
+    shutil.copytree(run.root / "heads", on_original, ignore=shutil.ignore_patterns("backbone"))
+    cfg = run.cfg("stage=eval", f"eval.compare=[{on_original}]")
+    report = eval_stage.run(cfg)
+    md = (run.root / "eval" / "report.md").read_text()
+    assert "Heads compared" in md and str(on_original) in md
+    main, other = report["comparison"]
+    assert (main["trained"], other["trained"]) == (True, False)
+    assert main["backbone"] == str(run.root / "heads" / "backbone") and other["backbone"] == str(
+        run.root / "backbone"
+    )
+    assert main["tau"] == report["tau"] and main["greedy_identical"] == other["greedy_identical"] == 1.0
+    alone = eval_stage.run(run.cfg("stage=eval", f"eval.heads_dir={on_original}"))
+    assert other["tau"] == pytest.approx(alone["tau"])
+    assert other["argmax_agreement"] is None and other["kl"] is None
+
+    # The drift, counted record by record: positions whose next token is loss-masked.
+    original, trained = _original(run), run.module.backbone
+    _, held = split_heldout(load_distilled(run.root / "distill"), cfg.data.eval_fraction)
+    agree = total = 0
+    kl = 0.0
+    for record in held:
+        ids = torch.tensor([record["input_ids"]])  # (1, T)
+        with torch.no_grad():
+            lo, lt = original(input_ids=ids).logits[0], trained(input_ids=ids).logits[0]  # (T, V)
+        for t in range(len(record["input_ids"]) - 1):
+            if record["loss_mask"][t + 1]:
+                agree += int(lo[t].argmax() == lt[t].argmax())
+                p, q = lo[t].log_softmax(-1), lt[t].log_softmax(-1)
+                kl += float((p.exp() * (p - q)).sum())
+                total += 1
+    assert total > 0 and main["drift_positions"] == total
+    assert main["argmax_agreement"] == pytest.approx(agree / total)
+    assert main["kl"] == pytest.approx(kl / total, rel=1e-4) and main["kl"] > 0
 
 
 def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run) -> None:

@@ -90,9 +90,9 @@ def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():
         return compose_config(["training=medusa2", "deepspeed=zero3", *overrides])
 
     with pytest.raises(UserError, match="use deepspeed=zero2") as err:
-        check_supported(cfg())  # lm_loss=kl, backbone_tuning=full: the conf defaults
+        check_supported(cfg("training.lm_loss=kl"))  # with backbone_tuning=full, the conf default
     assert "\n" not in str(err.value)
-    check_supported(cfg("training.lm_loss=ce"))
+    check_supported(cfg())  # lm_loss=ce, the conf default
     check_supported(cfg("training.backbone_tuning=lora"))
     check_supported(compose_config(["training=medusa2", "deepspeed=zero2"]))
 
