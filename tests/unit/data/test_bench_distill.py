@@ -36,8 +36,9 @@ def test_step_ceiling_reports_every_batch_size(bench, model):
     assert result["context"] == 8
     assert set(result["step_ms"]) == {1, 4} and all(ms > 0 for ms in result["step_ms"].values())
     assert result["ceiling_vs_first"][1] == 1.0
-    expected = round(4 * result["step_ms"][1] / result["step_ms"][4], 1)
-    assert round(result["ceiling_vs_first"][4], 1) == pytest.approx(expected, abs=0.1)
+    # The ratio recomputed from the reported (rounded) step times: rounding both sides can move it by 0.1.
+    expected = 4 * result["step_ms"][1] / result["step_ms"][4]
+    assert result["ceiling_vs_first"][4] == pytest.approx(expected, abs=0.15)
 
 
 def test_library_batch_and_ours_equal_unbatched_generate(bench, model):
