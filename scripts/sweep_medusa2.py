@@ -472,7 +472,8 @@ def cmd_report(args) -> None:
         return f"{r[key]:.2f}" + (f" ({r[key] - ref[key]:+.2f})" if gain else "")
 
     def row(r: dict, gain: bool = True) -> str:
-        ov = " ".join(o.removeprefix("training.") for o in r["overrides"]) or "(shipped default)"
+        ov = " ".join(o.removeprefix("training.") for o in r["overrides"])
+        ov = ov or ("Medusa-1 heads, original backbone" if r["name"] == "medusa1" else "the shipped default")
         top1 = "/".join(f"{a:.3f}" for a in r["top1"])
         taus = " | ".join(
             tau(r, k, gain) for k in ("tau_medusa63", "tau_m1tree", "tau_all_medusa63", "tau_all_m1tree")
@@ -545,7 +546,7 @@ def plot(ref: dict, rows: list[dict], path: Path) -> None:
                 ax.set_xlabel("backbone drift: held-out positions whose greedy token changed (%)")
             if col == 0:
                 ax.set_ylabel("tau gain over Medusa-1 (greedy, 40 eval prompts)")
-    axes[0][0].legend(fontsize=7, loc="upper left")
+    axes[0][0].legend(fontsize=7, loc="center right")
     fig.suptitle(
         "Medusa-2 from Medusa-1 heads. Blue: KL to the original, orange: CE on the distilled tokens, "
         "grey squares: the same steps with the backbone frozen",
