@@ -208,8 +208,10 @@ def replay(
         res = model(input_ids=seq, output_hidden_states=True)
         top2 = res.logits[0].float().softmax(-1).topk(2, dim=-1).values  # (T, 2)
         clear = (top2[:, 0] - top2[:, 1]) >= CLEAR  # (T,): position t chose token t+1 clearly
-        hidden = res.hidden_states[-1][0].to(heads.proj(0).weight.dtype)  # (T, d)
-        tops = heads(hidden).topk(10, dim=-1).indices  # (K, T, 10)
+        hidden = res.hidden_states[-1][0].to(next(heads.parameters()).dtype)  # (T, d)
+        tops = (
+            heads.full_vocab_logits(heads(hidden)).topk(10, dim=-1).indices
+        )  # (K, T, 10) full-vocabulary ids
         tokens = seq[0].tolist()
         near += int((~clear[start : start + len(out)]).sum())
         total += len(out)
