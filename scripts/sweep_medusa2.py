@@ -208,8 +208,10 @@ def replay(
         res = model(input_ids=seq, output_hidden_states=True)
         top2 = res.logits[0].float().softmax(-1).topk(2, dim=-1).values  # (T, 2)
         clear = (top2[:, 0] - top2[:, 1]) >= CLEAR  # (T,): position t chose token t+1 clearly
-        hidden = res.hidden_states[-1][0].to(heads.proj(0).weight.dtype)  # (T, d)
-        tops = heads(hidden).topk(10, dim=-1).indices  # (K, T, 10)
+        hidden = res.hidden_states[-1][0].to(next(heads.parameters()).dtype)  # (T, d)
+        tops = (
+            heads.full_vocab_logits(heads(hidden)).topk(10, dim=-1).indices
+        )  # (K, T, 10) full-vocabulary ids
         tokens = seq[0].tolist()
         near += int((~clear[start : start + len(out)]).sum())
         total += len(out)
@@ -472,7 +474,8 @@ def cmd_report(args) -> None:
         return f"{r[key]:.2f}" + (f" ({r[key] - ref[key]:+.2f})" if gain else "")
 
     def row(r: dict, gain: bool = True) -> str:
-        ov = " ".join(o.removeprefix("training.") for o in r["overrides"]) or "(shipped default)"
+        ov = " ".join(o.removeprefix("training.") for o in r["overrides"])
+        ov = ov or ("Medusa-1 heads, original backbone" if r["name"] == "medusa1" else "the shipped default")
         top1 = "/".join(f"{a:.3f}" for a in r["top1"])
         taus = " | ".join(
             tau(r, k, gain) for k in ("tau_medusa63", "tau_m1tree", "tau_all_medusa63", "tau_all_m1tree")
@@ -545,7 +548,7 @@ def plot(ref: dict, rows: list[dict], path: Path) -> None:
                 ax.set_xlabel("backbone drift: held-out positions whose greedy token changed (%)")
             if col == 0:
                 ax.set_ylabel("tau gain over Medusa-1 (greedy, 40 eval prompts)")
-    axes[0][0].legend(fontsize=7, loc="upper left")
+    axes[0][0].legend(fontsize=7, loc="center right")
     fig.suptitle(
         "Medusa-2 from Medusa-1 heads. Blue: KL to the original, orange: CE on the distilled tokens, "
         "grey squares: the same steps with the backbone frozen",
