@@ -439,33 +439,29 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         shutil.copytree(wd, dst, copy_function=shutil.copyfile)
         return stage("all", dst)
 
-    def heads_untouched(suffix: str) -> Callable[[Path, Run], str | None]:
-        def check(wd: Path, run: Run) -> str | None:
-            target = wd.parent / (wd.name + suffix) if suffix else wd
-            if "skipping" not in run.err and "complete" not in run.err:
-                return "stage=all did not skip the finished work"
-            if sha(target / "heads" / "medusa_lm_head.safetensors") != base_heads:
-                return "heads retrained"
-            return None
-
-        return check
+    def heads_untouched(wd: Path, run: Run) -> str | None:
+        if "skipping" not in run.err and "complete" not in run.err:
+            return "stage=all did not skip the finished work"
+        if sha(wd / "heads" / "medusa_lm_head.safetensors") != base_heads:
+            return "heads retrained"
+        return None
 
     base_heads = sha(base / "heads" / "medusa_lm_head.safetensors")
-    add("copied workdir, stage=all", "workdir", "ok", copied, check=heads_untouched("-copy"))
+    add("copied workdir, stage=all", "workdir", "ok", copied, check=heads_untouched)
 
     def moved(wd: Path) -> list[str]:
         dst = wd.parent / (wd.name + "-moved")
         shutil.move(wd, dst)
         return stage("all", dst)
 
-    add("moved workdir, stage=all", "workdir", "ok", moved, check=heads_untouched("-moved"))
+    add("moved workdir, stage=all", "workdir", "ok", moved, check=heads_untouched)
     add(
         "relative workdir name, stage=all",
         "workdir",
         "ok",
         lambda wd: stage("all", Path(wd.name)),
         cwd=lambda wd: wd.parent,
-        check=heads_untouched(""),
+        check=heads_untouched,
     )
 
     def trunc(rel: str, st: str, *extra: str, keep: float = 0.5):
@@ -853,7 +849,10 @@ def classify(case: Case, wd: Path, first: Run, final: Run, before: dict) -> tupl
         return ("refused" if case.expect == "refuse" else "UNEXPECTED"), note
     # ok
     if case.check is not None:
-        msg = case.check(wd, final)
+        try:
+            msg = case.check(wd, final)
+        except (OSError, ValueError, KeyError) as err:  # the result is not even there to check
+            msg = f"result unreadable: {type(err).__name__}: {err}"[:150]
         if msg:
             return "SILENT-WRONG", msg
     if left:
@@ -912,16 +911,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=Path("/tmp/fault-sweep"))
     ap.add_argument("--only", default="", help="run only cases whose name contains this")
     ap.add_argument("--keep", action="store_true", help="keep each case's folder")
+    ap.add_argument(
+        "--fresh", action="store_true", help="run every case again (else reuse root/results.jsonl)"
+    )
     args = ap.parse_args(argv)
     base, scratch = args.root / "base", args.root / "cases"
     t0 = time.time()
     build_base(base)
     print(f"base workdir {base} ({time.time() - t0:.0f} s)", flush=True)
     rows = []
+    done_file = args.root / "results.jsonl"  # a restarted sweep reuses the cases already run
+    done = {}
+    if done_file.is_file() and not args.fresh:
+        done = {r["name"]: r for r in map(json.loads, done_file.read_text().splitlines())}
     for case in cases(base, scratch):
         if args.only and args.only not in case.name:
             continue
+        if case.name in done:
+            r = done[case.name]
+            rows.append((case.group, case.name, case.expect, r["outcome"], r["note"], r["seconds"]))
+            continue
         outcome, note, seconds = run_case(case, base, scratch)
+        with done_file.open("a") as fh:
+            fh.write(
+                json.dumps({"name": case.name, "outcome": outcome, "note": note, "seconds": seconds}) + "\n"
+            )
         rows.append((case.group, case.name, case.expect, outcome, note, seconds))
         print(f"{outcome:13s} {case.group:11s} {case.name:45s} {seconds:5.0f}s  {note}", flush=True)
         if not args.keep:
