@@ -52,6 +52,8 @@ import builtins, errno, io, json, os, signal, sys, tempfile
 from pathlib import Path
 fault = json.loads(os.environ.get("SWEEP_FAULT") or "{}")
 kind = fault.get("kind")
+if fault.get("signal") == "SIGINT":  # as in a terminal (a background job starts with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 if kind == "signal_at_replace":  # SIGKILL/SIGINT at the n-th rename onto a path ending in `where`
     real_replace, seen = os.replace, [0]
     def replace(src, dst, *a, **k):
@@ -365,10 +367,17 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[999]]"),
     )
     add(
-        "tree.choices deeper than the heads",
+        "tree.choices without a path's parent",
         "config",
         "refuse",
         lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[0,0,0,0,0,0,0,0,0]]"),
+    )
+    chain = [[0] * n for n in range(1, 10)]  # deeper than the heads (debug=fast trains fewer)
+    add(
+        "tree.choices chain deeper than the heads",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=" + json.dumps(chain).replace(" ", "")),
     )
     add("model.device=tpu", "config", "refuse", lambda wd: stage("eval", wd, "model.device=tpu"))
     add(
@@ -686,6 +695,11 @@ def cases(base: Path, scratch: Path) -> list[Case]:
     )
 
     # Kills at chosen moments, then the same command again.
+    def new_distill(wd: Path) -> list[str]:
+        """Distill from scratch (same settings: distill.overwrite=true alone would skip complete data)."""
+        shutil.rmtree(wd / "distill")
+        return stage("distill", wd)
+
     kills = [
         (
             "SIGKILL in export's publish",
@@ -721,16 +735,16 @@ def cases(base: Path, scratch: Path) -> list[Case]:
             None,
         ),
         (
-            "SIGKILL at a distill shard",
-            lambda wd: stage("distill", wd, "distill.overwrite=true"),
+            "SIGKILL at a shard of a new distill",
+            new_distill,
             "replace",
             "shard-00001.arrow",
             1,
             distill_matches_manifest,
         ),
         (
-            "SIGKILL at distill's manifest",
-            lambda wd: stage("distill", wd, "distill.overwrite=true"),
+            "SIGKILL at a new distill's manifest",
+            new_distill,
             "replace",
             "manifest.json",
             1,
@@ -766,8 +780,8 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         add(name, "kill", "ok", argv, fault=fault, rerun=True, check=check)
     for name, argv, how, where in [
         (
-            "SIGINT at a distill shard",
-            lambda wd: stage("distill", wd, "distill.overwrite=true"),
+            "SIGINT at a shard of a new distill",
+            new_distill,
             "replace",
             "shard-00001.arrow",
         ),
@@ -786,7 +800,7 @@ def cases(base: Path, scratch: Path) -> list[Case]:
     for st, extra, keep in [
         ("export", [], "export"),
         ("eval", [], "eval"),
-        ("distill", ["distill.overwrite=true"], "distill"),
+        ("new distill", [], None),  # distill/ removed first: nothing to keep, nothing may be left half
         ("train", ["training.overwrite=true"], "heads"),
     ]:
         out.append(
@@ -794,7 +808,9 @@ def cases(base: Path, scratch: Path) -> list[Case]:
                 f"read-only workdir, {st}",
                 "environment",
                 "refuse",
-                lambda wd, st=st, extra=extra: stage(st, wd, *extra),
+                lambda wd, st=st, extra=extra: (
+                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
+                ),
                 fault={"kind": "read_only", "root": "<wd>"},
                 check=None,
                 results={"keep": keep},
@@ -805,7 +821,9 @@ def cases(base: Path, scratch: Path) -> list[Case]:
                 f"full disk, {st}",
                 "environment",
                 "refuse",
-                lambda wd, st=st, extra=extra: stage(st, wd, *extra),
+                lambda wd, st=st, extra=extra: (
+                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
+                ),
                 fault={"kind": "full_disk", "where": ""},
                 results={"keep": keep},
             )
