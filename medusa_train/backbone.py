@@ -35,8 +35,15 @@ from transformers.utils import CONFIG_NAME, cached_file
 
 from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
-from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import HEADS, PRETRAIN, TRAINED_BACKBONE, refuse_old_layout, remove_stale
+from medusa_train.heads import HeadsFormatError, safetensors_shapes
+from medusa_train.workdir import (
+    HEADS,
+    PRETRAIN,
+    TRAINED_BACKBONE,
+    read_json,
+    refuse_old_layout,
+    remove_stale,
+)
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +187,29 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+RETRAIN_MEDUSA2 = (
+    "run `python -m medusa_train stage=train training=medusa2 training.overwrite=true` to write it again"
+)
+"""What rewrites a damaged Medusa-2 backbone (``heads/backbone``): training the heads again."""
+
+
+def check_trained_backbone(directory: str | os.PathLike, repair: str = RETRAIN_MEDUSA2) -> None:
+    """A saved Medusa-2 backbone (LoRA adapter or full model) reads whole: ``adapter_config.json`` is a
+    JSON object and every ``*.safetensors`` file holds the bytes its header announces.
+
+    Raises:
+        DamagedArtefactError: one line naming the damaged file and the command that writes it again.
+    """
+    directory = Path(directory)
+    if (directory / ADAPTER_CONFIG).exists():
+        read_json(directory / ADAPTER_CONFIG, repair=repair)
+    for weights in sorted(directory.glob("*.safetensors")):
+        try:
+            safetensors_shapes(weights)
+        except HeadsFormatError as err:
+            raise DamagedArtefactError(f"{err}: {repair}") from None
+
+
 def merge_adapter(base, adapter_dir: str | os.PathLike):
     """Apply the peft (LoRA) adapter in ``adapter_dir`` to ``base`` and merge it into the weights.
 
@@ -191,7 +221,14 @@ def merge_adapter(base, adapter_dir: str | os.PathLike):
         from peft import PeftModel
     except ImportError:
         raise UserError(f"{adapter_dir} is a LoRA adapter; merging it needs peft: pip install peft") from None
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    check_trained_backbone(adapter_dir)
+    try:
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    except (ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:  # a foreign adapter
+        raise DamagedArtefactError(
+            f"{adapter_dir} is not a LoRA adapter of this base model ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}): {RETRAIN_MEDUSA2}"
+        ) from None
     merged.eval()
     merged.requires_grad_(False)
     return merged
@@ -410,6 +447,10 @@ def load_trained_backbone(model_cfg, directory: Path, device=None, *, base=None)
         if base is None:
             base, _ = load_configured_backbone(model_cfg, device)
         return merge_adapter(base, directory)
+    in_heads = directory.parent.name == HEADS  # else an export's backbone/
+    check_trained_backbone(
+        directory, RETRAIN_MEDUSA2 if in_heads else "run `python -m medusa_train stage=export`"
+    )
     model, _ = load_backbone(
         str(directory),
         dtype=model_cfg.dtype,

@@ -35,6 +35,7 @@ torch + transformers environment.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -361,6 +362,20 @@ class MedusaHeads(nn.Module):
         # One batched matmul for all heads instead of K separate projections.
         logits = torch.bmm(feats.reshape(k, -1, d), weight.transpose(1, 2))  # (K, B*T, V_draft)
         return logits.reshape(k, *lead, self.draft_vocab_size)
+
+    def fingerprint(self) -> str:
+        """``sha256:<16 hex>`` of the heads' tensors (names, dtypes, shapes, bytes): the heads' identity.
+
+        Stage=eval records it with its figures and stage=export with its copy, so a model card states
+        a tau only for the heads it was measured on. A cast (``export.dtype``) gives other bytes, so
+        another fingerprint.
+        """
+        h = hashlib.sha256()
+        for name, tensor in sorted(self.heads.state_dict().items()):
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return f"sha256:{h.hexdigest()[:16]}"
 
     # -- persistence ---------------------------------------------------------------------------
     def config_dict(self) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from medusa_train.data.distilled import data_key
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
@@ -338,21 +339,31 @@ def write_model_card(
 ) -> None:
     """Rewrite ``export_dir/README.md`` (atomically) from what is on disk now; used by stage=eval.
 
-    Reads the exported heads, ``wd``'s distill manifest and eval report, and the calibration next to
-    ``heads_dir`` (else the export's copy).
+    Reads the exported heads, ``wd``'s distill manifest and eval report, and the export's calibration
+    (else the one next to ``heads_dir``); each only when it belongs to the exported heads
+    (:func:`belonging`).
     """
     layouts = [fmt for fmt in (MEDUSA, VLLM) if (export_dir / fmt).is_dir()]
     source = export_dir / layouts[0]
     backbone = export_dir / TRAINED_BACKBONE
+    heads = load_heads(source)
+    heads_config = read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir)
+    fingerprints = {heads.fingerprint(), heads_config.get(HEADS_FINGERPRINT)} - {None}
+    manifest, report = belonging(
+        fingerprints, heads_config, read_json(wd.distill / MANIFEST), read_json(wd.eval / REPORT_JSON)
+    )
+    calibration = read_json(export_dir / CALIBRATION)
+    if calibration is None and report is not None:  # eval measured these heads: their calibration is theirs
+        calibration = read_json(heads_dir / CALIBRATION)
     card = model_card(
-        heads=load_heads(source),
-        heads_config=read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir),
+        heads=heads,
+        heads_config=heads_config,
         formats=layouts,
         tree_name=tree_name,
         tree_size=tree_size,
-        manifest=read_json(wd.distill / MANIFEST),
-        calibration=read_json(heads_dir / CALIBRATION) or read_json(export_dir / CALIBRATION),
-        report=read_json(wd.eval / REPORT_JSON),
+        manifest=manifest,
+        calibration=calibration,
+        report=report,
         backbone=str(backbone.absolute()) if backbone.is_dir() else None,
         export_dir=export_dir.absolute(),
         pickle=(export_dir / MEDUSA / LEGACY_WEIGHTS_NAME).is_file(),
@@ -374,6 +385,32 @@ def _projection_note(heads) -> str:
             "candidates are mapped back to full-vocabulary ids."
         )
     return ""
+
+
+HEADS_FINGERPRINT = "heads_fingerprint"
+"""Key of the heads' :meth:`~medusa_train.heads.MedusaHeads.fingerprint` in eval's report.json and in
+the exported medusa/config.json (the source heads', before an ``export.dtype`` cast)."""
+
+
+def belonging(
+    fingerprints: set[str], heads_config: dict, manifest: dict | None, report: dict | None
+) -> tuple[dict | None, dict | None]:
+    """The distill manifest and the eval report, each kept only when it describes these heads.
+
+    The manifest belongs when the heads' recorded training key names its data
+    (``config.json["training"]["distill"]`` equals :func:`~medusa_train.data.distilled.data_key`);
+    the report when it was measured on heads with one of ``fingerprints``. Heads from elsewhere
+    (``export.heads_dir``, another workdir) thus never get this workdir's tau or data on their card.
+    """
+    training = heads_config.get("training")
+    recorded = training.get("distill") if isinstance(training, dict) else None
+    if manifest is not None and (
+        recorded is None or recorded not in (data_key(manifest), data_key(manifest, legacy=True))
+    ):
+        manifest = None
+    if report is not None and report.get(HEADS_FINGERPRINT) not in fingerprints:
+        report = None
+    return manifest, report
 
 
 def model_card(
@@ -412,6 +449,8 @@ def model_card(
         f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.dtype).removeprefix('torch.')}. "
         "Head k reads the base model's last hidden state and predicts token t+k+1; a tree of their "
         "candidates is verified in one forward pass of the base model." + _projection_note(heads),
+        "",
+        f"Fingerprint of these heads' tensors: `{heads.fingerprint()}` (stage=eval records the one it measured).",
         "",
         "## Base model",
         "",
@@ -456,9 +495,14 @@ def model_card(
         }
         lines += _bullets(picked or manifest)
     else:
-        lines.append("- (no distill manifest found: heads trained elsewhere)")
+        lines.append(
+            "- not known: no distill manifest of the data these heads were trained on is at hand "
+            "(heads trained elsewhere, or the workdir's data was distilled again since)"
+        )
     training = {
-        key: v for key, v in heads_config.items() if key not in MEDUSA_CONFIG_KEYS and key != "backbone"
+        key: v
+        for key, v in heads_config.items()
+        if key not in MEDUSA_CONFIG_KEYS and key not in ("backbone", HEADS_FINGERPRINT)
     }
     lines += ["", "## Training", ""]
     lines += _bullets(training) if training else ["- (no training settings recorded in config.json)"]
@@ -484,7 +528,10 @@ def model_card(
             f"- Medusa greedy output identical to plain greedy: {report.get('greedy_identical', 0):.0%} of prompts",
         ]
     else:
-        lines.append("- tau / speed-up: run `python -m medusa_train stage=eval` (it updates this card)")
+        lines.append(
+            "- tau / speed-up: not measured for these heads: run `python -m medusa_train stage=eval` "
+            "on them (it updates this card)"
+        )
     lines += ["", f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`.", ""]
     lines += _usage(
         base,

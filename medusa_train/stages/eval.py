@@ -70,6 +70,7 @@ from medusa_train.errors import UserError
 from medusa_train.formats import load_heads, read_heads_config
 from medusa_train.heads import HeadsFormatError
 from medusa_train.report import (
+    HEADS_FINGERPRINT,
     alternatives,
     calibration_topk,
     machine_info,
@@ -115,6 +116,7 @@ def run(cfg) -> dict:
     # 1. Backbone, heads, tree.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
+    fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
     tc = cfg.tree
     choices = resolve_tree(
         tc.name,
@@ -219,6 +221,7 @@ def run(cfg) -> dict:
         head_projection=heads.head_projection,
         draft_vocab_size=heads.draft_vocab_size,
     )
+    report[HEADS_FINGERPRINT] = fingerprint
 
     # 5. Tau of typical acceptance and exact sampling (distribution-level rules: tau only).
     report["temperature"] = ecfg.temperature

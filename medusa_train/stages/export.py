@@ -55,7 +55,7 @@ from medusa_train.formats import (
     save_vllm,
 )
 from medusa_train.heads import HeadsFormatError, MedusaHeads
-from medusa_train.report import model_card, read_json
+from medusa_train.report import HEADS_FINGERPRINT, belonging, model_card, read_json
 from medusa_train.workdir import (
     CALIBRATION,
     CHOICES,
@@ -106,6 +106,9 @@ def run(cfg) -> dict:
         )
     except HeadsFormatError as err:
         raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
+    # The heads' identity: as trained (recorded by an earlier export of them, else as read), as exported.
+    source_fingerprint = heads_config.get(HEADS_FINGERPRINT) or heads.fingerprint()
+    fingerprints = {source_fingerprint, heads.fingerprint()}
     if heads.head_projection == "truncated" and MEDUSA in cfg.export.formats:
         raise UserError(
             f"{heads_dir} holds heads with a truncated draft vocabulary ({heads.draft_vocab_size} tokens): the "
@@ -117,6 +120,7 @@ def run(cfg) -> dict:
         heads = heads.to(DTYPES[cfg.export.dtype])
         if heads.head_projection == "shared":
             heads.bind_lm_head(heads.head_weight(0).to(DTYPES[cfg.export.dtype]))
+        fingerprints.add(heads.fingerprint())
     tc = cfg.tree
     choices = resolve_tree(
         tc.name,
@@ -127,6 +131,7 @@ def run(cfg) -> dict:
         choices=tc.choices or (),
     )
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
+    extra[HEADS_FINGERPRINT] = source_fingerprint
     shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card
     if backbone_for_heads(cfg.model, heads_dir) is not None:
         shipped = (wd.export / TRAINED_BACKBONE).absolute()
@@ -165,15 +170,20 @@ def run(cfg) -> dict:
         atomic_write_text(tmp / CHOICES, json.dumps(choices) + "\n")
         if (heads_dir / CALIBRATION).is_file():
             shutil.copyfile(heads_dir / CALIBRATION, tmp / CALIBRATION)
+        # Only figures measured on these heads: heads from elsewhere (export.heads_dir) never get
+        # this workdir's tau or distilled data.
+        manifest, report = belonging(
+            fingerprints, heads_config, read_json(wd.distill / MANIFEST), read_json(wd.eval / REPORT_JSON)
+        )
         card = model_card(
             heads=heads,
             heads_config=heads_config,
             formats=list(cfg.export.formats),
             tree_name=cfg.tree.name,
             tree_size=len(choices),
-            manifest=read_json(wd.distill / MANIFEST),
+            manifest=manifest,
             calibration=read_json(heads_dir / CALIBRATION),
-            report=read_json(wd.eval / REPORT_JSON),
+            report=report,
             backbone=str(shipped) if shipped is not None else None,
             export_dir=wd.export.absolute(),
             pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,

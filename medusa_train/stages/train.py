@@ -32,8 +32,6 @@ of ``training.mode`` (``training/recipes.py``), so this file has no mode branche
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -54,7 +52,7 @@ from medusa_train.backbone import (
     load_configured_backbone,
     resolve_device,
 )
-from medusa_train.data.distilled import comparable, load_distilled, read_manifest, split_heldout
+from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, UserError
@@ -293,14 +291,6 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
     heads and checkpoints written then still carry.
     """
     tc = cfg.training
-    if legacy:
-        content = {k: manifest.get(k) for k in ("settings", "counts", "backbone")}
-    else:
-        content = {
-            "settings": comparable(manifest.get("settings")),
-            "counts": manifest.get("counts"),
-            "backbone": identity_content(manifest.get("backbone")),
-        }
     key = settings_key(
         training=tc,
         model_dtype=cfg.model.dtype,
@@ -308,7 +298,7 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
         global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * dist.world_size(),
         eval_fraction=cfg.data.eval_fraction,
         backbone_fingerprint=identity["fingerprint"],
-        distill=hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        distill=data_key(manifest, legacy=legacy),
     )
     flat = {**key.pop("training"), **key}
     if tc.init_heads and not legacy:

@@ -1,0 +1,981 @@
+"""Issue 12's fault sweep: bad inputs and faults against a small real workdir, each through the CLI.
+
+Builds a ``debug=fast`` workdir once (``python -m medusa_train stage=all debug=fast``), then runs every
+case on a fresh copy of it as a subprocess CLI call (``python -c <prelude> <overrides>``; the prelude
+injects the fault: a SIGKILL/SIGINT at a chosen rename, a full disk, a read-only workdir) and
+classifies the outcome:
+
+- ``ok``: exit 0 (it worked, or repaired what was damaged) and the case's check of the result holds;
+- ``refused``: exit 2 with exactly one ``error:`` line on stderr and no traceback;
+- ``TRACEBACK``: a traceback (exit 1), or any other exit/output;
+- ``SILENT-WRONG``: exit 0 but the case's check found a wrong or stale result;
+- ``LEFTOVER``: a temporary folder or file of a killed or failed run is still there after the rerun;
+- ``UNEXPECTED``: refused where the case must work, or worked where it must be refused;
+- ``TIMEOUT``: still running after ``CASE_TIMEOUT`` seconds (work without a bound).
+
+Kill cases run the command once with the kill, then the same command again; the second run is the
+one classified. The target (issue 12): no TRACEBACK, no SILENT-WRONG, no LEFTOVER, no UNEXPECTED.
+
+Usage::
+
+    nice -n 5 python scripts/fault_sweep.py [--root /tmp/fault-sweep] [--only NAME_SUBSTRING] [--keep]
+
+Disk faults are simulated as the tests do (the sweep may run as root, whom chmod does not stop):
+a full disk is ``os.fsync`` raising ENOSPC (every artefact is fsynced before its rename), a read-only
+workdir is every create/write under it raising EROFS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_ARGS = ["debug=fast", "tracking=disabled"]
+
+# Injected before the CLI's main(): the fault named by $SWEEP_FAULT (JSON).
+PRELUDE = r"""
+import builtins, errno, io, json, os, signal, sys, tempfile
+from pathlib import Path
+fault = json.loads(os.environ.get("SWEEP_FAULT") or "{}")
+kind = fault.get("kind")
+if fault.get("signal") == "SIGINT":  # as in a terminal (a background job starts with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if kind == "signal_at_replace":  # SIGKILL/SIGINT at the n-th rename onto a path ending in `where`
+    real_replace, seen = os.replace, [0]
+    def replace(src, dst, *a, **k):
+        if os.fspath(dst).endswith(fault["where"]):
+            seen[0] += 1
+            if seen[0] == fault.get("nth", 1):
+                os.kill(os.getpid(), getattr(signal, fault["signal"]))
+        return real_replace(src, dst, *a, **k)
+    os.replace = replace
+elif kind == "signal_at_open":  # ... at the n-th open for writing of a path ending in `where`
+    real_open, seen = builtins.open, [0]
+    def bopen(file, mode="r", *a, **k):
+        if isinstance(file, (str, os.PathLike)) and "w" in mode and os.fspath(file).endswith(fault["where"]):
+            seen[0] += 1
+            if seen[0] == fault.get("nth", 1):
+                os.kill(os.getpid(), getattr(signal, fault["signal"]))
+        return real_open(file, mode, *a, **k)
+    builtins.open = io.open = bopen
+elif kind == "full_disk":  # fsync of a file whose path contains `where` fails with ENOSPC
+    real_fsync = os.fsync
+    def fsync(fd):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = ""
+        if fault.get("where", "") in name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+    os.fsync = fsync
+elif kind == "read_only":  # nothing can be created or written under `root`
+    root = os.path.realpath(fault["root"])
+    def under(path):
+        try:
+            p = os.path.realpath(os.fspath(path))
+        except TypeError:
+            return False
+        return p == root or p.startswith(root + os.sep)
+    def erofs(path):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+    real_mkdir, real_open, real_osopen = os.mkdir, builtins.open, os.open
+    real_mkstemp, real_mkdtemp = tempfile.mkstemp, tempfile.mkdtemp
+    real_replace, real_rename, real_unlink, real_rmdir = os.replace, os.rename, os.unlink, os.rmdir
+    def mkdir(path, *a, **k):
+        if under(path): erofs(path)
+        return real_mkdir(path, *a, **k)
+    def osopen(path, flags, *a, **k):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and under(path): erofs(path)
+        return real_osopen(path, flags, *a, **k)
+    def bopen(file, mode="r", *a, **k):
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+") and under(file):
+            erofs(file)
+        return real_open(file, mode, *a, **k)
+    def mkstemp(*a, dir=None, **k):
+        if dir is not None and under(dir): erofs(dir)
+        return real_mkstemp(*a, dir=dir, **k)
+    def mkdtemp(*a, dir=None, **k):
+        if dir is not None and under(dir): erofs(dir)
+        return real_mkdtemp(*a, dir=dir, **k)
+    def two(real):
+        def f(src, dst, *a, **k):
+            if under(src) or under(dst): erofs(dst)
+            return real(src, dst, *a, **k)
+        return f
+    def one(real):
+        def f(path, *a, **k):
+            if under(path): erofs(path)
+            return real(path, *a, **k)
+        return f
+    os.mkdir, os.open, builtins.open, io.open = mkdir, osopen, bopen, bopen
+    tempfile.mkstemp, tempfile.mkdtemp = mkstemp, mkdtemp
+    os.replace, os.rename, os.unlink, os.remove, os.rmdir = (
+        two(real_replace), two(real_rename), one(real_unlink), one(real_unlink), one(real_rmdir))
+from medusa_train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+# Temp names: publish_dir's ``.<name>.tmp-<pid>``/``.<name>.old-<pid>``, atomic_write's ``.<name>.*.tmp``,
+# the names used before issue 12 (``.export-tmp-*``, ``.heads.tmp-*``).
+LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+$|^\..+\.tmp$|^\.export-tmp|^\.heads\.tmp|\.incomplete$")
+
+
+@dataclass
+class Run:
+    """One CLI call's outcome."""
+
+    rc: int
+    err: str
+    out: str
+    seconds: float
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.startswith("error: ")]
+
+    def kind(self) -> str:
+        if "Traceback" in self.err or "Traceback" in self.out:
+            return "traceback"
+        if self.rc == 0:
+            return "ok"
+        if self.rc == 2 and len(self.error_lines) == 1:
+            return "refused"
+        return f"exit {self.rc}"
+
+
+@dataclass
+class Case:
+    """A fault: ``setup(wd) -> argv`` on a fresh copy, optional fault/kill, a result check."""
+
+    name: str
+    group: str
+    expect: str  # "ok" | "refuse"
+    setup: Callable[[Path], list[str]]
+    fault: dict | None = None  # injected into the (first) run
+    rerun: bool = False  # run the same command again without the fault; classify that run
+    check: Callable[[Path, Run], str | None] | None = None  # a message when the result is wrong
+    fresh: bool = True  # False: runs in a copy placed elsewhere by setup (cwd given by setup)
+    cwd: Callable[[Path], Path] | None = None
+    results: dict = field(default_factory=dict)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def tree_digest(folder: Path) -> str:
+    """Digest of every file's relative path and content under ``folder`` (None-safe)."""
+    if not folder.exists():
+        return "absent"
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def leftovers(root: Path) -> list[str]:
+    """Temporary files/folders of a killed or failed run under (and beside) ``root``."""
+    found = []
+    for base in (root, root.parent):
+        if not base.exists():
+            continue
+        items = base.rglob("*") if base == root else base.iterdir()
+        found += [str(p) for p in items if LEFTOVER.search(p.name)]
+    return sorted(set(found))
+
+
+def stage(name: str, wd: Path, *extra: str) -> list[str]:
+    return [f"stage={name}", f"workdir={wd}", *BASE_ARGS, *extra]
+
+
+CASE_TIMEOUT = 240
+"""Seconds a case's CLI call may run: every case's work on the debug=fast workdir takes well under a
+minute, so a call still running then has started unbounded work (``TIMEOUT``)."""
+
+
+def run_cli(argv: list[str], cwd: Path, fault: dict | None = None, timeout: int = CASE_TIMEOUT) -> Run:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "SWEEP_FAULT": json.dumps(fault or {}),
+    }
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    t0 = time.time()
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", PRELUDE, *argv],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        return Run(p.returncode, p.stderr, p.stdout, time.time() - t0)
+    except subprocess.TimeoutExpired:
+        return Run(-999, f"still running after {timeout} s: unbounded work?", "", time.time() - t0)
+
+
+def _json(path: Path):
+    return json.loads(path.read_text())
+
+
+# -- checks ----------------------------------------------------------------------------------------------
+def unchanged(folder: str, before: dict) -> Callable[[Path, Run], str | None]:
+    """The folder (relative to the workdir) is as it was before the run (nothing half-written)."""
+
+    def check(wd: Path, run: Run) -> str | None:
+        now = tree_digest(wd / folder)
+        return None if now == before.get(folder) else f"{folder}/ changed by a refused/failed run"
+
+    return check
+
+
+def eval_consistent(wd: Path, run: Run) -> str | None:
+    """report.json and generations.jsonl from one run; plots only of that run."""
+    report = _json(wd / "eval" / "report.json")
+    gens = (wd / "eval" / "generations.jsonl").read_text().splitlines()
+    if (
+        report.get("num_prompts")
+        and len({json.loads(g).get("prompt_index") for g in gens}) != report["num_prompts"]
+    ):
+        return "generations.jsonl and report.json disagree on the prompts"
+    if not report.get("sweep") and (wd / "eval" / "plots" / "tree_size.png").exists():
+        return "plots/tree_size.png of an earlier run beside a report without a sweep"
+    return None
+
+
+def distill_matches_manifest(wd: Path, run: Run) -> str | None:
+    manifest = _json(wd / "distill" / "manifest.json")
+    shards = manifest.get("shards") or []
+    on_disk = sorted(p.name for p in (wd / "distill" / "shards").glob("*.arrow"))
+    if sorted(str(s.get("file")) for s in shards) != on_disk:
+        return f"shards on disk {on_disk} are not the manifest's"
+    for s in shards:
+        name = s.get("file") or s.get("name") or s.get("path")
+        digest = s.get("sha256")
+        if name and digest:
+            path = wd / "distill" / "shards" / Path(name).name
+            if not path.is_file():
+                return f"shard {name} of the manifest missing"
+            if hashlib.sha256(path.read_bytes()).hexdigest() != digest and not digest.startswith(
+                hashlib.sha256(path.read_bytes()).hexdigest()[: len(digest)]
+            ):
+                return f"shard {name} differs from the manifest's checksum"
+    return None
+
+
+def export_complete(wd: Path, run: Run) -> str | None:
+    exp = wd / "export"
+    for f in (
+        "README.md",
+        "medusa/config.json",
+        "medusa/medusa_lm_head.safetensors",
+        "vllm/model.safetensors",
+    ):
+        if not (exp / f).is_file():
+            return f"export/{f} missing"
+    mode = exp.stat().st_mode & 0o777
+    if mode & 0o055 != 0o055 and os.umask(0o022) == 0o022:  # created folders get normal permissions
+        return f"export/ created mode {oct(mode)}"
+    return None
+
+
+def card_not_ours(own_tau: float) -> Callable[[Path, Run], str | None]:
+    def check(wd: Path, run: Run) -> str | None:
+        card = (wd / "export" / "README.md").read_text()
+        if f"**{own_tau:.2f}**" in card:
+            return f"model card of other heads states this workdir's tau {own_tau:.2f}"
+        if "## Data" in card and "num_prompts" in card.split("## Data")[1].split("##")[0]:
+            return "model card of other heads describes this workdir's distilled data"
+        return None
+
+    return check
+
+
+def all_of(*checks: Callable[[Path, Run], str | None]) -> Callable[[Path, Run], str | None]:
+    def check(wd: Path, run: Run) -> str | None:
+        for c in checks:
+            msg = c(wd, run)
+            if msg:
+                return msg
+        return None
+
+    return check
+
+
+# -- the cases ------------------------------------------------------------------------------------------
+def cases(base: Path, scratch: Path) -> list[Case]:
+    """Every case; ``setup(wd)`` damages the fresh copy ``wd`` and returns the CLI arguments."""
+    out: list[Case] = []
+
+    def add(name, group, expect, setup, **kw):
+        out.append(Case(name, group, expect, setup, **kw))
+
+    # Config values: a size/count out of range never starts work.
+    for name, st, value in [
+        ("training.max_seq_len=-5", "train", ["training.overwrite=true"]),
+        ("training.calibration_max_records=-1", "train", []),
+        ("training.max_steps=0", "train", ["training.overwrite=true"]),
+        ("training.per_device_batch_size=0", "train", ["training.overwrite=true"]),
+        ("training.lr=-1", "train", ["training.overwrite=true"]),
+        ("data.max_records=0", "distill", ["distill.overwrite=true"]),
+        ("data.max_records=-3", "distill", ["distill.overwrite=true"]),
+        ("data.num_prompts=0", "distill", ["distill.overwrite=true"]),
+        ("data.num_prompts=-1", "distill", ["distill.overwrite=true"]),
+        ("pretrain.num_conversations=0", "pretrain", ["pretrain.overwrite=true"]),
+        ("distill.batch_size=0", "distill", ["distill.overwrite=true"]),
+        ("distill.max_new_tokens=-1", "distill", ["distill.overwrite=true"]),
+        ("eval.num_prompts=-1", "eval", []),
+        ("eval.max_new_tokens=0", "eval", []),
+        ("tree.max_nodes=0", "train", []),
+        ("data.eval_fraction=1.5", "train", []),
+    ]:
+        add(name, "config", "refuse", lambda wd, st=st, name=name, value=value: stage(st, wd, name, *value))
+    add(
+        "tree.choices ints, not paths",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[1,2]"),
+    )
+    add(
+        "tree.choices top-k rank 999",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[999]]"),
+    )
+    add(
+        "tree.choices without a path's parent",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[0,0,0,0,0,0,0,0,0]]"),
+    )
+    chain = [[0] * n for n in range(1, 10)]  # deeper than the heads (debug=fast trains fewer)
+    add(
+        "tree.choices chain deeper than the heads",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=" + json.dumps(chain).replace(" ", "")),
+    )
+    add("model.device=tpu", "config", "refuse", lambda wd: stage("eval", wd, "model.device=tpu"))
+    add(
+        "model.device=cuda on a CPU machine",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "model.device=cuda"),
+    )
+    add("unknown key", "config", "refuse", lambda wd: stage("eval", wd, "eval.no_such_key=1"))
+    add("unknown stage", "config", "refuse", lambda wd: ["stage=deploy", f"workdir={wd}", *BASE_ARGS])
+    add(
+        "model.name_or_path missing folder",
+        "config",
+        "refuse",
+        lambda wd: stage("eval", wd, "model=hf", f"model.name_or_path={wd}/nope"),
+    )
+
+    # Data files.
+    def data_file(lines: list[str], strict: bool = False):
+        def setup(wd: Path) -> list[str]:
+            path = wd / "prompts.jsonl"
+            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8", errors="surrogatepass")
+            extra = ["data.strict=true"] if strict else []
+            return stage(
+                "distill",
+                wd,
+                "data=jsonl",
+                f"data.path={path}",
+                "distill.overwrite=true",
+                "data.num_prompts=4",
+                *extra,
+            )
+
+        return setup
+
+    good = [json.dumps({"prompt": f"tell me about cats number {i}"}) for i in range(6)]
+    deep = "[" * 100000 + "]" * 100000
+    add("jsonl: a deeply nested line", "data", "ok", data_file(good + [deep]))
+    add("jsonl: a lone-surrogate line", "data", "ok", data_file(good + ['{"prompt": "a \\ud800 b"}']))
+    add("jsonl: a huge integer line", "data", "ok", data_file(good + ['{"prompt": ' + "9" * 5000 + "}"]))
+    add("jsonl: a binary line", "data", "ok", data_file(good + ["\x00\x01\x02garbage"]))
+    add("jsonl: a bad line, strict", "data", "refuse", data_file(good + ["{not json"], strict=True))
+    add("jsonl: every line bad", "data", "refuse", data_file(["{not json", "[1,2"]))
+    add("jsonl: empty file", "data", "refuse", data_file([]))
+    add(
+        "jsonl: missing file",
+        "data",
+        "refuse",
+        lambda wd: stage("distill", wd, "data=jsonl", f"data.path={wd}/none.jsonl", "distill.overwrite=true"),
+    )
+    add(
+        "jsonl: a folder as data.path",
+        "data",
+        "refuse",
+        lambda wd: stage("distill", wd, "data=jsonl", f"data.path={wd}", "distill.overwrite=true"),
+    )
+
+    def sharegpt_bad_roles(wd: Path) -> list[str]:
+        path = wd / "sg.json"
+        path.write_text(json.dumps([{"conversations": [{"from": "alien", "value": "hi"}]}]))
+        return stage("distill", wd, "data=sharegpt", f"data.path={path}", "distill.overwrite=true")
+
+    add("sharegpt: only unknown roles", "data", "refuse", sharegpt_bad_roles)
+
+    # Workdir state: copies, moves, relative names.
+    def copied(wd: Path) -> list[str]:
+        dst = wd.parent / (wd.name + "-copy")
+        shutil.copytree(wd, dst, copy_function=shutil.copyfile)
+        return stage("all", dst)
+
+    def heads_untouched(wd: Path, run: Run) -> str | None:
+        if "skipping" not in run.err and "complete" not in run.err:
+            return "stage=all did not skip the finished work"
+        if sha(wd / "heads" / "medusa_lm_head.safetensors") != base_heads:
+            return "heads retrained"
+        return None
+
+    base_heads = sha(base / "heads" / "medusa_lm_head.safetensors")
+    add("copied workdir, stage=all", "workdir", "ok", copied, check=heads_untouched)
+
+    def moved(wd: Path) -> list[str]:
+        dst = wd.parent / (wd.name + "-moved")
+        shutil.move(wd, dst)
+        return stage("all", dst)
+
+    add("moved workdir, stage=all", "workdir", "ok", moved, check=heads_untouched)
+    add(
+        "relative workdir name, stage=all",
+        "workdir",
+        "ok",
+        lambda wd: stage("all", Path(wd.name)),
+        cwd=lambda wd: wd.parent,
+        check=heads_untouched,
+    )
+
+    def trunc(rel: str, st: str, *extra: str, keep: float = 0.5):
+        def setup(wd: Path) -> list[str]:
+            truncate(wd / rel, keep)
+            return stage(st, wd, *extra)
+
+        return setup
+
+    def write(rel: str, text: str | bytes, st: str, *extra: str):
+        def setup(wd: Path) -> list[str]:
+            p = wd / rel
+            p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
+            return stage(st, wd, *extra)
+
+        return setup
+
+    def shard(wd: Path) -> Path:
+        return sorted((wd / "distill" / "shards").iterdir())[1]
+
+    add(
+        "truncated progress.json, distill",
+        "workdir",
+        "ok",
+        trunc("distill/progress.json", "distill"),
+        check=distill_matches_manifest,
+    )
+    add(
+        "truncated shard, distill",
+        "workdir",
+        "ok",
+        lambda wd: (truncate(shard(wd)), stage("distill", wd))[1],
+        check=distill_matches_manifest,
+    )
+    add(
+        "truncated shard, train",
+        "artefact",
+        "refuse",
+        lambda wd: (truncate(shard(wd)), stage("train", wd, "training.overwrite=true"))[1],
+    )
+    add(
+        "deleted shard, train",
+        "artefact",
+        "refuse",
+        lambda wd: (shard(wd).unlink(), stage("train", wd, "training.overwrite=true"))[1],
+    )
+    add(
+        "deleted shard, distill",
+        "workdir",
+        "ok",
+        lambda wd: (shard(wd).unlink(), stage("distill", wd))[1],
+        check=distill_matches_manifest,
+    )
+    add(
+        "truncated manifest.json, train",
+        "artefact",
+        "refuse",
+        trunc("distill/manifest.json", "train", "training.overwrite=true"),
+    )
+    add(
+        "manifest.json a list, train",
+        "artefact",
+        "refuse",
+        write("distill/manifest.json", "[1, 2]", "train", "training.overwrite=true"),
+    )
+    add(
+        "truncated run.json, train",
+        "artefact",
+        "refuse",
+        lambda wd: (shutil.rmtree(wd / "heads"), truncate(wd / "train" / "run.json"), stage("train", wd))[2],
+    )
+
+    def trainer_state(wd: Path) -> list[str]:
+        shutil.rmtree(wd / "heads")
+        truncate(wd / "train" / "checkpoint-6" / "trainer_state.json")
+        return stage("train", wd)
+
+    add("truncated trainer_state.json, train resumes", "artefact", "ok", trainer_state)
+
+    def hidden_cache(wd: Path) -> list[str]:
+        shutil.rmtree(wd / "heads")
+        for f in (wd / "train" / "hidden_cache").rglob("*"):
+            if f.is_file() and f.stat().st_size > 1000:
+                truncate(f)
+        return stage("train", wd)
+
+    add("truncated hidden-state cache, train", "artefact", "ok", hidden_cache)
+    add("truncated calibration.json, eval", "artefact", "refuse", trunc("heads/calibration.json", "eval"))
+    add(
+        "calibration.json a string, eval",
+        "artefact",
+        "refuse",
+        write("heads/calibration.json", '"x"', "eval"),
+    )
+    add(
+        "truncated medusa_choices.json, eval",
+        "artefact",
+        "refuse",
+        trunc("heads/medusa_choices.json", "eval"),
+    )
+    add("truncated heads config.json, export", "artefact", "refuse", trunc("heads/config.json", "export"))
+    add("heads config.json a list, eval", "artefact", "refuse", write("heads/config.json", "[]", "eval"))
+    add(
+        "truncated heads safetensors, export",
+        "artefact",
+        "refuse",
+        trunc("heads/medusa_lm_head.safetensors", "export"),
+    )
+    add(
+        "truncated heads safetensors, eval",
+        "artefact",
+        "refuse",
+        trunc("heads/medusa_lm_head.safetensors", "eval"),
+    )
+
+    def init_heads(wd: Path) -> list[str]:
+        other = wd.parent / "init"
+        shutil.copytree(wd / "heads", other)
+        truncate(other / "medusa_lm_head.safetensors")
+        return stage("train", wd, f"training.init_heads={other}", "training.overwrite=true")
+
+    add("truncated training.init_heads, train", "artefact", "refuse", init_heads)
+
+    def heads_mismatch(wd: Path) -> list[str]:
+        cfg = _json(wd / "heads" / "config.json")
+        cfg["medusa_num_heads"] = cfg["medusa_num_heads"] + 2
+        (wd / "heads" / "config.json").write_text(json.dumps(cfg))
+        return stage("export", wd)
+
+    add("heads config vs weights mismatch, export", "artefact", "refuse", heads_mismatch)
+
+    def pickled(wd: Path) -> list[str]:
+        import torch
+
+        torch.save({"x": torch.zeros(2)}, wd / "heads" / "medusa_lm_head.safetensors")
+        return stage("export", wd)
+
+    add("a pickle as heads safetensors, export", "artefact", "refuse", pickled)
+    add(
+        "truncated pretrain weights, distill",
+        "artefact",
+        "refuse",
+        trunc("pretrain/model.safetensors", "distill", "distill.overwrite=true"),
+    )
+    add(
+        "garbage pretrain config.json, eval",
+        "artefact",
+        "refuse",
+        write("pretrain/config.json", "{ garbage", "eval"),
+    )
+    add(
+        "truncated export safetensors, eval of export",
+        "artefact",
+        "refuse",
+        lambda wd: (
+            truncate(wd / "export" / "medusa" / "medusa_lm_head.safetensors"),
+            stage("eval", wd, f"eval.heads_dir={wd}/export/medusa"),
+        )[1],
+    )
+    add(
+        "truncated eval/report.json, export",
+        "artefact",
+        "ok",
+        trunc("eval/report.json", "export"),
+        check=export_complete,
+    )
+
+    # Medusa-2 LoRA adapter, damaged (trained once on the copy first).
+    def lora(damage: str):
+        def setup(wd: Path) -> list[str]:
+            m2 = [
+                "training=medusa2",
+                "training.backbone_tuning=lora",
+                "training.overwrite=true",
+                "training.max_steps=2",
+                "training.save_steps=2",
+            ]
+            r = run_cli(stage("train", wd, *m2), REPO)
+            if r.rc != 0:
+                raise RuntimeError(f"medusa2 training for the case failed: {r.err[-1500:]}")
+            adapter = wd / "heads" / "backbone"
+            if damage == "weights":
+                truncate(adapter / "adapter_model.safetensors")
+            else:
+                (adapter / "adapter_config.json").write_text("garbage{")
+            return stage("export", wd)
+
+        return setup
+
+    add("truncated LoRA adapter weights, export", "artefact", "refuse", lora("weights"))
+    add("garbage adapter_config.json, export", "artefact", "refuse", lora("config"))
+
+    # Model card of heads from elsewhere.
+    own_tau = _json(base / "eval" / "report.json")["tau"]
+
+    def other_heads(wd: Path) -> list[str]:
+        other = wd.parent / "other-heads"
+        shutil.copytree(wd / "heads", other)
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(other / "medusa_lm_head.safetensors"))
+        state = {k: v + 0.01 for k, v in state.items()}
+        save_file(state, str(other / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+        cfg = _json(other / "config.json")
+        cfg.pop("training", None)
+        (other / "config.json").write_text(json.dumps(cfg))
+        return stage("export", wd, f"export.heads_dir={other}")
+
+    add(
+        "export.heads_dir of other heads: card",
+        "wrong",
+        "ok",
+        other_heads,
+        check=all_of(export_complete, card_not_ours(own_tau)),
+    )
+    add(
+        "eval without the tree sweep: plots",
+        "wrong",
+        "ok",
+        lambda wd: stage("eval", wd, "eval.sweep_tree_sizes=[]"),
+        check=eval_consistent,
+    )
+
+    # Kills at chosen moments, then the same command again.
+    def new_distill(wd: Path) -> list[str]:
+        """Distill from scratch (same settings: distill.overwrite=true alone would skip complete data)."""
+        shutil.rmtree(wd / "distill")
+        return stage("distill", wd)
+
+    kills = [
+        (
+            "SIGKILL in export's publish",
+            lambda wd: stage("export", wd),
+            "replace",
+            "/export",
+            1,
+            export_complete,
+        ),
+        ("SIGKILL in eval's publish", lambda wd: stage("eval", wd), "replace", "/eval", 1, eval_consistent),
+        (
+            "SIGKILL in heads' publish",
+            lambda wd: stage("train", wd, "training.overwrite=true"),
+            "replace",
+            "/heads",
+            1,
+            None,
+        ),
+        (
+            "SIGKILL in recalibrated heads' publish",
+            lambda wd: stage("train", wd, "tree.max_nodes=6"),
+            "replace",
+            "/heads",
+            1,
+            None,
+        ),
+        (
+            "SIGKILL in pretrain's publish",
+            lambda wd: stage("pretrain", wd, "pretrain.overwrite=true"),
+            "replace",
+            "/pretrain",
+            1,
+            None,
+        ),
+        (
+            "SIGKILL at a shard of a new distill",
+            new_distill,
+            "replace",
+            "shard-00001.arrow",
+            1,
+            distill_matches_manifest,
+        ),
+        (
+            "SIGKILL at a new distill's manifest",
+            new_distill,
+            "replace",
+            "manifest.json",
+            1,
+            distill_matches_manifest,
+        ),
+        (
+            "SIGKILL inside a train checkpoint",
+            lambda wd: stage("train", wd, "training.overwrite=true"),
+            "open",
+            "checkpoint-3/trainer_state.json",
+            1,
+            None,
+        ),
+        (
+            "SIGKILL at eval's report",
+            lambda wd: stage("eval", wd),
+            "replace",
+            "report.json",
+            1,
+            eval_consistent,
+        ),
+        (
+            "SIGKILL at export's model card",
+            lambda wd: stage("export", wd),
+            "replace",
+            "README.md",
+            1,
+            export_complete,
+        ),
+    ]
+    for name, argv, how, where, nth, check in kills:
+        fault = {"kind": f"signal_at_{how}", "signal": "SIGKILL", "where": where, "nth": nth}
+        add(name, "kill", "ok", argv, fault=fault, rerun=True, check=check)
+    for name, argv, how, where in [
+        (
+            "SIGINT at a shard of a new distill",
+            new_distill,
+            "replace",
+            "shard-00001.arrow",
+        ),
+        (
+            "SIGINT inside a train checkpoint",
+            lambda wd: stage("train", wd, "training.overwrite=true"),
+            "open",
+            "checkpoint-3/trainer_state.json",
+        ),
+        ("SIGINT in export's publish", lambda wd: stage("export", wd), "replace", "/export"),
+    ]:
+        fault = {"kind": f"signal_at_{how}", "signal": "SIGINT", "where": where, "nth": 1}
+        add(name, "kill", "ok", argv, fault=fault, rerun=True)
+
+    # Environment: read-only workdir, full disk, a file as the workdir.
+    for st, extra, keep in [
+        ("export", [], "export"),
+        ("eval", [], "eval"),
+        ("new distill", [], None),  # distill/ removed first: nothing to keep, nothing may be left half
+        ("train", ["training.overwrite=true"], "heads"),
+    ]:
+        out.append(
+            Case(
+                f"read-only workdir, {st}",
+                "environment",
+                "refuse",
+                lambda wd, st=st, extra=extra: (
+                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
+                ),
+                fault={"kind": "read_only", "root": "<wd>"},
+                check=None,
+                results={"keep": keep},
+            )
+        )
+        out.append(
+            Case(
+                f"full disk, {st}",
+                "environment",
+                "refuse",
+                lambda wd, st=st, extra=extra: (
+                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
+                ),
+                fault={"kind": "full_disk", "where": ""},
+                results={"keep": keep},
+            )
+        )
+
+    def file_workdir(wd: Path) -> list[str]:
+        f = wd.parent / "a-file"
+        f.write_text("x")
+        return stage("eval", f)
+
+    add("workdir is a file", "environment", "refuse", file_workdir)
+    add(
+        "workdir inside a file",
+        "environment",
+        "refuse",
+        lambda wd: (wd.parent.joinpath("f2").write_text("x"), stage("eval", wd.parent / "f2" / "wd"))[1],
+    )
+    return out
+
+
+# -- the sweep --------------------------------------------------------------------------------------------
+def classify(case: Case, wd: Path, first: Run, final: Run, before: dict) -> tuple[str, str]:
+    """``(outcome, note)`` of a case."""
+    kind = final.kind()
+    note = ""
+    if final.rc == -999:
+        return "TIMEOUT", final.err
+    if kind == "traceback":
+        tail = [line for line in final.err.splitlines() if line.strip()][-1:] or [""]
+        return "TRACEBACK", tail[0][:150]
+    if kind.startswith("exit"):
+        return "TRACEBACK", f"{kind}: {(final.err.strip().splitlines() or [''])[-1][:150]}"
+    left = leftovers(wd)
+    if kind == "refused":
+        note = final.error_lines[0][7:160]
+        keep = case.results.get("keep")
+        if keep and tree_digest(wd / keep) != before.get(keep):
+            return "SILENT-WRONG", f"{keep}/ half-written by a refused run; " + note
+        if left:
+            return "LEFTOVER", ", ".join(Path(p).name for p in left[:3])
+        return ("refused" if case.expect == "refuse" else "UNEXPECTED"), note
+    # ok
+    if case.check is not None:
+        try:
+            msg = case.check(wd, final)
+        except (OSError, ValueError, KeyError) as err:  # the result is not even there to check
+            msg = f"result unreadable: {type(err).__name__}: {err}"[:150]
+        if msg:
+            return "SILENT-WRONG", msg
+    if left:
+        return "LEFTOVER", ", ".join(Path(p).name for p in left[:3])
+    if case.expect == "refuse":
+        return "UNEXPECTED", "worked where a refusal was expected"
+    return "ok", "repaired / worked" if first is not final else "worked"
+
+
+def run_case(case: Case, base: Path, scratch: Path) -> tuple[str, str, float]:
+    root = scratch / re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-")
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    wd = root / "wd"
+    shutil.copytree(base, wd, symlinks=True)
+    before = {k: tree_digest(wd / k) for k in ("export", "eval", "distill", "heads")}
+    try:
+        argv = case.setup(wd)
+    except Exception as err:  # noqa: BLE001 - a case that cannot be set up is reported, not fatal
+        return "SETUP-FAILED", f"{type(err).__name__}: {err}"[:150], 0.0
+    if not wd.exists():  # moved
+        wd = next(p for p in root.iterdir() if p.is_dir() and p.name.startswith("wd-"))
+    wd_final = wd
+    for p in root.iterdir():
+        if p.name.endswith("-copy"):
+            wd_final = p
+    cwd = case.cwd(wd) if case.cwd else REPO
+    fault = json.loads(json.dumps(case.fault).replace("<wd>", str(wd))) if case.fault else None
+    first = run_cli(argv, cwd, fault)
+    seconds = first.seconds
+    final = first
+    if case.rerun:
+        if first.rc == 0:
+            return "UNEXPECTED", "the kill did not happen (no such moment)", seconds
+        if "Traceback" in first.err and first.rc != -9:
+            return "TRACEBACK", "the interrupted run: " + first.err.strip().splitlines()[-1][:140], seconds
+        final = run_cli(argv, cwd, None)
+        seconds += final.seconds
+    outcome, note = classify(case, wd_final, first, final, before)
+    return outcome, note, seconds
+
+
+def build_base(base: Path) -> None:
+    if (base / "eval" / "report.json").is_file():
+        return
+    if base.exists():
+        shutil.rmtree(base)
+    r = run_cli(stage("all", base), REPO, timeout=1800)
+    if r.rc != 0:
+        raise SystemExit(f"building the base workdir failed:\n{r.err[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path("/tmp/fault-sweep"))
+    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--keep", action="store_true", help="keep each case's folder")
+    ap.add_argument(
+        "--fresh", action="store_true", help="run every case again (else reuse root/results.jsonl)"
+    )
+    args = ap.parse_args(argv)
+    base, scratch = args.root / "base", args.root / "cases"
+    t0 = time.time()
+    build_base(base)
+    print(f"base workdir {base} ({time.time() - t0:.0f} s)", flush=True)
+    rows = []
+    done_file = args.root / "results.jsonl"  # a restarted sweep reuses the cases already run
+    done = {}
+    if done_file.is_file() and not args.fresh:
+        done = {r["name"]: r for r in map(json.loads, done_file.read_text().splitlines())}
+    for case in cases(base, scratch):
+        if args.only and args.only not in case.name:
+            continue
+        if case.name in done:
+            r = done[case.name]
+            rows.append((case.group, case.name, case.expect, r["outcome"], r["note"], r["seconds"]))
+            continue
+        outcome, note, seconds = run_case(case, base, scratch)
+        with done_file.open("a") as fh:
+            fh.write(
+                json.dumps({"name": case.name, "outcome": outcome, "note": note, "seconds": seconds}) + "\n"
+            )
+        rows.append((case.group, case.name, case.expect, outcome, note, seconds))
+        print(f"{outcome:13s} {case.group:11s} {case.name:45s} {seconds:5.0f}s  {note}", flush=True)
+        if not args.keep:
+            shutil.rmtree(
+                scratch / re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-"), ignore_errors=True
+            )
+    counts = Counter(r[3] for r in rows)
+    print()
+    print("| group | case | expected | outcome | note |")
+    print("|---|---|---|---|---|")
+    for group, name, expect, outcome, note, _ in rows:
+        print(f"| {group} | {name} | {expect} | {outcome} | {note.replace('|', '/')} |")
+    print()
+    bad = sum(v for k, v in counts.items() if k.isupper())
+    print(
+        f"summary: {len(rows)} cases: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        + f"; {bad} off target ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{os.cpu_count()} cores, {time.time() - t0:.0f} s)"
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Issue 12, the rest: the model card states only figures of the heads it describes; a damaged
+Medusa-2 LoRA adapter is one line naming the file and the repair.
+
+- export and eval's card rewrite take tau, speed-up and the distilled data's description from the
+  workdir only when they belong to the exported heads (the eval report's heads fingerprint, the
+  heads' recorded data key); heads from elsewhere (``export.heads_dir``) get "not measured"/"not
+  known", an ``export.dtype`` cast of the workdir's own heads keeps its figures;
+- a truncated ``heads/backbone/adapter_model.safetensors`` or a garbage ``adapter_config.json``
+  stops export and eval with one line (exit code 2) naming the file and ``training=medusa2``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from medusa_train.__main__ import main
+from medusa_train.data.distilled import data_key
+from medusa_train.errors import DamagedArtefactError
+from medusa_train.heads import MedusaHeads
+from medusa_train.report import HEADS_FINGERPRINT, write_model_card
+from medusa_train.stages import export
+from medusa_train.workdir import Workdir
+from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+
+MANIFEST = {
+    "settings": {"data": {"format": "embedded", "num_prompts": 7}},
+    "counts": {"records": 7, "tokens": 321},
+    "data": {"format": "embedded"},
+    "backbone": {"name_or_path": "x", "fingerprint": "abc"},
+}
+TAU = "**2.47**"
+
+
+def _measured_workdir(root: Path) -> Path:
+    """A tiny workdir whose heads were trained on its distill/ and measured by its eval/ (tau 2.47)."""
+    make_workdir(root)
+    (root / "distill").mkdir()
+    (root / "distill" / "manifest.json").write_text(json.dumps(MANIFEST))
+    config_path = root / "heads" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["training"]["distill"] = data_key(MANIFEST)
+    config_path.write_text(json.dumps(config))
+    heads = MedusaHeads.from_pretrained(root / "heads")
+    report = {"tau": 2.47, "speedup": 1.8, "tree_size": 5, "num_prompts": 3, "greedy_identical": 1.0}
+    (root / "eval").mkdir()
+    (root / "eval" / "report.json").write_text(json.dumps({**report, HEADS_FINGERPRINT: heads.fingerprint()}))
+    return root
+
+
+def _other_heads(root: Path) -> Path:
+    """Another workdir's heads: same shapes, other weights, no record of this workdir's data."""
+    make_workdir(root)
+    heads = MedusaHeads.from_pretrained(root / "heads")
+    with torch.no_grad():
+        heads.blocks(0)[0].linear.bias.add_(0.5)
+    heads.save_pretrained(root / "heads", extra_config={"training": {"mode": "medusa1"}})
+    return root / "heads"
+
+
+def _card(root: Path) -> str:
+    return (root / "export" / "README.md").read_text()
+
+
+def test_card_states_figures_only_for_the_heads_they_were_measured_on(tmp_path: Path) -> None:
+    root = _measured_workdir(tmp_path / "run")
+    export.run(tiny_cfg(root, "stage=export"))
+    own = _card(root)
+    assert TAU in own and "records: `7`" in own and "not measured for these heads" not in own
+
+    # heads of another workdir: neither this workdir's tau nor its distilled data
+    export.run(tiny_cfg(root, "stage=export", f"export.heads_dir={_other_heads(tmp_path / 'other')}"))
+    foreign = _card(root)
+    assert TAU not in foreign and "records: `7`" not in foreign
+    assert "not measured for these heads" in foreign and "- not known:" in foreign
+    # eval's rewrite of the card (eval measured the workdir's own heads) keeps them apart too
+    wd = Workdir(root)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd, tree_name="calibrated", tree_size=5)
+    assert TAU not in _card(root) and "not measured for these heads" in _card(root)
+
+    # the workdir's own heads cast to float16: still the heads that were measured
+    export.run(tiny_cfg(root, "stage=export", "export.dtype=float16"))
+    assert TAU in _card(root) and "records: `7`" in _card(root)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd, tree_name="calibrated", tree_size=5)
+    assert TAU in _card(root) and "records: `7`" in _card(root)
+
+    # the data distilled again since (other counts): the card no longer describes it as theirs
+    (root / "distill" / "manifest.json").write_text(json.dumps({**MANIFEST, "counts": {"records": 9}}))
+    export.run(tiny_cfg(root, "stage=export"))
+    assert "records: `9`" not in _card(root) and "- not known:" in _card(root) and TAU in _card(root)
+
+
+# -- a damaged Medusa-2 LoRA adapter ---------------------------------------------------------------
+def _lora_workdir(root: Path) -> Path:
+    """A tiny workdir whose heads ship a LoRA adapter in heads/backbone, as training=medusa2 lora leaves."""
+    make_workdir(root)
+    base = LlamaForCausalLM.from_pretrained(root / "backbone")
+    lora = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    lora.save_pretrained(root / "heads" / "backbone")
+    AutoTokenizer.from_pretrained(root / "backbone").save_pretrained(root / "heads" / "backbone")
+    return root
+
+
+def _cli_line(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "garbage_config"])
+def test_damaged_lora_adapter_is_one_line(tmp_path: Path, capsys, damage: str) -> None:
+    root = _lora_workdir(tmp_path / "run")
+    adapter = root / "heads" / "backbone"
+    export.run(tiny_cfg(root, "stage=export"))  # whole: merged and exported
+    assert (root / "export" / "backbone" / "config.json").is_file()
+    if damage == "truncated_weights":
+        path = adapter / "adapter_model.safetensors"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path = adapter / "adapter_config.json"
+        path.write_text("{ not json")
+    with pytest.raises(DamagedArtefactError, match="training=medusa2 training.overwrite=true"):
+        export.run(tiny_cfg(root, "stage=export"))
+    overrides = [f"workdir={root}", "debug=fast", "tracking=disabled", "model=hf"]
+    overrides += [f"model.name_or_path={root / 'backbone'}", "model.dtype=float32"]
+    for stage in ("export", "eval"):
+        line = _cli_line(capsys, [f"stage={stage}", *overrides])
+        assert str(path) in line and "stage=train training=medusa2 training.overwrite=true" in line, line

@@ -1,0 +1,60 @@
+"""scripts/fault_sweep.py: its classification and its leftover scan see what the pipeline leaves."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from medusa_train.workdir import staging_dir
+from tests.helpers.scripts import load_script
+
+sweep = load_script("fault_sweep")
+
+
+def test_leftover_scan_finds_the_temp_names_the_workdir_module_uses(tmp_path: Path) -> None:
+    wd = tmp_path / "wd"
+    (wd / "heads").mkdir(parents=True)
+    (wd / "heads" / "config.json").write_text("{}")
+    assert sweep.leftovers(wd) == []
+    staged = staging_dir(wd / "export")  # a killed export's folder
+    old = wd / f".eval.old-{os.getpid()}"  # a kill between publish_dir's two renames
+    old.mkdir()
+    fd, half = tempfile.mkstemp(prefix=".config.json.", suffix=".tmp", dir=wd / "heads")  # atomic_write's
+    os.close(fd)
+    assert sweep.leftovers(wd) == sorted([str(staged), str(old), half])
+
+
+def test_outcomes_are_classified_by_exit_code_and_stderr() -> None:
+    assert sweep.Run(0, "INFO done\n", "", 1.0).kind() == "ok"
+    assert (
+        sweep.Run(2, "INFO x\nerror: heads/config.json is damaged: run stage=train\n", "", 1.0).kind()
+        == "refused"
+    )
+    assert (
+        sweep.Run(1, 'Traceback (most recent call last):\n  File "x"\nValueError: y\n', "", 1).kind()
+        == "traceback"
+    )
+    assert sweep.Run(2, "error: one\nerror: two\n", "", 1.0).kind() == "exit 2"  # two lines: not a refusal
+    assert sweep.Run(-9, "", "", 1.0).kind() == "exit -9"
+
+
+def test_every_case_has_a_unique_name_and_an_expectation(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "heads").mkdir(parents=True)
+    (base / "heads" / "medusa_lm_head.safetensors").write_bytes(b"x")
+    (base / "eval").mkdir()
+    (base / "eval" / "report.json").write_text('{"tau": 2.0}')
+    cases = sweep.cases(base, tmp_path / "cases")
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names)) and len(names) >= 60
+    assert {c.expect for c in cases} == {"ok", "refuse"}
+    assert {c.group for c in cases} >= {
+        "config",
+        "data",
+        "workdir",
+        "artefact",
+        "kill",
+        "environment",
+        "wrong",
+    }
