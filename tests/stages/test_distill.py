@@ -18,13 +18,15 @@ import torch
 from medusa_train.backbone import load_backbone
 from medusa_train.config import compose_config
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
-from medusa_train.data.distilled import load_distilled, read_manifest, shard_files
+from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
 from medusa_train.stages import distill
+from tests.helpers.distill import rows as _rows
+from tests.helpers.distill import spans as _spans
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 12
@@ -64,23 +66,6 @@ def _overrides(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> lis
 
 def _run(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> dict:
     return distill.run(compose_config(_overrides(workdir, backbone, prompts, *extra)))
-
-
-def _rows(workdir: Path) -> list[tuple[str, list[int], list[int]]]:
-    ds = load_distilled(workdir / "distill")
-    return list(zip(ds["source_id"], ds["input_ids"], ds["loss_mask"], strict=True))
-
-
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of every run of 1s."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 
 from medusa_train.config import compose_config
-from medusa_train.data.distilled import load_distilled, read_manifest, shard_files
+from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.errors import UserError
 from medusa_train.stages import distill
+from tests.helpers.distill import rows as _rows
+from tests.helpers.distill import spans as _spans
 
 pytest.importorskip("fastapi", reason="transformers serve needs its serving extra (pip install -e .[dev])")
 pytest.importorskip("uvicorn")
@@ -123,22 +125,6 @@ def _server_overrides(url: str, *extra: str) -> list[str]:
 
 def _run(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> dict:
     return distill.run(compose_config(_overrides(workdir, backbone, prompts, *extra)))
-
-
-def _rows(workdir: Path) -> list[tuple[str, list[int], list[int]]]:
-    ds = load_distilled(workdir / "distill")
-    return list(zip(ds["source_id"], ds["input_ids"], ds["loss_mask"], strict=True))
-
-
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 @pytest.fixture(scope="module")
