@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from medusa_train.errors import UserError
-from medusa_train.workdir import CHOICES
+from medusa_train.workdir import CHOICES, atomic_write_text
 
 Path_ = tuple[int, ...]
 
@@ -255,12 +255,15 @@ def chain_tree(depth: int) -> list[list[int]]:
 
 
 def save_choices(path: str | os.PathLike, choices: Sequence[Sequence[int]]) -> Path:
-    """Write a tree as JSON (a list of paths, canonically sorted) after validating it."""
+    """Write a tree as JSON (a list of paths, canonically sorted) after validating it.
+
+    The file is written atomically (temp file, fsync, rename): a failed write leaves the previous
+    tree, never half a list.
+    """
     paths = normalise_choices(choices)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([list(p) for p in paths]) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps([list(p) for p in paths]) + "\n")
 
 
 def load_choices(path: str | os.PathLike) -> list[list[int]]:
