@@ -44,8 +44,13 @@ _FAULT_TEXTS = {
 }
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Temp names the stages write under (workdir.staging_dir's ".<name>.tmp-<pid>", atomic_write's
-# mkstemp ".<name>.<8 chars>.tmp"): a message names the artefact they were becoming instead.
-_TEMP_NAMES = (re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"), re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"))
+# ".<name>.<pid>.<8 chars>.tmp", and its ".<name>.<8 chars>.tmp" before issue 18b): a message names
+# the artefact they were becoming instead.
+_TEMP_NAMES = (
+    re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"),
+    re.compile(r"^\.(?P<name>.+)\.\d+\.\w{8}\.tmp$"),
+    re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"),
+)
 
 
 def _artefact_path(path: Path) -> Path:

@@ -146,6 +146,7 @@ def run(cfg) -> dict:
         ]
     if dist.is_main():
         remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
+        remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
     done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)

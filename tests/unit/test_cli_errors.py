@@ -312,6 +312,10 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
         f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
     )
     assert "free there" in full
+    named_by_pid = temp.with_name(".medusa_lm_head.safetensors.4242.a1b2c3d4.tmp")  # since issue 18b
+    assert environment_fault(OSError(errno.ENOSPC, "", str(named_by_pid)), tmp_path).startswith(
+        f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
+    )
     wrapped = RuntimeError(
         "Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"
     )
