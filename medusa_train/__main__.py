@@ -8,10 +8,10 @@ Run as:
 
 This module only parses and dispatches; each stage lives in ``medusa_train/stages/<stage>.py``.
 
-``--help`` answers from this module alone: the config (which validates trees with ``decoding/``)
-and the report pull in torch and transformers (seconds to import), so they are imported in the
-functions that use them, after the help check -- the one place the project imports its own modules
-inside functions (``tests/unit/test_architecture.py`` allows it here and nowhere else).
+``--help`` and ``--cfg`` answer without importing torch or transformers (seconds to import): the
+report, which pulls them in, is imported in :func:`run_stage`, where ``stage=all`` prints its summary
+-- the one place the project imports its own module inside a function
+(``tests/unit/test_architecture.py`` allows it here and nowhere else).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from medusa_train.config import compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, REPORT_MD
@@ -63,7 +64,7 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def run_stage(cfg) -> dict:
     """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
-    from medusa_train.report import summary_table  # torch: not needed by --help (module docstring)
+    from medusa_train.report import summary_table  # torch: not needed by --help/--cfg (module docstring)
 
     if cfg.stage != "all":
         return get_stage(cfg.stage)(cfg)
@@ -90,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    from medusa_train.config import compose_config  # torch via decoding/: not needed by --help
-
     cfg = None
     try:
         cfg = compose_config(argv)

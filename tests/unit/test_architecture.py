@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "medusa_train"
 HEAVY_OPTIONAL = ("deepspeed", "peft", "bitsandbytes", "wandb", "matplotlib")
 LAZY_PROJECT_IMPORTS = {
-    "medusa_train.__main__": "`--help` must answer without importing torch/transformers (seconds), which "
-    "config (through decoding/) and report pull in; tests/unit/test_config.py::test_help_imports_no_torch",
+    "medusa_train.__main__": "`--help`/`--cfg` must answer without importing torch/transformers (seconds), "
+    "which report pulls in; tests/unit/test_config.py::test_help_and_cfg_import_no_torch",
 }
 
 

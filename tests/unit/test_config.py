@@ -146,9 +146,10 @@ print("EXIT", code, sorted(m for m in ("torch", "transformers", "hydra") if m in
 """
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_imports_no_torch(flag: str) -> None:
-    """Issue 18b: ``--help`` answers without importing torch or transformers (seconds on a busy machine)."""
+@pytest.mark.parametrize("flag", ["--help", "-h", "--cfg"])
+def test_help_and_cfg_import_no_torch(flag: str) -> None:
+    """Issue 18b: ``--help`` and ``--cfg`` answer without importing torch or transformers (seconds on a
+    busy machine): the config checks ``tree.choices`` with ``medusa_train.choices``, which needs no torch."""
     proc = subprocess.run(
         [sys.executable, "-c", _HELP_PROBE, flag],
         capture_output=True,
@@ -156,8 +157,11 @@ def test_help_imports_no_torch(flag: str) -> None:
         cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr
-    assert "stage=<pretrain|distill|train|export|eval|all>" in proc.stdout and "--cfg" in proc.stdout
-    assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 0 []", proc.stdout
+    if flag == "--cfg":
+        assert '"stage": "all"' in proc.stdout and '"workdir": "runs/default"' in proc.stdout
+    else:
+        assert "stage=<pretrain|distill|train|export|eval|all>" in proc.stdout and "--cfg" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 0 ['hydra']", proc.stdout
 
 
 # One bad value per line, each for a field whose range __post_init__ checks (issue 12): the message
