@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from medusa_train.decoding.tree import TreeError, normalise_choices
+from medusa_train.choices import TreeError, normalise_choices
 from medusa_train.errors import ConfigError
 
 STAGES = ("pretrain", "distill", "train", "export", "eval", "all")

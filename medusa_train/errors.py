@@ -4,7 +4,9 @@
 a folder without write permission, a file where a folder must go) into such a line too: the stages
 write every artefact to a temp name and rename it into place, so a write that fails leaves the
 previous artefact (or none), never a half-written one, and the same command resumes once the fault
-is fixed.
+is fixed. A torch checkpoint write that fails without an errno (``torch.save`` on a full disk) counts
+as a full disk when the workdir's disk is (nearly) full, and as a write failure of unknown cause
+otherwise; any other error stays a traceback (a bug).
 """
 
 from __future__ import annotations
@@ -43,9 +45,24 @@ _FAULT_TEXTS = {
     code: (f"(os error {code})", os.strerror(code)) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 }
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# torch.save's zip writer (the HF Trainer's optimizer.pt, rng_state.pth in a checkpoint) reports a
+# failed write without its errno: "[enforce fail at inline_container.cc:N] . unexpected pos N vs M"
+# raised while handling "basic_ios::clear: iostream error" (torch 2.13 saving to a path on a full
+# disk), or "PytorchStreamWriter failed writing file data/0: file write failed" (its other writer).
+_TORCH_WRITE_FAILED = re.compile(
+    r"PytorchStreamWriter failed writing file|file write failed|inline_container\.cc.*unexpected pos"
+    r"|basic_ios::clear: iostream error"
+)
+_NEARLY_FULL = 256 << 20
+"""Free bytes on the workdir's disk below which such a write failure is taken for a full disk."""
 # Temp names the stages write under (workdir.staging_dir's ".<name>.tmp-<pid>", atomic_write's
-# mkstemp ".<name>.<8 chars>.tmp"): a message names the artefact they were becoming instead.
-_TEMP_NAMES = (re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"), re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"))
+# ".<name>.<pid>.<8 chars>.tmp", and its ".<name>.<8 chars>.tmp" before issue 18b): a message names
+# the artefact they were becoming instead.
+_TEMP_NAMES = (
+    re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"),
+    re.compile(r"^\.(?P<name>.+)\.\d+\.\w{8}\.tmp$"),
+    re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"),
+)
 
 
 def _artefact_path(path: Path) -> Path:
@@ -73,6 +90,22 @@ def _fault_in(err: BaseException) -> tuple[int, str | None] | None:
     return None
 
 
+def _torch_write_failure(err: BaseException) -> str | None:
+    """The text of the first torch writer failure (no errno, see ``_TORCH_WRITE_FAILED``) in the chain."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, RuntimeError) and _TORCH_WRITE_FAILED.search(str(cause)):
+            return str(cause).strip()
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _existing(path: Path) -> Path | None:
+    return next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+
+
 def _human(num_bytes: int) -> str:
     size = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -88,20 +121,32 @@ def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
     Args:
         err: what a stage raised (the fault may be its cause, or only named in its text when a
             library rewraps it).
-        workdir: the run's workdir, named when the fault does not say which file it hit.
+        workdir: the run's workdir, named when the fault does not say which file it hit. A torch
+            writer failure, which carries no errno, is a full disk when that disk has less than
+            256 MiB free (else a write failure of unknown cause, still one line).
 
     Returns:
         The message (what happened, where, what to do), or None when ``err`` is no such fault.
     """
     found = _fault_in(err)
     if found is None:
-        return None
+        failed = _torch_write_failure(err)
+        disk = _existing(Path(workdir))
+        if failed is None or disk is None:
+            return None
+        free = shutil.disk_usage(disk).free
+        if free >= _NEARLY_FULL:  # the disk has room: a quota, an I/O error? torch does not say
+            return (
+                f"writing under {workdir} failed ({failed}; {_human(free)} free there): check that disk "
+                "(quota, errors), then run the same command again (finished work is kept)"
+            )
+        found = errno.ENOSPC, None
     code, filename = found
     where = _artefact_path(Path(os.fsdecode(filename))) if filename else Path(workdir)
     folder = where if where.is_dir() or not filename else where.parent
     message = f"{_FAULTS[code]}: {where}"
     if code in _DISK_FULL:
-        existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
+        existing = _existing(folder)
         if existing is not None:
             message += f" ({_human(shutil.disk_usage(existing).free)} free there)"
         return (

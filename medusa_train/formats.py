@@ -37,7 +37,8 @@ An exported backbone (Medusa-2) is written by transformers 5, which folds ``rope
 ``rope_scaling`` into ``rope_parameters`` and writes ``dtype`` for ``torch_dtype``: consumers on
 transformers 4.x would silently use their defaults (rope_theta 10000). :func:`add_legacy_config_keys`
 writes those keys beside the new ones; :func:`add_legacy_tokenizer_keys` makes its tokenizer files
-readable by transformers 4.x / tokenizers < 0.20 too.
+readable by transformers 4.x / tokenizers < 0.20 too (:func:`save_tokenizer` applies it to every
+tokenizer the pipeline writes, the embedded backbone's included).
 
 Head projection variants (:mod:`medusa_train.heads`), as vLLM's ``Medusa.load_weights``
 (vllm/model_executor/models/medusa.py) reads them:
@@ -466,6 +467,17 @@ def add_legacy_tokenizer_keys(directory: str | os.PathLike) -> list[str]:
             )
             changed.append("tokenizer.json:merges")
     return changed
+
+
+def save_tokenizer(tokenizer, directory: str | os.PathLike) -> list[str]:
+    """``tokenizer.save_pretrained(directory)``, its files then made readable by transformers 4.x too
+    (:func:`add_legacy_tokenizer_keys`); returns what was adapted.
+
+    Every tokenizer the pipeline writes goes through here: the embedded backbone's (``stage=pretrain``,
+    the base model a Medusa-1 export names), the Medusa-2 backbone's beside the heads and in the export.
+    """
+    tokenizer.save_pretrained(directory)
+    return add_legacy_tokenizer_keys(directory)
 
 
 # -- helpers --------------------------------------------------------------------------------------

@@ -195,10 +195,12 @@ def file_sha256(path: str | os.PathLike) -> str:
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)``, fsync, then rename onto ``path`` (same folder: the rename is atomic).
 
-    The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600.
+    The temp file is ``.<name>.<pid>.<8 random chars>.tmp`` beside ``path``: a failed write deletes
+    it; one a killed process left behind is deleted by :func:`remove_stale` once that pid no longer
+    runs. The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -227,6 +229,34 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# :func:`atomic_write`'s temp files (mkstemp's random part: 8 of [a-z0-9_]); errors.py knows the pattern
+_TEMP_FILE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\w{8}\.tmp$")
+
+
+def remove_dead_temp_files(folder: Path) -> list[Path]:
+    """Delete the :func:`atomic_write` temp files under ``folder`` (recursively) of processes that no
+    longer run: a write killed before its rename. A live process's (this one's included) are kept.
+    """
+    removed: list[Path] = []
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            if _dead_temp_file(name):
+                entry = Path(dirpath) / name
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+    return removed
+
+
+def _dead_temp_file(name: str, of: str | None = None) -> bool:
+    """Whether ``name`` is an :func:`atomic_write` temp file (for the file ``of``, when given) whose
+    writer no longer runs."""
+    match = _TEMP_FILE.match(name)
+    if match is None or (of is not None and match["name"] != of):
+        return False
+    pid = int(match["pid"])
+    return pid != os.getpid() and not _alive(pid)
 
 
 # -- atomic folders ---------------------------------------------------------------------------------
@@ -263,11 +293,13 @@ def publish_dir(tmp: Path, final: Path) -> Path:
 
 
 def remove_stale(final: Path) -> list[Path]:
-    """Delete the staging/old folders and temp files a killed run left beside ``final``.
+    """Delete the staging/old folders and temp files a killed run left beside and inside ``final``.
 
     A run killed between :func:`publish_dir`'s two renames left ``final`` missing and its previous
-    version aside: that version is put back (the new one may be incomplete and is deleted). Only
-    leftovers of processes that no longer run are touched (a concurrent run's are kept).
+    version aside: that version is put back (the new one may be incomplete and is deleted). The
+    :func:`atomic_write` temp files of killed writes beside ``final`` (named for it) and anywhere
+    under it are deleted (:func:`remove_dead_temp_files`). Only leftovers of processes that no
+    longer run are touched (a concurrent run's are kept). Stages call it on their folders at start.
     """
     parent = final.parent
     removed: list[Path] = []
@@ -277,6 +309,8 @@ def remove_stale(final: Path) -> list[Path]:
     for entry in parent.iterdir():
         match = _STALE.match(entry.name)
         if match and match["name"] == final.name and not _alive(int(match["pid"])):
+            stale.append(entry)
+        elif _dead_temp_file(entry.name, of=final.name) and entry.is_file():
             stale.append(entry)
     olds = [e for e in stale if e.is_dir() and ".old-" in e.name]
     if olds and not final.exists():  # killed between publish_dir's two renames: the old version goes back
@@ -289,6 +323,8 @@ def remove_stale(final: Path) -> list[Path]:
         else:
             entry.unlink(missing_ok=True)
         removed.append(entry)
+    if final.is_dir() and not final.is_symlink():
+        removed += remove_dead_temp_files(final)
     return removed
 
 

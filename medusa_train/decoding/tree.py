@@ -20,48 +20,9 @@ from pathlib import Path
 
 import torch
 
+from medusa_train.choices import Path_, TreeError, normalise_choices
 from medusa_train.errors import UserError
-from medusa_train.workdir import CHOICES
-
-Path_ = tuple[int, ...]
-
-
-class TreeError(UserError, ValueError):
-    """A tree (list of index paths) is malformed or does not fit the heads it is used with.
-
-    A :class:`~medusa_train.errors.UserError`: the CLI shows it as one line (exit code 2).
-    """
-
-
-def normalise_choices(choices: Sequence[Sequence[int]]) -> list[Path_]:
-    """Validate paths and return them sorted canonically (depth, then lexicographic).
-
-    Raises:
-        TreeError: not a list of paths, or a path that is empty, has a negative or non-int entry, is
-            duplicated, or lacks its parent; the message names the path.
-    """
-    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-        raise TreeError(f"a tree is a list of index paths such as [[0], [0, 0], [1]], got {choices!r}")
-    paths: list[Path_] = []
-    seen: set[Path_] = set()
-    for raw in choices:
-        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
-            raise TreeError(
-                f"tree path {raw!r} is not a non-empty list of ints (a tree is a list of paths such as "
-                "[[0], [0, 0], [1]])"
-            )
-        for i in raw:
-            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-                raise TreeError(f"tree path {list(raw)} has entry {i!r}: entries must be non-negative ints")
-        path = tuple(int(i) for i in raw)
-        if path in seen:
-            raise TreeError(f"tree path {list(path)} appears more than once")
-        seen.add(path)
-        paths.append(path)
-    for path in paths:
-        if len(path) > 1 and path[:-1] not in seen:
-            raise TreeError(f"tree path {list(path)} has no parent: add {list(path[:-1])} to the tree")
-    return sorted(paths, key=lambda p: (len(p), p))
+from medusa_train.workdir import CHOICES, atomic_write_text
 
 
 @dataclass(eq=False)
@@ -255,12 +216,15 @@ def chain_tree(depth: int) -> list[list[int]]:
 
 
 def save_choices(path: str | os.PathLike, choices: Sequence[Sequence[int]]) -> Path:
-    """Write a tree as JSON (a list of paths, canonically sorted) after validating it."""
+    """Write a tree as JSON (a list of paths, canonically sorted) after validating it.
+
+    The file is written atomically (temp file, fsync, rename): a failed write leaves the previous
+    tree, never half a list.
+    """
     paths = normalise_choices(choices)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([list(p) for p in paths]) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps([list(p) for p in paths]) + "\n")
 
 
 def load_choices(path: str | os.PathLike) -> list[list[int]]:

@@ -91,6 +91,7 @@ from medusa_train.workdir import (
     Workdir,
     describe_diff,
     read_json,
+    remove_stale,
     settings_diff,
     settings_key,
 )
@@ -129,7 +130,10 @@ def run(cfg: Config) -> dict:
     check_backbone_source(cfg.model.name_or_path)
     quick = _quick_settings(cfg, source)
 
-    # 2. already complete with these settings?
+    # 2. already complete with these settings? (rank 0 first deletes the temp files of writes a kill
+    #    interrupted; no rank writes before the broadcast of step 4)
+    if dist.is_main():
+        remove_stale(out)
     manifest = complete_manifest(out, quick)
     if manifest is not None:
         if dist.is_main():

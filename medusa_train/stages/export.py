@@ -47,11 +47,11 @@ from medusa_train.formats import (
     MEDUSA_CONFIG_KEYS,
     VLLM,
     add_legacy_config_keys,
-    add_legacy_tokenizer_keys,
     load_heads,
     portable_base_model,
     read_heads_config,
     save_medusa,
+    save_tokenizer,
     save_vllm,
 )
 from medusa_train.heads import HeadsFormatError, MedusaHeads
@@ -266,7 +266,7 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
     ``export.dtype`` unless auto, saved, then loaded back. config.json and the tokenizer files also
     carry what transformers 4.x consumers read (:func:`~medusa_train.formats.add_legacy_config_keys`,
-    :func:`~medusa_train.formats.add_legacy_tokenizer_keys`). Only one copy of the model is held at a
+    :func:`~medusa_train.formats.save_tokenizer`). Only one copy of the model is held at a
     time.
 
     Returns:
@@ -284,12 +284,11 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
     with torch.no_grad():
         expected = model(input_ids=ids.to(device)).logits  # (1, 8, V)
     model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
     # transformers 4.x consumers read rope_theta/rope_scaling/torch_dtype at the top level and cannot
     # read transformers 5's tokenizer class name or tokenizers >= 0.20's merges; the reloads below
     # (transformers 5) must still give the same logits and token ids with those files adapted.
     added = add_legacy_config_keys(directory)
-    changed = add_legacy_tokenizer_keys(directory)
+    changed = save_tokenizer(tokenizer, directory)
     log.info("export: backbone files adapted for transformers 4.x consumers: %s", sorted(added) + changed)
     sample = "Medusa heads draft tokens; the backbone verifies them."
     reloaded = AutoTokenizer.from_pretrained(directory, trust_remote_code=cfg.model.trust_remote_code)

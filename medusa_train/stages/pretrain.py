@@ -42,6 +42,7 @@ from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
+from medusa_train.formats import add_legacy_config_keys, save_tokenizer
 from medusa_train.workdir import (
     PRETRAIN_REPORT,
     Workdir,
@@ -391,6 +392,8 @@ def _save(model, tokenizer, report: dict, out_dir: Path) -> None:
     remove_stale(out_dir)
     tmp = staging_dir(out_dir)
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    # A Medusa-1 export names this folder as its base model: consumers on transformers 4.x read it too.
+    add_legacy_config_keys(tmp)
+    save_tokenizer(tokenizer, tmp)
     atomic_write_json(tmp / PRETRAIN_REPORT, report)
     publish_dir(tmp, out_dir)

@@ -56,6 +56,7 @@ from medusa_train.data.distilled import data_key, load_distilled, read_manifest,
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, UserError
+from medusa_train.formats import save_tokenizer
 from medusa_train.heads import HeadsFormatError, MedusaHeads, draft_token_map, safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
@@ -146,6 +147,7 @@ def run(cfg) -> dict:
         ]
     if dist.is_main():
         remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
+        remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
     done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)
@@ -263,7 +265,7 @@ def run(cfg) -> dict:
         # Medusa-2: the trained backbone (LoRA: the adapter only) ships with the heads.
         if trained is not None:
             trained.save_pretrained(tmp / TRAINED_BACKBONE)
-            tokenizer.save_pretrained(tmp / TRAINED_BACKBONE)
+            save_tokenizer(tokenizer, tmp / TRAINED_BACKBONE)
     else:  # recalibrated: the same weights (hard links), new figures
         _link_tree(wd.heads, tmp, skip=(HEADS_CONFIG, CALIBRATION, CHOICES))
         meta = read_json(wd.heads / HEADS_CONFIG, repair=_RETRAIN)

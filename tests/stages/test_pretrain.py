@@ -13,6 +13,7 @@ from medusa_train.backbone import load_backbone
 from medusa_train.config import compose_config
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
+from medusa_train.formats import legacy_config_keys
 from medusa_train.stages import pretrain
 
 TINY = [
@@ -52,6 +53,21 @@ def test_learns_and_loads(trained):
     out_ids = model.generate(**ids, max_new_tokens=5, do_sample=False)  # (1, P + new)
     assert out_ids.shape[1] > ids["input_ids"].shape[1]
     assert not list(Path(out).parent.glob(".pretrain.*")), "temp dirs left behind"
+
+
+def test_written_for_transformers_4_consumers_too(trained):
+    """Issue 18b: a Medusa-1 export names workdir/pretrain as its base model, so its tokenizer and config
+    carry what transformers 4.x reads (as the Medusa-2 export's backbone, tests/unit/test_formats.py)."""
+    cfg, _ = trained
+    out = Path(cfg.model.name_or_path)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # not TokenizersBackend
+    assert tokenizer_config["chat_template"] == (out / "chat_template.jinja").read_text()
+    merges = json.loads((out / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    config = json.loads((out / "config.json").read_text())
+    assert legacy_config_keys(config) == {}  # rope_theta, rope_scaling, torch_dtype at the top level
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
 
 
 def test_skip_if_done_and_overwrite(trained):

@@ -136,6 +136,47 @@ def test_truncated_progress_and_an_older_manifest_keep_complete_data(distilled, 
     assert _rows(copy) == _rows(wd)
 
 
+# Rewrites distill/manifest.json (as a run that completed the data does) and SIGKILLs itself half-way
+# through writing the temp file: what a kill mid-write leaves is the temp file, named with its pid.
+_KILLED_MID_WRITE = """
+import json, os, signal, sys
+from pathlib import Path
+from medusa_train.data.distilled import write_manifest
+real = Path.write_text
+def dies_half_way(self, text, *args, **kwargs):
+    real(self, text[: len(text) // 2], *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+Path.write_text = dies_half_way
+distill_dir = Path(sys.argv[1])
+write_manifest(distill_dir, json.loads((distill_dir / "manifest.json").read_text()))
+"""
+
+
+def test_distill_start_deletes_a_killed_writes_temp_file(distilled, tmp_path, monkeypatch) -> None:
+    """Issue 18b: a write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
+    start deletes it (its pid no longer runs) and finds the data complete, without loading the model."""
+    wd, prompts, figures = distilled
+    copy = _fresh_copy(wd, tmp_path / "copy")
+    manifest = (copy / "distill" / "manifest.json").read_bytes()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_MID_WRITE, str(copy / "distill")],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, stderr[-2000:]
+    left = [p.name for p in (copy / "distill").iterdir() if p.name.startswith(".")]
+    assert left and all(n.startswith(f".manifest.json.{proc.pid}.") and n.endswith(".tmp") for n in left)
+    assert (copy / "distill" / "manifest.json").read_bytes() == manifest  # the rename never happened
+    monkeypatch.setattr(distill, "load_configured_backbone", lambda *a, **k: pytest.fail("loaded the model"))
+    again = distill.run(compose_config(_distill_overrides(copy, prompts)))
+    assert again["already_complete"] and again["records"] == figures["records"]
+    _no_dot_leftovers(copy / "distill")
+
+
 def test_distill_regenerates_a_truncated_shard(distilled, tmp_path) -> None:
     wd, prompts, _ = distilled
     copy = _fresh_copy(wd, tmp_path / "copy")

@@ -10,7 +10,8 @@ modules. Imports under ``if TYPE_CHECKING:`` are left out (they never run). Chec
   or OmegaConf, following imports through other modules (a reusable part knows nothing of the CLI);
 - ``engines/`` reaches nothing of ``stages/`` or ``training/``;
 - ``workdir.py`` and ``errors.py`` import no project module but ``errors``;
-- the project's own modules are imported at the top of each file, not inside functions;
+- the project's own modules are imported at the top of each file, not inside functions (except in
+  the modules of ``LAZY_PROJECT_IMPORTS``, each with its reason);
 - the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib) are imported
   lazily, where used, so that importing any module needs none of them;
 - docs/architecture.md lists every module.
@@ -30,6 +31,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "medusa_train"
 HEAVY_OPTIONAL = ("deepspeed", "peft", "bitsandbytes", "wandb", "matplotlib")
+LAZY_PROJECT_IMPORTS = {
+    "medusa_train.__main__": "`--help`/`--cfg` must answer without importing torch/transformers (seconds), "
+    "which report pulls in; tests/unit/test_config.py::test_help_and_cfg_import_no_torch",
+}
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,7 @@ def test_project_imports_are_at_the_top_of_each_file(graph):
         f"{e.module}:{e.line} imports {e.target} inside a function"
         for edges in graph.values()
         for e in edges
-        if e.in_function and e.target in graph
+        if e.in_function and e.target in graph and e.module not in LAZY_PROJECT_IMPORTS
     ]
     assert bad == []
 

@@ -30,6 +30,7 @@ import torch
 from medusa_train.__main__ import main
 from medusa_train.errors import environment_fault
 from tests.helpers.tiny_workdir import make_workdir
+from tests.helpers.train_workdir import make_train_workdir, train_overrides
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +303,95 @@ def test_full_disk_during_distill_publishes_no_shard(
     assert not _leftovers(run)
 
 
+# What torch.save raises when the disk fills while it writes a checkpoint file to a path (torch 2.13,
+# seen on a full 512 KiB tmpfs: HF Trainer's optimizer.pt), and its other writer's wording. No errno.
+TORCH_FULL_DISK = [
+    (
+        "[enforce fail at inline_container.cc:672] . unexpected pos 8896 vs 8784",
+        "basic_ios::clear: iostream error",
+    ),
+    (
+        "[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file data/0: file write failed",
+        None,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def train_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_train_workdir(tmp_path_factory.mktemp("train_full_disk") / "wd")
+
+
+def _torch_save_fails(monkeypatch: pytest.MonkeyPatch, message: str, context: str | None) -> None:
+    """``torch.save`` of a checkpoint's optimizer.pt writes a few bytes and raises ``message`` (while
+    handling ``context``), as torch does on a full disk; every other save works."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if not str(f).endswith("optimizer.pt"):
+            return real_save(obj, f, *args, **kwargs)
+        Path(f).write_bytes(b"PK\x03\x04")
+        if context is None:
+            raise RuntimeError(message)
+        try:
+            raise RuntimeError(context)
+        except RuntimeError:
+            raise RuntimeError(message)  # noqa: B904 -- chained implicitly, as torch's C++ error is
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+@pytest.mark.parametrize(("message", "context"), TORCH_FULL_DISK, ids=["unexpected-pos", "stream-writer"])
+def test_full_disk_while_the_trainer_saves_a_checkpoint_is_one_line(
+    train_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    message: str,
+    context: str | None,
+) -> None:
+    """Issue 18b: torch's save error carries no errno; with the workdir's disk full it is the disk-full
+    line (exit 2), the heads are not published, and the same command resumes once there is room."""
+    wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
+    argv = ["stage=train", *train_overrides(wd)]
+    real_usage = shutil.disk_usage
+    with monkeypatch.context() as patch:
+        _torch_save_fails(patch, message, context)
+        patch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=0))  # what a full disk says
+        assert main(argv) == 2
+        line = _error_line(capsys)
+    assert line == (
+        f"error: no space left on the device: {wd} (0 B free there): free space on that disk or pass "
+        "workdir=<a folder on another disk>, then run the same command again (finished work is kept)"
+    )
+    assert not (wd / "heads").exists() and not _leftovers(wd)
+    assert main(argv) == 0 and (wd / "heads" / "medusa_lm_head.safetensors").is_file()
+
+
+def test_torch_write_failure_with_room_left_or_another_runtime_error(
+    train_workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch write failure on a disk with room (a quota, an I/O error) is still one line, saying so;
+    any other RuntimeError from the same place stays a traceback (a bug)."""
+    wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
+    argv = ["stage=train", *train_overrides(wd)]
+    real_usage = shutil.disk_usage
+    with monkeypatch.context() as patch:
+        _torch_save_fails(patch, *TORCH_FULL_DISK[0])
+        patch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=512 << 30))
+        assert main(argv) == 2
+        line = _error_line(capsys)
+    assert line == (
+        f"error: writing under {wd} failed ({TORCH_FULL_DISK[0][0]}; 512.0 GiB free there): check that disk "
+        "(quota, errors), then run the same command again (finished work is kept)"
+    )
+    with monkeypatch.context() as patch:
+        _torch_save_fails(patch, "expected a Tensor but got NoneType", None)
+        with pytest.raises(RuntimeError, match="expected a Tensor"):
+            main(argv)
+    assert environment_fault(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"), wd) is None
+
+
 def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) -> None:
     """A fault inside a staging folder or an atomic write's temp file names the artefact it was becoming;
     libraries that reword the OS error (safetensors' Rust I/O, Arrow) are recognised by its text; other
@@ -312,6 +402,10 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
         f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
     )
     assert "free there" in full
+    named_by_pid = temp.with_name(".medusa_lm_head.safetensors.4242.a1b2c3d4.tmp")  # since issue 18b
+    assert environment_fault(OSError(errno.ENOSPC, "", str(named_by_pid)), tmp_path).startswith(
+        f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
+    )
     wrapped = RuntimeError(
         "Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"
     )

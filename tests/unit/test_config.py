@@ -133,6 +133,37 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "stage=" in capsys.readouterr().out
 
 
+# Runs ``python -m medusa_train <flag>`` in a fresh interpreter (runpy is what ``-m`` uses) and
+# prints the exit code and which heavy packages the help path imported.
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = ["medusa_train", sys.argv[1]]
+try:
+    runpy.run_module("medusa_train", run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    code = exit.code
+print("EXIT", code, sorted(m for m in ("torch", "transformers", "hydra") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h", "--cfg"])
+def test_help_and_cfg_import_no_torch(flag: str) -> None:
+    """Issue 18b: ``--help`` and ``--cfg`` answer without importing torch or transformers (seconds on a
+    busy machine): the config checks ``tree.choices`` with ``medusa_train.choices``, which needs no torch."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_PROBE, flag],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    if flag == "--cfg":
+        assert '"stage": "all"' in proc.stdout and '"workdir": "runs/default"' in proc.stdout
+    else:
+        assert "stage=<pretrain|distill|train|export|eval|all>" in proc.stdout and "--cfg" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 0 ['hydra']", proc.stdout
+
+
 # One bad value per line, each for a field whose range __post_init__ checks (issue 12): the message
 # names the key and says the allowed range. Every numeric field must appear here (next test).
 BAD_VALUES = [

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
-from medusa_train.workdir import staging_dir
+from medusa_train.workdir import atomic_write, staging_dir
 from tests.helpers.scripts import load_script
 
 sweep = load_script("fault_sweep")
@@ -20,8 +19,10 @@ def test_leftover_scan_finds_the_temp_names_the_workdir_module_uses(tmp_path: Pa
     staged = staging_dir(wd / "export")  # a killed export's folder
     old = wd / f".eval.old-{os.getpid()}"  # a kill between publish_dir's two renames
     old.mkdir()
-    fd, half = tempfile.mkstemp(prefix=".config.json.", suffix=".tmp", dir=wd / "heads")  # atomic_write's
-    os.close(fd)
+    names: list[Path] = []  # atomic_write's temp file, as a kill mid-write leaves it
+    atomic_write(wd / "heads" / "config.json", lambda tmp: names.append(tmp) or tmp.write_text("{}"))
+    names[0].write_text("{")
+    half = str(names[0])
     assert sweep.leftovers(wd) == sorted([str(staged), str(old), half])
 
 

@@ -493,7 +493,7 @@ def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
 
     from transformers import AutoTokenizer
 
-    from medusa_train.formats import add_legacy_tokenizer_keys
+    from medusa_train.formats import add_legacy_tokenizer_keys, save_tokenizer
 
     shutil.copytree(tiny_backbone_dir, tmp_path, dirs_exist_ok=True)
     before = AutoTokenizer.from_pretrained(tmp_path)
@@ -516,3 +516,20 @@ def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
         messages, tokenize=False
     )
     assert after.get_vocab() == before.get_vocab() and add_legacy_tokenizer_keys(tmp_path) == []
+
+    # save_tokenizer, through which every tokenizer the pipeline writes goes (stage=pretrain's too,
+    # issue 18b): saved by transformers 5 and adapted in one step, read back the same.
+    saved = tmp_path / "saved"
+    assert set(save_tokenizer(before, saved)) >= {
+        "tokenizer_config.json:tokenizer_class",
+        "tokenizer.json:merges",
+    }
+    assert (
+        json.loads((saved / "tokenizer_config.json").read_text())["tokenizer_class"]
+        == "PreTrainedTokenizerFast"
+    )
+    assert add_legacy_tokenizer_keys(saved) == []
+    again = AutoTokenizer.from_pretrained(saved)
+    for text in ("Medusa heads draft tokens; the backbone verifies them.", " spaces  and\nlines ?!"):
+        assert again(text).input_ids == before(text).input_ids
+    assert again.get_vocab() == before.get_vocab()

@@ -134,6 +134,25 @@ def test_json_round_trip(tmp_path):
         load_choices(tmp_path / "junk.json")
 
 
+def test_save_choices_is_atomic(tmp_path, monkeypatch):
+    """Issue 18b: a write that fails half-way (a full disk) leaves the previous tree and no temp file."""
+    path = save_choices(tmp_path / "tree.json", chain_tree(3))
+    before = path.read_bytes()
+    real_write_text = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_choices(path, MEDUSA_63)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert load_choices(path) == chain_tree(3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tree.json"]
+
+
 def test_package_needs_only_torch_and_transformers():
     code = (
         "import sys, medusa_train.decoding\n"

@@ -1,0 +1,65 @@
+"""Issue 18b: the temp files of ``workdir.atomic_write`` carry their writer's pid, and ``remove_stale``
+(called by every stage at start) deletes those of processes that no longer run -- never a live one's.
+
+The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`` start) is
+``tests/stages/test_reliability_artefacts.py::test_distill_start_deletes_a_killed_writes_temp_file``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from medusa_train import workdir as workdir_mod
+from medusa_train.workdir import atomic_write, atomic_write_text, remove_stale
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    pid = int(proc.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
+
+
+def test_atomic_write_names_its_temp_file_with_its_pid(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def write(tmp: Path) -> None:
+        seen.append(tmp.name)
+        tmp.write_text("x")
+
+    atomic_write(tmp_path / "run.json", write)
+    assert len(seen) == 1 and workdir_mod._TEMP_FILE.match(seen[0])
+    assert seen[0].startswith(f".run.json.{os.getpid()}.") and seen[0].endswith(".tmp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_pid: int) -> None:
+    final = tmp_path / "distill"
+    (final / "shards").mkdir(parents=True)
+    atomic_write_text(final / "progress.json", "{}")
+    dead = [
+        final / f".progress.json.{dead_pid}.abcd1234.tmp",
+        final / "shards" / f".shard-00003.arrow.{dead_pid}.k1ll_3d0.tmp",  # under the folder too
+        tmp_path / f".distill.{dead_pid}.abcd1234.tmp",  # beside it, named for it
+    ]
+    live = [
+        final / f".progress.json.{os.getpid()}.abcd1234.tmp",  # this process is writing it
+        final / f".progress.json.{os.getppid()}.abcd1234.tmp",  # another live process
+        final / ".progress.json.abcd1234.tmp",  # the pre-18b name: whose it is cannot be told
+        tmp_path / f".other.json.{dead_pid}.abcd1234.tmp",  # beside it, but another file's
+    ]
+    for path in dead + live:
+        path.write_text("half")
+    removed = remove_stale(final)
+    assert sorted(removed) == sorted(dead)
+    assert [p for p in dead if p.exists()] == [] and all(p.exists() for p in live)
+    assert (final / "progress.json").read_text() == "{}"
+    assert remove_stale(tmp_path / "other.json") == [tmp_path / f".other.json.{dead_pid}.abcd1234.tmp"]
