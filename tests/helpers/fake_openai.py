@@ -10,7 +10,8 @@ Run as (the fault sweep starts it so, to kill it with a signal)::
 
     python -m tests.helpers.fake_openai --port 8000 [--model NAME] [--key KEY] [--exit-after K] ...
 
-``--exit-after K`` ends the process after its K-th answer (connections are then refused).
+``--exit-after K`` ends the process after its K-th answer (connections are then refused); ``--fail-from N
+--fail-first M`` answers M requests 429 once N have been answered.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class FakeOpenAI:
     Args:
         model: the one model name it serves (``/v1/models`` lists it with ``root``).
         key: the API key it requires as ``Authorization: Bearer``; None = none.
-        fail_first: how many generation requests get ``fail_status`` first (with ``Retry-After: 0``).
+        fail_first: how many generation requests get ``fail_status`` (with ``Retry-After: 0``) once
+            ``fail_from`` have been answered.
+        fail_from: generation answers before that storm.
         fail_status: that status (429: a rate-limit storm; 503: overloaded).
         garbage: every answer is a 200 whose body is not JSON.
         dead_after: after this many generation answers, every request has its connection dropped.
@@ -73,6 +76,7 @@ class FakeOpenAI:
         root: str | None = None,
         key: str | None = None,
         fail_first: int = 0,
+        fail_from: int = 0,
         fail_status: int = 429,
         garbage: bool = False,
         dead_after: int | None = None,
@@ -81,6 +85,7 @@ class FakeOpenAI:
     ) -> None:
         self.model, self.root, self.key = model, root or model, key
         self.fail_first, self.fail_status, self.garbage = fail_first, fail_status, garbage
+        self.fail_from = fail_from
         self.dead_after, self.exit_after, self.delay_s = dead_after, exit_after, delay_s
         self.answered = 0
         self.requests: list[tuple[str, str]] = []
@@ -143,7 +148,7 @@ class FakeOpenAI:
             if body.get("model") != self.model:
                 message = f"The model `{body.get('model')}` does not exist."
                 return 404, {"error": {"message": message, "code": 404}}, None, None
-            if self.fail_first > 0:
+            if self.fail_first > 0 and self.answered >= self.fail_from:
                 self.fail_first -= 1
                 return self.fail_status, {"error": {"message": "slow down"}}, {"Retry-After": "0"}, None
             if self.garbage:
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", default=None)
     ap.add_argument("--key", default=None)
     ap.add_argument("--fail-first", type=int, default=0)
+    ap.add_argument("--fail-from", type=int, default=0)
     ap.add_argument("--fail-status", type=int, default=429)
     ap.add_argument("--garbage", action="store_true")
     ap.add_argument("--exit-after", type=int, default=None)
@@ -188,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         root=args.root,
         key=args.key,
         fail_first=args.fail_first,
+        fail_from=args.fail_from,
         fail_status=args.fail_status,
         garbage=args.garbage,
         exit_after=args.exit_after,
