@@ -266,11 +266,15 @@ class DistillServerConfig:
     """Seconds one request may take (connect + generate) before it is retried."""
     max_retries: int = 6
     """Retries of a request after a connection error, a timeout, HTTP 429 or 5xx, with exponential
-    backoff and jitter; after that the run stops with one line naming the URL (finished shards kept)."""
+    backoff and jitter; after that its endpoint is marked down and its requests go to the other URLs
+    (failover); when every URL is down the run stops with one line naming each (finished shards kept)."""
     backoff_s: float = 1.0
     """First retry delay, seconds; doubled per retry (x0.5-1.0 jitter), capped at `backoff_max_s`."""
     backoff_max_s: float = 60.0
     """Longest delay between two retries, seconds."""
+    readmit_after_s: float = 30.0
+    """Seconds a down endpoint waits before one `GET /v1/models` probes it; it rejoins when that gets
+    an answer (an endpoint down since before any work: when it passes the model check)."""
 
     def __post_init__(self) -> None:
         _choice("distill.server.api", self.api, ("chat", "tokens"))
@@ -287,6 +291,7 @@ class DistillServerConfig:
         _range("distill.server.max_retries", self.max_retries, 0, 100)
         _range("distill.server.backoff_s", self.backoff_s, 0)
         _range("distill.server.backoff_max_s", self.backoff_max_s, 0)
+        _range("distill.server.readmit_after_s", self.readmit_after_s, 0)
 
 
 @dataclass

@@ -16,6 +16,11 @@ classifies the outcome:
 Kill cases run the command once with the kill, then the same command again; the second run is the
 one classified. The target (issue 12): no TRACEBACK, no SILENT-WRONG, no LEFTOVER, no UNEXPECTED.
 
+The ``server`` cases distill through ``distill.engine=server`` against stand-in OpenAI-compatible
+servers the sweep starts as processes on 127.0.0.1 (``tests/helpers/fake_openai.py``, standard library:
+replies that depend only on the conversation, faults on demand) and kills after the case. A case that
+must work is checked against a clean run through one healthy stand-in: the same shards, byte for byte.
+
 Usage::
 
     nice -n 5 python scripts/fault_sweep.py [--root /tmp/fault-sweep] [--only NAME_SUBSTRING] [--keep]
@@ -34,9 +39,12 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,6 +180,8 @@ class Case:
     fresh: bool = True  # False: runs in a copy placed elsewhere by setup (cwd given by setup)
     cwd: Callable[[Path], Path] | None = None
     results: dict = field(default_factory=dict)
+    between: Callable[[Path], None] | None = None  # before the rerun (e.g. restart a killed server)
+    env: dict = field(default_factory=dict)  # more environment variables for the CLI calls
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -215,12 +225,19 @@ CASE_TIMEOUT = 240
 minute, so a call still running then has started unbounded work (``TIMEOUT``)."""
 
 
-def run_cli(argv: list[str], cwd: Path, fault: dict | None = None, timeout: int = CASE_TIMEOUT) -> Run:
+def run_cli(
+    argv: list[str],
+    cwd: Path,
+    fault: dict | None = None,
+    timeout: int = CASE_TIMEOUT,
+    extra_env: dict | None = None,
+) -> Run:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
         "SWEEP_FAULT": json.dumps(fault or {}),
+        **(extra_env or {}),
     }
     env.pop("CUDA_VISIBLE_DEVICES", None)
     t0 = time.time()
@@ -321,6 +338,117 @@ def all_of(*checks: Callable[[Path, Run], str | None]) -> Callable[[Path, Run], 
             msg = c(wd, run)
             if msg:
                 return msg
+        return None
+
+    return check
+
+
+# -- stand-in OpenAI-compatible servers (the server cases) ---------------------------------------------
+SERVERS: dict[int, subprocess.Popen] = {}
+"""The stand-in servers of the running case by port; run_case kills them when the case ends."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int | None = None, *args: str) -> str:
+    """A ``tests/helpers/fake_openai.py`` process on 127.0.0.1 serving model ``fake``; its base URL."""
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.fake_openai", "--port", str(port), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    SERVERS[port] = proc
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/models", timeout=2).close()
+            return url
+        except urllib.error.HTTPError:  # it answers (e.g. 401: it wants a key)
+            return url
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    raise RuntimeError(f"the stand-in server on port {port} did not start")
+
+
+def stop_servers() -> None:
+    for proc in SERVERS.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    SERVERS.clear()
+
+
+def server_argv(wd: Path, urls: list[str], *extra: str) -> list[str]:
+    """A new distill (distill/ removed first) through ``urls``, with a short retry budget."""
+    shutil.rmtree(wd / "distill", ignore_errors=True)
+    return stage(
+        "distill",
+        wd,
+        "distill.engine=server",
+        f"distill.server.urls=[{','.join(urls)}]",
+        "distill.server.model=fake",
+        "distill.server.concurrency=2",
+        "distill.server.max_retries=2",
+        "distill.server.backoff_s=0.05",
+        "distill.server.backoff_max_s=0.2",
+        "distill.server.timeout_s=20",
+        *extra,
+    )
+
+
+class ServerReference:
+    """The shards of a clean server distill (one healthy stand-in), made once per sweep when first needed."""
+
+    def __init__(self, base: Path, scratch: Path) -> None:
+        self.base, self.scratch, self.digest = base, scratch, None
+
+    def shards(self) -> str:
+        if self.digest is None:
+            wd = self.scratch / "server-reference" / "wd"
+            shutil.rmtree(wd.parent, ignore_errors=True)
+            shutil.copytree(self.base, wd, symlinks=True)
+            try:
+                r = run_cli(server_argv(wd, [start_server()]), REPO)
+            finally:
+                stop_servers()
+            if r.rc != 0:
+                raise RuntimeError(f"the reference server distill failed: {r.err[-500:]}")
+            self.digest = tree_digest(wd / "distill" / "shards")
+            shutil.rmtree(wd.parent, ignore_errors=True)
+        return self.digest
+
+    def check(self, wd: Path, run: Run) -> str | None:
+        """The shards equal the clean run's (every record once, the same tokens) and the manifest's."""
+        msg = distill_matches_manifest(wd, run)
+        if msg:
+            return msg
+        if tree_digest(wd / "distill" / "shards") != self.shards():
+            return "the records differ from a clean run through one healthy server"
+        return None
+
+
+def resumed(wd: Path, run: Run) -> str | None:
+    """The rerun kept the first run's shards (it did not start over)."""
+    return None if "distill: resuming" in run.err else "the rerun did not resume from the first run's shards"
+
+
+def went_down(url_index: int) -> Callable[[Path, Run], str | None]:
+    """The manifest counts the ``url_index``-th endpoint as gone down once."""
+
+    def check(wd: Path, run: Run) -> str | None:
+        counts = _json(wd / "distill" / "manifest.json")["engine"].get("endpoint_counts") or []
+        if len(counts) <= url_index or counts[url_index].get("went_down") != 1:
+            return f"the manifest's endpoint_counts do not show endpoint {url_index} going down: {counts}"
         return None
 
     return check
@@ -841,6 +969,82 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         "refuse",
         lambda wd: (wd.parent.joinpath("f2").write_text("x"), stage("eval", wd.parent / "f2" / "wd"))[1],
     )
+
+    # distill.engine=server against stand-in servers (started here, killed when the case ends).
+    reference = ServerReference(base, scratch)
+    dead = lambda: f"http://127.0.0.1:{free_port()}/v1"  # noqa: E731 - nothing listens there
+    add("server: unreachable URL", "server", "refuse", lambda wd: server_argv(wd, [dead()]))
+    add(
+        "server: URL without /v1",
+        "server",
+        "refuse",
+        lambda wd: server_argv(wd, [start_server()[: -len("/v1")] + "/v2"]),
+    )
+    add(
+        "server: wrong model name",
+        "server",
+        "refuse",
+        lambda wd: server_argv(wd, [start_server()], "distill.server.model=nope"),
+    )
+    add(
+        "server: bad API key (401)",
+        "server",
+        "refuse",
+        lambda wd: server_argv(
+            wd, [start_server(None, "--key", "the-right-key")], "distill.server.api_key_env=SWEEP_SERVER_KEY"
+        ),
+        env={"SWEEP_SERVER_KEY": "a-wrong-key"},
+    )
+    add(
+        "server: API key variable not set",
+        "server",
+        "refuse",
+        lambda wd: server_argv(wd, [start_server()], "distill.server.api_key_env=SWEEP_UNSET_KEY_VARIABLE"),
+    )
+    add(
+        "server: malformed JSON answers",
+        "server",
+        "refuse",
+        lambda wd: server_argv(wd, [start_server(None, "--garbage")]),
+    )
+    add(
+        "server: 429 storm, then answers",
+        "server",
+        "ok",
+        lambda wd: server_argv(
+            wd, [start_server(None, "--fail-from", "5", "--fail-first", "6")], "distill.server.max_retries=8"
+        ),
+        check=reference.check,
+    )
+    add(
+        "server: one of two endpoints dead",
+        "server",
+        "ok",
+        lambda wd: server_argv(wd, [dead(), start_server()]),
+        check=all_of(reference.check, went_down(0)),
+    )
+    add(
+        "server: one of two endpoints killed mid-run",
+        "server",
+        "ok",
+        lambda wd: server_argv(wd, [start_server(None, "--exit-after", "10"), start_server()]),
+        check=all_of(reference.check, went_down(0)),
+    )
+    ports: dict[str, int] = {}
+
+    def killed_mid_run(wd: Path) -> list[str]:
+        ports["killed"] = free_port()
+        return server_argv(wd, [start_server(ports["killed"], "--exit-after", "14")])
+
+    add(
+        "server: killed mid-run, then the same command resumes",
+        "server",
+        "ok",
+        killed_mid_run,
+        rerun=True,
+        between=lambda wd: start_server(ports["killed"]) and None,
+        check=all_of(reference.check, resumed),
+    )
     return out
 
 
@@ -891,6 +1095,7 @@ def run_case(case: Case, base: Path, scratch: Path) -> tuple[str, str, float]:
     try:
         argv = case.setup(wd)
     except Exception as err:  # noqa: BLE001 - a case that cannot be set up is reported, not fatal
+        stop_servers()
         return "SETUP-FAILED", f"{type(err).__name__}: {err}"[:150], 0.0
     if not wd.exists():  # moved
         wd = next(p for p in root.iterdir() if p.is_dir() and p.name.startswith("wd-"))
@@ -900,17 +1105,34 @@ def run_case(case: Case, base: Path, scratch: Path) -> tuple[str, str, float]:
             wd_final = p
     cwd = case.cwd(wd) if case.cwd else REPO
     fault = json.loads(json.dumps(case.fault).replace("<wd>", str(wd))) if case.fault else None
-    first = run_cli(argv, cwd, fault)
-    seconds = first.seconds
-    final = first
-    if case.rerun:
-        if first.rc == 0:
-            return "UNEXPECTED", "the kill did not happen (no such moment)", seconds
-        if "Traceback" in first.err and first.rc != -9:
-            return "TRACEBACK", "the interrupted run: " + first.err.strip().splitlines()[-1][:140], seconds
-        final = run_cli(argv, cwd, None)
-        seconds += final.seconds
+    try:
+        first = run_cli(argv, cwd, fault, extra_env=case.env)
+        seconds = first.seconds
+        final = first
+        if case.rerun:
+            if first.rc == 0:
+                return "UNEXPECTED", "the kill did not happen (no such moment)", seconds
+            if "Traceback" in first.err and first.rc != -9:
+                return (
+                    "TRACEBACK",
+                    "the interrupted run: " + first.err.strip().splitlines()[-1][:140],
+                    seconds,
+                )
+            if case.between is not None and first.kind() != "refused":  # a server fault: one line, exit 2
+                return (
+                    "TRACEBACK",
+                    f"the interrupted run: {first.kind()}: {first.err.strip()[-140:]}",
+                    seconds,
+                )
+            if case.between is not None:
+                case.between(wd)
+            final = run_cli(argv, cwd, None, extra_env=case.env)
+            seconds += final.seconds
+    finally:
+        stop_servers()
     outcome, note = classify(case, wd_final, first, final, before)
+    if case.rerun and first.rc == 2 and outcome == "ok":
+        note = "first run: " + first.error_lines[0][7:120] + "; rerun resumed"
     return outcome, note, seconds
 
 

@@ -28,9 +28,18 @@ Two request kinds (``api``):
 
 HTTP is the standard library (``urllib``, one thread per request in flight): retries with
 exponential backoff and jitter on connection errors, timeouts, HTTP 408/429/5xx (``Retry-After``
-honoured), then one :class:`~medusa_train.errors.UserError` line naming the URL. The API key is read
-from the environment variable named by the caller and sent as ``Authorization: Bearer``; it is never
-returned, logged or stored.
+honoured), unparsable answers. The API key is read from the environment variable named by the caller
+and sent as ``Authorization: Bearer``; it is never returned, logged or stored.
+
+Failover between endpoints (a fleet of replicas, one of which restarts): an endpoint whose request
+still fails after the retry budget (:class:`ServerUnavailable`), or that answers in a shape no
+OpenAI-compatible server uses, is marked down with the reason; its requests in flight are abandoned
+(a late answer is discarded) and, with every later request, go to the endpoints still up, so each
+request gets exactly one reply. After ``readmit_after_s`` a down endpoint is probed with one
+``GET /models`` (an endpoint that was already down before any work gets :func:`check_endpoint`'s full
+check instead) and rejoins when it answers. The run stops with one line naming every URL and why it
+is down only when all of them are. A refused request (HTTP 4xx: a bad key, an unknown model, a bad
+request) is the same on every endpoint, so it is no reason to fail over: it stops the run at once.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import threading
@@ -47,7 +57,7 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import Any
 
 from medusa_train.engines.base import GenRequest
@@ -59,12 +69,33 @@ RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 """HTTP answers worth another try: timeouts, rate limits, overloaded or restarting servers."""
 
 
+PROBE_STATUSES = frozenset({408, 429, 502, 503, 504})
+"""HTTP answers to a re-admission probe that mean "not back yet" (any other answer: the server is up)."""
+
+
 class ServerRefused(Exception):
     """A non-retryable HTTP answer (4xx): the request itself is wrong for this server."""
 
     def __init__(self, url: str, status: int, detail: str) -> None:
         super().__init__(f"{url}: HTTP {status}: {detail}")
         self.url, self.status, self.detail = url, status, detail
+
+
+class ServerUnavailable(UserError):
+    """An endpoint that still fails after the retry budget (nothing listening, timeouts, 5xx, answers
+    that are not JSON) or that answered in a shape no OpenAI-compatible server uses.
+
+    Attributes:
+        url: the endpoint.
+        reason: one line naming the URL and what went wrong, without advice (the failover's record).
+    """
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(
+            f"{reason}: start it or fix distill.server.urls, then run the same command again (it resumes "
+            "where it stopped: finished shards are kept)"
+        )
+        self.url, self.reason = url, reason
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -139,23 +170,35 @@ class ServerClient:
         body: dict | None = None,
         *,
         retry_statuses: frozenset[int] = RETRY_STATUSES,
+        max_retries: int | None = None,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
     ) -> dict:
         """GET (``body`` None) or POST JSON to ``url + path``; the decoded JSON answer.
 
+        Args:
+            max_retries, timeout_s: this request's own budget (default: the client's).
+            stop: set by the caller when it no longer wants the answer: no further attempt is made.
+
         Raises:
             ServerRefused: an HTTP status outside ``retry_statuses`` and not 2xx.
-            UserError: still failing after ``max_retries`` retries (one line naming the URL).
+            ServerUnavailable: still failing after the retries (a one-line UserError naming the URL).
         """
         data = None if body is None else json.dumps(body).encode()
+        retries = self.max_retries if max_retries is None else max_retries
         start = time.monotonic()
         last = ""
-        for attempt in range(self.max_retries + 1):
+        attempts = 0
+        for attempt in range(retries + 1):
+            if stop is not None and stop.is_set():
+                break
+            attempts += 1
             retry_after = None
             req = urllib.request.Request(
                 url + path, data=data, headers=self._headers(), method="GET" if body is None else "POST"
             )
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as err:
                 detail = _one_line(err.read().decode(errors="replace"))
@@ -165,97 +208,165 @@ class ServerClient:
             except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError) as err:
                 reason = getattr(err, "reason", None) or err
                 last = _one_line(f"{type(err).__name__}: {reason}")
-            if attempt < self.max_retries:
+            if attempt < retries and not (stop is not None and stop.is_set()):
                 with self._lock:
                     self.retries += 1
                 self._sleep(self._delay(attempt, retry_after))
-        raise UserError(
-            f"server {url} did not answer after {self.max_retries + 1} attempts over "
-            f"{time.monotonic() - start:.0f} s (last: {last}): start it or fix distill.server.urls, then "
-            "run the same command again (finished shards are kept)"
+        raise ServerUnavailable(
+            url,
+            f"server {url} did not answer after {attempts} attempt{'s' * (attempts != 1)} over "
+            f"{time.monotonic() - start:.0f} s (last: {last or 'abandoned'})",
         )
+
+
+def check_endpoint(
+    client: ServerClient,
+    url: str,
+    model: str,
+    api: str,
+    probe_messages: list[dict],
+    probe_ids: list[int],
+    *,
+    roots: set[str] | None = None,
+) -> dict:
+    """One endpoint answers, serves ``model`` and (``api=tokens``) returns token ids.
+
+    It gets ``GET /models`` (its listing, where it has one: ``transformers serve`` lists its hub
+    cache, not a model it was started on) and a one-token probe request for ``model``.
+
+    Args:
+        roots: the checkpoints the other endpoints serve; None = do not compare.
+
+    Returns:
+        ``{"url", "model_id", "root"}``: ``model_id`` is the name the server answers with and ``root``
+        the listing's ``root`` (vLLM: the checkpoint the name stands for) or ``id``.
+
+    Raises:
+        ServerUnavailable: unreachable (after the retry budget) or answering in no OpenAI shape.
+        UserError: wrong model name, refused key, no ``/v1`` API, no token ids from an ``api=tokens``
+            server, or another model than ``roots``.
+    """
+    listed: list[dict] = []
+    try:
+        answer = client.request(url, "/models", retry_statuses=frozenset({408, 429, 502, 503, 504}))
+        listed = (
+            [m for m in answer.get("data", []) if isinstance(m, dict)] if isinstance(answer, dict) else []
+        )
+    except ServerRefused as err:
+        if err.status in (401, 403):
+            raise UserError(
+                f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
+            ) from None
+        if err.status == 404:
+            raise UserError(
+                f"no OpenAI-compatible API at {url} (GET {url}/models: HTTP 404): the URL must end in /v1"
+            ) from None
+        # other 4xx/500 on the listing (e.g. `transformers serve` without a hub cache): rely on the probe
+    entry = next((m for m in listed if m.get("id") == model), None)
+    probe = {"model": model, "max_tokens": 1, "temperature": 0.0}
+    try:
+        answer = client.request(url, "/chat/completions", {**probe, "messages": probe_messages})
+    except ServerRefused as err:
+        if err.status in (401, 403):
+            raise UserError(
+                f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
+            ) from None
+        names = ", ".join(str(m.get("id")) for m in listed) or "none listed"
+        raise UserError(
+            f"server {url} does not take model {model!r} (it lists: {names}): set distill.server.model "
+            f"[HTTP {err.status}: {_one_line(err.detail, 120)}]"
+        ) from None
+    _first_choice(url, answer, "message")
+    if api == "tokens":
+        try:
+            body = {**probe, "prompt": probe_ids, **_TOKEN_ID_FIELDS}
+            ids = _completion_ids(_first_choice(url, client.request(url, "/completions", body), None))
+        except ServerRefused as err:
+            raise UserError(
+                f"server {url} does not take a token-id prompt (HTTP {err.status}: "
+                f"{_one_line(err.detail, 120)}): api=tokens is for vLLM; use distill.server.api=chat"
+            ) from None
+        if ids is None:
+            raise UserError(
+                f"server {url} returned no token ids (needs vLLM's return_token_ids or "
+                "return_tokens_as_token_ids): use distill.server.api=chat"
+            )
+    served = str(answer.get("model", model))
+    root = str((entry or {}).get("root") or (entry or {}).get("id") or served)
+    if roots is not None and root not in roots:
+        raise UserError(
+            f"server {url} serves {root}, the other distill.server.urls {', '.join(sorted(roots))}: use one model"
+        )
+    return {"url": url, "model_id": served, "root": root}
 
 
 def check_server(
     client: ServerClient, model: str, api: str, probe_messages: list[dict], probe_ids: list[int]
 ) -> dict:
-    """Before any work: every endpoint answers, serves ``model`` and (``api=tokens``) returns token ids.
+    """Before any work: every endpoint that answers serves ``model`` (:func:`check_endpoint`).
 
-    Each endpoint gets ``GET /models`` (its listing, where it has one: ``transformers serve`` lists
-    its hub cache, not a model it was started on) and a one-token probe request for ``model``.
+    An endpoint that does not answer (after the retry budget) is left out and reported as down, with a
+    warning, as long as another one is up: the engine probes it again later (failover).
 
     Returns:
-        ``{"model": model, "api": api, "endpoints": [{"url", "model_id", "root"}, ...]}`` where
-        ``model_id`` is the name the server answers with and ``root`` the listing's ``root`` (vLLM:
-        the checkpoint the name stands for) or ``id``.
+        ``{"model": model, "api": api, "endpoints": [{"url", "model_id", "root"}, ...], "down":
+        {url: reason}}``; ``endpoints`` holds the endpoints that passed, ``down`` those that did not answer.
 
     Raises:
-        UserError: unreachable URL (after the retry budget), wrong model name, refused key,
-            no token ids from an ``api=tokens`` server, or endpoints serving different models.
+        UserError: every endpoint down (one line naming each URL and why), or a user's mistake any
+            endpoint reveals (wrong model name, refused key, a URL without ``/v1`` API, no token ids
+            from an ``api=tokens`` server, endpoints serving different models).
     """
-    endpoints = []
+    endpoints, down = [], {}
     for url in client.urls:
-        listed: list[dict] = []
         try:
-            answer = client.request(url, "/models", retry_statuses=frozenset({408, 429, 502, 503, 504}))
-            listed = (
-                [m for m in answer.get("data", []) if isinstance(m, dict)] if isinstance(answer, dict) else []
-            )
-        except ServerRefused as err:
-            if err.status in (401, 403):
-                raise UserError(
-                    f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
-                ) from None
-            if err.status == 404:
-                raise UserError(
-                    f"no OpenAI-compatible API at {url} (GET {url}/models: HTTP 404): the URL must end in /v1"
-                ) from None
-            # other 4xx/500 on the listing (e.g. `transformers serve` without a hub cache): rely on the probe
-        entry = next((m for m in listed if m.get("id") == model), None)
-        probe = {"model": model, "max_tokens": 1, "temperature": 0.0}
-        try:
-            answer = client.request(url, "/chat/completions", {**probe, "messages": probe_messages})
-        except ServerRefused as err:
-            if err.status in (401, 403):
-                raise UserError(
-                    f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
-                ) from None
-            names = ", ".join(str(m.get("id")) for m in listed) or "none listed"
-            raise UserError(
-                f"server {url} does not take model {model!r} (it lists: {names}): set distill.server.model "
-                f"[HTTP {err.status}: {_one_line(err.detail, 120)}]"
-            ) from None
-        if api == "tokens":
-            try:
-                body = {**probe, "prompt": probe_ids, **_TOKEN_ID_FIELDS}
-                ids = _completion_ids(client.request(url, "/completions", body)["choices"][0])
-            except ServerRefused as err:
-                raise UserError(
-                    f"server {url} does not take a token-id prompt (HTTP {err.status}: "
-                    f"{_one_line(err.detail, 120)}): api=tokens is for vLLM; use distill.server.api=chat"
-                ) from None
-            except (KeyError, IndexError, TypeError):
-                ids = None
-            if ids is None:
-                raise UserError(
-                    f"server {url} returned no token ids (needs vLLM's return_token_ids or "
-                    "return_tokens_as_token_ids): use distill.server.api=chat"
-                )
-        endpoints.append(
-            {
-                "url": url,
-                "model_id": str(answer.get("model", model)),
-                "root": str(
-                    (entry or {}).get("root") or (entry or {}).get("id") or answer.get("model", model)
-                ),
-            }
+            endpoints.append(check_endpoint(client, url, model, api, probe_messages, probe_ids))
+        except ServerUnavailable as err:
+            down[url] = err.reason
+    if not endpoints:
+        raise all_down_error(down)
+    for url, reason in down.items():
+        log.warning(
+            "distill: %s is down before any work (%s); distilling on the other %d endpoint(s), probing it "
+            "again later",
+            url,
+            reason,
+            len(endpoints),
         )
     roots = {e["root"] for e in endpoints}
     if len(roots) > 1:
         raise UserError(
             f"distill.server.urls serve different models ({', '.join(sorted(roots))}): use one model"
         )
-    return {"model": model, "api": api, "endpoints": endpoints}
+    return {"model": model, "api": api, "endpoints": endpoints, "down": down}
+
+
+def all_down_error(down: dict[str, str]) -> UserError:
+    """The one line that ends a run when no endpoint is up: every URL and why it is down."""
+    if len(down) == 1:
+        url, reason = next(iter(down.items()))
+        return ServerUnavailable(url, reason)
+    return UserError(
+        f"all {len(down)} distill.server.urls are down: {'; '.join(down.values())}: start one or fix "
+        "distill.server.urls, then run the same command again (it resumes where it stopped: finished "
+        "shards are kept)"
+    )
+
+
+def _first_choice(url: str, answer: Any, kind: str | None) -> dict:
+    """``answer["choices"][0]`` (with a ``message`` object where ``kind="message"``).
+
+    Raises:
+        ServerUnavailable: the answer has no such shape (no OpenAI-compatible server answers so).
+    """
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict) or (kind is not None and not isinstance(choice.get(kind), dict)):
+        shape = _one_line(json.dumps(answer)[:120], 120)
+        raise ServerUnavailable(
+            url, f"server {url} sent an answer without choices[0]{'.' + kind if kind else ''} ({shape})"
+        )
+    return choice
 
 
 _TOKEN_ID_FIELDS = {"logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -297,6 +408,17 @@ def reply_end_id(tokenizer, eos_ids: list[int]) -> int:
 class _Endpoint:
     url: str
     in_flight: int = 0
+    down: str | None = None
+    """Why it is down (one line naming the URL); None while it is up."""
+    down_since: float = 0.0
+    """``time.monotonic()`` when it went down or last failed a probe (``inf``: never probed again)."""
+    checked: bool = True
+    """It passed :func:`check_endpoint` (False: down since before any work, so never checked)."""
+    probing: bool = False
+    replies: int = 0
+    failures: int = 0
+    """Requests that failed there after the retry budget, or were in flight there when it went down."""
+    went_down: int = 0
 
 
 @dataclass
@@ -309,10 +431,11 @@ class ServerEngine:
     """Generates :class:`GenRequest` replies on OpenAI-compatible servers; ``run`` as ``ContinuousBatcher.run``.
 
     Up to ``concurrency`` requests are in flight per endpoint (the server batches them); a new
-    request goes to the least busy endpoint; a conversation's next turn is queued ahead of
+    request goes to the least busy endpoint that is up; a conversation's next turn is queued ahead of
     conversations not started yet. ``on_done`` is called on the calling thread, with the reply's
     token ids, or None when the reply cannot be tokenised exactly (``api=chat``, see the module
-    docstring); the caller then ends that conversation.
+    docstring); the caller then ends that conversation. Endpoints fail over as the module docstring
+    says; :meth:`endpoint_counts` tells what each one did.
 
     Args:
         client: the HTTP client (its URLs are the endpoints).
@@ -325,6 +448,10 @@ class ServerEngine:
         temperature: 0 = greedy.
         top_p: nucleus mass when sampling.
         concurrency: requests in flight per endpoint.
+        down: endpoints already down before any work (``check_server``'s ``down``: url -> reason).
+        readmit_after_s: seconds a down endpoint waits before it is probed again.
+        check: full check of an endpoint that was down before any work, before it joins
+            (:func:`check_endpoint` with the other endpoints' ``roots``); None = the plain probe.
     """
 
     def __init__(
@@ -340,6 +467,9 @@ class ServerEngine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         concurrency: int = 8,
+        down: dict[str, str] | None = None,
+        readmit_after_s: float = 30.0,
+        check: Callable[[str], Any] | None = None,
     ) -> None:
         self.client = client
         self.model = model
@@ -351,7 +481,16 @@ class ServerEngine:
         self.temperature = temperature
         self.top_p = top_p
         self.endpoints = [_Endpoint(u) for u in client.urls]
+        for endpoint in self.endpoints:
+            if endpoint.url in (down or {}):
+                endpoint.down, endpoint.checked, endpoint.went_down = down[endpoint.url], False, 1
+                endpoint.down_since = time.monotonic()
         self.concurrency = concurrency
+        self.readmit_after_s = readmit_after_s
+        self._check = check
+        self._results: SimpleQueue = SimpleQueue()
+        """Answers of request and probe threads, of this and earlier ``run`` calls."""
+        self._dispatched = 0
         self.stats = {"replies": 0, "not_round_trip": 0, "token_count_differs": 0, "prompt_tokens_differ": 0}
         """Replies received, and the exactness counts of the module docstring (``api=chat``)."""
 
@@ -365,7 +504,7 @@ class ServerEngine:
             out["seed"] = request.seed % (1 << 31)
         return out
 
-    def _generate(self, endpoint: _Endpoint, request: GenRequest) -> _Reply:
+    def _generate(self, endpoint: _Endpoint, request: GenRequest, stop: threading.Event) -> _Reply:
         if self.api == "tokens":
             body = {
                 "model": self.model,
@@ -375,7 +514,7 @@ class ServerEngine:
                 **self._sampling(request),
                 **_TOKEN_ID_FIELDS,
             }
-            answer = self._post(endpoint.url, "/completions", body)
+            answer = self._post(endpoint.url, "/completions", body, stop)
             return self._tokens_reply(endpoint.url, answer)
         body = {
             "model": self.model,
@@ -383,20 +522,23 @@ class ServerEngine:
             "max_tokens": self.max_new_tokens,
             **self._sampling(request),
         }
-        answer = self._post(endpoint.url, "/chat/completions", body)
-        return self._chat_reply(answer, len(request.context))
+        answer = self._post(endpoint.url, "/chat/completions", body, stop)
+        return self._chat_reply(endpoint.url, answer, len(request.context))
 
-    def _post(self, url: str, path: str, body: dict) -> dict:
+    def _post(self, url: str, path: str, body: dict, stop: threading.Event) -> dict:
         try:
-            return self.client.request(url, path, body)
+            return self.client.request(url, path, body, stop=stop)
         except ServerRefused as err:
             raise UserError(
                 f"server {url} refused a request (HTTP {err.status}: {_one_line(err.detail)})"
             ) from None
 
     def _tokens_reply(self, url: str, answer: dict) -> _Reply:
-        choice = answer["choices"][0]
-        ids = _completion_ids(choice)
+        choice = _first_choice(url, answer, None)
+        try:
+            ids = _completion_ids(choice)
+        except (TypeError, ValueError, AttributeError):
+            raise ServerUnavailable(url, f"server {url} sent token ids that are not integers") from None
         if ids is None:
             raise UserError(f"server {url} returned no token ids: use distill.server.api=chat")
         eos = set(self.eos_ids)
@@ -407,10 +549,14 @@ class ServerEngine:
             ids.append(self.end_id)
         return _Reply(ids[: self.max_new_tokens])
 
-    def _chat_reply(self, answer: dict, context_len: int) -> _Reply:
-        choice = answer["choices"][0]
-        text = (choice.get("message") or {}).get("content") or ""
-        usage = answer.get("usage") or {}
+    def _chat_reply(self, url: str, answer: dict, context_len: int) -> _Reply:
+        choice = _first_choice(url, answer, "message")
+        text = choice["message"].get("content") or ""
+        if not isinstance(text, str):
+            raise ServerUnavailable(
+                url, f"server {url} sent a reply that is not text ({type(text).__name__})"
+            )
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         generated, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         counts = {"prompt_tokens_differ": int(prompt is not None and prompt != context_len)}
@@ -435,34 +581,147 @@ class ServerEngine:
         """Generate every request; ``on_done(request, ids)`` may return a follow-up request (queued first).
 
         Each request in flight is a daemon thread doing blocking HTTP; results come back through a
-        queue, so ``on_done`` runs here. A failure (server down after the retry budget, a refused
-        request) stops the run at once: requests still in flight are abandoned, not waited for.
+        queue, so ``on_done`` runs here. An endpoint whose request fails after the retry budget goes
+        down and its requests go to the others (the module docstring); the run stops (requests still
+        in flight abandoned, not waited for) when every endpoint is down, or at once on a refused
+        request (HTTP 4xx) or any other error.
+
+        Raises:
+            UserError: every endpoint down (one line naming each URL and why), or a refused request.
         """
         queue = deque(requests)
-        capacity = self.concurrency * len(self.endpoints)
-        results: SimpleQueue = SimpleQueue()
-        running = 0
+        live: dict[int, tuple[_Endpoint, GenRequest, threading.Event]] = {}
+        """Requests in flight by dispatch number; an answer whose number is not here is discarded."""
 
-        def work(endpoint: _Endpoint, request: GenRequest) -> None:
+        def work(number: int, endpoint: _Endpoint, request: GenRequest, stop: threading.Event) -> None:
             try:
-                results.put((endpoint, request, self._generate(endpoint, request), None))
+                self._results.put(("reply", number, self._generate(endpoint, request, stop), None))
             except BaseException as err:  # noqa: BLE001 - handed to the caller's thread, re-raised there
-                results.put((endpoint, request, None, err))
+                self._results.put(("reply", number, None, err))
 
-        while queue or running:
-            while queue and running < capacity:
-                endpoint = min(self.endpoints, key=lambda e: e.in_flight)
+        while queue or live:
+            self._start_probes()
+            up = [e for e in self.endpoints if e.down is None]
+            if not up:
+                raise all_down_error({e.url: e.down or "" for e in self.endpoints})
+            while queue:
+                endpoint = min(up, key=lambda e: e.in_flight)
+                if endpoint.in_flight >= self.concurrency:
+                    break
                 endpoint.in_flight += 1
-                running += 1
-                threading.Thread(target=work, args=(endpoint, queue.popleft()), daemon=True).start()
-            endpoint, request, reply, err = results.get()
+                self._dispatched += 1
+                stop = threading.Event()
+                live[self._dispatched] = (endpoint, queue.popleft(), stop)
+                threading.Thread(
+                    target=work,
+                    args=(self._dispatched, endpoint, live[self._dispatched][1], stop),
+                    daemon=True,
+                ).start()
+            try:  # wake up now and then to probe down endpoints whose cool-down is over
+                item = self._results.get(timeout=1.0)
+            except Empty:
+                continue
+            if item[0] == "probe":
+                self._probed(item[1], item[2])
+                continue
+            _, number, reply, err = item
+            if number not in live:  # abandoned when its endpoint went down: generated elsewhere
+                continue
+            endpoint, request, _ = live.pop(number)
             endpoint.in_flight -= 1
-            running -= 1
+            if isinstance(err, ServerUnavailable):
+                endpoint.failures += 1
+                queue.appendleft(request)
+                self._went_down(endpoint, err.reason, queue, live)
+                continue
             if err is not None:
                 raise err
+            endpoint.replies += 1
             self.stats["replies"] += 1
             for key, value in reply.counts.items():
                 self.stats[key] += value
             follow = on_done(request, reply.ids)
             if follow is not None:
                 queue.appendleft(follow)
+
+    # -- failover ---------------------------------------------------------------------------------
+
+    def _went_down(self, endpoint: _Endpoint, reason: str, queue: deque, live: dict) -> None:
+        """Mark ``endpoint`` down; its requests in flight go back to the front of ``queue``."""
+        endpoint.down, endpoint.down_since = reason, time.monotonic()
+        endpoint.went_down += 1
+        for number in [n for n, (e, _, _) in live.items() if e is endpoint]:
+            _, request, stop = live.pop(number)
+            stop.set()  # no further attempt; an answer still under way is discarded
+            endpoint.in_flight -= 1
+            endpoint.failures += 1
+            queue.appendleft(request)
+        up = [e.url for e in self.endpoints if e.down is None]
+        if up:  # (with none left the run stops with the reasons: no warning line before the error)
+            log.warning(
+                "distill: %s is down (%s); its requests go to %s; probing it again in %.0f s",
+                endpoint.url,
+                reason,
+                ", ".join(up),
+                self.readmit_after_s,
+            )
+
+    def _start_probes(self) -> None:
+        """A probe thread for each down endpoint whose cool-down is over (one at a time per endpoint)."""
+        now = time.monotonic()
+        for endpoint in self.endpoints:
+            if endpoint.down is None or endpoint.probing or now - endpoint.down_since < self.readmit_after_s:
+                continue
+            endpoint.probing = True
+            threading.Thread(target=self._probe, args=(endpoint,), daemon=True).start()
+
+    def _probe(self, endpoint: _Endpoint) -> None:
+        """Whether ``endpoint`` is back: ``(probe, endpoint, None)`` or ``(..., reason, permanent)``."""
+        try:
+            if endpoint.checked or self._check is None:
+                try:
+                    self.client.request(
+                        endpoint.url,
+                        "/models",
+                        retry_statuses=PROBE_STATUSES,
+                        max_retries=0,
+                        timeout_s=min(self.client.timeout_s, 10.0),
+                    )
+                except ServerRefused:  # it answers (some servers do not list models): it is up
+                    pass
+            else:
+                self._check(endpoint.url)
+            self._results.put(("probe", endpoint, None))
+        except ServerUnavailable as err:
+            self._results.put(("probe", endpoint, (err.reason, False)))
+        except UserError as err:  # up, but unfit (another model, refuses the key): not probed again
+            self._results.put(("probe", endpoint, (_one_line(str(err)), True)))
+        except Exception as err:  # noqa: BLE001 - whatever it is, the endpoint stays down
+            self._results.put(("probe", endpoint, (_one_line(f"{endpoint.url}: {err!r}"), False)))
+
+    def _probed(self, endpoint: _Endpoint, failed: tuple[str, bool] | None) -> None:
+        endpoint.probing = False
+        if failed is None:
+            endpoint.down, endpoint.checked = None, True
+            log.warning("distill: %s is back: requests go to it again", endpoint.url)
+            return
+        reason, permanent = failed
+        endpoint.down = reason
+        endpoint.down_since = math.inf if permanent else time.monotonic()
+        if permanent:
+            log.warning("distill: %s answers but is left out for this run: %s", endpoint.url, reason)
+
+    def endpoint_counts(self) -> list[dict]:
+        """Per endpoint: ``url``, ``replies``, ``failures`` (requests that failed there or were moved off
+        it), ``went_down`` (times it was marked down, before any work included) and ``down`` (why it
+        is down now, or None)."""
+        return [
+            {
+                "url": e.url,
+                "replies": e.replies,
+                "failures": e.failures,
+                "went_down": e.went_down,
+                "down": e.down,
+            }
+            for e in self.endpoints
+        ]

@@ -82,7 +82,13 @@ from medusa_train.data.distilled import (
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
 from medusa_train.engines.inprocess import ContinuousBatcher
-from medusa_train.engines.server import ServerClient, ServerEngine, check_server, reply_end_id
+from medusa_train.engines.server import (
+    ServerClient,
+    ServerEngine,
+    check_endpoint,
+    check_server,
+    reply_end_id,
+)
 from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.tracking import Tracker, start_tracking
 from medusa_train.workdir import (
@@ -502,6 +508,8 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
     finally:
         bar.close()
     stats["seconds"] = time.perf_counter() - start
+    if plan.server is not None:
+        stats["endpoints"] = engine.endpoint_counts()
     return stats
 
 
@@ -535,7 +543,7 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
         "tokens_per_s": round(tokens_now / seconds, 1) if tokens_now and seconds > 0 else None,
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
         "world_size": dist.world_size(),
-        "engine": _engine_manifest(plan),
+        "engine": _engine_manifest(plan, all_stats),
         "num_shards": plan.num_shards,
         "shards": shard_entries(plan.out, plan.num_shards),
         "shard_size": cfg.distill.shard_size,
@@ -639,8 +647,15 @@ def _check_server(cfg: Config, renderer: ChatRenderer, conv: Conversation, promp
 
 def _server_engine(plan: _Plan, renderer: ChatRenderer) -> ServerEngine:
     cfg, s = plan.cfg, plan.cfg.distill.server
+    client = _server_client(cfg)
+    roots = {e["root"] for e in plan.server["endpoints"]}
+    messages, prompt = renderer.messages(plan.records[0], [], True), plan.prompts[0]
+
+    def check(url: str) -> dict:  # an endpoint down since before any work, before it joins
+        return check_endpoint(client, url, plan.server["model"], s.api, messages, prompt, roots=roots)
+
     return ServerEngine(
-        _server_client(cfg),
+        client,
         model=plan.server["model"],
         tokenizer=renderer.tokenizer,
         api=s.api,
@@ -650,6 +665,9 @@ def _server_engine(plan: _Plan, renderer: ChatRenderer) -> ServerEngine:
         temperature=cfg.distill.temperature,
         top_p=cfg.distill.top_p,
         concurrency=s.concurrency,
+        down=plan.server["down"],
+        readmit_after_s=s.readmit_after_s,
+        check=check,
     )
 
 
@@ -664,10 +682,16 @@ def _exactness_counts(stats: dict, before: dict, rows) -> dict:
     }
 
 
-def _engine_manifest(plan: _Plan) -> dict:
+def _engine_manifest(plan: _Plan, all_stats: list[dict]) -> dict:
     if plan.server is None:
         return {"kind": "inprocess", "batch_size": plan.cfg.distill.batch_size}
     s = plan.cfg.distill.server
+    counts: dict[str, dict] = {}  # every rank's engine, summed per URL
+    for rank_stats in all_stats:
+        for entry in rank_stats.get("endpoints", []):
+            total = counts.setdefault(entry["url"], {"replies": 0, "failures": 0, "went_down": 0})
+            for key in total:
+                total[key] += entry[key]
     return {
         "kind": "server",
         "api": s.api,
@@ -675,4 +699,6 @@ def _engine_manifest(plan: _Plan) -> dict:
         "endpoints": plan.server["endpoints"],
         "concurrency_per_endpoint": s.concurrency,
         "token_exact": s.api == "tokens",
+        "endpoint_counts": [{"url": url, **c} for url, c in counts.items()],
+        "endpoint_counts_note": "replies, failed or moved requests and went-down events of the last invocation",
     }

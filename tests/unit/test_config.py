@@ -207,6 +207,7 @@ BAD_VALUES = [
     "distill.server.max_retries=-1",
     "distill.server.backoff_s=-1",
     "distill.server.backoff_max_s=nan",
+    "distill.server.readmit_after_s=-1",
     "distill.seed=-1",
     "distill.seed=4294967296",
     "training.num_heads=0",

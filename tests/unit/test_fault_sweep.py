@@ -48,7 +48,7 @@ def test_every_case_has_a_unique_name_and_an_expectation(tmp_path: Path) -> None
     (base / "eval" / "report.json").write_text('{"tau": 2.0}')
     cases = sweep.cases(base, tmp_path / "cases")
     names = [c.name for c in cases]
-    assert len(names) == len(set(names)) and len(names) >= 60
+    assert len(names) == len(set(names)) and len(names) >= 96  # issue 12's count
     assert {c.expect for c in cases} == {"ok", "refuse"}
     assert {c.group for c in cases} >= {
         "config",
@@ -58,4 +58,23 @@ def test_every_case_has_a_unique_name_and_an_expectation(tmp_path: Path) -> None
         "kill",
         "environment",
         "wrong",
+        "server",
     }
+    server = [c for c in cases if c.group == "server"]
+    assert len(server) >= 7 and {c.expect for c in server} == {"ok", "refuse"}
+    assert all(c.check is not None for c in server if c.expect == "ok")  # checked against a clean run
+
+
+def test_the_stand_in_server_starts_answers_and_is_stopped() -> None:
+    """The server cases' stand-in runs as its own process, serves the model, and run_case's stop ends it."""
+    import json
+    import urllib.request
+
+    url = sweep.start_server()
+    try:
+        with urllib.request.urlopen(url + "/models", timeout=10) as resp:
+            assert json.loads(resp.read())["data"][0]["id"] == "fake"
+        (proc,) = sweep.SERVERS.values()
+    finally:
+        sweep.stop_servers()
+    assert proc.poll() is not None and not sweep.SERVERS
