@@ -47,11 +47,10 @@ from .generate import (
     PackedHeads,
     _check_settings,
     _eos_set,
+    _forward,
     _mask_slab,
     _now,
-    _prefill,
     _sliding_window_kinds,
-    _tree_forward,
     context_limit,
     medusa_generate,
 )
@@ -370,14 +369,15 @@ def medusa_generate_batch(
     position_ids = (col[None, :] - pads_t[:, None]).clamp(min=0)  # (n, T)
     t0 = _now(device)
     cache.width = t_max
-    last_logits, hidden = _prefill(model, cache, ids, prefill_mask, position_ids)  # (n, V), (n, d)
+    logits, hidden = _forward(model, cache, ids, prefill_mask, position_ids, logits_to_keep=1)
+    hidden = hidden[:, -1]  # (n, d)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
-        first_token(last_logits[i], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
+        first_token(logits[i, -1], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
         for i, b in enumerate(live)
     ]
     result.prefill_s = _now(device) - t0
-    del last_logits, prefill_mask, allowed
+    del logits, prefill_mask, allowed
 
     cache_len = np.full(n, t_max, dtype=np.int64)  # L per slot: cached columns, padding included
     pad_np = np.asarray(pads, dtype=np.int64)
@@ -429,7 +429,7 @@ def medusa_generate_batch(
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
         t0 = _now(device)
         # (n, m, V), (n, m, d)
-        logits, node_hidden = _tree_forward(model, cache, tree_tokens, mask, position_ids)
+        logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.forward_s += _now(device) - t0
         result.num_forwards += 1
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).

@@ -335,26 +335,30 @@ def verify_forward(
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(model, tree, past_len, dtype)
     position_ids = (past_len + tree.depth)[None]  # (1, M)
-    logits, hidden = _tree_forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, V/d)
+    logits, hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, V), (1, M, d)
     return logits[0], hidden[0]  # (M, V), (M, d)
 
 
-def _prefill(
+def _forward(
     model: torch.nn.Module,
     cache: Cache,
     input_ids: torch.Tensor,
     mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompt forward of a decoder: B prompts into ``cache``, only the last position kept.
+    """The decoders' model call: B rows of T tokens (a prompt, or tree nodes) appended to ``cache``.
 
     Args:
-        input_ids: ``(B, T)`` prompts (left-padded when B > 1).
-        mask: ``(B, 1, T, T)`` float mask (or one per layer type); None: the model's causal mask.
-        position_ids: ``(B, T)``; None: the model's ``0 .. T - 1``.
+        input_ids: ``(B, T)`` tokens.
+        mask: ``(B, 1, T, W)`` float mask (or one per layer type), W the cache width after the call;
+            None: the model's causal mask.
+        position_ids: ``(B, T)``; None: the model's own (following the cache).
+        logits_to_keep: logits of the last this many positions only (0: all), as the model takes it.
 
     Returns:
-        the last position's logits ``(B, V)`` and last hidden state ``(B, d)``.
+        logits ``(B, T or logits_to_keep, V)`` and last hidden states ``(B, T, d)``; the other layers'
+        hidden states are dropped here.
     """
     out = model(
         input_ids=input_ids,
@@ -363,36 +367,7 @@ def _prefill(
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
-        logits_to_keep=1,
-    )
-    return out.logits[:, -1], out.hidden_states[-1][:, -1]
-
-
-def _tree_forward(
-    model: torch.nn.Module,
-    cache: Cache,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor | dict[str, torch.Tensor],
-    position_ids: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model call of a verification: B rows of M tree nodes on top of ``cache`` (appended to it).
-
-    Args:
-        input_ids: ``(B, M)`` node tokens.
-        mask: ``(B, 1, M, W)`` float mask (or one per layer type), W the cache width after the call.
-        position_ids: ``(B, M)``.
-
-    Returns:
-        logits ``(B, M, V)`` and last hidden states ``(B, M, d)``; the other layers' hidden states are
-        dropped here.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
+        logits_to_keep=logits_to_keep,
     )
     return out.logits, out.hidden_states[-1]
 
@@ -571,12 +546,12 @@ def medusa_generate(
     # 1. Prefill: the prompt goes into the cache; keep the last position's logits and hidden state.
     t0 = _now(device)
     cache = DynamicCache()
-    last_logits, hidden = _prefill(model, cache, input_ids)  # (1, V), (1, d)
-    hidden = hidden[0]  # (d,)
+    logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
+    hidden = hidden[0, -1]  # (d,)
     # 2. The first root: the backbone's own choice after the prompt.
-    root = first_token(last_logits[0], acceptance, temperature=temperature, top_p=top_p, generator=generator)
+    root = first_token(logits[0, -1], acceptance, temperature=temperature, top_p=top_p, generator=generator)
     prefill_s = _now(device) - t0
-    del last_logits
+    del logits
 
     tokens: list[int] = []
     lengths: list[int] = []
@@ -617,7 +592,7 @@ def medusa_generate(
         # 5. Verify the whole tree in one forward of the backbone; only the model call is timed as
         #    the forward, everything around it counts as the decoder's overhead.
         t0 = _now(device)
-        logits, node_hidden = _tree_forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, .)
+        logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
         forward_s += _now(device) - t0
         num_forwards += 1
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
