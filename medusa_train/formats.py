@@ -284,7 +284,7 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
         raise HeadsFormatError(
             f"{directory}: unexpected weights {sorted(state)[:4]} for {num_heads} heads x {num_layers} layers"
         )
-    _load_state(heads, ours, directory)
+    heads.load_checked(ours, directory)
     return heads
 
 
@@ -530,21 +530,3 @@ def _require(tensor: torch.Tensor | None, key: str, directory: Path) -> torch.Te
     if tensor is None:
         raise HeadsFormatError(f"{directory}: weights lack '{key}'")
     return tensor
-
-
-def _load_state(heads: MedusaHeads, state: dict[str, torch.Tensor], directory: Path) -> None:
-    """Copy ``state`` (our names) into ``heads``, checking every shape."""
-    expected = heads.heads.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise HeadsFormatError(
-            f"{directory}: weights do not match the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise HeadsFormatError(
-                f"{directory}: '{name}' has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
-            )
-    dtype = next(iter(state.values())).dtype
-    heads.to(dtype)
-    heads.heads.load_state_dict(state, strict=True)

@@ -467,21 +467,32 @@ class MedusaHeads(nn.Module):
             )
         except HeadsFormatError as err:
             raise HeadsFormatError(f"{where}: {err}") from None
-        ours = {k: v for k, v in state.items() if k != TOKEN_MAP}
-        expected = heads.heads.state_dict()
-        missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
+        heads.load_checked({k: v for k, v in state.items() if k != TOKEN_MAP}, where)
+        return heads
+
+    def load_checked(self, state: dict[str, torch.Tensor], where: str | os.PathLike) -> None:
+        """Copy ``state`` (names as :meth:`state_tensors`, no token map) into the heads, which take its dtype.
+
+        Args:
+            state: every weight of the heads, none more.
+            where: the folder or file the weights came from (named in the error).
+
+        Raises:
+            HeadsFormatError: a weight missing or unexpected, or a shape other than the config implies.
+        """
+        expected = self.heads.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
             raise HeadsFormatError(
                 f"{where}: weights do not match the config: missing {missing[:4]}, unexpected {unexpected[:4]}"
             )
-        for name, tensor in ours.items():
+        for name, tensor in state.items():
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise HeadsFormatError(
                     f"{where}: '{name}' has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
                 )
-        heads.to(next(iter(ours.values())).dtype)
-        heads.heads.load_state_dict(ours, strict=True)
-        return heads
+        self.to(next(iter(state.values())).dtype)
+        self.heads.load_state_dict(state, strict=True)
 
     @classmethod
     def from_pretrained(

@@ -36,7 +36,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..heads import MedusaHeads
 from .acceptance import (
-    ACCEPTANCE_RULES,
     accept_sample,
     accept_typical,
     argmax_list,
@@ -46,7 +45,9 @@ from .acceptance import (
 from .generate import (
     MedusaOutput,
     PackedHeads,
+    _check_settings,
     _eos_set,
+    _forward,
     _mask_slab,
     _now,
     _sliding_window_kinds,
@@ -292,18 +293,7 @@ def medusa_generate_batch(
         raise ValueError("prompts is empty: give at least one prompt")
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    attn = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attn.startswith("flash"):
-        raise ValueError(
-            f"tree verification needs a 4-D float attention mask, which {attn} cannot take: "
-            "load the model with attn_implementation='sdpa' or 'eager'"
-        )
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):
         gens = [generators] * bsz
@@ -379,23 +369,15 @@ def medusa_generate_batch(
     position_ids = (col[None, :] - pads_t[:, None]).clamp(min=0)  # (n, T)
     t0 = _now(device)
     cache.width = t_max
-    out = model(
-        input_ids=ids,
-        attention_mask=prefill_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
-    hidden = out.hidden_states[-1][:, -1]  # (n, d)
+    logits, hidden = _forward(model, cache, ids, prefill_mask, position_ids, logits_to_keep=1)
+    hidden = hidden[:, -1]  # (n, d)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
-        first_token(out.logits[i, -1], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
+        first_token(logits[i, -1], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
         for i, b in enumerate(live)
     ]
     result.prefill_s = _now(device) - t0
-    del out, prefill_mask, allowed
+    del logits, prefill_mask, allowed
 
     cache_len = np.full(n, t_max, dtype=np.int64)  # L per slot: cached columns, padding included
     pad_np = np.asarray(pads, dtype=np.int64)
@@ -446,18 +428,10 @@ def medusa_generate_batch(
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
         t0 = _now(device)
-        fwd = model(
-            input_ids=tree_tokens,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
+        # (n, m, V), (n, m, d)
+        logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.forward_s += _now(device) - t0
         result.num_forwards += 1
-        logits, node_hidden = fwd.logits, fwd.hidden_states[-1]  # (n, m, V), (n, m, d)
-        del fwd
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).
         host_tokens = tree_tokens.tolist()
         preds = argmax_list(logits) if acceptance == "greedy" or temperature <= 0 else None

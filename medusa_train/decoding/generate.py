@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from ..heads import MedusaHeads
 from .acceptance import (
@@ -334,15 +335,41 @@ def verify_forward(
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(model, tree, past_len, dtype)
     position_ids = (past_len + tree.depth)[None]  # (1, M)
+    logits, hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, V), (1, M, d)
+    return logits[0], hidden[0]  # (M, V), (M, d)
+
+
+def _forward(
+    model: torch.nn.Module,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoders' model call: B rows of T tokens (a prompt, or tree nodes) appended to ``cache``.
+
+    Args:
+        input_ids: ``(B, T)`` tokens.
+        mask: ``(B, 1, T, W)`` float mask (or one per layer type), W the cache width after the call;
+            None: the model's causal mask.
+        position_ids: ``(B, T)``; None: the model's own (following the cache).
+        logits_to_keep: logits of the last this many positions only (0: all), as the model takes it.
+
+    Returns:
+        logits ``(B, T or logits_to_keep, V)`` and last hidden states ``(B, T, d)``; the other layers'
+        hidden states are dropped here.
+    """
     out = model(
-        input_ids=tree_tokens[None],  # (1, M)
+        input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
+        logits_to_keep=logits_to_keep,
     )
-    return out.logits[0], out.hidden_states[-1][0]  # (M, V), (M, d)
+    return out.logits, out.hidden_states[-1]
 
 
 def compact_cache(cache: DynamicCache, past_len: int, path: Sequence[int]) -> None:
@@ -387,6 +414,29 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
     if isinstance(eos_token_id, int):
         return {eos_token_id}
     return {int(e) for e in eos_token_id}
+
+
+def _check_settings(
+    model: torch.nn.Module, acceptance: str, max_new_tokens: int, temperature: float, top_p: float
+) -> None:
+    """The checks every Medusa decoder makes before any work: a known rule, sane sampling settings and
+    an attention implementation that takes a 4-D float mask.
+
+    Raises:
+        ValueError: the first setting that is off, with what to do about it.
+    """
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn.startswith("flash"):
+        raise ValueError(
+            f"tree verification needs a 4-D float attention mask, which {attn} cannot take: "
+            "load the model with attn_implementation='sdpa' or 'eager'"
+        )
 
 
 @torch.inference_mode()
@@ -441,18 +491,7 @@ def medusa_generate(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    attn = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attn.startswith("flash"):
-        raise ValueError(
-            f"tree verification needs a 4-D float attention mask, which {attn} cannot take: "
-            "load the model with attn_implementation='sdpa' or 'eager'"
-        )
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
     device = input_ids.device
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
@@ -507,20 +546,12 @@ def medusa_generate(
     # 1. Prefill: the prompt goes into the cache; keep the last position's logits and hidden state.
     t0 = _now(device)
     cache = DynamicCache()
-    out = model(
-        input_ids=input_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=1,
-    )
-    hidden = out.hidden_states[-1][0, -1]  # (d,)
+    logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
+    hidden = hidden[0, -1]  # (d,)
     # 2. The first root: the backbone's own choice after the prompt.
-    root = first_token(
-        out.logits[0, -1], acceptance, temperature=temperature, top_p=top_p, generator=generator
-    )
+    root = first_token(logits[0, -1], acceptance, temperature=temperature, top_p=top_p, generator=generator)
     prefill_s = _now(device) - t0
-    del out
+    del logits
 
     tokens: list[int] = []
     lengths: list[int] = []
@@ -561,18 +592,10 @@ def medusa_generate(
         # 5. Verify the whole tree in one forward of the backbone; only the model call is timed as
         #    the forward, everything around it counts as the decoder's overhead.
         t0 = _now(device)
-        fwd = model(
-            input_ids=tree_tokens[None],  # (1, M)
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
+        logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
         forward_s += _now(device) - t0
         num_forwards += 1
-        logits, node_hidden = fwd.logits[0], fwd.hidden_states[-1][0]  # (M, V), (M, d)
-        del fwd
+        logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
         # 6. Acceptance: the path of nodes to keep, its tokens and the token after it (the next root);
         #    one device-to-host copy.
         result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)

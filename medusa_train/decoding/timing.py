@@ -42,14 +42,20 @@ class TimedDecoders:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
-    def plain(self, ids: torch.Tensor, max_new_tokens: int, **extra) -> Decoded:
-        """Greedy ``generate``; ``extra`` turns it into prompt lookup or assisted generation."""
+    def _timed(self, decode, *args, **kwargs) -> tuple:
+        """``decode(*args, **kwargs)`` and its wall-clock seconds (the device synchronised at both ends)."""
         self._sync()
         t0 = time.perf_counter()
-        out = self.model.generate(
+        out = decode(*args, **kwargs)
+        self._sync()
+        return out, time.perf_counter() - t0
+
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, **extra) -> tuple:
+        """Plain greedy ``generate`` ``(B, T + new)`` and its seconds; ``extra``: more ``generate`` arguments."""
+        return self._timed(
+            self.model.generate,
             input_ids=ids,
-            attention_mask=torch.ones_like(ids),
+            attention_mask=mask,
             do_sample=False,
             num_beams=1,
             repetition_penalty=1.0,  # the model's generation_config may set one: plain greedy here
@@ -58,8 +64,11 @@ class TimedDecoders:
             pad_token_id=self.pad_id,
             **extra,
         )
-        self._sync()
-        seconds = time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def plain(self, ids: torch.Tensor, max_new_tokens: int, **extra) -> Decoded:
+        """Greedy ``generate``; ``extra`` turns it into prompt lookup or assisted generation."""
+        out, seconds = self._generate(ids, torch.ones_like(ids), max_new_tokens, **extra)
         return Decoded(out[0, ids.shape[1] :].tolist(), seconds)
 
     @property
@@ -75,20 +84,7 @@ class TimedDecoders:
         for i, r in enumerate(rows):
             ids[i, width - r.shape[1] :] = r[0]
             mask[i, width - r.shape[1] :] = 1
-        self._sync()
-        t0 = time.perf_counter()
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            num_beams=1,
-            repetition_penalty=1.0,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad_id,
-        )
-        self._sync()
-        seconds = time.perf_counter() - t0
+        out, seconds = self._generate(ids, mask, max_new_tokens)
         eos = set(self.eos)
         tokens = []
         for row in out[:, width:].tolist():
@@ -99,9 +95,8 @@ class TimedDecoders:
     @torch.inference_mode()
     def medusa_batch(self, rows: list[torch.Tensor], max_new_tokens: int) -> Decoded:
         """Greedy ``medusa_generate_batch`` on the same prompts; ``accepted_lengths`` of all rows."""
-        self._sync()
-        t0 = time.perf_counter()
-        out = medusa_generate_batch(
+        out, seconds = self._timed(
+            medusa_generate_batch,
             self.model,
             self.packed,
             rows,
@@ -110,8 +105,6 @@ class TimedDecoders:
             eos_token_id=self.eos,
             pad_token_id=self.pad_id,
         )
-        self._sync()
-        seconds = time.perf_counter() - t0
         steps = [n for r in out.rows for n in r.accepted_lengths]
         return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps)
 
@@ -132,9 +125,8 @@ class TimedDecoders:
                 "posterior_threshold": ecfg.posterior_threshold,
                 "posterior_alpha": ecfg.posterior_alpha,
             }
-        self._sync()
-        t0 = time.perf_counter()
-        out = medusa_generate(
+        out, seconds = self._timed(
+            medusa_generate,
             self.model,
             self.packed,
             ids,
@@ -145,8 +137,6 @@ class TimedDecoders:
             generator=generator,
             **extra,
         )
-        self._sync()
-        seconds = time.perf_counter() - t0
         return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))
 
     def tau_of(self, inputs: list[tuple[torch.Tensor, int]], acceptance: str, ecfg) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from medusa_train.choices import Path_, TreeError, normalise_choices
 from medusa_train.errors import UserError
+from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import CHOICES, atomic_write_text
 
 
@@ -287,6 +288,27 @@ def resolve_tree(
     except TreeError as err:
         raise UserError(f"tree={name}: {err}") from None
     return paths
+
+
+def tree_for_heads(tree_cfg, heads_dir: Path, heads: MedusaHeads) -> list[list[int]]:
+    """:func:`resolve_tree` for a stage: the tree the ``tree=`` settings name, checked against ``heads``.
+
+    Args:
+        tree_cfg: the ``tree`` settings (``name``, ``chain_depth``, ``choices``; the config's tree group).
+        heads_dir: the heads' folder (where a calibrated tree is looked for).
+        heads: the heads the tree will run with (its depth and ranks are checked against them).
+
+    Raises:
+        UserError: as :func:`resolve_tree`.
+    """
+    return resolve_tree(
+        tree_cfg.name,
+        heads_dir,
+        heads.num_heads,
+        vocab_size=heads.vocab_size,
+        chain_depth=tree_cfg.chain_depth,
+        choices=tree_cfg.choices or (),
+    )
 
 
 # The 63-node tree of the Medusa repository (mc_sim_7b_63), as listed in seed 003.

@@ -63,8 +63,8 @@ from medusa_train.decoding import (
 )
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
-from medusa_train.decoding.timing import TimedDecoders, batch_table
-from medusa_train.decoding.tree import resolve_tree
+from medusa_train.decoding.timing import Decoded, TimedDecoders, batch_table
+from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import UserError
 from medusa_train.formats import load_heads, read_heads_config
@@ -117,15 +117,7 @@ def run(cfg) -> dict:
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
-    tc = cfg.tree
-    choices = resolve_tree(
-        tc.name,
-        heads_dir,
-        heads.num_heads,
-        vocab_size=heads.vocab_size,
-        chain_depth=tc.chain_depth,
-        choices=tc.choices or (),
-    )
+    choices = tree_for_heads(cfg.tree, heads_dir, heads)
     prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
     device = resolve_device(cfg.model.device)
     model, tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
@@ -190,13 +182,7 @@ def run(cfg) -> dict:
                     "prompt": prompt.turns[t_idx],
                     "baseline": base_text,
                     "medusa": tok.decode(med.tokens, skip_special_tokens=True),
-                    "identical": base.tokens == med.tokens,
-                    "tokens": len(med.tokens),
-                    "steps": len(med.accepted_lengths or []),
-                    "baseline_tokens": len(base.tokens),
-                    "baseline_s": base.seconds,
-                    "medusa_s": med.seconds,
-                    "accepted_lengths": med.accepted_lengths,
+                    **_pair_figures(base, med),
                     **{f"{name}_tokens": len(out.tokens) for name, out in alt.items()},
                     **{f"{name}_s": out.seconds for name, out in alt.items()},
                     **{f"{name}_identical": out.tokens == base.tokens for name, out in alt.items()},
@@ -211,7 +197,10 @@ def run(cfg) -> dict:
 
     report = summarise(records, num_prompts=len({r["prompt_index"] for r in records}))
     report.update(
-        tree=tc.name, tree_size=len(choices), max_new_tokens=ecfg.max_new_tokens, all_turns=ecfg.all_turns
+        tree=cfg.tree.name,
+        tree_size=len(choices),
+        max_new_tokens=ecfg.max_new_tokens,
+        all_turns=ecfg.all_turns,
     )
     report.update(
         prompts=ecfg.prompts,
@@ -298,7 +287,7 @@ def run(cfg) -> dict:
         tracker.log_image(f"eval/{name}", path)
     tracker.finish()
     if (wd.export / MODEL_CARD).is_file() and _is_workdir_heads(heads_dir, wd):
-        _refresh_model_card(wd, heads_dir, tc.name, len(choices))
+        _refresh_model_card(wd, heads_dir, cfg.tree.name, len(choices))
     if report["greedy_identical"] < 1.0:
         log.error(
             "Medusa greedy output differs from plain greedy on %.0f%% of prompts: see %s",
@@ -562,6 +551,20 @@ def _compare_dir(path: Path) -> Path:
     return path / "heads" if (path / "heads").is_dir() else path
 
 
+def _pair_figures(base: Decoded, med: Decoded) -> dict:
+    """What a record says of one turn decoded plainly (``base``) and with Medusa (``med``): whether the
+    tokens are identical, the counts and seconds of both, Medusa's steps and accepted lengths."""
+    return {
+        "identical": base.tokens == med.tokens,
+        "tokens": len(med.tokens),
+        "steps": len(med.accepted_lengths or []),
+        "baseline_tokens": len(base.tokens),
+        "baseline_s": base.seconds,
+        "medusa_s": med.seconds,
+        "accepted_lengths": med.accepted_lengths,
+    }
+
+
 def _decode_turns(model, heads, choices, inputs, eos: list[int], pad: int | None) -> dict:
     """Plain greedy and Medusa greedy on every turn of ``inputs``: tau, speed-up, identical outputs."""
     weight = model.get_output_embeddings().weight
@@ -572,18 +575,7 @@ def _decode_turns(model, heads, choices, inputs, eos: list[int], pad: int | None
     records = []
     for i, (ids, budget) in enumerate(inputs):
         base, med = decode.plain(ids, budget), decode.medusa(ids, budget)
-        records.append(
-            {
-                "prompt_index": i,
-                "identical": base.tokens == med.tokens,
-                "tokens": len(med.tokens),
-                "steps": len(med.accepted_lengths or []),
-                "baseline_tokens": len(base.tokens),
-                "baseline_s": base.seconds,
-                "medusa_s": med.seconds,
-                "accepted_lengths": med.accepted_lengths,
-            }
-        )
+        records.append({"prompt_index": i, **_pair_figures(base, med)})
     figures = summarise(records, num_prompts=len(records))
     return {k: figures[k] for k in ("tau", "speedup", "greedy_identical")}
 

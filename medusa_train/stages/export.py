@@ -39,7 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, load_backbone_for_heads
-from medusa_train.decoding.tree import resolve_tree
+from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import UserError
 from medusa_train.formats import (
@@ -121,15 +121,7 @@ def run(cfg) -> dict:
         if heads.head_projection == "shared":
             heads.bind_lm_head(heads.head_weight(0).to(DTYPES[cfg.export.dtype]))
         fingerprints.add(heads.fingerprint())
-    tc = cfg.tree
-    choices = resolve_tree(
-        tc.name,
-        heads_dir,
-        heads.num_heads,
-        vocab_size=heads.vocab_size,
-        chain_depth=tc.chain_depth,
-        choices=tc.choices or (),
-    )
+    choices = tree_for_heads(cfg.tree, heads_dir, heads)
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
     extra[HEADS_FINGERPRINT] = source_fingerprint
     shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card

@@ -22,7 +22,9 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from tests.helpers.local_server import LocalServer
 
 EOS_ID = 2
 """What ``/completions`` ends a token-id reply with (``finish_reason=stop``)."""
@@ -48,7 +50,7 @@ def token_reply(prompt: list[int], max_tokens: int, vocab: int = 50) -> list[int
     return ids[:max_tokens]
 
 
-class FakeOpenAI:
+class FakeOpenAI(LocalServer):
     """The server on 127.0.0.1 (``port`` 0 = a free one), serving in a daemon thread.
 
     Args:
@@ -124,12 +126,7 @@ class FakeOpenAI:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._thread.start()
+        super().__init__(Handler, port, daemon_threads=True)
 
     def answer(self, method: str, path: str, auth: str | None, body: dict | None):
         """``(status or None to drop, payload, headers, then)`` for one request."""
@@ -170,10 +167,6 @@ class FakeOpenAI:
             if self.exit_after is not None and self.answered >= self.exit_after:
                 then = lambda: os._exit(0)  # noqa: E731 - after the answer is on its way
             return 200, {"model": self.model, "object": "chat.completion", "choices": [choice]}, None, then
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,7 +48,13 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
     return root
 
 
-def tiny_cfg(workdir: Path, *overrides: str) -> Config:
-    """The fast debug config on ``workdir`` (tracking off, ``model=hf`` on its backbone/), plus ``overrides``."""
+def tiny_overrides(workdir: Path, *overrides: str) -> list[str]:
+    """The fast debug settings on ``workdir`` (tracking off, ``model=hf`` on its backbone/ in float32),
+    plus ``overrides``: the CLI's arguments."""
     model = ["model=hf", f"model.name_or_path={workdir / 'backbone'}", "model.dtype=float32"]
-    return compose_config([f"workdir={workdir}", "debug=fast", "tracking=disabled", *model, *overrides])
+    return [f"workdir={workdir}", "debug=fast", "tracking=disabled", *model, *overrides]
+
+
+def tiny_cfg(workdir: Path, *overrides: str) -> Config:
+    """:func:`tiny_overrides` composed into the typed config."""
+    return compose_config(tiny_overrides(workdir, *overrides))

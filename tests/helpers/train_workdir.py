@@ -26,6 +26,7 @@ from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.config import Config, compose_config
 from medusa_train.workdir import file_sha256
 from tests.helpers.models import tiny_config
+from tests.helpers.tiny_workdir import tiny_overrides
 
 VOCAB = 64
 HIDDEN = 32
@@ -111,14 +112,9 @@ def make_train_workdir(root: Path, n_records: int = 48, **backbone: int | bool) 
 
 def train_overrides(workdir: Path, *overrides: str) -> list[str]:
     """Fast settings on ``workdir``: 3 heads, 6 steps of 4 records, checkpoints every 3 steps."""
-    return [
-        f"workdir={workdir}",
-        "debug=fast",
-        "tracking=disabled",
-        "model=hf",
-        f"model.name_or_path={workdir / 'backbone'}",
+    return tiny_overrides(
+        workdir,
         "model.device=cpu",
-        "model.dtype=float32",
         "data.eval_fraction=0.2",
         "training.num_heads=3",
         "training.lr=1e-2",
@@ -132,7 +128,7 @@ def train_overrides(workdir: Path, *overrides: str) -> list[str]:
         "tree.max_nodes=6",
         "tree.latency_context=16",
         *overrides,
-    ]
+    )
 
 
 def train_cfg(workdir: Path, *overrides: str) -> Config:

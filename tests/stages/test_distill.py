@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from medusa_train.backbone import load_backbone
-from medusa_train.config import compose_config
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.data.regenerate import distill_records
@@ -25,47 +21,12 @@ from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
 from medusa_train.stages import distill
+from tests.helpers.distill import MAX_NEW, REPO, PausingCLI, run_cli
+from tests.helpers.distill import distill_overrides as _overrides
 from tests.helpers.distill import rows as _rows
+from tests.helpers.distill import run_distill as _run
 from tests.helpers.distill import spans as _spans
-
-REPO = Path(__file__).resolve().parents[2]
-MAX_NEW = 12
-WORDS = "the cat dog sat on a mat tell me story about why how what is big small happy day night".split()
-
-
-def _write_prompts(path: Path, n: int = 10, seed: int = 0) -> Path:
-    """Multi-turn JSONL prompts of varied lengths (so batches really pad)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        turns = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14))) + "?" for _ in range(1 + i % 3)
-        ]
-        rows.append({"prompt": turns})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def _overrides(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> list[str]:
-    return [
-        "stage=distill",
-        f"workdir={workdir}",
-        "model=hf",
-        f"model.name_or_path={backbone}",
-        "model.dtype=float32",
-        "model.device=cpu",
-        "tracking=disabled",
-        "data=jsonl",
-        f"data.path={prompts}",
-        f"distill.max_new_tokens={MAX_NEW}",
-        "distill.batch_size=4",
-        "distill.shard_size=3",
-        *extra,
-    ]
-
-
-def _run(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> dict:
-    return distill.run(compose_config(_overrides(workdir, backbone, prompts, *extra)))
+from tests.helpers.distill import write_prompts as _write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -177,61 +138,17 @@ def test_injected_failure_then_resume_gives_the_same_records(
     assert _rows(tmp_path) == _rows(reference[0])
 
 
-# Runs stage=distill from the CLI; before writing shard number PAUSE_AT it touches the marker file and
-# sleeps, so the test's SIGKILL lands at a known point: PAUSE_AT shards on disk, one more generated
-# but not written (a kill at any other moment leaves the same kind of state: finished shards only).
-_PAUSING_CLI = """
-import sys, time
-from pathlib import Path
-from medusa_train.__main__ import main
-from medusa_train.stages import distill
-
-PAUSE_AT, real, written = {pause_at}, distill.write_shard, []
-
-def write_or_pause(path, rows):
-    if len(written) == PAUSE_AT:
-        Path(sys.argv[1]).touch()
-        time.sleep(600)
-    real(path, rows)
-    written.append(path)
-
-distill.write_shard = write_or_pause
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def test_sigkill_then_restart_gives_the_same_records(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
     overrides = _overrides(
         tmp_path, tiny_backbone_dir, prompts, "distill.batch_size=1", "distill.shard_size=1"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    shards, marker = tmp_path / "distill" / "shards", tmp_path / "paused"
-    script = _PAUSING_CLI.format(pause_at=3)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(marker), *overrides],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 180
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    alive = proc.poll() is None
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate()
-    assert alive and marker.exists(), err.decode()[-2000:]
+    shards = tmp_path / "distill" / "shards"
+    PausingCLI(tmp_path, "kill", overrides, env, pause_at=3).wait_paused().kill()
     kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("*.arrow")}
     assert sorted(kept) == [f"shard-{i:05d}.arrow" for i in range(3)]
     (shards / ".shard-00003.arrow.k1ll3d.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
-    result = subprocess.run(
-        [sys.executable, "-m", "medusa_train", *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_cli(overrides, env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resuming, 3 of 10 shards" in result.stderr
     assert not list(shards.glob(".*tmp*"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -20,19 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train.config import compose_config
 from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.errors import UserError
-from medusa_train.stages import distill
+from tests.helpers.distill import REPO, PausingCLI, run_cli
+from tests.helpers.distill import distill_overrides as _overrides
 from tests.helpers.distill import rows as _rows
+from tests.helpers.distill import run_distill as _run
 from tests.helpers.distill import spans as _spans
+from tests.helpers.distill import write_prompts as _write_prompts
+from tests.helpers.local_server import LocalServer
 
 pytest.importorskip("fastapi", reason="transformers serve needs its serving extra (pip install -e .[dev])")
 pytest.importorskip("uvicorn")
-
-REPO = Path(__file__).resolve().parents[2]
-MAX_NEW = 12
-WORDS = "the cat dog sat on a mat tell me story about why how what is big small happy day night".split()
 
 
 def _free_port() -> int:
@@ -81,36 +79,6 @@ class Server:
         self.proc = None
 
 
-def _write_prompts(path: Path, n: int = 10, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        turns = [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14))) + "?" for _ in range(1 + i % 3)
-        ]
-        rows.append({"prompt": turns})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def _overrides(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> list[str]:
-    return [
-        "stage=distill",
-        f"workdir={workdir}",
-        "model=hf",
-        f"model.name_or_path={backbone}",
-        "model.dtype=float32",
-        "model.device=cpu",
-        "tracking=disabled",
-        "data=jsonl",
-        f"data.path={prompts}",
-        f"distill.max_new_tokens={MAX_NEW}",
-        "distill.batch_size=4",
-        "distill.shard_size=3",
-        *extra,
-    ]
-
-
 def _server_overrides(url: str, *extra: str) -> list[str]:
     return [
         "distill.engine=server",
@@ -121,10 +89,6 @@ def _server_overrides(url: str, *extra: str) -> list[str]:
         "distill.server.backoff_s=0.1",
         *extra,
     ]
-
-
-def _run(workdir: Path, backbone: Path, prompts: Path, *extra: str) -> dict:
-    return distill.run(compose_config(_overrides(workdir, backbone, prompts, *extra)))
 
 
 @pytest.fixture(scope="module")
@@ -257,52 +221,6 @@ def test_switching_engine_or_served_model_is_refused(
         srv.kill()
 
 
-# The CLI, pausing before writing its second shard while a "hold" file exists (it touches a marker
-# file first), so a kill lands at a known point: one more shard on disk, the next one generated
-# through the server but not written. argv: marker, hold, then the overrides.
-_PAUSING_CLI = """
-import sys, time
-from pathlib import Path
-from medusa_train.__main__ import main
-from medusa_train.stages import distill
-
-real, written = distill.write_shard, []
-marker, hold = Path(sys.argv[1]), Path(sys.argv[2])
-
-def write_or_pause(path, rows, *extra):
-    if len(written) == 1 and hold.exists():
-        marker.touch()
-        deadline = time.time() + 600
-        while hold.exists() and time.time() < deadline:
-            time.sleep(0.05)
-    real(path, rows, *extra)
-    written.append(path)
-
-distill.write_shard = write_or_pause
-sys.exit(main(sys.argv[3:]))
-"""
-
-
-def _start_paused(
-    tmp_path: Path, name: str, overrides: list[str], env: dict
-) -> tuple[subprocess.Popen, Path]:
-    """The CLI run up to its pause (see _PAUSING_CLI); returns it and its hold file (remove to go on)."""
-    marker, hold = tmp_path / f"{name}.paused", tmp_path / f"{name}.hold"
-    hold.touch()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PAUSING_CLI, str(marker), str(hold), *overrides],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 180
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None and marker.exists(), proc.communicate()[1].decode()[-2000:]
-    return proc, hold
-
-
 def test_client_sigkill_resumes_to_the_same_records(served, word_backbone, prompts, server, tmp_path):
     """Five client SIGKILLs (the issue's target), then the same command: every record exactly once."""
     overrides = [
@@ -312,18 +230,9 @@ def test_client_sigkill_resumes_to_the_same_records(served, word_backbone, promp
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shards = tmp_path / "distill" / "shards"
     for kill in range(1, 6):
-        proc, _ = _start_paused(tmp_path, f"kill{kill}", overrides, env)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
+        PausingCLI(tmp_path, f"kill{kill}", overrides, env).wait_paused().kill()
         assert sorted(p.name for p in shards.glob("*.arrow")) == [f"shard-{i:05d}.arrow" for i in range(kill)]
-    result = subprocess.run(
-        [sys.executable, "-m", "medusa_train", *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_cli(overrides, env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resuming, 5 of 10 shards" in result.stderr
     assert [p.name for p in shard_files(tmp_path / "distill")] == [f"shard-{i:05d}.arrow" for i in range(10)]
@@ -347,9 +256,10 @@ def test_server_down_fails_in_one_line_then_resumes_and_restarts_mid_run_complet
             ]
 
         # 1. the server dies mid-run and stays down
-        proc, hold = _start_paused(tmp_path, "down", overrides(), env)
+        down = PausingCLI(tmp_path, "down", overrides(), env).wait_paused()
         srv.kill()
-        hold.unlink()
+        down.go_on()
+        proc = down.proc
         _, err = proc.communicate(timeout=120)
         errors = [ln for ln in err.decode().splitlines() if ln.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1, err.decode()[-2000:]
@@ -359,33 +269,16 @@ def test_server_down_fails_in_one_line_then_resumes_and_restarts_mid_run_complet
         # 2. the same command while the server is still down, with a longer retry budget: the server
         #    comes back, then dies mid-run once more and is restarted a second later; the run completes
         patient = overrides("distill.server.max_retries=30", "distill.server.backoff_max_s=1")
-        (tmp_path / "again.hold").touch()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _PAUSING_CLI,
-                str(tmp_path / "again.paused"),
-                str(tmp_path / "again.hold"),
-                *patient,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        again = PausingCLI(tmp_path, "again", patient, env)
         time.sleep(3)  # the client starts, finds nothing listening, backs off
         srv.start()
-        deadline = time.time() + 180
-        while not (tmp_path / "again.paused").exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        again.wait_paused()
         srv.kill()
-        (tmp_path / "again.hold").unlink()
+        again.go_on()
         time.sleep(1)
         srv.start()
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err.decode()[-2000:]
+        _, err = again.proc.communicate(timeout=180)
+        assert again.proc.returncode == 0, err.decode()[-2000:]
         assert "resuming, 2 of 10 shards" in err.decode()
         assert _rows(tmp_path) == _rows(served[0])  # every record exactly once, the same tokens
     finally:
@@ -453,14 +346,14 @@ def test_api_key_is_sent_and_never_stored(served, word_backbone, prompts, server
     assert _rows(tmp_path) == _rows(served[0])
 
 
-class VllmShaped:
+class VllmShaped(LocalServer):
     """A stand-in for vLLM's completions API (vLLM cannot run on this CPU machine): token-id prompts
     in, ``choices[0].token_ids`` out, as vLLM documents them; the generation is the real model's
     unbatched greedy ``generate``. It checks our side of ``distill.server.api=tokens``."""
 
     def __init__(self, model_dir: Path, name: str) -> None:
         import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import BaseHTTPRequestHandler
 
         import torch
 
@@ -512,13 +405,7 @@ class VllmShaped:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 def test_tokens_api_is_token_exact_even_for_non_canonical_replies(tiny_backbone_dir, prompts, tmp_path):

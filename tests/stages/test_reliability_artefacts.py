@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,8 @@ from medusa_train.stages.train import run_key
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache, is_complete
 from medusa_train.training.trainer import last_complete_checkpoint
 from medusa_train.workdir import publish_dir, read_json, remove_stale, staging_dir
-from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+from tests.helpers.distill import rows as _rows
+from tests.helpers.tiny_workdir import make_workdir, tiny_cfg, tiny_overrides
 from tests.helpers.train_workdir import (
     make_records,
     make_train_workdir,
@@ -64,6 +67,25 @@ def _one_error_line(capsys, argv: list[str]) -> str:
     errors = [line for line in err.splitlines() if line.startswith("error: ")]  # besides progress bars
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
     return errors[0]
+
+
+@contextlib.contextmanager
+def _killed_at_publish(monkeypatch, name: str) -> Iterator[None]:
+    """The body must stop (``KeyboardInterrupt``, as a SIGKILL there) when :func:`publish_dir` renames the
+    staged ``name`` folder into place; ``os.replace`` is itself again afterwards."""
+    real = os.replace
+
+    def killed(src, dst):
+        if Path(src).name.startswith(f".{name}.tmp-"):
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(workdir_mod.os, "replace", killed)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        monkeypatch.setattr(workdir_mod.os, "replace", real)
 
 
 def _no_dot_leftovers(folder: Path) -> None:
@@ -102,11 +124,6 @@ def distilled(tmp_path_factory, tiny_backbone_dir) -> tuple[Path, Path, dict]:
     figures = distill.run(compose_config(_distill_overrides(wd, prompts)))
     assert figures["num_shards"] == 3
     return wd, prompts, figures
-
-
-def _rows(wd: Path) -> list:
-    ds = load_distilled(wd / "distill")
-    return list(zip(ds["source_id"], ds["input_ids"], ds["loss_mask"], strict=True))
 
 
 def test_copied_renamed_workdir_named_relatively_is_complete_without_loading(
@@ -234,17 +251,8 @@ def test_moved_workdir_resumes_then_skips_then_exports(tmp_path, monkeypatch) ->
     # Killed while publishing recalibrated heads: the next run finds the old heads and recalibrates.
     heads = tmp_path / "c" / "heads"
     weights = (heads / "medusa_lm_head.safetensors").read_bytes()
-    real = os.replace
-
-    def killed(src, dst):
-        if Path(src).name.startswith(".heads.tmp-"):
-            raise KeyboardInterrupt
-        real(src, dst)
-
-    monkeypatch.setattr(workdir_mod.os, "replace", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with _killed_at_publish(monkeypatch, "heads"):
         train_run(train_cfg(tmp_path / "c", "tree.max_nodes=3"))
-    monkeypatch.setattr(workdir_mod.os, "replace", real)
     again = train_run(train_cfg(tmp_path / "c", "tree.max_nodes=3"))
     assert again["recalibrated"] and (heads / "medusa_lm_head.safetensors").read_bytes() == weights
     _no_dot_leftovers(tmp_path / "c")
@@ -343,7 +351,7 @@ def test_damaged_heads_are_one_line_for_export_eval_and_init_heads(heads_workdir
     wd = _fresh_copy(heads_workdir, tmp_path / "wd")
     expected = _damage(wd / "heads", kind)
     for stage in ("export", "eval"):
-        line = _one_error_line(capsys, [f"stage={stage}", *_tiny_overrides(wd)])
+        line = _one_error_line(capsys, [f"stage={stage}", *tiny_overrides(wd)])
         assert expected in line and "stage=train training.overwrite=true" in line, line
     if kind == "truncated weights":  # training.init_heads reads the same files
         root = make_train_workdir(tmp_path / "train_wd")
@@ -352,11 +360,6 @@ def test_damaged_heads_are_one_line_for_export_eval_and_init_heads(heads_workdir
         )
         assert line.startswith("error: training.init_heads:") and expected in line
         assert not (root / "heads").exists()
-
-
-def _tiny_overrides(wd: Path) -> list[str]:
-    cfg_args = ["model=hf", f"model.name_or_path={wd / 'backbone'}", "model.dtype=float32"]
-    return [f"workdir={wd}", "debug=fast", "tracking=disabled", *cfg_args]
 
 
 def test_damaged_calibration_is_one_line_for_eval(heads_workdir, tmp_path) -> None:
@@ -431,7 +434,7 @@ sys.exit(main(sys.argv[1:]))
 
 def test_export_sigkilled_at_publish_then_rerun_leaves_nothing(heads_workdir, tmp_path) -> None:
     wd = _fresh_copy(heads_workdir, tmp_path / "wd")
-    argv = ["stage=export", *_tiny_overrides(wd)]
+    argv = ["stage=export", *tiny_overrides(wd)]
     assert main(argv) == 0
     card = (wd / "export" / "README.md").read_bytes()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -459,17 +462,8 @@ def test_eval_killed_at_publish_then_rerun_gives_one_runs_files(heads_workdir, t
     )
     eval_stage.run(tiny_cfg(wd, "stage=eval", *fast))
     (wd / "eval" / "stray.png").write_text("from an older run")
-    real = os.replace
-
-    def killed(src, dst):
-        if Path(src).name.startswith(".eval.tmp-"):
-            raise KeyboardInterrupt
-        real(src, dst)
-
-    monkeypatch.setattr(workdir_mod.os, "replace", killed)
-    with pytest.raises(KeyboardInterrupt):
+    with _killed_at_publish(monkeypatch, "eval"):
         eval_stage.run(tiny_cfg(wd, "stage=eval", *fast))
-    monkeypatch.setattr(workdir_mod.os, "replace", real)
     report = eval_stage.run(tiny_cfg(wd, "stage=eval", *fast))
     on_disk = json.loads((wd / "eval" / "report.json").read_text())
     assert on_disk["date"] == report["date"] and not (wd / "eval" / "stray.png").exists()

@@ -29,25 +29,13 @@ import torch
 
 from medusa_train.__main__ import main
 from medusa_train.errors import environment_fault
-from tests.helpers.tiny_workdir import make_workdir
+from tests.helpers.tiny_workdir import make_workdir, tiny_overrides
 from tests.helpers.train_workdir import make_train_workdir, train_overrides
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_workdir(tmp_path_factory.mktemp("cli_errors"))
-
-
-def _argv(workdir: Path, *extra: str) -> list[str]:
-    return [
-        f"workdir={workdir}",
-        "debug=fast",
-        "tracking=disabled",
-        "model=hf",
-        f"model.name_or_path={workdir / 'backbone'}",
-        "model.dtype=float32",
-        *extra,
-    ]
 
 
 def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
@@ -96,7 +84,7 @@ def test_tree_rank_beyond_the_heads_vocabulary(
     workdir: Path, capsys: pytest.CaptureFixture[str], stage: str
 ) -> None:
     before = _tree(workdir / stage)
-    assert main(_argv(workdir, f"stage={stage}", "tree=custom", "tree.choices=[[0],[100000]]")) == 2
+    assert main(tiny_overrides(workdir, f"stage={stage}", "tree=custom", "tree.choices=[[0],[100000]]")) == 2
     line = _error_line(capsys)
     assert "tree path [100000] asks for rank 100000" in line and "candidates" in line, line
     assert _tree(workdir / stage) == before and not _leftovers(workdir)
@@ -106,16 +94,16 @@ def test_tree_rank_beyond_the_heads_vocabulary(
 def test_device_this_machine_does_not_have(
     workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert main(_argv(workdir, "stage=eval", "model.device=tpu")) == 2
+    assert main(tiny_overrides(workdir, "stage=eval", "model.device=tpu")) == 2
     assert "model.device='tpu' is not one of" in _error_line(capsys)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine, whatever runs this
-    assert main(_argv(workdir, "stage=eval", "model.device=cuda")) == 2
+    assert main(tiny_overrides(workdir, "stage=eval", "model.device=cuda")) == 2
     assert "model.device=cuda but" in _error_line(capsys)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, asked for the eighth
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert main(_argv(workdir, "stage=eval", "model.device=cuda:7")) == 2
+    assert main(tiny_overrides(workdir, "stage=eval", "model.device=cuda:7")) == 2
     assert "model.device=cuda:7 but this machine has 1 GPU(s)" in _error_line(capsys)
     assert not (workdir / "eval").exists()
 
@@ -165,7 +153,7 @@ def test_pickle_heads_are_refused_in_one_line(
     marker = tmp_path / "code-ran"
     (heads / "medusa_lm_head.pt").write_bytes(pickle.dumps({"0.0.linear.weight": _Payload(marker)}))
     out = tmp_path / "out"
-    assert main(_argv(workdir, f"workdir={out}", "stage=export", f"export.heads_dir={heads}")) == 2
+    assert main(tiny_overrides(workdir, f"workdir={out}", "stage=export", f"export.heads_dir={heads}")) == 2
     line = _error_line(capsys)
     assert "refused" in line and "medusa_lm_head.pt" in line, line
     assert not marker.exists() and not (out / "export").exists()
@@ -204,7 +192,7 @@ def test_read_only_workdir(
     before = _tree(root)
     _read_only(monkeypatch, root)
     try:
-        assert main(_argv(root, "stage=export")) == 2
+        assert main(tiny_overrides(root, "stage=export")) == 2
     finally:
         root.chmod(0o755)
     line = _error_line(capsys)
@@ -256,14 +244,14 @@ def test_full_disk_during_export_and_eval_keeps_the_previous_artefacts(
         "eval.sweep_tree_sizes=[]",
     ]
     for stage in ("export", "eval"):  # a good run first: the failed one must leave it as it was
-        assert main(_argv(workdir, f"stage={stage}", *fast_eval)) == 0
+        assert main(tiny_overrides(workdir, f"stage={stage}", *fast_eval)) == 0
     before = {stage: _tree(workdir / stage) for stage in ("export", "eval")}
     assert all(before.values())
     capsys.readouterr()
     with monkeypatch.context() as patch:
         _full_disk(patch)
         for stage in ("export", "eval"):
-            assert main(_argv(workdir, f"stage={stage}", *fast_eval)) == 2
+            assert main(tiny_overrides(workdir, f"stage={stage}", *fast_eval)) == 2
             line = _error_line(capsys)
             assert (
                 line.startswith(f"error: no space left on the device: {workdir}") and "free there" in line

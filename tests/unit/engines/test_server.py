@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.server import ServerClient, ServerEngine, ServerRefused
 from medusa_train.errors import UserError
+from tests.helpers.local_server import LocalServer
 
 
-class Scripted:
+class Scripted(LocalServer):
     """Answers requests with ``script`` in order (status, headers, body), recording what came in."""
 
     def __init__(self, script: list[tuple[int, dict, dict]]) -> None:
@@ -45,13 +45,7 @@ class Scripted:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture
