@@ -118,6 +118,56 @@ SETTINGS: dict[str, list[str]] = {
         "training.lm_loss=ce",
         "training.backbone_tuning=lora",
     ],
+    # longer runs (300 steps took 43 s on the idle 2-core machine, not the ~4.5 min measured under
+    # load, so 1,000+ steps fit the 5-minute budget); CE throughout
+    "ce-lr3e-4-600": ["training.lr=3e-4", "training.lm_loss=ce", "training.max_steps=600"],
+    "ce-lr3e-4-1000": ["training.lr=3e-4", "training.lm_loss=ce", "training.max_steps=1000"],
+    "ce-lr3e-4-1500": ["training.lr=3e-4", "training.lm_loss=ce", "training.max_steps=1500"],
+    "ce-lr1e-3-1000": ["training.lr=1e-3", "training.lm_loss=ce", "training.max_steps=1000"],
+    "ce-lr3e-4-x10-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.head_lr_multiplier=10",
+    ],
+    "ce-lr3e-4-lam1-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.lambda0=1.0",
+    ],
+    "ce-lr3e-4-const-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.lambda_warmup=constant",
+    ],
+    "ce-lr3e-4-lin300-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.lambda_warmup=linear",
+        "training.lambda_warmup_steps=300",
+    ],
+    "ce-x10-const-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.head_lr_multiplier=10",
+        "training.lambda_warmup=constant",
+    ],
+    "ce-lr3e-4-2stage300-1000": [
+        "training.lr=3e-4",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.heads_only_steps=300",
+    ],
+    "ce-lora-lr1e-3-1000": [
+        "training.lr=1e-3",
+        "training.lm_loss=ce",
+        "training.max_steps=1000",
+        "training.backbone_tuning=lora",
+    ],
 }
 
 
