@@ -248,14 +248,19 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
     pad = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else 0)
     # Warm-up both paths once (kernels, allocator) outside the timings.
     warm = prompts[0].to(device)
-    model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    model.generate(
+        warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad
+    )
     medusa_generate(model, packed, warm, max_new_tokens=4, tree=tree)
     for prompt in prompts:
         prompt = prompt.to(device)
         _sync(device)
         t0 = time.perf_counter()
+        # An explicit all-ones mask: without it `generate` masks every prompt token equal to the pad
+        # id (random prompts contain it), and the reference is no longer plain greedy decoding.
         ref = model.generate(
             prompt,
+            attention_mask=torch.ones_like(prompt),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=eos_token_id,

@@ -104,3 +104,18 @@ def test_batch_size_table(bench, capsys):
         assert r["speedup_min"] <= r["speedup"] * 1.0001 and r["speedup"] <= r["speedup_max"] * 1.0001
     assert "overhead" not in results
     assert "| batch | plain tokens/s |" in bench.markdown(results)
+
+
+def test_reference_decodes_prompts_that_contain_the_pad_id(bench):
+    """The plain reference is greedy decoding of the whole prompt: a prompt token equal to the pad id
+    must not be masked out (without an explicit mask `generate` infers one from the pad id)."""
+    import torch
+
+    from medusa_train.decoding import MEDUSA_63
+
+    model, heads = bench.build_random(bench.random_run_config(), 4, "cpu", torch.float32)
+    prompts = bench.read_prompts(None, model, 8, 32)
+    for p in prompts:
+        p[0, ::5] = 0  # (1, T): the pad id bench_generation uses without an EOS (--random runs)
+    gen = bench.bench_generation(model, heads, prompts, MEDUSA_63, 24, None)
+    assert gen["greedy_mismatches"] == 0
