@@ -398,11 +398,10 @@ def medusa_generate_batch(
                     outs[b].stop_reason = "eos"
                 done.append(i)
         if done:
-            keep = [i for i in range(n) if i not in set(done)]
-            if not keep:
+            if len(done) == n:
                 break
             live, roots, hidden, cache_len, pad_np = _drop(
-                cache, keep, live, roots, hidden, cache_len, pad_np
+                cache, done, live, roots, hidden, cache_len, pad_np
             )
             n = len(live)
         # 4. Candidates for every row from its last hidden state: the tree is cut to the depth the
@@ -493,11 +492,10 @@ def medusa_generate_batch(
         ]  # (n, d)
         roots = new_roots
         if finished:
-            keep = [i for i in range(n) if i not in set(finished)]
-            if not keep:
+            if len(finished) == n:
                 break
             live, roots, hidden, cache_len, pad_np = _drop(
-                cache, keep, live, roots, hidden, cache_len, pad_np
+                cache, finished, live, roots, hidden, cache_len, pad_np
             )
         cache.write_cols = None
 
@@ -508,8 +506,11 @@ def medusa_generate_batch(
     return result
 
 
-def _drop(cache: RowKVCache, keep: list[int], live, roots, hidden, cache_len, pad_np):
-    """Keep batch slots ``keep``: move their cache rows down in place and select their state."""
+def _drop(cache: RowKVCache, gone: list[int], live, roots, hidden, cache_len, pad_np):
+    """Remove the finished batch slots ``gone`` (distinct, not all of them): move the others' cache
+    rows down in place and select their state."""
+    out = set(gone)
+    keep = [i for i in range(len(live)) if i not in out]
     idx = torch.tensor(keep, device=hidden.device)
     cache.keep_rows(idx)
     return (
