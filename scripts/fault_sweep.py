@@ -931,14 +931,16 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         ("new distill", [], None),  # distill/ removed first: nothing to keep, nothing may be left half
         ("train", ["training.overwrite=true"], "heads"),
     ]:
+
+        def command(wd, st=st, extra=extra):
+            return new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
+
         out.append(
             Case(
                 f"read-only workdir, {st}",
                 "environment",
                 "refuse",
-                lambda wd, st=st, extra=extra: (
-                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
-                ),
+                command,
                 fault={"kind": "read_only", "root": "<wd>"},
                 check=None,
                 results={"keep": keep},
@@ -949,9 +951,7 @@ def cases(base: Path, scratch: Path) -> list[Case]:
                 f"full disk, {st}",
                 "environment",
                 "refuse",
-                lambda wd, st=st, extra=extra: (
-                    new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
-                ),
+                command,
                 fault={"kind": "full_disk", "where": ""},
                 results={"keep": keep},
             )
