@@ -70,7 +70,8 @@ RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
 PROBE_STATUSES = frozenset({408, 429, 502, 503, 504})
-"""HTTP answers to a re-admission probe that mean "not back yet" (any other answer: the server is up)."""
+"""HTTP answers to ``GET /models`` (the endpoint check, the re-admission probe) that mean "not up
+yet"; any other answer means the server is up (a listing's other 4xx/500 is no reason to wait)."""
 
 
 class ServerRefused(Exception):
@@ -248,7 +249,7 @@ def check_endpoint(
     """
     listed: list[dict] = []
     try:
-        answer = client.request(url, "/models", retry_statuses=frozenset({408, 429, 502, 503, 504}))
+        answer = client.request(url, "/models", retry_statuses=PROBE_STATUSES)
         listed = (
             [m for m in answer.get("data", []) if isinstance(m, dict)] if isinstance(answer, dict) else []
         )
