@@ -55,14 +55,14 @@ _TORCH_WRITE_FAILED = re.compile(
 )
 _NEARLY_FULL = 256 << 20
 """Free bytes on the workdir's disk below which such a write failure is taken for a full disk."""
-# Temp names the stages write under (workdir.staging_dir's ".<name>.tmp-<pid>", atomic_write's
-# ".<name>.<pid>.<8 chars>.tmp", and its ".<name>.<8 chars>.tmp" before issue 18b): a message names
-# the artefact they were becoming instead.
-_TEMP_NAMES = (
-    re.compile(r"^\.(?P<name>.+)\.(tmp|old)-\d+$"),
-    re.compile(r"^\.(?P<name>.+)\.\d+\.\w{8}\.tmp$"),
-    re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"),
-)
+# The temp names the stages write under: workdir.staging_dir's ".<name>.tmp-<pid>" (and
+# publish_dir's ".<name>.old-<pid>"), atomic_write's ".<name>.<pid>.<8 chars>.tmp" (mkstemp's random
+# part), and atomic_write's ".<name>.<8 chars>.tmp" before issue 18b. Defined here, the leaf module,
+# so that workdir (which writes them and cleans them up) and the messages below share one spelling:
+# a message names the artefact a temp name was becoming instead.
+STAGING_NAME = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-(?P<pid>\d+)$")
+TEMP_FILE_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\w{8}\.tmp$")
+_TEMP_NAMES = (STAGING_NAME, TEMP_FILE_NAME, re.compile(r"^\.(?P<name>.+)\.\w{8}\.tmp$"))
 
 
 def _artefact_path(path: Path) -> Path:

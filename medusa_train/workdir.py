@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.errors import DamagedArtefactError, UserError
+from medusa_train.errors import STAGING_NAME, TEMP_FILE_NAME, DamagedArtefactError, UserError
 
 # -- folders of the workdir (one per stage) ----------------------------------------------------------
 PRETRAIN = "pretrain"
@@ -231,10 +230,6 @@ def _umask() -> int:
     return mask
 
 
-# :func:`atomic_write`'s temp files (mkstemp's random part: 8 of [a-z0-9_]); errors.py knows the pattern
-_TEMP_FILE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\w{8}\.tmp$")
-
-
 def remove_dead_temp_files(folder: Path) -> list[Path]:
     """Delete the :func:`atomic_write` temp files under ``folder`` (recursively) of processes that no
     longer run: a write killed before its rename. A live process's (this one's included) are kept.
@@ -252,7 +247,7 @@ def remove_dead_temp_files(folder: Path) -> list[Path]:
 def _dead_temp_file(name: str, of: str | None = None) -> bool:
     """Whether ``name`` is an :func:`atomic_write` temp file (for the file ``of``, when given) whose
     writer no longer runs."""
-    match = _TEMP_FILE.match(name)
+    match = TEMP_FILE_NAME.match(name)
     if match is None or (of is not None and match["name"] != of):
         return False
     pid = int(match["pid"])
@@ -260,9 +255,6 @@ def _dead_temp_file(name: str, of: str | None = None) -> bool:
 
 
 # -- atomic folders ---------------------------------------------------------------------------------
-_STALE = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-(?P<pid>\d+)$")
-
-
 def staging_dir(final: Path) -> Path:
     """An empty folder beside ``final`` to build its next version in (``.<name>.tmp-<pid>``)."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -307,7 +299,7 @@ def remove_stale(final: Path) -> list[Path]:
         return removed
     stale = []
     for entry in parent.iterdir():
-        match = _STALE.match(entry.name)
+        match = STAGING_NAME.match(entry.name)
         if match and match["name"] == final.name and not _alive(int(match["pid"])):
             stale.append(entry)
         elif _dead_temp_file(entry.name, of=final.name) and entry.is_file():

@@ -36,7 +36,7 @@ def test_atomic_write_names_its_temp_file_with_its_pid(tmp_path: Path) -> None:
         tmp.write_text("x")
 
     atomic_write(tmp_path / "run.json", write)
-    assert len(seen) == 1 and workdir_mod._TEMP_FILE.match(seen[0])
+    assert len(seen) == 1 and workdir_mod.TEMP_FILE_NAME.match(seen[0])
     assert seen[0].startswith(f".run.json.{os.getpid()}.") and seen[0].endswith(".tmp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
 
