@@ -33,6 +33,7 @@ from ..heads import (
     medusa_targets,
     select_trained_rows,
 )
+from ..hf_compat import cache_kwargs
 from .generate import context_limit, verify_forward
 from .tree import TreeBuffers
 
@@ -246,7 +247,7 @@ def measure_forward_latency(
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)  # (1, C)
     cache = DynamicCache()
     if context_len:
-        model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=context, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     results: dict[int, dict[str, float]] = {}
     for n in sizes:
         tree = TreeBuffers.from_choices([[0] * d for d in range(1, n)]).to(device)

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from ..heads import MedusaHeads
+from ..hf_compat import cache_kwargs
 from .acceptance import (
     ACCEPTANCE_RULES,
     accept_greedy,
@@ -364,9 +365,9 @@ def _forward(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
+        **cache_kwargs(model, cache),
         logits_to_keep=logits_to_keep,
     )
     return out.logits, out.hidden_states[-1]

@@ -25,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from medusa_train.engines.base import GenRequest, OnDone
+from medusa_train.hf_compat import cache_kwargs
 
 
 def request_generator(seed: int | None) -> torch.Generator:
@@ -365,8 +366,8 @@ class ContinuousBatcher:
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
-            past_key_values=cache,
             use_cache=True,
+            **cache_kwargs(self.model, cache),
             **extra,
         )
         self.stats["prefills"] += 1
@@ -393,8 +394,8 @@ class ContinuousBatcher:
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             position_ids=lengths.unsqueeze(-1).to(device),
-            past_key_values=slots.cache,
             use_cache=True,
+            **cache_kwargs(self.model, slots.cache),
         )
         slots.end += 1
         self.stats["decode_steps"] += 1

@@ -17,6 +17,7 @@ from medusa_train.decoding import (
     medusa_generate_batch,
     warp_probs,
 )
+from medusa_train.hf_compat import passed_cache
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
@@ -137,7 +138,7 @@ def test_finished_rows_leave_the_batch_and_cache_is_never_reallocated():
 
     def hook(module, args, kwargs):
         batch_sizes.append(kwargs["input_ids"].shape[0])
-        cache = kwargs["past_key_values"]
+        cache = passed_cache(module, kwargs)
         if cache.layers[0].keys is not None:
             key_ptrs.add(cache.layers[0].keys.data_ptr())
 
