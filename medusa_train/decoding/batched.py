@@ -220,6 +220,17 @@ class _BatchMask:
         return out if self.is_dict else out[""]
 
 
+CUDA_WIDTH_STEP = 64
+"""Columns a step's key width is rounded up to on CUDA: a GPU attention kernel that
+plans per shape (cuDNN's) then sees one width per 64 columns of growth instead of a new one every
+step; the extra columns are masked (stale or empty cache entries). On a CPU every masked column
+still costs its dot products, so the width stays exact there."""
+
+
+def _bucket(width: int, step: int) -> int:
+    return -(-width // step) * step
+
+
 def _prefill_masks(
     model: torch.nn.Module, allowed: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -345,7 +356,8 @@ def medusa_generate_batch(
     # Per-call setup. Cache columns: the longest padded prompt, then at most budget - 1 accepted
     # tokens (the last step needs no room after it) and one tree.
     t_max = max(lengths[b] for b in live)
-    capacity = t_max + max(budgets[b] for b in live) + tree.num_nodes
+    width_step = CUDA_WIDTH_STEP if device.type == "cuda" else 1
+    capacity = _bucket(t_max + max(budgets[b] for b in live) + tree.num_nodes, width_step)
     masks = _BatchMask(model, tree, capacity, dtype)
     cache = RowKVCache(_num_layers(model), capacity)
     depth = tree.depth  # (M,)
@@ -418,7 +430,7 @@ def medusa_generate_batch(
         #    tree mask shifted to L_b, its position ids continue its own sequence.
         lens = torch.from_numpy(cache_len).to(device)  # (n,)
         pads_t = torch.from_numpy(pad_np).to(device)  # (n,)
-        width = int(cache_len.max()) + m
+        width = min(capacity, _bucket(int(cache_len.max()) + m, width_step))
         mask = masks.build(lens, pads_t, m, width)  # (n, 1, m, W)
         position_ids = (lens - pads_t)[:, None] + depth[:m]  # (n, m)
         if pos_cap is not None:
