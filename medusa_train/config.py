@@ -662,6 +662,11 @@ class EvalConfig:
     assistant_model: str | None = None
     """A draft model (Hugging Face name or directory, same vocabulary as the backbone) for
     transformers' assisted generation, measured on every turn next to plain greedy; null = skip."""
+    fit_tree: bool = True
+    """tree=calibrated: when the stored calibration (calibration.json) was measured on another device or
+    dtype than this run's, calibrate the tree again here from its stored head accuracies and a latency
+    curve measured now (seconds), so a tree tuned on a CPU is not used on a GPU; false keeps the stored
+    tree. Pinned trees (tree=medusa63|chain|custom) are never changed."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

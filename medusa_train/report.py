@@ -140,13 +140,23 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 # -- report.md --------------------------------------------------------------------------------------
+def _calibrated_for(report: dict) -> str:
+    """ ", calibrated for <device> (<dtype>) [in this run]" for a calibrated tree, else ""."""
+    fit = report.get("tree_fit") or {}
+    if report.get("tree") != "calibrated":
+        return ""
+    label = fit.get("calibrated_for")
+    where = "an unrecorded device" if not label else f"{label['device']} ({label['dtype']})"
+    return f", calibrated for {where}" + (" in this run" if fit.get("recalibrated") else "")
+
+
 def summary_table(report: dict) -> str:
     """The headline figures as a Markdown table (printed at the end of stage=all)."""
     temp = report.get("temperature")
     acc1, acc5 = report.get("head_top1"), report.get("head_top5")
     rows = [
         ("prompts (turns)", f"{report['num_prompts']} ({report.get('num_turns', report['num_prompts'])})"),
-        ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes"),
+        ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes{_calibrated_for(report)}"),
         ("tau, greedy (tokens/step)", _fmt(report["tau"])),
         ("plain greedy tokens/s", _fmt(report["tokens_per_s_baseline"], ".1f")),
         ("Medusa greedy tokens/s", _fmt(report["tokens_per_s_medusa"], ".1f")),

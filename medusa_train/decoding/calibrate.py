@@ -17,6 +17,7 @@ all on held-out batches (what stage=train does after training, into ``calibratio
 from __future__ import annotations
 
 import heapq
+import platform
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -353,7 +354,39 @@ def calibrate_tree(
     latency = measure_forward_latency(model, sizes, context_len)
     choices, table = choose_tree(trees, taus, latency)
     best = next(row for row in table if row["nodes"] == len(choices))
-    return {"choices": choices, "table": table, "latency": latency, "context_len": context_len, "best": best}
+    return {
+        "choices": choices,
+        "table": table,
+        "latency": latency,
+        "context_len": context_len,
+        "best": best,
+        "calibrated_for": device_label(model),
+    }
+
+
+def device_label(model: torch.nn.Module) -> dict[str, str]:
+    """What a tree's latency curve depends on: ``{"device": <GPU name, or "cpu: <CPU model>">, "dtype"}``.
+
+    A tree calibrated on one device is re-calibrated for another (the latency curve of a GPU is flat
+    where a CPU's climbs), so this is stored with the calibration and compared at decode time.
+    """
+    param = next(model.parameters())
+    if param.device.type == "cuda":
+        name = torch.cuda.get_device_name(param.device)
+    else:
+        name = f"{param.device.type}: {_cpu_model()}"
+    return {"device": name, "dtype": str(param.dtype).removeprefix("torch.")}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @dataclass
@@ -378,7 +411,7 @@ class Calibration:
         return {
             "count": self.count.tolist(),
             "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in self.acc],
-            "tree": {k: self.tree[k] for k in ("table", "context_len", "best")},
+            "tree": {k: self.tree[k] for k in ("table", "context_len", "best", "calibrated_for")},
             "latency": {str(n): v for n, v in self.tree["latency"].items()},
         }
 

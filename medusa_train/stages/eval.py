@@ -61,7 +61,7 @@ from medusa_train.decoding import (
     TreeBuffers,
     compute_head_accuracy,
 )
-from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
+from medusa_train.decoding.calibrate import calibrate_tree, device_label, grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
 from medusa_train.decoding.timing import Decoded, TimedDecoders, batch_table
 from medusa_train.decoding.tree import tree_for_heads
@@ -129,6 +129,7 @@ def run(cfg) -> dict:
         warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
     lm_weight = model.get_output_embeddings().weight
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
+    choices, tree_fit = fit_tree_to_device(cfg, heads_dir, model, choices)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
     decode = TimedDecoders(model, packed, tree, eos_token_ids(model, tok), tok.pad_token_id)
@@ -199,6 +200,7 @@ def run(cfg) -> dict:
     report.update(
         tree=cfg.tree.name,
         tree_size=len(choices),
+        tree_fit=tree_fit,
         max_new_tokens=ecfg.max_new_tokens,
         all_turns=ecfg.all_turns,
     )
@@ -388,6 +390,52 @@ def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # decoding
+
+
+def fit_tree_to_device(cfg, heads_dir: Path, model, choices: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """The tree for this run's device: with ``tree=calibrated``, the stored tree if calibration.json says
+    it was calibrated on this device and dtype, else one calibrated here from the stored head accuracies
+    and a latency curve measured now (``eval.fit_tree=false`` keeps the stored tree).
+
+    Returns:
+        The tree's paths and ``{"device", "calibrated_for", "recalibrated", ...}`` for the report.
+    """
+    here = device_label(model)
+    info: dict = {"device": here, "calibrated_for": None, "recalibrated": False}
+    if cfg.tree.name != "calibrated":
+        info["pinned"] = cfg.tree.name
+        return choices, info
+    path = next((p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()), None)
+    stored = read_json(path, repair=_RECALIBRATE) if path else {}
+    info["calibrated_for"] = (stored.get("tree") or {}).get("calibrated_for")
+    topk = calibration_topk(stored) if stored else None
+    if not cfg.eval.fit_tree or not topk or info["calibrated_for"] == here:
+        return choices, info
+    log.info(
+        "eval: the tree was calibrated for %s, this run is on %s: calibrating it again here",
+        _describe_device(info["calibrated_for"]),
+        _describe_device(here),
+    )
+    acc = torch.tensor(topk)  # (K, R)
+    result = calibrate_tree(
+        model, acc, cfg.tree.max_nodes, min(cfg.tree.topk, acc.shape[1]), cfg.tree.latency_context
+    )
+    info.update(
+        recalibrated=True,
+        previous=info["calibrated_for"],
+        calibrated_for=here,
+        previous_size=len(choices),
+        expected_tau=round(result["best"]["expected_tau"], 4),
+        latency_context=result["context_len"],
+    )
+    return result["choices"], info
+
+
+def _describe_device(label: dict | None) -> str:
+    return "an unrecorded device" if not label else f"{label['device']} ({label['dtype']})"
+
+
+_RECALIBRATE = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
 
 
 def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[list[float]] | None, str | None]:

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from medusa_train.config import Config, compose_config
+from medusa_train.decoding.calibrate import device_label
 from medusa_train.heads import MedusaHeads
 from tests.helpers.models import build_tiny_backbone
 
@@ -41,8 +42,9 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
         "backbone": {"name_or_path": str(backbone)},
     }
     heads.save_pretrained(root / "heads", extra_config=extra)
-    if calibration:
-        (root / "heads" / "calibration.json").write_text(json.dumps({"head_topk_accuracy": TOPK}))
+    if calibration:  # calibrated for this machine, as stage=train records it
+        calibrated = {"head_topk_accuracy": TOPK, "tree": {"calibrated_for": device_label(model)}}
+        (root / "heads" / "calibration.json").write_text(json.dumps(calibrated))
     if choices:
         (root / "heads" / "medusa_choices.json").write_text(json.dumps(CHOICES))
     return root

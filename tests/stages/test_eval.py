@@ -156,3 +156,25 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={other}", *quick))
     with pytest.raises(ConfigError, match="eval.batch_sizes"):
         tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")
+
+
+def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path) -> None:
+    workdir = make_workdir(tmp_path / "wd")
+    calibration = workdir / "heads" / "calibration.json"
+    stored = json.loads(calibration.read_text())
+    stored["tree"]["calibrated_for"] = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16"}
+    calibration.write_text(json.dumps(stored))
+    report = eval_stage.run(
+        tiny_cfg(workdir, "stage=eval", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[1]")
+    )
+    fit = report["tree_fit"]
+    assert fit["recalibrated"] and fit["previous"]["device"] == "NVIDIA H100 80GB HBM3"
+    assert fit["calibrated_for"] == fit["device"] and fit["device"]["dtype"] == "float32"
+    assert report["greedy_identical"] == 1.0
+    assert "in this run" in (workdir / "eval" / "report.md").read_text()
+    kept = eval_stage.run(
+        tiny_cfg(
+            workdir, "stage=eval", "eval.fit_tree=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[1]"
+        )
+    )
+    assert not kept["tree_fit"]["recalibrated"] and kept["tree_size"] == 5
