@@ -1,0 +1,167 @@
+"""Every decoding path on a CUDA device: greedy parity in fp32, the identical fraction in bf16/fp16, tree
+logits against sequential decoding, calibration's timing and stage=eval. Skipped without CUDA.
+
+bf16/fp16 parity is reported, not asserted exact: a tree forward and a one-token forward run different
+attention kernels (a masked memory-efficient kernel against flash), which round differently, and a
+near-tie between two tokens can then flip. With ``MEDUSA_GPU_REPORT=<file>`` each test appends its
+figures there as JSON lines (``scripts/gpu_check.sh`` sets it and folds them into its summary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from medusa_train.decoding import (
+    MEDUSA_63,
+    measure_forward_latency,
+    medusa_generate,
+    medusa_generate_batch,
+    verify_forward,
+)
+from medusa_train.decoding.tree import TreeBuffers, chain_tree
+from medusa_train.hf_compat import cache_kwargs
+from tests.helpers.models import random_heads, random_tree, tiny_model
+
+DEVICE = os.environ.get("MEDUSA_GPU_TEST_DEVICE", "cuda")
+"""``cpu`` dry-runs these tests on a machine without a GPU (``scripts/gpu_check.sh --device cpu``)."""
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
+TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(1)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NEW_TOKENS = 40
+
+
+def _record(**figures) -> None:
+    path = os.environ.get("MEDUSA_GPU_REPORT")
+    print(json.dumps(figures))
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(figures) + "\n")
+
+
+def _model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    # Wider than the CPU tests' models (64 wide, 4 layers): the GPU kernels' tiling then matters.
+    return tiny_model(arch, seed=30 + ARCHS.index(arch), hidden=64, layers=4, max_pos=256).to(DEVICE, dtype)
+
+
+def _prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (3 + 7 * i % 23,), generator=gen).to(DEVICE) for i in range(n)]
+
+
+def _plain(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    out = model.generate(
+        prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=max_new_tokens,
+        do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity_fp32(arch, tree_name):
+    model = _model(arch, torch.float32)
+    heads = random_heads(model.cpu(), seed=1).to(DEVICE)
+    model.to(DEVICE)
+    for prompt in _prompts(4):
+        expected = _plain(model, prompt, NEW_TOKENS)
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=TREES[tree_name])
+        assert out.tokens.tolist() == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_parity_fp32(arch):
+    model = _model(arch, torch.float32)
+    heads = random_heads(model.cpu(), seed=1).to(DEVICE)
+    model.to(DEVICE)
+    prompts = _prompts(6, seed=3)
+    expected = [_plain(model, p, NEW_TOKENS) for p in prompts]
+    out = medusa_generate_batch(model, heads, prompts, max_new_tokens=NEW_TOKENS, tree=MEDUSA_63)
+    assert [r.tokens.tolist() for r in out.rows] == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_parity_is_reported(arch, dtype):
+    """The identical fraction and where rows first differ, batch 1 and batched; most rows must match."""
+    model = _model(arch, torch.float32)
+    heads = random_heads(model.cpu(), seed=1)
+    model = model.to(DEVICE, DTYPES[dtype])
+    heads = heads.to(DEVICE, DTYPES[dtype])
+    prompts = _prompts(8, seed=5)
+    expected = [_plain(model, p, NEW_TOKENS) for p in prompts]
+    single = [
+        medusa_generate(model, heads, p[None], max_new_tokens=NEW_TOKENS, tree=MEDUSA_63).tokens.tolist()
+        for p in prompts
+    ]
+    batched = [
+        r.tokens.tolist()
+        for r in medusa_generate_batch(model, heads, prompts, max_new_tokens=NEW_TOKENS, tree=MEDUSA_63).rows
+    ]
+    figures = {}
+    for name, got in (("batch1", single), ("batched", batched)):
+        same = [g == e for g, e in zip(got, expected, strict=True)]
+        figures[name] = {
+            "identical": sum(same) / len(same),
+            "first_difference_at": [
+                _first_difference(g, e) for g, e in zip(got, expected, strict=True) if g != e
+            ],
+        }
+    _record(test="half_precision_parity", arch=arch, dtype=dtype, new_tokens=NEW_TOKENS, **figures)
+    assert figures["batch1"]["identical"] >= 0.5 and figures["batched"]["identical"] >= 0.5
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_tree_logits_match_sequential_decoding(dtype):
+    """verify_forward's logits for a chain equal one-token-at-a-time decoding within the dtype's rounding."""
+    model = _model("llama", DTYPES[dtype])
+    prompt = _prompts(1, seed=7)[0][None]  # (1, T)
+    chain = torch.randint(1, 128, (6,), device=DEVICE)  # (M,)
+    tree = TreeBuffers.from_choices(chain_tree(5)).to(DEVICE)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+        tree_logits, _ = verify_forward(model, cache, chain, tree, prompt.shape[1])  # (M, V)
+        seq = model(input_ids=torch.cat([prompt, chain[None]], 1)).logits[0, prompt.shape[1] :]  # (M, V)
+    tol = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}[dtype]
+    err = (tree_logits.float() - seq.float()).abs().max().item() / seq.float().abs().max().item()
+    _record(test="tree_vs_sequential", dtype=dtype, max_relative_error=err)
+    assert err < tol
+
+
+def test_calibration_latency_runs_on_cuda():
+    model = _model("llama", torch.bfloat16)
+    timings = measure_forward_latency(model, [1, 8, 64], context_len=64, warmup=1, repeats=3)
+    assert set(timings) == {1, 8, 64} and all(t["seconds"] > 0 for t in timings.values())
+
+
+def test_eval_stage_on_cuda(tmp_path: Path):
+    pytest.importorskip("hydra")
+    from medusa_train.stages import eval as eval_stage
+    from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+
+    workdir = make_workdir(tmp_path / "wd")
+    report = eval_stage.run(
+        tiny_cfg(workdir, "stage=eval", f"model.device={DEVICE}", "eval.batch_sizes=[1,2]")
+    )
+    _record(test="eval_stage", tau=report["tau"], greedy_identical=report["greedy_identical"])
+    assert report["greedy_identical"] == 1.0
+    if DEVICE == "cuda":
+        assert report["machine"]["device"] == torch.cuda.get_device_name()
+        assert report["tree_fit"]["recalibrated"]  # the workdir's tree was calibrated on the CPU
+    assert all(row["identical"] == 1.0 for row in report["batch_sizes"])
