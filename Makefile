@@ -5,25 +5,41 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/default
 PYTEST_ARGS ?=
+LOCK := requirements/lock.txt
+# `make lock` keeps torch and triton as locked unless given TORCH=x.y.z TRITON=a.b.c (TRITON: the version
+# torch x.y.z's Linux wheel on PyPI requires; the CPU build requires none, so it is pinned by hand).
+TORCH ?= $(shell sed -n 's/^torch==//p' $(LOCK))
+TRITON ?= $(shell sed -n 's/^triton==//p' $(LOCK))
 
-.PHONY: help install demo test eval lint format clean
+.PHONY: help install lock demo test eval lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-8s %s\n", $$1, $$2}'
 
-# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build on CPU machines.
-# deepspeed ships as a source package whose build imports torch, so it (and our editable install)
-# builds without isolation against the torch already in the venv.
-$(STAMP): pyproject.toml
+# Every install is constrained (pip -c) to $(LOCK), the exact versions of everything below, so a fresh
+# clone installs what was tested; pyproject.toml keeps the supported ranges. torch first: the lock pins
+# it (an unpinned torch pulls a multi-GB CUDA build on CPU machines). deepspeed ships as a source
+# package whose build imports torch, so it (and our editable install) builds without isolation
+# against the torch already in the venv.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q setuptools wheel
-	$(BIN)/pip install -q --no-build-isolation "deepspeed>=0.16"
-	$(BIN)/pip install -q --no-build-isolation -e ".[dev]"
+	$(BIN)/pip install -q -c $(LOCK) --upgrade pip
+	$(BIN)/pip install -q -c $(LOCK) torch
+	$(BIN)/pip install -q -c $(LOCK) setuptools wheel
+	$(BIN)/pip install -q -c $(LOCK) --no-build-isolation "deepspeed>=0.16"
+	$(BIN)/pip install -q -c $(LOCK) --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install the package with dev extras (quick when done)
+
+lock:  ## refresh requirements/lock.txt: the newest versions pyproject admits, installed in a fresh venv and frozen
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	printf '%s\n' torch==$(TORCH) $(if $(TRITON),triton==$(TRITON)) > $$tmp/pins.txt; \
+	$(MAKE) --no-print-directory install VENV=$$tmp/venv LOCK=$$tmp/pins.txt; \
+	{ grep '^#' $(LOCK) | grep -v '^# Frozen'; \
+	  echo "# Frozen by make lock from $$($$tmp/venv/bin/python -V) on $$(uname -sm), $$(date -u +%F)."; \
+	  $$tmp/venv/bin/pip freeze --all --exclude-editable | sed 's/+.*$$//'; } > $$tmp/lock.txt; \
+	mv $$tmp/lock.txt $(LOCK); echo "wrote $(LOCK)"
 
 demo: install  ## the whole pipeline on the embedded tiny backbone (CPU, offline)
 	$(BIN)/python -m medusa_train stage=all workdir=$(WORKDIR)
