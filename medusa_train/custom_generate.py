@@ -43,13 +43,13 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
-from medusa_train.backbone import local_fingerprint, recorded_base
+from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import PackedHeads, medusa_generate
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.formats import MEDUSA, VLLM, load_heads
 from medusa_train.heads import HeadsFormatError
-from medusa_train.workdir import CHOICES, TRAINED_BACKBONE, atomic_write_text
+from medusa_train.workdir import CHOICES, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -334,14 +334,17 @@ def _heads_dir(source: Path) -> Path:
 
 
 def _check_checkpoint(model, heads_dir: Path) -> None:
-    """Refuse a base model whose checkpoint files are not the ones the heads go with: a Medusa-2
-    export's ``backbone/``, else the base recorded by stage=train. Checked only when both sides are
-    local files (a Hub id or a model built in memory passes)."""
-    export = heads_dir.parent
-    trained = export / TRAINED_BACKBONE
-    expected_name = str(trained) if trained.is_dir() else None
-    expected = local_fingerprint(str(trained)) if expected_name else None
-    if expected_name is None:
+    """Refuse a base model whose checkpoint files are not the ones the heads go with: the trained
+    Medusa-2 backbone that ships with them (an export's ``backbone/``), else the base stage=train
+    recorded. Checked only when both sides are local files (a Hub id, a model built in memory or a
+    LoRA adapter passes)."""
+    trained = trained_backbone_dir(heads_dir)
+    if trained is not None:
+        expected_name, expected = (
+            str(trained),
+            None if is_adapter_dir(trained) else local_fingerprint(str(trained)),
+        )
+    else:
         identity = recorded_base(heads_dir) or {}
         expected_name, expected = identity.get("name_or_path"), identity.get("fingerprint")
     actual = local_fingerprint(getattr(model, "name_or_path", "") or "")
