@@ -5,6 +5,7 @@ belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import shutil
@@ -20,6 +21,7 @@ from medusa_train.backbone import local_fingerprint
 from medusa_train.custom_generate import FOLDER, MIN_TORCH, MIN_TRANSFORMERS
 from medusa_train.stages import export
 from tests.helpers.models import tiny_model
+from tests.helpers.scripts import load_script
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,3 +164,40 @@ def test_the_generated_files_need_no_hydra_and_name_the_supported_versions(workd
     declared = (REPO / "pyproject.toml").read_text()  # the package's own lower bounds
     for name, low in (("torch", MIN_TORCH), ("transformers", MIN_TRANSFORMERS)):
         assert re.search(rf'^\s*"{name}>={re.escape(low)}[,"]', declared, re.M), name
+
+
+def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkeypatch) -> None:
+    """scripts/check_custom_generate.py (the GPU check, here on the CPU): every case passes, and a
+    medusa_train that is importable but not pip-installed gets the distribution record transformers checks."""
+    script = load_script("check_custom_generate")
+    out = tmp_path / "check.json"
+    assert (
+        script.main(
+            [
+                "--export",
+                str(workdir / "export"),
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    results = json.loads(out.read_text())
+    assert results["base"] == str(workdir / "backbone") and results["greedy"]["identical"] == [True] * 4
+    assert all(results[case]["ok"] for case in ("greedy", "batch", "sample", "typical", "mismatch", "timing"))
+    real = importlib.metadata.version
+
+    def not_installed(name: str) -> str:
+        if name == "medusa_train":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert "distribution record" in script.ensure_distribution_record(tmp_path)
+    record = next((tmp_path / "site").glob("medusa_train-*.dist-info"))
+    assert importlib.metadata.Distribution.at(record).version == "0.1.0"
