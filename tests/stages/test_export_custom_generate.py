@@ -130,6 +130,17 @@ def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model
         _medusa(changed, workdir / "export", **one, max_new_tokens=4)
     out = _medusa(changed, workdir / "export", **one, max_new_tokens=6, medusa_check_base=False)
     assert torch.equal(out, changed.generate(**one, do_sample=False, max_new_tokens=6))  # exact anyway
+    # an export that ships its trained backbone (Medusa-2) goes with that backbone, not the original
+    medusa2 = tmp_path / "medusa2"
+    shutil.copytree(workdir / "export", medusa2)
+    shutil.copytree(tmp_path / "changed", medusa2 / "backbone")
+    with pytest.raises(ValueError, match=r"go with .*medusa2/backbone"):
+        _medusa(model, medusa2, **one, max_new_tokens=4)
+    trained = AutoModelForCausalLM.from_pretrained(medusa2 / "backbone").eval()
+    assert torch.equal(
+        _medusa(trained, medusa2, **one, max_new_tokens=6),
+        trained.generate(**one, do_sample=False, max_new_tokens=6),
+    )
     right = tok(PROMPTS, return_tensors="pt", padding=True)
     right = {k: v.flip(1) for k, v in right.items()}  # padding on the right
     with pytest.raises(ValueError, match="padding_side = 'left'"):
