@@ -62,7 +62,7 @@ from medusa_train.decoding import (
     TreeBuffers,
     chain_tree,
     compute_head_accuracy,
-    medusa_generate,
+    medusa_generate_batch,
 )
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
@@ -107,6 +107,8 @@ log = logging.getLogger(__name__)
 
 HEADS_ACC_RECORDS = 64
 """Held-out distilled records used for head accuracy when calibration.json is missing."""
+CHAIN_BATCH = 16
+"""Turns decoded together when eval measures vLLM's top-1 chain taus (counts only, not timed)."""
 DRIFT_RECORDS = 200
 """Held-out distilled records on which eval.compare measures a trained backbone's drift."""
 
@@ -238,7 +240,9 @@ def run(cfg) -> dict:
     report["sweep"] = sweep(decode, topk, inputs, ecfg) if topk and ecfg.sweep_tree_sizes else []
 
     # 7b. vLLM's view: greedy tau of the top-1 chain of the first n heads, n = 1..K, same turns.
-    report["vllm_chain"] = vllm_chain(model, packed, inputs, heads.num_heads, eos_token_ids(model, tok))
+    report["vllm_chain"] = vllm_chain(
+        model, packed, inputs, heads.num_heads, eos_token_ids(model, tok), ecfg.max_new_tokens
+    )
     report["vllm_num_speculative_tokens"] = recommend_speculative_tokens(report["vllm_chain"])
 
     # 8. The alternatives (from 4.) and speed-up against batch size.
@@ -473,22 +477,39 @@ def sweep(
 
 
 def vllm_chain(
-    model, packed: PackedHeads, inputs: list[tuple[torch.Tensor, int]], num_heads: int, eos: list[int]
+    model,
+    packed: PackedHeads,
+    inputs: list[tuple[torch.Tensor, int]],
+    num_heads: int,
+    eos: list[int],
+    max_new_tokens: int,
 ) -> list[dict]:
     """Greedy tau of the top-1 chain of the first n heads on every turn of ``inputs``, n = 1..K.
 
     That chain is what vLLM's Medusa proposer verifies with ``num_speculative_tokens=n`` (each head's
     argmax, no tree); tau is pooled over the turns (new tokens / steps), as vLLM pools acceptance
-    over requests. Counts only, no timing.
+    over requests. Counts only, no timing, so the turns go through the batched decoder,
+    ``CHAIN_BATCH`` at a time (each row stops at ``max_new_tokens`` or the context limit, as
+    :func:`turn_budget` cut it).
     """
     device = next(model.parameters()).device
+    prompts = [ids for ids, _ in inputs]
     rows = []
     for n in range(1, num_heads + 1):
         tree = TreeBuffers.from_choices(chain_tree(n)).to(device)
         tokens = steps = 0
-        for ids, budget in inputs:
-            out = medusa_generate(model, packed, ids, max_new_tokens=budget, tree=tree, eos_token_id=eos)
-            tokens, steps = tokens + len(out.tokens), steps + out.num_steps
+        for start in range(0, len(prompts), CHAIN_BATCH):
+            out = medusa_generate_batch(
+                model,
+                packed,
+                prompts[start : start + CHAIN_BATCH],
+                max_new_tokens=max_new_tokens,
+                tree=tree,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else 0,
+            )
+            tokens += out.num_tokens
+            steps += sum(row.num_steps for row in out.rows)
         rows.append(
             {"num_speculative_tokens": n, "tau": tokens / max(1, steps), "tokens": tokens, "steps": steps}
         )
