@@ -31,6 +31,7 @@ Needs torch, transformers and this package only (no Hydra): it runs wherever ``g
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -144,6 +145,7 @@ class _Loaded:
 
 
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dir, choices): _Loaded}
+_WARNED: set[str] = set()  # warnings already given in this process
 
 
 def generate(
@@ -188,7 +190,7 @@ def generate(
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
             right padding, an unknown ``medusa_acceptance``).
     """
-    source = _find_export(medusa_heads, export_dir)
+    source = _find_export(model, medusa_heads, export_dir)
     refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]
     if refused:
         raise ValueError(f"Medusa decoding does not take {', '.join(refused)}: call generate without them")
@@ -220,7 +222,8 @@ def generate(
         max_new = config.max_length - (0 if default_length else width)
     loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
 
-    rows = _unpadded_rows(input_ids, attention_mask)  # B x (1, T_i)
+    device = model.get_output_embeddings().weight.device
+    rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
     settings = dict(
         max_new_tokens=max(0, max_new),
         tree=loaded.tree,
@@ -248,20 +251,15 @@ def generate(
 
 
 # -- where the export is --------------------------------------------------------------------------
-def _find_export(medusa_heads: str | os.PathLike | None, export_dir: str | None) -> Path:
-    """The folder to read heads and tree from: ``medusa_heads``, else the ``custom_generate`` value of
-    the calling ``generate`` (a local folder, or a Hub repository downloaded to the Hub cache), else
-    ``export_dir`` (where stage=export wrote it)."""
+def _find_export(model, medusa_heads: str | os.PathLike | None, export_dir: str | None) -> Path:
+    """The folder to read heads and tree from: ``medusa_heads``, else the ``custom_generate`` value
+    ``model.generate`` was called with (a local folder, or a Hub repository downloaded to the Hub
+    cache), else ``export_dir`` (where stage=export wrote it)."""
     if medusa_heads is not None:
         return _existing(Path(medusa_heads), "medusa_heads")
-    called_with = _custom_generate_argument()
+    called_with = _custom_generate_argument(model)
     if called_with is not None:
-        if Path(called_with).is_dir():
-            return Path(called_with)
-        from huggingface_hub import snapshot_download
-
-        patterns = [f"{MEDUSA}/*", f"{VLLM}/*", CHOICES]
-        return Path(snapshot_download(called_with, allow_patterns=patterns))
+        return Path(called_with) if Path(called_with).is_dir() else _hub_snapshot(called_with)
     if export_dir is not None and Path(export_dir).is_dir():
         return Path(export_dir)
     raise ValueError(
@@ -269,21 +267,30 @@ def _find_export(medusa_heads: str | os.PathLike | None, export_dir: str | None)
     )
 
 
-def _custom_generate_argument() -> str | None:
-    """The string ``custom_generate`` that transformers' ``generate`` was called with (it does not pass
-    it on), read from the caller's frame; None when ``generate`` was called another way."""
+def _custom_generate_argument(model) -> str | None:
+    """The string ``custom_generate`` that ``model.generate`` was called with: transformers does not
+    pass it on, so it is read from the frame of that call (``self`` is ``model``); None when the
+    decoder was reached another way."""
     frame = inspect.currentframe()
     try:
         for _ in range(8):
             frame = frame.f_back if frame is not None else None
             if frame is None:
                 return None
-            value = frame.f_locals.get("custom_generate") if frame.f_code.co_name == "generate" else None
-            if isinstance(value, str):
-                return value
+            if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+                value = frame.f_locals.get("custom_generate")
+                return value if isinstance(value, str) else None
         return None
     finally:
         del frame
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_snapshot(repo_id: str) -> Path:
+    """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES]))
 
 
 def _existing(path: Path, what: str) -> Path:
@@ -372,8 +379,10 @@ def _acceptance(config, requested: str | None) -> str:
     ]
     if rule == "sample" and config.top_k:
         ignored.append(f"top_k={config.top_k} (temperature and top_p are applied)")
-    if ignored:
-        log.warning("Medusa decoding does not apply %s", ", ".join(ignored))
+    message = f"Medusa decoding does not apply {', '.join(ignored)}"
+    if ignored and message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
     return rule
 
 
