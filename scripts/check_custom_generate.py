@@ -4,8 +4,13 @@ Run as:
     # an export of this pipeline (its base model: export/backbone, else medusa/config.json's, else --model)
     python scripts/check_custom_generate.py --export runs/default/export --device cuda
     python scripts/check_custom_generate.py --export runs/default/export --model runs/default/pretrain --device cpu
+    # a workdir copied from another machine (the export names the base by its path there)
+    python scripts/check_custom_generate.py --export WD/export --model WD/pretrain --device cuda
     # no export at hand: a tiny random Llama + random heads exported to a temporary folder (CPU dry run)
     python scripts/check_custom_generate.py --tiny --device cpu
+
+An export without ``custom_generate/`` (written by an older export) is checked on a temporary copy
+with that folder written in.
 
 Cases, each caught and reported on its own (one failing case does not hide the others):
 ``greedy`` (each prompt alone: identical to plain greedy ``generate``), ``batch`` (the prompts as one
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -35,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import medusa_train  # noqa: E402
-from medusa_train.custom_generate import write_custom_generate  # noqa: E402
+from medusa_train.custom_generate import FOLDER, write_custom_generate  # noqa: E402
 from medusa_train.formats import MEDUSA, read_heads_config, save_medusa  # noqa: E402
 from medusa_train.workdir import CHOICES, TRAINED_BACKBONE  # noqa: E402
 from tests.helpers.models import build_tiny_backbone, random_heads, tiny_model  # noqa: E402
@@ -131,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         base = str(base)
     else:
         export, base = args.export.resolve(), base_of(args.export.resolve(), args.model)
+        if not (
+            export / FOLDER / "generate.py"
+        ).is_file():  # an export written before custom_generate/ existed
+            copy = tmp / "export"
+            shutil.copytree(export, copy, ignore=shutil.ignore_patterns(TRAINED_BACKBONE))
+            if (export / TRAINED_BACKBONE).is_dir():
+                (copy / TRAINED_BACKBONE).symlink_to(export / TRAINED_BACKBONE)
+            write_custom_generate(copy, copy)
+            results["note_export"] = f"{export} has no {FOLDER}/: checked a copy with it written in ({copy})"
+            print(results["note_export"], flush=True)
+            export = copy
     results.update(export=str(export), base=base)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     model = (
