@@ -9,7 +9,7 @@ Run as:
     # no export at hand: a tiny random Llama + random heads exported to a temporary folder (CPU dry run)
     python scripts/check_custom_generate.py --tiny --device cpu
 
-An export without ``custom_generate/`` (written by an older export) is checked on a temporary copy
+An export without ``custom_generate/`` is checked on a temporary copy
 with that folder written in.
 
 Cases, each caught and reported on its own (one failing case does not hide the others):
@@ -137,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         base = str(base)
     else:
         export, base = args.export.resolve(), base_of(args.export.resolve(), args.model)
-        if not (
-            export / FOLDER / "generate.py"
-        ).is_file():  # an export written before custom_generate/ existed
+        if not (export / FOLDER / "generate.py").is_file():  # an export without the folder: check a copy
             copy = tmp / "export"
             shutil.copytree(export, copy, ignore=shutil.ignore_patterns(TRAINED_BACKBONE))
             if (export / TRAINED_BACKBONE).is_dir():
