@@ -118,6 +118,29 @@ def alternatives(records: list[dict]) -> dict[str, dict]:
     return out
 
 
+MARGINAL_TAU = 0.1
+"""Tokens per step one more vLLM speculative token must add to be recommended (see
+:func:`recommend_speculative_tokens`)."""
+
+
+def recommend_speculative_tokens(chain: list[dict] | None) -> int | None:
+    """The ``num_speculative_tokens`` to give vLLM, from eval's top-1 chain taus (``vllm_chain`` rows
+    ``{"num_speculative_tokens": n, "tau": ...}``, n = 1..K).
+
+    Rule: the smallest n after which one more head adds less than :data:`MARGINAL_TAU` (0.1) tokens
+    per step (K when every head adds more). vLLM verifies n + 1 tokens of every request at each step,
+    so a head that rarely adds a token costs verify work (compute, once batches are large) and gives
+    nothing back. None without measurements.
+    """
+    rows = sorted(chain or [], key=lambda r: r["num_speculative_tokens"])
+    if not rows:
+        return None
+    for row, following in zip(rows, rows[1:], strict=False):
+        if following["tau"] - row["tau"] < MARGINAL_TAU:
+            return int(row["num_speculative_tokens"])
+    return int(rows[-1]["num_speculative_tokens"])
+
+
 def machine_info(device: torch.device) -> dict:
     """Where the timings were taken."""
     info = {
@@ -225,6 +248,8 @@ def report_markdown(report: dict) -> str:
             for r in report["batch_sizes"]
         ]
         lines.append("")
+    if report.get("vllm_chain"):
+        lines += ["## vLLM: the top-1 chain", "", vllm_chain_table(report["vllm_chain"]), ""]
     if report.get("comparison"):
         lines += ["## Heads compared (same turns, same tree)", "", comparison_table(report["comparison"]), ""]
     hist = report["accepted_length_histogram"]
@@ -232,6 +257,31 @@ def report_markdown(report: dict) -> str:
     lines += [f"| {n} | {c} |" for n, c in hist.items()]
     lines += ["", "## Machine", ""] + [f"- {k}: {v}" for k, v in report["machine"].items()]
     return "\n".join(lines) + "\n"
+
+
+def vllm_chain_table(chain: list[dict]) -> str:
+    """eval's greedy tau of the top-1 chain of the first n heads (what vLLM's Medusa proposer verifies
+    with ``num_speculative_tokens=n``) as Markdown, with the recommended n."""
+    best = recommend_speculative_tokens(chain)
+    lines = [
+        "vLLM's Medusa proposer drafts the argmax of each of the first n heads and verifies that chain "
+        "(no tree). Greedy tau of that chain on the same turns, pooled (new tokens / steps):",
+        "",
+        "| num_speculative_tokens | tau | gain over n - 1 |",
+        "|---|---|---|",
+    ]
+    previous = 1.0  # plain decoding
+    for row in sorted(chain, key=lambda r: r["num_speculative_tokens"]):
+        n = row["num_speculative_tokens"]
+        mark = " (recommended)" if n == best else ""
+        lines.append(f"| {n}{mark} | {row['tau']:.2f} | {row['tau'] - previous:+.2f} |")
+        previous = row["tau"]
+    lines += [
+        "",
+        f"Recommended: `num_speculative_tokens={best}`, the smallest n after which one more head adds "
+        f"less than {MARGINAL_TAU} tokens per step.",
+    ]
+    return "\n".join(lines)
 
 
 def comparison_table(rows: list[dict]) -> str:
@@ -452,7 +502,8 @@ def model_card(
         or "<base model>"
     )
     k = heads.num_heads
-    lines = [
+    lines = _front_matter(base, heads_config, backbone)
+    lines += [
         f"# Medusa heads for `{base}`",
         "",
         f"{k} Medusa heads (Cai et al., arXiv:2401.10774), {heads.num_layers} residual block(s) each, "
@@ -542,33 +593,134 @@ def model_card(
             "- tau / speed-up: not measured for these heads: run `python -m medusa_train stage=eval` "
             "on them (it updates this card)"
         )
+    chain = (report or {}).get("vllm_chain")
+    if chain:
+        lines += ["", "### vLLM", "", vllm_chain_table(chain)]
     lines += ["", f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`.", ""]
+    ex = str(export_dir) if export_dir is not None else "export"
+    lines += _files(formats, backbone is not None)
+    lines += _decode_with_generate(base, ex, backbone is not None)
     lines += _usage(
         base,
         heads,
         formats,
         tree_size=tree_size,
-        export_dir=str(export_dir) if export_dir is not None else "export",
+        export_dir=ex,
         pickle=pickle,
+        speculative_tokens=recommend_speculative_tokens(chain),
     )
     return "\n".join(lines) + "\n"
 
 
+HUB_TAGS = ("custom_generate", "medusa", "speculative-decoding", "medusa_train")
+"""The card's Hub tags (``custom_generate``: how the Hub lists repositories with a
+``custom_generate/generate.py``)."""
+
+
+def _front_matter(base: str, heads_config: dict, backbone: str | None) -> list[str]:
+    """The card's YAML metadata: library, pipeline, tags, the base model when it is a Hub id, and a
+    license line for the user to fill in. Values are written as JSON strings (valid YAML)."""
+    identity = heads_config.get("backbone")
+    started = identity.get("name_or_path") if isinstance(identity, dict) else None
+    hub = next((name for name in (base, started) if name and is_hub_id(name)), None)
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
+    if hub is not None:
+        lines.append(f"base_model: {json.dumps(hub)}")
+    lines += ["tags:"] + [f"- {tag}" for tag in HUB_TAGS]
+    if backbone:
+        lines.append("- medusa-2")
+    lines += [
+        "# license: apache-2.0  # set the heads' license (usually the base model's) before publishing",
+        "---",
+        "",
+    ]
+    return lines
+
+
+def _files(formats: list[str], shipped_backbone: bool) -> list[str]:
+    """The "Files" section: what each folder of the export is for."""
+    out = ["## Files", ""]
+    if MEDUSA in formats:
+        out.append(
+            "- `medusa/`: the heads in FasterDecoding's layout (`config.json` + `medusa_lm_head.safetensors`), "
+            "read by TGI, TensorRT-LLM's converter, FasterDecoding and medusa_train"
+        )
+    if VLLM in formats:
+        out.append(
+            "- `vllm/`: the same heads in vLLM's `MedusaModel` layout (`config.json` + `model.safetensors`)"
+        )
+    out += [
+        "- `custom_generate/`: `generate.py` + `requirements.txt`, the tree decoder behind "
+        "`model.generate(custom_generate=...)` (below)",
+        "- `medusa_choices.json`: the tree of candidate paths the decoders verify (stage=export's `tree=`)",
+        "- `calibration.json` (when present): per-head top-k accuracy and the tree-size table of stage=train",
+    ]
+    if shipped_backbone:
+        out.append(
+            "- `backbone/`: the base model trained together with the heads (Medusa-2): load this one, "
+            "not the model it started from"
+        )
+    return out + [""]
+
+
+def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) -> list[str]:
+    """The copy-paste ``model.generate(custom_generate=...)`` example."""
+    which = " (the `backbone/` of this export: the heads were trained with it)" if shipped_backbone else ""
+    return [
+        "## Decode with `model.generate`",
+        "",
+        f"With transformers and medusa_train installed, load the base model{which} and pass this folder (or its "
+        "Hub id) as `custom_generate`: greedy output is identical to plain `generate`; `do_sample=True` samples "
+        'exactly, `medusa_acceptance="typical"` uses Medusa\'s typical acceptance; a left-padded batch works.',
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model, tok = AutoModelForCausalLM.from_pretrained("{base}"), AutoTokenizer.from_pretrained("{base}")',
+        f'out = model.generate(**tok("Hello", return_tensors="pt"), custom_generate="{export_dir}", '
+        "trust_remote_code=True, max_new_tokens=64)",
+        "print(tok.decode(out[0], skip_special_tokens=True))",
+        "```",
+        "",
+    ]
+
+
 def _usage(
-    base: str, heads: MedusaHeads, formats: list[str], *, tree_size: int, export_dir: str, pickle: bool
+    base: str,
+    heads: MedusaHeads,
+    formats: list[str],
+    *,
+    tree_size: int,
+    export_dir: str,
+    pickle: bool,
+    speculative_tokens: int | None = None,
 ) -> list[str]:
-    """The "Loading" section: one snippet per engine, with the traps of that engine's loader."""
+    """The "Loading" section: one snippet per engine, with the traps of that engine's loader.
+
+    ``speculative_tokens``: the recommended vLLM ``num_speculative_tokens`` (eval's chain taus); None: K.
+    """
     k, layers, ex = heads.num_heads, heads.num_layers, export_dir
     out = ["## Loading", "", f"This export is `{ex}`; the base model is `{base}`.", ""]
     if VLLM in formats:
+        n = speculative_tokens or k
+        why = (
+            f"`num_speculative_tokens={n}` is the recommendation from the measured chain taus above"
+            if speculative_tokens
+            else f"`num_speculative_tokens={k}` uses every head (not measured: `python -m medusa_train "
+            "stage=eval` measures the chain of each n and recommends one)"
+        )
+        spec = json.dumps({"method": "medusa", "model": f"{ex}/vllm", "num_speculative_tokens": n})
         out += [
             f"**vLLM** (`vllm/`). vLLM's Medusa proposer drafts the chain of each head's top-1 token; the tree "
             f"is not used. `num_speculative_tokens` is the number of heads vLLM builds: at most {k} (more "
-            "fails to load: weights not initialized from the checkpoint).",
+            f"fails to load: weights not initialized from the checkpoint); {why}.",
+            "",
+            "```bash",
+            f"vllm serve {base} --speculative-config '{spec}'",
+            "```",
             "",
             "```python",
             "from vllm import LLM",
-            f'llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "{ex}/vllm", "num_speculative_tokens": {k}}})',
+            f'llm = LLM(model="{base}", speculative_config={spec})',
             "```",
             "",
         ]

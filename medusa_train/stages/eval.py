@@ -20,7 +20,8 @@ prompt-lookup decoding (no training) and, with `eval.assistant_model`, assisted 
 draft model; each call timed whole with `time.perf_counter` (same max_new_tokens, same EOS ids);
 (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for
-calibrated trees of `eval.sweep_tree_sizes` nodes; (8) plain batched `generate` vs batched Medusa at
+calibrated trees of `eval.sweep_tree_sizes` nodes, and vLLM's view: greedy tau of the top-1 chain of
+the first n heads, n = 1..K (what vLLM verifies with `num_speculative_tokens=n`); (8) plain batched `generate` vs batched Medusa at
 each of `eval.batch_sizes`; (9) with `eval.compare`, the same turns and tree decoded with other sets
 of heads, each with its own backbone, and a trained backbone's drift from `model.name_or_path`
 (argmax agreement, KL on held-out distilled positions); (10) report.json, report.md, plots and
@@ -59,7 +60,9 @@ from medusa_train.data.sources import Conversation, read_records
 from medusa_train.decoding import (
     PackedHeads,
     TreeBuffers,
+    chain_tree,
     compute_head_accuracy,
+    medusa_generate_batch,
 )
 from medusa_train.decoding.calibrate import calibrate_tree, device_label, grow_tree, per_rank_accuracy
 from medusa_train.decoding.generate import context_limit
@@ -74,6 +77,7 @@ from medusa_train.report import (
     alternatives,
     calibration_topk,
     machine_info,
+    recommend_speculative_tokens,
     report_markdown,
     summarise,
     top1_top5,
@@ -103,6 +107,8 @@ log = logging.getLogger(__name__)
 
 HEADS_ACC_RECORDS = 64
 """Held-out distilled records used for head accuracy when calibration.json is missing."""
+CHAIN_BATCH = 16
+"""Turns decoded together when eval measures vLLM's top-1 chain taus (counts only, not timed)."""
 DRIFT_RECORDS = 200
 """Held-out distilled records on which eval.compare measures a trained backbone's drift."""
 
@@ -234,6 +240,12 @@ def run(cfg) -> dict:
 
     # 7. Tau and speed-up against tree size (calibrated trees grown from the head accuracies).
     report["sweep"] = sweep(decode, topk, inputs, ecfg) if topk and ecfg.sweep_tree_sizes else []
+
+    # 7b. vLLM's view: greedy tau of the top-1 chain of the first n heads, n = 1..K, same turns.
+    report["vllm_chain"] = vllm_chain(
+        model, packed, inputs, heads.num_heads, eos_token_ids(model, tok), ecfg.max_new_tokens
+    )
+    report["vllm_num_speculative_tokens"] = recommend_speculative_tokens(report["vllm_chain"])
 
     # 8. The alternatives (from 4.) and speed-up against batch size.
     report["alternatives"] = alternatives(records)
@@ -509,6 +521,47 @@ def sweep(
                 "speedup": tps / base_tps if base_tps > 0 else 0.0,
             }
         )
+    return rows
+
+
+def vllm_chain(
+    model,
+    packed: PackedHeads,
+    inputs: list[tuple[torch.Tensor, int]],
+    num_heads: int,
+    eos: list[int],
+    max_new_tokens: int,
+) -> list[dict]:
+    """Greedy tau of the top-1 chain of the first n heads on every turn of ``inputs``, n = 1..K.
+
+    That chain is what vLLM's Medusa proposer verifies with ``num_speculative_tokens=n`` (each head's
+    argmax, no tree); tau is pooled over the turns (new tokens / steps), as vLLM pools acceptance
+    over requests. Counts only, no timing, so the turns go through the batched decoder,
+    ``CHAIN_BATCH`` at a time (each row stops at ``max_new_tokens`` or the context limit, as
+    :func:`turn_budget` cut it).
+    """
+    device = next(model.parameters()).device
+    prompts = [ids for ids, _ in inputs]
+    rows = []
+    for n in range(1, num_heads + 1):
+        tree = TreeBuffers.from_choices(chain_tree(n)).to(device)
+        tokens = steps = 0
+        for start in range(0, len(prompts), CHAIN_BATCH):
+            out = medusa_generate_batch(
+                model,
+                packed,
+                prompts[start : start + CHAIN_BATCH],
+                max_new_tokens=max_new_tokens,
+                tree=tree,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else 0,
+            )
+            tokens += out.num_tokens
+            steps += sum(row.num_steps for row in out.rows)
+        rows.append(
+            {"num_speculative_tokens": n, "tau": tokens / max(1, steps), "tokens": tokens, "steps": steps}
+        )
+    log.info("vLLM top-1 chain tau for n = 1..%d: %s", num_heads, ", ".join(f"{r['tau']:.2f}" for r in rows))
     return rows
 
 

@@ -15,14 +15,17 @@ Writes (into a staging folder, swapped into place, so a killed run never leaves 
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
       calibration.json      per-head accuracy and tree table from stage=train (when present)
-      README.md             model card: base model, data, training, head accuracy, tau, how to load
+      custom_generate/      generate.py + requirements.txt: `model.generate(**inputs,
+                            custom_generate=<export>, trust_remote_code=True)` decodes with these heads
+      README.md             Hub model card: YAML front matter, base model, data, training, head
+                            accuracy, tau, how to load
 
 Steps: (1) load the heads (either layout) and the tree; Medusa-2 heads: the trained backbone too
 (`heads/backbone`; a LoRA adapter is merged into `model.name_or_path`, loaded unquantized), see
 `medusa_train.backbone` for when `model.name_or_path` wins instead; (2) write every layout (and the
 backbone); (3) load each one back and compare its weights and logits with the source's, bit for bit
-(a mismatch fails the export and leaves the previous one in place); (4) the tree, the calibration and
-the model card (`medusa_train.report`); (5) swap the folder into place. `stage=eval` rewrites the
+(a mismatch fails the export and leaves the previous one in place); (4) the tree, the calibration,
+`custom_generate/` (`medusa_train.custom_generate`) and the model card (`medusa_train.report`); (5) swap the folder into place. `stage=eval` rewrites the
 card with the measured tau and speed-up. Only the main process (rank 0) works; a single process is
 enough for any model size.
 """
@@ -39,6 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, load_backbone_for_heads
+from medusa_train.custom_generate import write_custom_generate
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import UserError
@@ -157,11 +161,13 @@ def run(cfg) -> dict:
                 f"nothing published ({wd.export} is unchanged); check the disk and run stage=export again"
             )
 
-        # 4. Tree, calibration (lets stage=eval on the export report head accuracy), model card
-        #    (eval figures are added by stage=eval when it runs later).
+        # 4. Tree, calibration (lets stage=eval on the export report head accuracy), the
+        #    `model.generate(custom_generate=...)` folder, model card (eval figures are added by
+        #    stage=eval when it runs later).
         atomic_write_text(tmp / CHOICES, json.dumps(choices) + "\n")
         if (heads_dir / CALIBRATION).is_file():
             shutil.copyfile(heads_dir / CALIBRATION, tmp / CALIBRATION)
+        write_custom_generate(tmp, wd.export.absolute())
         # Only figures measured on these heads: heads from elsewhere (export.heads_dir) never get
         # this workdir's tau or distilled data.
         manifest, report = belonging(

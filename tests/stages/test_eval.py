@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_train.errors import ConfigError, UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import summary_table
+from medusa_train.report import recommend_speculative_tokens, summary_table
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
@@ -55,6 +55,12 @@ def test_report_is_consistent_with_generations(evaluated: tuple[Path, dict]) -> 
     assert [row["tree_size"] for row in report["sweep"]] == [1, 4]
     assert report["sweep"][0]["expected_tau"] == pytest.approx(1.8)
     assert report["machine"]["torch"] and report["machine"]["threads"] >= 1
+    # vLLM's view: the top-1 chain of the first n heads, greedy, so the same tokens as plain greedy
+    chain = report["vllm_chain"]
+    assert [row["num_speculative_tokens"] for row in chain] == [1, 2, 3]
+    assert all(row["tokens"] == sum(r["baseline_tokens"] for r in lines) for row in chain)
+    assert all(1.0 <= row["tau"] <= row["num_speculative_tokens"] + 1 for row in chain)
+    assert report["vllm_num_speculative_tokens"] == recommend_speculative_tokens(chain)
 
 
 def test_alternatives_and_batch_sizes(evaluated: tuple[Path, dict]) -> None:
@@ -88,6 +94,10 @@ def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> Non
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
     card = (workdir / "export" / "README.md").read_text()
     assert f"**{report['tau']:.2f}**" in card  # stage=eval added its figures to the export's card
+    n = report["vllm_num_speculative_tokens"]
+    assert "## vLLM: the top-1 chain" in (out / "report.md").read_text()
+    assert f"| {n} (recommended) |" in card and f'"num_speculative_tokens": {n}}}\'' in card
+    assert f"vllm serve {workdir / 'backbone'} --speculative-config" in card
 
 
 def test_vllm_layout_chain_tree_and_all_turns(tmp_path: Path, evaluated: tuple[Path, dict]) -> None:

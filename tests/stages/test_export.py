@@ -33,7 +33,7 @@ def test_export_writes_both_layouts_with_identical_logits(workdir: Path) -> None
     result = export.run(tiny_cfg(workdir, "stage=export"))
     out = workdir / "export"
     assert result["roundtrip_identical"] and result["num_heads"] == NUM_HEADS
-    names = ["README.md", "calibration.json", "medusa", "medusa_choices.json", "vllm"]
+    names = ["README.md", "calibration.json", "custom_generate", "medusa", "medusa_choices.json", "vllm"]
     assert sorted(p.name for p in out.iterdir()) == names
     assert detect_layout(out / "medusa") == "medusa" and detect_layout(out / "vllm") == "vllm"
     assert (out / "vllm" / VLLM_WEIGHTS_NAME).is_file()

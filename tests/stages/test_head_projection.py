@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from medusa_train.__main__ import main
 from medusa_train.backbone import load_configured_backbone
@@ -112,6 +113,7 @@ def test_export_shared_both_layouts_and_truncated_vllm_only(trained, capsys):
     assert torch.equal(tensors["lm_heads.0.weight"], backbone.get_output_embeddings().weight)
     assert "lm_heads.1.weight" not in tensors
     assert "reuses the base model's lm_head" in (root / "export" / "README.md").read_text()
+    _custom_generate_is_greedy_identical(root)
 
     root, _ = trained["truncated"]
     capsys.readouterr()
@@ -134,6 +136,15 @@ def test_export_shared_both_layouts_and_truncated_vllm_only(trained, capsys):
     assert f"draft vocabulary of {DRAFT} tokens" in (root / "export" / "README.md").read_text()
     back = load_heads(root / "export" / "vllm")
     assert torch.equal(back.token_map, MedusaHeads.from_pretrained(root / "heads").token_map)
+    _custom_generate_is_greedy_identical(root)
+
+
+def _custom_generate_is_greedy_identical(root: Path) -> None:
+    """The export decodes through `model.generate(custom_generate=...)` as plain greedy `generate` does."""
+    model = AutoModelForCausalLM.from_pretrained(train_cfg(root).model.name_or_path).eval()
+    ids = torch.tensor([[3, 17, 9, 40, 2, 11]])
+    out = model.generate(ids, custom_generate=str(root / "export"), trust_remote_code=True, max_new_tokens=16)
+    assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=16))
 
 
 @pytest.mark.parametrize("kind", ["shared", "truncated"])

@@ -217,6 +217,13 @@ def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run
     loading = (out / "README.md").read_text().split("## Loading", 1)[1]
     assert f'LLM(model="{out / "backbone"}"' in loading and f"--model_dir {out / 'backbone'} " in loading
     assert f"{run.root / 'backbone'} " not in loading and f'"{run.root / "backbone"}"' not in loading
+    # model.generate(custom_generate=<export>) decodes over the shipped backbone (greedy: plain generate's
+    # tokens) and refuses the backbone training started from
+    out_ids = exported.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=12)
+    assert torch.equal(out_ids, exported.generate(ids, do_sample=False, max_new_tokens=12))
+    original = AutoModelForCausalLM.from_pretrained(run.root / "backbone").eval()
+    with pytest.raises(ValueError, match="go with .*export/backbone"):
+        original.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=4)
 
 
 def test_heads_folder_holds_the_full_model_or_the_adapter_only(run: Medusa2Run) -> None:

@@ -1,13 +1,16 @@
-"""The export's model card: what it tells a user about each engine's loader (docs/pipeline.md)."""
+"""The export's model card: a Hub card (YAML front matter), what it tells a user about each engine's
+loader (docs/pipeline.md), and the vLLM `num_speculative_tokens` it recommends."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from huggingface_hub import ModelCard
+from huggingface_hub.repocard import metadata_load
 
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import model_card
+from medusa_train.report import model_card, recommend_speculative_tokens
 
 
 def _card(
@@ -55,3 +58,66 @@ def test_card_says_what_base_model_name_or_path_is_and_how_to_get_the_pickle() -
     assert "which this export has" in local and "reads `medusa_lm_head.pt` when it is there" in local
     assert 'MedusaModel.from_pretrained("/srv/run/export/medusa"' in local
     assert "repeat one residual block" not in local and "repeat one residual block 2 times" in _card(4, 2)
+
+
+def _chain(*taus: float) -> list[dict]:
+    return [{"num_speculative_tokens": n, "tau": tau} for n, tau in enumerate(taus, start=1)]
+
+
+@pytest.mark.parametrize(
+    ("taus", "best"),
+    [
+        ((1.7, 2.1, 2.15, 2.2), 2),  # head 3 adds 0.05 < 0.1
+        ((1.7, 2.3, 2.8, 3.1), 4),  # every head adds more than 0.1
+        ((1.7, 1.75), 1),
+        ((1.5,), 1),
+    ],
+)
+def test_recommended_speculative_tokens_stop_where_a_head_adds_under_a_tenth(taus, best) -> None:
+    assert recommend_speculative_tokens(_chain(*taus)) == best
+    assert recommend_speculative_tokens([]) is None
+
+
+def test_card_is_a_hub_model_card(tmp_path: Path) -> None:
+    """huggingface_hub reads its YAML front matter; base_model only for a Hub id; license left to the user."""
+    card = _card(4)
+    path = tmp_path / "README.md"
+    path.write_text(card)
+    meta = metadata_load(path)
+    assert meta == ModelCard(card).data.to_dict()
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["base_model"] == "meta-llama/Llama-3.1-8B" and "license" not in meta
+    assert {"custom_generate", "medusa", "speculative-decoding"} <= set(meta["tags"])
+    assert "# license:" in card.split("---")[1]
+    assert "base_model" not in ModelCard(_card(4, base="/models/llama")).data.to_dict()
+    # each folder says what it is for; the custom_generate example is under 5 lines
+    for folder in ("`medusa/`", "`vllm/`", "`custom_generate/`", "`medusa_choices.json`"):
+        assert f"- {folder}:" in card
+    example = card.split("## Decode with `model.generate`")[1].split("```python\n")[1].split("```")[0]
+    assert len(example.splitlines()) < 5 and 'custom_generate="/srv/run/export"' in example
+
+
+def test_card_recommends_the_measured_num_speculative_tokens() -> None:
+    heads = MedusaHeads(16, 40, 4, 1, base_model_name_or_path="meta-llama/Llama-3.1-8B")
+    report = {"vllm_chain": _chain(1.7, 2.1, 2.15, 2.2), "tau": 2.5, "speedup": 2.0, "tree_size": 20}
+    card = model_card(
+        heads=heads,
+        heads_config={"backbone": {"name_or_path": "meta-llama/Llama-3.1-8B"}},
+        formats=["vllm"],
+        tree_name="calibrated",
+        tree_size=20,
+        manifest=None,
+        calibration=None,
+        report=report,
+        backbone="/srv/run/export/backbone",
+        export_dir=Path("/srv/run/export"),
+    )
+    spec = '{"method": "medusa", "model": "/srv/run/export/vllm", "num_speculative_tokens": 2}'
+    assert f"vllm serve /srv/run/export/backbone --speculative-config '{spec}'" in card
+    assert "| 2 (recommended) | 2.10 | +0.40 |" in card
+    # Medusa-2: the card's example loads the shipped backbone; the Hub base is where it started
+    assert (
+        'from_pretrained("/srv/run/export/backbone")' in card
+        and "`backbone/`: the base model trained" in card
+    )
+    assert ModelCard(card).data.to_dict()["base_model"] == "meta-llama/Llama-3.1-8B"

@@ -1,0 +1,417 @@
+"""Medusa tree decoding behind transformers' ``model.generate(custom_generate=<export>, trust_remote_code=True)``.
+
+transformers (5.x, ``generation/utils.py``: ``GenerationMixin.generate`` and ``load_custom_generate``)
+runs the ``generate(model, **generate_arguments)`` function of ``<repo or dir>/custom_generate/generate.py``
+when ``generate`` gets ``custom_generate=<repo or dir>``: it first checks the packages listed in
+``custom_generate/requirements.txt`` and the file's imports, copies the file into its modules cache
+and calls the function with every argument ``generate`` got (``input_ids``, ``attention_mask``,
+``max_new_tokens``, ``generation_config``, ...), without ``custom_generate`` itself.
+
+``stage=export`` writes that folder into the export (:func:`write_custom_generate`): a small
+``generate.py`` that calls :func:`generate` here, and ``requirements.txt``. :func:`generate` finds the
+export (the ``custom_generate`` value ``generate`` was called with; else the folder the export was
+written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model, checks they
+belong to the model, and decodes:
+
+- settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
+  over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
+  ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``;
+- ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
+  ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
+  temperature and top_p; ``top_k`` is not applied); ``medusa_acceptance="typical"``: Medusa's typical
+  acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
+- a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
+  row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`;
+- returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
+  rows that stopped early padded with ``pad_token_id`` (a ``GenerateDecoderOnlyOutput`` with only
+  ``sequences`` when ``return_dict_in_generate``).
+
+Needs torch, transformers and this package only (no Hydra): it runs wherever ``generate`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from medusa_train import __version__
+from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
+from medusa_train.decoding.batched import medusa_generate_batch
+from medusa_train.decoding.generate import PackedHeads, medusa_generate
+from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
+from medusa_train.formats import MEDUSA, VLLM, load_heads
+from medusa_train.heads import HeadsFormatError
+from medusa_train.workdir import CHOICES, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+FOLDER = "custom_generate"
+"""The export's sub-folder transformers loads ``generate.py`` and ``requirements.txt`` from."""
+MIN_TORCH = "2.11"
+MIN_TRANSFORMERS = "5.17"
+"""Lowest torch / transformers the package supports (pyproject.toml), written into requirements.txt."""
+ACCEPTANCE = ("greedy", "typical", "sample")
+"""``medusa_acceptance`` values; None picks greedy or sample from ``do_sample``."""
+
+_IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa decoding does not apply
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "typical_p": 1.0,
+    "min_p": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "exponential_decay_length_penalty": None,
+    "stop_strings": None,
+}
+_REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding loop
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+)
+
+GENERATE_PY = '''"""Medusa tree decoding for `model.generate(**inputs, custom_generate=<this folder>, trust_remote_code=True)`.
+
+Written by `python -m medusa_train stage=export`. It needs torch, transformers and medusa_train
+(requirements.txt); the heads and the tree are read from the export this folder belongs to (the
+`custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
+Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_p, eos_token_id, a
+left-padded batch with its attention_mask), plus medusa_acceptance="typical", medusa_choices=<paths>.
+See medusa_train.custom_generate.
+"""
+
+from medusa_train.custom_generate import generate as medusa_generate
+
+EXPORT_DIR = {export_dir!r}
+
+
+def generate(model, *args, **kwargs):
+    """`model.generate` with Medusa heads: same arguments, same return value."""
+    return medusa_generate(model, *args, export_dir=EXPORT_DIR, **kwargs)
+'''
+
+
+def write_custom_generate(export_dir: Path, final_dir: Path) -> Path:
+    """Write ``export_dir/custom_generate/`` (``generate.py`` + ``requirements.txt``); returns the folder.
+
+    Args:
+        export_dir: where the files go (the export's staging folder).
+        final_dir: the export's final place, recorded in ``generate.py`` as the fallback location.
+    """
+    folder = export_dir / FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / "generate.py", GENERATE_PY.format(export_dir=str(final_dir)))
+    atomic_write_text(folder / "requirements.txt", requirements_txt())
+    return folder
+
+
+def requirements_txt() -> str:
+    """The packages ``generate.py`` needs, as transformers' ``check_python_requirements`` reads them."""
+    return (
+        "# custom_generate/generate.py runs medusa_train's tree decoder\n"
+        f"medusa_train>={__version__}\n"
+        f"torch>={MIN_TORCH}\n"
+        f"transformers>={MIN_TRANSFORMERS}\n"
+    )
+
+
+@dataclass
+class _Loaded:
+    """An export's heads packed for one model, and its tree on the model's device."""
+
+    packed: PackedHeads
+    tree: TreeBuffers
+
+
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dir, choices): _Loaded}
+_WARNED: set[str] = set()  # warnings already given in this process
+
+
+def generate(
+    model,
+    inputs: torch.Tensor | None = None,
+    generation_config=None,
+    *,
+    export_dir: str | None = None,
+    medusa_heads: str | os.PathLike | None = None,
+    medusa_choices: list[list[int]] | None = None,
+    medusa_acceptance: str | None = None,
+    medusa_posterior_threshold: float = 0.09,
+    medusa_posterior_alpha: float = 0.3,
+    medusa_check_base: bool = True,
+    **kwargs,
+) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    """``model.generate`` with the Medusa heads of an export (what ``custom_generate/generate.py`` calls).
+
+    Args:
+        model: the base model (a Hugging Face causal LM with "sdpa" or "eager" attention); for a
+            Medusa-2 export, the export's ``backbone/``.
+        inputs: ``(B, T)`` prompt ids (or ``input_ids=`` in ``kwargs``); a batch is left-padded,
+            with its ``attention_mask``.
+        generation_config: as for ``generate``.
+        export_dir: where ``stage=export`` wrote the export (``generate.py``'s ``EXPORT_DIR``); used
+            when ``generate`` was not called with a local ``custom_generate`` folder or Hub id.
+        medusa_heads: an export folder or a heads folder (either layout); wins over both.
+        medusa_choices: the tree as index paths; default the export's ``medusa_choices.json``.
+        medusa_acceptance: "greedy", "typical" or "sample"; None: greedy, or sample with ``do_sample``.
+        medusa_posterior_threshold, medusa_posterior_alpha: typical acceptance's epsilon and delta.
+        medusa_check_base: False decodes over a base model whose checkpoint files differ from the
+            one the heads were trained on (outputs stay exact, fewer drafts are accepted).
+        **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation
+            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``).
+
+    Returns:
+        ``(B, T + n)`` long ids on the prompt's device, or a ``GenerateDecoderOnlyOutput`` with
+        ``sequences`` only (``return_dict_in_generate=True``).
+
+    Raises:
+        ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
+            decoding cannot honour (beam search, several sequences per prompt, logits processors,
+            right padding, an unknown ``medusa_acceptance``).
+    """
+    source = _find_export(model, medusa_heads, export_dir)
+    refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]
+    if refused:
+        raise ValueError(f"Medusa decoding does not take {', '.join(refused)}: call generate without them")
+    kwargs.pop("synced_gpus", None)
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    attention_mask = kwargs.pop("attention_mask", None)
+    if input_ids is None:
+        raise ValueError(
+            "Medusa decoding needs prompt ids: pass input_ids (e.g. **tokenizer(text, return_tensors='pt'))"
+        )
+    default_length = (  # as generate decides it: then max_length counts new tokens only
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    model_kwargs.pop("use_cache", None)
+    if model_kwargs:
+        raise ValueError(
+            f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"
+        )
+    rule = _acceptance(config, medusa_acceptance)
+    eos = _as_list(config.eos_token_id)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    width = input_ids.shape[1]
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = config.max_length - (0 if default_length else width)
+    loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
+
+    device = model.get_output_embeddings().weight.device
+    rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
+    settings = dict(
+        max_new_tokens=max(0, max_new),
+        tree=loaded.tree,
+        acceptance=rule,
+        temperature=float(config.temperature),
+        top_p=float(config.top_p),
+        posterior_threshold=medusa_posterior_threshold,
+        posterior_alpha=medusa_posterior_alpha,
+        eos_token_id=eos,
+    )
+    if len(rows) == 1:
+        new = [medusa_generate(model, loaded.packed, rows[0], **settings).tokens]
+    else:
+        out = medusa_generate_batch(model, loaded.packed, rows, pad_token_id=pad, **settings)
+        new = [row.tokens for row in out.rows]
+    # The prompt as given, then each row's new tokens, right-padded like plain generate's finished rows.
+    longest = max(len(t) for t in new)
+    sequences = torch.full((len(rows), width + longest), pad, dtype=torch.long, device=input_ids.device)
+    sequences[:, :width] = input_ids  # (B, T)
+    for i, tokens in enumerate(new):
+        sequences[i, width : width + len(tokens)] = tokens.to(input_ids.device)  # (n_i,)
+    if config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+# -- where the export is --------------------------------------------------------------------------
+def _find_export(model, medusa_heads: str | os.PathLike | None, export_dir: str | None) -> Path:
+    """The folder to read heads and tree from: ``medusa_heads``, else the ``custom_generate`` value
+    ``model.generate`` was called with (a local folder, or a Hub repository downloaded to the Hub
+    cache), else ``export_dir`` (where stage=export wrote it)."""
+    if medusa_heads is not None:
+        return _existing(Path(medusa_heads), "medusa_heads")
+    called_with = _custom_generate_argument(model)
+    if called_with is not None:
+        return Path(called_with) if Path(called_with).is_dir() else _hub_snapshot(called_with)
+    if export_dir is not None and Path(export_dir).is_dir():
+        return Path(export_dir)
+    raise ValueError(
+        f"cannot find the Medusa export (not at {export_dir}): pass medusa_heads=<export folder> to generate"
+    )
+
+
+def _custom_generate_argument(model) -> str | None:
+    """The string ``custom_generate`` that ``model.generate`` was called with: transformers does not
+    pass it on, so it is read from the frame of that call (``self`` is ``model``); None when the
+    decoder was reached another way."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(8):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
+                value = frame.f_locals.get("custom_generate")
+                return value if isinstance(value, str) else None
+        return None
+    finally:
+        del frame
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_snapshot(repo_id: str) -> Path:
+    """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES]))
+
+
+def _existing(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise ValueError(f"{what}={path} does not exist: give an export folder or a heads folder")
+    return path
+
+
+# -- heads and tree, once per model ---------------------------------------------------------------
+def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: bool) -> _Loaded:
+    """The export's heads (checked against ``model``, on its device and dtype) and tree, cached per model."""
+    per_model = _LOADED.setdefault(model, {})
+    key = (str(source.resolve()), json.dumps(choices), check_base)
+    if key in per_model:
+        return per_model[key]
+    heads_dir = _heads_dir(source)
+    try:
+        heads = load_heads(heads_dir)
+    except HeadsFormatError as err:
+        raise ValueError(f"cannot load Medusa heads: {err}") from None
+    weight = model.get_output_embeddings().weight  # (V, d)
+    heads = heads.to(device=weight.device, dtype=weight.dtype)
+    try:
+        heads.attach(model)  # hidden size, vocabulary, token map; binds shared heads to the lm_head
+    except HeadsFormatError as err:
+        raise ValueError(
+            f"these Medusa heads do not belong to this model ({err}): load their base model"
+        ) from None
+    if check_base:
+        _check_checkpoint(model, heads_dir)
+    choices_path = next((p for p in (source / CHOICES, heads_dir.parent / CHOICES) if p.is_file()), None)
+    if choices is None and choices_path is None:
+        raise ValueError(f"{source} has no {CHOICES}: pass medusa_choices=<list of paths>")
+    try:
+        choices = load_choices(choices_path) if choices is None else choices
+        tree = TreeBuffers.from_choices(choices)
+        tree.check_heads(heads.num_heads, heads.vocab_size)
+    except TreeError as err:
+        raise ValueError(f"bad Medusa tree: {err}") from None
+    loaded = _Loaded(PackedHeads(heads), tree.to(weight.device))
+    per_model[key] = loaded
+    return loaded
+
+
+def _heads_dir(source: Path) -> Path:
+    """The heads folder of an export (``medusa/``, else ``vllm/``), or ``source`` itself."""
+    return next((source / name for name in (MEDUSA, VLLM) if (source / name).is_dir()), source)
+
+
+def _check_checkpoint(model, heads_dir: Path) -> None:
+    """Refuse a base model whose checkpoint files are not the ones the heads go with: the trained
+    Medusa-2 backbone that ships with them (an export's ``backbone/``), else the base stage=train
+    recorded. Checked only when both sides are local files (a Hub id, a model built in memory or a
+    LoRA adapter passes)."""
+    trained = trained_backbone_dir(heads_dir)
+    if trained is not None:
+        expected_name, expected = (
+            str(trained),
+            None if is_adapter_dir(trained) else local_fingerprint(str(trained)),
+        )
+    else:
+        identity = recorded_base(heads_dir) or {}
+        expected_name, expected = identity.get("name_or_path"), identity.get("fingerprint")
+    actual = local_fingerprint(getattr(model, "name_or_path", "") or "")
+    if expected and actual and expected != actual:
+        raise ValueError(
+            f"these Medusa heads go with {expected_name} (checkpoint fingerprint {expected}), not with "
+            f"{model.name_or_path} ({actual}): load that model, or pass medusa_check_base=False"
+        )
+
+
+# -- arguments ------------------------------------------------------------------------------------
+def _acceptance(config, requested: str | None) -> str:
+    """The acceptance rule of the call, with a warning for settings it does not apply."""
+    if int(config.num_beams or 1) > 1 or int(config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            "Medusa decoding makes one sequence per prompt: use num_beams=1, num_return_sequences=1"
+        )
+    if requested is not None and requested not in ACCEPTANCE:
+        raise ValueError(f"medusa_acceptance must be one of {ACCEPTANCE}, got {requested!r}")
+    rule = requested or ("sample" if config.do_sample else "greedy")
+    ignored = [
+        f"{name}={getattr(config, name)!r}"
+        for name, default in _IGNORED_SETTINGS.items()
+        if getattr(config, name, default) not in (default, None)
+    ]
+    if rule == "sample" and config.top_k:
+        ignored.append(f"top_k={config.top_k} (temperature and top_p are applied)")
+    message = f"Medusa decoding does not apply {', '.join(ignored)}"
+    if ignored and message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
+    return rule
+
+
+def _as_list(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(e) for e in eos.reshape(-1).tolist()]
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row of a left-padded ``(B, T)`` batch without its padding, as ``(1, T_i)``.
+
+    Raises:
+        ValueError: padding that is not on the left, or a row with no token.
+    """
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return [input_ids[i : i + 1] for i in range(input_ids.shape[0])]
+    mask = attention_mask.to(torch.long)  # (B, T)
+    lengths = mask.sum(dim=1).tolist()
+    rows = []
+    for i, n in enumerate(lengths):
+        if n == 0 or not bool(mask[i, input_ids.shape[1] - n :].all()):
+            raise ValueError(
+                "Medusa decoding takes left-padded batches with at least one token per row: "
+                "set tokenizer.padding_side = 'left'"
+            )
+        rows.append(input_ids[i : i + 1, input_ids.shape[1] - n :])  # (1, n)
+    return rows

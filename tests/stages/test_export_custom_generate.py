@@ -1,0 +1,214 @@
+"""The export decodes through transformers' `model.generate(custom_generate=<export>, trust_remote_code=True)`:
+greedy output identical to plain greedy `generate` (one prompt and a left-padded batch), sampling and
+typical acceptance from the usual arguments, and a one-line error for a base model the heads do not
+belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained`, as a user would."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from medusa_train.backbone import local_fingerprint
+from medusa_train.custom_generate import FOLDER, MIN_TORCH, MIN_TRANSFORMERS
+from medusa_train.stages import export
+from tests.helpers.models import tiny_model
+from tests.helpers.scripts import load_script
+from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["the cat sat on", "why is the red sun a big happy moon"]  # the second reply is EOS at once
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny workdir whose heads record their base's checkpoint fingerprint (as stage=train does), exported."""
+    root = make_workdir(tmp_path_factory.mktemp("custom_generate"))
+    config_path = root / "heads" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["backbone"]["fingerprint"] = local_fingerprint(str(root / "backbone"))
+    config_path.write_text(json.dumps(config))
+    export.run(tiny_cfg(root, "stage=export"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path):
+    return AutoModelForCausalLM.from_pretrained(workdir / "backbone").eval()
+
+
+@pytest.fixture(scope="module")
+def tok(workdir: Path):
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "backbone")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _medusa(model, export_dir: Path, **kwargs) -> torch.Tensor:
+    return model.generate(**kwargs, custom_generate=str(export_dir), trust_remote_code=True)
+
+
+def test_greedy_equals_plain_generate_for_a_prompt_and_a_batch(workdir: Path, model, tok) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    ours = _medusa(model, workdir / "export", **one, max_new_tokens=30)
+    assert torch.equal(ours, model.generate(**one, do_sample=False, max_new_tokens=30))
+    assert ours.shape[1] == one["input_ids"].shape[1] + 30
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    ours = _medusa(model, workdir / "export", **batch, max_new_tokens=30)
+    plain = model.generate(**batch, do_sample=False, max_new_tokens=30)
+    assert torch.equal(ours, plain)  # prompts as given, the finished row padded with pad_token_id
+    assert ours[1, batch["input_ids"].shape[1]] == tok.eos_token_id  # one row stopped at once
+    # the model's generation_config decides what the call does not say (max_length 20 by default)
+    assert torch.equal(_medusa(model, workdir / "export", **one), model.generate(**one, do_sample=False))
+
+
+def test_a_moved_export_is_found_from_the_custom_generate_argument(
+    workdir: Path, model, tok, tmp_path
+) -> None:
+    """generate.py records where stage=export wrote the export; a copy elsewhere reads its own heads."""
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(workdir / "export", moved)
+    choices = json.loads((moved / "medusa_choices.json").read_text())
+    (moved / "medusa_choices.json").write_text("not json")  # the copy is read, not the original
+    one = tok(PROMPTS[0], return_tensors="pt")
+    with pytest.raises(ValueError, match="cannot read a tree"):
+        _medusa(model, moved, **one, max_new_tokens=8)
+    (moved / "medusa_choices.json").write_text(json.dumps(choices[:1]))
+    plain = model.generate(**one, do_sample=False, max_new_tokens=12)
+    assert torch.equal(_medusa(model, moved, **one, max_new_tokens=12), plain)
+    # medusa_heads= names the heads explicitly (an export or a layout folder)
+    out = _medusa(model, moved, **one, max_new_tokens=12, medusa_heads=str(workdir / "export" / "vllm"))
+    assert torch.equal(out, plain)
+
+
+def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: Path, model, tok) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    width = one["input_ids"].shape[1]
+    torch.manual_seed(0)
+    sampled = _medusa(
+        model, workdir / "export", **one, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9
+    )
+    torch.manual_seed(0)
+    again = _medusa(
+        model, workdir / "export", **one, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9
+    )
+    assert torch.equal(sampled, again) and torch.equal(sampled[:, :width], one["input_ids"])
+    assert sampled.shape[1] <= width + 12
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    typical = _medusa(
+        model, workdir / "export", **batch, max_new_tokens=12, do_sample=True, medusa_acceptance="typical"
+    )
+    assert typical.shape[0] == 2 and torch.equal(
+        typical[:, : batch["input_ids"].shape[1]], batch["input_ids"]
+    )
+    out = _medusa(model, workdir / "export", **one, max_new_tokens=5, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))
+
+
+def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model, tok, tmp_path) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    other = tiny_model(hidden=64, vocab=model.config.vocab_size)
+    with pytest.raises(ValueError, match="do not belong to this model.*hidden_size=32.*hidden_size=64"):
+        _medusa(other, workdir / "export", **one, max_new_tokens=4)
+    # same shapes, other checkpoint files: the fingerprint stage=train recorded tells them apart
+    changed = AutoModelForCausalLM.from_pretrained(workdir / "backbone").eval()
+    with torch.no_grad():
+        changed.model.norm.weight.mul_(1.5)
+    changed.save_pretrained(tmp_path / "changed")
+    changed = AutoModelForCausalLM.from_pretrained(tmp_path / "changed").eval()
+    with pytest.raises(
+        ValueError, match=r"go with .*backbone \(checkpoint fingerprint .*medusa_check_base=False"
+    ):
+        _medusa(changed, workdir / "export", **one, max_new_tokens=4)
+    out = _medusa(changed, workdir / "export", **one, max_new_tokens=6, medusa_check_base=False)
+    assert torch.equal(out, changed.generate(**one, do_sample=False, max_new_tokens=6))  # exact anyway
+    # an export that ships its trained backbone (Medusa-2) goes with that backbone, not the original
+    medusa2 = tmp_path / "medusa2"
+    shutil.copytree(workdir / "export", medusa2)
+    shutil.copytree(tmp_path / "changed", medusa2 / "backbone")
+    with pytest.raises(ValueError, match=r"go with .*medusa2/backbone"):
+        _medusa(model, medusa2, **one, max_new_tokens=4)
+    trained = AutoModelForCausalLM.from_pretrained(medusa2 / "backbone").eval()
+    assert torch.equal(
+        _medusa(trained, medusa2, **one, max_new_tokens=6),
+        trained.generate(**one, do_sample=False, max_new_tokens=6),
+    )
+    right = tok(PROMPTS, return_tensors="pt", padding=True)
+    right = {k: v.flip(1) for k, v in right.items()}  # padding on the right
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        _medusa(model, workdir / "export", **right, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_beams=1"):
+        _medusa(model, workdir / "export", **one, max_new_tokens=4, num_beams=2)
+
+
+def test_the_generated_files_need_no_hydra_and_name_the_supported_versions(workdir: Path) -> None:
+    folder = workdir / "export" / FOLDER
+    assert sorted(p.name for p in folder.iterdir()) == ["generate.py", "requirements.txt"]
+    # The GPU image has none of these: a None entry in sys.modules makes them absent (import fails,
+    # find_spec answers None), so the file must import without them.
+    block = (
+        "import sys, importlib.util\n"
+        "for name in ('hydra', 'omegaconf', 'datasets', 'deepspeed', 'wandb'):\n"
+        "    sys.modules[name] = None\n"
+        f"spec = importlib.util.spec_from_file_location('g', {str(folder / 'generate.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "assert callable(module.generate)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    requirements = [
+        line
+        for line in (folder / "requirements.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert requirements == ["medusa_train>=0.1.0", f"torch>={MIN_TORCH}", f"transformers>={MIN_TRANSFORMERS}"]
+    declared = (REPO / "pyproject.toml").read_text()  # the package's own lower bounds
+    for name, low in (("torch", MIN_TORCH), ("transformers", MIN_TRANSFORMERS)):
+        assert re.search(rf'^\s*"{name}>={re.escape(low)}[,"]', declared, re.M), name
+
+
+def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkeypatch) -> None:
+    """scripts/check_custom_generate.py (the GPU check, here on the CPU): every case passes, and a
+    medusa_train that is importable but not pip-installed gets the distribution record transformers checks."""
+    script = load_script("check_custom_generate")
+    out = tmp_path / "check.json"
+    assert (
+        script.main(
+            [
+                "--export",
+                str(workdir / "export"),
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    results = json.loads(out.read_text())
+    assert results["base"] == str(workdir / "backbone") and results["greedy"]["identical"] == [True] * 4
+    assert all(results[case]["ok"] for case in ("greedy", "batch", "sample", "typical", "mismatch", "timing"))
+    real = importlib.metadata.version
+
+    def not_installed(name: str) -> str:
+        if name == "medusa_train":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert "distribution record" in script.ensure_distribution_record(tmp_path)
+    record = next((tmp_path / "site").glob("medusa_train-*.dist-info"))
+    assert importlib.metadata.Distribution.at(record).version == "0.1.0"
