@@ -11,7 +11,7 @@ LOCK := requirements/lock.txt
 TORCH ?= $(shell sed -n 's/^torch==//p' $(LOCK))
 TRITON ?= $(shell sed -n 's/^triton==//p' $(LOCK))
 
-.PHONY: help install lock demo test eval lint format clean
+.PHONY: help install lock demo test eval lint format clean gpu-wheels gpu-demo gpu-check
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-8s %s\n", $$1, $$2}'
@@ -57,6 +57,27 @@ lint: install  ## ruff lint + format check
 format: install  ## ruff autoformat
 	$(BIN)/ruff format medusa_train scripts tests
 	$(BIN)/ruff check --fix medusa_train scripts tests
+
+# The GPU image (Python 3.12, torch + transformers, no internet) lacks these; versions from $(LOCK).
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PACKAGES := hydra-core omegaconf datasets dill multiprocess hjson pydantic pydantic-core \
+	annotated-types typing-inspection
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+gpu-wheels: install  ## download the wheels scripts/gpu_check.sh installs on an offline Python 3.12 GPU machine
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS) \
+		$(foreach p,$(GPU_WHEEL_PACKAGES),$(p)==$(shell sed -n 's/^$(subst -,[-_],$(p))==//Ip' $(LOCK)))
+	$(BIN)/pip wheel -q --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==$(shell sed -n 's/^antlr4-python3-runtime==//p' $(LOCK))
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) deepspeed==$(shell sed -n 's/^deepspeed==//p' $(LOCK))
+	@ls $(GPU_WHEELS)
+
+gpu-demo:  ## copy the demo workdir ($(WORKDIR), after make demo) without train/ to runs/gpu-demo (~32 MB)
+	rm -rf runs/gpu-demo && mkdir -p runs/gpu-demo
+	cd $(WORKDIR) && cp -a pretrain distill heads export $(CURDIR)/runs/gpu-demo/
+
+gpu-check:  ## on a GPU machine: every decoding path and stage on CUDA + GPU benchmarks (scripts/gpu_check.sh)
+	bash scripts/gpu_check.sh
 
 clean:  ## remove runs/ (keeps .venv)
 	rm -rf runs outputs

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The one command for a machine with a GPU: every decoding path and every stage on CUDA, and the GPU
+# benchmarks, each under its own time limit, summarised in one Markdown file.
+#
+# Run as (repository root, on a machine with Python + torch + transformers, no internet needed):
+#     make gpu-wheels                         # here, with internet: the wheels the GPU image lacks
+#     bash scripts/gpu_check.sh               # there: writes $OUT/summary.md (OUT defaults to gpu-check/)
+#     bash scripts/gpu_check.sh --device cpu  # a dry run of the same steps on tiny settings (CPU machine)
+#
+# Options: --device cuda|cpu (default cuda), --dtype bfloat16|float16|float32 (the demo eval; default
+# bfloat16), --workdir DIR (a `make demo` workdir, without train/; default runs/gpu-demo, made by
+# `make gpu-demo`), --wheels DIR (default .gpu-wheels), --out DIR (default $OUT or gpu-check).
+# Without a demo workdir the demo steps are skipped (and say so). Sized for ~8 minutes on one H100.
+#
+# What it runs, in order; a failing step is recorded and the next one runs:
+#   1. wheels: pip install --no-index --no-deps --target the carried wheels (hydra, omegaconf, datasets, ...)
+#   2. gpu tests: pytest -m gpu tests/gpu (greedy parity fp32, bf16/fp16 identical fraction, eval stage)
+#   3. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
+#      train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU), export, custom_generate
+#   4. stage=eval on the demo workdir in --dtype (the headline: speed-up, tree forward vs plain step)
+#   5. benchmarks: bench_decode.py --llama8b-shape, and the attention / static benches where present
+set -u
+DEVICE=cuda
+DTYPE=bfloat16
+WORKDIR=runs/gpu-demo
+WHEELS=.gpu-wheels
+OUTDIR=${OUT:-gpu-check}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) DEVICE=$2; shift 2 ;;
+        --dtype) DTYPE=$2; shift 2 ;;
+        --workdir) WORKDIR=$2; shift 2 ;;
+        --wheels) WHEELS=$2; shift 2 ;;
+        --out) OUTDIR=$2; shift 2 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+PY=${PYTHON:-python3}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+SUMMARY=$OUTDIR/summary.md
+LOG=$OUTDIR/log.txt
+SCRATCH=$(mktemp -d)
+trap 'rm -rf "$SCRATCH"' EXIT
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export MEDUSA_GPU_REPORT=$OUTDIR/gpu_tests.jsonl MEDUSA_GPU_TEST_DEVICE=$DEVICE
+: >"$LOG"
+: >"$MEDUSA_GPU_REPORT"
+QUICK=0
+[ "$DEVICE" = cpu ] && QUICK=1
+
+{
+    echo "# gpu_check ($(date -u +%FT%TZ), device $DEVICE)"
+    echo
+    echo "| step | result | seconds | note |"
+    echo "|---|---|---|---|"
+} >"$SUMMARY"
+
+# step NAME LIMIT_S NOTE CMD...: run CMD under a time limit, log its output, add a summary row.
+step() {
+    local name=$1 limit=$2 note=$3
+    shift 3
+    local t0 t1 rc result
+    echo "===== $name (limit ${limit}s): $*" >>"$LOG"
+    t0=$(date +%s.%N)
+    timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    case $rc in
+        0) result=pass ;;
+        124 | 137) result="TIMEOUT" ;;
+        *) result="FAIL (exit $rc)" ;;
+    esac
+    printf '| %s | %s | %.1f | %s |\n' "$name" "$result" "$(echo "$t1 - $t0" | bc)" "$note" >>"$SUMMARY"
+    echo "===== $name: $result" >>"$LOG"
+    return $rc
+}
+skip() { printf '| %s | skipped | - | %s |\n' "$1" "$2" >>"$SUMMARY"; }
+
+# 1. Wheels the image lacks (hydra, omegaconf, datasets, deepspeed...), installed beside the image's own.
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    step wheels 120 "$(ls "$WHEELS" | wc -l) wheels from $WHEELS" \
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SCRATCH/site" "$WHEELS"/*.whl
+    export PYTHONPATH=$PWD:$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    skip wheels "no $WHEELS/*.whl: using what the machine has"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+step environment 60 "versions and device" "$PY" -c "
+import torch, transformers
+print('torch', torch.__version__, 'transformers', transformers.__version__)
+print('device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')
+for m in ('hydra', 'datasets', 'deepspeed', 'peft', 'triton'):
+    try:
+        __import__(m); print(m, 'ok')
+    except Exception as e:
+        print(m, 'missing:', e)
+"
+grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >>"$OUTDIR/environment.txt"
+
+# 2. The gpu-marked tests (on --device cpu: the same tests on the CPU, a dry run of the test code).
+step gpu-tests 240 "tests/gpu (figures in gpu_tests.jsonl)" \
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -o addopts="" -x
+
+# 3. Every stage on the device, small settings, on copies of the demo workdir.
+CLI=("$PY" -m medusa_train tracking=disabled "model.device=$DEVICE")
+if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
+    WD=$SCRATCH/stages
+    mkdir -p "$WD"
+    cp -a "$WORKDIR/pretrain" "$WD/"
+    step distill 120 "in-process engine, 24 records" "${CLI[@]}" stage=distill "workdir=$WD" \
+        data.max_records=24 distill.max_new_tokens=32
+    step train-medusa1 150 "Medusa-1, 30 steps" "${CLI[@]}" stage=train "workdir=$WD" \
+        training.max_steps=30 training.max_minutes=2 tree.max_nodes=16
+    step export 60 "serving layouts + card" "${CLI[@]}" stage=export "workdir=$WD"
+    if [ -f scripts/check_custom_generate.py ]; then
+        step custom-generate 120 "model.generate(custom_generate=export)" "$PY" scripts/check_custom_generate.py \
+            --export "$WD/export" --model "$WD/pretrain" --device "$DEVICE"
+    fi
+    WD2=$SCRATCH/m2
+    mkdir -p "$WD2"
+    cp -a "$WORKDIR/pretrain" "$WD/distill" "$WD2/" 2>/dev/null
+    step train-medusa2-lora 150 "Medusa-2 with LoRA, 20 steps" "${CLI[@]}" stage=train "workdir=$WD2" \
+        training=medusa2 training.backbone_tuning=lora training.lora_r=8 "training.init_heads=$WD/heads" training.max_steps=20 training.max_minutes=2 tree.max_nodes=16
+    WD3=$SCRATCH/zero2
+    mkdir -p "$WD3"
+    cp -a "$WORKDIR/pretrain" "$WD/distill" "$WD3/" 2>/dev/null
+    step train-zero2 180 "Medusa-1 under DeepSpeed ZeRO-2, one process" "${CLI[@]}" stage=train "workdir=$WD3" \
+        deepspeed=zero2 training.max_steps=20 training.max_minutes=2 tree.max_nodes=16
+else
+    skip stages "no demo workdir at $WORKDIR (make gpu-demo)"
+fi
+
+# 4. The demo's eval on the device: speed-up, tree fitted to the device, every table.
+if [ -d "$WORKDIR/heads" ]; then
+    EWD=$SCRATCH/eval
+    mkdir -p "$EWD"
+    cp -a "$WORKDIR"/. "$EWD/"
+    rm -rf "$EWD/train" "$EWD/eval"
+    EXTRA=()
+    [ $QUICK = 1 ] && EXTRA=(eval.num_prompts=4 eval.max_new_tokens=24 "eval.batch_sizes=[1,2]" "eval.sweep_tree_sizes=[1,4]")
+    step eval-demo 240 "stage=eval, $DTYPE" "${CLI[@]}" stage=eval "workdir=$EWD" "model.dtype=$DTYPE" "${EXTRA[@]}"
+    cp "$EWD/eval/report.md" "$OUTDIR/eval_report.md" 2>/dev/null
+    cp "$EWD/eval/report.json" "$OUTDIR/eval_report.json" 2>/dev/null
+else
+    skip eval-demo "no demo workdir at $WORKDIR"
+fi
+
+# 5. Benchmarks (alone on the device: nothing else runs meanwhile).
+if [ $QUICK = 1 ]; then
+    step bench-decode 180 "random tiny model (dry run)" "$PY" scripts/bench_decode.py --random --device cpu \
+        --num-prompts 2 --max-new-tokens 16 --repeats 1 --contexts 32 --json "$OUTDIR/bench_decode.json"
+else
+    step bench-decode 150 "Llama-3-8B shape, bf16, random weights" "$PY" scripts/bench_decode.py --llama8b-shape \
+        --device cuda --dtype bfloat16 --batch-sizes 1 4 16 --contexts 512 2048 --repeats 3 \
+        --json "$OUTDIR/bench_decode.json"
+fi
+if [ -f scripts/bench_attention.py ]; then
+    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_attention.json")
+    [ $QUICK = 1 ] && ARGS+=(--quick)
+    step bench-attention 120 "tree attention kernels vs SDPA" "$PY" scripts/bench_attention.py "${ARGS[@]}"
+fi
+if [ -f scripts/bench_static.py ]; then
+    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
+    [ $QUICK = 1 ] && ARGS+=(--quick)
+    step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
+fi
+
+{
+    echo
+    echo "Environment:"
+    cat "$OUTDIR/environment.txt" 2>/dev/null
+    echo
+    echo "GPU test figures (bf16/fp16 parity, tree vs sequential error): gpu_tests.jsonl; eval: eval_report.md;"
+    echo "benchmarks: bench_*.json; every step's output: log.txt."
+    if [ -f "$OUTDIR/eval_report.md" ]; then
+        echo
+        sed -n '1,40p' "$OUTDIR/eval_report.md"
+    fi
+} >>"$SUMMARY"
+rm -f "$OUTDIR/environment.txt"
+cat "$SUMMARY"
