@@ -304,12 +304,7 @@ class StaticDecoder:
         #    accepted prefix of a root-to-leaf row is the path (siblings hold distinct tokens, so every
         #    row of maximal length carries the same path).
         pred = logits[0].argmax(dim=-1)  # (M,)
-        ok = tree_tokens == pred[self._parents]  # (M,)
-        ok_rows = ok[self._retrieve[:, 1:]] & self._retrieve_valid  # (Lf, D)
-        accepted = ok_rows.long().cumprod(dim=1).sum(dim=1)  # (Lf,)
-        best = accepted.argmax().view(1)  # (1,); index_select/gather below: a 0-d index would sync
-        n = accepted.gather(0, best) + 1  # (1,) tokens emitted this step, the root included
-        path = self._retrieve.index_select(0, best)[0]  # (D + 1,)
+        path, n = greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
         last = path.gather(0, n - 1)  # (1,)
         path_tokens = tree_tokens[path]  # (D + 1,)
         # 4. KV compaction: entry L + path[j] moves to L + j (entries past n are stale and masked).
@@ -411,6 +406,36 @@ class StaticDecoder:
             forward_s=0.0,  # the forward is inside the captured step: not timed apart
             total_s=total,
         )
+
+
+def greedy_path(
+    tree_tokens: torch.Tensor,
+    pred: torch.Tensor,
+    retrieve: torch.Tensor,
+    retrieve_valid: torch.Tensor,
+    parents: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance as tensor operations (no host sync): the longest path whose every token is its
+    parent's prediction.
+
+    Args:
+        tree_tokens: ``(M,)`` token of every node.
+        pred: ``(M,)`` the token each node predicts for its successor (the argmax of its logits).
+        retrieve: ``(Lf, D + 1)`` root-to-leaf node indices, padding clamped to 0.
+        retrieve_valid: ``(Lf, D)`` which of entries 1..D of ``retrieve`` are real nodes.
+        parents: ``(M,)`` parent node of each node (the root's clamped to 0).
+
+    Returns:
+        ``(D + 1,)`` the path's node indices (root first; entries from n on are padding) and ``(1,)`` n,
+        the number of accepted nodes, the root included. Siblings hold distinct tokens, so every row of
+        maximal accepted length carries the same path.
+    """
+    ok = tree_tokens == pred[parents]  # (M,)
+    ok_rows = ok[retrieve[:, 1:]] & retrieve_valid  # (Lf, D)
+    accepted = ok_rows.long().cumprod(dim=1).sum(dim=1)  # (Lf,)
+    best = accepted.argmax().view(1)  # (1,); index_select/gather: a 0-d tensor index would sync
+    n = accepted.gather(0, best) + 1  # (1,)
+    return retrieve.index_select(0, best)[0], n  # (D + 1,), (1,)
 
 
 def _cut_lengths(step_lengths: list[int], num_tokens: int) -> list[int]:
