@@ -662,6 +662,12 @@ class EvalConfig:
     assistant_model: str | None = None
     """A draft model (Hugging Face name or directory, same vocabulary as the backbone) for
     transformers' assisted generation, measured on every turn next to plain greedy; null = skip."""
+    compile: bool = False
+    """Also measure the compiled decoders on every turn: plain greedy with transformers' static cache and
+    compiled forward (`cache_implementation="static"`), and Medusa's static-shape decoder (its whole step
+    a CUDA graph on CUDA, `torch.compile` on CPU); the report gives Medusa's speed-up against both
+    baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
+    pays only over long runs; on a GPU turn it on."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

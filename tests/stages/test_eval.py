@@ -156,3 +156,19 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={other}", *quick))
     with pytest.raises(ConfigError, match="eval.batch_sizes"):
         tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")
+
+
+@pytest.mark.slow
+def test_compile_reports_both_baselines(evaluated: tuple[Path, dict]) -> None:
+    """eval.compile: compiled plain greedy and the static decoder, greedy-identical, with the speed-up
+    against both baselines (compiles on CPU: minutes)."""
+    workdir, _ = evaluated
+    quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
+    report = eval_stage.run(
+        tiny_cfg(workdir, "stage=eval", "eval.compile=true", "eval.num_prompts=3", *quick)
+    )
+    alt = report["alternatives"]
+    assert alt["compiled_plain"]["identical"] == 1.0 and alt["static_medusa"]["identical"] == 1.0
+    assert alt["static_medusa"]["speedup_vs_compiled"] > 0
+    assert alt["static_medusa"]["setting"].startswith("compile; ")
+    assert "| Medusa, static shapes captured (" in (workdir / "eval" / "report.md").read_text()
