@@ -1,7 +1,7 @@
 """The static-shape decoder against the hardware floor and transformers' compiled static-cache generate.
 
 Run as:
-    # GPU (one H100, ~2.5 min): Llama-3-8B shape, random bf16 weights, 4 random heads
+    # GPU (one H100, ~3 min): Llama-3-8B shape, random bf16 weights, 4 random heads
     python scripts/bench_static.py --device cuda --json static.json
     # CPU dry run (under a minute): a tiny Llama, same table
     python scripts/bench_static.py --device cpu --tiny
@@ -9,8 +9,8 @@ Run as:
 Prints one table: the device's copy bandwidth and the floor it implies (reading every weight once),
 plain eager ``generate`` ms/token, transformers' ``generate(cache_implementation="static")`` ms/token
 (compiled by transformers on CUDA: ``mode="reduce-overhead"``; eager static cache elsewhere), our
-static decoder with a 1-node tree (plain greedy, captured) ms/token, and Medusa ms/step for 4, 16 and
-64 tree nodes (prefixes of the 63-path Medusa tree), each at the given contexts. Before the table, a
+static decoder with a 1-node tree (plain greedy, captured) ms/step, and Medusa ms/step for 4, 16 and
+64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. Before the table, a
 parity check on tiny models on the same device: the captured decoder's tokens against ``generate``.
 Every case catches its own failure and reports it, so one bad case does not lose the others. Needs
 only torch + transformers (no Hydra).
@@ -118,10 +118,10 @@ def generate_ms_per_token(model, ids: torch.Tensor, new: int, **kwargs) -> float
     return 1000 * (timed(new) - timed(1)) / (new - 1)
 
 
-def static_ms_per_step(decoder: StaticDecoder, ids: torch.Tensor, new: int) -> tuple[float, float]:
-    """Our decoder: (ms per step after the prefill, tau), after a warm-up call."""
-    decoder.generate(ids, max_new_tokens=4)
-    out = decoder.generate(ids, max_new_tokens=new)
+def static_ms_per_step(decoder: StaticDecoder, prompts: list[torch.Tensor], new: int) -> tuple[float, float]:
+    """Our decoder on B prompts: (ms per step after the prefill, tau), after a warm-up call."""
+    decoder.generate_batch(prompts, max_new_tokens=4)
+    out = decoder.generate_batch(prompts, max_new_tokens=new)
     return 1000 * (out.total_s - out.prefill_s) / max(1, out.num_forwards), out.tau
 
 
@@ -134,15 +134,31 @@ def parity(device: str, captures: list[str]) -> list[dict]:
                 model = tiny_model(arch).to(device)
                 heads = random_heads(model).to(device)
                 mode = "reduce-overhead" if capture == "compile" and device == "cuda" else None
-                dec = StaticDecoder(model, heads, random_tree(1), 128, capture=capture, compile_mode=mode)
+                tree = random_tree(1)
+                dec = StaticDecoder(model, heads, tree, 128, capture=capture, compile_mode=mode)
+                batch = StaticDecoder(
+                    model, heads, tree, 128, batch_size=3, capture=capture, compile_mode=mode
+                )
                 same = 0
+                prompts, refs = [], []
                 for seed in range(3):
                     g = torch.Generator().manual_seed(seed)
                     ids = torch.randint(1, 128, (1, 4 + 5 * seed), generator=g).to(device)
                     ref = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)
                     out = dec.generate(ids, max_new_tokens=30)
                     same += out.tokens.tolist() == ref[0, ids.shape[1] :].tolist()
-                rows.append({"capture": capture, "arch": arch, "identical": f"{same}/3"})
+                    prompts.append(ids)
+                    refs.append(ref[0, ids.shape[1] :].tolist())
+                rows_out = batch.generate_batch(prompts, max_new_tokens=30).rows
+                same_rows = sum(r.tokens.tolist() == ref for r, ref in zip(rows_out, refs, strict=True))
+                rows.append(
+                    {
+                        "capture": capture,
+                        "arch": arch,
+                        "identical": f"{same}/3",
+                        "batch3_rows": f"{same_rows}/3",
+                    }
+                )
             except Exception as err:  # noqa: BLE001 - report and go on
                 rows.append({"capture": capture, "arch": arch, "error": f"{type(err).__name__}: {err}"})
                 traceback.print_exc()
@@ -202,24 +218,32 @@ def run(args: argparse.Namespace) -> dict:
                     "plain generate static cache" + (" compiled" if device.type == "cuda" else ""),
                     lambda ids=ids, hf=hf: {"ms": generate_ms_per_token(model, ids, args.new_tokens, **hf)},
                 )
-            for nodes in args.nodes:
-                tree = MEDUSA_63[: nodes - 1]
+            for bsz in args.batch_sizes:
+                gen = torch.Generator().manual_seed(2)
+                prompts = [ids] + [
+                    torch.randint(1, config.vocab_size, (1, context), generator=gen).to(device)
+                    for _ in range(bsz - 1)
+                ]
+                for nodes in args.nodes:
+                    tree = MEDUSA_63[: nodes - 1]
 
-                def medusa(tree=tree, context=context, ids=ids) -> dict:
-                    dec = StaticDecoder(
-                        model,
-                        heads,
-                        tree,
-                        context + args.new_tokens + len(tree) + 1,
-                        capture=capture,
-                        compile_mode=mode,
-                        sdpa_backend=args.sdpa,
-                    )
-                    ms, tau = static_ms_per_step(dec, ids, args.new_tokens)
-                    del dec
-                    return {"ms": ms, "tau": tau}
+                    def medusa(tree=tree, context=context, prompts=prompts, bsz=bsz) -> dict:
+                        dec = StaticDecoder(
+                            model,
+                            heads,
+                            tree,
+                            context + args.new_tokens + len(tree) + 1,
+                            batch_size=bsz,
+                            capture=capture,
+                            compile_mode=mode,
+                            sdpa_backend=args.sdpa,
+                        )
+                        ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
+                        del dec
+                        return {"ms": ms, "tau": tau, "batch": bsz}
 
-                row(f"static {capture} {nodes} node{'s' if nodes > 1 else ''}", medusa)
+                    row(f"static {capture} batch {bsz}, {nodes} node{'s' if nodes > 1 else ''}", medusa)
+
     results["table"] = markdown(results)
     return results
 
@@ -230,18 +254,29 @@ def markdown(results: dict) -> str:
         f"device {results['device']}: weights {results['weights_gb']:.2f} GB, copy "
         f"{results['copy_gb_s']:.0f} GB/s, floor {floor:.2f} ms",
         "",
-        "| context | decoder | ms per token/step | x floor | tau | seconds |",
-        "|---:|---|---:|---:|---:|---:|",
+        "x plain: the step's time over the 1-node step's at the same batch and context (the tau at which",
+        "Medusa breaks even).",
+        "",
+        "| context | decoder | ms per token/step | x floor | x plain | tau | seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    plain = {
+        (r["context"], r["batch"]): r["ms"]
+        for r in results["rows"]
+        if "batch" in r and "error" not in r and r["decoder"].endswith(" 1 node")
+    }
     for r in results["rows"]:
         if "error" in r:
             lines.append(
-                f"| {r['context']} | {r['decoder']} | failed: {r['error'][:80]} | | | {r['seconds']} |"
+                f"| {r['context']} | {r['decoder']} | failed: {r['error'][:80]} | | | | {r['seconds']} |"
             )
             continue
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        base = plain.get((r["context"], r.get("batch")))
+        vs = f"{r['ms'] / base:.2f}" if base else ""
         lines.append(
-            f"| {r['context']} | {r['decoder']} | {r['ms']:.2f} | {r['ms'] / floor:.2f} | {tau} | {r['seconds']} |"
+            f"| {r['context']} | {r['decoder']} | {r['ms']:.2f} | {r['ms'] / floor:.2f} | {vs} | {tau} | "
+            f"{r['seconds']} |"
         )
     return "\n".join(lines)
 
@@ -255,6 +290,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--nodes", type=int, nargs="+", default=list(NODES), help="tree sizes (1..64)")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="rows of the static decoder"
+    )
     p.add_argument("--capture", choices=CAPTURES, default=None, help="default: cuda_graph on CUDA")
     p.add_argument("--sdpa", choices=SDPA_BACKENDS, default=None, help="SDPA backend (default: torch's)")
     p.add_argument("--head-projection", choices=("own", "shared"), default="own")

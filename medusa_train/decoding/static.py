@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
+from .batched import MedusaBatchOutput
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -54,7 +55,7 @@ SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
 
 class _StaticLayer(CacheLayerMixin):
-    """One layer of a :class:`StaticKVCache`: ``(1, H, C, D)`` keys/values written at the owner's columns."""
+    """One layer of a :class:`StaticKVCache`: ``(B, H, C, D)`` keys/values written where the owner says."""
 
     is_sliding = False
 
@@ -65,19 +66,30 @@ class _StaticLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         o = self.owner
         _, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros(1, h, o.capacity, d)  # (1, H, C, D)
-        self.values = value_states.new_zeros(1, h, o.capacity, value_states.shape[-1])  # (1, H, C, Dv)
+        self.keys = key_states.new_zeros(o.num_rows, h, o.capacity, d)  # (B, H, C, D)
+        self.values = value_states.new_zeros(o.num_rows, h, o.capacity, value_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the T new entries ``(1, H, T, D)`` at columns ``owner.write_pos`` ``(T,)``; return all C."""
+        """Write the new entries; return every column of the rows written.
+
+        A prefill (``owner.prefill_row`` set) writes one row's ``(1, H, T, D)`` at columns
+        ``owner.write_pos`` ``(T,)``; a step writes every row's ``(B, H, M, D)`` at ``owner.write_cols``
+        ``(B, M)``.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        pos = self.owner.write_pos
-        self.keys.index_copy_(2, pos, key_states)
-        self.values.index_copy_(2, pos, value_states)
-        return self.keys, self.values  # (1, H, C, D): the mask hides what is not the past or the tree
+        o = self.owner
+        if o.prefill_row is not None:
+            keys, values = self.keys[o.prefill_row, None], self.values[o.prefill_row, None]  # (1, H, C, D)
+            keys.index_copy_(2, o.write_pos, key_states)
+            values.index_copy_(2, o.write_pos, value_states)
+            return keys, values
+        # (B, M, H, D) through advanced indexing on rows and columns at once.
+        self.keys[o.rows, :, o.write_cols] = key_states.transpose(1, 2)
+        self.values[o.rows, :, o.write_cols] = value_states.transpose(1, 2)
+        return self.keys, self.values  # (B, H, C, D): the mask hides what is not the past or the tree
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.capacity, 0
@@ -90,30 +102,37 @@ class _StaticLayer(CacheLayerMixin):
 
 
 class StaticKVCache(Cache):
-    """A KV cache of fixed width: ``(1, H, capacity, D)`` per layer, new entries written at ``write_pos``.
+    """A KV cache of fixed shape: ``(B, H, capacity, D)`` per layer.
 
-    The decoder sets ``write_pos`` (a ``(T,)`` long device tensor) before each forward; attention always
-    reads all ``capacity`` columns, so every forward of the same T has the same shapes.
+    Before each forward the decoder sets either ``prefill_row`` (an int) and ``write_pos`` ``(T,)``
+    (one row's prompt), or ``prefill_row = None`` and ``write_cols`` ``(B, M)`` (a step: each row's
+    tree columns); attention always reads all ``capacity`` columns, so every step has the same shapes.
 
     Args:
         num_layers: attention layers of the model.
-        capacity: columns (prompt + budget + tree nodes of the longest call).
+        capacity: columns per row (prompt + budget + tree nodes of the longest row).
+        batch_size: rows.
+        device: where the row index lives.
     """
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, capacity: int, batch_size: int, device: torch.device) -> None:
         super().__init__(layers=[_StaticLayer(self) for _ in range(num_layers)])
-        self.capacity = capacity
+        self.capacity, self.num_rows = capacity, batch_size
+        self.rows = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+        self.prefill_row: int | None = None
         self.write_pos: torch.Tensor | None = None
+        self.write_cols: torch.Tensor | None = None
 
     def move_entries(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Entry ``src[i]`` is copied to ``dst[i]`` in every layer; all sources are read first."""
+        """In every row b and layer, entry ``src[b, i]`` is copied to ``dst[b, i]`` (``(B, n)`` each);
+        all sources are read before any destination is written."""
         for layer in self.layers:
-            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))  # (1, H, n, D)
-            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+            layer.keys[self.rows, :, dst] = layer.keys[self.rows, :, src]  # (B, n, H, D)
+            layer.values[self.rows, :, dst] = layer.values[self.rows, :, src]
 
 
 class StaticDecoder:
-    """Greedy Medusa decoding (batch 1) whose step has fixed shapes; built once, reused across prompts.
+    """Greedy Medusa decoding of up to B rows whose step has fixed shapes; built once, reused across prompts.
 
     Args:
         model: a Hugging Face causal LM in eval mode (Llama, Qwen2, Mistral, GPT-2, ... with the "sdpa"
@@ -121,7 +140,8 @@ class StaticDecoder:
             sliding window.
         heads: the Medusa heads (or :class:`PackedHeads`).
         tree: :class:`TreeBuffers` or a list of index paths; verified whole every step.
-        capacity: KV columns; a call needs ``prompt + max_new_tokens + tree nodes <= capacity``.
+        capacity: KV columns per row; a row needs ``prompt + max_new_tokens + tree nodes <= capacity``.
+        batch_size: B, rows decoded together (a call with fewer prompts fills the rest with a dummy).
         capture: "eager" (the step as plain tensor ops), "compile" (``torch.compile(step,
             mode=compile_mode)``) or "cuda_graph" (``torch.cuda.CUDAGraph``, captured here; CUDA only).
         compile_mode: ``torch.compile`` mode for capture="compile" (None: the default mode; on CUDA
@@ -144,6 +164,7 @@ class StaticDecoder:
         tree: TreeBuffers | Sequence[Sequence[int]],
         capacity: int,
         *,
+        batch_size: int = 1,
         capture: str = "eager",
         compile_mode: str | None = None,
         sync_every: int = 1,
@@ -153,8 +174,8 @@ class StaticDecoder:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
         if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
             raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if sync_every < 1 or batch_size < 1:
+            raise ValueError(f"sync_every and batch_size must be >= 1, got {sync_every} and {batch_size}")
         _check_settings(model, "greedy", 0, 1.0, 1.0)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
@@ -171,13 +192,13 @@ class StaticDecoder:
         m = self.tree.num_nodes
         if capacity < m + 2:
             raise ValueError(f"capacity {capacity} cannot hold a prompt, a token and the {m}-node tree")
-        self.model, self.capacity, self.sync_every = model, capacity, sync_every
+        self.model, self.capacity, self.batch_size, self.sync_every = model, capacity, batch_size, sync_every
         self.packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
         self.limit = context_limit(model)
         self.sdpa_backend = sdpa_backend
         self.capture = capture
 
-        dev, d_depth = self.device, self.tree.max_depth
+        dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).
         self._cols = torch.arange(capacity, device=dev)  # (C,)
         self._nodes = torch.arange(m, device=dev)  # (M,)
@@ -185,23 +206,22 @@ class StaticDecoder:
         self._retrieve = self.tree.retrieve_indices.clamp(min=0)  # (Lf, D + 1)
         self._retrieve_valid = self.tree.retrieve_indices[:, 1:] >= 0  # (Lf, D)
         self._parents = self.tree.parents.clamp(min=0)  # (M,)
-        self._root = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) the root placeholder of flat
+        self._row_ids = torch.arange(b, device=dev)  # (B,)
         # State, updated in place by every step.
         with torch.inference_mode():
-            self.cache = StaticKVCache(_num_layers(model), capacity)
+            self.cache = StaticKVCache(_num_layers(model), capacity, b, dev)
             self._cache_kwargs = cache_kwargs(model, self.cache)
-            self.length = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) L: tokens in the cache
-            self.root = torch.zeros(1, dtype=torch.long, device=dev)  # (1,) next root token
+            self.length = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) L: tokens in each row's cache
+            self.root = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) next root token
             hidden_size = model.get_output_embeddings().weight.shape[1]
-            self.hidden = torch.zeros(hidden_size, dtype=self.dtype, device=dev)  # (d,)
-            self.out_tokens = torch.zeros(capacity, dtype=torch.long, device=dev)  # (C,) emitted tokens
-            self.num_out = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-            self.step_lengths = torch.zeros(capacity, dtype=torch.long, device=dev)  # (C,) n per step
+            self.hidden = torch.zeros(b, hidden_size, dtype=self.dtype, device=dev)  # (B, d)
+            self.out_tokens = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) emitted
+            self.num_out = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
+            self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
-            self.cache.write_pos = self._cols[:1]
             with self._backend():
-                _forward(model, self.cache, self._root[None], self._prefill_mask(1), self._cols[None, :1])
+                self._prefill_row(0, self._row_ids[None, :1])
         self._static = [
             self.length,
             self.root,
@@ -258,82 +278,88 @@ class StaticDecoder:
             allowed &= (q - self._cols[None, :]) < self.window
         return _float_mask(allowed, self.dtype)[None, None]  # (1, 1, T, C)
 
-    def _tree_mask(self, length: torch.Tensor) -> torch.Tensor:
-        """``(1, 1, M, C)`` mask of the tree written at ``[L, L + M)`` over the L cached tokens."""
-        m = self.tree.num_nodes
-        rel = self._cols - length  # (C,) column relative to the tree's first column
-        in_tree = (rel >= 0) & (rel < m)  # (C,)
-        rel_c = rel.clamp(0, m - 1)  # (C,)
-        allowed = (self._cols < length)[None, :] | (
-            self.tree.attn_mask[:, rel_c] & in_tree[None, :]
-        )  # (M, C)
+    def _tree_mask(self) -> torch.Tensor:
+        """``(B, 1, M, C)``: row b's tree written at ``[L_b, L_b + M)`` over its L_b cached tokens."""
+        m, length = self.tree.num_nodes, self.length[:, None]  # (B, 1)
+        rel = self._cols[None, :] - length  # (B, C) column relative to the row's first tree column
+        in_tree = (rel >= 0) & (rel < m)  # (B, C)
+        rel_c = rel.clamp(0, m - 1)  # (B, C)
+        tree_part = self.tree.attn_mask[:, rel_c].transpose(0, 1) & in_tree[:, None, :]  # (B, M, C)
+        allowed = (self._cols[None, :] < length)[:, None, :] | tree_part  # (B, M, C)
         if self.window is not None:
             # Distance between the query's position and the key's: L + depth_i - col for the past,
             # depth_i - depth_j inside the tree.
-            key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols)  # (C,)
-            allowed &= (length + self.tree.depth[:, None] - key_pos[None, :]) < self.window
-        return _float_mask(allowed, self.dtype)[None, None]  # (1, 1, M, C)
+            key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols[None, :])  # (B, C)
+            query_pos = length + self.tree.depth[None, :]  # (B, M)
+            allowed &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.window
+        return _float_mask(allowed, self.dtype)[:, None]  # (B, 1, M, C)
 
     def _step(self) -> None:
-        """One Medusa step on the device state: candidates, verification, acceptance, compaction."""
-        tree, length = self.tree, self.length
+        """One Medusa step of every row on the device state: candidates, verification, acceptance,
+        compaction."""
+        tree, length, b = self.tree, self.length, self.batch_size
         depth = tree.max_depth
-        # 1. Candidates: top-k of the first D heads on the last hidden state, laid out on the tree.
+        # 1. Candidates: top-k of the first D heads on each row's last hidden state, laid out on the tree.
         if depth == 0:
-            tree_tokens = self.root  # (1,)
+            tree_tokens = self.root[:, None]  # (B, 1)
         else:
-            head_logits = self.packed.logits(self.hidden, depth)  # (D, V)
-            top = head_logits.topk(tree.topk, dim=-1).indices  # (D, topk)
-            flat = torch.cat([self.root, top.view(-1)])  # (1 + D * topk,)
-            tree_tokens = flat[tree.tree_indices]  # (M,)
-        # 2. Verify the whole tree at columns [L, L + M) through a mask of fixed width C.
-        positions = length + tree.depth  # (M,)
+            head_logits = self.packed.logits_rows(self.hidden, depth)  # (B, D, V)
+            top = head_logits.topk(tree.topk, dim=-1).indices  # (B, D, topk)
+            flat = torch.cat([self.root[:, None], top.view(b, -1)], dim=1)  # (B, 1 + D * topk)
+            tree_tokens = flat[:, tree.tree_indices]  # (B, M)
+        # 2. Verify every row's tree at its columns [L, L + M) through a mask of fixed width C.
+        positions = length[:, None] + tree.depth  # (B, M)
         if self.limit is not None:
             positions = positions.clamp(max=self.limit - 1)  # nodes past the limit are never emitted
-        self.cache.write_pos = (length + self._nodes).clamp(max=self.capacity - 1)  # (M,)
+        self.cache.write_cols = (length[:, None] + self._nodes).clamp(max=self.capacity - 1)  # (B, M)
         out = self.model(
-            input_ids=tree_tokens[None],
-            attention_mask=self._tree_mask(length),
-            position_ids=positions[None],
+            input_ids=tree_tokens,
+            attention_mask=self._tree_mask(),
+            position_ids=positions,
             use_cache=True,
             output_hidden_states=True,
             **self._cache_kwargs,
-        )  # the model's own call, as _forward makes it (the cache's name decided here, outside the step)
-        logits, hidden = out.logits, out.hidden_states[-1]  # (1, M, V), (1, M, d)
+        )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
+        logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
         # 3. Greedy acceptance: a node is accepted when its token is its parent's argmax; the longest
-        #    accepted prefix of a root-to-leaf row is the path (siblings hold distinct tokens, so every
-        #    row of maximal length carries the same path).
-        pred = logits[0].argmax(dim=-1)  # (M,)
+        #    accepted prefix of a root-to-leaf row of the tree is the path.
+        pred = logits.argmax(dim=-1)  # (B, M)
         path, n = greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
-        last = path.gather(0, n - 1)  # (1,)
-        path_tokens = tree_tokens[path]  # (D + 1,)
+        last = path.gather(1, (n - 1)[:, None])[:, 0]  # (B,)
+        path_tokens = tree_tokens.gather(1, path)  # (B, D + 1)
         # 4. KV compaction: entry L + path[j] moves to L + j (entries past n are stale and masked).
-        src = (length + path).clamp(max=self.capacity - 1)  # (D + 1,)
-        dst = (length + self._path_steps).clamp(max=self.capacity - 1)  # (D + 1,)
+        src = (length[:, None] + path).clamp(max=self.capacity - 1)  # (B, D + 1)
+        dst = (length[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
         self.cache.move_entries(src, dst)
         # 5. Emit the path's tokens, record n, seed the next step.
-        out_pos = (self.num_out + self._path_steps).clamp(max=self.capacity - 1)  # (D + 1,)
-        self.out_tokens.index_copy_(0, out_pos, path_tokens)
-        self.step_lengths.index_copy_(0, self.num_steps.clamp(max=self.capacity - 1), n)
+        out_pos = (self.num_out[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
+        self.out_tokens.scatter_(1, out_pos, path_tokens)
+        self.step_lengths.index_copy_(1, self.num_steps.clamp(max=self.capacity - 1), n[:, None])
         self.num_out.add_(n)
         self.num_steps.add_(1)
         length.add_(n)
-        self.root.copy_(pred[last])
-        self.hidden.copy_(hidden[0].index_select(0, last)[0])
+        self.root.copy_(pred.gather(1, last[:, None])[:, 0])
+        self.hidden.copy_(hidden[self._row_ids, last])
 
-    @torch.inference_mode()
-    def _prefill(self, input_ids: torch.Tensor) -> None:
-        """The prompt into columns ``[0, T)`` (eager); the state is reset for a new call."""
+    def _prefill_row(self, row: int, input_ids: torch.Tensor) -> None:
+        """Row ``row``'s prompt ``(1, T)`` into its columns ``[0, T)`` (eager); its state reset."""
         t = input_ids.shape[1]
-        self.cache.write_pos = self._cols[:t]
-        logits, hidden = _forward(
-            self.model, self.cache, input_ids, self._prefill_mask(t), self._cols[None, :t], logits_to_keep=1
-        )  # (1, 1, V), (1, T, d)
-        self.root.copy_(logits[0, -1].argmax().view(1))
-        self.hidden.copy_(hidden[0, -1])
-        self.length.fill_(t)
-        self.num_out.zero_()
-        self.num_steps.zero_()
+        self.cache.prefill_row, self.cache.write_pos = row, self._cols[:t]
+        try:
+            logits, hidden = _forward(
+                self.model,
+                self.cache,
+                input_ids,
+                self._prefill_mask(t),
+                self._cols[None, :t],
+                logits_to_keep=1,
+            )  # (1, 1, V), (1, T, d)
+        finally:
+            self.cache.prefill_row = None
+        self.root[row] = logits[0, -1].argmax()
+        self.hidden[row] = hidden[0, -1]
+        self.length[row] = t
+        self.num_out[row] = 0
 
     @torch.inference_mode()
     def generate(
@@ -352,59 +378,102 @@ class StaticDecoder:
 
         Returns:
             :class:`MedusaOutput`; ``num_forwards`` counts the steps run (with ``sync_every > 1``, the
-            discarded ones too).
+            discarded ones too); ``forward_s`` is 0 (the forward is inside the step).
 
         Raises:
             ValueError: batch size is not 1, an empty prompt, or prompt + budget + tree over capacity.
         """
-        t_start = time.perf_counter()
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
-        prompt_len = input_ids.shape[1]
-        if prompt_len == 0:
-            raise ValueError("input_ids is empty: give at least one prompt token")
+        out = self.generate_batch([input_ids], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        row = out.rows[0]
+        row.prefill_s, row.total_s = out.prefill_s, out.total_s
+        return row
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        *,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> MedusaBatchOutput:
+        """Greedy Medusa generation of up to B prompts of any lengths, one row each.
+
+        Args:
+            prompts: ``(1, T)`` or ``(T,)`` token ids on the model's device, T >= 1, at most B of them.
+            max_new_tokens: most tokens per row (a row also stops before ``max_position_embeddings``).
+            eos_token_id: one id or several; an EOS is emitted and ends its row.
+
+        Returns:
+            :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate``; every row
+            takes part in every step until the last row stops (``num_forwards``: steps run).
+
+        Raises:
+            ValueError: more prompts than rows, an empty prompt, or a row over capacity.
+        """
+        t_start = time.perf_counter()
+        ids = [p if p.ndim == 2 else p[None] for p in prompts]  # each (1, T)
+        if not 1 <= len(ids) <= self.batch_size:
+            raise ValueError(f"give 1 to {self.batch_size} prompts (the decoder's rows), got {len(ids)}")
+        if any(p.shape[0] != 1 or p.shape[1] == 0 for p in ids):
+            raise ValueError("each prompt must be (1, T) or (T,) token ids with T >= 1")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        budget = max_new_tokens if self.limit is None else min(max_new_tokens, self.limit - prompt_len)
-        if budget <= 0:
-            return MedusaOutput(tokens=torch.empty(0, dtype=torch.long), stop_reason="empty")
-        need = prompt_len + budget + self.tree.num_nodes
+        lens = [p.shape[1] for p in ids]
+        budgets = [
+            max_new_tokens if self.limit is None else min(max_new_tokens, self.limit - t) for t in lens
+        ]
+        need = max(t + max(0, n) + self.tree.num_nodes for t, n in zip(lens, budgets, strict=True))
         if need > self.capacity:
             raise ValueError(
-                f"prompt ({prompt_len}) + max_new_tokens ({budget}) + tree ({self.tree.num_nodes} nodes) "
-                f"need capacity {need}; this StaticDecoder has {self.capacity}: build one with capacity >= {need}"
+                f"prompt + max_new_tokens + tree ({self.tree.num_nodes} nodes) need capacity {need}; this "
+                f"StaticDecoder has {self.capacity}: build one with capacity >= {need}"
             )
         eos = _eos_set(eos_token_id)
+        tokens: list[list[int]] = [[] for _ in ids]
+        reasons = [
+            "empty" if n <= 0 else "max_new_tokens" if n == max_new_tokens else "context" for n in budgets
+        ]
+        active = [n > 0 for n in budgets]
+        steps = 0
         with self._backend():
             t0 = _now(self.device)
-            self._prefill(input_ids)
+            for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
+                self._prefill_row(row, ids[row] if row < len(ids) else ids[0])
+            self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
-            tokens: list[int] = []
-            steps = 0
-            stop_reason = "max_new_tokens" if budget == max_new_tokens else "context"
-            while True:
+            while any(active):
                 for _ in range(self.sync_every):
                     self._run()
                 steps += self.sync_every
-                n = int(self.num_out)  # the host's one read per sync_every steps
-                tokens.extend(self.out_tokens[len(tokens) : min(n, budget)].tolist())
-                cut = next((i + 1 for i, tok in enumerate(tokens) if tok in eos), None) if eos else None
-                if cut is not None:
-                    tokens = tokens[:cut]
-                    stop_reason = "eos"
-                    break
-                if len(tokens) >= budget:
-                    break
-            lengths = _cut_lengths(self.step_lengths[: min(steps, self.capacity)].tolist(), len(tokens))
-        total = time.perf_counter() - t_start
-        return MedusaOutput(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            accepted_lengths=lengths,
-            num_forwards=steps,
-            stop_reason=stop_reason,
-            prefill_s=prefill_s,
-            forward_s=0.0,  # the forward is inside the captured step: not timed apart
-            total_s=total,
+                # The host's one read per sync_every steps: each active row's new tokens.
+                counts = self.num_out[: len(ids)].tolist()
+                lo = min(len(tokens[r]) for r in range(len(ids)) if active[r])
+                hi = max(min(counts[r], budgets[r]) for r in range(len(ids)) if active[r])
+                chunk = self.out_tokens[: len(ids), lo:hi].tolist()
+                for r in range(len(ids)):
+                    if not active[r]:
+                        continue
+                    new = chunk[r][len(tokens[r]) - lo : min(counts[r], budgets[r]) - lo]
+                    cut = next((i + 1 for i, tok in enumerate(new) if tok in eos), None) if eos else None
+                    tokens[r].extend(new if cut is None else new[:cut])
+                    if cut is not None:
+                        reasons[r], active[r] = "eos", False
+                    elif len(tokens[r]) >= budgets[r]:
+                        active[r] = False
+            per_step = self.step_lengths[: len(ids), : min(steps, self.capacity)].tolist()
+        rows = [
+            MedusaOutput(
+                tokens=torch.tensor(tokens[r], dtype=torch.long),
+                accepted_lengths=_cut_lengths(per_step[r], len(tokens[r])),
+                num_forwards=len(_cut_lengths(per_step[r], len(tokens[r]))),
+                stop_reason=reasons[r],
+            )
+            for r in range(len(ids))
+        ]
+        return MedusaBatchOutput(
+            rows=rows, num_forwards=steps, prefill_s=prefill_s, total_s=time.perf_counter() - t_start
         )
 
 
@@ -415,27 +484,27 @@ def greedy_path(
     retrieve_valid: torch.Tensor,
     parents: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance as tensor operations (no host sync): the longest path whose every token is its
-    parent's prediction.
+    """Greedy acceptance of B rows as tensor operations (no host sync): in each row the longest path
+    whose every token is its parent's prediction.
 
     Args:
-        tree_tokens: ``(M,)`` token of every node.
-        pred: ``(M,)`` the token each node predicts for its successor (the argmax of its logits).
+        tree_tokens: ``(B, M)`` token of every node.
+        pred: ``(B, M)`` the token each node predicts for its successor (the argmax of its logits).
         retrieve: ``(Lf, D + 1)`` root-to-leaf node indices, padding clamped to 0.
         retrieve_valid: ``(Lf, D)`` which of entries 1..D of ``retrieve`` are real nodes.
         parents: ``(M,)`` parent node of each node (the root's clamped to 0).
 
     Returns:
-        ``(D + 1,)`` the path's node indices (root first; entries from n on are padding) and ``(1,)`` n,
-        the number of accepted nodes, the root included. Siblings hold distinct tokens, so every row of
-        maximal accepted length carries the same path.
+        ``(B, D + 1)`` each row's path of node indices (root first; entries from n on are padding) and
+        ``(B,)`` n, the accepted nodes, the root included. Siblings hold distinct tokens (different ranks
+        of one head), so every leaf row of maximal accepted length carries the same path.
     """
-    ok = tree_tokens == pred[parents]  # (M,)
-    ok_rows = ok[retrieve[:, 1:]] & retrieve_valid  # (Lf, D)
-    accepted = ok_rows.long().cumprod(dim=1).sum(dim=1)  # (Lf,)
-    best = accepted.argmax().view(1)  # (1,); index_select/gather: a 0-d tensor index would sync
-    n = accepted.gather(0, best) + 1  # (1,)
-    return retrieve.index_select(0, best)[0], n  # (D + 1,), (1,)
+    ok = tree_tokens == pred[:, parents]  # (B, M)
+    ok_rows = ok[:, retrieve[:, 1:]] & retrieve_valid  # (B, Lf, D)
+    accepted = ok_rows.long().cumprod(dim=2).sum(dim=2)  # (B, Lf)
+    best = accepted.argmax(dim=1)  # (B,)
+    n = accepted.gather(1, best[:, None])[:, 0] + 1  # (B,)
+    return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
 
 
 def _cut_lengths(step_lengths: list[int], num_tokens: int) -> list[int]:

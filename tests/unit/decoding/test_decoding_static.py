@@ -10,6 +10,7 @@ from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_gen
 from medusa_train.decoding.acceptance import accept_greedy
 from medusa_train.decoding.static import StaticDecoder, greedy_path, medusa_generate_static
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
+from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(0), "root": []}
@@ -67,24 +68,55 @@ def test_static_stops_at_eos_and_context(arch):
     assert len(full.tokens) == 0 and full.stop_reason == "empty"
 
 
+class RowOracleHeads(OracleHeads):
+    """:class:`OracleHeads` for decoders that ask for the heads of several rows at once."""
+
+    def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return torch.stack([self.logits(h, num_heads) for h in hidden])  # (B, K, V)
+
+
 def test_static_oracle_heads_accept_whole_paths():
     """Heads that know the greedy continuation: whole chains accepted, and a path that is not contiguous
     in node order (head 1's target at rank 1) is compacted right."""
-    from tests.unit.decoding.test_decoding_greedy import OracleHeads
-
     model = tiny_model("llama", seed=3)
     prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
     ref = plain_greedy(model, prompt, 40)
     full = torch.cat([prompt[0], torch.tensor(ref)])[None]
     out = medusa_generate_static(
-        model, OracleHeads(model, full), prompt, max_new_tokens=21, tree=chain_tree(4)
+        model, RowOracleHeads(model, full), prompt, max_new_tokens=21, tree=chain_tree(4)
     )
     assert out.tokens.tolist() == ref[:21]
     assert out.accepted_lengths == [5, 5, 5, 5, 1] and out.tau == pytest.approx(21 / 5)
     out = medusa_generate_static(
-        model, OracleHeads(model, full, rank=1), prompt, max_new_tokens=21, tree=MEDUSA_63
+        model, RowOracleHeads(model, full, rank=1), prompt, max_new_tokens=21, tree=MEDUSA_63
     )
     assert out.tokens.tolist() == ref[:21] and out.accepted_lengths == [4, 4, 4, 4, 4, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_static_batch_rows_match_plain_greedy(arch):
+    """B = 3 rows of different prompt lengths: each row is its own plain greedy; a row that stops at
+    EOS leaves the others running; fewer prompts than rows; then the same decoder at batch 1."""
+    model = tiny_model(arch, seed=5)
+    heads = random_heads(model, seed=6)
+    decoder = StaticDecoder(model, heads, MEDUSA_63, capacity=2 * MAX_POS, batch_size=3, sync_every=2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen) for n in (2, 9, 17)]
+    refs = [plain_greedy(model, p, 25) for p in prompts]
+    out = decoder.generate_batch(prompts, max_new_tokens=25)
+    assert [r.tokens.tolist() for r in out.rows] == refs
+    assert all(sum(r.accepted_lengths) == 25 and r.stop_reason == "max_new_tokens" for r in out.rows)
+    eos = refs[1][4]
+    out = decoder.generate_batch(prompts, max_new_tokens=25, eos_token_id=eos)
+    for ref, row in zip(refs, out.rows, strict=True):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert row.tokens.tolist() == ref[:cut]
+        assert row.stop_reason == ("eos" if eos in ref else "max_new_tokens")
+    two = decoder.generate_batch([p[0] for p in prompts[:2]], max_new_tokens=25)  # (T,) prompts, 2 of 3 rows
+    assert [r.tokens.tolist() for r in two.rows] == refs[:2]
+    assert decoder.generate(prompts[2], max_new_tokens=25).tokens.tolist() == refs[2]
+    with pytest.raises(ValueError, match="1 to 3 prompts"):
+        decoder.generate_batch(prompts * 2, max_new_tokens=5)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -105,7 +137,8 @@ def test_greedy_path_matches_host_walk(seed):
         ranks = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(tree.max_depth)])
         flat = torch.cat([torch.tensor([3]), ranks[:, : tree.topk].reshape(-1)])
         tokens = flat[tree.tree_indices]
-        path, n = greedy_path(tokens, pred, retrieve, valid, parents)
+        path, n = greedy_path(tokens[None], pred[None], retrieve, valid, parents)  # one row
+        path, n = path[0], n[0]
         expected = accept_greedy(tokens, logits, tree)
         assert path[: int(n)].tolist() == expected.path
         assert int(pred[path[int(n) - 1]]) == expected.next_token
@@ -132,7 +165,7 @@ def test_static_user_errors():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_static_compiled_parity(arch):
-    """The step under torch.compile (inductor, default mode): ~70 s of compilation per model on 2 cores."""
+    """The step of two rows under torch.compile (inductor, default mode): 15-55 s per model on 2 cores."""
     model = tiny_model(arch, seed=ARCHS.index(arch))
     decoder = StaticDecoder(
         model, random_heads(model, seed=1), random_tree(1), 2 * MAX_POS, capture="compile"
