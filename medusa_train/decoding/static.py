@@ -5,22 +5,23 @@ Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple D
 (arXiv:2401.10774); the fixed-shape layout follows gpt-fast and vLLM (preallocated KV cache, masks of
 fixed width, no host synchronisation inside a step).
 
-What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, capacity):
+What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, capacity, B rows):
 
-- the KV cache is allocated once, ``(1, H, C, D)`` per layer (C = ``capacity``); a step writes its M tree
-  nodes at columns ``[L, L + M)`` (an ``index_copy_`` at positions held on the device) and attention
-  reads all C columns through a ``(1, 1, M, C)`` float mask, masked beyond the current length L;
+- the KV cache is allocated once, ``(B, H, C, D)`` per layer (C = ``capacity``); each prompt is
+  prefilled into its row at ``[0, T_b)`` (eagerly: prompt lengths vary); a step writes row b's M tree
+  nodes at its columns ``[L_b, L_b + M)`` (one indexed write, positions held on the device) and
+  attention reads all C columns through a ``(B, 1, M, C)`` float mask, masked beyond each row's L_b;
 - the whole tree is verified every step (nodes deeper than the remaining budget are verified too but
-  never emitted; their position ids are clamped to the model's last position);
-- the cache length L, the root token, the last hidden state, the emitted tokens and the per-step
-  accepted lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`),
-  greedy acceptance (each node's token against its parent's argmax, the longest accepted root-to-leaf
-  row of ``retrieve_indices``), KV compaction (the accepted path's entries gathered to
-  ``[L, L + n)``) and the bookkeeping are tensor operations.
+  never emitted; their position ids are clamped to the model's last position), by every row until the
+  last row stops (a finished row's steps are discarded);
+- each row's cache length, root token, last hidden state, emitted tokens and per-step accepted
+  lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`), greedy
+  acceptance (each node's token against its parent's argmax, the longest accepted root-to-leaf row of
+  ``retrieve_indices``: :func:`greedy_path`), KV compaction (the accepted path's entries gathered to
+  ``[L_b, L_b + n_b)``) and the bookkeeping are tensor operations.
 
-What syncs. The host reads the number of emitted tokens (and the new tokens, to look for EOS) once
-every ``sync_every`` steps; nothing else leaves the device. Steps run past the stopping point (at most
-``sync_every - 1``) are discarded. The prefill (variable prompt length) runs eagerly.
+What syncs. The host reads the rows' numbers of emitted tokens (and their new tokens, to look for EOS)
+once every ``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
 
 Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
 to the float rounding of a different attention width, as for :func:`medusa_generate`).
