@@ -545,7 +545,9 @@ def medusa_generate_static(
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
-    capacity = input_ids.shape[1] + max_new_tokens + as_tree(tree).num_nodes
+    limit = context_limit(model)
+    budget = max_new_tokens if limit is None else min(max_new_tokens, limit - input_ids.shape[1])
+    capacity = input_ids.shape[1] + max(budget, 1) + as_tree(tree).num_nodes
     decoder = StaticDecoder(
         model, heads, tree, capacity, capture=capture, compile_mode=compile_mode, sync_every=sync_every
     )

@@ -174,3 +174,11 @@ def test_static_compiled_parity(arch):
     for prompt_len in (3, 11):
         prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == plain_greedy(model, prompt, 30)
+
+
+def test_one_call_sizes_its_decoder_to_the_context():
+    """medusa_generate_static with a budget past the context: sized to what fits, stops at the limit."""
+    model = tiny_model("qwen2", seed=2)
+    prompt = torch.randint(1, VOCAB, (1, 50), generator=torch.Generator().manual_seed(8))
+    out = medusa_generate_static(model, random_heads(model), prompt, max_new_tokens=10**6, tree=MEDUSA_63)
+    assert out.tokens.tolist() == plain_greedy(model, prompt, MAX_POS - 50) and out.stop_reason == "context"
