@@ -667,6 +667,12 @@ class EvalConfig:
     dtype than this run's, calibrate the tree again here from its stored head accuracies and a latency
     curve measured now (seconds), so a tree tuned on a CPU is not used on a GPU; false keeps the stored
     tree. Pinned trees (tree=medusa63|chain|custom) are never changed."""
+    compile: bool = False
+    """Also measure the compiled decoders on every turn: plain greedy with transformers' static cache and
+    compiled forward (`cache_implementation="static"`), and Medusa's static-shape decoder (its whole step
+    a CUDA graph on CUDA, `torch.compile` on CPU); the report gives Medusa's speed-up against both
+    baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
+    pays only over long runs; on a GPU turn it on."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

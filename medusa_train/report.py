@@ -94,7 +94,12 @@ def summarise(records: list[dict], num_prompts: int) -> dict:
     }
 
 
-ALTERNATIVES = {"prompt_lookup": "prompt lookup", "assisted": "assisted generation"}
+ALTERNATIVES = {
+    "prompt_lookup": "prompt lookup",
+    "assisted": "assisted generation",
+    "compiled_plain": "plain greedy, static cache compiled",
+    "static_medusa": "Medusa, static shapes captured",
+}
 """The other speed-ups eval measures next to Medusa (record key prefix -> name in the report)."""
 
 
@@ -115,6 +120,11 @@ def alternatives(records: list[dict]) -> dict[str, dict]:
             "speedup": tps / base_tps if base_tps > 0 else 0.0,
             "identical": sum(bool(r[f"{name}_identical"]) for r in records) / len(records),
         }
+    if "compiled_plain" in out and "static_medusa" in out:  # eval.compile: against the compiled baseline too
+        compiled = out["compiled_plain"]["tokens_per_s"]
+        out["static_medusa"]["speedup_vs_compiled"] = (
+            out["static_medusa"]["tokens_per_s"] / compiled if compiled > 0 else 0.0
+        )
     return out
 
 

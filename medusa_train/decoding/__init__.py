@@ -15,6 +15,7 @@ from .calibrate import (
     per_rank_accuracy,
 )
 from .generate import MedusaOutput, PackedHeads, medusa_generate, tree_attention_mask, verify_forward
+from .static import StaticDecoder, medusa_generate_static
 from .tree import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices, save_choices
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "MedusaOutput",
     "PackedHeads",
     "RowKVCache",
+    "StaticDecoder",
     "TreeBuffers",
     "TreeError",
     "accept_greedy",
@@ -40,6 +42,7 @@ __all__ = [
     "measure_forward_latency",
     "medusa_generate",
     "medusa_generate_batch",
+    "medusa_generate_static",
     "per_rank_accuracy",
     "save_choices",
     "tree_attention_mask",

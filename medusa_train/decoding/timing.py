@@ -4,7 +4,10 @@ prompts, same process), and the same comparison for batches of prompts.
 
 Plain decoding is transformers' own ``model.generate(do_sample=False)`` (prompt lookup and assisted
 generation are the same call with their ``generate`` arguments); Medusa is :func:`medusa_generate`
-(batch 1) and :func:`medusa_generate_batch`.
+(batch 1) and :func:`medusa_generate_batch`. With ``compile=True`` two more: plain greedy through
+transformers' static cache with a compiled forward (``cache_implementation="static"``, the fair GPU
+baseline) and greedy Medusa through a :class:`StaticDecoder` (a CUDA graph on CUDA, ``torch.compile``
+elsewhere), one decoder per capacity bucket, captured on first use.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import CompileConfig
 
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import attention_backends, medusa_generate
+from medusa_train.decoding.static import StaticDecoder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,38 @@ class TimedDecoders:
     def __init__(self, model, packed, tree, eos: list[int], pad_token_id: int | None) -> None:
         self.model, self.packed, self.tree, self.eos, self.pad = model, packed, tree, eos, pad_token_id
         self.device = next(model.parameters()).device
+        self._static: dict[int, StaticDecoder] = {}  # capacity -> captured decoder
+
+    def compiled_generate_args(self) -> dict:
+        """``generate`` arguments of the compiled plain baseline: transformers' static cache, whose forward
+        transformers compiles itself on CUDA (``mode="reduce-overhead"``); elsewhere compiled here with
+        the default mode (transformers compiles on accelerators only unless told)."""
+        extra: dict = {"cache_implementation": "static"}
+        if self.device.type != "cuda":
+            config = CompileConfig(mode="default")
+            config._compile_all_devices = True
+            extra["compile_config"] = config
+        return extra
+
+    @property
+    def static_capture(self) -> str:
+        """How the static decoder's step is captured here: a CUDA graph on CUDA, torch.compile elsewhere."""
+        return "cuda_graph" if self.device.type == "cuda" else "compile"
+
+    @torch.inference_mode()
+    def medusa_static(self, ids: torch.Tensor, max_new_tokens: int) -> Decoded:
+        """Greedy Medusa through a captured :class:`StaticDecoder` (capacity: the next power of two >= 256
+        that holds prompt + budget + tree; each capacity is captured once, on first use)."""
+        need = ids.shape[1] + max_new_tokens + self.tree.num_nodes
+        capacity = max(256, 1 << (need - 1).bit_length())
+        if capacity not in self._static:
+            self._static[capacity] = StaticDecoder(
+                self.model, self.packed, self.tree, capacity, capture=self.static_capture
+            )
+        out, seconds = self._timed(
+            self._static[capacity].generate, ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos
+        )
+        return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

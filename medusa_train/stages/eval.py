@@ -143,6 +143,8 @@ def run(cfg) -> dict:
     others: dict[str, dict] = {"prompt_lookup": {"prompt_lookup_num_tokens": ecfg.prompt_lookup_tokens}}
     if ecfg.assistant_model:
         others["assisted"] = {"assistant_model": load_assistant(ecfg.assistant_model, model)}
+    if ecfg.compile:  # the compiled baseline; Medusa's static decoder runs next to it in 3. and 4.
+        others["compiled_plain"] = decode.compiled_generate_args()
 
     # 2. Prompts (loaded in 1.), rendered with the backbone's chat template, turn by turn.
     if not tok.chat_template:
@@ -160,6 +162,8 @@ def run(cfg) -> dict:
     decode.medusa(first, min(ecfg.max_new_tokens, 32))
     for extra in others.values():
         decode.plain(first, min(ecfg.max_new_tokens, 32), **extra)
+    if ecfg.compile:
+        decode.medusa_static(first, min(ecfg.max_new_tokens, 32))
 
     # 4. Plain greedy, Medusa greedy and the alternatives, prompt by prompt (turn by turn).
     records: list[dict] = []
@@ -180,6 +184,8 @@ def run(cfg) -> dict:
             base = decode.plain(ids, budget)
             med = decode.medusa(ids, budget)
             alt = {name: decode.plain(ids, budget, **extra) for name, extra in others.items()}
+            if ecfg.compile:
+                alt["static_medusa"] = decode.medusa_static(ids, budget)
             base_text = tok.decode(base.tokens, skip_special_tokens=True)
             records.append(
                 {
@@ -252,6 +258,12 @@ def run(cfg) -> dict:
     report["alternatives"]["prompt_lookup"]["setting"] = f"{ecfg.prompt_lookup_tokens} tokens"
     if ecfg.assistant_model:
         report["alternatives"]["assisted"]["setting"] = ecfg.assistant_model
+    if ecfg.compile:
+        report["alternatives"]["compiled_plain"]["setting"] = "cache_implementation=static"
+        vs = report["alternatives"]["static_medusa"]["speedup_vs_compiled"]
+        report["alternatives"]["static_medusa"]["setting"] = (
+            f"{decode.static_capture}; {vs:.2f}x compiled plain"
+        )
     report["batch_sizes"] = batch_table(decode, inputs, ecfg.batch_sizes, report)
 
     # 9. Other heads (eval.compare), each with its own backbone, on the same turns and tree.

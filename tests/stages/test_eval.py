@@ -188,3 +188,19 @@ def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path)
         )
     )
     assert not kept["tree_fit"]["recalibrated"] and kept["tree_size"] == 5
+
+
+@pytest.mark.slow
+def test_compile_reports_both_baselines(evaluated: tuple[Path, dict]) -> None:
+    """eval.compile: compiled plain greedy and the static decoder, greedy-identical, with the speed-up
+    against both baselines (compiles on CPU: minutes)."""
+    workdir, _ = evaluated
+    quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
+    report = eval_stage.run(
+        tiny_cfg(workdir, "stage=eval", "eval.compile=true", "eval.num_prompts=3", *quick)
+    )
+    alt = report["alternatives"]
+    assert alt["compiled_plain"]["identical"] == 1.0 and alt["static_medusa"]["identical"] == 1.0
+    assert alt["static_medusa"]["speedup_vs_compiled"] > 0
+    assert alt["static_medusa"]["setting"].startswith("compile; ")
+    assert "| Medusa, static shapes captured (" in (workdir / "eval" / "report.md").read_text()

@@ -11,6 +11,7 @@ import torch
 import transformers as tf
 
 from medusa_train.decoding import (
+    StaticDecoder,
     measure_forward_latency,
     medusa_generate,
     medusa_generate_batch,
@@ -60,6 +61,9 @@ def test_decoder_calls_emit_no_deprecation_warning(arch):
             temperature=0.7,
         )  # fmt: skip
         medusa_generate_batch(model, heads, prompts, max_new_tokens=8, tree=tree)
+        StaticDecoder(model, heads, tree, 32, batch_size=2).generate_batch(
+            [torch.tensor(p) for p in prompts], max_new_tokens=8
+        )
         cache = tf.DynamicCache()
         with torch.inference_mode():
             model(input_ids=torch.tensor([prompts[0]]), use_cache=True, **{cache_keyword(model): cache})

@@ -1,0 +1,554 @@
+"""Medusa tree decoding with fixed shapes: one step is a function of preallocated tensors, so it can be
+captured once (a CUDA graph, or ``torch.compile``) and replayed for every step of every prompt.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774); the fixed-shape layout follows gpt-fast and vLLM (preallocated KV cache, masks of
+fixed width, no host synchronisation inside a step).
+
+What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, capacity, B rows):
+
+- the KV cache is allocated once, ``(B, H, C, D)`` per layer (C = ``capacity``); each prompt is
+  prefilled into its row at ``[0, T_b)`` (eagerly: prompt lengths vary); a step writes row b's M tree
+  nodes at its columns ``[L_b, L_b + M)`` (one indexed write, positions held on the device) and
+  attention reads all C columns through a ``(B, 1, M, C)`` float mask, masked beyond each row's L_b;
+- the whole tree is verified every step (nodes deeper than the remaining budget are verified too but
+  never emitted; their position ids are clamped to the model's last position), by every row until the
+  last row stops (a finished row's steps are discarded);
+- each row's cache length, root token, last hidden state, emitted tokens and per-step accepted
+  lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`), greedy
+  acceptance (each node's token against its parent's argmax, the longest accepted root-to-leaf row of
+  ``retrieve_indices``: :func:`greedy_path`), KV compaction (the accepted path's entries gathered to
+  ``[L_b, L_b + n_b)``) and the bookkeeping are tensor operations.
+
+What syncs. The host reads the rows' numbers of emitted tokens (and their new tokens, to look for EOS)
+once every ``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
+
+Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
+to the float rounding of a different attention width, as for :func:`medusa_generate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..heads import MedusaHeads
+from ..hf_compat import cache_kwargs
+from .batched import MedusaBatchOutput
+from .generate import (
+    MedusaOutput,
+    PackedHeads,
+    _check_settings,
+    _eos_set,
+    _forward,
+    _now,
+    _sliding_window_kinds,
+    context_limit,
+)
+from .tree import TreeBuffers, as_tree
+
+CAPTURES = ("eager", "compile", "cuda_graph")
+SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
+
+
+class _StaticLayer(CacheLayerMixin):
+    """One layer of a :class:`StaticKVCache`: ``(B, H, C, D)`` keys/values written where the owner says."""
+
+    is_sliding = False
+
+    def __init__(self, owner: StaticKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        o = self.owner
+        _, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros(o.num_rows, h, o.capacity, d)  # (B, H, C, D)
+        self.values = value_states.new_zeros(o.num_rows, h, o.capacity, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new entries; return every column of the rows written.
+
+        A prefill (``owner.prefill_row`` set) writes one row's ``(1, H, T, D)`` at columns
+        ``owner.write_pos`` ``(T,)``; a step writes every row's ``(B, H, M, D)`` at ``owner.write_cols``
+        ``(B, M)``.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        o = self.owner
+        if o.prefill_row is not None:
+            keys, values = self.keys[o.prefill_row, None], self.values[o.prefill_row, None]  # (1, H, C, D)
+            keys.index_copy_(2, o.write_pos, key_states)
+            values.index_copy_(2, o.write_pos, value_states)
+            return keys, values
+        # (B, M, H, D) through advanced indexing on rows and columns at once.
+        self.keys[o.rows, :, o.write_cols] = key_states.transpose(1, 2)
+        self.values[o.rows, :, o.write_cols] = value_states.transpose(1, 2)
+        return self.keys, self.values  # (B, H, C, D): the mask hides what is not the past or the tree
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.capacity
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class StaticKVCache(Cache):
+    """A KV cache of fixed shape: ``(B, H, capacity, D)`` per layer.
+
+    Before each forward the decoder sets either ``prefill_row`` (an int) and ``write_pos`` ``(T,)``
+    (one row's prompt), or ``prefill_row = None`` and ``write_cols`` ``(B, M)`` (a step: each row's
+    tree columns); attention always reads all ``capacity`` columns, so every step has the same shapes.
+
+    Args:
+        num_layers: attention layers of the model.
+        capacity: columns per row (prompt + budget + tree nodes of the longest row).
+        batch_size: rows.
+        device: where the row index lives.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, batch_size: int, device: torch.device) -> None:
+        super().__init__(layers=[_StaticLayer(self) for _ in range(num_layers)])
+        self.capacity, self.num_rows = capacity, batch_size
+        self.rows = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+        self.prefill_row: int | None = None
+        self.write_pos: torch.Tensor | None = None
+        self.write_cols: torch.Tensor | None = None
+
+    def move_entries(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every row b and layer, entry ``src[b, i]`` is copied to ``dst[b, i]`` (``(B, n)`` each);
+        all sources are read before any destination is written."""
+        for layer in self.layers:
+            layer.keys[self.rows, :, dst] = layer.keys[self.rows, :, src]  # (B, n, H, D)
+            layer.values[self.rows, :, dst] = layer.values[self.rows, :, src]
+
+
+class StaticDecoder:
+    """Greedy Medusa decoding of up to B rows whose step has fixed shapes; built once, reused across prompts.
+
+    Args:
+        model: a Hugging Face causal LM in eval mode (Llama, Qwen2, Mistral, GPT-2, ... with the "sdpa"
+            or "eager" attention implementation); every layer full attention, or every layer the same
+            sliding window.
+        heads: the Medusa heads (or :class:`PackedHeads`).
+        tree: :class:`TreeBuffers` or a list of index paths; verified whole every step.
+        capacity: KV columns per row; a row needs ``prompt + max_new_tokens + tree nodes <= capacity``.
+        batch_size: B, rows decoded together (a call with fewer prompts fills the rest with a dummy).
+        capture: "eager" (the step as plain tensor ops), "compile" (``torch.compile(step,
+            mode=compile_mode)``) or "cuda_graph" (``torch.cuda.CUDAGraph``, captured here; CUDA only).
+        compile_mode: ``torch.compile`` mode for capture="compile" (None: the default mode; on CUDA
+            "reduce-overhead" adds CUDA graphs).
+        sync_every: steps between the host's reads of the emitted tokens (1: stop exactly; more: fewer
+            syncs, up to ``sync_every - 1`` wasted steps at the end).
+        sdpa_backend: None (PyTorch's choice) or one of "math", "efficient", "cudnn", "flash": the
+            scaled-dot-product backend for every forward of this decoder (``torch.nn.attention.sdpa_kernel``).
+
+    Raises:
+        ValueError: an unknown capture or backend, cuda_graph off CUDA, a model mixing full and
+            sliding-window layers, a flash-attention model, or a capacity too small for the tree.
+        TreeError: the tree does not fit the heads.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        heads: MedusaHeads | PackedHeads,
+        tree: TreeBuffers | Sequence[Sequence[int]],
+        capacity: int,
+        *,
+        batch_size: int = 1,
+        capture: str = "eager",
+        compile_mode: str | None = None,
+        sync_every: int = 1,
+        sdpa_backend: str | None = None,
+    ) -> None:
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
+        if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+        if sync_every < 1 or batch_size < 1:
+            raise ValueError(f"sync_every and batch_size must be >= 1, got {sync_every} and {batch_size}")
+        _check_settings(model, "greedy", 0, 1.0, 1.0)
+        self.window, kind = _sliding_window_kinds(model.config)
+        if kind == "mixed":
+            raise ValueError(
+                "the static decoder takes models whose layers all use the same attention (full, or one "
+                "sliding window); this one mixes both: use medusa_generate"
+            )
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if capture == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(f"capture='cuda_graph' needs a CUDA model, this one is on {self.device}")
+        self.tree = as_tree(tree).to(self.device)
+        self.tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])
+        m = self.tree.num_nodes
+        if capacity < m + 2:
+            raise ValueError(f"capacity {capacity} cannot hold a prompt, a token and the {m}-node tree")
+        self.model, self.capacity, self.batch_size, self.sync_every = model, capacity, batch_size, sync_every
+        self.packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
+        self.limit = context_limit(model)
+        self.sdpa_backend = sdpa_backend
+        self.capture = capture
+
+        dev, d_depth, b = self.device, self.tree.max_depth, batch_size
+        # Constants of the step (allocated once: nothing is built from host values inside a step).
+        self._cols = torch.arange(capacity, device=dev)  # (C,)
+        self._nodes = torch.arange(m, device=dev)  # (M,)
+        self._path_steps = torch.arange(d_depth + 1, device=dev)  # (D + 1,)
+        self._retrieve = self.tree.retrieve_indices.clamp(min=0)  # (Lf, D + 1)
+        self._retrieve_valid = self.tree.retrieve_indices[:, 1:] >= 0  # (Lf, D)
+        self._parents = self.tree.parents.clamp(min=0)  # (M,)
+        self._row_ids = torch.arange(b, device=dev)  # (B,)
+        # State, updated in place by every step.
+        with torch.inference_mode():
+            self.cache = StaticKVCache(_num_layers(model), capacity, b, dev)
+            self._cache_kwargs = cache_kwargs(model, self.cache)
+            self.length = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) L: tokens in each row's cache
+            self.root = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) next root token
+            hidden_size = model.get_output_embeddings().weight.shape[1]
+            self.hidden = torch.zeros(b, hidden_size, dtype=self.dtype, device=dev)  # (B, d)
+            self.out_tokens = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) emitted
+            self.num_out = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
+            self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
+            self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
+            # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
+            with self._backend():
+                self._prefill_row(0, self._row_ids[None, :1])
+        self._static = [
+            self.length,
+            self.root,
+            self.hidden,
+            self.out_tokens,
+            self.num_out,
+            self.step_lengths,
+            self.num_steps,
+        ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        self._run: Callable[[], None] = self._step
+        self._graph = None
+        if capture == "compile":
+            for t in self._static:
+                torch._dynamo.mark_static_address(t)
+            self._run = torch.compile(self._step, mode=compile_mode)
+        elif capture == "cuda_graph":
+            self._capture_graph()
+
+    def _backend(self):
+        if self.sdpa_backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {
+            "math": SDPBackend.MATH,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION,
+        }
+        return sdpa_kernel(names[self.sdpa_backend])
+
+    @torch.inference_mode()
+    def _capture_graph(self) -> None:
+        """Warm the step up on a side stream, then capture one step into a CUDA graph (state is reset by
+        every call's prefill, so the warm-up steps leave nothing behind)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), self._backend():
+            for _ in range(3):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), self._backend():
+            self._step()
+        torch.cuda.synchronize(self.device)
+        self._graph = graph
+        self._run = graph.replay
+
+    def _prefill_mask(self, t: int) -> torch.Tensor:
+        """``(1, 1, T, C)`` causal mask of a T-token prompt at columns ``[0, T)`` (windowed if the model is)."""
+        q = self._cols[:t, None]  # (T, 1)
+        allowed = self._cols[None, :] <= q  # (T, C)
+        if self.window is not None:
+            allowed &= (q - self._cols[None, :]) < self.window
+        return _float_mask(allowed, self.dtype)[None, None]  # (1, 1, T, C)
+
+    def _tree_mask(self) -> torch.Tensor:
+        """``(B, 1, M, C)``: row b's tree written at ``[L_b, L_b + M)`` over its L_b cached tokens."""
+        m, length = self.tree.num_nodes, self.length[:, None]  # (B, 1)
+        rel = self._cols[None, :] - length  # (B, C) column relative to the row's first tree column
+        in_tree = (rel >= 0) & (rel < m)  # (B, C)
+        rel_c = rel.clamp(0, m - 1)  # (B, C)
+        tree_part = self.tree.attn_mask[:, rel_c].transpose(0, 1) & in_tree[:, None, :]  # (B, M, C)
+        allowed = (self._cols[None, :] < length)[:, None, :] | tree_part  # (B, M, C)
+        if self.window is not None:
+            # Distance between the query's position and the key's: L + depth_i - col for the past,
+            # depth_i - depth_j inside the tree.
+            key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols[None, :])  # (B, C)
+            query_pos = length + self.tree.depth[None, :]  # (B, M)
+            allowed &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.window
+        return _float_mask(allowed, self.dtype)[:, None]  # (B, 1, M, C)
+
+    def _step(self) -> None:
+        """One Medusa step of every row on the device state: candidates, verification, acceptance,
+        compaction."""
+        tree, length, b = self.tree, self.length, self.batch_size
+        depth = tree.max_depth
+        # 1. Candidates: top-k of the first D heads on each row's last hidden state, laid out on the tree.
+        if depth == 0:
+            tree_tokens = self.root[:, None]  # (B, 1)
+        else:
+            head_logits = self.packed.logits_rows(self.hidden, depth)  # (B, D, V)
+            top = head_logits.topk(tree.topk, dim=-1).indices  # (B, D, topk)
+            flat = torch.cat([self.root[:, None], top.view(b, -1)], dim=1)  # (B, 1 + D * topk)
+            tree_tokens = flat[:, tree.tree_indices]  # (B, M)
+        # 2. Verify every row's tree at its columns [L, L + M) through a mask of fixed width C.
+        positions = length[:, None] + tree.depth  # (B, M)
+        if self.limit is not None:
+            positions = positions.clamp(max=self.limit - 1)  # nodes past the limit are never emitted
+        self.cache.write_cols = (length[:, None] + self._nodes).clamp(max=self.capacity - 1)  # (B, M)
+        out = self.model(
+            input_ids=tree_tokens,
+            attention_mask=self._tree_mask(),
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=True,
+            **self._cache_kwargs,
+        )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
+        logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
+        # 3. Greedy acceptance: a node is accepted when its token is its parent's argmax; the longest
+        #    accepted prefix of a root-to-leaf row of the tree is the path.
+        pred = logits.argmax(dim=-1)  # (B, M)
+        path, n = greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
+        last = path.gather(1, (n - 1)[:, None])[:, 0]  # (B,)
+        path_tokens = tree_tokens.gather(1, path)  # (B, D + 1)
+        # 4. KV compaction: entry L + path[j] moves to L + j (entries past n are stale and masked).
+        src = (length[:, None] + path).clamp(max=self.capacity - 1)  # (B, D + 1)
+        dst = (length[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
+        self.cache.move_entries(src, dst)
+        # 5. Emit the path's tokens, record n, seed the next step.
+        out_pos = (self.num_out[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
+        self.out_tokens.scatter_(1, out_pos, path_tokens)
+        self.step_lengths.index_copy_(1, self.num_steps.clamp(max=self.capacity - 1), n[:, None])
+        self.num_out.add_(n)
+        self.num_steps.add_(1)
+        length.add_(n)
+        self.root.copy_(pred.gather(1, last[:, None])[:, 0])
+        self.hidden.copy_(hidden[self._row_ids, last])
+
+    def _prefill_row(self, row: int, input_ids: torch.Tensor) -> None:
+        """Row ``row``'s prompt ``(1, T)`` into its columns ``[0, T)`` (eager); its state reset."""
+        t = input_ids.shape[1]
+        self.cache.prefill_row, self.cache.write_pos = row, self._cols[:t]
+        try:
+            logits, hidden = _forward(
+                self.model,
+                self.cache,
+                input_ids,
+                self._prefill_mask(t),
+                self._cols[None, :t],
+                logits_to_keep=1,
+            )  # (1, 1, V), (1, T, d)
+        finally:
+            self.cache.prefill_row = None
+        self.root[row] = logits[0, -1].argmax()
+        self.hidden[row] = hidden[0, -1]
+        self.length[row] = t
+        self.num_out[row] = 0
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> MedusaOutput:
+        """Greedy Medusa generation of one prompt; the same result as :func:`medusa_generate` greedy.
+
+        Args:
+            input_ids: ``(1, T)`` prompt on the model's device.
+            max_new_tokens: most tokens to generate (also stops before ``max_position_embeddings``).
+            eos_token_id: one id or several; an EOS is emitted and ends generation.
+
+        Returns:
+            :class:`MedusaOutput`; ``num_forwards`` counts the steps run (with ``sync_every > 1``, the
+            discarded ones too); ``forward_s`` is 0 (the forward is inside the step).
+
+        Raises:
+            ValueError: batch size is not 1, an empty prompt, or prompt + budget + tree over capacity.
+        """
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
+        out = self.generate_batch([input_ids], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        row = out.rows[0]
+        row.prefill_s, row.total_s = out.prefill_s, out.total_s
+        return row
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        *,
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> MedusaBatchOutput:
+        """Greedy Medusa generation of up to B prompts of any lengths, one row each.
+
+        Args:
+            prompts: ``(1, T)`` or ``(T,)`` token ids on the model's device, T >= 1, at most B of them.
+            max_new_tokens: most tokens per row (a row also stops before ``max_position_embeddings``).
+            eos_token_id: one id or several; an EOS is emitted and ends its row.
+
+        Returns:
+            :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate``; every row
+            takes part in every step until the last row stops (``num_forwards``: steps run).
+
+        Raises:
+            ValueError: more prompts than rows, an empty prompt, or a row over capacity.
+        """
+        t_start = time.perf_counter()
+        ids = [p if p.ndim == 2 else p[None] for p in prompts]  # each (1, T)
+        if not 1 <= len(ids) <= self.batch_size:
+            raise ValueError(f"give 1 to {self.batch_size} prompts (the decoder's rows), got {len(ids)}")
+        if any(p.shape[0] != 1 or p.shape[1] == 0 for p in ids):
+            raise ValueError("each prompt must be (1, T) or (T,) token ids with T >= 1")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        lens = [p.shape[1] for p in ids]
+        budgets = [
+            max_new_tokens if self.limit is None else min(max_new_tokens, self.limit - t) for t in lens
+        ]
+        need = max(t + max(0, n) + self.tree.num_nodes for t, n in zip(lens, budgets, strict=True))
+        if need > self.capacity:
+            raise ValueError(
+                f"prompt + max_new_tokens + tree ({self.tree.num_nodes} nodes) need capacity {need}; this "
+                f"StaticDecoder has {self.capacity}: build one with capacity >= {need}"
+            )
+        eos = _eos_set(eos_token_id)
+        tokens: list[list[int]] = [[] for _ in ids]
+        reasons = [
+            "empty" if n <= 0 else "max_new_tokens" if n == max_new_tokens else "context" for n in budgets
+        ]
+        active = [n > 0 for n in budgets]
+        steps = 0
+        with self._backend():
+            t0 = _now(self.device)
+            for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
+                self._prefill_row(row, ids[row] if row < len(ids) else ids[0])
+            self.num_steps.zero_()
+            prefill_s = _now(self.device) - t0
+            while any(active):
+                for _ in range(self.sync_every):
+                    self._run()
+                steps += self.sync_every
+                # The host's one read per sync_every steps: each active row's new tokens.
+                counts = self.num_out[: len(ids)].tolist()
+                lo = min(len(tokens[r]) for r in range(len(ids)) if active[r])
+                hi = max(min(counts[r], budgets[r]) for r in range(len(ids)) if active[r])
+                chunk = self.out_tokens[: len(ids), lo:hi].tolist()
+                for r in range(len(ids)):
+                    if not active[r]:
+                        continue
+                    new = chunk[r][len(tokens[r]) - lo : min(counts[r], budgets[r]) - lo]
+                    cut = next((i + 1 for i, tok in enumerate(new) if tok in eos), None) if eos else None
+                    tokens[r].extend(new if cut is None else new[:cut])
+                    if cut is not None:
+                        reasons[r], active[r] = "eos", False
+                    elif len(tokens[r]) >= budgets[r]:
+                        active[r] = False
+            per_step = self.step_lengths[: len(ids), : min(steps, self.capacity)].tolist()
+        rows = [
+            MedusaOutput(
+                tokens=torch.tensor(tokens[r], dtype=torch.long),
+                accepted_lengths=_cut_lengths(per_step[r], len(tokens[r])),
+                num_forwards=len(_cut_lengths(per_step[r], len(tokens[r]))),
+                stop_reason=reasons[r],
+            )
+            for r in range(len(ids))
+        ]
+        return MedusaBatchOutput(
+            rows=rows, num_forwards=steps, prefill_s=prefill_s, total_s=time.perf_counter() - t_start
+        )
+
+
+def greedy_path(
+    tree_tokens: torch.Tensor,
+    pred: torch.Tensor,
+    retrieve: torch.Tensor,
+    retrieve_valid: torch.Tensor,
+    parents: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of B rows as tensor operations (no host sync): in each row the longest path
+    whose every token is its parent's prediction.
+
+    Args:
+        tree_tokens: ``(B, M)`` token of every node.
+        pred: ``(B, M)`` the token each node predicts for its successor (the argmax of its logits).
+        retrieve: ``(Lf, D + 1)`` root-to-leaf node indices, padding clamped to 0.
+        retrieve_valid: ``(Lf, D)`` which of entries 1..D of ``retrieve`` are real nodes.
+        parents: ``(M,)`` parent node of each node (the root's clamped to 0).
+
+    Returns:
+        ``(B, D + 1)`` each row's path of node indices (root first; entries from n on are padding) and
+        ``(B,)`` n, the accepted nodes, the root included. Siblings hold distinct tokens (different ranks
+        of one head), so every leaf row of maximal accepted length carries the same path.
+    """
+    ok = tree_tokens == pred[:, parents]  # (B, M)
+    ok_rows = ok[:, retrieve[:, 1:]] & retrieve_valid  # (B, Lf, D)
+    accepted = ok_rows.long().cumprod(dim=2).sum(dim=2)  # (B, Lf)
+    best = accepted.argmax(dim=1)  # (B,)
+    n = accepted.gather(1, best[:, None])[:, 0] + 1  # (B,)
+    return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
+
+
+def _cut_lengths(step_lengths: list[int], num_tokens: int) -> list[int]:
+    """The per-step accepted lengths of the first ``num_tokens`` tokens (the last step cut to fit)."""
+    lengths, total = [], 0
+    for n in step_lengths:
+        if total >= num_tokens:
+            break
+        lengths.append(min(n, num_tokens - total))
+        total += lengths[-1]
+    return lengths
+
+
+def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, dtype-min elsewhere (a new contiguous tensor)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def _num_layers(model: torch.nn.Module) -> int:
+    config = model.config
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def medusa_generate_static(
+    model: torch.nn.Module,
+    heads: MedusaHeads | PackedHeads,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    tree: TreeBuffers | Sequence[Sequence[int]],
+    eos_token_id: int | Sequence[int] | None = None,
+    capture: str = "eager",
+    compile_mode: str | None = None,
+    sync_every: int = 1,
+) -> MedusaOutput:
+    """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
+    capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
+    limit = context_limit(model)
+    budget = max_new_tokens if limit is None else min(max_new_tokens, limit - input_ids.shape[1])
+    capacity = input_ids.shape[1] + max(budget, 1) + as_tree(tree).num_nodes
+    decoder = StaticDecoder(
+        model, heads, tree, capacity, capture=capture, compile_mode=compile_mode, sync_every=sync_every
+    )
+    return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

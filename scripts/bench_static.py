@@ -1,0 +1,328 @@
+"""The static-shape decoder against the hardware floor and transformers' compiled static-cache generate.
+
+Run as:
+    # GPU (one H100, ~3 min): Llama-3-8B shape, random bf16 weights, 4 random heads
+    python scripts/bench_static.py --device cuda --json static.json
+    # CPU dry run (under a minute): a tiny Llama, same table
+    python scripts/bench_static.py --device cpu --tiny
+
+Prints one table: the device's copy bandwidth and the floor it implies (reading every weight once),
+plain eager ``generate`` ms/token, transformers' ``generate(cache_implementation="static")`` ms/token
+(compiled by transformers on CUDA: ``mode="reduce-overhead"``; eager static cache elsewhere), our
+static decoder with a 1-node tree (plain greedy, captured) ms/step, and Medusa ms/step for 4, 16 and
+64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. Before the table, a
+parity check on tiny models on the same device: the captured decoder's tokens against ``generate``.
+Every case catches its own failure and reports it, so one bad case does not lose the others. Needs
+only torch + transformers (no Hydra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from medusa_train.decoding import MEDUSA_63  # noqa: E402
+from medusa_train.decoding.static import CAPTURES, SDPA_BACKENDS, StaticDecoder  # noqa: E402
+from medusa_train.heads import MedusaHeads  # noqa: E402
+from tests.helpers.models import random_heads, random_tree, tiny_model  # noqa: E402
+
+NODES = (1, 4, 16, 64)
+
+
+def llama8b_config(layers: int = 32) -> LlamaConfig:
+    """Llama-3-8B's shape (``layers`` fewer only for a dry run: the floor needs all 32)."""
+    return LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+
+
+def tiny_llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
+
+
+def build(config: LlamaConfig, device: str, dtype: torch.dtype, projection: str, num_heads: int = 4):
+    """Random backbone (built on the device, in ``dtype``) and heads (copies of its lm_head, or sharing it)."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+            heads = MedusaHeads(
+                config.hidden_size, config.vocab_size, num_heads=num_heads, head_projection=projection
+            )
+    finally:
+        torch.set_default_dtype(previous)
+    if projection == "shared":
+        heads.bind_lm_head(model.get_output_embeddings())
+    else:
+        heads.init_from_lm_head(model.get_output_embeddings().weight)
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    return model, heads.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    reps = 10
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
+def generate_ms_per_token(model, ids: torch.Tensor, new: int, **kwargs) -> float:
+    """Plain greedy ``generate``: (time of ``new`` tokens - time of 1) / (new - 1), after a warm-up."""
+
+    def timed(n: int) -> float:
+        sync(ids.device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+        sync(ids.device)
+        return time.perf_counter() - t0
+
+    timed(new)  # warm-up (and, when compiled, compilation)
+    return 1000 * (timed(new) - timed(1)) / (new - 1)
+
+
+def static_ms_per_step(decoder: StaticDecoder, prompts: list[torch.Tensor], new: int) -> tuple[float, float]:
+    """Our decoder on B prompts: (ms per step after the prefill, tau), after a warm-up call."""
+    decoder.generate_batch(prompts, max_new_tokens=4)
+    out = decoder.generate_batch(prompts, max_new_tokens=new)
+    return 1000 * (out.total_s - out.prefill_s) / max(1, out.num_forwards), out.tau
+
+
+def parity(device: str, captures: list[str]) -> list[dict]:
+    """Captured decoder vs ``generate`` on tiny fp32 models on ``device`` (one row per capture)."""
+    rows = []
+    for capture in captures:
+        for arch in ("llama", "gpt2"):
+            try:
+                model = tiny_model(arch).to(device)
+                heads = random_heads(model).to(device)
+                mode = "reduce-overhead" if capture == "compile" and device == "cuda" else None
+                tree = random_tree(1)
+                dec = StaticDecoder(model, heads, tree, 128, capture=capture, compile_mode=mode)
+                batch = StaticDecoder(
+                    model, heads, tree, 128, batch_size=3, capture=capture, compile_mode=mode
+                )
+                same = 0
+                prompts, refs = [], []
+                for seed in range(3):
+                    g = torch.Generator().manual_seed(seed)
+                    ids = torch.randint(1, 128, (1, 4 + 5 * seed), generator=g).to(device)
+                    ref = model.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=0)
+                    out = dec.generate(ids, max_new_tokens=30)
+                    same += out.tokens.tolist() == ref[0, ids.shape[1] :].tolist()
+                    prompts.append(ids)
+                    refs.append(ref[0, ids.shape[1] :].tolist())
+                rows_out = batch.generate_batch(prompts, max_new_tokens=30).rows
+                same_rows = sum(r.tokens.tolist() == ref for r, ref in zip(rows_out, refs, strict=True))
+                rows.append(
+                    {
+                        "capture": capture,
+                        "arch": arch,
+                        "identical": f"{same}/3",
+                        "batch3_rows": f"{same_rows}/3",
+                    }
+                )
+            except Exception as err:  # noqa: BLE001 - report and go on
+                rows.append({"capture": capture, "arch": arch, "error": f"{type(err).__name__}: {err}"})
+                traceback.print_exc()
+            print(rows[-1], flush=True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    captures = [c for c in args.parity_captures if c != "cuda_graph" or device.type == "cuda"]
+    results["parity"] = parity(args.device, captures)
+    dtype = getattr(torch, args.dtype)
+    config = tiny_llama_config() if args.tiny else llama8b_config(args.layers)
+    t0 = time.perf_counter()
+    model, heads = build(config, args.device, dtype, args.head_projection)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    results |= {
+        "build_s": time.perf_counter() - t0,
+        "weights_gb": weight_bytes / 1e9,
+        "copy_gb_s": bw / 1e9,
+        "floor_ms": 1000 * weight_bytes / bw,
+        "rows": [],
+    }
+    print(
+        f"weights {weight_bytes / 1e9:.2f} GB, copy {bw / 1e9:.0f} GB/s, floor {results['floor_ms']:.2f} ms"
+    )
+    capture = args.capture or ("cuda_graph" if device.type == "cuda" else "eager")
+    mode = "reduce-overhead" if capture == "compile" and device.type == "cuda" else None
+    for context in args.contexts:
+        ids = torch.randint(1, config.vocab_size, (1, context), generator=torch.Generator().manual_seed(1))
+        ids = ids.to(device)
+
+        def row(name: str, fn, context: int = context) -> None:
+            t = time.perf_counter()
+            entry = {"context": context, "decoder": name}
+            try:
+                entry |= fn()
+            except Exception as err:  # noqa: BLE001 - report and go on
+                entry["error"] = f"{type(err).__name__}: {err}"
+                traceback.print_exc()
+            entry["seconds"] = round(time.perf_counter() - t, 1)
+            results["rows"].append(entry)
+            print(entry, flush=True)
+
+        with torch.inference_mode():
+            row(
+                "plain eager generate",
+                lambda ids=ids: {"ms": generate_ms_per_token(model, ids, args.new_tokens)},
+            )
+            if context in args.hf_static_contexts:
+                hf = {"cache_implementation": "static"}
+                if device.type != "cuda":
+                    hf["disable_compile"] = True  # transformers compiles on CUDA only
+                row(
+                    "plain generate static cache" + (" compiled" if device.type == "cuda" else ""),
+                    lambda ids=ids, hf=hf: {"ms": generate_ms_per_token(model, ids, args.new_tokens, **hf)},
+                )
+            for bsz in args.batch_sizes:
+                gen = torch.Generator().manual_seed(2)
+                prompts = [ids] + [
+                    torch.randint(1, config.vocab_size, (1, context), generator=gen).to(device)
+                    for _ in range(bsz - 1)
+                ]
+                for nodes in args.nodes:
+                    tree = MEDUSA_63[: nodes - 1]
+
+                    def medusa(tree=tree, context=context, prompts=prompts, bsz=bsz) -> dict:
+                        dec = StaticDecoder(
+                            model,
+                            heads,
+                            tree,
+                            context + args.new_tokens + len(tree) + 1,
+                            batch_size=bsz,
+                            capture=capture,
+                            compile_mode=mode,
+                            sdpa_backend=args.sdpa,
+                        )
+                        ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
+                        del dec
+                        return {"ms": ms, "tau": tau, "batch": bsz}
+
+                    row(f"static {capture} batch {bsz}, {nodes} node{'s' if nodes > 1 else ''}", medusa)
+
+    results["table"] = markdown(results)
+    return results
+
+
+def markdown(results: dict) -> str:
+    floor = results["floor_ms"]
+    lines = [
+        f"device {results['device']}: weights {results['weights_gb']:.2f} GB, copy "
+        f"{results['copy_gb_s']:.0f} GB/s, floor {floor:.2f} ms",
+        "",
+        "x plain: the step's time over the 1-node step's at the same batch and context (the tau at which",
+        "Medusa breaks even).",
+        "",
+        "| context | decoder | ms per token/step | x floor | x plain | tau | seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    plain = {
+        (r["context"], r["batch"]): r["ms"]
+        for r in results["rows"]
+        if "batch" in r and "error" not in r and r["decoder"].endswith(" 1 node")
+    }
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(
+                f"| {r['context']} | {r['decoder']} | failed: {r['error'][:80]} | | | | {r['seconds']} |"
+            )
+            continue
+        tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        base = plain.get((r["context"], r.get("batch")))
+        vs = f"{r['ms'] / base:.2f}" if base else ""
+        lines.append(
+            f"| {r['context']} | {r['decoder']} | {r['ms']:.2f} | {r['ms'] / floor:.2f} | {vs} | {tau} | "
+            f"{r['seconds']} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 8B shape (dry run)")
+    p.add_argument("--layers", type=int, default=32, help="8B shape with fewer layers (dry runs only)")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--nodes", type=int, nargs="+", default=list(NODES), help="tree sizes (1..64)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="rows of the static decoder"
+    )
+    p.add_argument("--capture", choices=CAPTURES, default=None, help="default: cuda_graph on CUDA")
+    p.add_argument("--sdpa", choices=SDPA_BACKENDS, default=None, help="SDPA backend (default: torch's)")
+    p.add_argument("--head-projection", choices=("own", "shared"), default="own")
+    p.add_argument(
+        "--hf-static-contexts",
+        type=int,
+        nargs="*",
+        default=[512],
+        help="contexts at which to run transformers' static-cache generate (each compiles, ~1 min on CUDA)",
+    )
+    p.add_argument(
+        "--parity-captures", nargs="*", default=["eager", "cuda_graph"], choices=CAPTURES, help="tiny checks"
+    )
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if not all(1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
+        p.error(f"--nodes must be in 1..{len(MEDUSA_63) + 1}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(results["table"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

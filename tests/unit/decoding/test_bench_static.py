@@ -1,0 +1,27 @@
+"""scripts/bench_static.py runs end to end on CPU (tiny shape): parity rows and every table row."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers.scripts import load_script
+
+
+def test_tiny_cpu_run_reports_every_row(tmp_path, capsys):
+    bench = load_script("bench_static")
+    out = tmp_path / "static.json"
+    argv = ["--device", "cpu", "--tiny", "--contexts", "32", "--new-tokens", "8", "--json", str(out)]
+    argv += ["--hf-static-contexts", "32", "--parity-captures", "eager", "--batch-sizes", "1", "2"]
+    assert bench.main(argv) == 0
+    results = json.loads(out.read_text())
+    assert [r["identical"] for r in results["parity"]] == ["3/3", "3/3"]
+    rows = results["rows"]
+    assert not [r for r in rows if "error" in r]
+    assert [r["decoder"] for r in rows] == [
+        "plain eager generate",
+        "plain generate static cache",
+    ] + [
+        f"static eager batch {b}, {n}" for b in (1, 2) for n in ("1 node", "4 nodes", "16 nodes", "64 nodes")
+    ]
+    assert all(r["ms"] > 0 for r in rows) and results["floor_ms"] > 0
+    assert "| context | decoder |" in capsys.readouterr().out

@@ -1,0 +1,184 @@
+"""The static-shape decoder is token-for-token plain greedy ``generate``, eager and under torch.compile;
+its tensor acceptance picks the same path as the host-side walk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate
+from medusa_train.decoding.acceptance import accept_greedy
+from medusa_train.decoding.static import StaticDecoder, greedy_path, medusa_generate_static
+from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
+from tests.unit.decoding.test_decoding_greedy import OracleHeads
+
+ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
+TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(0), "root": []}
+
+
+def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> list[int]:
+    out = model.generate(
+        prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0
+    )
+    return out[0, prompt.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_greedy_parity(arch):
+    """One decoder per tree, reused across prompts of different lengths (mistral: window 8 < 30 tokens)."""
+    model = tiny_model(arch, seed=ARCHS.index(arch))
+    heads = random_heads(model, seed=1)
+    lm_heads = random_heads(model, seed=2, std=0.0)
+    lm_heads.init_from_lm_head(model.get_output_embeddings().weight)
+    gen = torch.Generator().manual_seed(ARCHS.index(arch))
+    for name, tree in TREES.items():
+        decoders = {
+            kind: StaticDecoder(model, h, tree, capacity=2 * MAX_POS)
+            for kind, h in (("random", heads), ("lm_head", lm_heads))
+        }
+        for prompt_len, kind in [(1, "random"), (6, "lm_head"), (19, "random")]:
+            prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
+            out = decoders[kind].generate(prompt, max_new_tokens=30)
+            assert out.tokens.tolist() == plain_greedy(model, prompt, 30), (arch, name, prompt_len, kind)
+            assert sum(out.accepted_lengths) == 30 and out.stop_reason == "max_new_tokens"
+            dynamic = medusa_generate(
+                model, decoders[kind].packed, prompt, max_new_tokens=30, tree=tree
+            )  # same steps as the dynamic decoder
+            assert out.accepted_lengths == dynamic.accepted_lengths
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_static_stops_at_eos_and_context(arch):
+    model = tiny_model(arch, seed=11)
+    heads = random_heads(model, seed=4)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(6))
+    ref = plain_greedy(model, prompt, 40)
+    decoder = StaticDecoder(model, heads, MEDUSA_63, capacity=2 * MAX_POS, sync_every=3)
+    for pos in (0, 3, 9):
+        eos = ref[pos]
+        expected = ref[: ref.index(eos) + 1]
+        out = decoder.generate(prompt, max_new_tokens=40, eos_token_id=[VOCAB + 5, eos])
+        assert out.tokens.tolist() == expected
+        assert out.stop_reason == "eos" and sum(out.accepted_lengths) == len(expected)
+    long_prompt = torch.randint(1, VOCAB, (1, 19), generator=torch.Generator().manual_seed(5))
+    out = decoder.generate(long_prompt, max_new_tokens=100)
+    assert out.tokens.tolist() == plain_greedy(model, long_prompt, MAX_POS - 19)
+    assert out.stop_reason == "context"
+    full = decoder.generate(torch.randint(1, VOCAB, (1, MAX_POS)), max_new_tokens=5)
+    assert len(full.tokens) == 0 and full.stop_reason == "empty"
+
+
+class RowOracleHeads(OracleHeads):
+    """:class:`OracleHeads` for decoders that ask for the heads of several rows at once."""
+
+    def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return torch.stack([self.logits(h, num_heads) for h in hidden])  # (B, K, V)
+
+
+def test_static_oracle_heads_accept_whole_paths():
+    """Heads that know the greedy continuation: whole chains accepted, and a path that is not contiguous
+    in node order (head 1's target at rank 1) is compacted right."""
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = plain_greedy(model, prompt, 40)
+    full = torch.cat([prompt[0], torch.tensor(ref)])[None]
+    out = medusa_generate_static(
+        model, RowOracleHeads(model, full), prompt, max_new_tokens=21, tree=chain_tree(4)
+    )
+    assert out.tokens.tolist() == ref[:21]
+    assert out.accepted_lengths == [5, 5, 5, 5, 1] and out.tau == pytest.approx(21 / 5)
+    out = medusa_generate_static(
+        model, RowOracleHeads(model, full, rank=1), prompt, max_new_tokens=21, tree=MEDUSA_63
+    )
+    assert out.tokens.tolist() == ref[:21] and out.accepted_lengths == [4, 4, 4, 4, 4, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_static_batch_rows_match_plain_greedy(arch):
+    """B = 3 rows of different prompt lengths: each row is its own plain greedy; a row that stops at
+    EOS leaves the others running; fewer prompts than rows; then the same decoder at batch 1."""
+    model = tiny_model(arch, seed=5)
+    heads = random_heads(model, seed=6)
+    decoder = StaticDecoder(model, heads, MEDUSA_63, capacity=2 * MAX_POS, batch_size=3, sync_every=2)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen) for n in (2, 9, 17)]
+    refs = [plain_greedy(model, p, 25) for p in prompts]
+    out = decoder.generate_batch(prompts, max_new_tokens=25)
+    assert [r.tokens.tolist() for r in out.rows] == refs
+    assert all(sum(r.accepted_lengths) == 25 and r.stop_reason == "max_new_tokens" for r in out.rows)
+    eos = refs[1][4]
+    out = decoder.generate_batch(prompts, max_new_tokens=25, eos_token_id=eos)
+    for ref, row in zip(refs, out.rows, strict=True):
+        cut = ref.index(eos) + 1 if eos in ref else len(ref)
+        assert row.tokens.tolist() == ref[:cut]
+        assert row.stop_reason == ("eos" if eos in ref else "max_new_tokens")
+    two = decoder.generate_batch([p[0] for p in prompts[:2]], max_new_tokens=25)  # (T,) prompts, 2 of 3 rows
+    assert [r.tokens.tolist() for r in two.rows] == refs[:2]
+    assert decoder.generate(prompts[2], max_new_tokens=25).tokens.tolist() == refs[2]
+    with pytest.raises(ValueError, match="1 to 3 prompts"):
+        decoder.generate_batch(prompts * 2, max_new_tokens=5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_path_matches_host_walk(seed):
+    """On random logits (with a tree whose tokens often match their parents' argmax), the tensor rule
+    accepts the same path as :func:`accept_greedy`."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = TreeBuffers.from_choices(MEDUSA_63 if seed % 2 else random_tree(seed, nodes=30))
+    vocab = 12  # few tokens (the 63-node tree takes top-10): accepted paths of several lengths occur
+    retrieve = tree.retrieve_indices.clamp(min=0)
+    valid = tree.retrieve_indices[:, 1:] >= 0
+    parents = tree.parents.clamp(min=0)
+    lengths = set()
+    for _ in range(50):
+        logits = torch.randn(tree.num_nodes, vocab, generator=gen)
+        pred = logits.argmax(-1)
+        # Node tokens: each head's distinct top-k, as the decoder lays them out.
+        ranks = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(tree.max_depth)])
+        flat = torch.cat([torch.tensor([3]), ranks[:, : tree.topk].reshape(-1)])
+        tokens = flat[tree.tree_indices]
+        path, n = greedy_path(tokens[None], pred[None], retrieve, valid, parents)  # one row
+        path, n = path[0], n[0]
+        expected = accept_greedy(tokens, logits, tree)
+        assert path[: int(n)].tolist() == expected.path
+        assert int(pred[path[int(n) - 1]]) == expected.next_token
+        lengths.add(int(n))
+    assert len(lengths) >= 2
+
+
+def test_static_user_errors():
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    with pytest.raises(ValueError, match="capture"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, capture="graph")
+    with pytest.raises(ValueError, match="CUDA"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, capture="cuda_graph")
+    with pytest.raises(ValueError, match="capacity >= "):
+        StaticDecoder(model, heads, MEDUSA_63, 80).generate(
+            torch.ones(1, 10, dtype=torch.long), max_new_tokens=30
+        )
+    with pytest.raises(ValueError, match="mixes both"):
+        mixed = tiny_model("qwen2", layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        StaticDecoder(mixed, random_heads(mixed), MEDUSA_63, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_compiled_parity(arch):
+    """The step of two rows under torch.compile (inductor, default mode): 15-55 s per model on 2 cores."""
+    model = tiny_model(arch, seed=ARCHS.index(arch))
+    decoder = StaticDecoder(
+        model, random_heads(model, seed=1), random_tree(1), 2 * MAX_POS, capture="compile"
+    )
+    gen = torch.Generator().manual_seed(20 + ARCHS.index(arch))
+    for prompt_len in (3, 11):
+        prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
+        assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == plain_greedy(model, prompt, 30)
+
+
+def test_one_call_sizes_its_decoder_to_the_context():
+    """medusa_generate_static with a budget past the context: sized to what fits, stops at the limit."""
+    model = tiny_model("qwen2", seed=2)
+    prompt = torch.randint(1, VOCAB, (1, 50), generator=torch.Generator().manual_seed(8))
+    out = medusa_generate_static(model, random_heads(model), prompt, max_new_tokens=10**6, tree=MEDUSA_63)
+    assert out.tokens.tolist() == plain_greedy(model, prompt, MAX_POS - 50) and out.stop_reason == "context"
