@@ -662,9 +662,14 @@ class EvalConfig:
     assistant_model: str | None = None
     """A draft model (Hugging Face name or directory, same vocabulary as the backbone) for
     transformers' assisted generation, measured on every turn next to plain greedy; null = skip."""
+    attention: str = "sdpa"
+    """Tree attention of Medusa's verification forwards: sdpa (the model's attention with a dense
+    float mask) | triton | cuda (fused kernels reading the tree's ancestor bits, no mask; GPU) | auto
+    (the fastest that runs on the device; sdpa on a CPU). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
+        _choice("eval.attention", self.attention, ("sdpa", "triton", "cuda", "auto"))
         for size in self.batch_sizes:
             _range("eval.batch_sizes[]", size, 1)
         _range("eval.prompt_lookup_tokens", self.prompt_lookup_tokens, 1)
