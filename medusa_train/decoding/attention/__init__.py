@@ -22,7 +22,8 @@ The decoders select it with ``attention="sdpa" | "triton" | "cuda" | "auto"`` (:
 with transformers' ``AttentionInterface``) and hands the step's tree description to it; the model builds
 no mask then (transformers skips mask creation for an implementation without a mask function), and its
 previous implementation is restored when the forward returns. Outside a step the registered function is
-transformers' own SDPA attention, so a model left on it behaves as ``sdpa``.
+transformers' own SDPA attention, but the model builds no mask for it either (causal attention without
+padding only): the name is meant for :func:`tree_step`, not for ``set_attn_implementation``.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ def hf_tree_attention(
     """The function registered as :data:`KERNEL_NAME`: transformers' attention-function signature.
 
     Inside :func:`tree_step`: :func:`tree_attention` with the step's tree (``attention_mask`` is None
-    there: the model builds none). Elsewhere: transformers' SDPA attention, unchanged.
+    there: the model builds none). Elsewhere: transformers' SDPA attention on whatever mask it is given.
 
     Returns:
         ``(B, M, Hq, D)`` attention output and no weights.

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .triton_kernel import num_sms
+
 SOURCE = Path(__file__).with_name("tree_attention.cu")
 """The kernel source (package data)."""
 
@@ -99,7 +101,7 @@ def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
     """KV splits so that about two waves of blocks fill the GPU; 1 where there is little past."""
     if past_width < 512:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
     return max(1, min(math.ceil(2 * sms / programs), past_width // 256, 64))

@@ -217,11 +217,17 @@ def _kernels():
     return tree_attn_fwd, tree_attn_combine
 
 
+@functools.cache
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
     """KV splits so that about two waves of programs fill the GPU; 1 where there is little past."""
     if device.type != "cuda" or past_width < 1024:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     return max(1, min(math.ceil(2 * sms / programs), past_width // 512, 64))
@@ -285,6 +291,7 @@ def triton_tree_attention(
         bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=4, num_stages=2 if query.dtype == torch.float32 else 3,
     )  # fmt: skip
     if splits > 1:
         combine[(grid_m, bsz * hkv)](
