@@ -242,10 +242,11 @@ def hf_tree_attention(
     step = _STEP.get()
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
+    extra = [k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None]
+    if extra:
         raise AttentionBackendError(
-            f"{type(module).__name__} soft-caps its attention scores, which tree attention does not: "
-            "use attention=sdpa with an eager model"
+            f"{type(module).__name__} passes {', '.join(extra)} to its attention, which the tree kernels do "
+            "not apply: use attention=sdpa"
         )
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,

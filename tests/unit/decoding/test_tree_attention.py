@@ -15,20 +15,26 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
 from medusa_train.decoding.attention import (  # noqa: E402
+    KERNEL_NAME,
     AttentionBackendError,
     TreeMask,
+    TreeStep,
     resolve_attention,
     tree_attention,
+    tree_step,
 )
 from medusa_train.decoding.attention.cuda_kernel import SOURCE, nvcc_path  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.hf_compat import cache_kwargs  # noqa: E402
 from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
@@ -149,6 +155,35 @@ def test_resolve_attention_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(AttentionBackendError, match="CUDA device|not installed"):
         resolve_attention("triton", cpu)
+
+
+def test_tree_step_switches_the_attention_and_restores_it_on_error():
+    """Inside a step the model runs the registered function (the reference here: its logits equal the
+    dense-mask forward's); after the step, also one that raised, the model's own implementation is back."""
+    model = tiny_model("llama", seed=1)
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=6))
+    mask = TreeMask.of(tree)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(1, VOCAB, (1, mask.num_nodes), generator=torch.Generator().manual_seed(1))
+    positions = (7 + tree.depth)[None]  # (1, M)
+    allowed = torch.cat([torch.ones(mask.num_nodes, 7, dtype=torch.bool), tree.attn_mask], 1)  # (M, 7 + M)
+    dense = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    outs = []
+    for use_step in (False, True):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            step = TreeStep(torch.tensor([7]), torch.tensor([0]), mask, "sdpa")
+            with tree_step(model, step) if use_step else contextlib.nullcontext():
+                assert model.config._attn_implementation == (KERNEL_NAME if use_step else "sdpa")
+                kwargs = dict(position_ids=positions, use_cache=True, **cache_kwargs(model, cache))
+                outs.append(
+                    model(input_ids=tokens, attention_mask=None if use_step else dense, **kwargs).logits
+                )
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="boom"), tree_step(model, step):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
 
 
 def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
