@@ -9,6 +9,8 @@ is verified in ONE forward of the backbone through its own ``forward``: a 4-D fl
 ``(1, 1, M, past + M)`` (0 where a node may attend, dtype-min elsewhere) and explicit position ids
 ``past + depth`` on top of a ``DynamicCache``. The accepted path is kept, its KV entries are moved
 into place (no re-forward), and the logits/hidden state of its last node seed the next step.
+With ``attention="triton" | "cuda"`` the verification forward builds no mask: the model's attention
+layers run a tree-attention kernel that reads the tree's ancestor bits (:mod:`.attention`).
 The per-step work around the forward is kept small: the mask and position ids are views of buffers
 kept on the tree, a chain's candidates are written straight into the token buffer, acceptance is one
 device-to-host copy and a walk over host-side children lists, and KV entries already in place are
