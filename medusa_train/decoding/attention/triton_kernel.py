@@ -61,8 +61,8 @@ def _kernels():
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         split = tl.program_id(2)
-        b = pid_bh // HKV
-        kvh = pid_bh % HKV
+        b = (pid_bh // HKV).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 values
+        kvh = (pid_bh % HKV).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (query head in group, node)
         row_ok = rows < G * M
         node = rows % M
@@ -186,8 +186,8 @@ def _kernels():
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        b = pid_bh // HKV
-        kvh = pid_bh % HKV
+        b = (pid_bh // HKV).to(tl.int64)
+        kvh = (pid_bh % HKV).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < G * M
         node = rows % M
