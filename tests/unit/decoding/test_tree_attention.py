@@ -36,6 +36,7 @@ from medusa_train.decoding.attention.cuda_kernel import SOURCE, nvcc_path  # noq
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
 from medusa_train.hf_compat import cache_kwargs  # noqa: E402
 from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model  # noqa: E402
+from tests.helpers.scripts import load_script  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -272,3 +273,17 @@ def test_gpu_decoders_with_kernels_equal_greedy(attention):
     assert one.tokens.tolist() == refs[0]
     out = medusa_generate_batch(model, heads, prompts, max_new_tokens=16, tree=tree, attention=attention)
     assert [r.tokens.tolist() for r in out.rows] == refs
+
+
+@needs_triton
+def test_bench_attention_dry_run_reports_every_method():
+    """scripts/bench_attention.py at one tiny CPU shape: every method timed or its failure reported."""
+    bench = load_script("bench_attention")
+    args = bench.parse_args(["--device", "cpu", "--quick", "--batches", "2", "--iters", "1"])
+    rows = bench.run(args)
+    assert len(rows) == 1 and rows[0]["batch"] == 2
+    row = rows[0]
+    assert all(row[m] is not None for m in ("sdpa_float", "sdpa_bool", "flash_nomask", "triton"))
+    assert row["triton_err"] < 1e-2  # bf16
+    assert row["cuda"] is None and "CUDA device" in row["cuda_error"]
+    assert "| 40 | 8 | 2 |" in bench.markdown(rows)
