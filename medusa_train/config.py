@@ -673,9 +673,14 @@ class EvalConfig:
     a CUDA graph on CUDA, `torch.compile` on CPU); the report gives Medusa's speed-up against both
     baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
     pays only over long runs; on a GPU turn it on."""
+    attention: str = "sdpa"
+    """Tree attention of Medusa's verification forwards: sdpa (the model's attention with a dense
+    float mask) | triton | cuda (fused kernels reading the tree's ancestor bits, no mask; GPU) | auto
+    (the fastest that runs on the device; sdpa on a CPU). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
+        _choice("eval.attention", self.attention, ("sdpa", "triton", "cuda", "auto"))
         for size in self.batch_sizes:
             _range("eval.batch_sizes[]", size, 1)
         _range("eval.prompt_lookup_tokens", self.prompt_lookup_tokens, 1)

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from medusa_train.decoding import (  # noqa: E402
+    ATTENTION_CHOICES,
     MEDUSA_63,
     PackedHeads,
     TreeBuffers,
@@ -162,6 +163,7 @@ def bench_batches(
     batch_sizes,
     repeats: int,
     batch1_fast_path=True,
+    attention: str = "sdpa",
 ) -> list[dict]:
     """Plain batched ``generate`` vs ``medusa_generate_batch`` at each batch size, same prompts.
 
@@ -180,8 +182,9 @@ def bench_batches(
         group = prompts[:bsz]
         plain_batch(model, group, 4, eos_token_id, pad)
         medusa_generate_batch(
-            model, packed, group, max_new_tokens=4, tree=tree, batch1_fast_path=batch1_fast_path
-        )
+            model, packed, group, max_new_tokens=4, tree=tree, batch1_fast_path=batch1_fast_path,
+            attention=attention,
+        )  # fmt: skip
     stats = {b: {"plain_s": 0.0, "medusa_s": 0.0, "plain_tok": 0, "medusa_tok": 0, "steps": 0,
                  "mismatch": 0, "speedups": []} for b in batch_sizes}  # fmt: skip
     for _ in range(repeats):
@@ -200,6 +203,7 @@ def bench_batches(
                 out = medusa_generate_batch(
                     model, packed, [p.to(device) for p in group], max_new_tokens=max_new_tokens, tree=tree,
                     eos_token_id=eos_token_id, pad_token_id=pad, batch1_fast_path=batch1_fast_path,
+                    attention=attention,
                 )  # fmt: skip
                 _sync(device)
                 m_s += time.perf_counter() - t0
@@ -236,8 +240,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token_id) -> dict:
-    """Plain greedy ``generate`` vs greedy ``medusa_generate`` on the same prompts."""
+def bench_generation(
+    model, heads, prompts, tree, max_new_tokens: int, eos_token_id, attention: str = "sdpa"
+) -> dict:
+    """Plain greedy ``generate`` vs greedy ``medusa_generate`` (tree attention ``attention``) on the
+    same prompts."""
     device = next(model.parameters()).device
     packed = PackedHeads(heads)  # both built once, as a caller decoding many prompts would
     tree = TreeBuffers.from_choices(tree).to(device)
@@ -251,7 +258,7 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
     model.generate(
         warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad
     )
-    medusa_generate(model, packed, warm, max_new_tokens=4, tree=tree)
+    medusa_generate(model, packed, warm, max_new_tokens=4, tree=tree, attention=attention)
     for prompt in prompts:
         prompt = prompt.to(device)
         _sync(device)
@@ -270,8 +277,9 @@ def bench_generation(model, heads, prompts, tree, max_new_tokens: int, eos_token
         plain_s += time.perf_counter() - t0
         plain_tokens += ref.numel()
         out = medusa_generate(
-            model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos_token_id
-        )
+            model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos_token_id,
+            attention=attention,
+        )  # fmt: skip
         medusa_s += out.total_s
         forward_s += out.forward_s
         prefill_s += out.prefill_s
@@ -397,6 +405,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-overhead", action="store_true", help="skip the N-tree-tokens table")
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=ATTENTION_CHOICES,
+        help="Medusa's tree attention: sdpa (dense float mask), triton, cuda or auto (docs/decoding.md)",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if sum([bool(args.model), args.random, args.llama8b_shape]) != 1:
@@ -419,6 +433,7 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
         "dtype": args.dtype,
         "tree_nodes": len(tree),
         "threads": torch.get_num_threads(),
+        "attention": args.attention,
     }
     if args.llama8b_shape:
         model, heads = build_random(
@@ -437,28 +452,36 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
         else:
             prompts = read_prompts(args.prompts, model, args.num_prompts, args.prompt_len)
         eos = getattr(model.generation_config, "eos_token_id", None) if args.model else None
-        results["generation"] = bench_generation(model, heads, prompts, tree, args.max_new_tokens, eos)
+        results["generation"] = bench_generation(
+            model, heads, prompts, tree, args.max_new_tokens, eos, args.attention
+        )
         if args.batch_sizes:
             results["batches"] = bench_batches(
                 model, heads, prompts, tree, args.max_new_tokens, eos, args.batch_sizes, args.repeats,
-                batch1_fast_path=not args.no_batch1_fast_path,
+                batch1_fast_path=not args.no_batch1_fast_path, attention=args.attention,
             )  # fmt: skip
     if not args.skip_overhead:
         results["overhead"] = bench_overhead(model, heads, contexts, repeats=args.repeats)
     if args.llama8b_shape:
-        results["decoder"] = bench_decoder_overhead(model, heads, tree, contexts[0], args.max_new_tokens)
+        results["decoder"] = bench_decoder_overhead(
+            model, heads, tree, contexts[0], args.max_new_tokens, args.attention
+        )
     return results
 
 
-def bench_decoder_overhead(model, heads, tree, context_len: int, max_new_tokens: int) -> dict:
+def bench_decoder_overhead(
+    model, heads, tree, context_len: int, max_new_tokens: int, attention: str = "sdpa"
+) -> dict:
     """Per-step time of ``medusa_generate`` and the share spent outside the model forward."""
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context_len), generator=torch.Generator().manual_seed(0)).to(device)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(tree).to(device)
-    medusa_generate(model, packed, prompt, max_new_tokens=4, tree=tree)  # warm-up
-    out = medusa_generate(model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree)
+    medusa_generate(model, packed, prompt, max_new_tokens=4, tree=tree, attention=attention)  # warm-up
+    out = medusa_generate(
+        model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, attention=attention
+    )
     decode_s = out.total_s - out.prefill_s
     return {
         "context": context_len,

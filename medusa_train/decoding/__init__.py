@@ -4,6 +4,7 @@ Needs only torch and transformers; never imports training code.
 """
 
 from .acceptance import ACCEPTANCE_RULES, Accepted, accept_greedy, accept_sample, accept_typical, warp_probs
+from .attention import ATTENTION_CHOICES, AttentionBackendError, TreeMask, tree_attention
 from .batched import MedusaBatchOutput, RowKVCache, medusa_generate_batch
 from .calibrate import (
     choose_tree,
@@ -20,6 +21,10 @@ from .tree import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices, s
 
 __all__ = [
     "ACCEPTANCE_RULES",
+    "ATTENTION_CHOICES",
+    "AttentionBackendError",
+    "TreeMask",
+    "tree_attention",
     "MEDUSA_63",
     "Accepted",
     "MedusaBatchOutput",

@@ -42,6 +42,7 @@ from .acceptance import (
     first_token,
     walk_matches,
 )
+from .attention import TreeMask, TreeStep, resolve_attention, tree_step
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -273,6 +274,7 @@ def medusa_generate_batch(
     generators: torch.Generator | Sequence[torch.Generator | None] | None = None,
     pad_token_id: int = 0,
     batch1_fast_path: bool = True,
+    attention: str = "sdpa",
 ) -> MedusaBatchOutput:
     """Generate with Medusa heads for several prompts of any lengths at once.
 
@@ -289,6 +291,9 @@ def medusa_generate_batch(
             generator only), or one generator shared by all rows (draws in row order each step).
         pad_token_id: the token placed in left-padding positions (masked; any valid id).
         batch1_fast_path: with one prompt, run :func:`medusa_generate` (its batch-1 fast paths).
+        attention: tree attention of the verification forwards, as for
+            :func:`~medusa_train.decoding.medusa_generate` ("sdpa", "triton", "cuda" or "auto"); a
+            kernel reads each row's past length and left padding instead of a ``(B, 1, M, W)`` mask.
 
     Returns:
         :class:`MedusaBatchOutput`, rows in the prompts' order.
@@ -296,6 +301,7 @@ def medusa_generate_batch(
     Raises:
         ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
             the wrong length, or a flash-attention model.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree is malformed or deeper than the number of heads.
     """
     t_start = time.perf_counter()
@@ -314,6 +320,7 @@ def medusa_generate_batch(
             raise ValueError(f"got {len(gens)} generators for {bsz} prompts: give one per prompt")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    backend = resolve_attention(attention, device)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads)
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
@@ -329,8 +336,9 @@ def medusa_generate_batch(
     if bsz == 1 and batch1_fast_path:
         ids = torch.tensor([rows_in[0]], device=device)  # (1, T)
         one = medusa_generate(
-            model, packed, ids, max_new_tokens=max_new_tokens, tree=tree, generator=gens[0], **rule
-        )
+            model, packed, ids, max_new_tokens=max_new_tokens, tree=tree, generator=gens[0],
+            attention=backend, **rule,
+        )  # fmt: skip
         timing = dict(prefill_s=one.prefill_s, forward_s=one.forward_s)
         one.prefill_s = one.forward_s = one.total_s = 0.0
         return MedusaBatchOutput(
@@ -358,7 +366,10 @@ def medusa_generate_batch(
     t_max = max(lengths[b] for b in live)
     width_step = CUDA_WIDTH_STEP if device.type == "cuda" else 1
     capacity = _bucket(t_max + max(budgets[b] for b in live) + tree.num_nodes, width_step)
-    masks = _BatchMask(model, tree, capacity, dtype)
+    # A kernel reads each row's past length and padding and the tree's ancestor bits: no mask.
+    kernel = backend != "sdpa"
+    masks = None if kernel else _BatchMask(model, tree, capacity, dtype)
+    tree_mask = TreeMask.of(tree) if kernel else None
     cache = RowKVCache(_num_layers(model), capacity)
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
@@ -431,16 +442,21 @@ def medusa_generate_batch(
         lens = torch.from_numpy(cache_len).to(device)  # (n,)
         pads_t = torch.from_numpy(pad_np).to(device)  # (n,)
         width = min(capacity, _bucket(int(cache_len.max()) + m, width_step))
-        mask = masks.build(lens, pads_t, m, width)  # (n, 1, m, W)
+        mask = None if kernel else masks.build(lens, pads_t, m, width)  # (n, 1, m, W)
         position_ids = (lens - pads_t)[:, None] + depth[:m]  # (n, m)
         if pos_cap is not None:
             position_ids = position_ids.clamp(max=pos_cap)  # nodes past a row's room are discarded
         cache.width = width
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
+        step = TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend) if kernel else None
         t0 = _now(device)
-        # (n, m, V), (n, m, d)
-        logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
+        if kernel:
+            with tree_step(model, step):
+                logits, node_hidden = _forward(model, cache, tree_tokens, None, position_ids)
+        else:
+            # (n, m, V), (n, m, d)
+            logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.forward_s += _now(device) - t0
         result.num_forwards += 1
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).

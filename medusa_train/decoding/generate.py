@@ -9,6 +9,8 @@ is verified in ONE forward of the backbone through its own ``forward``: a 4-D fl
 ``(1, 1, M, past + M)`` (0 where a node may attend, dtype-min elsewhere) and explicit position ids
 ``past + depth`` on top of a ``DynamicCache``. The accepted path is kept, its KV entries are moved
 into place (no re-forward), and the logits/hidden state of its last node seed the next step.
+With ``attention="triton" | "cuda"`` the verification forward builds no mask: the model's attention
+layers run a tree-attention kernel that reads the tree's ancestor bits (:mod:`.attention`).
 The per-step work around the forward is kept small: the mask and position ids are views of buffers
 kept on the tree, a chain's candidates are written straight into the token buffer, acceptance is one
 device-to-host copy and a walk over host-side children lists, and KV entries already in place are
@@ -45,6 +47,7 @@ from .acceptance import (
     accept_typical,
     first_token,
 )
+from .attention import TreeMask, TreeStep, resolve_attention, tree_step
 from .tree import TreeBuffers, as_tree
 
 
@@ -494,6 +497,7 @@ def medusa_generate(
     posterior_alpha: float = 0.3,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    attention: str = "sdpa",
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -516,12 +520,17 @@ def medusa_generate(
         eos_token_id: one id or several; an EOS inside an accepted path is emitted and ends generation.
         generator: random generator for "sample" (on the model's device); the typical rule is
             deterministic given the heads.
+        attention: tree attention of the verification forwards: "sdpa" (the model's attention with
+            a dense float mask), "triton" or "cuda" (the fused kernels of
+            :mod:`medusa_train.decoding.attention`, no mask built), or "auto" (the fastest that runs
+            on the device; sdpa on a CPU). The prefill always runs the model's own attention.
 
     Returns:
         :class:`MedusaOutput`.
 
     Raises:
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()
@@ -533,6 +542,7 @@ def medusa_generate(
         raise ValueError("input_ids is empty: give at least one prompt token")
     _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
     device = input_ids.device
+    backend = resolve_attention(attention, device)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
@@ -565,7 +575,13 @@ def medusa_generate(
     # Per-call setup (counted as overhead: it runs inside total_s, outside prefill and forwards).
     # Every step's mask and position ids are views of per-tree buffers; the cache never holds more
     # than prompt_len + budget tokens before a verification.
-    inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
+    # With a kernel: no mask at all, the tree's ancestor bits and the row's past length instead.
+    kernel = backend != "sdpa"
+    if kernel:
+        tree_mask = TreeMask.of(tree)
+        no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
+    else:
+        inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
     # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
     # that a numpy array shares, [root, head 1 top-1, ..., head D top-1], so the step builds no
     # tensor and its tokens are on the host for the acceptance. Elsewhere: topk, cat and a gather on
@@ -627,12 +643,20 @@ def medusa_generate(
                 top = head_logits.topk(sub.topk, dim=-1).indices  # (D, topk)
                 flat = torch.cat([torch.tensor([root], device=device), top.view(-1)])  # (1 + D * topk,)
                 tree_tokens = flat if tree.topk == 1 else flat[sub.tree_indices]  # (M,)
-        mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), a view
-        position_ids = inputs.position_ids(past_len, m)  # (1, M), a view
         # 5. Verify the whole tree in one forward of the backbone; only the model call is timed as
         #    the forward, everything around it counts as the decoder's overhead.
-        t0 = _now(device)
-        logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
+        if kernel:
+            position_ids = (past_len + sub.depth)[None]  # (1, M)
+            past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
+            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend)
+            t0 = _now(device)
+            with tree_step(model, step):
+                logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
+        else:
+            mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), a view
+            position_ids = inputs.position_ids(past_len, m)  # (1, M), a view
+            t0 = _now(device)
+            logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
         forward_s += _now(device) - t0
         num_forwards += 1
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)

@@ -37,10 +37,16 @@ class Decoded:
 
 
 class TimedDecoders:
-    """Plain greedy ``generate`` and ``medusa_generate`` with the same stopping rule, timed whole."""
+    """Plain greedy ``generate`` and ``medusa_generate`` with the same stopping rule, timed whole.
 
-    def __init__(self, model, packed, tree, eos: list[int], pad_token_id: int | None) -> None:
+    ``attention``: the Medusa decoders' tree attention ("sdpa", "triton", "cuda" or "auto").
+    """
+
+    def __init__(
+        self, model, packed, tree, eos: list[int], pad_token_id: int | None, attention: str = "sdpa"
+    ) -> None:
         self.model, self.packed, self.tree, self.eos, self.pad = model, packed, tree, eos, pad_token_id
+        self.attention = attention
         self.device = next(model.parameters()).device
         self._static: dict[int, StaticDecoder] = {}  # capacity -> captured decoder
 
@@ -143,6 +149,7 @@ class TimedDecoders:
             tree=self.tree,
             eos_token_id=self.eos,
             pad_token_id=self.pad_id,
+            attention=self.attention,
         )
         steps = [n for r in out.rows for n in r.accepted_lengths]
         return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps)
@@ -174,6 +181,7 @@ class TimedDecoders:
             acceptance=acceptance,
             eos_token_id=self.eos,
             generator=generator,
+            attention=self.attention,
             **extra,
         )
         return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))

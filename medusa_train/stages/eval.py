@@ -138,7 +138,9 @@ def run(cfg) -> dict:
     choices, tree_fit = fit_tree_to_device(cfg, heads_dir, model, choices)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
-    decode = TimedDecoders(model, packed, tree, eos_token_ids(model, tok), tok.pad_token_id)
+    decode = TimedDecoders(
+        model, packed, tree, eos_token_ids(model, tok), tok.pad_token_id, attention=ecfg.attention
+    )
     # The alternatives, each a plain `generate` with one more argument (greedy: outputs must match).
     others: dict[str, dict] = {"prompt_lookup": {"prompt_lookup_num_tokens": ecfg.prompt_lookup_tokens}}
     if ecfg.assistant_model:
@@ -627,7 +629,15 @@ def compare_heads(cfg, wd: Workdir, main: dict, model, inputs, choices, tok) -> 
                 )
             row = {"name": entry, "heads_dir": str(heads_dir), "backbone": backbone, "trained": trained}
             row.update(
-                _decode_turns(other, heads, choices, inputs, eos_token_ids(other, tok), tok.pad_token_id)
+                _decode_turns(
+                    other,
+                    heads,
+                    choices,
+                    inputs,
+                    eos_token_ids(other, tok),
+                    tok.pad_token_id,
+                    cfg.eval.attention,
+                )
             )
             topk, _ = head_topk(heads_dir, wd, cfg, other, heads)
             row["head_top1"] = [round(a, 4) for a in top1_top5(topk)[0]] if topk else None
@@ -678,11 +688,14 @@ def _pair_figures(base: Decoded, med: Decoded) -> dict:
     }
 
 
-def _decode_turns(model, heads, choices, inputs, eos: list[int], pad: int | None) -> dict:
+def _decode_turns(
+    model, heads, choices, inputs, eos: list[int], pad: int | None, attention: str = "sdpa"
+) -> dict:
     """Plain greedy and Medusa greedy on every turn of ``inputs``: tau, speed-up, identical outputs."""
     weight = model.get_output_embeddings().weight
     packed = PackedHeads(heads.to(device=weight.device, dtype=weight.dtype))
-    decode = TimedDecoders(model, packed, TreeBuffers.from_choices(choices).to(weight.device), eos, pad)
+    tree = TreeBuffers.from_choices(choices).to(weight.device)
+    decode = TimedDecoders(model, packed, tree, eos, pad, attention=attention)
     decode.plain(inputs[0][0], min(inputs[0][1], 32))  # warm-up, not timed
     decode.medusa(inputs[0][0], min(inputs[0][1], 32))
     records = []

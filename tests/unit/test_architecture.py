@@ -12,7 +12,7 @@ modules. Imports under ``if TYPE_CHECKING:`` are left out (they never run). Chec
 - ``workdir.py`` and ``errors.py`` import no project module but ``errors``;
 - the project's own modules are imported at the top of each file, not inside functions (except in
   the modules of ``LAZY_PROJECT_IMPORTS``, each with its reason);
-- the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib) are imported
+- the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib, triton) are imported
   lazily, where used, so that importing any module needs none of them;
 - docs/architecture.md lists every module.
 
@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "medusa_train"
-HEAVY_OPTIONAL = ("deepspeed", "peft", "bitsandbytes", "wandb", "matplotlib")
+HEAVY_OPTIONAL = ("deepspeed", "peft", "bitsandbytes", "wandb", "matplotlib", "triton")
 LAZY_PROJECT_IMPORTS = {
     "medusa_train.__main__": "`--help`/`--cfg` must answer without importing torch/transformers (seconds), "
     "which report pulls in; tests/unit/test_config.py::test_help_and_cfg_import_no_torch",

@@ -267,6 +267,7 @@ BAD_VALUES = [
     "eval.batch_sizes=[4,0]",
     "eval.prompt_lookup_tokens=0",
     "eval.seed=-1",
+    "eval.attention=flash",
     "seed=-1",
     "seed=4294967296",
 ]

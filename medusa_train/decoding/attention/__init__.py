@@ -1,0 +1,294 @@
+"""Tree attention without a dense mask: one function, three implementations, and its registration as a
+Hugging Face attention function.
+
+Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(arXiv:2401.10774), section 2.1.2 "Tree attention".
+
+Contract of :func:`tree_attention`: queries ``(B, Hq, M, D)`` for the M tree nodes of each row, keys and
+values ``(B, Hkv, W, D)`` (``Hq = g * Hkv``; K/V are never expanded). Row b attends its past, columns
+``[start_b, past_b)`` (``start_b`` > 0 when batched decoding left-pads the row), without any mask, and
+its tree at columns ``[past_b, past_b + M)`` through a :class:`TreeMask`: per node, int64 words of
+ancestor bits (bit ``j % 64`` of word ``j // 64``: the node sees node j; itself included). Columns past
+``past_b + M`` (stale entries of a preallocated cache) are never read. fp16, bf16 and fp32; scores,
+softmax and the output accumulator are fp32.
+
+Implementations (``backend``): ``sdpa`` (the reference: the dense boolean mask written out and handed
+to PyTorch's SDPA; runs anywhere), ``triton`` (:mod:`.triton_kernel`; CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1``) and ``cuda`` (:mod:`.cuda_kernel`, CUDA C++ compiled on first use).
+
+The decoders select it with ``attention="sdpa" | "triton" | "cuda" | "auto"`` (:func:`resolve_attention`):
+``sdpa`` keeps their dense float mask path; for a kernel they run each verification forward inside
+:func:`tree_step`, which switches the model's attention implementation to :data:`KERNEL_NAME` (registered
+with transformers' ``AttentionInterface``) and hands the step's tree description to it; the model builds
+no mask then (transformers skips mask creation for an implementation without a mask function), and its
+previous implementation is restored when the forward returns. Outside a step the registered function is
+transformers' own SDPA attention, but the model builds no mask for it either (causal attention without
+padding only): the name is meant for :func:`tree_step`, not for ``set_attn_implementation``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ...errors import UserError
+from ..tree import TreeBuffers
+from .cuda_kernel import cuda_available, cuda_tree_attention
+from .sdpa import sdpa_tree_attention, unpack_bits
+from .triton_kernel import interpreter_enabled, triton_available, triton_tree_attention
+
+ATTENTION_CHOICES = ("sdpa", "triton", "cuda", "auto")
+"""What the decoders' ``attention`` argument (and ``eval.attention``) accepts."""
+AUTO_ORDER = ("triton", "cuda")
+"""``auto`` on a CUDA device: the first of these that runs there (fastest first), else ``sdpa``."""
+KERNEL_NAME = "medusa_tree"
+"""The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
+
+
+class AttentionBackendError(UserError, ValueError):
+    """The requested tree attention cannot run here (no triton, no CUDA device, no nvcc)."""
+
+
+@dataclass(eq=False)
+class TreeMask:
+    """The compact tree description the kernels read.
+
+    Attributes:
+        bits: ``(M, ceil(M / 64))`` int64: bit ``j % 64`` of word ``j // 64`` of row i is set iff node i
+            attends node j (j is i or one of its ancestors).
+        depth: ``(M,)`` int32 depth of each node (its position is the row's past length + depth).
+    """
+
+    bits: torch.Tensor
+    depth: torch.Tensor
+    _prefixes: dict[int, TreeMask] = field(default_factory=dict, repr=False)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, tree: TreeBuffers) -> TreeMask:
+        """The tree's mask, on the tree's device (built once and kept on the tree)."""
+        built = tree.__dict__.get("_tree_mask")
+        if built is None:
+            built = cls(bits=pack_bits(tree.attn_mask), depth=tree.depth.to(torch.int32).contiguous())
+            tree.__dict__["_tree_mask"] = built
+        return built
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth.shape[0]
+
+    def prefix(self, m: int) -> TreeMask:
+        """The first m nodes (nodes are sorted by depth, so a node's ancestors precede it)."""
+        if m == self.num_nodes:
+            return self
+        if m not in self._prefixes:
+            words = math.ceil(m / 64)
+            self._prefixes[m] = TreeMask(self.bits[:m, :words].contiguous(), self.depth[:m].contiguous())
+        return self._prefixes[m]
+
+    def bits_for(self, window: int | None) -> torch.Tensor:
+        """The bits with a sliding window applied: node j stays visible to node i iff
+        ``depth_i - depth_j < window``."""
+        if window is None or window >= self.num_nodes:
+            return self.bits
+        if window not in self._windowed:
+            allowed = unpack_bits(self.bits, self.num_nodes)
+            near = (self.depth[:, None] - self.depth[None, :]) < window  # (M, M)
+            self._windowed[window] = pack_bits(allowed & near)
+        return self._windowed[window]
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """``(M, M)`` bool -> ``(M, ceil(M / 64))`` int64 bitmasks (bit ``j % 64`` of word ``j // 64``)."""
+    m = allowed.shape[0]
+    words = math.ceil(m / 64)
+    padded = torch.zeros(m, words * 64, dtype=torch.long, device=allowed.device)
+    padded[:, :m] = allowed.long()
+    weights = torch.ones(64, dtype=torch.long, device=allowed.device) << torch.arange(
+        64, device=allowed.device
+    )
+    return (padded.view(m, words, 64) * weights).sum(-1).contiguous()  # (M, words); bit 63 is the sign
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_lens: torch.Tensor,
+    starts: torch.Tensor,
+    mask: TreeMask,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    backend: str = "sdpa",
+) -> torch.Tensor:
+    """Attention of M tree nodes per row over the row's past and the tree (see the module docstring).
+
+    Args:
+        query: ``(B, Hq, M, D)``.
+        key, value: ``(B, Hkv, W, D)`` with ``W >= past_b + M`` for every row; ``Hq % Hkv == 0``.
+        past_lens: ``(B,)`` integer, the column of each row's first tree node.
+        starts: ``(B,)`` integer, each row's first visible column (0 without left padding).
+        mask: the tree (``mask.num_nodes == M``).
+        scale: score scale; None: ``1 / sqrt(D)``.
+        window: sliding window of the layer (a query sees a key iff their positions differ by less
+            than ``window``); None: none.
+        backend: "sdpa", "triton" or "cuda".
+
+    Returns:
+        ``(B, Hq, M, D)`` in the query's dtype.
+    """
+    m = query.shape[2]
+    if mask.num_nodes != m or query.shape[1] % key.shape[1] or key.shape[2] < m:
+        raise ValueError(
+            f"tree attention got query {tuple(query.shape)}, key {tuple(key.shape)} and a tree of "
+            f"{mask.num_nodes} nodes: need M tree nodes, Hq a multiple of Hkv and W >= M"
+        )
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    bits = mask.bits_for(window)
+    args = (query, key, value, past_lens.to(torch.int32), starts.to(torch.int32), bits, mask.depth, scale)
+    if backend == "triton":
+        return triton_tree_attention(*args, window=window)
+    if backend == "cuda":
+        return cuda_tree_attention(*args, window=window)
+    if backend == "sdpa":
+        return sdpa_tree_attention(*args, window=window)
+    raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """The implementation a decoder uses for ``attention`` on ``device``: "sdpa", "triton" or "cuda".
+
+    ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device (CPU: ``sdpa``).
+
+    Raises:
+        AttentionBackendError: an unknown choice, or one that cannot run here (the message says why).
+    """
+    if attention not in ATTENTION_CHOICES:
+        raise AttentionBackendError(
+            f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}"
+        )
+    if attention == "sdpa":
+        return "sdpa"
+    if attention == "auto":
+        if device.type != "cuda":
+            return "sdpa"
+        return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
+    reason = _why_not(attention, device)
+    if reason is not None:
+        raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
+    return attention
+
+
+def _why_not(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` cannot run on ``device`` (None: it can)."""
+    if backend == "triton":
+        if not triton_available():
+            return "triton is not installed (pip install triton, or pip install 'medusa_train[triton]')"
+        if device.type != "cuda" and not interpreter_enabled():
+            return "the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1 to run it slowly on a CPU)"
+        return None
+    if device.type != "cuda":
+        return "the CUDA kernel needs a CUDA device: use attention=sdpa or auto"
+    return cuda_available()
+
+
+_STEP: ContextVar[TreeStep | None] = ContextVar("medusa_tree_step", default=None)
+
+
+@dataclass
+class TreeStep:
+    """What one verification forward's attention layers need to know about the tree.
+
+    Attributes:
+        past_lens: ``(B,)`` int32 column of each row's first tree node (its cached length).
+        starts: ``(B,)`` int32 first visible column of each row.
+        mask: the tree of this step (its node count is the forward's query length).
+        backend: "sdpa", "triton" or "cuda".
+    """
+
+    past_lens: torch.Tensor
+    starts: torch.Tensor
+    mask: TreeMask
+    backend: str
+
+
+def hf_tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as :data:`KERNEL_NAME`: transformers' attention-function signature.
+
+    Inside :func:`tree_step`: :func:`tree_attention` with the step's tree (``attention_mask`` is None
+    there: the model builds none). Elsewhere: transformers' SDPA attention on whatever mask it is given.
+
+    Returns:
+        ``(B, M, Hq, D)`` attention output and no weights.
+    """
+    step = _STEP.get()
+    if step is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    extra = [k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None]
+    if extra:
+        raise AttentionBackendError(
+            f"{type(module).__name__} passes {', '.join(extra)} to its attention, which the tree kernels do "
+            "not apply: use attention=sdpa"
+        )
+    out = tree_attention(
+        query, key, value, step.past_lens, step.starts, step.mask,
+        scale=scaling, window=sliding_window, backend=step.backend,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
+
+
+def register() -> None:
+    """Register :func:`hf_tree_attention` with transformers' ``AttentionInterface`` (idempotent)."""
+    AttentionInterface.register(KERNEL_NAME, hf_tree_attention)
+
+
+@contextmanager
+def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
+    """Run the model's forwards inside this block with tree attention for ``step``.
+
+    Switches ``model.config``'s attention implementation to :data:`KERNEL_NAME` and back afterwards
+    (also when the forward raises).
+    """
+    register()
+    config = model.config
+    previous = config._attn_implementation
+    token = _STEP.set(step)
+    config._attn_implementation = KERNEL_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+        _STEP.reset(token)
+
+
+__all__ = [
+    "ATTENTION_CHOICES",
+    "AUTO_ORDER",
+    "KERNEL_NAME",
+    "AttentionBackendError",
+    "TreeMask",
+    "TreeStep",
+    "hf_tree_attention",
+    "register",
+    "resolve_attention",
+    "tree_attention",
+    "tree_step",
+]

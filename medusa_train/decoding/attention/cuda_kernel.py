@@ -1,0 +1,145 @@
+"""Tree attention as a CUDA C++ kernel (``tree_attention.cu`` beside this file), compiled on first use
+with ``torch.utils.cpp_extension.load_inline``.
+
+The kernel source has no torch dependency (it is compile-checked alone with ``nvcc``); the few lines of
+:data:`WRAPPER` bind it to torch tensors. Same contract and scratch layout as the Triton kernel
+(:mod:`.triton_kernel`): one block per (row, KV head, 16 packed query rows, KV split), K/V tiles staged
+in shared memory, fp32 online softmax, and a combine kernel when the past is split. Its arithmetic is
+fp32 on the CUDA cores (no tensor cores), which keeps it short and exact; the Triton kernel is the one
+built for speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .triton_kernel import num_sms
+
+SOURCE = Path(__file__).with_name("tree_attention.cu")
+"""The kernel source (package data)."""
+
+WRAPPER = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+torch::Tensor medusa_tree_attention(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor part,
+    torch::Tensor ml, torch::Tensor past, torch::Tensor start, torch::Tensor bits, torch::Tensor depth,
+    double scale, int64_t window, int64_t splits) {
+  medusa_tree::Params p;
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
+  p.part = part.data_ptr<float>(); p.ml = ml.data_ptr<float>();
+  p.past = past.data_ptr<int>(); p.start = start.data_ptr<int>();
+  p.bits = reinterpret_cast<const long long*>(bits.data_ptr<int64_t>()); p.depth = depth.data_ptr<int>();
+  p.sqb = q.stride(0); p.sqh = q.stride(1); p.sqm = q.stride(2); p.sqd = q.stride(3);
+  p.skb = k.stride(0); p.skh = k.stride(1); p.skn = k.stride(2); p.skd = k.stride(3);
+  p.svb = v.stride(0); p.svh = v.stride(1); p.svn = v.stride(2); p.svd = v.stride(3);
+  p.num_words = bits.size(1); p.M = q.size(2); p.HKV = k.size(1); p.G = q.size(1) / k.size(1);
+  p.D = q.size(3); p.window = window; p.S = splits; p.qk_scale = scale;
+  int dtype = q.scalar_type() == torch::kHalf ? 1 : q.scalar_type() == torch::kBFloat16 ? 2 : 0;
+  cudaError_t err = medusa_tree::tree_attention_launch(p, q.size(0), dtype, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "tree attention kernel: ", cudaGetErrorString(err));
+  return out;
+}
+"""
+
+
+def nvcc_path() -> str | None:
+    """The nvcc that ``load_inline`` uses (``$CUDA_HOME/bin/nvcc``, else the one on PATH), or None."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None
+    )
+
+
+def cuda_available() -> str | None:
+    """Why the CUDA kernel cannot be built here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if nvcc_path() is None:
+        return "nvcc is not installed (the kernel is compiled on first use)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja): torch compiles extensions with it"
+    return None
+
+
+@functools.cache
+def _extension():
+    """Compile (or load from torch's extension cache) the kernel once per process."""
+    from torch.utils.cpp_extension import load_inline
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}" + ("a" if major >= 9 else "")
+    return load_inline(
+        name=f"medusa_tree_attention_sm{arch}",
+        cpp_sources="torch::Tensor medusa_tree_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, "
+        "torch::Tensor out, torch::Tensor part, torch::Tensor ml, torch::Tensor past, torch::Tensor start, "
+        "torch::Tensor bits, torch::Tensor depth, double scale, int64_t window, int64_t splits);",
+        cuda_sources=SOURCE.read_text() + WRAPPER,
+        functions=["medusa_tree_attention"],
+        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+        verbose=False,
+    )
+
+
+def padded_head_dim(d: int) -> int:
+    """The kernel's padded head dim (the row stride of its split scratch); mirrors the .cu source."""
+    return 32 if d <= 32 else 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
+    """KV splits so that about two waves of blocks fill the GPU; 1 where there is little past."""
+    if past_width < 512:
+        return 1
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= 2 * sms:
+        return 1
+    return max(1, min(math.ceil(2 * sms / programs), past_width // 256, 64))
+
+
+def cuda_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_lens: torch.Tensor,
+    starts: torch.Tensor,
+    bits: torch.Tensor,
+    depth: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Tree attention with the CUDA kernel; arguments and result as
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`.
+
+    Raises:
+        ValueError: a head dim above 256, or tensors not on a CUDA device.
+    """
+    bsz, hq, m, d = query.shape
+    if d > 256 or query.device.type != "cuda":
+        raise ValueError(
+            f"the CUDA tree kernel takes CUDA tensors with head dim <= 256, got {d} on {query.device}"
+        )
+    hkv = key.shape[1]
+    g = hq // hkv
+    ext = _extension()
+    out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device)  # (B, M, Hq, D)
+    splits = num_splits or _num_splits(math.ceil(g * m / 16) * bsz * hkv, key.shape[2] - m, query.device)
+    rows = bsz * hkv * splits * g * m if splits > 1 else 1
+    part = torch.empty(rows, padded_head_dim(d), dtype=torch.float32, device=query.device)
+    ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)
+    ext.medusa_tree_attention(
+        query, key, value, out, part, ml, past_lens, starts, bits, depth,
+        scale * math.log2(math.e), window or 0, splits,
+    )  # fmt: skip
+    return out.transpose(1, 2)  # (B, Hq, M, D)

@@ -1,0 +1,305 @@
+"""Tree attention as a Triton kernel: online softmax over the past without a mask, then the tree's nodes
+masked by their ancestor bits.
+
+One program per (row b, KV head, block of packed query rows, KV split). The ``g = Hq / Hkv`` query heads
+that share a KV head are packed into one block of ``g * M`` query rows, so every key and value tile is
+read once per KV head (GQA without expanding K/V). A program walks its share of row b's past columns
+``[start_b, past_b)`` in tiles of ``BLOCK_N`` keys (bounds only: the past is fully visible), and the
+program of the last split then the M tree columns ``[past_b, past_b + M)``, where query node i sees
+node j iff bit ``j % 64`` of word ``j // 64`` of ``bits[i]`` is set. Scores and the running max/sum
+are fp32 (exp2 with the scale folded in). With several KV splits (long contexts, few programs) each
+split writes its unnormalised partial output and (max, sum) to fp32 scratch and a second kernel
+combines them (flash-decoding).
+
+Triton is optional: it is imported (and the kernels compiled) on first use. On a CPU the kernels run
+in triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+tl = None  # triton.language, bound by _kernels() (the jitted kernels resolve it as a module global)
+
+
+def interpreter_enabled() -> bool:
+    """Whether triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """Whether triton is importable (the kernel then runs on CUDA tensors, or on CPU tensors in the
+    interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    """Import triton and define the two kernels (once)."""
+    global tl
+    import triton
+    import triton.language as language
+
+    tl = language
+
+    @triton.jit
+    def tree_attn_fwd(
+        Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+        num_words, qk_scale, M, G, HKV, WINDOW, S,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        split = tl.program_id(2)
+        b = (pid_bh // HKV).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 values
+        kvh = (pid_bh % HKV).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (query head in group, node)
+        row_ok = rows < G * M
+        node = rows % M
+        head = kvh * G + rows // M
+        dofs = tl.arange(0, BLOCK_D)
+        d_ok = dofs < D
+        q = tl.load(
+            Q + b * sqb + head[:, None] * sqh + node[:, None] * sqm + dofs[None, :] * sqd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_D)
+        if UPCAST:
+            q = q.to(tl.float32)
+        past = tl.load(PAST + b)
+        start = tl.load(START + b)
+        depth = tl.load(DEPTH + node, mask=row_ok, other=0)  # (BLOCK_M,)
+        lo = start
+        lo_row = start + tl.zeros([BLOCK_M], dtype=tl.int32)
+        if HAS_WINDOW:
+            # Query i (position past + depth_i) sees key column j iff past + depth_i - j < WINDOW.
+            lo = tl.maximum(start, past - WINDOW + 1)
+            lo_row = tl.maximum(lo_row, past + depth - WINDOW + 1)
+        span = tl.maximum(past - lo, 0)
+        chunk = tl.cdiv(tl.cdiv(span, S), BLOCK_N) * BLOCK_N
+        c_lo = lo + split * chunk
+        c_hi = tl.minimum(c_lo + chunk, past)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        k_base = K + b * skb + kvh * skh
+        v_base = V + b * svb + kvh * svh
+        # 1. The past: fully visible, bounds (and the sliding window) only, no mask read.
+        for n0 in range(c_lo, c_hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < c_hi
+            k = tl.load(
+                k_base + cols[None, :] * skn + dofs[:, None] * skd,
+                mask=col_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )  # (BLOCK_D, BLOCK_N)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            valid = col_ok[None, :]
+            if HAS_WINDOW:
+                valid = valid & (cols[None, :] >= lo_row[:, None])
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + cols[:, None] * svn + dofs[None, :] * svd,
+                mask=col_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # (BLOCK_N, BLOCK_D)
+            if UPCAST:
+                v = v.to(tl.float32)
+            else:
+                p = p.to(V.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+            m_i = m_new
+        # 2. The tree: M columns from past, masked by the ancestor bits (last split only).
+        if split == S - 1:
+            for t0 in range(0, M, BLOCK_N):
+                nodes = t0 + tl.arange(0, BLOCK_N)
+                n_ok = nodes < M
+                cols = past + nodes
+                k = tl.load(
+                    k_base + cols[None, :] * skn + dofs[:, None] * skd,
+                    mask=n_ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )  # (BLOCK_D, BLOCK_N)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+                words = tl.load(
+                    BITS + node[:, None] * num_words + nodes[None, :] // 64,
+                    mask=row_ok[:, None] & n_ok[None, :],
+                    other=0,
+                )  # (BLOCK_M, BLOCK_N) int64
+                bit = (words >> (nodes[None, :] % 64).to(tl.int64)) & 1
+                s = tl.where(bit != 0, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(s - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_base + cols[:, None] * svn + dofs[None, :] * svd,
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )  # (BLOCK_N, BLOCK_D)
+                if UPCAST:
+                    v = v.to(tl.float32)
+                else:
+                    p = p.to(V.dtype.element_ty)
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+                m_i = m_new
+        if SPLIT:
+            r_base = (pid_bh * S + split) * (G * M) + rows  # (BLOCK_M,) rows of the scratch
+            tl.store(
+                PART + r_base[:, None] * BLOCK_D + dofs[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
+            )
+            tl.store(ML + r_base * 2, m_i, mask=row_ok)
+            tl.store(ML + r_base * 2 + 1, l_i, mask=row_ok)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding rows
+            tl.store(
+                OUT + b * sob + head[:, None] * soh + node[:, None] * som + dofs[None, :] * sod,
+                out.to(OUT.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+    @triton.jit
+    def tree_attn_combine(
+        OUT, PART, ML, sob, soh, som, sod, M, G, HKV, S,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = (pid_bh // HKV).to(tl.int64)
+        kvh = (pid_bh % HKV).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < G * M
+        node = rows % M
+        head = kvh * G + rows // M
+        dofs = tl.arange(0, BLOCK_D)
+        d_ok = dofs < D
+        m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, S):
+            r = (pid_bh * S + s) * (G * M) + rows
+            m_all = tl.maximum(m_all, tl.load(ML + r * 2, mask=row_ok, other=float("-inf")))
+        m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for s in range(0, S):
+            r = (pid_bh * S + s) * (G * M) + rows
+            w = tl.exp2(tl.load(ML + r * 2, mask=row_ok, other=float("-inf")) - m_use)  # (BLOCK_M,)
+            l_all += w * tl.load(ML + r * 2 + 1, mask=row_ok, other=0.0)
+            part = tl.load(PART + r[:, None] * BLOCK_D + dofs[None, :], mask=row_ok[:, None], other=0.0)
+            acc += w[:, None] * part
+        out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # 0 only in padding rows
+        tl.store(
+            OUT + b * sob + head[:, None] * soh + node[:, None] * som + dofs[None, :] * sod,
+            out.to(OUT.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+    return tree_attn_fwd, tree_attn_combine
+
+
+@functools.cache
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
+    """KV splits so that about two waves of programs fill the GPU; 1 where there is little past."""
+    if device.type != "cuda" or past_width < 1024:
+        return 1
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(math.ceil(2 * sms / programs), past_width // 512, 64))
+
+
+def triton_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_lens: torch.Tensor,
+    starts: torch.Tensor,
+    bits: torch.Tensor,
+    depth: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Tree attention with the Triton kernel (see the module docstring and
+    :func:`medusa_train.decoding.attention.tree_attention` for the contract).
+
+    Args:
+        query: ``(B, Hq, M, D)``; any strides.
+        key, value: ``(B, Hkv, W, D)``; any strides; ``Hq % Hkv == 0``.
+        past_lens: ``(B,)`` int32, row b's tree sits at columns ``[past_b, past_b + M)``.
+        starts: ``(B,)`` int32, row b's first visible column (its left padding before it).
+        bits: ``(M, ceil(M / 64))`` int64 ancestor bitmasks.
+        depth: ``(M,)`` int32 node depths.
+        scale: softmax scale of the scores.
+        window: sliding window (query sees a key iff their positions differ by less), None for none.
+        num_splits: KV splits (None: chosen from the shape and the device).
+
+    Returns:
+        ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
+    """
+    fwd, combine = _kernels()
+    bsz, hq, m, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)  # (B, Hq, M, D)
+    block_d = max(16, triton_next_pow2(d))
+    if query.device.type == "cuda":
+        block_m = 64 if g * m > 32 else max(16, triton_next_pow2(g * m))
+        block_n = 64 if block_d <= 128 else 32
+    else:  # the interpreter: its cost is per operation, so few large tiles
+        block_m = min(256, max(16, triton_next_pow2(g * m)))
+        block_n = 128
+    grid_m = math.ceil(g * m / block_m)
+    past_width = key.shape[2] - m
+    splits = num_splits or _num_splits(grid_m * bsz * hkv, past_width, query.device)
+    prec = "ieee" if query.dtype == torch.float32 else "tf32"
+    # triton's CPU interpreter multiplies bf16 matrices wrongly: it gets them as fp32 there.
+    upcast = query.dtype == torch.bfloat16 and query.device.type != "cuda"
+    if splits > 1:
+        part = torch.empty(bsz * hkv * splits * g * m, block_d, dtype=torch.float32, device=query.device)
+        ml = torch.empty(bsz * hkv * splits * g * m, 2, dtype=torch.float32, device=query.device)
+    else:
+        part = ml = out  # unused
+    fwd[(grid_m, bsz * hkv, splits)](
+        query, key, value, out, part, ml, past_lens, starts, bits, depth,
+        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
+        D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=4, num_stages=2 if query.dtype == torch.float32 else 3,
+    )  # fmt: skip
+    if splits > 1:
+        combine[(grid_m, bsz * hkv)](
+            out, part, ml, *out.stride(), m, g, hkv, splits, D=d, BLOCK_D=block_d, BLOCK_M=block_m
+        )
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, (n - 1).bit_length())

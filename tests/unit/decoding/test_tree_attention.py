@@ -1,0 +1,289 @@
+"""Tree attention kernels against the SDPA reference with the dense mask, and greedy parity of the
+decoders running them.
+
+On a CPU the Triton kernel runs in triton's interpreter (``TRITON_INTERPRET=1``, set here before
+triton is first imported; slow, so the shapes are tiny). The CUDA source is compile-checked with
+``nvcc`` where it exists; the CUDA runs are ``gpu``-marked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
+from medusa_train.decoding.attention import (  # noqa: E402
+    KERNEL_NAME,
+    AttentionBackendError,
+    TreeMask,
+    TreeStep,
+    resolve_attention,
+    tree_attention,
+    tree_step,
+)
+from medusa_train.decoding.attention.cuda_kernel import SOURCE, nvcc_path  # noqa: E402
+from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.hf_compat import cache_kwargs  # noqa: E402
+from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model  # noqa: E402
+from tests.helpers.scripts import load_script  # noqa: E402
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (error relative to the reference's largest magnitude, elementwise relative error: one unit in the last
+# place of the output dtype, which the last rounding may cost)
+TOLERANCE = {torch.float32: (1e-5, 0.0), torch.bfloat16: (1e-3, 2**-7), torch.float16: (1e-3, 2**-10)}
+
+
+def random_case(seed, tree, pasts, starts, hkv, group, head_dim, dtype, device=DEVICE):
+    """Random q/k/v for rows with past lengths ``pasts`` and first visible columns ``starts``; the
+    cache is 3 columns wider than the longest row (stale columns the kernel must not read)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = TreeMask.of(TreeBuffers.from_choices(tree).to(device))
+    m = mask.num_nodes
+    width = max(pasts) + m + 3
+    bsz = len(pasts)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(bsz, hkv * group, m, head_dim)  # (B, Hq, M, D)
+    k, v = rand(bsz, hkv, width, head_dim), rand(bsz, hkv, width, head_dim)  # (B, Hkv, W, D)
+    k[:, :, -3:] = v[:, :, -3:] = float("nan")  # stale columns: reading one poisons the output
+    past = torch.tensor(pasts, device=device)
+    start = torch.tensor(starts, device=device)
+    return q, k, v, past, start, mask
+
+
+def reference(q, k, v, past, start, mask, window=None):
+    """SDPA with the dense boolean mask in fp32, NaN columns zeroed (SDPA multiplies them by 0)."""
+    k, v = k.float().nan_to_num(), v.float().nan_to_num()
+    return tree_attention(q.float(), k, v, past, start, mask, window=window, backend="sdpa")
+
+
+def assert_matches(out, ref, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol * ref.abs().max().item(), rtol=rtol)
+
+
+def test_dense_mask_is_the_tree_mask_shifted_to_each_row():
+    """The reference's mask: padding and stale columns masked, the past visible, the tree's own mask
+    at ``[past_b, past_b + M)``."""
+    tree = TreeBuffers.from_choices(random_tree(2, nodes=9))
+    mask = TreeMask.of(tree)
+    m = mask.num_nodes
+    dense = dense_tree_mask(torch.tensor([4, 0]), torch.tensor([1, 0]), mask.bits, mask.depth, 4 + m + 2)
+    assert dense.shape == (2, 1, m, 4 + m + 2)
+    assert not dense[0, 0, :, 0].any() and dense[0, 0, :, 1:4].all()
+    assert torch.equal(dense[0, 0, :, 4 : 4 + m], tree.attn_mask)
+    assert torch.equal(dense[1, 0, :, :m], tree.attn_mask) and not dense[:, 0, :, -2:].any()
+    # A window of 2 positions: the root (position past) sees itself and one column before it.
+    windowed = dense_tree_mask(torch.tensor([4]), torch.tensor([0]), mask.bits, mask.depth, 4 + m, window=2)
+    assert windowed[0, 0, 0, :5].tolist() == [False, False, False, True, True]
+
+
+def test_bitmasks_cover_trees_past_64_nodes():
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=150, max_depth=5, max_rank=40))
+    mask = TreeMask.of(tree)
+    assert mask.bits.shape == (151, 3) and mask.bits.dtype == torch.int64
+    dense = dense_tree_mask(torch.tensor([0]), torch.tensor([0]), mask.bits, mask.depth, 151)
+    assert torch.equal(dense[0, 0], tree.attn_mask)
+    assert torch.equal(mask.prefix(40).bits, mask.bits[:40, :1])
+
+
+# (tree, past lengths, first visible columns, KV heads, group, head dim, dtype, window)
+KERNEL_CASES = {
+    "chain-fp32-g1-d64": (chain_tree(4), [37], [0], 2, 1, 64, torch.float32, None),
+    "rows-fp32-g4-d128": (random_tree(3, nodes=20), [5, 70, 33], [0, 10, 2], 1, 4, 128, torch.float32, None),
+    "rows-bf16-g8-d64": (random_tree(4, nodes=30), [0, 17], [0, 3], 1, 8, 64, torch.bfloat16, None),
+    "window-fp32-g2": (random_tree(5, nodes=10), [20, 17], [4, 3], 2, 2, 16, torch.float32, 6),
+    "256-nodes-bf16-g4": (
+        random_tree(6, nodes=255, max_depth=5, max_rank=60),
+        [45],
+        [0],
+        1,
+        4,
+        64,
+        torch.bfloat16,
+        None,
+    ),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_triton_kernel_matches_sdpa_reference(name):
+    tree, pasts, starts, hkv, group, head_dim, dtype, window = KERNEL_CASES[name]
+    q, k, v, past, start, mask = random_case(len(name), tree, pasts, starts, hkv, group, head_dim, dtype)
+    out = tree_attention(q, k, v, past, start, mask, window=window, backend="triton")
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches(out, reference(q, k, v, past, start, mask, window), dtype)
+
+
+@needs_triton
+def test_triton_kernel_split_past_combines_exactly():
+    """The past split over several programs (flash-decoding) gives the unsplit result."""
+    from medusa_train.decoding.attention.triton_kernel import triton_tree_attention
+
+    q, k, v, past, start, mask = random_case(
+        7, random_tree(8, nodes=6), [300, 129], [0, 50], 1, 2, 32, torch.float32
+    )
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 32**-0.5)
+    split = triton_tree_attention(*args, num_splits=3)
+    assert_matches(split, reference(q, k, v, past, start, mask), torch.float32)
+
+
+def test_resolve_attention_on_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_attention("sdpa", cpu) == "sdpa"
+    assert resolve_attention("auto", cpu) == "sdpa"
+    with pytest.raises(AttentionBackendError, match="CUDA device"):
+        resolve_attention("cuda", cpu)
+    with pytest.raises(AttentionBackendError, match="one of"):
+        resolve_attention("flash", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(AttentionBackendError, match="CUDA device|not installed"):
+        resolve_attention("triton", cpu)
+
+
+def test_tree_step_switches_the_attention_and_restores_it_on_error():
+    """Inside a step the model runs the registered function (the reference here: its logits equal the
+    dense-mask forward's); after the step, also one that raised, the model's own implementation is back."""
+    model = tiny_model("llama", seed=1)
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=6))
+    mask = TreeMask.of(tree)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(1, VOCAB, (1, mask.num_nodes), generator=torch.Generator().manual_seed(1))
+    positions = (7 + tree.depth)[None]  # (1, M)
+    allowed = torch.cat([torch.ones(mask.num_nodes, 7, dtype=torch.bool), tree.attn_mask], 1)  # (M, 7 + M)
+    dense = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    outs = []
+    for use_step in (False, True):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            step = TreeStep(torch.tensor([7]), torch.tensor([0]), mask, "sdpa")
+            with tree_step(model, step) if use_step else contextlib.nullcontext():
+                assert model.config._attn_implementation == (KERNEL_NAME if use_step else "sdpa")
+                kwargs = dict(position_ids=positions, use_cache=True, **cache_kwargs(model, cache))
+                outs.append(
+                    model(input_ids=tokens, attention_mask=None if use_step else dense, **kwargs).logits
+                )
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="boom"), tree_step(model, step):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
+    out = model.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_medusa_generate_with_triton_equals_greedy_generate(arch):
+    """Batch 1 with the kernel (mistral: sliding window 8, crossed by the context) equals ``generate``;
+    the model's attention implementation is back to its own afterwards."""
+    model = tiny_model(arch, seed=3)
+    heads = random_heads(model, seed=5)
+    prompt = torch.randint(1, VOCAB, (9,), generator=torch.Generator().manual_seed(1))
+    before = model.config._attn_implementation
+    out = medusa_generate(
+        model, heads, prompt[None], max_new_tokens=12, tree=random_tree(1, nodes=8), attention="triton"
+    )
+    assert out.tokens.tolist() == plain_greedy(model, prompt, 12)
+    assert model.config._attn_implementation == before
+
+
+@needs_triton
+def test_medusa_generate_batch_with_triton_equals_greedy_generate():
+    """Ragged prompts (left padding, rows of different past lengths) on a Qwen2: each row equals its
+    own ``generate``."""
+    model = tiny_model("qwen2", seed=4)
+    heads = random_heads(model, seed=6)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (5, 13, 2)]
+    out = medusa_generate_batch(
+        model, heads, prompts, max_new_tokens=8, tree=random_tree(2, nodes=6), attention="triton"
+    )
+    assert [r.tokens.tolist() for r in out.rows] == [plain_greedy(model, p, 8) for p in prompts]
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
+def test_cuda_source_compiles(tmp_path):
+    """The kernel source compiles for Hopper (nothing runs: no GPU needed)."""
+    done = subprocess.run(
+        [nvcc_path(), "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_gpu_kernels_match_sdpa_reference(backend, name):
+    tree, pasts, starts, hkv, group, head_dim, dtype, window = KERNEL_CASES[name]
+    q, k, v, past, start, mask = random_case(
+        len(name), tree, pasts, starts, hkv, group, head_dim, dtype, "cuda"
+    )
+    out = tree_attention(q, k, v, past, start, mask, window=window, backend=backend)
+    assert_matches(out, reference(q, k, v, past, start, mask, window), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_kernels_long_context_split(backend):
+    """8K context, 64 nodes, bf16, 32/8 heads, head dim 128: the split path against the reference."""
+    q, k, v, past, start, mask = random_case(
+        9, random_tree(9, nodes=63), [8000, 5000], [0, 100], 8, 4, 128, torch.bfloat16, "cuda"
+    )
+    out = tree_attention(q, k, v, past, start, mask, backend=backend)
+    assert_matches(out, reference(q, k, v, past, start, mask), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["triton", "cuda"])
+def test_gpu_decoders_with_kernels_equal_greedy(attention):
+    model = tiny_model("llama", seed=3, hidden=128, heads=4, kv_heads=2).cuda()
+    heads = random_heads(model, seed=5).cuda()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).cuda() for n in (5, 13, 2)]
+    tree = random_tree(1, nodes=12)
+    refs = [plain_greedy(model, p, 16) for p in prompts]
+    one = medusa_generate(model, heads, prompts[0][None], max_new_tokens=16, tree=tree, attention=attention)
+    assert one.tokens.tolist() == refs[0]
+    out = medusa_generate_batch(model, heads, prompts, max_new_tokens=16, tree=tree, attention=attention)
+    assert [r.tokens.tolist() for r in out.rows] == refs
+
+
+@needs_triton
+def test_bench_attention_dry_run_reports_every_method():
+    """scripts/bench_attention.py at one tiny CPU shape: every method timed or its failure reported."""
+    bench = load_script("bench_attention")
+    args = bench.parse_args(["--device", "cpu", "--quick", "--batches", "2", "--iters", "1"])
+    rows = bench.run(args)
+    assert len(rows) == 1 and rows[0]["batch"] == 2
+    row = rows[0]
+    assert all(row[m] is not None for m in ("sdpa_float", "sdpa_bool", "flash_nomask", "triton"))
+    assert row["triton_err"] < 1e-2  # bf16
+    assert row["cuda"] is None and "CUDA device" in row["cuda_error"]
+    assert "| 40 | 8 | 2 |" in bench.markdown(rows)
