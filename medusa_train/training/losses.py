@@ -195,15 +195,18 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
             y = target_feats[start : start + chunk_size].to(target_weight.dtype)  # (c, d)
+
+            def add_grad(v0: int, v1: int, g: torch.Tensor, x=x, start=start) -> None:
+                g = g.mul_(scale).to(weight.dtype)  # (c, vc) d loss / d head logits
+                if grad_feats is not None:
+                    grad_feats[start : start + chunk_size] += g @ weight[v0:v1]  # (c, d)
+                if grad_weight is not None and weight.dtype == torch.float32:
+                    grad_weight[v0:v1].addmm_(g.t(), x)  # (vc, d) in place
+                elif grad_weight is not None:
+                    grad_weight[v0:v1] += (g.t() @ x).float()  # (vc, d), fp32 accumulation
+
             chunk = _SoftChunk(x, y, weight, target_weight, token_map, temperature, spans)
-            total += chunk.loss(kind)
-            if needs_grad:
-                for v0, v1, g in chunk.logit_grads(kind):
-                    g = (g * scale).to(weight.dtype)  # (c, vc) d loss / d head logits
-                    if grad_feats is not None:
-                        grad_feats[start : start + chunk_size] += g @ weight[v0:v1]  # (c, d)
-                    if grad_weight is not None:
-                        grad_weight[v0:v1] += (g.t() @ x).float()  # (vc, d)
+            total += chunk.run(kind, add_grad if needs_grad else None)
         ctx.grads = (grad_feats, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return total * scale
 
@@ -238,7 +241,6 @@ class _SoftChunk:
             self.lse_u = torch.logaddexp(self.lse_u, torch.logsumexp(u, dim=-1))
         if len(spans) == 1:
             self.kept = (z, u)
-        self.s_q = None  # tv: (c,) sum_i sign(q_i - p_i) q_i, from the loss pass
 
     def _logits(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kept is not None:
@@ -250,35 +252,39 @@ class _SoftChunk:
         u = (self.y @ tw.t()).float() / self.temperature  # (c, vc) target logits
         return z, u
 
-    def _probs(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _probs(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, p)`` on ``[v0, v1)``, fresh tensors (the kept logits stay as they are)."""
         z, u = self._logits(v0, v1)
-        log_q, log_p = z - self.lse_z[:, None], u - self.lse_u[:, None]  # (c, vc) each
-        return log_q.exp(), log_p.exp(), log_q, log_p
+        return (z - self.lse_z[:, None]).exp_(), (u - self.lse_u[:, None]).exp_()  # (c, vc) each
 
-    def loss(self, kind: str) -> torch.Tensor:
-        """Summed loss of the chunk's rows: ``kl`` = sum p (log p - log q); ``tv`` = 0.5 sum |q - p|."""
+    def run(self, kind: str, on_grad=None) -> torch.Tensor:
+        """Summed loss of the chunk's rows, handing ``(v0, v1, d loss / d z[:, v0:v1])`` to ``on_grad``.
+
+        ``kl`` = sum p (log p - log q), gradient ``q - p``, both in one pass over the vocabulary.
+        ``tv`` = 0.5 sum |q - p|, gradient ``0.5 q_j (s_j - sum_i s_i q_i)`` with ``s = sign(q - p)``:
+        the sum needs the whole vocabulary first, so the gradient takes a second pass.
+        """
         total = torch.zeros((), dtype=torch.float32, device=self.x.device)
-        if kind == "tv":
-            self.s_q = torch.zeros_like(self.lse_z)
+        if kind == "kl":
+            for v0, v1 in self.spans:
+                z, u = self._logits(v0, v1)  # used once more at most: normalised in place
+                log_q, log_p = z.sub_(self.lse_z[:, None]), u.sub_(self.lse_u[:, None])  # (c, vc) each
+                p = log_p.exp()
+                total += (p * log_p.sub_(log_q)).sum()
+                if on_grad is not None:
+                    on_grad(v0, v1, log_q.exp_().sub_(p))  # q - p
+            return total
+        s_q = torch.zeros_like(self.lse_z)  # (c,) sum_i s_i q_i
         for v0, v1 in self.spans:
-            q, p, log_q, log_p = self._probs(v0, v1)
-            if kind == "kl":
-                total += (p * (log_p - log_q)).sum()
-            else:
-                diff = q - p  # (c, vc)
-                total += 0.5 * diff.abs().sum()
-                self.s_q += (diff.sign() * q).sum(dim=-1)
+            q, p = self._probs(v0, v1)
+            diff = q - p  # (c, vc)
+            total += 0.5 * diff.abs().sum()
+            s_q += (diff.sign_() * q).sum(dim=-1)
+        if on_grad is not None:
+            for v0, v1 in self.spans:
+                q, p = self._probs(v0, v1)
+                on_grad(v0, v1, (q - p).sign_().sub_(s_q[:, None]).mul_(q).mul_(0.5))
         return total
-
-    def logit_grads(self, kind: str):
-        """Yield ``(v0, v1, d loss / d z[:, v0:v1])`` after :meth:`loss`: ``q - p`` for kl;
-        ``0.5 q_j (s_j - sum_i s_i q_i)`` with ``s = sign(q - p)`` for tv."""
-        for v0, v1 in self.spans:
-            q, p, _, _ = self._probs(v0, v1)
-            if kind == "kl":
-                yield v0, v1, q - p
-            else:
-                yield v0, v1, 0.5 * q * ((q - p).sign() - self.s_q[:, None])
 
 
 def chunked_soft_loss(
