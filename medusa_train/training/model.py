@@ -170,6 +170,10 @@ class MedusaTrainingModel(nn.Module):
             rows, row_targets = hidden_states, targets  # (N, d), (N, K)
             lm_rows_targets = None
             if self.head_loss.soft:
+                if sources is None:
+                    raise ValueError(
+                        "a soft head loss from cached rows needs their sources (a cache built soft)"
+                    )
                 soft = SoftTargets(hidden_states, sources, self._lm_head.module)
         else:
             if attention_mask is None:
