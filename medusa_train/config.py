@@ -25,6 +25,7 @@ from omegaconf import MISSING
 
 from medusa_train.choices import TreeError, normalise_choices
 from medusa_train.errors import ConfigError
+from medusa_train.head_loss import parse_head_loss
 
 STAGES = ("pretrain", "distill", "train", "export", "eval", "all")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -384,6 +385,15 @@ class TrainingConfig:
     size; checked when the backbone is loaded). Must be unset for own and shared."""
     decay: float = 0.8
     """Head-loss weights lambda_k = decay^(k-1), decay in (0, 1]."""
+    head_loss: str = "ce"
+    """What each head's prediction is compared with: ce (cross-entropy against the token the backbone
+    generated) | kl (KL(p || q) to the backbone's own next-token distribution p at the position whose
+    next token the head predicts: soft labels) | tv (total variation 0.5 * sum |p - q| to the same p) |
+    a weighted sum of them, written like kl+0.5ce or 0.5*kl+0.5*tv. Truncated heads compare with p
+    renormalised on their draft vocabulary. See docs/training.md."""
+    head_loss_temperature: float = 1.0
+    """Softmax temperature of the backbone's distribution p in the kl/tv terms, > 0 (1 = as decoded at
+    T=1; < 1 sharpens p towards the generated token)."""
     lr: float = 1e-3
     """Learning rate of the heads (medusa1) / of the backbone (medusa2), > 0."""
     weight_decay: float = 0.0
@@ -473,7 +483,8 @@ class TrainingConfig:
             _range(f"training.{key}", getattr(self, key), 1)
         for key in ("num_layers", "lambda_warmup_steps", "heads_only_steps"):
             _range(f"training.{key}", getattr(self, key), 0)
-        for key in ("lr", "head_lr_multiplier", "lambda0", "max_minutes"):
+        parse_head_loss(self.head_loss)
+        for key in ("lr", "head_lr_multiplier", "lambda0", "max_minutes", "head_loss_temperature"):
             _positive(f"training.{key}", getattr(self, key))
         _positive("training.weight_decay", self.weight_decay, allow_zero=True)
         _range("training.decay", self.decay, 0, 1, low_open=True)

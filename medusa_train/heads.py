@@ -611,6 +611,26 @@ def medusa_targets(
     return targets
 
 
+def soft_target_sources(targets: torch.Tensor) -> torch.Tensor:
+    """Where each head's soft target comes from: the position whose next-token distribution predicts
+    the same token as the head.
+
+    Head k at position t predicts token ``t+k+1``, which the backbone predicts at position ``t+k``:
+    the soft target of head k at t is the backbone's distribution at ``t+k``.
+
+    Args:
+        targets: ``(B, T, K)`` from :func:`medusa_targets`.
+
+    Returns:
+        ``(B, T, K)`` long: the flat index ``b * T + t + k`` into ``hidden.reshape(B * T, d)`` where
+        ``targets`` counts, ``IGNORE_INDEX`` elsewhere.
+    """
+    b, t, k = targets.shape
+    flat = torch.arange(b * t, device=targets.device).view(b, t, 1)  # (B, T, 1)
+    shift = torch.arange(1, k + 1, device=targets.device)  # (K,)
+    return torch.where(targets != IGNORE_INDEX, flat + shift, IGNORE_INDEX)  # (B, T, K)
+
+
 def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep only positions where at least one head has a target (the rest cost compute, add nothing).
 

@@ -1,4 +1,10 @@
-"""Benchmark the Medusa heads' loss (forward + backward): chunked fused CE vs naive full logits.
+"""Benchmark the Medusa heads' loss (forward + backward): chunked fused CE vs naive full logits, and
+the soft-label losses (``training.head_loss=kl|tv``, chunked over rows and vocabulary) vs the same.
+
+Variants (``--variants``): ``naive`` (full logits + ``F.cross_entropy``), ``chunked`` (the fused CE
+training uses), ``naive_kl`` (full head and target logits, softmax, KL), ``kl`` and ``tv`` (the fused
+soft losses, ``--vocab-chunk`` vocabulary entries per chunk; the target is the distribution of a
+random ``(V, d)`` lm_head at random hidden states, which are allocated before the measurement).
 
 Each (variant, vocab) runs in a fresh subprocess; peak memory is that process's peak RSS minus its
 RSS right before the loss (inputs, heads and nothing else allocated) on CPU, or
@@ -12,6 +18,7 @@ Run as:
     python scripts/bench_train.py                          # markdown table, CPU
     python scripts/bench_train.py --json --cache           # + cache epoch ratio, JSON on the last line
     python scripts/bench_train.py --device cuda --tokens 8192 --hidden 4096
+    python scripts/bench_train.py --vocab 128256 --variants chunked kl tv naive_kl --hidden 256 --tokens 256
 """
 
 from __future__ import annotations
@@ -42,19 +49,37 @@ def _current_rss_bytes() -> int:
 def worker(args: argparse.Namespace) -> dict:
     """One measurement in this (fresh) process."""
     from medusa_train.heads import MedusaHeads
-    from medusa_train.training.losses import medusa_head_loss, naive_medusa_head_loss
+    from medusa_train.training.losses import HeadLoss, SoftTargets, medusa_head_loss, naive_medusa_head_loss
 
     torch.manual_seed(0)
     device = torch.device(args.device)
     heads = MedusaHeads(args.hidden, args.vocab, args.heads, 1).to(device)
     hidden = torch.randn(args.tokens, args.hidden, device=device)  # (T, d)
     targets = torch.randint(0, args.vocab, (args.tokens, args.heads), device=device)  # (T, K)
+    soft_kind = args.variant.removeprefix("naive_")
+    head_loss = HeadLoss.from_spec("ce" if soft_kind in ("naive", "chunked") else soft_kind)
+    head_loss = HeadLoss(head_loss.terms, vocab_chunk_size=args.vocab_chunk)
+    soft = None
+    if (
+        head_loss.soft
+    ):  # the backbone's hidden states at t+k and its lm_head, allocated before the measurement
+        sources = torch.randint(0, args.tokens, (args.tokens, args.heads), device=device)  # (T, K)
+        lm_head = torch.randn(args.vocab, args.hidden, device=device) / args.hidden**0.5  # (V, d)
+        soft = SoftTargets(torch.randn(args.tokens, args.hidden, device=device), sources, lm_head)
 
     def step() -> float:
-        if args.variant == "naive":
-            loss = naive_medusa_head_loss(heads, hidden, targets)
+        if args.variant.startswith("naive"):
+            loss = naive_medusa_head_loss(heads, hidden, targets, head_loss=head_loss, soft=soft)
         else:
-            loss = medusa_head_loss(heads, hidden, targets, chunk_size=args.chunk, with_metrics=False).loss
+            loss = medusa_head_loss(
+                heads,
+                hidden,
+                targets,
+                chunk_size=args.chunk,
+                with_metrics=False,
+                head_loss=head_loss,
+                soft=soft,
+            ).loss
         loss.backward()
         return float(loss)
 
@@ -81,6 +106,7 @@ def worker(args: argparse.Namespace) -> dict:
         "heads": args.heads,
         "tokens": args.tokens,
         "chunk": args.chunk,
+        "vocab_chunk": args.vocab_chunk if head_loss.soft else None,
         "peak_gib": round(peak / 2**30, 3),
         "seconds": round(best, 3),
         "tokens_per_s": round(args.tokens / best, 1),
@@ -161,13 +187,21 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1024, help="trained positions per step")
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--vocab-chunk", type=int, default=32768, help="soft losses: vocabulary entries per chunk")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["naive", "chunked"],
+        choices=["naive", "chunked", "naive_kl", "kl", "tv"],
+        help="naive is the reference of the 'vs naive' columns (measured too when left out)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="also print all results as one JSON line")
     p.add_argument("--cache", action="store_true", help="also measure the hidden-state cache epoch ratio")
     p.add_argument("--cache-records", type=int, default=64)
     p.add_argument("--cache-seq-len", type=int, default=256)
-    p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if args.worker:
@@ -176,8 +210,9 @@ def main() -> None:
         return
 
     rows = []
+    variants = ["naive"] + [v for v in args.variants if v != "naive"]
     for vocab in args.vocab:
-        for variant in ("naive", "chunked"):
+        for variant in variants:
             cmd = [
                 sys.executable,
                 __file__,
@@ -193,26 +228,38 @@ def main() -> None:
                 str(args.tokens),
                 "--chunk",
                 str(args.chunk),
+                "--vocab-chunk",
+                str(args.vocab_chunk),
                 "--repeats",
                 str(args.repeats),
                 "--device",
                 args.device,
             ]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:  # one failed case (e.g. out of memory) is reported, the rest still run
+                tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"V={vocab} {variant}: failed ({tail})", file=sys.stderr)
+                rows.append({"variant": variant, "vocab": vocab, "failed": tail})
+                continue
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(
-        f"\nheads loss fwd+bwd: K={args.heads} d={args.hidden} T={args.tokens} chunk={args.chunk} on {args.device}\n"
+        f"\nheads loss fwd+bwd: K={args.heads} d={args.hidden} T={args.tokens} chunk={args.chunk} "
+        f"vocab chunk (soft)={args.vocab_chunk} on {args.device}\n"
     )
-    print("| V | variant | peak GiB | peak vs naive | s/step | tokens/s | speed vs naive |")
+    print("| V | variant | peak GiB | peak vs naive CE | s/step | tokens/s | speed vs naive CE |")
     print("|---|---|---|---|---|---|---|")
     for vocab in args.vocab:
-        naive = next(r for r in rows if r["vocab"] == vocab and r["variant"] == "naive")
+        naive = next((r for r in rows if r["vocab"] == vocab and r["variant"] == "naive"), {})
         for r in (r for r in rows if r["vocab"] == vocab):
-            r["peak_vs_naive"] = round(r["peak_gib"] / max(naive["peak_gib"], 1e-9), 3)
-            r["speed_vs_naive"] = round(r["tokens_per_s"] / naive["tokens_per_s"], 3)
+            if "failed" in r:
+                print(f"| {vocab} | {r['variant']} | failed: {r['failed'][:60]} | | | | |")
+                continue
+            if "peak_gib" in naive:
+                r["peak_vs_naive"] = round(r["peak_gib"] / max(naive["peak_gib"], 1e-9), 3)
+                r["speed_vs_naive"] = round(r["tokens_per_s"] / naive["tokens_per_s"], 3)
             print(
-                f"| {vocab} | {r['variant']} | {r['peak_gib']:.2f} | {r['peak_vs_naive']:.0%} | {r['seconds']:.2f} | "
-                f"{r['tokens_per_s']:.0f} | {r['speed_vs_naive']:.2f}x |"
+                f"| {vocab} | {r['variant']} | {r['peak_gib']:.2f} | {r.get('peak_vs_naive', float('nan')):.0%} | "
+                f"{r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r.get('speed_vs_naive', float('nan')):.2f}x |"
             )
     result: dict = {"loss": rows}
     if args.cache:

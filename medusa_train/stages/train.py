@@ -528,10 +528,13 @@ def _train(
         # The data the module reads: tokens (online), or the frozen backbone's stored hidden states.
         if tc.cache_hidden_states:  # Medusa-1 only (the config refuses it otherwise)
             dataset, collator = (
-                _hidden_cache(args, backbone, train_set, wd.train / HIDDEN_CACHE, key, tc),
+                _hidden_cache(
+                    args, backbone, train_set, wd.train / HIDDEN_CACHE, key, tc, recipe.head_loss.soft
+                ),
                 row_collator,
             )
-            model, callbacks, extra = recipe.training_module(heads, None)
+            lm_head = backbone.get_output_embeddings().weight  # (V, d): the soft losses' targets
+            model, callbacks, extra = recipe.training_module(heads, None, lm_head=lm_head)
         else:
             dataset, collator = train_set, PadCollator(tokenizer.pad_token_id or 0)
             model, callbacks, extra = recipe.training_module(heads, backbone)
@@ -596,7 +599,9 @@ def _train(
     return result, heads, trained
 
 
-def _hidden_cache(args, backbone, train_set: _Records, directory: Path, key: dict, tc) -> HiddenCache:
+def _hidden_cache(
+    args, backbone, train_set: _Records, directory: Path, key: dict, tc, soft: bool
+) -> HiddenCache:
     """The frozen backbone's hidden states of the training split, built once by rank 0 (resumable)
     and keyed by the run key: checkpoints of another run are refused or wiped with it anyway."""
     settings = settings_key(run=key, cache_version=HIDDEN_CACHE_VERSION)
@@ -604,7 +609,9 @@ def _hidden_cache(args, backbone, train_set: _Records, directory: Path, key: dic
         if args.process_index == 0:
             t0 = time.time()
             records = [train_set[i] for i in range(len(train_set))]
-            build_hidden_cache(backbone, records, directory, tc.num_heads, settings, tc.per_device_batch_size)
+            build_hidden_cache(
+                backbone, records, directory, tc.num_heads, settings, tc.per_device_batch_size, soft=soft
+            )
             log.info("hidden-state cache ready in %.1fs", time.time() - t0)
     return HiddenCache(directory)
 

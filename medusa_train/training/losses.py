@@ -30,6 +30,20 @@ probability on a candidate the decoder can never propose, and vLLM's layout has 
 still counts as a miss in the top-k metrics (``count`` covers every full-vocabulary target), so
 accuracies compare across variants.
 
+Soft-label head losses (``training.head_loss=kl|tv|<mixture>``, grammar in
+:mod:`medusa_train.head_loss`): head k's prediction at position t is compared with the backbone's own
+next-token distribution at position ``t+k``, ``p = softmax(lm_head(h_{t+k}) / T)`` -- the distribution
+of exactly the token ``t+k+1`` that the hard label is a sample of (same positions counted). ``kl`` is
+``KL(p || q)``, ``tv`` is ``0.5 * sum |p - q|``, q the head's softmax. Shared heads compare over the
+full vocabulary; truncated heads compare with p renormalised on their draft vocabulary (p restricted
+to ``token_map`` and divided by its mass there), so a head is never asked for a token it cannot
+propose. The target carries no gradient (for Medusa-2 it is the backbone being trained, detached).
+:class:`ChunkedLinearSoftLoss` walks over rows *and* vocabulary chunks: a first pass streams the two
+log-sum-exps (head and target), a second computes the loss and the gradient w.r.t. the logits
+(``q - p`` for KL; TV needs ``sum_i sign(q_i - p_i) q_i`` first, so it takes a third pass), so the
+peak extra memory is O(chunk * vocab_chunk) whatever V is. With one vocabulary chunk the logits of
+the first pass are kept and no pass recomputes them.
+
 Also here: the LM losses Medusa-2 adds (CE on data, KL to
 the frozen original), and the lambda_0 warm-up schedules.
 """
@@ -43,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from medusa_train.head_loss import SOFT_LOSSES, is_soft, parse_head_loss
 from medusa_train.heads import IGNORE_INDEX, chunked_topk_correct
 
 
@@ -143,14 +158,260 @@ def chunked_cross_entropy(
     return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale)
 
 
+# -- fused chunked linear + soft-label loss ---------------------------------------------------------
+class ChunkedLinearSoftLoss(torch.autograd.Function):
+    """Mean ``kl`` or ``tv`` of ``softmax(feats @ weight.T)`` against the backbone's distribution,
+    chunked over rows and vocabulary, without materialising either ``(N, V)`` logits tensor.
+
+    The target of row i is ``p_i = softmax(target_feats[i] @ target_weight[token_map].T / temperature)``
+    (``token_map`` None: every row of ``target_weight``). Gradients w.r.t. ``feats`` and ``weight`` are
+    computed in forward, as in :class:`ChunkedLinearCrossEntropy`; the target gets none.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        feats: torch.Tensor,
+        weight: torch.Tensor,
+        target_feats: torch.Tensor,
+        target_weight: torch.Tensor,
+        token_map: torch.Tensor | None,
+        kind: str,
+        temperature: float,
+        chunk_size: int,
+        vocab_chunk_size: int,
+        scale: float,
+    ):
+        # feats (N, d), weight (V', d), target_feats (N, d), target_weight (V, d), token_map (V',)
+        n, v = feats.shape[0], weight.shape[0]
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_feats = torch.zeros_like(feats) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=feats.device)
+        scale = scale / max(n, 1)
+        spans = [(v0, min(v0 + vocab_chunk_size, v)) for v0 in range(0, v, vocab_chunk_size)]
+        for start in range(0, n, chunk_size):
+            x = feats[start : start + chunk_size]  # (c, d)
+            if x.dtype != weight.dtype:
+                x = x.to(weight.dtype)
+            y = target_feats[start : start + chunk_size].to(target_weight.dtype)  # (c, d)
+
+            def add_grad(v0: int, v1: int, g: torch.Tensor, x=x, start=start) -> None:
+                g = g.mul_(scale).to(weight.dtype)  # (c, vc) d loss / d head logits
+                if grad_feats is not None:
+                    grad_feats[start : start + chunk_size] += g @ weight[v0:v1]  # (c, d)
+                if grad_weight is not None and weight.dtype == torch.float32:
+                    grad_weight[v0:v1].addmm_(g.t(), x)  # (vc, d) in place
+                elif grad_weight is not None:
+                    grad_weight[v0:v1] += (g.t() @ x).float()  # (vc, d), fp32 accumulation
+
+            chunk = _SoftChunk(x, y, weight, target_weight, token_map, temperature, spans)
+            total += chunk.run(kind, add_grad if needs_grad else None)
+        ctx.grads = (grad_feats, grad_weight.to(weight.dtype) if grad_weight is not None else None)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_feats, grad_weight = ctx.grads
+        del ctx.grads
+        if bool(grad_out != 1):
+            grad_feats = grad_feats * grad_out.to(grad_feats.dtype) if grad_feats is not None else None
+            grad_weight = grad_weight * grad_out.to(grad_weight.dtype) if grad_weight is not None else None
+        return grad_feats, grad_weight, None, None, None, None, None, None, None, None
+
+
+class _SoftChunk:
+    """One row chunk of :class:`ChunkedLinearSoftLoss`: the two log-sum-exps streamed over vocabulary
+    chunks (pass 1), then the loss and the gradient w.r.t. the head logits chunk by chunk.
+
+    Args:
+        x: ``(c, d)`` head features; y: ``(c, d)`` target hidden states; weight: ``(V', d)``;
+        target_weight: ``(V, d)``; token_map: ``(V',)`` or None; spans: vocabulary chunks ``[(v0, v1)]``.
+    """
+
+    def __init__(self, x, y, weight, target_weight, token_map, temperature: float, spans) -> None:
+        self.x, self.y, self.weight, self.target_weight = x, y, weight, target_weight
+        self.token_map, self.temperature, self.spans = token_map, temperature, spans
+        self.lse_z = x.new_full((x.shape[0],), float("-inf"), dtype=torch.float32)  # (c,)
+        self.lse_u = self.lse_z.clone()  # (c,)
+        self.kept = None  # one vocabulary chunk: its logits, reused by every later pass
+        for v0, v1 in spans:
+            z, u = self._logits(v0, v1)
+            self.lse_z = torch.logaddexp(self.lse_z, torch.logsumexp(z, dim=-1))
+            self.lse_u = torch.logaddexp(self.lse_u, torch.logsumexp(u, dim=-1))
+        if len(spans) == 1:
+            self.kept = (z, u)
+
+    def _logits(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kept is not None:
+            return self.kept
+        tw = (
+            self.target_weight[v0:v1] if self.token_map is None else self.target_weight[self.token_map[v0:v1]]
+        )
+        z = (self.x @ self.weight[v0:v1].t()).float()  # (c, vc) head logits
+        u = (self.y @ tw.t()).float() / self.temperature  # (c, vc) target logits
+        return z, u
+
+    def _probs(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, p)`` on ``[v0, v1)``, fresh tensors (the kept logits stay as they are)."""
+        z, u = self._logits(v0, v1)
+        return (z - self.lse_z[:, None]).exp_(), (u - self.lse_u[:, None]).exp_()  # (c, vc) each
+
+    def run(self, kind: str, on_grad=None) -> torch.Tensor:
+        """Summed loss of the chunk's rows, handing ``(v0, v1, d loss / d z[:, v0:v1])`` to ``on_grad``.
+
+        ``kl`` = sum p (log p - log q), gradient ``q - p``, both in one pass over the vocabulary.
+        ``tv`` = 0.5 sum |q - p|, gradient ``0.5 q_j (s_j - sum_i s_i q_i)`` with ``s = sign(q - p)``:
+        the sum needs the whole vocabulary first, so the gradient takes a second pass.
+        """
+        total = torch.zeros((), dtype=torch.float32, device=self.x.device)
+        if kind == "kl":
+            for v0, v1 in self.spans:
+                z, u = self._logits(v0, v1)  # used once more at most: normalised in place
+                log_q, log_p = z.sub_(self.lse_z[:, None]), u.sub_(self.lse_u[:, None])  # (c, vc) each
+                p = log_p.exp()
+                total += (p * log_p.sub_(log_q)).sum()
+                if on_grad is not None:
+                    on_grad(v0, v1, log_q.exp_().sub_(p))  # q - p
+            return total
+        s_q = torch.zeros_like(self.lse_z)  # (c,) sum_i s_i q_i
+        for v0, v1 in self.spans:
+            q, p = self._probs(v0, v1)
+            diff = q - p  # (c, vc)
+            total += 0.5 * diff.abs().sum()
+            s_q += (diff.sign_() * q).sum(dim=-1)
+        if on_grad is not None:
+            for v0, v1 in self.spans:
+                q, p = self._probs(v0, v1)
+                on_grad(v0, v1, (q - p).sign_().sub_(s_q[:, None]).mul_(q).mul_(0.5))
+        return total
+
+
+def chunked_soft_loss(
+    feats: torch.Tensor,
+    weight: torch.Tensor,
+    target_feats: torch.Tensor,
+    target_weight: torch.Tensor,
+    kind: str,
+    *,
+    token_map: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int = 32768,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Mean soft-label loss of the head ``feats @ weight.T`` against the backbone's distribution.
+
+    Args:
+        feats: ``(N, d)`` head features of the counted rows.
+        weight: ``(V', d)`` the head's vocab projection (V' = V, or the draft vocabulary's N).
+        target_feats: ``(N, d)`` backbone hidden states whose next-token distribution is each row's target.
+        target_weight: ``(V, d)`` the backbone's lm_head (no gradient).
+        kind: ``kl`` (forward ``KL(p || q)``) | ``tv`` (``0.5 * sum |p - q|``).
+        token_map: ``(V',)`` full-vocabulary id of each draft index (truncated heads): the target is
+            renormalised on these tokens; None: ``V' == V``.
+        temperature: the target's softmax temperature (> 0).
+        chunk_size: rows per chunk; vocab_chunk_size: vocabulary entries per chunk. Peak extra memory
+            ~ a few ``chunk_size * vocab_chunk_size`` floats.
+        scale: multiply the loss by this (lambda_k) inside the fused op.
+
+    Returns:
+        ``scale`` * scalar mean over the N rows (0 when N == 0), differentiable w.r.t. ``feats`` and ``weight``.
+    """
+    if kind not in SOFT_LOSSES:
+        raise ValueError(f"soft loss {kind!r}: expected one of {SOFT_LOSSES}")
+    if not torch.is_grad_enabled():
+        feats, weight = feats.detach(), weight.detach()
+    if token_map is not None:
+        token_map = token_map.to(target_weight.device)
+    return ChunkedLinearSoftLoss.apply(
+        feats,
+        weight,
+        target_feats.detach(),
+        target_weight.detach(),
+        token_map,
+        kind,
+        temperature,
+        chunk_size,
+        vocab_chunk_size,
+        scale,
+    )
+
+
+def naive_soft_loss(
+    logits: torch.Tensor, target_logits: torch.Tensor, kind: str, temperature: float = 1.0
+) -> torch.Tensor:
+    """Reference: mean ``kl``/``tv`` from whole ``(N, V')`` head and target logits (tests, benches).
+
+    ``target_logits`` are already restricted to the head's vocabulary (truncated: its ``token_map``
+    columns), so the softmax below is the renormalised target.
+    """
+    log_q = F.log_softmax(logits.float(), dim=-1)  # (N, V')
+    log_p = F.log_softmax(target_logits.detach().float() / temperature, dim=-1)  # (N, V')
+    if kind == "kl":
+        per_row = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "tv":
+        per_row = 0.5 * (log_q.exp() - log_p.exp()).abs().sum(-1)
+    else:
+        raise ValueError(f"soft loss {kind!r}: expected one of {SOFT_LOSSES}")
+    return per_row.mean() if per_row.numel() else per_row.sum()
+
+
 # -- the Medusa-1 head loss -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadLoss:
+    """Which loss each head trains with (``training.head_loss``, ``training.head_loss_temperature``).
+
+    Attributes:
+        terms: ``(name, weight)`` pairs from :func:`medusa_train.head_loss.parse_head_loss`; the loss is
+            their weighted sum.
+        temperature: softmax temperature of the backbone's distribution in the soft terms (> 0).
+        vocab_chunk_size: vocabulary entries per chunk of the soft terms.
+    """
+
+    terms: tuple[tuple[str, float], ...] = (("ce", 1.0),)
+    temperature: float = 1.0
+    vocab_chunk_size: int = 32768
+
+    @classmethod
+    def from_spec(cls, spec: str, temperature: float = 1.0, **kwargs) -> HeadLoss:
+        """``HeadLoss.from_spec("kl+0.5ce", 1.0)``."""
+        return cls(parse_head_loss(spec), temperature, **kwargs)
+
+    @property
+    def soft(self) -> bool:
+        """Whether a term reads the backbone's distribution (the caller must give :class:`SoftTargets`)."""
+        return is_soft(self.terms)
+
+
+CE_LOSS = HeadLoss()
+"""The hard-label cross-entropy (``training.head_loss=ce``), the default of every head-loss argument."""
+
+
+@dataclass
+class SoftTargets:
+    """Where head k's soft target at a row comes from: the backbone's next-token distribution at ``t+k``.
+
+    Attributes:
+        hidden: ``(M, d)`` backbone last hidden states (a pool; no gradient is taken through it).
+        sources: ``(N, K)`` long: ``sources[i, k-1]`` is the row of ``hidden`` holding ``h_{t+k}`` for the
+            loss row i at position t (:func:`medusa_train.heads.soft_target_sources`), ``IGNORE_INDEX``
+            where head k does not train at row i.
+        lm_head: ``(V, d)`` the backbone's lm_head weight.
+    """
+
+    hidden: torch.Tensor
+    sources: torch.Tensor
+    lm_head: torch.Tensor
+
+
 @dataclass
 class HeadLossOutput:
     """Result of :func:`medusa_head_loss`.
 
     Attributes:
-        loss: scalar, ``sum_k decay^(k-1) * ce_k``.
-        ce: ``(K,)`` detached per-head mean CE.
+        loss: scalar, ``sum_k decay^(k-1) * loss_k``.
+        ce: ``(K,)`` detached per-head mean of the head loss (the CE with ``head_loss=ce``).
         count: ``(K,)`` counted targets per head.
         top1: ``(K,)`` correct top-1 predictions per head (counts, not rates).
         top5: ``(K,)`` correct top-5 predictions per head.
@@ -168,6 +429,13 @@ def head_weights(num_heads: int, decay: float) -> list[float]:
     return [decay**k for k in range(num_heads)]
 
 
+def _soft_rows(soft: SoftTargets, k: int, feats_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head k's (0-based) counted rows: its features ``(n, d)`` and the target rows ``h_{t+k+1}`` ``(n, d)``."""
+    src = soft.sources[:, k]  # (N,)
+    keep = (src != IGNORE_INDEX).nonzero(as_tuple=True)[0]  # (n,)
+    return feats_k[keep], soft.hidden[src[keep]]
+
+
 def medusa_head_loss(
     heads,
     hidden: torch.Tensor,
@@ -175,6 +443,9 @@ def medusa_head_loss(
     decay: float = 0.8,
     chunk_size: int = 1024,
     with_metrics: bool = True,
+    *,
+    head_loss: HeadLoss = CE_LOSS,
+    soft: SoftTargets | None = None,
 ) -> HeadLossOutput:
     """Medusa-1 loss of ``heads`` (a :class:`medusa_train.heads.MedusaHeads`) on selected rows.
 
@@ -184,12 +455,17 @@ def medusa_head_loss(
         targets: ``(N, K)`` full-vocabulary ids; column k-1 is head k's target, ``IGNORE_INDEX`` = not
             counted (truncated heads: ids outside the draft vocabulary are left out of the CE).
         decay: lambda_k = decay^(k-1).
-        chunk_size: rows per chunk in the fused CE.
+        chunk_size: rows per chunk in the fused losses.
         with_metrics: also count top-1 / top-5 hits (chunked, no grad; costs one more logits pass).
+        head_loss: the terms (``ce`` and/or soft ``kl``, ``tv``) and the target temperature.
+        soft: the backbone's hidden states the soft terms compare with (required when
+            ``head_loss.soft``).
 
     Returns:
         :class:`HeadLossOutput`.
     """
+    if head_loss.soft and soft is None:
+        raise ValueError(f"head loss {head_loss.terms} needs the backbone's hidden states (soft=SoftTargets)")
     num_heads = heads.num_heads
     feats = heads.hidden(hidden)  # (K, N, d)
     weights = head_weights(num_heads, decay)
@@ -199,11 +475,27 @@ def medusa_head_loss(
         proj = heads.head_weight(k)  # (V_draft, d): own, the shared lm_head, or the truncated rows
         y = targets[:, k]  # (N,) full-vocabulary ids
         y_draft = heads.draft_targets(y)  # (N,) draft indices; outside a truncated map: not counted
-        weighted = chunked_cross_entropy(
-            feats[k], proj, y_draft, chunk_size, scale=weights[k]
-        )  # lambda_k * CE_k
-        loss = loss + weighted
-        ce.append(weighted.detach() / weights[k])
+        head_k = hidden.new_zeros((), dtype=torch.float32)
+        for name, weight in head_loss.terms:
+            if name == "ce":
+                term = chunked_cross_entropy(feats[k], proj, y_draft, chunk_size, scale=weights[k] * weight)
+            else:
+                x, target_h = _soft_rows(soft, k, feats[k])  # (n, d), (n, d)
+                term = chunked_soft_loss(
+                    x,
+                    proj,
+                    target_h,
+                    soft.lm_head,
+                    name,
+                    token_map=heads.token_map,
+                    temperature=head_loss.temperature,
+                    chunk_size=chunk_size,
+                    vocab_chunk_size=head_loss.vocab_chunk_size,
+                    scale=weights[k] * weight,
+                )
+            head_k = head_k + term  # lambda_k * weight * term
+        loss = loss + head_k
+        ce.append(head_k.detach() / weights[k])
         count.append((y != IGNORE_INDEX).sum())
         if with_metrics:
             hits = chunked_topk_correct(feats[k].detach(), proj.detach(), y_draft, 5, chunk_size)
@@ -220,15 +512,34 @@ def medusa_head_loss(
 
 
 def naive_medusa_head_loss(
-    heads, hidden: torch.Tensor, targets: torch.Tensor, decay: float = 0.8
+    heads,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    decay: float = 0.8,
+    *,
+    head_loss: HeadLoss = CE_LOSS,
+    soft: SoftTargets | None = None,
 ) -> torch.Tensor:
-    """Reference: full ``(K, N, V_draft)`` logits + ``F.cross_entropy`` (tests and benchmarks only)."""
+    """Reference: full ``(K, N, V_draft)`` logits, ``F.cross_entropy`` and :func:`naive_soft_loss`
+    (tests and benchmarks only)."""
     logits = heads(hidden)  # (K, N, V_draft)
     loss = hidden.new_zeros((), dtype=torch.float32)
     for k, w in enumerate(head_weights(heads.num_heads, decay)):
         y = heads.draft_targets(targets[:, k])
-        if bool((y != IGNORE_INDEX).any()):
-            loss = loss + w * F.cross_entropy(logits[k].float(), y, ignore_index=IGNORE_INDEX)
+        for name, weight in head_loss.terms:
+            if name == "ce":
+                if bool((y != IGNORE_INDEX).any()):
+                    loss = loss + w * weight * F.cross_entropy(
+                        logits[k].float(), y, ignore_index=IGNORE_INDEX
+                    )
+                continue
+            src = soft.sources[:, k]  # (N,)
+            keep = src != IGNORE_INDEX
+            lm = soft.lm_head if heads.token_map is None else soft.lm_head[heads.token_map]  # (V_draft, d)
+            target_logits = soft.hidden[src[keep]].float() @ lm.float().t()  # (n, V_draft)
+            loss = loss + w * weight * naive_soft_loss(
+                logits[k][keep], target_logits, name, head_loss.temperature
+            )
     return loss
 
 

@@ -8,7 +8,12 @@ Medusa-1: the frozen backbone is held *outside* the module tree (see ``_Frozen``
 heads only -- checkpoints stay small and ZeRO never shards or touches the frozen weights. The
 backbone runs under ``torch.no_grad()`` and its decoder's last hidden state (what ``lm_head`` reads,
 checked per architecture in the tests; :func:`medusa_train.heads.last_hidden_state`) feeds the heads. With a hidden-state cache the module has no
-backbone at all and takes ``hidden_states``/``targets`` rows directly.
+backbone at all and takes ``hidden_states``/``targets`` rows directly (and, for a soft head loss,
+``sources`` into those rows plus the frozen lm_head given at construction).
+
+Soft head losses (``head_loss`` with ``kl``/``tv``): head k at position t compares with
+``softmax(lm_head(h_{t+k}) / T)`` (:func:`medusa_train.heads.soft_target_sources`), read from the
+same forward's hidden states, detached; in Medusa-2 that is the backbone as it trains.
 
 Medusa-2: the backbone (optionally LoRA-wrapped) is a registered submodule; the LM loss is CE on
 the data or KL to the frozen original (a frozen copy, or the LoRA model with adapters disabled);
@@ -23,8 +28,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.heads import IGNORE_INDEX, last_hidden_state, medusa_targets, select_trained_rows
+from medusa_train.heads import (
+    IGNORE_INDEX,
+    last_hidden_state,
+    medusa_targets,
+    select_trained_rows,
+    soft_target_sources,
+)
 from medusa_train.training.losses import (
+    CE_LOSS,
+    HeadLoss,
+    SoftTargets,
     chunked_cross_entropy,
     chunked_kl_to_teacher,
     lm_targets,
@@ -53,6 +67,9 @@ class MedusaTrainingModel(nn.Module):
             None with LoRA: the teacher is the same model with its adapters disabled.
         lambda0: medusa2: initial weight of the heads' loss (updated each step by the trainer).
         with_metrics: count top-1/top-5 hits in training forwards too (one extra no-grad logits pass).
+        head_loss: the heads' loss terms and target temperature (:class:`HeadLoss`; default CE).
+        lm_head: ``(V, d)`` the frozen backbone's lm_head weight, for a soft head loss trained from the
+            hidden-state cache (held unregistered); with a backbone its own lm_head is read.
 
     ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
     ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and for medusa2 ``lm_loss``.
@@ -70,6 +87,8 @@ class MedusaTrainingModel(nn.Module):
         teacher: nn.Module | None = None,
         lambda0: float = 0.2,
         with_metrics: bool = True,
+        head_loss: HeadLoss = CE_LOSS,
+        lm_head: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if mode not in ("medusa1", "medusa2"):
@@ -83,6 +102,10 @@ class MedusaTrainingModel(nn.Module):
         self.lm_loss = lm_loss
         self.lambda0 = lambda0
         self.with_metrics = with_metrics
+        self.head_loss = head_loss
+        if head_loss.soft and backbone is None and lm_head is None:
+            raise ValueError("a soft head loss from cached hidden states needs the backbone's lm_head")
+        self._lm_head = _Frozen(lm_head.detach() if lm_head is not None else None)
         self.backbone_frozen = False
         """medusa2 two-stage: True while only the heads train (backbone forward under no_grad, no LM loss)."""
         self._teacher = _Frozen(teacher)
@@ -125,6 +148,7 @@ class MedusaTrainingModel(nn.Module):
         loss_mask: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        sources: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Loss of one batch.
 
@@ -134,14 +158,23 @@ class MedusaTrainingModel(nn.Module):
             loss_mask: ``(B, T)``, 1 on tokens the backbone generated.
             hidden_states: ``(N, d)`` cached last hidden states of trained rows (instead of input_ids).
             targets: ``(N, K)`` their head targets (with ``hidden_states``).
+            sources: ``(N, K)`` rows of ``hidden_states`` holding each head's soft-target state
+                (with ``hidden_states`` and a soft head loss; ``IGNORE_INDEX`` = not counted).
 
         Returns:
             Dict described in the class docstring.
         """
         k = self.heads.num_heads
+        soft = None
         if hidden_states is not None:
             rows, row_targets = hidden_states, targets  # (N, d), (N, K)
             lm_rows_targets = None
+            if self.head_loss.soft:
+                if sources is None:
+                    raise ValueError(
+                        "a soft head loss from cached rows needs their sources (a cache built soft)"
+                    )
+                soft = SoftTargets(hidden_states, sources, self._lm_head.module)
         else:
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
@@ -155,14 +188,31 @@ class MedusaTrainingModel(nn.Module):
                     h = last_hidden_state(self.backbone, input_ids, attention_mask)  # (B, T, d)
                 lm_t = lm_targets(input_ids, loss_mask, attention_mask)  # (B, T)
                 tgt = torch.cat([lm_t[..., None], tgt], dim=-1)  # (B, T, 1+K)
-            rows, all_targets = select_trained_rows(h, tgt)  # (N, d), (N, K) or (N, 1+K)
+            src = None
+            if self.head_loss.soft:  # the same rows' soft-target positions, as extra columns
+                src = soft_target_sources(tgt[..., -k:])  # (B, T, K)
+                tgt = torch.cat([tgt, src], dim=-1)  # (B, T, [1+]K+K)
+            rows, all_targets = select_trained_rows(h, tgt)  # (N, d), (N, [1+]K[+K])
+            if src is not None:
+                all_targets, row_sources = all_targets[:, :-k], all_targets[:, -k:]  # ..., (N, K)
+                tgt = tgt[..., :-k]
+                backbone = self.frozen_backbone if self.mode == "medusa1" else self.backbone
+                lm_head = backbone.get_output_embeddings().weight.detach()  # (V, d)
+                soft = SoftTargets(h.detach().reshape(-1, h.shape[-1]), row_sources, lm_head)
             if self.mode == "medusa2":
                 lm_rows_targets, row_targets = all_targets[:, 0], all_targets[:, 1:]  # (N,), (N, K)
             else:
                 row_targets = all_targets
         head_rows = rows.to(self.heads.dtype)
         out = medusa_head_loss(
-            self.heads, head_rows, row_targets, self.decay, self.chunk_size, self.with_metrics
+            self.heads,
+            head_rows,
+            row_targets,
+            self.decay,
+            self.chunk_size,
+            self.with_metrics,
+            head_loss=self.head_loss,
+            soft=soft,
         )
         result = {
             "loss": out.loss,

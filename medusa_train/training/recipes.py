@@ -11,7 +11,8 @@ A recipe answers the two questions in which the methods differ:
    only); Medusa-2 trains every weight (``backbone_tuning=full``) or LoRA/QLoRA adapters injected
    into it.
 2. The loss -- :meth:`Medusa1.training_module` builds the module the Trainer optimises: Medusa-1
-   ``sum_k lambda_k CE_k`` of the heads; Medusa-2 ``L_LM + lambda_0(t) * sum_k lambda_k CE_k``
+   ``sum_k lambda_k L_k`` of the heads (``L_k`` the ``training.head_loss``: CE on the generated
+   token, or KL/TV to the backbone's distribution); Medusa-2 ``L_LM + lambda_0(t) * sum_k lambda_k L_k``
    (LM loss: KL to the frozen original or CE on the data), with the lambda_0 warm-up and the
    optional heads-only phase as Trainer callbacks and the heads at ``lr * head_lr_multiplier``.
 
@@ -37,6 +38,7 @@ from transformers.utils import CONFIG_NAME
 from medusa_train.backbone import ADAPTER_CONFIG, load_configured_backbone, load_trained_backbone
 from medusa_train.heads import MedusaHeads
 from medusa_train.training import medusa2
+from medusa_train.training.losses import HeadLoss
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.trainer import Lambda0Callback
 from medusa_train.workdir import TRAINED_BACKBONE
@@ -75,14 +77,21 @@ class Medusa1:
         return None
 
     # -- 2. the loss -----------------------------------------------------------------------------
+    @property
+    def head_loss(self) -> HeadLoss:
+        """The heads' loss (``training.head_loss``, ``training.head_loss_temperature``)."""
+        return HeadLoss.from_spec(self.tc.head_loss, self.tc.head_loss_temperature)
+
     def training_module(
-        self, heads: MedusaHeads, backbone: nn.Module | None
+        self, heads: MedusaHeads, backbone: nn.Module | None, lm_head: torch.Tensor | None = None
     ) -> tuple[MedusaTrainingModel, list[TrainerCallback], dict]:
         """The module the Trainer optimises: the heads' loss on the frozen backbone's hidden states.
 
         Args:
             heads: the heads to train.
             backbone: the loaded backbone, or None when training from the hidden-state cache.
+            lm_head: ``(V, d)`` the frozen backbone's lm_head weight, when training from the cache
+                (a soft head loss reads the backbone's distribution through it).
 
         Returns:
             ``(module, callbacks, extra result fields)``.
@@ -90,7 +99,13 @@ class Medusa1:
         if backbone is not None:
             self.trainable_backbone(backbone)
         module = MedusaTrainingModel(
-            heads, backbone, mode="medusa1", decay=self.tc.decay, chunk_size=self.tc.loss_chunk_size
+            heads,
+            backbone,
+            mode="medusa1",
+            decay=self.tc.decay,
+            chunk_size=self.tc.loss_chunk_size,
+            head_loss=self.head_loss,
+            lm_head=lm_head if backbone is None else None,
         )
         return module, [], {}
 
@@ -137,7 +152,7 @@ class Medusa2(Medusa1):
 
     # -- 2. the loss -----------------------------------------------------------------------------
     def training_module(
-        self, heads: MedusaHeads, backbone: nn.Module | None
+        self, heads: MedusaHeads, backbone: nn.Module | None, lm_head: torch.Tensor | None = None
     ) -> tuple[MedusaTrainingModel, list[TrainerCallback], dict]:
         """``L_LM + lambda_0(t) * L_heads``; the lambda_0 warm-up (and heads-only phase) as callbacks.
 
@@ -158,6 +173,7 @@ class Medusa2(Medusa1):
             lambda0=0.0,
             decay=tc.decay,
             chunk_size=tc.loss_chunk_size,
+            head_loss=self.head_loss,
         )
         callbacks: list[TrainerCallback] = [
             Lambda0Callback(module, tc.lambda0, tc.lambda_warmup_steps, tc.lambda_warmup, tc.heads_only_steps)

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 
 from medusa_train.errors import DamagedArtefactError
-from medusa_train.heads import HeadsFormatError, safetensors_shapes
+from medusa_train.heads import IGNORE_INDEX, HeadsFormatError, safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
 from medusa_train.workdir import read_json
@@ -48,11 +48,20 @@ class PadCollator:
 
 
 def row_collator(records: list[dict]) -> dict[str, torch.Tensor]:
-    """Concatenates cached rows: ``hidden_states (N, d)`` and ``targets (N, K)``."""
-    return {
+    """Concatenates cached rows: ``hidden_states (N, d)``, ``targets (N, K)`` and, when the records
+    have them, ``sources (N, K)`` (record-local rows shifted to rows of the batch)."""
+    out = {
         "hidden_states": torch.cat([r["hidden_states"] for r in records]),
         "targets": torch.cat([r["targets"] for r in records]),
     }
+    if "sources" in records[0]:
+        parts, base = [], 0
+        for r in records:
+            src = r["sources"]  # (n, K)
+            parts.append(torch.where(src == IGNORE_INDEX, IGNORE_INDEX, src + base))
+            base += r["hidden_states"].shape[0]
+        out["sources"] = torch.cat(parts)
+    return out
 
 
 # -- trainer ----------------------------------------------------------------------------------------

@@ -173,6 +173,18 @@ def test_cached_hidden_states_equal_online(reference, tmp_path):
     _assert_heads_close(root, ref_root, atol=1e-5)
 
 
+def test_soft_head_loss_trains_from_the_cache(tmp_path):
+    """head_loss=kl from the hidden-state cache: the heads' KL to the backbone's distribution falls."""
+    root = make_train_workdir(tmp_path)
+    overrides = ("training.head_loss=kl", "training.cache_hidden_states=true", "training.logging_steps=1")
+    result = run(train_cfg(root, *overrides, "training.max_steps=12", "training.save_steps=12"))
+    assert json.loads((root / "train" / "hidden_cache" / "meta.json").read_text())["soft"] is True
+    state = json.loads((root / "train" / "checkpoint-12" / "trainer_state.json").read_text())
+    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    assert result["final_loss"] == pytest.approx(losses[-1], abs=1e-4)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 def test_distill_from_another_backbone_is_refused(tmp_path):
     root = make_train_workdir(tmp_path)
