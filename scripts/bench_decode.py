@@ -45,6 +45,7 @@ from medusa_train.decoding import (  # noqa: E402
     medusa_generate,
     medusa_generate_batch,
 )
+from medusa_train.decoding.generate import attention_backends  # noqa: E402
 from medusa_train.heads import MedusaHeads  # noqa: E402
 from tests.helpers.models import tiny_config  # noqa: E402
 
@@ -496,7 +497,10 @@ def bench_decoder_overhead(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = run(args)
+    # Plain `generate` and Medusa on the same attention kernels (on CUDA: SDPA without cuDNN, as the
+    # decoders run; see medusa_train.decoding.generate.attention_backends).
+    with attention_backends(torch.device(args.device)):
+        results = run(args)
     print(markdown(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
