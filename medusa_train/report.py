@@ -183,6 +183,20 @@ def _calibrated_for(report: dict) -> str:
     return f", calibrated for {where}" + (" in this run" if fit.get("recalibrated") else "")
 
 
+def _tree_device(calibration: dict | None, report: dict | None) -> str:
+    """Where the shipped tree was calibrated, and the tree eval fitted to its own device if it differs."""
+    label = ((calibration or {}).get("tree") or {}).get("calibrated_for")
+    text = f", calibrated for {label['device']} ({label['dtype']})" if label else ""
+    fit = (report or {}).get("tree_fit") or {}
+    if fit.get("recalibrated"):
+        dev = fit["calibrated_for"]
+        text += (
+            f"; on {dev['device']} ({dev['dtype']}) eval calibrated a {len(fit.get('choices') or [])}-node tree "
+            "for that device (the figures above; its paths: `tree_fit.choices` in eval/report.json)"
+        )
+    return text
+
+
 def summary_table(report: dict) -> str:
     """The headline figures as a Markdown table (printed at the end of stage=all)."""
     temp = report.get("temperature")
@@ -606,7 +620,11 @@ def model_card(
     chain = (report or {}).get("vllm_chain")
     if chain:
         lines += ["", "### vLLM", "", vllm_chain_table(chain)]
-    lines += ["", f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`.", ""]
+    lines += [
+        "",
+        f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`{_tree_device(calibration, report)}.",
+        "",
+    ]
     ex = str(export_dir) if export_dir is not None else "export"
     lines += _files(formats, backbone is not None)
     lines += _decode_with_generate(base, ex, backbone is not None)

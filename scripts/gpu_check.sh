@@ -100,8 +100,10 @@ for m in ('hydra', 'datasets', 'deepspeed', 'peft', 'triton'):
 grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >>"$OUTDIR/environment.txt"
 
 # 2. The gpu-marked tests (on --device cpu: the same tests on the CPU, a dry run of the test code).
+SELECT=()
+[ $QUICK = 1 ] && SELECT=(-k llama)  # the dry run: one architecture (the CPU is slow at these sizes)
 step gpu-tests 240 "tests/gpu (figures in gpu_tests.jsonl)" \
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -o addopts="" -x
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -o addopts="" "${SELECT[@]}"
 
 # 3. Every stage on the device, small settings, on copies of the demo workdir.
 CLI=("$PY" -m medusa_train tracking=disabled "model.device=$DEVICE")

@@ -135,6 +135,7 @@ def run(cfg) -> dict:
         warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
     lm_weight = model.get_output_embeddings().weight
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
+    stored_tree_size = len(choices)  # the tree shipped with the heads (the model card names that one)
     choices, tree_fit = fit_tree_to_device(cfg, heads_dir, model, choices)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
@@ -315,7 +316,7 @@ def run(cfg) -> dict:
         tracker.log_image(f"eval/{name}", path)
     tracker.finish()
     if (wd.export / MODEL_CARD).is_file() and _is_workdir_heads(heads_dir, wd):
-        _refresh_model_card(wd, heads_dir, cfg.tree.name, len(choices))
+        _refresh_model_card(wd, heads_dir, cfg.tree.name, stored_tree_size)
     if report["greedy_identical"] < 1.0:
         log.error(
             "Medusa greedy output differs from plain greedy on %.0f%% of prompts: see %s",
@@ -453,6 +454,7 @@ def fit_tree_to_device(cfg, heads_dir: Path, model, choices: list[list[int]]) ->
         previous_size=len(choices),
         expected_tau=round(result["best"]["expected_tau"], 4),
         latency_context=result["context_len"],
+        choices=result["choices"],
     )
     return result["choices"], info
 

@@ -174,6 +174,7 @@ def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path)
     stored = json.loads(calibration.read_text())
     stored["tree"]["calibrated_for"] = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16"}
     calibration.write_text(json.dumps(stored))
+    export.run(tiny_cfg(workdir, "stage=export"))
     report = eval_stage.run(
         tiny_cfg(workdir, "stage=eval", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[1]")
     )
@@ -182,6 +183,9 @@ def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path)
     assert fit["calibrated_for"] == fit["device"] and fit["device"]["dtype"] == "float32"
     assert report["greedy_identical"] == 1.0
     assert "in this run" in (workdir / "eval" / "report.md").read_text()
+    card = (workdir / "export" / "README.md").read_text()
+    assert "Tree: `calibrated`, 5 nodes, in `medusa_choices.json`, calibrated for NVIDIA H100" in card
+    assert f"eval calibrated a {len(fit['choices'])}-node tree" in card
     kept = eval_stage.run(
         tiny_cfg(
             workdir, "stage=eval", "eval.fit_tree=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[1]"
