@@ -95,14 +95,15 @@ def check_backbone_source(name_or_path: str) -> None:
         return
     refuse_old_layout(path)  # a workdir from before stage=backbone was renamed stage=pretrain
     # "runs/x/pretrain" style paths with several components are local paths, not hub ids.
-    if (
-        name_or_path.count("/") > 1
-        or name_or_path.startswith((".", "/", "~"))
-        or name_or_path.endswith("/pretrain")
-    ):
+    if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone
         raise UserError(
             f"no backbone at {name_or_path}: run `python -m medusa_train stage=pretrain` first (model=tiny), "
             "or pass model=hf model.name_or_path=<hub id or directory>"
+        )
+    if name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")):
+        raise UserError(
+            f"model.name_or_path={name_or_path}: no such directory here (a Hub id has the form org/name): "
+            "give the directory that holds the model's config.json, or a Hub id"
         )
 
 

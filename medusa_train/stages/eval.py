@@ -387,10 +387,16 @@ def load_eval_prompts(ecfg) -> list[Conversation]:
             turns = [m["content"] for m in conv if m["role"] == "user"]
             prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
     else:
+        if Path(ecfg.path).is_dir():
+            raise UserError(f"eval.path={ecfg.path} is a directory: give the prompts file itself")
         if not Path(ecfg.path).is_file():
             raise UserError(f"eval.path={ecfg.path} does not exist")
         result = read_records(
-            ecfg.prompts, ecfg.path, prompt_key=ecfg.prompt_key, max_records=ecfg.num_prompts
+            ecfg.prompts,
+            ecfg.path,
+            prompt_key=ecfg.prompt_key,
+            max_records=ecfg.num_prompts,
+            options=("eval.prompts", "eval.prompt_key"),
         )
         result.log_warning(log)
         prompts = [r for r in result.records if r.turns]

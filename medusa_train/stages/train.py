@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import time
 from dataclasses import asdict
@@ -68,6 +69,7 @@ from medusa_train.training.trainer import (
     TimeBudgetCallback,
     TrackerCallback,
     last_complete_checkpoint,
+    refused_pickle,
     row_collator,
 )
 from medusa_train.training.zero import (
@@ -216,7 +218,12 @@ def run(cfg) -> dict:
         if not dist.is_main():
             return {"rank": dist.rank()}
         result, trained = dict(done), None
-        heads = MedusaHeads.from_pretrained(wd.heads, device=device)
+        try:
+            heads = MedusaHeads.from_pretrained(wd.heads, device=device)
+        except HeadsFormatError as err:
+            raise DamagedArtefactError(
+                f"the heads in {wd.heads} cannot be calibrated again: {err}: {_RETRAIN}"
+            ) from None
         backbone = recipe.published_backbone(wd.heads, backbone, device)
     _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
     # 6. Rank 0: held-out accuracy -> the tree with the best expected tokens/s on this machine. A
@@ -558,6 +565,10 @@ def _train(
         t0 = time.time()
         try:
             out = trainer.train(resume_from_checkpoint=last)
+        except pickle.UnpicklingError:
+            if not last:
+                raise
+            raise refused_pickle(Path(last)) from None
         finally:
             tracker.finish()
         train_seconds = time.time() - t0
