@@ -103,7 +103,8 @@ class ModelConfig:
     embedded: bool = False
     """True only for `model=tiny`: `stage=pretrain` may (re)create the model at `name_or_path`."""
     dtype: str = "float32"
-    """Weights dtype: float32 | bfloat16 | float16 | auto (the checkpoint's own)."""
+    """Weights dtype: float32 | bfloat16 | float16 | auto (bfloat16 on a CUDA GPU that supports it,
+    float32 elsewhere; the `model=hf` preset's default)."""
     quantization: str = "none"
     """none | 8bit | 4bit (bitsandbytes; 4bit is nf4). Frozen backbone only, or QLoRA in medusa2."""
     trust_remote_code: bool = False

@@ -60,6 +60,8 @@ from medusa_train.backbone import (
     load_configured_backbone,
     load_tokenizer,
     local_fingerprint,
+    resolve_device,
+    resolve_dtype,
 )
 from medusa_train.config import Config, DataConfig, DistillConfig
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
@@ -272,7 +274,7 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
     served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
     quick = settings_key(
         backbone_source=backbone,
-        dtype="server's" if served else cfg.model.dtype,
+        dtype="server's" if served else resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         quantization="server's" if served else cfg.model.quantization,
         distill=distill,
         data=data,

@@ -52,6 +52,7 @@ from medusa_train.backbone import (
     identity_content,
     load_configured_backbone,
     resolve_device,
+    resolve_dtype,
 )
 from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
@@ -117,7 +118,7 @@ def run(cfg) -> dict:
     manifest = read_manifest(wd.distill)
     check_backbone_source(cfg.model.name_or_path)
     device = resolve_device(cfg.model.device)
-    precision = recipe.precision(DTYPES.get(cfg.model.dtype, torch.float32))
+    precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
     recipe.check()
     ds_config = None
     if cfg.deepspeed.enabled:
@@ -302,7 +303,7 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
     tc = cfg.training
     key = settings_key(
         training=tc,
-        model_dtype=cfg.model.dtype,
+        model_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         model_quantization=cfg.model.quantization,
         global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * dist.world_size(),
         eval_fraction=cfg.data.eval_fraction,
@@ -501,7 +502,7 @@ def _train(
     wd.train.mkdir(parents=True, exist_ok=True)
 
     with deepspeed_process(ds_config is not None):
-        precision = recipe.precision(DTYPES.get(cfg.model.dtype, torch.float32))
+        precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
         args = TrainingArguments(
             output_dir=str(wd.train),
             per_device_train_batch_size=tc.per_device_batch_size,

@@ -522,3 +522,46 @@ def test_checkpoint_optimizer_holding_a_pickle_is_one_line(
     assert line.startswith(f"error: {checkpoint / 'optimizer.pt'} holds a pickle"), line
     assert f"deleting {checkpoint}" in line and "training.overwrite=true" in line
     assert not marker.exists()
+
+
+# -- quiet runs -------------------------------------------------------------------------------------
+def test_third_party_notices_that_do_not_apply_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' imports pull in bitsandbytes and DeepSpeed whatever the run asks; their notices
+    about a CPU 4-bit kernel and the accelerator are dropped unless the run quantizes to 4 bits / uses DeepSpeed."""
+    import logging
+
+    from medusa_train.__main__ import quiet_third_party
+
+    bnb, ds = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger("DeepSpeed")
+    saved = bnb.filters[:], ds.filters[:]
+    for logger in (bnb, ds):  # DeepSpeed's logger does not propagate once deepspeed is imported
+        logger.addHandler(caplog.handler)
+    try:
+        bnb.filters.clear(), ds.filters.clear()
+        quiet_third_party("4bit", deepspeed=False)
+        with caplog.at_level(logging.WARNING):
+            bnb.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s.",
+                "No module named 'kernels'",
+            )
+            ds.warning(
+                "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+            )
+            ds.warning("another DeepSpeed warning")
+        assert {r.getMessage()[:20] for r in caplog.records} == {
+            "Failed to load CPU g",
+            "another DeepSpeed wa",
+        }
+        caplog.clear()
+        bnb.filters.clear()
+        quiet_third_party("none", deepspeed=False)
+        with caplog.at_level(logging.WARNING):
+            bnb.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s.",
+                "No module named 'kernels'",
+            )
+        assert not caplog.records
+    finally:
+        bnb.filters[:], ds.filters[:] = saved
+        for logger in (bnb, ds):
+            logger.removeHandler(caplog.handler)
