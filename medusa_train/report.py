@@ -159,7 +159,9 @@ def summary_table(report: dict) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
-    lines += [f"\nNote: {report[key]}" for key in ("speedup_note", "tau_note") if report.get(key)]
+    lines += [
+        f"\nNote: {report[key]}" for key in ("speedup_note", "tau_note", "prompts_note") if report.get(key)
+    ]
     return "\n".join(lines)
 
 

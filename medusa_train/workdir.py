@@ -69,6 +69,8 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 GENERATIONS = "generations.jsonl"
 PLOTS = "plots"
+PREVIOUS = "previous"
+"""Inside ``eval/``: the report of the run before the latest (stage=eval replaces it on each run)."""
 
 
 @dataclass(frozen=True)

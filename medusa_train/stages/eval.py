@@ -78,7 +78,7 @@ from medusa_train.decoding.timing import (
 )
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.formats import load_heads, read_heads_config
 from medusa_train.heads import HeadsFormatError
 from medusa_train.report import (
@@ -100,6 +100,7 @@ from medusa_train.workdir import (
     MANIFEST,
     MODEL_CARD,
     PLOTS,
+    PREVIOUS,
     REPORT_JSON,
     REPORT_MD,
     Workdir,
@@ -228,6 +229,12 @@ def run(cfg) -> dict:
         draft_vocab_size=heads.draft_vocab_size,
     )
     report[HEADS_FINGERPRINT] = fingerprint
+    report["prompts_note"] = (
+        "the prompts are the embedded demo's held-out conversations, not your model's domain: pass "
+        "eval.prompts=mtbench|jsonl eval.path=<file> to measure on your own"
+        if ecfg.prompts == "embedded" and not cfg.model.embedded
+        else None
+    )
 
     # 5. Tau of typical acceptance and exact sampling (distribution-level rules: tau only).
     report["temperature"] = ecfg.temperature
@@ -279,6 +286,7 @@ def run(cfg) -> dict:
         atomic_write_json(tmp / REPORT_JSON, report)
         atomic_write_text(tmp / REPORT_MD, report_markdown(report))
         plots = {name: out / PLOTS / path.name for name, path in write_plots(report, tmp / PLOTS).items()}
+        kept = keep_previous(out, tmp)
         publish_dir(tmp, out)
     finally:
         if tmp.exists():
@@ -312,7 +320,9 @@ def run(cfg) -> dict:
             100 * (1 - report["greedy_identical"]),
             out / GENERATIONS,
         )
-    for key in ("speedup_note", "tau_note"):
+    if kept is not None:
+        log.info("eval: the previous report (%s) is kept in %s", kept, out / PREVIOUS)
+    for key in ("speedup_note", "tau_note", "prompts_note"):
         if report[key]:
             log.warning("eval: %s", report[key])
     log.info(
@@ -406,6 +416,19 @@ def load_eval_prompts(ecfg) -> list[Conversation]:
             f"no usable evaluation prompt in eval.prompts={ecfg.prompts} {ecfg.path or ''}".rstrip()
         )
     return prompts
+
+
+def keep_previous(out: Path, staging: Path) -> str | None:
+    """Copy the report in ``out`` (the last run's files, not its own ``previous/``) into ``staging/previous``,
+    so publishing ``staging`` keeps one run of history; returns the kept report's date, or None."""
+    if not (out / REPORT_JSON).is_file():
+        return None
+    shutil.copytree(out, staging / PREVIOUS, ignore=lambda d, names: [PREVIOUS] if Path(d) == out else [])
+    try:
+        date = read_json(out / REPORT_JSON, repair="").get("date")
+    except DamagedArtefactError:
+        date = None
+    return str(date or "undated")
 
 
 def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:

@@ -179,3 +179,17 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={other}", *quick))
     with pytest.raises(ConfigError, match="eval.batch_sizes"):
         tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")
+
+
+def test_previous_report_is_kept_and_demo_prompts_are_named(evaluated: tuple[Path, dict]) -> None:
+    """A rerun keeps the last report in eval/previous/ (one run of history); with model=hf and the
+    embedded prompts, the report says they are the demo's."""
+    workdir, _ = evaluated
+    before = (workdir / "eval" / "report.json").read_text()
+    quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
+    report = eval_stage.run(tiny_cfg(workdir, "stage=eval", *quick))
+    previous = workdir / "eval" / "previous"
+    assert (previous / "report.json").read_text() == before and (previous / "generations.jsonl").is_file()
+    assert not (previous / "previous").exists()
+    assert report["prompts_note"].startswith("the prompts are the embedded demo's held-out conversations")
+    assert "eval.prompts=mtbench|jsonl" in summary_table(report)
