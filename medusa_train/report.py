@@ -145,11 +145,16 @@ def summary_table(report: dict) -> str:
         ("prompts (turns)", f"{report['num_prompts']} ({report.get('num_turns', report['num_prompts'])})"),
         ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes"),
         ("tau, greedy (tokens/step)", _fmt(report["tau"])),
+        ("tau expected from head accuracy", _fmt(report.get("expected_tau"))),
         ("plain greedy tokens/s", _fmt(report["tokens_per_s_baseline"], ".1f")),
         ("Medusa greedy tokens/s", _fmt(report["tokens_per_s_medusa"], ".1f")),
-        ("tau expected from head accuracy", _fmt(report.get("expected_tau"))),
         ("speed-up (median over turns, quartiles)", headline_speedup(report)),
-        ("speed-up of summed tokens/s", _fmt(report.get("speedup_tokens_per_s"), ".2f") + "x"),
+        (
+            "speed-up of summed tokens/s",
+            _fmt(report.get("speedup_tokens_per_s"), ".2f") + "x"
+            if report.get("speedup_tokens_per_s") is not None
+            else "n/a",
+        ),
         ("greedy output identical", f"{report['greedy_identical']:.0%}"),
         (f"tau, typical (T={temp})", _fmt(report.get("tau_typical"))),
         (f"tau, sample (T={temp})", _fmt(report.get("tau_sample"))),
