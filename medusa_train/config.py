@@ -763,6 +763,8 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     from omegaconf import OmegaConf
 
     register_configs()
+    for override in overrides or []:
+        _check_added_key(override, list(overrides or []))
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -804,7 +806,14 @@ def _close_match(message: str, overrides: list[str]) -> str | None:
         if not match:
             return None
         fixed = ".".join([*parts[:at], match[0], *parts[at + 1 :]])
-        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == found.group(1)), None)
+        value = next(
+            (
+                o.split("=", 1)[1]
+                for o in overrides
+                if o.split("=", 1)[0].lstrip("+~") == found.group(1).lstrip("+~")
+            ),
+            None,
+        )
         return f"did you mean {fixed}={value}?" if value is not None else f"did you mean {fixed}?"
     found = _UNKNOWN_OPTION.search(message)
     if found and (CONF_DIR / found.group(1)).is_dir():
@@ -814,6 +823,23 @@ def _close_match(message: str, overrides: list[str]) -> str | None:
         listed = f"{group} is one of {', '.join(options)}"
         return f"did you mean {group}={match[0]}? ({listed})" if match else listed
     return None
+
+
+def _check_added_key(override: str, overrides: list[str]) -> None:
+    """``+a.b=v`` / ``++a.b=v`` adds a key; the typed config has no room for one it does not define,
+    and OmegaConf would drop it without a word: refuse it like a misspelt ``a.b=v``."""
+    key = override.lstrip("+").split("=", 1)[0]
+    parts = key.split(".")
+    if not override.startswith("+") or len(parts) < 2:  # `+group=option` adds a config group
+        return
+    names = _field_names(parts[:-1])
+    if names and parts[-1] not in names:
+        hint = _close_match(f"Could not override '{key}'. Key '{parts[-1]}' not in", overrides)
+        raise ConfigError(
+            f"Key '{parts[-1]}' not in {'.'.join(parts[:-1])}"
+            + (f": {hint}" if hint else "")
+            + " — see `python -m medusa_train --help`"
+        )
 
 
 def _field_names(path: list[str]) -> list[str]:
