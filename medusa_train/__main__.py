@@ -62,6 +62,37 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+NOT_APPLICABLE = {
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+    "DeepSpeed": "Setting accelerator to CPU",
+}
+"""Third-party log lines that transformers' own imports trigger whatever is asked (it imports peft,
+which imports bitsandbytes, and deepspeed when installed): logger name -> message prefix. They are
+dropped when they do not apply to the run (:func:`quiet_third_party`)."""
+
+
+class _DropPrefix(logging.Filter):
+    """Drops a logger's records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_third_party(quantization: str, deepspeed: bool) -> None:
+    """Drop the :data:`NOT_APPLICABLE` lines that do not concern this run: bitsandbytes' CPU 4-bit
+    kernel notice unless ``model.quantization=4bit``, DeepSpeed's accelerator notice unless DeepSpeed
+    is used. Installed on the named loggers before they exist (the libraries add handlers, not filters)."""
+    wanted = {"bitsandbytes.backends.cpu.ops": quantization == "4bit", "DeepSpeed": deepspeed}
+    for name, prefix in NOT_APPLICABLE.items():
+        logger = logging.getLogger(name)
+        if not wanted[name] and not any(isinstance(f, _DropPrefix) for f in logger.filters):
+            logger.addFilter(_DropPrefix(prefix))
+
+
 def run_stage(cfg) -> dict:
     """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
     from medusa_train.report import summary_table  # torch: not needed by --help/--cfg (module docstring)
@@ -97,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if print_cfg:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
+        quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
         run_stage(cfg)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -84,6 +84,15 @@ def resolve_device(spec: str = "auto") -> torch.device:
     return device
 
 
+def resolve_dtype(spec: str, device: str | torch.device) -> str:
+    """``model.dtype`` as loaded on ``device``: ``auto`` is bfloat16 on a CUDA GPU that supports it and
+    float32 elsewhere (a CPU computes bfloat16 slowly and less exactly); other values as given."""
+    if spec != "auto":
+        return spec
+    device = torch.device(device)
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
 def check_backbone_source(name_or_path: str) -> None:
     """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
@@ -95,14 +104,15 @@ def check_backbone_source(name_or_path: str) -> None:
         return
     refuse_old_layout(path)  # a workdir from before stage=backbone was renamed stage=pretrain
     # "runs/x/pretrain" style paths with several components are local paths, not hub ids.
-    if (
-        name_or_path.count("/") > 1
-        or name_or_path.startswith((".", "/", "~"))
-        or name_or_path.endswith("/pretrain")
-    ):
+    if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone
         raise UserError(
             f"no backbone at {name_or_path}: run `python -m medusa_train stage=pretrain` first (model=tiny), "
             "or pass model=hf model.name_or_path=<hub id or directory>"
+        )
+    if name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")):
+        raise UserError(
+            f"model.name_or_path={name_or_path}: no such directory here (a Hub id has the form org/name): "
+            "give the directory that holds the model's config.json, or a Hub id"
         )
 
 
@@ -129,20 +139,19 @@ def load_backbone(
 
     Args:
         name_or_path: hub id or local directory.
-        dtype: float32 | bfloat16 | float16 | auto.
+        dtype: float32 | bfloat16 | float16 | auto (:func:`resolve_dtype`).
         quantization: none | 8bit | 4bit (bitsandbytes; nf4 with double quantization for 4bit).
         device: where to put the model (quantized models are placed by bitsandbytes).
         trainable: False puts the model in eval mode with ``requires_grad=False`` everywhere.
     """
     check_backbone_source(name_or_path)
-    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision}
-    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
-    kwargs["dtype"] = torch_dtype
+    dtype = resolve_dtype(dtype, device)
+    kwargs: dict = {"trust_remote_code": trust_remote_code, "revision": revision, "dtype": DTYPES[dtype]}
     if quantization != "none":
         if quantization == "8bit":
             kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
         else:
-            compute = torch.float32 if dtype in ("float32", "auto") else DTYPES[dtype]
+            compute = DTYPES[dtype]
             kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True,
                 bnb_4bit_quant_type="nf4",

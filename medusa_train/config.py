@@ -14,8 +14,11 @@ Only ``medusa_train/__main__.py`` and ``medusa_train/stages/`` read this config;
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -101,7 +104,8 @@ class ModelConfig:
     embedded: bool = False
     """True only for `model=tiny`: `stage=pretrain` may (re)create the model at `name_or_path`."""
     dtype: str = "float32"
-    """Weights dtype: float32 | bfloat16 | float16 | auto (the checkpoint's own)."""
+    """Weights dtype: float32 | bfloat16 | float16 | auto (bfloat16 on a CUDA GPU that supports it,
+    float32 elsewhere; the `model=hf` preset's default)."""
     quantization: str = "none"
     """none | 8bit | 4bit (bitsandbytes; 4bit is nf4). Frozen backbone only, or QLoRA in medusa2."""
     trust_remote_code: bool = False
@@ -786,6 +790,8 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     from omegaconf import OmegaConf
 
     register_configs()
+    for override in overrides or []:
+        _check_added_key(override, list(overrides or []))
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -797,15 +803,86 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     except ConfigError:
         raise
     except Exception as err:  # Hydra / OmegaConf errors: make them one actionable line
-        raise ConfigError(_one_line(err)) from None
+        hint = _close_match(f"{err}\n{err.__cause__ or ''}", list(overrides or []))
+        raise ConfigError(_one_line(err, hint)) from None
     finally:
         GlobalHydra.instance().clear()
     assert isinstance(obj, Config)
     return obj
 
 
-def _one_line(err: BaseException) -> str:
-    """Hydra and OmegaConf errors span several lines (and chain a cause); keep what names the key."""
+_UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\.(?s:.*?)Key '([^']+)' not in")
+_UNKNOWN_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+
+
+def _close_match(message: str, overrides: list[str]) -> str | None:
+    """A suggestion for a misspelt key or group option in a Hydra/OmegaConf error ``message``:
+    ``did you mean distill.max_new_tokens?`` for ``distill.max_new_token``, ``did you mean data=text?``
+    for ``data=txt`` (with the group's options), ``did you mean training=medusa2?`` for the override
+    ``trainin=medusa2`` (``overrides``: the command line's); None when nothing is close."""
+    found = _UNKNOWN_KEY.search(message)
+    if found:
+        parts = found.group(1).lstrip("+~").split(".")
+        if found.group(2) not in parts:
+            return None
+        at = parts.index(found.group(2))
+        names = _field_names(parts[:at])
+        if at == 0:
+            names += [d.name for d in CONF_DIR.iterdir() if d.is_dir()]  # groups: `data=text`
+        match = difflib.get_close_matches(parts[at], names, n=1, cutoff=0.6)
+        if not match:
+            return None
+        fixed = ".".join([*parts[:at], match[0], *parts[at + 1 :]])
+        value = next(
+            (
+                o.split("=", 1)[1]
+                for o in overrides
+                if o.split("=", 1)[0].lstrip("+~") == found.group(1).lstrip("+~")
+            ),
+            None,
+        )
+        return f"did you mean {fixed}={value}?" if value is not None else f"did you mean {fixed}?"
+    found = _UNKNOWN_OPTION.search(message)
+    if found and (CONF_DIR / found.group(1)).is_dir():
+        group, option = found.groups()
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        match = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
+        listed = f"{group} is one of {', '.join(options)}"
+        return f"did you mean {group}={match[0]}? ({listed})" if match else listed
+    return None
+
+
+def _check_added_key(override: str, overrides: list[str]) -> None:
+    """``+a.b=v`` / ``++a.b=v`` adds a key; the typed config has no room for one it does not define,
+    and OmegaConf would drop it without a word: refuse it like a misspelt ``a.b=v``."""
+    key = override.lstrip("+").split("=", 1)[0]
+    parts = key.split(".")
+    if not override.startswith("+") or len(parts) < 2:  # `+group=option` adds a config group
+        return
+    names = _field_names(parts[:-1])
+    if names and parts[-1] not in names:
+        hint = _close_match(f"Could not override '{key}'. Key '{parts[-1]}' not in", overrides)
+        raise ConfigError(
+            f"Key '{parts[-1]}' not in {'.'.join(parts[:-1])}"
+            + (f": {hint}" if hint else "")
+            + " — see `python -m medusa_train --help`"
+        )
+
+
+def _field_names(path: list[str]) -> list[str]:
+    """The fields of the config dataclass at dotted ``path`` under :class:`Config` ([] if none is there)."""
+    cls: Any = Config
+    for part in path:
+        hint = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(hint):
+            return []
+        cls = hint
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _one_line(err: BaseException, hint: str | None = None) -> str:
+    """Hydra and OmegaConf errors span several lines (and chain a cause); keep what names the key,
+    then ``hint`` (a close match of a misspelt name)."""
     cause = err
     while cause.__cause__ is not None and not str(cause).strip():
         cause = cause.__cause__
@@ -823,4 +900,6 @@ def _one_line(err: BaseException) -> str:
         )
     if full_key and full_key not in head:
         head = f"{head} (key: {full_key})"
+    if hint:
+        head = f"{head}: {hint}"
     return head + " — see `python -m medusa_train --help`"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 import transformers
 
 from medusa_train.data.distilled import data_key
+from medusa_train.decoding.timing import speedup_figures
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
@@ -64,32 +66,20 @@ def top1_top5(topk: list[list[float]]) -> tuple[list[float], list[float]]:
 
 # -- eval's figures ---------------------------------------------------------------------------------
 def summarise(records: list[dict], num_prompts: int) -> dict:
-    """The headline figures of the main run, computed from the per-turn records (generations.jsonl)."""
-    tokens = sum(r["tokens"] for r in records)
-    steps = sum(r["steps"] for r in records)
-    base_tokens = sum(r["baseline_tokens"] for r in records)
-    base_s = sum(r["baseline_s"] for r in records)
-    med_s = sum(r["medusa_s"] for r in records)
-    tps_base = base_tokens / max(1e-9, base_s)
-    tps_med = tokens / max(1e-9, med_s)
+    """The headline figures of the main run, computed from the per-turn records (generations.jsonl):
+    the timing protocol's figures (:func:`~medusa_train.decoding.timing.speedup_figures`: the median
+    per-turn speed-up as ``speedup``, its quartiles, the summed tokens/s ratio, the plausibility
+    check), greedy parity and the accepted-length histogram."""
     by_prompt: dict[int, bool] = {}
     for r in records:
         by_prompt[r["prompt_index"]] = by_prompt.get(r["prompt_index"], True) and r["identical"]
     hist = Counter(length for r in records for length in r["accepted_lengths"])
     max_len = max(hist) if hist else 1
     return {
-        "tau": tokens / max(1, steps),
-        "speedup": tps_med / tps_base if tps_base > 0 else 0.0,
-        "tokens_per_s_baseline": tps_base,
-        "tokens_per_s_medusa": tps_med,
+        **speedup_figures(records),
         "greedy_identical": sum(by_prompt.values()) / max(1, len(by_prompt)),
         "num_prompts": num_prompts,
         "num_turns": len(records),
-        "new_tokens_medusa": tokens,
-        "new_tokens_baseline": base_tokens,
-        "steps": steps,
-        "seconds_baseline": base_s,
-        "seconds_medusa": med_s,
         "accepted_length_histogram": {str(n): hist.get(n, 0) for n in range(1, max_len + 1)},
     }
 
@@ -104,7 +94,8 @@ ALTERNATIVES = {
 
 
 def alternatives(records: list[dict]) -> dict[str, dict]:
-    """Tokens/s, speed-up over plain greedy and the identical fraction of each alternative in the records.
+    """Tokens/s, speed-up over plain greedy (median over turns, and the summed tokens/s ratio) and the
+    identical fraction of each alternative in the records.
 
     An alternative is there when every record has its ``<name>_tokens``, ``<name>_s`` and
     ``<name>_identical`` (stage eval's step 4 writes them next to the plain and Medusa figures).
@@ -115,9 +106,15 @@ def alternatives(records: list[dict]) -> dict[str, dict]:
         if not records or any(f"{name}_s" not in r for r in records):
             continue
         tps = sum(r[f"{name}_tokens"] for r in records) / max(1e-9, sum(r[f"{name}_s"] for r in records))
+        per_turn = [
+            (r[f"{name}_tokens"] / max(1e-9, r[f"{name}_s"]))
+            / max(1e-9, r["baseline_tokens"] / max(1e-9, r["baseline_s"]))
+            for r in records
+        ]
         out[name] = {
             "tokens_per_s": tps,
-            "speedup": tps / base_tps if base_tps > 0 else 0.0,
+            "speedup": statistics.median(per_turn),
+            "speedup_tokens_per_s": tps / base_tps if base_tps > 0 else 0.0,
             "identical": sum(bool(r[f"{name}_identical"]) for r in records) / len(records),
         }
     if "compiled_plain" in out and "static_medusa" in out:  # eval.compile: against the compiled baseline too
@@ -205,9 +202,16 @@ def summary_table(report: dict) -> str:
         ("prompts (turns)", f"{report['num_prompts']} ({report.get('num_turns', report['num_prompts'])})"),
         ("tree", f"{report.get('tree', '?')}, {report['tree_size']} nodes{_calibrated_for(report)}"),
         ("tau, greedy (tokens/step)", _fmt(report["tau"])),
+        ("tau expected from head accuracy", _fmt(report.get("expected_tau"))),
         ("plain greedy tokens/s", _fmt(report["tokens_per_s_baseline"], ".1f")),
         ("Medusa greedy tokens/s", _fmt(report["tokens_per_s_medusa"], ".1f")),
-        ("speed-up", f"{report['speedup']:.2f}x"),
+        ("speed-up (median over turns, quartiles)", headline_speedup(report)),
+        (
+            "speed-up of summed tokens/s",
+            _fmt(report.get("speedup_tokens_per_s"), ".2f") + "x"
+            if report.get("speedup_tokens_per_s") is not None
+            else "n/a",
+        ),
         ("greedy output identical", f"{report['greedy_identical']:.0%}"),
         (f"tau, typical (T={temp})", _fmt(report.get("tau_typical"))),
         (f"tau, sample (T={temp})", _fmt(report.get("tau_sample"))),
@@ -217,7 +221,18 @@ def summary_table(report: dict) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    lines += [
+        f"\nNote: {report[key]}" for key in ("speedup_note", "tau_note", "prompts_note") if report.get(key)
+    ]
     return "\n".join(lines)
+
+
+def headline_speedup(report: dict) -> str:
+    """The headline speed-up with its spread, or why it is not shown (the figures stay in report.json)."""
+    if report.get("speedup_plausible") is False:
+        return "not shown: above what tau and the step costs allow (see the note; figures in report.json)"
+    spread = f" ({report['speedup_q25']:.2f}-{report['speedup_q75']:.2f})" if "speedup_q25" in report else ""
+    return f"{report['speedup']:.2f}x{spread}"
 
 
 def report_markdown(report: dict) -> str:
@@ -230,14 +245,19 @@ def report_markdown(report: dict) -> str:
     ]
     lines += [summary_table(report), ""]
     if report.get("sweep"):
+        turns = report["sweep"][0].get("turns", "?")
         lines += [
             "## Tree size",
+            "",
+            f"Calibrated trees and the evaluated one (*) on the first {turns} of the {report.get('num_turns')} "
+            "turns above; speed-up: median over those turns (quartiles).",
             "",
             "| nodes | expected tau | tau | tokens/s | speed-up |",
             "|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['tree_size']} | {r['expected_tau']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |"
+            f"| {r['tree_size']}{' *' if r.get('main') else ''} | {r['expected_tau']:.2f} | {r['tau']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {_speedup_cell(r)} |"
             for r in report["sweep"]
         ]
         lines.append("")
@@ -249,7 +269,7 @@ def report_markdown(report: dict) -> str:
             "|---|---|---|---|",
             f"| plain greedy `generate` | {report['tokens_per_s_baseline']:.1f} | 1.00x | - |",
             f"| Medusa ({report['tree_size']}-node tree) | {report['tokens_per_s_medusa']:.1f} | "
-            f"{report['speedup']:.2f}x | {report['greedy_identical']:.0%} |",
+            f"{_speedup_cell(report)} | {report['greedy_identical']:.0%} |",
         ]
         lines += [
             f"| {ALTERNATIVES[name]} ({row.get('setting', '')}) | {row['tokens_per_s']:.1f} | "
@@ -261,14 +281,15 @@ def report_markdown(report: dict) -> str:
         lines += [
             "## Batch size",
             "",
-            "Plain batched `generate` (left padding) vs batched Medusa on the same turns in groups of B.",
+            "Plain batched `generate` (left padding) vs batched Medusa on the same turns in groups of B; "
+            "speed-up: median over groups (quartiles).",
             "",
             "| batch | turns | plain tokens/s | Medusa tokens/s | speed-up | tau | rows identical |",
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['batch_size']} | {r['turns']} | {r['tokens_per_s_baseline']:.1f} | {r['tokens_per_s_medusa']:.1f} "
-            f"| {r['speedup']:.2f}x | {r['tau']:.2f} | {r['identical']:.0%} |"
+            f"| {_speedup_cell(r)} | {r['tau']:.2f} | {r['identical']:.0%} |"
             for r in report["batch_sizes"]
         ]
         lines.append("")
@@ -306,6 +327,14 @@ def vllm_chain_table(chain: list[dict]) -> str:
         f"less than {MARGINAL_TAU} tokens per step.",
     ]
     return "\n".join(lines)
+
+
+def _speedup_cell(row: dict) -> str:
+    """A table row's speed-up with its quartiles; flagged when above what its tau allows."""
+    cell = f"{row['speedup']:.2f}x"
+    if "speedup_q25" in row:
+        cell += f" ({row['speedup_q25']:.2f}-{row['speedup_q75']:.2f})"
+    return cell + (" (implausible: host disturbed)" if row.get("speedup_plausible") is False else "")
 
 
 def comparison_table(rows: list[dict]) -> str:
@@ -607,7 +636,7 @@ def model_card(
         lines += [
             "",
             f"- tau (tokens per verification step, greedy, {report.get('tree_size')}-node tree): **{report.get('tau', 0):.2f}**",
-            f"- speed-up over plain greedy `generate`: **{report.get('speedup', 0):.2f}x** "
+            f"- speed-up over plain greedy `generate` (median over turns): **{headline_speedup(report)}** "
             f"({report.get('tokens_per_s_medusa', 0):.1f} vs {report.get('tokens_per_s_baseline', 0):.1f} tokens/s, "
             f"{report.get('num_prompts')} prompts, {(report.get('machine') or {}).get('device', 'this machine')})",
             f"- Medusa greedy output identical to plain greedy: {report.get('greedy_identical', 0):.0%} of prompts",

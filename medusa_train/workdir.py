@@ -69,6 +69,8 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 GENERATIONS = "generations.jsonl"
 PLOTS = "plots"
+PREVIOUS = "previous"
+"""Inside ``eval/``: the report of the run before the latest (stage=eval replaces it on each run)."""
 
 
 @dataclass(frozen=True)
@@ -375,19 +377,33 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".") or "<settings>"]
 
 
-def describe_diff(old: Any, new: Any, limit: int = 4) -> str:
+def describe_diff(old: Any, new: Any, limit: int = 4, settable: Callable[[str], bool] | None = None) -> str:
     """The entries that differ between two keys as ``name (old -> new), ...``; never empty.
 
     Values are shown short (a long one is cut), so a user can rerun with the old value to keep the
-    data made with it.
+    data made with it. ``settable``: which dotted names are settings a user sets (config keys); those
+    come first, with their values, and the rest (hashes, counts and identities derived from them and
+    from the inputs) after them, by name only: the user's own change is never pushed out by them.
     """
     names = settings_diff(old, new) or ["<settings>"]
+    derived: list[str] = []
+    if settable is not None:
+        derived = [n for n in names if not settable(n)]
+        names = [n for n in names if settable(n)]
     parts = []
     for name in names[:limit]:
         a, b = _lookup(old, name), _lookup(new, name)
         parts.append(f"{name} ({_short(a)} -> {_short(b)})")
     more = f", and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(parts) + more
+    if not parts:
+        return describe_diff(old, new, limit)
+    text = ", ".join(parts) + more
+    if derived:
+        shown = ", ".join(derived[:limit]) + (
+            f" and {len(derived) - limit} more" if len(derived) > limit else ""
+        )
+        text += f"; derived from settings and inputs: {shown}"
+    return text
 
 
 def _lookup(key: Any, dotted: str) -> Any:

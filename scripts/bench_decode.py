@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,6 +47,13 @@ from medusa_train.decoding import (  # noqa: E402
     medusa_generate_batch,
 )
 from medusa_train.decoding.generate import attention_backends  # noqa: E402
+from medusa_train.decoding.timing import (  # noqa: E402
+    WARMUP_TURNS,
+    Decoded,
+    interleaved,
+    pair_record,
+    speedup_figures,
+)
 from medusa_train.heads import MedusaHeads  # noqa: E402
 from tests.helpers.models import tiny_config  # noqa: E402
 
@@ -154,6 +162,15 @@ def plain_batch(
     return [_until_eos(row, eos) for row in out.tolist()]
 
 
+def _timed(device: torch.device, decode, *args, **kwargs) -> tuple:
+    """``decode(*args, **kwargs)`` and its wall-clock seconds, the device synchronised at both ends."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out = decode(*args, **kwargs)
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
 def bench_batches(
     model,
     heads,
@@ -168,9 +185,11 @@ def bench_batches(
 ) -> list[dict]:
     """Plain batched ``generate`` vs ``medusa_generate_batch`` at each batch size, same prompts.
 
-    The prompts are decoded in consecutive groups of B (the last group may be smaller); every repeat
-    runs every batch size, plain then Medusa on each group, so slow phases of a shared machine hit
-    all of them. Tokens/s = new tokens over wall-clock seconds, summed over groups and repeats.
+    The timing protocol of ``medusa_train.decoding.timing``: both paths warmed up at every batch size
+    on the first group at the full budget; the prompts decoded in consecutive groups of B (the last
+    group may be smaller), every repeat running every batch size, plain and Medusa alternating which
+    goes first from group to group; the speed-up is the median over groups and repeats (min and max
+    beside it), the summed tokens/s ratio kept as ``speedup_tokens_per_s``.
     """
     device = next(model.parameters()).device
     packed = PackedHeads(heads)
@@ -178,59 +197,48 @@ def bench_batches(
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else 0)
-    # Warm-up both paths at every batch size (kernels, allocator, the tree's buffers).
-    for bsz in batch_sizes:
-        group = prompts[:bsz]
-        plain_batch(model, group, 4, eos_token_id, pad)
-        medusa_generate_batch(
-            model, packed, group, max_new_tokens=4, tree=tree, batch1_fast_path=batch1_fast_path,
-            attention=attention,
+
+    def plain(group: list[torch.Tensor]) -> Decoded:
+        ref, seconds = _timed(device, plain_batch, model, group, max_new_tokens, eos_token_id, pad)
+        return Decoded(ref, seconds)
+
+    def medusa(group: list[torch.Tensor]) -> Decoded:
+        out, seconds = _timed(
+            device, medusa_generate_batch, model, packed, [p.to(device) for p in group],
+            max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos_token_id, pad_token_id=pad,
+            batch1_fast_path=batch1_fast_path, attention=attention,
         )  # fmt: skip
-    stats = {b: {"plain_s": 0.0, "medusa_s": 0.0, "plain_tok": 0, "medusa_tok": 0, "steps": 0,
-                 "mismatch": 0, "speedups": []} for b in batch_sizes}  # fmt: skip
-    for _ in range(repeats):
+        steps = [n for r in out.rows for n in r.accepted_lengths]
+        return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps, out.prefill_s, out.num_forwards)
+
+    for bsz in batch_sizes:  # warm-up: both paths at every batch size, full budget, untimed
+        plain(prompts[:bsz])
+        medusa(prompts[:bsz])
+    records: dict[int, list[dict]] = {b: [] for b in batch_sizes}
+    mismatch = dict.fromkeys(batch_sizes, 0)
+    for rep in range(repeats):
         for bsz in batch_sizes:
-            st = stats[bsz]
-            p_s = m_s = 0.0
-            p_tok = m_tok = 0
-            for start in range(0, len(prompts), bsz):
+            for g, start in enumerate(range(0, len(prompts), bsz)):
                 group = prompts[start : start + bsz]
-                _sync(device)
-                t0 = time.perf_counter()
-                ref = plain_batch(model, group, max_new_tokens, eos_token_id, pad)
-                _sync(device)
-                p_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = medusa_generate_batch(
-                    model, packed, [p.to(device) for p in group], max_new_tokens=max_new_tokens, tree=tree,
-                    eos_token_id=eos_token_id, pad_token_id=pad, batch1_fast_path=batch1_fast_path,
-                    attention=attention,
-                )  # fmt: skip
-                _sync(device)
-                m_s += time.perf_counter() - t0
-                p_tok += sum(len(r) for r in ref)
-                m_tok += out.num_tokens
-                st["steps"] += sum(r.num_steps for r in out.rows)
-                st["mismatch"] += sum(r.tokens.tolist() != e for r, e in zip(out.rows, ref, strict=True))
-            st["plain_s"] += p_s
-            st["medusa_s"] += m_s
-            st["plain_tok"] += p_tok
-            st["medusa_tok"] += m_tok
-            st["speedups"].append((m_tok / m_s) / (p_tok / p_s))
+                ref, out = interleaved(rep + g, [partial(plain, group), partial(medusa, group)])
+                records[bsz].append(pair_record(ref, out))
+                mismatch[bsz] += sum(a != b for a, b in zip(out.tokens, ref.tokens, strict=True))
     rows = []
     for bsz in batch_sizes:
-        st = stats[bsz]
-        plain_tps, medusa_tps = st["plain_tok"] / st["plain_s"], st["medusa_tok"] / st["medusa_s"]
+        fig = speedup_figures(records[bsz])
+        per_group = [r["speedup"] for r in records[bsz]]
         rows.append(
             {
                 "batch_size": bsz,
-                "plain_tokens_per_s": plain_tps,
-                "medusa_tokens_per_s": medusa_tps,
-                "speedup": medusa_tps / plain_tps,
-                "speedup_min": min(st["speedups"]),
-                "speedup_max": max(st["speedups"]),
-                "tau": st["medusa_tok"] / max(1, st["steps"]),
-                "rows_differing": st["mismatch"] / repeats,
+                "plain_tokens_per_s": fig["tokens_per_s_baseline"],
+                "medusa_tokens_per_s": fig["tokens_per_s_medusa"],
+                "speedup": fig["speedup"],
+                "speedup_min": min(per_group),
+                "speedup_max": max(per_group),
+                "speedup_tokens_per_s": fig["speedup_tokens_per_s"],
+                "speedup_plausible": fig["speedup_plausible"],
+                "tau": fig["tau"],
+                "rows_differing": mismatch[bsz] / repeats,
             }
         )
     return rows
@@ -245,66 +253,69 @@ def bench_generation(
     model, heads, prompts, tree, max_new_tokens: int, eos_token_id, attention: str = "sdpa"
 ) -> dict:
     """Plain greedy ``generate`` vs greedy ``medusa_generate`` (tree attention ``attention``) on the
-    same prompts."""
+    same prompts.
+
+    The timing protocol of ``medusa_train.decoding.timing``: both decoders warmed up on the first
+    prompts at the full budget, then plain and Medusa alternating which goes first from prompt to
+    prompt; ``speedup`` is the median per-prompt speed-up (quartiles beside it), the summed tokens/s
+    ratio ``speedup_tokens_per_s``.
+    """
     device = next(model.parameters()).device
     packed = PackedHeads(heads)  # both built once, as a caller decoding many prompts would
     tree = TreeBuffers.from_choices(tree).to(device)
-    plain_tokens = medusa_tokens = 0
-    plain_s = medusa_s = forward_s = prefill_s = 0.0
-    steps = forwards = 0
-    mismatches = 0
     pad = eos_token_id if isinstance(eos_token_id, int) else (eos_token_id[0] if eos_token_id else 0)
-    # Warm-up both paths once (kernels, allocator) outside the timings.
-    warm = prompts[0].to(device)
-    model.generate(
-        warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad
-    )
-    medusa_generate(model, packed, warm, max_new_tokens=4, tree=tree, attention=attention)
-    for prompt in prompts:
-        prompt = prompt.to(device)
-        _sync(device)
-        t0 = time.perf_counter()
+    details: list = []  # the MedusaOutput of each timed prompt, for the overhead figures
+
+    def plain(prompt: torch.Tensor) -> Decoded:
         # An explicit all-ones mask: without it `generate` masks every prompt token equal to the pad
         # id (random prompts contain it), and the reference is no longer plain greedy decoding.
-        ref = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad,
-        )[0, prompt.shape[1] :]
-        _sync(device)
-        plain_s += time.perf_counter() - t0
-        plain_tokens += ref.numel()
+        out, seconds = _timed(
+            device, model.generate, prompt, attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad,
+        )  # fmt: skip
+        return Decoded(out[0, prompt.shape[1] :].tolist(), seconds)
+
+    def medusa(prompt: torch.Tensor) -> Decoded:
         out = medusa_generate(
             model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos_token_id,
             attention=attention,
         )  # fmt: skip
-        medusa_s += out.total_s
-        forward_s += out.forward_s
-        prefill_s += out.prefill_s
-        medusa_tokens += out.tokens.numel()
-        steps += out.num_steps
-        forwards += out.num_forwards
-        mismatches += int(
-            not torch.equal(out.tokens, ref.cpu())
-        )  # whole sequences: a short output is a mismatch
-    plain_tps = plain_tokens / plain_s
-    medusa_tps = medusa_tokens / medusa_s
+        details.append(out)
+        return Decoded(
+            out.tokens.tolist(), out.total_s, list(out.accepted_lengths), out.prefill_s, out.num_forwards
+        )
+
+    for prompt in prompts[:WARMUP_TURNS]:  # warm-up: both paths on the shapes timed below, untimed
+        plain(prompt.to(device))
+        medusa(prompt.to(device))
+    details.clear()
+    records = []
+    for i, prompt in enumerate(prompts):
+        prompt = prompt.to(device)
+        ref, out = interleaved(i, [partial(plain, prompt), partial(medusa, prompt)])
+        records.append(pair_record(ref, out))
+    fig = speedup_figures(records)
+    medusa_s = sum(d.total_s for d in details)
+    prefill_s = sum(d.prefill_s for d in details)
+    forward_s = sum(d.forward_s for d in details)
+    forwards = sum(d.num_forwards for d in details)
     decode_s = medusa_s - prefill_s
     return {
         "prompts": len(prompts),
-        "plain_tokens_per_s": plain_tps,
-        "medusa_tokens_per_s": medusa_tps,
-        "speedup": medusa_tps / plain_tps,
-        "tau": medusa_tokens / max(1, steps),
+        "plain_tokens_per_s": fig["tokens_per_s_baseline"],
+        "medusa_tokens_per_s": fig["tokens_per_s_medusa"],
+        "speedup": fig["speedup"],
+        "speedup_q25": fig["speedup_q25"],
+        "speedup_q75": fig["speedup_q75"],
+        "speedup_tokens_per_s": fig["speedup_tokens_per_s"],
+        "speedup_plausible": fig["speedup_plausible"],
+        "tau": fig["tau"],
         "overhead_fraction": (decode_s - forward_s) / decode_s if decode_s > 0 else 0.0,
         # Per verification forward: the model's forward, and everything else of the decode (heads,
         # candidates, mask views, acceptance, KV compaction, per-call setup, Python).
         "forward_ms": 1e3 * forward_s / max(1, forwards),
         "overhead_ms": 1e3 * (decode_s - forward_s) / max(1, forwards),
-        "greedy_mismatches": mismatches,
+        "greedy_mismatches": sum(not r["identical"] for r in records),  # whole sequences
     }
 
 
@@ -335,7 +346,7 @@ def markdown(results: dict) -> str:
     batches = results.get("batches")
     if batches:
         lines += [
-            "| batch | plain tokens/s | Medusa tokens/s | speed-up (min-max over repeats) | tau | rows differing |",
+            "| batch | plain tokens/s | Medusa tokens/s | speed-up: median (min-max over groups) | tau | rows differing |",
             "|---|---|---|---|---|---|",
         ]
         lines += [

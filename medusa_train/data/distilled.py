@@ -361,7 +361,11 @@ def read_manifest(distill_dir: str | Path) -> dict:
         raise UserError(
             f"no distilled data at {distill_dir} (missing {MANIFEST}): run `python -m medusa_train stage=distill` first"
         )
-    return read_json(path, repair=REGENERATE)
+    manifest = read_json(path, repair=REGENERATE, keys=("backbone",))
+    backbone = manifest["backbone"]
+    if not isinstance(backbone, dict) or not backbone.get("fingerprint"):
+        raise DamagedArtefactError(f"{path} is damaged (no backbone fingerprint): {REGENERATE}")
+    return manifest
 
 
 def shard_files(distill_dir: str | Path) -> list[Path]:

@@ -242,7 +242,7 @@ def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a UTF-8 byte-order mark (Windows editors) is dropped
     except UnicodeDecodeError:
         raise UserError(f"{path} is not a UTF-8 text file") from None
     except OSError as err:
@@ -334,6 +334,7 @@ def read_records(
     max_records: int | None = None,
     num_prompts: int = 600,
     seed: int = 0,
+    options: tuple[str, str] = ("data.format", "data.prompt_key"),
 ) -> ReadResult:
     """Read the user turns of every record of a source (see the module docstring for the rules).
 
@@ -351,6 +352,8 @@ def read_records(
         max_records: keep at most this many good records (None = all).
         num_prompts: embedded: how many prompts of the train split.
         seed: embedded: stream seed.
+        options: the config keys of the format and the prompt field, as error messages name them
+            (eval's prompts: ``("eval.prompts", "eval.prompt_key")``).
 
     Returns:
         The records in source order with the skip / repair counts.
@@ -388,15 +391,57 @@ def read_records(
 
         return _collect(chunks(), _make_jsonl_parser("prompt"), str(root), strict, max_records)
     files = _files(root, (".json", ".jsonl"))
-    return _collect(_iter_json_records(files, root), _parser(fmt, prompt_key), str(root), strict, max_records)
+    records = _iter_json_records(files, root)
+    return _collect(records, _parser(fmt, prompt_key), str(root), strict, max_records, fmt, options)
 
 
-def _collect(raw, parse, source: str, strict: bool, max_records: int | None) -> ReadResult:
-    """Parse raw records, applying the skip / repair rules; fail when nothing usable remains."""
+_FORMAT_FIELDS = (
+    ("conversations", "sharegpt"),
+    ("messages", "sharegpt"),
+    ("instruction", "alpaca"),
+    ("turns", "mtbench"),
+)
+"""A record field that names the format it belongs to (the first one a record has wins)."""
+
+
+def _format_hint(fmt: str, first: dict | None, options: tuple[str, str]) -> str:
+    """What to set when no record of a ``fmt`` source was usable: the format its first record's fields
+    name (an MT-bench file has ``turns``), else the field to take the prompt from."""
+    format_key, prompt_key = options
+    if first is not None:
+        for field, guess in _FORMAT_FIELDS:
+            if field in first and guess != fmt:
+                if guess not in FORMAT_CHOICES.get(format_key, FORMATS):
+                    break
+                return f"its records have a {field!r} field, as {guess} files do: set {format_key}={guess}"
+        if fmt == "jsonl" and first:
+            fields = ", ".join(map(repr, list(first)[:6]))
+            return f"set {prompt_key}= to the field that holds the prompt (its records have {fields})"
+    return f"check {format_key} and the file"
+
+
+FORMAT_CHOICES = {"eval.prompts": ("mtbench", "jsonl")}
+"""The formats an option other than ``data.format`` accepts (a hint never suggests another)."""
+
+
+def _collect(
+    raw,
+    parse,
+    source: str,
+    strict: bool,
+    max_records: int | None,
+    fmt: str = "",
+    options: tuple[str, str] = ("data.format", "data.prompt_key"),
+) -> ReadResult:
+    """Parse raw records, applying the skip / repair rules; fail when nothing usable remains (naming
+    ``options``, the config keys of the format and the prompt field, in the hint)."""
     result = ReadResult(records=[], source=source)
+    first: dict | None = None  # the first record that is a JSON object, for the hint
     for source_id, number, rec in raw:
         if max_records is not None and len(result.records) >= max_records:
             break
+        if first is None and isinstance(rec, dict):
+            first = rec
         try:
             if isinstance(rec, _Bad):
                 raise rec
@@ -421,7 +466,7 @@ def _collect(raw, parse, source: str, strict: bool, max_records: int | None) -> 
         result.records.append(Conversation(source_id=source_id, turns=turns, system=system))
     if not result.records:
         why = "; ".join(f"{len(v)} x {k}" for k, v in result.skipped.items()) or "it is empty"
-        raise UserError(f"no usable record in {source} ({why}): check data.format and the file")
+        raise UserError(f"no usable record in {source} ({why}): {_format_hint(fmt, first, options)}")
     return result
 
 

@@ -1,6 +1,6 @@
 """Timed decoding for eval and the benchmarks: plain greedy ``generate`` and Medusa tree decoding with
-the same stopping rule, each call timed whole (the speed-up is tokens/s of one over the other, same
-prompts, same process), and the same comparison for batches of prompts.
+the same stopping rule, each call timed whole, and the protocol every speed-up of the project is
+measured with.
 
 Plain decoding is transformers' own ``model.generate(do_sample=False)`` (prompt lookup and assisted
 generation are the same call with their ``generate`` arguments); Medusa is :func:`medusa_generate`
@@ -8,13 +8,37 @@ generation are the same call with their ``generate`` arguments); Medusa is :func
 transformers' static cache with a compiled forward (``cache_implementation="static"``, the fair GPU
 baseline) and greedy Medusa through a :class:`StaticDecoder` (a CUDA graph on CUDA, ``torch.compile``
 elsewhere), one decoder per capacity bucket, captured on first use.
+
+The protocol (eval's main row, its batch-size table and tree-size sweep, ``scripts/bench_decode.py``):
+
+1. Warm-up: every decoder first runs the first :data:`WARMUP_TURNS` turns at their full budget,
+   untimed, so kernels, the allocator and (on a GPU) attention plans are ready for the shapes the
+   timed turns use.
+2. Interleaving: per turn, the decoders run back to back in an order that rotates from turn to turn
+   (:func:`interleaved`; plain first on even turns, Medusa first on odd ones), each call timed whole
+   with the device synchronised at both ends; a burst of load on a shared host then hits one turn of
+   each decoder, not a block of one decoder's turns.
+3. Figures (:func:`speedup_figures`): the speed-up of every turn (its Medusa tokens/s over its plain
+   tokens/s); the headline is their median, with the quartiles as its spread; the ratio of tokens/s
+   summed over all turns is kept beside it (a few disturbed turns can move it far).
+4. Plausibility: a turn of n tokens costs plain decoding ``P + n * c_plain`` and Medusa
+   ``P + (n / tau) * c_medusa`` (P: the prefill, c: one decode step), so its speed-up lies between 1
+   and ``tau * c_plain / c_medusa``. With the step costs measured on the same turns (their medians,
+   so a burst does not move them), a headline above ``max(1, tau * c_plain / c_medusa) * (1 +
+   PLAUSIBILITY_MARGIN)`` cannot come from the decoders: it is kept in the figures, flagged
+   (``speedup_plausible: false``) and not printed as the headline. Without measured step costs a
+   tree step is taken to cost at least a plain step (``c_plain / c_medusa = 1``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import CompileConfig
@@ -25,15 +49,134 @@ from medusa_train.decoding.static import StaticDecoder
 
 log = logging.getLogger(__name__)
 
+WARMUP_TURNS = 2
+"""Turns every decoder runs untimed at their full budget before the timed ones."""
+SPREAD = (0.25, 0.75)
+"""Quantiles of the per-turn speed-ups reported as the headline's spread (``speedup_q25``/``_q75``)."""
+PLAUSIBILITY_MARGIN = 0.2
+"""Relative margin over the speed-up that tau and the measured step costs allow (timing noise)."""
+
 
 @dataclass
 class Decoded:
-    """One decoder call: new token ids (one list per row for the batched calls) and the wall-clock
-    seconds of the whole call."""
+    """One decoder call: new token ids (one list per row for the batched calls), the wall-clock
+    seconds of the whole call, and for Medusa the accepted lengths, the prefill's seconds and the
+    verification forwards (the steps whose cost the plausibility check compares)."""
 
-    tokens: list[int]
+    tokens: list
     seconds: float
     accepted_lengths: list[int] | None = None
+    prefill_s: float = 0.0
+    forwards: int = 0
+
+
+def pair_record(base: Decoded, med: Decoded) -> dict:
+    """What one turn decoded plainly (``base``) and with Medusa (``med``) says: whether the tokens are
+    identical, counts and seconds of both, Medusa's steps and accepted lengths, its speed-up, and the
+    seconds of one decode step of each (the prefill, Medusa's, taken out of both calls)."""
+    flat = not base.tokens or not isinstance(base.tokens[0], list)
+    base_tokens = len(base.tokens) if flat else sum(len(t) for t in base.tokens)
+    med_tokens = len(med.tokens) if flat else sum(len(t) for t in med.tokens)
+    plain_steps = len(base.tokens) if flat else max(len(t) for t in base.tokens)  # generate: a token a step
+    base_tps, med_tps = base_tokens / max(1e-9, base.seconds), med_tokens / max(1e-9, med.seconds)
+    return {
+        "identical": base.tokens == med.tokens,
+        "tokens": med_tokens,
+        "steps": len(med.accepted_lengths or []),
+        "baseline_tokens": base_tokens,
+        "baseline_s": base.seconds,
+        "medusa_s": med.seconds,
+        "speedup": med_tps / base_tps if base_tps > 0 else 0.0,
+        "plain_step_s": max(0.0, base.seconds - med.prefill_s) / max(1, plain_steps)
+        if med.forwards
+        else None,
+        "medusa_step_s": max(0.0, med.seconds - med.prefill_s) / med.forwards if med.forwards else None,
+        "accepted_lengths": med.accepted_lengths,
+    }
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``values`` (linear interpolation between order statistics)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    pos = q * (len(ordered) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def speedup_ceiling(tau: float, step_cost_ratio: float | None) -> float:
+    """The largest speed-up tau and the step costs allow, with :data:`PLAUSIBILITY_MARGIN`
+    (``step_cost_ratio``: plain step seconds over Medusa step seconds; None: taken as 1)."""
+    ratio = 1.0 if step_cost_ratio is None else step_cost_ratio
+    return max(1.0, tau * ratio) * (1.0 + PLAUSIBILITY_MARGIN)
+
+
+def speedup_figures(turns: Sequence[Mapping]) -> dict:
+    """The protocol's figures over turns (:func:`pair_record` dicts, or eval's records, which hold them).
+
+    Returns:
+        ``tau``; ``tokens_per_s_baseline``/``_medusa`` and ``speedup_tokens_per_s`` (summed over the
+        turns); ``speedup`` (the median per-turn speed-up, the headline), ``speedup_q25``/``_q75``;
+        ``step_cost_ratio`` (median plain step over median Medusa step seconds, None when not
+        measured), ``speedup_ceiling``, ``speedup_plausible`` and ``speedup_note`` (one line, None
+        when there is nothing to say).
+    """
+    tokens = sum(t["tokens"] for t in turns)
+    steps = sum(t["steps"] for t in turns)
+    base_tokens = sum(t["baseline_tokens"] for t in turns)
+    base_s, med_s = sum(t["baseline_s"] for t in turns), sum(t["medusa_s"] for t in turns)
+    tps_base, tps_med = base_tokens / max(1e-9, base_s), tokens / max(1e-9, med_s)
+    summed = tps_med / tps_base if tps_base > 0 else 0.0
+    per_turn = [t["speedup"] for t in turns]
+    tau = tokens / max(1, steps)
+    plain_step = [t["plain_step_s"] for t in turns if t.get("plain_step_s") is not None]
+    med_step = [t["medusa_step_s"] for t in turns if t.get("medusa_step_s")]
+    ratio = statistics.median(plain_step) / statistics.median(med_step) if plain_step and med_step else None
+    ceiling = speedup_ceiling(tau, ratio)
+    median = statistics.median(per_turn) if per_turn else 0.0
+    plausible = median <= ceiling
+    note = None
+    why = f"tau {tau:.2f} x plain/Medusa step cost {ratio:.2f}" if ratio is not None else f"tau {tau:.2f}"
+    if not plausible:
+        note = (
+            f"median speed-up {median:.2f}x is above the {ceiling:.2f}x that {why} allow (+"
+            f"{PLAUSIBILITY_MARGIN:.0%}): the host's load changed during the run; rerun on a quiet machine"
+        )
+    elif summed > ceiling:
+        note = (
+            f"the summed tokens/s ratio ({summed:.2f}x) is above the {ceiling:.2f}x that {why} allow: "
+            "a few turns were disturbed (the median per-turn speed-up is the headline)"
+        )
+    return {
+        "tau": tau,
+        "tokens_per_s_baseline": tps_base,
+        "tokens_per_s_medusa": tps_med,
+        "speedup": median,
+        "speedup_q25": quantile(per_turn, SPREAD[0]),
+        "speedup_q75": quantile(per_turn, SPREAD[1]),
+        "speedup_tokens_per_s": summed,
+        "step_cost_ratio": ratio,
+        "speedup_ceiling": ceiling,
+        "speedup_plausible": plausible,
+        "speedup_note": note,
+        "new_tokens_medusa": tokens,
+        "new_tokens_baseline": base_tokens,
+        "steps": steps,
+        "seconds_baseline": base_s,
+        "seconds_medusa": med_s,
+    }
+
+
+def interleaved(turn: int, calls: Sequence[Callable[[], Decoded]]) -> list[Decoded]:
+    """Run ``calls`` back to back starting at ``calls[turn % len(calls)]`` (two calls: alternating
+    order from turn to turn); the results in the order of ``calls``."""
+    n = len(calls)
+    out: list[Decoded | None] = [None] * n
+    for j in range(n):
+        i = (turn + j) % n
+        out[i] = calls[i]()
+    return out  # type: ignore[return-value]
 
 
 class TimedDecoders:
@@ -152,7 +295,7 @@ class TimedDecoders:
             attention=self.attention,
         )
         steps = [n for r in out.rows for n in r.accepted_lengths]
-        return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps)
+        return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps, out.prefill_s, out.num_forwards)
 
     @torch.inference_mode()
     def medusa(
@@ -184,7 +327,9 @@ class TimedDecoders:
             attention=self.attention,
             **extra,
         )
-        return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))
+        return Decoded(
+            out.tokens.tolist(), seconds, list(out.accepted_lengths), out.prefill_s, out.num_forwards
+        )
 
     def tau_of(self, inputs: list[tuple[torch.Tensor, int]], acceptance: str, ecfg) -> float:
         """Tokens per step of ``acceptance`` at ``ecfg.temperature`` over the same prompts."""
@@ -202,9 +347,11 @@ def batch_table(
 ) -> list[dict]:
     """Plain batched ``generate`` vs batched Medusa at each batch size in ``sizes``, same turns.
 
-    B = 1 is the main run (4.); for B > 1 the first ``floor(n / B) * B`` turns are decoded in
-    consecutive groups of B, plain then Medusa per group, with the group's smallest budget for both.
-    ``identical`` is the fraction of rows whose Medusa tokens equal the plain batched row.
+    B = 1 is the main run (``report``); for B > 1 the first ``floor(n / B) * B`` turns are decoded
+    in consecutive groups of B with the group's smallest budget for both, after a warm-up on the
+    first group; plain and Medusa alternate which goes first from group to group, and the speed-up is
+    the median over groups (:func:`speedup_figures`). ``identical`` is the fraction of rows whose
+    Medusa tokens equal the plain batched row.
     """
     rows = []
     for bsz in sorted({int(b) for b in sizes}):
@@ -212,10 +359,7 @@ def batch_table(
             rows.append(
                 {
                     "batch_size": 1,
-                    "tokens_per_s_baseline": report["tokens_per_s_baseline"],
-                    "tokens_per_s_medusa": report["tokens_per_s_medusa"],
-                    "speedup": report["speedup"],
-                    "tau": report["tau"],
+                    **{k: report[k] for k in BATCH_ROW_FIGURES},
                     "identical": report["greedy_identical"],
                     "turns": report["num_turns"],
                 }
@@ -226,31 +370,40 @@ def batch_table(
             continue
         groups = [inputs[i : i + bsz] for i in range(0, len(inputs) - bsz + 1, bsz)]
         warm = [ids for ids, _ in groups[0]]
-        decode.plain_batch(warm, 4)
-        decode.medusa_batch(warm, 4)
-        base_tok = med_tok = steps = same = 0
-        base_s = med_s = 0.0
-        for group in groups:
+        budget = min(b for _, b in groups[0])
+        decode.plain_batch(warm, budget)
+        decode.medusa_batch(warm, budget)
+        records = []
+        same = 0
+        for g, group in enumerate(groups):
             ids = [i for i, _ in group]
             budget = min(b for _, b in group)
-            base = decode.plain_batch(ids, budget)
-            med = decode.medusa_batch(ids, budget)
-            base_tok += sum(len(t) for t in base.tokens)
-            med_tok += sum(len(t) for t in med.tokens)
-            steps += len(med.accepted_lengths or [])
+            base, med = interleaved(
+                g, [partial(decode.plain_batch, ids, budget), partial(decode.medusa_batch, ids, budget)]
+            )
+            records.append(pair_record(base, med))
             same += sum(a == b for a, b in zip(base.tokens, med.tokens, strict=True))
-            base_s, med_s = base_s + base.seconds, med_s + med.seconds
-        base_tps, med_tps = base_tok / max(1e-9, base_s), med_tok / max(1e-9, med_s)
+        figures = speedup_figures(records)
         rows.append(
             {
                 "batch_size": bsz,
-                "tokens_per_s_baseline": base_tps,
-                "tokens_per_s_medusa": med_tps,
-                "speedup": med_tps / base_tps if base_tps > 0 else 0.0,
-                "tau": med_tok / max(1, steps),
+                **{k: figures[k] for k in BATCH_ROW_FIGURES},
                 "identical": same / (len(groups) * bsz),
                 "turns": len(groups) * bsz,
             }
         )
         log.info("batch %d: speed-up %.2fx, tau %.2f", bsz, rows[-1]["speedup"], rows[-1]["tau"])
     return rows
+
+
+BATCH_ROW_FIGURES = (
+    "tokens_per_s_baseline",
+    "tokens_per_s_medusa",
+    "speedup",
+    "speedup_q25",
+    "speedup_q75",
+    "speedup_tokens_per_s",
+    "speedup_plausible",
+    "tau",
+)
+"""The :func:`speedup_figures` a row of the batch-size table keeps."""

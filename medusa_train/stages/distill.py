@@ -47,7 +47,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -60,8 +60,10 @@ from medusa_train.backbone import (
     load_configured_backbone,
     load_tokenizer,
     local_fingerprint,
+    resolve_device,
+    resolve_dtype,
 )
-from medusa_train.config import Config
+from medusa_train.config import Config, DataConfig, DistillConfig
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import (
     FORMAT_VERSION,
@@ -272,7 +274,7 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
     served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
     quick = settings_key(
         backbone_source=backbone,
-        dtype="server's" if served else cfg.model.dtype,
+        dtype="server's" if served else resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         quantization="server's" if served else cfg.model.quantization,
         distill=distill,
         data=data,
@@ -414,12 +416,28 @@ def _readable_manifest(out: Path) -> dict | None:
         return None
 
 
+_SETTABLE = {
+    "distill": {f.name for f in fields(DistillConfig)},
+    "data": {f.name for f in fields(DataConfig)},
+}
+"""The sections of distill's settings key that hold config fields (the rest of their entries, and
+the other sections but :data:`_SETTABLE_KEYS`, are derived: hashes, counts, identities)."""
+_SETTABLE_KEYS = {"dtype", "quantization", "backbone_source.revision", "engine.api", "engine.model"}
+
+
+def _settable(name: str) -> bool:
+    """True for an entry of distill's settings key that the user sets (``distill.max_new_tokens``), False
+    for one derived from the settings and inputs (``data.records_hash``, ``backbone_fingerprint``)."""
+    section, _, field = name.partition(".")
+    return name in _SETTABLE_KEYS or field.partition(".")[0] in _SETTABLE.get(section, ())
+
+
 def _difference(previous: dict | None, current: dict) -> str:
     """The differing settings, never empty (``a different backbone`` for the weights' fingerprint)."""
     if previous is None:
         return f"no readable {PROGRESS} or {MANIFEST} says which"
     old, new = comparable(previous), comparable(current)
-    text = describe_diff(old, new)
+    text = describe_diff(old, new, settable=_settable)
     differing = settings_diff(old, new)
     if "backbone_fingerprint" in differing:
         text = "a different backbone: " + text

@@ -14,14 +14,19 @@ with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_pa
 `model.name_or_path` names another checkpoint than their base (see `medusa_train.backbone`); (2)
 prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
 backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
-with `eval.all_turns=true`); (3) one warm-up prompt through every decoder; (4) every prompt through plain greedy `model.generate(do_sample=False)`,
-Medusa greedy decoding and the alternatives a user would pick instead, back to back: transformers'
-prompt-lookup decoding (no training) and, with `eval.assistant_model`, assisted generation with that
-draft model; each call timed whole with `time.perf_counter` (same max_new_tokens, same EOS ids);
+with `eval.all_turns=true`); (3) warm-up: the first turns through every decoder at their full budget,
+untimed; (4) every turn through plain greedy `model.generate(do_sample=False)`, Medusa greedy decoding
+and the alternatives a user would pick instead, back to back in an order that rotates from turn to
+turn: transformers' prompt-lookup decoding (no training) and, with `eval.assistant_model`, assisted
+generation with that draft model; each call timed whole, the device synchronised (same
+max_new_tokens, same EOS ids; the protocol of `medusa_train.decoding.timing`: the headline speed-up
+is the median per turn, checked against what tau and the measured step costs allow);
 (5) tau of typical acceptance and exact sampling at `eval.temperature`; (6) per-head
 top-1/top-5 accuracy (calibration.json, else held-out distilled data); (7) tau and speed-up for
-calibrated trees of `eval.sweep_tree_sizes` nodes, and vLLM's view: greedy tau of the top-1 chain of
-the first n heads, n = 1..K (what vLLM verifies with `num_speculative_tokens=n`); (8) plain batched `generate` vs batched Medusa at
+calibrated trees of `eval.sweep_tree_sizes` nodes and the evaluated tree, on the same first
+`eval.sweep_prompts` turns, and the tau the head accuracies predict beside the measured one; vLLM's
+view: greedy tau of the top-1 chain of the first n heads, n = 1..K (what vLLM verifies with
+`num_speculative_tokens=n`); (8) plain batched `generate` vs batched Medusa at
 each of `eval.batch_sizes`; (9) with `eval.compare`, the same turns and tree decoded with other sets
 of heads, each with its own backbone, and a trained backbone's drift from `model.name_or_path`
 (argmax agreement, KL on held-out distilled positions); (10) report.json, report.md, plots and
@@ -40,6 +45,7 @@ import logging
 import shutil
 from dataclasses import asdict
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -64,18 +70,32 @@ from medusa_train.decoding import (
     compute_head_accuracy,
     medusa_generate_batch,
 )
-from medusa_train.decoding.calibrate import calibrate_tree, device_label, grow_tree, per_rank_accuracy
+from medusa_train.decoding.calibrate import (
+    calibrate_tree,
+    device_label,
+    expected_tau,
+    grow_tree,
+    per_rank_accuracy,
+)
 from medusa_train.decoding.generate import context_limit
-from medusa_train.decoding.timing import Decoded, TimedDecoders, batch_table
+from medusa_train.decoding.timing import (
+    WARMUP_TURNS,
+    TimedDecoders,
+    batch_table,
+    interleaved,
+    pair_record,
+    speedup_figures,
+)
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 from medusa_train.formats import load_heads, read_heads_config
 from medusa_train.heads import HeadsFormatError
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,
     calibration_topk,
+    headline_speedup,
     machine_info,
     recommend_speculative_tokens,
     report_markdown,
@@ -91,6 +111,7 @@ from medusa_train.workdir import (
     MANIFEST,
     MODEL_CARD,
     PLOTS,
+    PREVIOUS,
     REPORT_JSON,
     REPORT_MD,
     Workdir,
@@ -159,14 +180,17 @@ def run(cfg) -> dict:
     def render(prompt: Conversation, history: list[str]) -> torch.Tensor:
         return torch.tensor([renderer.turn_prompt_ids(prompt, history)], device=lm_weight.device)  # (1, T)
 
-    # 3. Warm-up (allocators, kernels, caches) on the first prompt; not timed.
-    first = render(prompts[0], [])
-    decode.plain(first, min(ecfg.max_new_tokens, 32))
-    decode.medusa(first, min(ecfg.max_new_tokens, 32))
-    for extra in others.values():
-        decode.plain(first, min(ecfg.max_new_tokens, 32), **extra)
-    if ecfg.compile:
-        decode.medusa_static(first, min(ecfg.max_new_tokens, 32))
+    # 3. Warm-up: every decoder on the first turns at their full budget (the shapes timed in 4.); untimed.
+    for prompt in prompts[:WARMUP_TURNS]:
+        ids = render(prompt, [])
+        budget = turn_budget(model, ids.shape[1], ecfg.max_new_tokens)
+        if budget > 0:
+            decode.plain(ids, budget)
+            decode.medusa(ids, budget)
+            for extra in others.values():
+                decode.plain(ids, budget, **extra)
+            if ecfg.compile:
+                decode.medusa_static(ids, budget)
 
     # 4. Plain greedy, Medusa greedy and the alternatives, prompt by prompt (turn by turn).
     records: list[dict] = []
@@ -184,11 +208,12 @@ def run(cfg) -> dict:
                     ids.shape[1],
                 )
                 break
-            base = decode.plain(ids, budget)
-            med = decode.medusa(ids, budget)
-            alt = {name: decode.plain(ids, budget, **extra) for name, extra in others.items()}
+            calls = [partial(decode.plain, ids, budget), partial(decode.medusa, ids, budget)]
+            calls += [partial(decode.plain, ids, budget, **extra) for extra in others.values()]
             if ecfg.compile:
-                alt["static_medusa"] = decode.medusa_static(ids, budget)
+                calls.append(partial(decode.medusa_static, ids, budget))
+            base, med, *alt_out = interleaved(len(records), calls)  # the order rotates turn by turn
+            alt = dict(zip([*others, "static_medusa"] if ecfg.compile else others, alt_out, strict=True))
             base_text = tok.decode(base.tokens, skip_special_tokens=True)
             records.append(
                 {
@@ -198,7 +223,7 @@ def run(cfg) -> dict:
                     "prompt": prompt.turns[t_idx],
                     "baseline": base_text,
                     "medusa": tok.decode(med.tokens, skip_special_tokens=True),
-                    **_pair_figures(base, med),
+                    **pair_record(base, med),
                     **{f"{name}_tokens": len(out.tokens) for name, out in alt.items()},
                     **{f"{name}_s": out.seconds for name, out in alt.items()},
                     **{f"{name}_identical": out.tokens == base.tokens for name, out in alt.items()},
@@ -228,6 +253,12 @@ def run(cfg) -> dict:
         draft_vocab_size=heads.draft_vocab_size,
     )
     report[HEADS_FINGERPRINT] = fingerprint
+    report["prompts_note"] = (
+        "the prompts are the embedded demo's held-out conversations, not your model's domain: pass "
+        "eval.prompts=mtbench|jsonl eval.path=<file> to measure on your own"
+        if ecfg.prompts == "embedded" and not cfg.model.embedded
+        else None
+    )
 
     # 5. Tau of typical acceptance and exact sampling (distribution-level rules: tau only).
     report["temperature"] = ecfg.temperature
@@ -248,7 +279,8 @@ def run(cfg) -> dict:
     report["head_top5"] = [round(a, 4) for a in top5] if top5 else None
 
     # 7. Tau and speed-up against tree size (calibrated trees grown from the head accuracies).
-    report["sweep"] = sweep(decode, topk, inputs, ecfg) if topk and ecfg.sweep_tree_sizes else []
+    report["sweep"] = sweep(decode, topk, inputs, ecfg, choices) if topk and ecfg.sweep_tree_sizes else []
+    report.update(tau_check(report, topk, choices))
 
     # 7b. vLLM's view: greedy tau of the top-1 chain of the first n heads, n = 1..K, same turns.
     report["vllm_chain"] = vllm_chain(
@@ -290,6 +322,7 @@ def run(cfg) -> dict:
         atomic_write_json(tmp / REPORT_JSON, report)
         atomic_write_text(tmp / REPORT_MD, report_markdown(report))
         plots = {name: out / PLOTS / path.name for name, path in write_plots(report, tmp / PLOTS).items()}
+        kept = keep_previous(out, tmp)
         publish_dir(tmp, out)
     finally:
         if tmp.exists():
@@ -323,10 +356,16 @@ def run(cfg) -> dict:
             100 * (1 - report["greedy_identical"]),
             out / GENERATIONS,
         )
+    if kept is not None:
+        log.info("eval: the previous report (%s) is kept in %s", kept, out / PREVIOUS)
+    for key in ("speedup_note", "tau_note", "prompts_note"):
+        if report[key]:
+            log.warning("eval: %s", report[key])
     log.info(
-        "eval: tau %.2f, speed-up %.2fx, greedy identical %.0f%%",
+        "eval: tau %.2f, speed-up %s (median over %d turns), greedy identical %.0f%%",
         report["tau"],
-        report["speedup"],
+        headline_speedup(report),
+        report["num_turns"],
         100 * report["greedy_identical"],
     )
     return report
@@ -394,10 +433,16 @@ def load_eval_prompts(ecfg) -> list[Conversation]:
             turns = [m["content"] for m in conv if m["role"] == "user"]
             prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
     else:
+        if Path(ecfg.path).is_dir():
+            raise UserError(f"eval.path={ecfg.path} is a directory: give the prompts file itself")
         if not Path(ecfg.path).is_file():
             raise UserError(f"eval.path={ecfg.path} does not exist")
         result = read_records(
-            ecfg.prompts, ecfg.path, prompt_key=ecfg.prompt_key, max_records=ecfg.num_prompts
+            ecfg.prompts,
+            ecfg.path,
+            prompt_key=ecfg.prompt_key,
+            max_records=ecfg.num_prompts,
+            options=("eval.prompts", "eval.prompt_key"),
         )
         result.log_warning(log)
         prompts = [r for r in result.records if r.turns]
@@ -407,6 +452,19 @@ def load_eval_prompts(ecfg) -> list[Conversation]:
             f"no usable evaluation prompt in eval.prompts={ecfg.prompts} {ecfg.path or ''}".rstrip()
         )
     return prompts
+
+
+def keep_previous(out: Path, staging: Path) -> str | None:
+    """Copy the report in ``out`` (the last run's files, not its own ``previous/``) into ``staging/previous``,
+    so publishing ``staging`` keeps one run of history; returns the kept report's date, or None."""
+    if not (out / REPORT_JSON).is_file():
+        return None
+    shutil.copytree(out, staging / PREVIOUS, ignore=lambda d, names: [PREVIOUS] if Path(d) == out else [])
+    try:
+        date = read_json(out / REPORT_JSON, repair="").get("date")
+    except DamagedArtefactError:
+        date = None
+    return str(date or "undated")
 
 
 def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:
@@ -496,48 +554,96 @@ def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[lis
 
 
 def sweep(
-    decode: TimedDecoders, topk: list[list[float]], inputs: list[tuple[torch.Tensor, int]], ecfg
+    decode: TimedDecoders,
+    topk: list[list[float]],
+    inputs: list[tuple[torch.Tensor, int]],
+    ecfg,
+    choices: list[list[int]],
 ) -> list[dict]:
-    """Tau and speed-up of calibrated trees of ``eval.sweep_tree_sizes`` nodes on ``eval.sweep_prompts`` turns.
+    """Tau and speed-up of calibrated trees of ``eval.sweep_tree_sizes`` nodes and of the evaluated
+    tree (``choices``, its row marked ``main``) on the first ``eval.sweep_prompts`` turns of the main run.
 
-    Prompt by prompt, plain greedy and every tree size run back to back, so a machine whose load
-    drifts (shared CPUs) skews all of them alike.
+    The timing protocol of :mod:`medusa_train.decoding.timing`: every tree warmed up on the first
+    turns, then per turn plain greedy and every tree back to back in an order that rotates from turn
+    to turn; each row's speed-up is the median over turns of its tokens/s over that turn's plain tokens/s.
     """
-    trees, expected = grow_tree(per_rank_accuracy(torch.tensor(topk)), max(ecfg.sweep_tree_sizes))
+    acc = per_rank_accuracy(torch.tensor(topk))
+    trees, expected = grow_tree(acc, max(ecfg.sweep_tree_sizes))
     sizes = sorted({int(s) for s in ecfg.sweep_tree_sizes if 0 < int(s) <= len(trees)})
     if len(sizes) < len(set(ecfg.sweep_tree_sizes)):
         log.warning(
             "sweep: the heads' top-k table gives trees of at most %d nodes; larger sizes skipped", len(trees)
         )
-    log.info("tree-size sweep: %s nodes on %d turns", sizes, min(ecfg.sweep_prompts, len(inputs)))
-    built = {size: TreeBuffers.from_choices(trees[size - 1]).to(decode.device) for size in sizes}
-    for tree in built.values():  # warm-up: each tree's first use
-        decode.medusa(inputs[0][0], min(inputs[0][1], 8), tree=tree)
-    base_tokens, base_s = 0, 0.0
-    totals = {size: [0, 0, 0.0] for size in sizes}  # tokens, steps, seconds
-    for ids, budget in inputs[: ecfg.sweep_prompts]:
-        base = decode.plain(ids, budget)
-        base_tokens, base_s = base_tokens + len(base.tokens), base_s + base.seconds
-        for size, tree in built.items():
-            out = decode.medusa(ids, budget, tree=tree)
-            totals[size][0] += len(out.tokens)
-            totals[size][1] += len(out.accepted_lengths or [])
-            totals[size][2] += out.seconds
-    base_tps = base_tokens / max(1e-9, base_s)
+    turns = inputs[: ecfg.sweep_prompts]
+    log.info("tree-size sweep: %s nodes and the evaluated tree on %d turns", sizes, len(turns))
+    main = sorted(map(tuple, choices))
+    specs = [(size, trees[size - 1], float(expected[size - 1])) for size in sizes]
+    if not any(sorted(map(tuple, tree)) == main for _, tree, _ in specs):
+        specs.append((len(choices), choices, expected_tau(acc, choices)))
+    built = [TreeBuffers.from_choices(tree).to(decode.device) for _, tree, _ in specs]
+    for ids, budget in turns[:WARMUP_TURNS]:  # warm-up: each tree's shapes, untimed
+        for tree in built:
+            decode.medusa(ids, budget, tree=tree)
+    records: list[list[dict]] = [[] for _ in specs]
+    for t, (ids, budget) in enumerate(turns):
+        calls = [partial(decode.plain, ids, budget)]
+        calls += [partial(decode.medusa, ids, budget, tree=tree) for tree in built]
+        base, *outs = interleaved(t, calls)
+        for per_tree, out in zip(records, outs, strict=True):
+            per_tree.append(pair_record(base, out))
     rows = []
-    for size, (tokens, steps, seconds) in totals.items():
-        tps = tokens / max(1e-9, seconds)
+    for (size, tree, exp), per_tree in zip(specs, records, strict=True):
+        figures = speedup_figures(per_tree)
         rows.append(
             {
                 "tree_size": size,
-                "expected_tau": round(float(expected[size - 1]), 4),
-                "tau": tokens / max(1, steps),
-                "tokens_per_s": tps,
-                "tokens_per_s_baseline": base_tps,
-                "speedup": tps / base_tps if base_tps > 0 else 0.0,
+                "main": sorted(map(tuple, tree)) == main,
+                "expected_tau": round(exp, 4),
+                "tau": figures["tau"],
+                "tokens_per_s": figures["tokens_per_s_medusa"],
+                "tokens_per_s_baseline": figures["tokens_per_s_baseline"],
+                **{k: figures[k] for k in SWEEP_ROW_FIGURES},
+                "turns": len(turns),
             }
         )
-    return rows
+    return sorted(rows, key=lambda r: (r["tree_size"], not r["main"]))
+
+
+SWEEP_ROW_FIGURES = ("speedup", "speedup_q25", "speedup_q75", "speedup_tokens_per_s", "speedup_plausible")
+"""The :func:`~medusa_train.decoding.timing.speedup_figures` a row of the tree-size sweep keeps."""
+
+
+TAU_MARGIN = 0.15
+"""Relative gap between the tau the head accuracies predict for the evaluated tree and the measured
+tau above which the report says so."""
+
+
+def tau_check(report: dict, topk: list[list[float]] | None, choices: list[list[int]]) -> dict:
+    """The tau the head accuracies predict for the evaluated tree (``expected_tau``), the sweep's
+    fastest tree size (``sweep_fastest``), and a one-line ``tau_note`` when the measured tau is more
+    than :data:`TAU_MARGIN` away from the expected one."""
+    if not topk:
+        return {"expected_tau": None, "sweep_fastest": None, "tau_note": None}
+    expected = expected_tau(per_rank_accuracy(torch.tensor(topk)), choices)
+    fastest = max(report["sweep"], key=lambda r: r["speedup"]) if report["sweep"] else None
+    note = None
+    if abs(report["tau"] - expected) > TAU_MARGIN * expected:
+        note = (
+            f"measured tau {report['tau']:.2f} is more than {TAU_MARGIN:.0%} "
+            f"{'below' if report['tau'] < expected else 'above'} the {expected:.2f} that the head accuracies "
+            f"({report.get('head_accuracy_source')}) predict for this {len(choices)}-node tree: the prompts are "
+            "not like the held-out data the heads were measured on"
+        )
+        if fastest is not None:
+            note += (
+                f"; the sweep found the {fastest['tree_size']}-node tree fastest "
+                f"({fastest['speedup']:.2f}x, tau {fastest['tau']:.2f})"
+            )
+    return {
+        "expected_tau": round(expected, 4),
+        "sweep_fastest": fastest["tree_size"] if fastest else None,
+        "tau_note": note,
+    }
 
 
 def vllm_chain(
@@ -676,20 +782,6 @@ def _compare_dir(path: Path) -> Path:
     return path / "heads" if (path / "heads").is_dir() else path
 
 
-def _pair_figures(base: Decoded, med: Decoded) -> dict:
-    """What a record says of one turn decoded plainly (``base``) and with Medusa (``med``): whether the
-    tokens are identical, the counts and seconds of both, Medusa's steps and accepted lengths."""
-    return {
-        "identical": base.tokens == med.tokens,
-        "tokens": len(med.tokens),
-        "steps": len(med.accepted_lengths or []),
-        "baseline_tokens": len(base.tokens),
-        "baseline_s": base.seconds,
-        "medusa_s": med.seconds,
-        "accepted_lengths": med.accepted_lengths,
-    }
-
-
 def _decode_turns(
     model, heads, choices, inputs, eos: list[int], pad: int | None, attention: str = "sdpa"
 ) -> dict:
@@ -698,12 +790,13 @@ def _decode_turns(
     packed = PackedHeads(heads.to(device=weight.device, dtype=weight.dtype))
     tree = TreeBuffers.from_choices(choices).to(weight.device)
     decode = TimedDecoders(model, packed, tree, eos, pad, attention=attention)
-    decode.plain(inputs[0][0], min(inputs[0][1], 32))  # warm-up, not timed
-    decode.medusa(inputs[0][0], min(inputs[0][1], 32))
+    for ids, budget in inputs[:WARMUP_TURNS]:  # warm-up, not timed
+        decode.plain(ids, budget)
+        decode.medusa(ids, budget)
     records = []
     for i, (ids, budget) in enumerate(inputs):
-        base, med = decode.plain(ids, budget), decode.medusa(ids, budget)
-        records.append({"prompt_index": i, **_pair_figures(base, med)})
+        base, med = interleaved(i, [partial(decode.plain, ids, budget), partial(decode.medusa, ids, budget)])
+        records.append({"prompt_index": i, **pair_record(base, med)})
     figures = summarise(records, num_prompts=len(records))
     return {k: figures[k] for k in ("tau", "speedup", "greedy_identical")}
 

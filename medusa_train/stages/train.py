@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import time
 from dataclasses import asdict
@@ -51,6 +52,7 @@ from medusa_train.backbone import (
     identity_content,
     load_configured_backbone,
     resolve_device,
+    resolve_dtype,
 )
 from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
@@ -68,6 +70,7 @@ from medusa_train.training.trainer import (
     TimeBudgetCallback,
     TrackerCallback,
     last_complete_checkpoint,
+    refused_pickle,
     row_collator,
 )
 from medusa_train.training.zero import (
@@ -115,7 +118,7 @@ def run(cfg) -> dict:
     manifest = read_manifest(wd.distill)
     check_backbone_source(cfg.model.name_or_path)
     device = resolve_device(cfg.model.device)
-    precision = recipe.precision(DTYPES.get(cfg.model.dtype, torch.float32))
+    precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
     recipe.check()
     ds_config = None
     if cfg.deepspeed.enabled:
@@ -216,7 +219,12 @@ def run(cfg) -> dict:
         if not dist.is_main():
             return {"rank": dist.rank()}
         result, trained = dict(done), None
-        heads = MedusaHeads.from_pretrained(wd.heads, device=device)
+        try:
+            heads = MedusaHeads.from_pretrained(wd.heads, device=device)
+        except HeadsFormatError as err:
+            raise DamagedArtefactError(
+                f"the heads in {wd.heads} cannot be calibrated again: {err}: {_RETRAIN}"
+            ) from None
         backbone = recipe.published_backbone(wd.heads, backbone, device)
     _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
     # 6. Rank 0: held-out accuracy -> the tree with the best expected tokens/s on this machine. A
@@ -295,7 +303,7 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
     tc = cfg.training
     key = settings_key(
         training=tc,
-        model_dtype=cfg.model.dtype,
+        model_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         model_quantization=cfg.model.quantization,
         global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * dist.world_size(),
         eval_fraction=cfg.data.eval_fraction,
@@ -494,7 +502,7 @@ def _train(
     wd.train.mkdir(parents=True, exist_ok=True)
 
     with deepspeed_process(ds_config is not None):
-        precision = recipe.precision(DTYPES.get(cfg.model.dtype, torch.float32))
+        precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
         args = TrainingArguments(
             output_dir=str(wd.train),
             per_device_train_batch_size=tc.per_device_batch_size,
@@ -561,6 +569,10 @@ def _train(
         t0 = time.time()
         try:
             out = trainer.train(resume_from_checkpoint=last)
+        except pickle.UnpicklingError:
+            if not last:
+                raise
+            raise refused_pickle(Path(last)) from None
         finally:
             tracker.finish()
         train_seconds = time.time() - t0

@@ -10,8 +10,10 @@ summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``he
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -204,6 +206,29 @@ def checkpoint_problem(path: Path) -> str | None:
         except HeadsFormatError as err:
             return str(err)
     return None
+
+
+def refused_pickle(checkpoint: Path) -> DamagedArtefactError:
+    """The one-line error for a checkpoint whose ``.pt``/``.pth`` file (optimizer, scheduler, RNG
+    state) holds more than tensors and plain values: ``torch.load(weights_only=True)``, as the Trainer
+    resumes, refuses it without running it. Names the first such file (the folder if none reloads
+    that way now) and the fix."""
+    culprit: Path = checkpoint
+    for file in sorted([*checkpoint.glob("*.pt"), *checkpoint.glob("*.pth")]):
+        try:
+            with warnings.catch_warnings():  # torch warns about the pickle protocol of the very file refused
+                warnings.simplefilter("ignore")
+                torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            culprit = file
+            break
+        except Exception:  # damaged otherwise: the refusal below still names the checkpoint
+            continue
+    return DamagedArtefactError(
+        f"{culprit} holds a pickle that is not plain tensors (refused, not run): resume from a checkpoint you "
+        f"trust by deleting {checkpoint} (the run resumes from the one before it), or pass "
+        "training.overwrite=true to train from scratch"
+    )
 
 
 # -- callbacks --------------------------------------------------------------------------------------

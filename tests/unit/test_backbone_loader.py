@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from medusa_train.backbone import backbone_for_heads, backbone_identity, checkpoint_fingerprint, load_backbone
-from medusa_train.config import ModelConfig
+from medusa_train.backbone import (
+    backbone_for_heads,
+    backbone_identity,
+    checkpoint_fingerprint,
+    load_backbone,
+    resolve_dtype,
+)
+from medusa_train.config import ModelConfig, compose_config
 from medusa_train.errors import UserError
 from tests.helpers.train_workdir import make_backbone
 
@@ -74,3 +80,9 @@ def test_backbone_for_heads_follows_the_recorded_base(
     (export / "backbone").mkdir()
     (export / "backbone" / "config.json").write_text("{}")
     assert pick("base", export / "vllm") == export / "backbone"
+
+
+def test_dtype_auto_is_float32_on_a_cpu_and_the_hf_presets_default() -> None:
+    assert resolve_dtype("auto", "cpu") == "float32"  # bfloat16 only on a CUDA GPU that supports it
+    assert resolve_dtype("float16", "cpu") == "float16"
+    assert compose_config(["model=hf", "model.name_or_path=x"]).model.dtype == "auto"

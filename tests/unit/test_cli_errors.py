@@ -407,3 +407,162 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
         assert environment_fault(chained, tmp_path).startswith(f"the file system is read-only: {tmp_path}:")
     assert environment_fault(RuntimeError("Permission denied by the hub"), tmp_path) is None
     assert environment_fault(KeyError("x"), tmp_path) is None
+
+
+# -- messages that name the user's own mistake ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("distill.max_new_token=5", "did you mean distill.max_new_tokens=5?"),
+        ("distil.max_new_tokens=5", "did you mean distill.max_new_tokens=5?"),
+        ("+distill.max_new_token=5", "did you mean distill.max_new_tokens=5?"),  # OmegaConf would drop it
+        ("trainin=medusa2", "did you mean training=medusa2?"),
+        (
+            "data=txt",
+            "did you mean data=text? (data is one of alpaca, embedded, hub, jsonl, mtbench, sharegpt, text)",
+        ),
+        ("tree=medusa64", "did you mean tree=medusa63?"),
+    ],
+)
+def test_misspelt_keys_and_options_get_a_close_match(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, says: str
+) -> None:
+    assert main([f"workdir={tmp_path}", "stage=distill", override]) == 2
+    assert says in _error_line(capsys)
+
+
+def test_wrong_backbone_path_with_model_hf_does_not_ask_for_model_hf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "models" / "my-qwen"
+    argv = [f"workdir={tmp_path}", "stage=distill", "model=hf", f"model.name_or_path={missing}"]
+    assert main([*argv, "tracking=disabled"]) == 2
+    line = _error_line(capsys)
+    assert f"model.name_or_path={missing}: no such directory here" in line and "pass model=hf" not in line
+
+
+def _eval_prompts(workdir: Path, tmp_path: Path, capsys, *overrides: str) -> str:
+    out = tmp_path / "wd"
+    if not out.exists():
+        shutil.copytree(workdir, out)
+    assert main(tiny_overrides(out, "stage=eval", *overrides)) == 2
+    return _error_line(capsys)
+
+
+def test_eval_prompts_file_in_the_wrong_format_names_eval_options(
+    workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mtbench = tmp_path / "question.jsonl"
+    mtbench.write_text(
+        json.dumps({"question_id": 81, "category": "writing", "turns": ["Hi.", "More."]}) + "\n"
+    )
+    line = _eval_prompts(workdir, tmp_path, capsys, "eval.prompts=jsonl", f"eval.path={mtbench}")
+    assert "a 'turns' field, as mtbench files do: set eval.prompts=mtbench" in line, line
+    other = tmp_path / "prompts.jsonl"
+    other.write_text(json.dumps({"id": 1, "question": "Hi."}) + "\n")
+    line = _eval_prompts(workdir, tmp_path, capsys, "eval.prompts=jsonl", f"eval.path={other}")
+    assert (
+        "set eval.prompt_key= to the field that holds the prompt (its records have 'id', 'question')" in line
+    )
+    assert "data.format" not in line
+    line = _eval_prompts(workdir, tmp_path, capsys, "eval.prompts=mtbench", f"eval.path={tmp_path}")
+    assert f"eval.path={tmp_path} is a directory: give the prompts file itself" in line
+
+
+# -- the held-out fault sweep's five cases ----------------------------------------------------------
+def test_sharegpt_array_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    from medusa_train.data.sources import read_records
+
+    path = tmp_path / "sharegpt.json"
+    rows = [
+        {"conversations": [{"from": "human", "value": f"Hello {i}"}, {"from": "gpt", "value": "Hi"}]}
+        for i in range(2)
+    ]
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    result = read_records("sharegpt", path)
+    assert [r.turns for r in result.records] == [["Hello 0"], ["Hello 1"]]
+
+
+def test_empty_distill_manifest_is_a_damaged_artefact(
+    train_workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
+    (wd / "distill" / "manifest.json").write_text("{}")
+    assert main(["stage=train", *train_overrides(wd)]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"error: {wd / 'distill' / 'manifest.json'} is damaged (lacks 'backbone')"), line
+    assert "stage=distill" in line and "another backbone" not in line
+
+
+def test_recalibrating_heads_whose_config_names_another_hidden_size_is_one_line(
+    train_workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
+    assert main(["stage=train", *train_overrides(wd)]) == 0
+    config = json.loads((wd / "heads" / "config.json").read_text())
+    (wd / "heads" / "config.json").write_text(
+        json.dumps({**config, "hidden_size": config["hidden_size"] * 2})
+    )
+    assert main(["stage=train", *train_overrides(wd, "tree.max_nodes=16")]) == 2
+    line = _error_line(capsys)
+    assert "cannot be calibrated again" in line and "training.overwrite=true" in line, line
+
+
+def test_checkpoint_optimizer_holding_a_pickle_is_one_line(
+    train_workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
+    argv = ["stage=train", *train_overrides(wd)]
+    assert main(argv) == 0
+    shutil.rmtree(wd / "heads")  # the next run resumes from the last checkpoint
+    checkpoint = max((wd / "train").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    marker = tmp_path / "code-ran"
+    (checkpoint / "optimizer.pt").write_bytes(pickle.dumps({"state": _Payload(marker)}))
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"error: {checkpoint / 'optimizer.pt'} holds a pickle"), line
+    assert f"deleting {checkpoint}" in line and "training.overwrite=true" in line
+    assert not marker.exists()
+
+
+# -- quiet runs -------------------------------------------------------------------------------------
+def test_third_party_notices_that_do_not_apply_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' imports pull in bitsandbytes and DeepSpeed whatever the run asks; their notices
+    about a CPU 4-bit kernel and the accelerator are dropped unless the run quantizes to 4 bits / uses DeepSpeed."""
+    import logging
+
+    from medusa_train.__main__ import quiet_third_party
+
+    bnb, ds = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger("DeepSpeed")
+    saved = bnb.filters[:], ds.filters[:]
+    for logger in (bnb, ds):  # DeepSpeed's logger does not propagate once deepspeed is imported
+        logger.addHandler(caplog.handler)
+    try:
+        bnb.filters.clear(), ds.filters.clear()
+        quiet_third_party("4bit", deepspeed=False)
+        with caplog.at_level(logging.WARNING):
+            bnb.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s.",
+                "No module named 'kernels'",
+            )
+            ds.warning(
+                "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+            )
+            ds.warning("another DeepSpeed warning")
+        assert {r.getMessage()[:20] for r in caplog.records} == {
+            "Failed to load CPU g",
+            "another DeepSpeed wa",
+        }
+        caplog.clear()
+        bnb.filters.clear()
+        quiet_third_party("none", deepspeed=False)
+        with caplog.at_level(logging.WARNING):
+            bnb.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s.",
+                "No module named 'kernels'",
+            )
+        assert not caplog.records
+    finally:
+        bnb.filters[:], ds.filters[:] = saved
+        for logger in (bnb, ds):
+            logger.removeHandler(caplog.handler)

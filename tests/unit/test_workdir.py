@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from medusa_train import workdir as workdir_mod
-from medusa_train.workdir import atomic_write, atomic_write_text, remove_stale
+from medusa_train.workdir import atomic_write, atomic_write_text, describe_diff, remove_stale
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +63,27 @@ def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_
     assert [p for p in dead if p.exists()] == [] and all(p.exists() for p in live)
     assert (final / "progress.json").read_text() == "{}"
     assert remove_stale(tmp_path / "other.json") == [tmp_path / f".other.json.{dead_pid}.abcd1234.tmp"]
+
+
+def test_refused_distill_names_the_users_own_change_before_derived_entries() -> None:
+    """The settings a user changed come first, with their values; hashes and counts after, by name."""
+    from medusa_train.stages.distill import _difference
+
+    old = {
+        "data": {"max_records": 120, "prompts_hash": "a" * 16, "records_hash": "b" * 16, "records_read": 120},
+        "distill": {"max_new_tokens": 64, "temperature": 0.0},
+        "backbone_fingerprint": "f",
+    }
+    new = {
+        "data": {"max_records": 600, "prompts_hash": "c" * 16, "records_hash": "d" * 16, "records_read": 600},
+        "distill": {"max_new_tokens": 128, "temperature": 0.0},
+        "backbone_fingerprint": "f",
+    }
+    text = _difference(old, new)
+    assert text.startswith("data.max_records (120 -> 600), distill.max_new_tokens (64 -> 128); derived")
+    assert text.endswith("data.prompts_hash, data.records_hash, data.records_read")
+    # Only derived entries differ (the same settings over another data file): all of them, with values.
+    only_derived = describe_diff(
+        {"data": {"records_hash": "x"}}, {"data": {"records_hash": "y"}}, settable=lambda name: False
+    )
+    assert only_derived == "data.records_hash (x -> y)"
