@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python3}  # PYTHON=.venv/bin/python for the dry run on a development machine
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 SUMMARY=$OUTDIR/summary.md
@@ -72,7 +72,7 @@ step() {
         124 | 137) result="TIMEOUT" ;;
         *) result="FAIL (exit $rc)" ;;
     esac
-    printf '| %s | %s | %.1f | %s |\n' "$name" "$result" "$(echo "$t1 - $t0" | bc)" "$note" >>"$SUMMARY"
+    printf '| %s | %s | %.1f | %s |\n' "$name" "$result" "$(awk "BEGIN {print $t1 - $t0}")" "$note" >>"$SUMMARY"
     echo "===== $name: $result" >>"$LOG"
     return $rc
 }
