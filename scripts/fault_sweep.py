@@ -138,9 +138,8 @@ from medusa_train.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 
-# Temp names: publish_dir's ``.<name>.tmp-<pid>``/``.<name>.old-<pid>``, atomic_write's ``.<name>.*.tmp``,
-# the names used before issue 12 (``.export-tmp-*``, ``.heads.tmp-*``).
-LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+$|^\..+\.tmp$|^\.export-tmp|^\.heads\.tmp|\.incomplete$")
+# Temp names: publish_dir's ``.<name>.tmp-<pid>``/``.<name>.old-<pid>``, atomic_write's ``.<name>.*.tmp``.
+LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+$|^\..+\.tmp$|\.incomplete$")
 
 
 @dataclass
