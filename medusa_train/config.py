@@ -719,8 +719,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.stage == "backbone":
-            raise ConfigError("stage=backbone is now called stage=pretrain (its settings: pretrain.*)")
         _choice("stage", self.stage, STAGES)
         _seed("seed", self.seed)
         if self.stage == "pretrain" and not self.model.embedded:

@@ -55,7 +55,7 @@ def test_learns_and_loads(trained):
 
 
 def test_written_for_transformers_4_consumers_too(trained):
-    """Issue 18b: a Medusa-1 export names workdir/pretrain as its base model, so its tokenizer and config
+    """A Medusa-1 export names workdir/pretrain as its base model, so its tokenizer and config
     carry what transformers 4.x reads (as the Medusa-2 export's backbone, tests/unit/test_formats.py)."""
     cfg, _ = trained
     out = Path(cfg.model.name_or_path)
@@ -115,7 +115,7 @@ def test_text_format(tmp_path):
 
 
 def test_another_model_at_model_name_or_path_is_not_replaced(tmp_path, tiny_backbone_dir):
-    """Issue 12: model=tiny with model.name_or_path naming a real model folder must not pretrain over it."""
+    """model=tiny with model.name_or_path naming a real model folder must not pretrain over it."""
     other = tmp_path / "my-model"
     other.mkdir()
     for f in tiny_backbone_dir.iterdir():

@@ -1,4 +1,4 @@
-"""Issue 12, artefacts: a workdir is its content, damaged artefacts give one line, publishing is atomic.
+"""Artefacts: a workdir is its content, damaged artefacts give one line, publishing is atomic.
 
 - copied, moved, renamed workdirs (named relatively or absolutely) are the same workdir: distill
   skips without loading the model, train resumes and then skips, export names a base model that
@@ -169,7 +169,7 @@ write_manifest(distill_dir, json.loads((distill_dir / "manifest.json").read_text
 
 
 def test_distill_start_deletes_a_killed_writes_temp_file(distilled, tmp_path, monkeypatch) -> None:
-    """Issue 18b: a write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
+    """A write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
     start deletes it (its pid no longer runs) and finds the data complete, without loading the model."""
     wd, prompts, figures = distilled
     copy = _fresh_copy(wd, tmp_path / "copy")

@@ -1,4 +1,4 @@
-"""Issue 12: a user's mistake or a fault of the machine ends in ONE error line and exit code 2.
+"""A user's mistake or a fault of the machine ends in ONE error line and exit code 2.
 
 Each test runs the CLI in-process (``medusa_train.__main__.main``) on the tiny workdir (random Llama +
 random heads, ``tests.helpers.tiny_workdir``) and checks the return code, that stderr holds one
@@ -338,7 +338,7 @@ def test_full_disk_while_the_trainer_saves_a_checkpoint_is_one_line(
     message: str,
     context: str | None,
 ) -> None:
-    """Issue 18b: torch's save error carries no errno; with the workdir's disk full it is the disk-full
+    """Torch's save error carries no errno; with the workdir's disk full it is the disk-full
     line (exit 2), the heads are not published, and the same command resumes once there is room."""
     wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
     argv = ["stage=train", *train_overrides(wd)]
