@@ -41,7 +41,6 @@ from medusa_train.workdir import (
     PRETRAIN,
     TRAINED_BACKBONE,
     read_json,
-    refuse_old_layout,
     remove_stale,
 )
 
@@ -102,7 +101,6 @@ def check_backbone_source(name_or_path: str) -> None:
         if not (path / CONFIG_NAME).is_file():
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
         return
-    refuse_old_layout(path)  # a workdir from before stage=backbone was renamed stage=pretrain
     # "runs/x/pretrain" style paths with several components are local paths, not hub ids.
     if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone
         raise UserError(

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from medusa_train.errors import UserError
 
-Path_ = tuple[int, ...]
+TreePath = tuple[int, ...]
+"""One node of a tree: the candidate ranks from head 1 down to its depth, e.g. ``(0, 1)``."""
 
 
 class TreeError(UserError, ValueError):
@@ -24,7 +25,7 @@ class TreeError(UserError, ValueError):
     """
 
 
-def normalise_choices(choices: Sequence[Sequence[int]]) -> list[Path_]:
+def normalise_choices(choices: Sequence[Sequence[int]]) -> list[TreePath]:
     """Validate paths and return them sorted canonically (depth, then lexicographic).
 
     Raises:
@@ -33,8 +34,8 @@ def normalise_choices(choices: Sequence[Sequence[int]]) -> list[Path_]:
     """
     if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
         raise TreeError(f"a tree is a list of index paths such as [[0], [0, 0], [1]], got {choices!r}")
-    paths: list[Path_] = []
-    seen: set[Path_] = set()
+    paths: list[TreePath] = []
+    seen: set[TreePath] = set()
     for raw in choices:
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
             raise TreeError(

@@ -8,8 +8,12 @@ combinations that types alone cannot express and the range of every number (size
 fractions, seeds; each field's docstring gives it; NaN and infinities never pass), so that no value
 starts unbounded or empty work (tests/unit/test_config.py holds an out-of-range value for each).
 
-Only ``medusa_train/__main__.py`` and ``medusa_train/stages/`` read this config; reusable parts
-(heads, decoding, losses, data readers) take plain arguments.
+``medusa_train/__main__.py`` and the stages read this config, and so do the building blocks that
+take one of its groups as their settings (``backbone.load_configured_backbone``: ``cfg.model``;
+``decoding.tree.tree_for_heads``: ``cfg.tree``; ``decoding.timing``'s ``tau_of``: ``cfg.eval``;
+``tracking.start_tracking``: ``cfg.tracking``; ``training.recipes`` and ``training.medusa2``;
+``workdir.settings_key``); the other reusable parts (heads, decoding, losses, data readers,
+engines) take plain arguments.
 """
 
 from __future__ import annotations
@@ -734,8 +738,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        if self.stage == "backbone":
-            raise ConfigError("stage=backbone is now called stage=pretrain (its settings: pretrain.*)")
         _choice("stage", self.stage, STAGES)
         _seed("seed", self.seed)
         if self.stage == "pretrain" and not self.model.embedded:

@@ -517,9 +517,7 @@ def belonging(
     """
     training = heads_config.get("training")
     recorded = training.get("distill") if isinstance(training, dict) else None
-    if manifest is not None and (
-        recorded is None or recorded not in (data_key(manifest), data_key(manifest, legacy=True))
-    ):
+    if manifest is not None and recorded != data_key(manifest):
         manifest = None
     if report is not None and report.get(HEADS_FINGERPRINT) not in fingerprints:
         report = None

@@ -51,7 +51,6 @@ EXPORT = "export"
 EVAL = "eval"
 TRAINED_BACKBONE = "backbone"
 """Medusa-2: the folder beside the heads (and in the export) holding the trained backbone."""
-_OLD_PRETRAIN = "backbone"  # workdir/pretrain's name before issue 11 (see refuse_old_layout)
 
 # -- file names -----------------------------------------------------------------------------------
 PRETRAIN_REPORT = "train_report.json"
@@ -102,21 +101,6 @@ class Workdir:
     @property
     def eval(self) -> Path:
         return self.root / EVAL
-
-
-def refuse_old_layout(model_dir: Path) -> None:
-    """Stop when ``model_dir`` (``workdir/pretrain``) is missing but the workdir predates the rename of
-    ``stage=backbone`` to ``stage=pretrain`` (issue 11) and holds the embedded model in ``backbone/``:
-    the stages would otherwise pretrain a new model beside the one the user has.
-
-    Raises:
-        UserError: naming the ``mv`` that brings the old workdir up to date.
-    """
-    old = model_dir.with_name(_OLD_PRETRAIN)
-    if model_dir.name == PRETRAIN and not model_dir.exists() and (old / PRETRAIN_REPORT).is_file():
-        raise UserError(
-            f"{old} holds the embedded model under its old folder name: rename it with `mv {old} {model_dir}`"
-        )
 
 
 def require(path: Path, what: str, stage: str) -> Path:

@@ -1,4 +1,4 @@
-"""Issue 12's fault sweep: bad inputs and faults against a small real workdir, each through the CLI.
+"""The fault sweep: bad inputs and faults against a small real workdir, each through the CLI.
 
 Builds a ``debug=fast`` workdir once (``python -m medusa_train stage=all debug=fast``), then runs every
 case on a fresh copy of it as a subprocess CLI call (``python -c <prelude> <overrides>``; the prelude
@@ -14,7 +14,7 @@ classifies the outcome:
 - ``TIMEOUT``: still running after ``CASE_TIMEOUT`` seconds (work without a bound).
 
 Kill cases run the command once with the kill, then the same command again; the second run is the
-one classified. The target (issue 12): no TRACEBACK, no SILENT-WRONG, no LEFTOVER, no UNEXPECTED.
+one classified. The target: no TRACEBACK, no SILENT-WRONG, no LEFTOVER, no UNEXPECTED.
 
 The ``server`` cases distill through ``distill.engine=server`` against stand-in OpenAI-compatible
 servers the sweep starts as processes on 127.0.0.1 (``tests/helpers/fake_openai.py``, standard library:
@@ -138,9 +138,8 @@ from medusa_train.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 
-# Temp names: publish_dir's ``.<name>.tmp-<pid>``/``.<name>.old-<pid>``, atomic_write's ``.<name>.*.tmp``,
-# the names used before issue 12 (``.export-tmp-*``, ``.heads.tmp-*``).
-LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+$|^\..+\.tmp$|^\.export-tmp|^\.heads\.tmp|\.incomplete$")
+# Temp names: publish_dir's ``.<name>.tmp-<pid>``/``.<name>.old-<pid>``, atomic_write's ``.<name>.*.tmp``.
+LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+$|^\..+\.tmp$|\.incomplete$")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Cai et al., "Medusa" (arXiv:2401.10774), section 2.2.2 (Medusa-2: joint training, differential
 learning rates, lambda0 warm-up, self-distillation). This script is how the figures and the
-default of ``training=medusa2`` in docs/training.md were found (issue 15).
+default of ``training=medusa2`` in docs/training.md were found.
 
 Run as:
     # 1. a Medusa-1 workdir (embedded backbone, distilled data, Medusa-1 heads):
@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # in the checkout). Every setting reported in docs/training.md is here.
 SETTINGS: dict[str, list[str]] = {
     "default": [],  # conf/training/medusa2.yaml as it is in the checkout
-    # the shipped default before this sweep (issue 15): 1 epoch (144 steps), lr 2e-5, KL
+    # the shipped default this sweep replaced: 1 epoch (144 steps), lr 2e-5, KL
     "old-default": [
         "training.lr=2e-5",
         "training.lm_loss=kl",
@@ -405,9 +405,8 @@ def measure(base: Path, heads_dir: Path, backbone_dir: Path | None, cache: dict)
 
 # -- running --------------------------------------------------------------------------------------
 def base_backbone(base: Path) -> Path:
-    """The embedded backbone of the base workdir: ``pretrain/`` (``backbone/`` in workdirs made before
-    the rename)."""
-    return base / "pretrain" if (base / "pretrain").is_dir() else base / "backbone"
+    """The embedded backbone of the base workdir: ``pretrain/``."""
+    return base / "pretrain"
 
 
 def prepare(base: Path, wd: Path) -> None:

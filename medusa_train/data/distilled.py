@@ -326,25 +326,21 @@ def comparable(settings: dict | None) -> dict | None:
     return out
 
 
-def data_key(manifest: dict, *, legacy: bool = False) -> str:
+def data_key(manifest: dict) -> str:
     """What distilled data is, as 16 hex digits: its settings (:func:`comparable`), counts and backbone
     (by fingerprint when it has one), not where or when it was written.
 
     Trained heads record it (``config.json["training"]["distill"]``); export's model card describes
-    the workdir's distilled data only when the heads carry this key of its manifest. ``legacy=True``:
-    the key as versions before issue 12 computed it (paths included).
+    the workdir's distilled data only when the heads carry this key of its manifest.
     """
-    if legacy:
-        content = {k: manifest.get(k) for k in ("settings", "counts", "backbone")}
-    else:
-        backbone = manifest.get("backbone")
-        if isinstance(backbone, dict) and backbone.get("fingerprint"):  # a moved backbone is the same one
-            backbone = {k: v for k, v in backbone.items() if k != "name_or_path"}
-        content = {
-            "settings": comparable(manifest.get("settings")),
-            "counts": manifest.get("counts"),
-            "backbone": backbone,
-        }
+    backbone = manifest.get("backbone")
+    if isinstance(backbone, dict) and backbone.get("fingerprint"):  # a moved backbone is the same one
+        backbone = {k: v for k, v in backbone.items() if k != "name_or_path"}
+    content = {
+        "settings": comparable(manifest.get("settings")),
+        "counts": manifest.get("counts"),
+        "backbone": backbone,
+    }
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

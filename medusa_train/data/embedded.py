@@ -137,8 +137,8 @@ def _story(rng: random.Random) -> Conversation:
 
 
 def _recipe(rng: random.Random) -> Conversation:
-    dish = rng.choice(sorted(lx.RECIPES))
-    ingredients, steps = lx.RECIPES[dish]
+    dish = rng.choice(sorted(lx.DISHES))
+    ingredients, steps = lx.DISHES[dish]
     prompt = rng.choice(
         [
             f"How do I make {dish}?",

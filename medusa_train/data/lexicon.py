@@ -136,8 +136,8 @@ ANIMALS: tuple[tuple[str, int, str, str], ...] = (
     ("elephant", 5000, "savannas", "leaves and fruit"),
 )
 
-# Recipes: dish -> (ingredients, steps as (verb phrase, minutes))
-RECIPES: dict[str, tuple[tuple[str, ...], tuple[tuple[str, int], ...]]] = {
+# Dishes: dish -> (ingredients, steps as (verb phrase, minutes))
+DISHES: dict[str, tuple[tuple[str, ...], tuple[tuple[str, int], ...]]] = {
     "pancakes": (
         ("2 eggs", "1 cup of flour", "1 cup of milk", "a pinch of salt", "butter for the pan"),
         (("Whisk the eggs, flour, milk and salt into a smooth batter", 5),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_train.choices import Path_, TreeError, normalise_choices
+from medusa_train.choices import TreeError, TreePath, normalise_choices
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import CHOICES, atomic_write_text
@@ -44,7 +44,7 @@ class TreeBuffers:
         max_depth: D, the deepest node's depth (the number of heads the tree needs).
     """
 
-    choices: tuple[Path_, ...]
+    choices: tuple[TreePath, ...]
     attn_mask: torch.Tensor
     depth: torch.Tensor
     tree_indices: torch.Tensor

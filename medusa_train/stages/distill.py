@@ -595,7 +595,7 @@ def _figures(manifest: dict, *, generated_now: int, resumed: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# distill.engine=server (issue 13): the backbone's weights stay with the servers; this process needs
+# distill.engine=server: the backbone's weights stay with the servers; this process needs
 # its tokenizer (records are built with it), its config (context length, EOS ids) and the files'
 # fingerprint (stage=train checks the data came from the backbone it loads).
 

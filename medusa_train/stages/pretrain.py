@@ -18,10 +18,6 @@ reference reply exactly); (6) a standard Hugging Face model directory (model, to
 config, `train_report.json`) written into a temporary folder and renamed into place, so a killed
 run never leaves a half-written `pretrain/`.
 
-Workdirs made before the stage was renamed (issue 11) hold this model in `backbone/`: the stage
-stops with a one-line error asking to rename the folder rather than silently training a new model
-(:func:`medusa_train.workdir.refuse_old_layout`).
-
 The cosine schedule runs on the larger of step progress and wall-clock progress, so the learning
 rate reaches its floor exactly when the budget ends, whatever the speed of the machine.
 """
@@ -49,7 +45,6 @@ from medusa_train.workdir import (
     atomic_write_json,
     publish_dir,
     read_json,
-    refuse_old_layout,
     remove_stale,
     staging_dir,
 )
@@ -87,15 +82,13 @@ def run(cfg) -> dict:
         `skipped: True` when an existing complete model was reused.
 
     Raises:
-        UserError: not the embedded model, a workdir from before the rename (`backbone/`), a
-            `model.name_or_path` that holds another model (it would be replaced), or an unusable
-            `data.path` for format=text.
+        UserError: not the embedded model, a `model.name_or_path` that holds another model (it
+            would be replaced), or an unusable `data.path` for format=text.
     """
     if not cfg.model.embedded:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
     bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
-    refuse_old_layout(out_dir)
     remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
     if is_complete(out_dir) and not bc.overwrite:
         report = read_json(

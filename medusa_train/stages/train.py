@@ -143,15 +143,10 @@ def run(cfg) -> dict:
 
     # 3. Skip finished heads, or re-run only their calibration.
     key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
-    accepted = [key, run_key(cfg, identity, manifest, legacy=True)]  # heads trained before issue 12 too
-    if tc.head_projection == "own":  # heads trained before issue 17 are own heads, keyed without these
-        accepted += [
-            {k: v for k, v in a.items() if k not in ("head_projection", "draft_vocab_size")} for a in accepted
-        ]
     if dist.is_main():
         remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
         remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
-    done = None if tc.overwrite else trained_with(wd.heads, accepted, recipe)
+    done = None if tc.overwrite else trained_with(wd.heads, key, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)
         if stored == calibration_settings:
@@ -206,7 +201,7 @@ def run(cfg) -> dict:
     # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
     if done is None:
         result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, accepted, train_set, ds_config, device, token_map
+            cfg, recipe, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
@@ -286,7 +281,7 @@ def run(cfg) -> dict:
 
 
 # -- skip / resume keys -----------------------------------------------------------------------------
-def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dict:
+def run_key(cfg, identity: dict, manifest: dict) -> dict:
     """Everything that changes the trained heads: compared to skip finished work and to resume safely.
 
     Every ``training.*`` field except ``TrainingConfig.RUN_ONLY``, plus the inputs: the backbone
@@ -297,8 +292,7 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
     Inputs count by content, not by place: the distilled data's settings without file paths
     (:func:`~medusa_train.data.distilled.comparable`), the backbone by fingerprint, and
     ``training.init_heads`` by its weights file's SHA-256, so a copied or moved workdir has the same
-    key. ``legacy=True`` gives the key as versions before that computed it (paths included), which
-    heads and checkpoints written then still carry.
+    key.
     """
     tc = cfg.training
     key = settings_key(
@@ -308,10 +302,10 @@ def run_key(cfg, identity: dict, manifest: dict, *, legacy: bool = False) -> dic
         global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * dist.world_size(),
         eval_fraction=cfg.data.eval_fraction,
         backbone_fingerprint=identity["fingerprint"],
-        distill=data_key(manifest, legacy=legacy),
+        distill=data_key(manifest),
     )
     flat = {**key.pop("training"), **key}
-    if tc.init_heads and not legacy:
+    if tc.init_heads:
         weights = Path(tc.init_heads) / HEADS_WEIGHTS
         flat["init_heads"] = f"sha256:{file_sha256(weights)[:16]}" if weights.is_file() else tc.init_heads
     return flat
@@ -330,9 +324,9 @@ def calibration_key(cfg) -> dict:
 _RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
 
 
-def trained_with(heads_dir: Path, keys: list[dict], recipe: Medusa1) -> dict | None:
-    """The stored training result if ``heads_dir`` is complete, whole and was trained with one of
-    ``keys``; None otherwise (a damaged heads folder is trained again, with a warning)."""
+def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
+    """The stored training result if ``heads_dir`` is complete, whole and was trained with ``key``;
+    None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
     if not all((heads_dir / name).is_file() for name in (HEADS_CONFIG, HEADS_WEIGHTS, CHOICES)):
         return None
@@ -344,7 +338,7 @@ def trained_with(heads_dir: Path, keys: list[dict], recipe: Medusa1) -> dict | N
     except (DamagedArtefactError, HeadsFormatError) as err:
         log.warning("%s: training the heads again", err)
         return None
-    return meta.get("training_result") if meta.get("training") in keys else None
+    return meta.get("training_result") if meta.get("training") == key else None
 
 
 def calibrated_with(heads_dir: Path) -> dict | None:
@@ -357,12 +351,12 @@ def calibrated_with(heads_dir: Path) -> dict | None:
     return settings if isinstance(settings, dict) else None
 
 
-def _check_resume(train_dir: Path, info: dict, accepted: list[dict], overwrite: bool) -> None:
+def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
     """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
 
-    ``info`` is this run's ``run.json`` (``settings``: the run key, ``backbone``: its identity);
-    ``accepted`` the run keys that count as this run's. The backbone counts by content (its
-    fingerprint), not by where it lies, so a moved or copied workdir resumes.
+    ``info`` is this run's ``run.json`` (``settings``: the run key, ``backbone``: its identity). The
+    backbone counts by content (its fingerprint), not by where it lies, so a moved or copied workdir
+    resumes.
     """
     path = train_dir / RUN_INFO
     if train_dir.exists() and overwrite and dist.is_main():
@@ -372,7 +366,7 @@ def _check_resume(train_dir: Path, info: dict, accepted: list[dict], overwrite: 
             path,
             repair=f"pass training.overwrite=true to start training again (the checkpoints in {train_dir} are discarded)",
         )
-        same_settings = old.get("settings") in accepted
+        same_settings = old.get("settings") == info["settings"]
         same_backbone = identity_content(old.get("backbone")) == identity_content(info["backbone"])
         if not (same_settings and same_backbone):
             if not same_settings:
@@ -483,9 +477,7 @@ def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
         raise UserError(f"training.head_projection={cfg.training.head_projection}: {err}") from None
 
 
-def _train(
-    cfg, recipe: Medusa1, backbone, tokenizer, identity, accepted, train_set, ds_config, device, token_map
-):
+def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map):
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
@@ -496,9 +488,8 @@ def _train(
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
     heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
-    key = accepted[0]
     info = {"settings": key, "backbone": identity}
-    _check_resume(wd.train, info, accepted, tc.overwrite)
+    _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
     with deepspeed_process(ds_config is not None):

@@ -35,7 +35,8 @@ from medusa_train.training.trainer import PadCollator
 from medusa_train.workdir import atomic_write_json, read_json
 
 META = "meta.json"
-PROGRESS = "progress.json"
+CACHE_PROGRESS = "progress.json"
+"""The cache's own build progress (not the distill folder's ``workdir.PROGRESS``)."""
 _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 
@@ -172,7 +173,7 @@ def build_hidden_cache(
     directory = Path(directory)
     if is_complete(directory, settings):
         return HiddenCache(directory)
-    progress_path = directory / PROGRESS
+    progress_path = directory / CACHE_PROGRESS
     weight = backbone.get_output_embeddings().weight
     dtype, d = weight.dtype, weight.shape[1]
     device = weight.device

@@ -55,10 +55,9 @@ class HeadsOnlyCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         frozen = state.global_step < self.steps
         self.model.backbone_frozen = frozen
-        # Under DeepSpeed these are its optimizer's view of our groups. A checkpoint written before
-        # groups said whose they were restores groups without "backbone": never frozen, as then.
+        # Under DeepSpeed these are its optimizer's view of our groups (training.optim.param_groups).
         for group in optimizer.param_groups:
-            group["frozen"] = frozen and group.get("backbone", False)
+            group["frozen"] = frozen and group["backbone"]
 
 
 def trainable_backbone(tc, backbone: torch.nn.Module) -> torch.nn.Module:

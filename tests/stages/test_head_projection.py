@@ -1,4 +1,4 @@
-"""Head projection variants through the stages (issue 17): train, export and eval of shared and
+"""Head projection variants through the stages: train, export and eval of shared and
 truncated heads on tiny models, and the one-line refusals of impossible settings."""
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def test_stage_all_end_to_end_then_resume(tmp_path: Path) -> None:
         "eval/generations.jsonl",
     ):
         assert (wd / path).is_file(), path
-    assert not (wd / "backbone").exists()  # the embedded model's folder is pretrain/ (issue 11)
+    assert not (wd / "backbone").exists()  # the embedded model lives in pretrain/, nowhere else
     report = json.loads((wd / "eval" / "report.json").read_text())
     assert report["greedy_identical"] == 1.0
     assert report["tau"] >= 1.0

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from medusa_train.backbone import load_backbone
 from medusa_train.config import compose_config
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
@@ -56,7 +55,7 @@ def test_learns_and_loads(trained):
 
 
 def test_written_for_transformers_4_consumers_too(trained):
-    """Issue 18b: a Medusa-1 export names workdir/pretrain as its base model, so its tokenizer and config
+    """A Medusa-1 export names workdir/pretrain as its base model, so its tokenizer and config
     carry what transformers 4.x reads (as the Medusa-2 export's backbone, tests/unit/test_formats.py)."""
     cfg, _ = trained
     out = Path(cfg.model.name_or_path)
@@ -115,28 +114,8 @@ def test_text_format(tmp_path):
     assert torch.isfinite(torch.tensor(report["heldout_loss"]))
 
 
-def test_old_workdir_layout_is_refused_not_retrained(trained, tmp_path):
-    """A workdir from before the rename holds the model in backbone/: one line says to rename it."""
-    cfg, _ = trained
-    old = tmp_path / "backbone"
-    old.mkdir()
-    for f in Path(cfg.model.name_or_path).iterdir():
-        (old / f.name).write_bytes(f.read_bytes())
-    stale = compose_config([*TINY, f"workdir={tmp_path}"])
-    assert stale.model.name_or_path == str(tmp_path / "pretrain")
-    expected = f"rename it with `mv {old} {tmp_path / 'pretrain'}`"
-    with pytest.raises(UserError, match="old folder name") as err:
-        pretrain.run(stale)
-    assert expected in str(err.value) and "\n" not in str(err.value)
-    with pytest.raises(UserError, match="old folder name"):  # distill/train/export/eval load it
-        load_backbone(stale.model.name_or_path)
-    assert not (tmp_path / "pretrain").exists()
-    old.rename(tmp_path / "pretrain")
-    assert pretrain.run(stale)["skipped"]
-
-
 def test_another_model_at_model_name_or_path_is_not_replaced(tmp_path, tiny_backbone_dir):
-    """Issue 12: model=tiny with model.name_or_path naming a real model folder must not pretrain over it."""
+    """model=tiny with model.name_or_path naming a real model folder must not pretrain over it."""
     other = tmp_path / "my-model"
     other.mkdir()
     for f in tiny_backbone_dir.iterdir():

@@ -1,4 +1,4 @@
-"""Issue 12, artefacts: a workdir is its content, damaged artefacts give one line, publishing is atomic.
+"""Artefacts: a workdir is its content, damaged artefacts give one line, publishing is atomic.
 
 - copied, moved, renamed workdirs (named relatively or absolutely) are the same workdir: distill
   skips without loading the model, train resumes and then skips, export names a base model that
@@ -28,14 +28,12 @@ import pytest
 
 from medusa_train import workdir as workdir_mod
 from medusa_train.__main__ import main
-from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.config import compose_config
 from medusa_train.data.distilled import load_distilled
 from medusa_train.errors import DamagedArtefactError
 from medusa_train.stages import distill, export
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages.train import run as train_run
-from medusa_train.stages.train import run_key
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache, is_complete
 from medusa_train.training.trainer import last_complete_checkpoint
 from medusa_train.workdir import publish_dir, read_json, remove_stale, staging_dir
@@ -144,7 +142,8 @@ def test_truncated_progress_and_an_older_manifest_keep_complete_data(distilled, 
     progress = copy / "distill" / "progress.json"
     progress.write_text(progress.read_text()[:40])
     manifest = json.loads((copy / "distill" / "manifest.json").read_text())
-    del manifest["quick_settings"]["backbone_source"]["fingerprint"]  # as versions before issue 12 wrote it
+    # The quick settings differ (no fingerprint), the full settings match: the data is kept.
+    del manifest["quick_settings"]["backbone_source"]["fingerprint"]
     (copy / "distill" / "manifest.json").write_text(json.dumps(manifest))
     shards = {p.name: p.stat().st_mtime_ns for p in (copy / "distill" / "shards").iterdir()}
     again = distill.run(compose_config(_distill_overrides(copy, prompts)))
@@ -170,7 +169,7 @@ write_manifest(distill_dir, json.loads((distill_dir / "manifest.json").read_text
 
 
 def test_distill_start_deletes_a_killed_writes_temp_file(distilled, tmp_path, monkeypatch) -> None:
-    """Issue 18b: a write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
+    """A write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
     start deletes it (its pid no longer runs) and finds the data complete, without loading the model."""
     wd, prompts, figures = distilled
     copy = _fresh_copy(wd, tmp_path / "copy")
@@ -234,15 +233,6 @@ def test_moved_workdir_resumes_then_skips_then_exports(tmp_path, monkeypatch) ->
     shutil.rmtree(tmp_path / "b")  # the heads name b/backbone as their base: gone now
     again = train_run(train_cfg(tmp_path / "c"))  # absolute this time
     assert again["skipped"]
-    # Heads trained before issue 12 carry the run key computed with paths: still accepted.
-    cfg, heads_config = train_cfg(tmp_path / "c"), tmp_path / "c" / "heads" / "config.json"
-    model, _ = load_backbone(cfg.model.name_or_path)
-    identity = backbone_identity(model, cfg.model.name_or_path)
-    manifest = json.loads((tmp_path / "c" / "distill" / "manifest.json").read_text())
-    legacy = run_key(cfg, identity, manifest, legacy=True)
-    assert legacy != run_key(cfg, identity, manifest)
-    heads_config.write_text(json.dumps({**json.loads(heads_config.read_text()), "training": legacy}))
-    assert train_run(cfg)["skipped"]
     out = export.run(compose_config(train_overrides(Path("c"), "stage=export")))
     assert out["roundtrip_identical"]
     config = json.loads((tmp_path / "c" / "export" / "medusa" / "config.json").read_text())

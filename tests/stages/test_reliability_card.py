@@ -1,4 +1,4 @@
-"""Issue 12, the rest: the model card states only figures of the heads it describes; a damaged
+"""The model card states only figures of the heads it describes; a damaged
 Medusa-2 LoRA adapter is one line naming the file and the repair.
 
 - export and eval's card rewrite take tau, speed-up and the distilled data's description from the

@@ -1,4 +1,4 @@
-"""Issue 12: a user's mistake or a fault of the machine ends in ONE error line and exit code 2.
+"""A user's mistake or a fault of the machine ends in ONE error line and exit code 2.
 
 Each test runs the CLI in-process (``medusa_train.__main__.main``) on the tiny workdir (random Llama +
 random heads, ``tests.helpers.tiny_workdir``) and checks the return code, that stderr holds one
@@ -338,7 +338,7 @@ def test_full_disk_while_the_trainer_saves_a_checkpoint_is_one_line(
     message: str,
     context: str | None,
 ) -> None:
-    """Issue 18b: torch's save error carries no errno; with the workdir's disk full it is the disk-full
+    """Torch's save error carries no errno; with the workdir's disk full it is the disk-full
     line (exit 2), the heads are not published, and the same command resumes once there is room."""
     wd = Path(shutil.copytree(train_workdir, tmp_path / "wd"))
     argv = ["stage=train", *train_overrides(wd)]
@@ -384,16 +384,12 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
     """A fault inside a staging folder or an atomic write's temp file names the artefact it was becoming;
     libraries that reword the OS error (safetensors' Rust I/O, Arrow) are recognised by its text; other
     errors are not taken for faults (they stay tracebacks: bugs)."""
-    temp = tmp_path / ".export.tmp-4242" / "medusa" / ".medusa_lm_head.safetensors.a1b2c3d4.tmp"
+    temp = tmp_path / ".export.tmp-4242" / "medusa" / ".medusa_lm_head.safetensors.4242.a1b2c3d4.tmp"
     full = environment_fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(temp)), tmp_path)
     assert full.startswith(
         f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
     )
     assert "free there" in full
-    named_by_pid = temp.with_name(".medusa_lm_head.safetensors.4242.a1b2c3d4.tmp")  # since issue 18b
-    assert environment_fault(OSError(errno.ENOSPC, "", str(named_by_pid)), tmp_path).startswith(
-        f"no space left on the device: {tmp_path}/export/medusa/medusa_lm_head.safetensors ("
-    )
     wrapped = RuntimeError(
         "Error while serializing: IoError(Os { code: 28, kind: StorageFull }) (os error 28)"
     )

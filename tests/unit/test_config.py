@@ -76,7 +76,6 @@ def test_workdir_interpolates_into_backbone_path() -> None:
         (["deepspeed=zero2", "deepspeed.offload_param=true"], "offload_param"),
         (["tree=chain", "tree.chain_depth=6"], "chain_depth"),
         (["stage=pretrain", "model=hf", "model.name_or_path=x"], "model=tiny"),
-        (["stage=backbone"], "stage=pretrain"),  # the stage's name before issue 11
         (["training=medusa2", "training.cache_hidden_states=true"], "cache_hidden_states"),
     ],
 )
@@ -149,7 +148,7 @@ print("EXIT", code, sorted(m for m in ("torch", "transformers", "hydra") if m in
 
 @pytest.mark.parametrize("flag", ["--help", "-h", "--cfg"])
 def test_help_and_cfg_import_no_torch(flag: str) -> None:
-    """Issue 18b: ``--help`` and ``--cfg`` answer without importing torch or transformers (seconds on a
+    """``--help`` and ``--cfg`` answer without importing torch or transformers (seconds on a
     busy machine): the config checks ``tree.choices`` with ``medusa_train.choices``, which needs no torch."""
     proc = subprocess.run(
         [sys.executable, "-c", _HELP_PROBE, flag],
@@ -165,7 +164,7 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
     assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 0 ['hydra']", proc.stdout
 
 
-# One bad value per line, each for a field whose range __post_init__ checks (issue 12): the message
+# One bad value per line, each for a field whose range __post_init__ checks: the message
 # names the key and says the allowed range. Every numeric field must appear here (next test).
 BAD_VALUES = [
     "model.device=tpu",

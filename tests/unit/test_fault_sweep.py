@@ -48,7 +48,7 @@ def test_every_case_has_a_unique_name_and_an_expectation(tmp_path: Path) -> None
     (base / "eval" / "report.json").write_text('{"tau": 2.0}')
     cases = sweep.cases(base, tmp_path / "cases")
     names = [c.name for c in cases]
-    assert len(names) == len(set(names)) and len(names) >= 96  # issue 12's count
+    assert len(names) == len(set(names)) and len(names) >= 96
     assert {c.expect for c in cases} == {"ok", "refuse"}
     assert {c.group for c in cases} >= {
         "config",

@@ -517,8 +517,8 @@ def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
     )
     assert after.get_vocab() == before.get_vocab() and add_legacy_tokenizer_keys(tmp_path) == []
 
-    # save_tokenizer, through which every tokenizer the pipeline writes goes (stage=pretrain's too,
-    # issue 18b): saved by transformers 5 and adapted in one step, read back the same.
+    # save_tokenizer, through which every tokenizer the pipeline writes goes (stage=pretrain's too):
+    # saved by transformers 5 and adapted in one step, read back the same.
     saved = tmp_path / "saved"
     assert set(save_tokenizer(before, saved)) >= {
         "tokenizer_config.json:tokenizer_class",

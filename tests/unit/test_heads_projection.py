@@ -1,4 +1,4 @@
-"""Head projection variants (issue 17): shared lm_head and truncated draft vocabulary.
+"""Head projection variants: shared lm_head and truncated draft vocabulary.
 
 Greedy parity with ``generate``; candidates mapped through the token map (a permuted full map decodes
 exactly like own heads); the losses and held-out accuracy over full-vocabulary targets; the files

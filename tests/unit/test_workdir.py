@@ -1,4 +1,4 @@
-"""Issue 18b: the temp files of ``workdir.atomic_write`` carry their writer's pid, and ``remove_stale``
+"""The temp files of ``workdir.atomic_write`` carry their writer's pid, and ``remove_stale``
 (called by every stage at start) deletes those of processes that no longer run -- never a live one's.
 
 The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`` start) is
@@ -53,7 +53,7 @@ def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_
     live = [
         final / f".progress.json.{os.getpid()}.abcd1234.tmp",  # this process is writing it
         final / f".progress.json.{os.getppid()}.abcd1234.tmp",  # another live process
-        final / ".progress.json.abcd1234.tmp",  # the pre-18b name: whose it is cannot be told
+        final / ".progress.json.abcd1234.tmp",  # no pid: whose it is cannot be told
         tmp_path / f".other.json.{dead_pid}.abcd1234.tmp",  # beside it, but another file's
     ]
     for path in dead + live:

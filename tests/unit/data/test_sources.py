@@ -198,8 +198,8 @@ def test_missing_unreadable_and_empty_sources_fail_in_one_line(tmp_path: Path) -
 
 
 def test_hostile_json_is_a_bad_record_not_a_crash(tmp_path: Path) -> None:
-    """Issue 12: nesting deeper than the parser recurses, a lone surrogate (valid JSON, no tokenizer can
-    encode it: it used to fail later, at tokenisation) and an integer too long to convert."""
+    """Nesting deeper than the parser recurses, a lone surrogate (valid JSON that no tokenizer can
+    encode: refused here, not at tokenisation) and an integer too long to convert."""
     path = _jsonl(
         tmp_path / "hostile.jsonl",
         [

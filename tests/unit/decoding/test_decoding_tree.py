@@ -135,7 +135,7 @@ def test_json_round_trip(tmp_path):
 
 
 def test_save_choices_is_atomic(tmp_path, monkeypatch):
-    """Issue 18b: a write that fails half-way (a full disk) leaves the previous tree and no temp file."""
+    """A write that fails half-way (a full disk) leaves the previous tree and no temp file."""
     path = save_choices(tmp_path / "tree.json", chain_tree(3))
     before = path.read_bytes()
     real_write_text = Path.write_text
@@ -164,7 +164,7 @@ def test_package_needs_only_torch_and_transformers():
 
 
 def test_tree_ranks_must_fit_the_heads_vocabulary_and_errors_are_user_errors(tmp_path: Path) -> None:
-    """Issue 12: a rank no head can give, or ints instead of paths, is one UserError line, not a traceback."""
+    """A rank no head can give, or ints instead of paths, is one UserError line, not a traceback."""
     tree = TreeBuffers.from_choices([[0], [7], [7, 3]])
     tree.check_heads(2, vocab_size=8)  # rank 7 is the 8th candidate: fine
     with pytest.raises(TreeError, match=r"tree path \[7\] asks for rank 7 but the heads give only 7"):

@@ -98,7 +98,7 @@ def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():
 
 
 def test_lora_target_modules_the_backbone_lacks_are_one_user_error():
-    """Issue 12: peft's NoMatchingPeftModuleError was a traceback; the message lists the linear layers."""
+    """peft's NoMatchingPeftModuleError becomes one UserError line that lists the linear layers."""
     tc = compose_config(
         ["training=medusa2", "training.backbone_tuning=lora", "training.lora_target_modules=[q_proj,nope]"]
     ).training
