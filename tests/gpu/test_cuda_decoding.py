@@ -98,7 +98,8 @@ def test_batched_greedy_parity_fp32(arch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_half_precision_parity_is_reported(arch, dtype):
-    """The identical fraction and where rows first differ, batch 1 and batched; most rows must match."""
+    """The identical fraction and where rows first differ, batch 1 and batched; a row may differ only at a
+    near-tie of plain decoding."""
     model = _model(arch, torch.float32)
     heads = random_heads(model.cpu(), seed=1)
     model = model.to(DEVICE, DTYPES[dtype])
@@ -116,14 +117,37 @@ def test_half_precision_parity_is_reported(arch, dtype):
     figures = {}
     for name, got in (("batch1", single), ("batched", batched)):
         same = [g == e for g, e in zip(got, expected, strict=True)]
+        firsts = [
+            (p, e, g, _first_difference(g, e))
+            for p, g, e in zip(prompts, got, expected, strict=True)
+            if g != e
+        ]
         figures[name] = {
             "identical": sum(same) / len(same),
-            "first_difference_at": [
-                _first_difference(g, e) for g, e in zip(got, expected, strict=True) if g != e
-            ],
+            "first_difference_at": [d for *_, d in firsts],
+            "logit_gap_at_difference": [_near_tie_gap(model, p, e, g, d) for p, e, g, d in firsts],
         }
     _record(test="half_precision_parity", arch=arch, dtype=dtype, new_tokens=NEW_TOKENS, **figures)
-    assert figures["batch1"]["identical"] >= 0.5 and figures["batched"]["identical"] >= 0.5
+    # Where a row differs, it is at a near-tie of plain decoding: the token Medusa chose is within
+    # rounding of plain's choice there (a wrong tree, mask or cache would pick far worse tokens).
+    gaps = figures["batch1"]["logit_gap_at_difference"] + figures["batched"]["logit_gap_at_difference"]
+    assert all(gap <= NEAR_TIE[dtype] for gap in gaps), gaps
+
+
+NEAR_TIE = {"bfloat16": 0.25, "float16": 0.05}
+"""Largest logit gap (plain's choice minus Medusa's, in plain's own logits at the first differing
+position) that half-precision rounding of two attention kernels can explain: a few units in the last
+place of logits of order 10 (bf16 keeps 8 bits of mantissa, fp16 11)."""
+
+
+def _near_tie_gap(model, prompt: torch.Tensor, expected: list[int], got: list[int], at: int | None) -> float:
+    """Plain decoding's logit of its own token minus that of Medusa's token at the first difference."""
+    if at is None:  # one output is a prefix of the other: a length difference, not a token choice
+        return 0.0
+    seq = torch.cat([prompt, torch.tensor(expected[:at], device=prompt.device, dtype=prompt.dtype)])
+    with torch.inference_mode():
+        logits = model(input_ids=seq[None]).logits[0, -1].float()  # (V,)
+    return float(logits[expected[at]] - logits[got[at]])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
