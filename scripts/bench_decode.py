@@ -55,26 +55,10 @@ from medusa_train.decoding.timing import (  # noqa: E402
     speedup_figures,
 )
 from medusa_train.heads import MedusaHeads  # noqa: E402
-from tests.helpers.models import tiny_config  # noqa: E402
+from tests.helpers.models import llama8b_config, tiny_config  # noqa: E402
 
 TREE_SIZES = (1, 4, 8, 16, 32, 64)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def llama8b_config(**overrides) -> LlamaConfig:
-    """Llama-3-8B's shape (random weights); ``overrides`` shrink it for CPU tests."""
-    shape = dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )
-    shape.update(overrides)
-    return LlamaConfig(**shape)
 
 
 def random_run_config() -> LlamaConfig:

@@ -33,23 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medusa_train.decoding import MEDUSA_63  # noqa: E402
 from medusa_train.decoding.static import CAPTURES, SDPA_BACKENDS, StaticDecoder  # noqa: E402
 from medusa_train.heads import MedusaHeads  # noqa: E402
-from tests.helpers.models import random_heads, random_tree, tiny_model  # noqa: E402
+from tests.helpers.models import llama8b_config, random_heads, random_tree, tiny_model  # noqa: E402
 
 NODES = (1, 4, 16, 64)
-
-
-def llama8b_config(layers: int = 32) -> LlamaConfig:
-    """Llama-3-8B's shape (``layers`` fewer only for a dry run: the floor needs all 32)."""
-    return LlamaConfig(
-        hidden_size=4096,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )
 
 
 def tiny_llama_config() -> LlamaConfig:
@@ -172,7 +158,7 @@ def run(args: argparse.Namespace) -> dict:
     captures = [c for c in args.parity_captures if c != "cuda_graph" or device.type == "cuda"]
     results["parity"] = parity(args.device, captures)
     dtype = getattr(torch, args.dtype)
-    config = tiny_llama_config() if args.tiny else llama8b_config(args.layers)
+    config = tiny_llama_config() if args.tiny else llama8b_config(num_hidden_layers=args.layers)
     t0 = time.perf_counter()
     model, heads = build(config, args.device, dtype, args.head_projection)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -69,6 +69,21 @@ def tiny_config(
     raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 
 
+def llama8b_config(**overrides) -> tf.LlamaConfig:
+    """Llama-3-8B's shape (for random weights: the GPU benchmarks); ``overrides`` shrink it for dry runs."""
+    shape = dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+    return tf.LlamaConfig(**{**shape, **overrides})
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Module:
     """A random model of :func:`tiny_config` (``kwargs`` go there), in eval mode."""
     torch.manual_seed(seed)
