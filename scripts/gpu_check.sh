@@ -166,7 +166,7 @@ if [ -f scripts/bench_attention.py ]; then
 fi
 if [ -f scripts/bench_static.py ]; then
     ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
-    [ $QUICK = 1 ] && ARGS+=(--quick)
+    [ $QUICK = 1 ] && ARGS+=(--tiny)
     step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
 fi
 
