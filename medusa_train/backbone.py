@@ -33,9 +33,9 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import CONFIG_NAME, cached_file
 
-from medusa_train.errors import DamagedArtefactError, UserError
+from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
-from medusa_train.heads import HeadsFormatError, safetensors_shapes
+from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import (
     HEADS,
     PRETRAIN,

@@ -48,8 +48,8 @@ from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_ba
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import PackedHeads, medusa_generate
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
+from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
-from medusa_train.heads import HeadsFormatError
 from medusa_train.workdir import CHOICES, atomic_write_text
 
 log = logging.getLogger(__name__)

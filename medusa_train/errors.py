@@ -31,6 +31,12 @@ class DamagedArtefactError(UserError):
     the message names the file and the command that writes it again."""
 
 
+class HeadsFormatError(ValueError):
+    """A heads directory or a safetensors file is missing, damaged, incomplete or does not match the
+    expected shapes (the stages turn it into a :class:`UserError` that says what to do; library callers
+    get it as a ``ValueError``)."""
+
+
 _FAULTS = {
     errno.ENOSPC: "no space left on the device",
     errno.EDQUOT: "disk quota exceeded",

@@ -29,8 +29,10 @@ below (``ModuleList[Sequential[ResBlock..., Linear]]``), so ``self.heads.state_d
 Shared heads store no ``{h}.{L}.weight`` (and say ``"version": "2"``, as FasterDecoding's medusa2 heads
 do); truncated heads store ``{h}.{L}.weight`` of shape ``(N, d)`` and a ``token_map`` tensor.
 
-This module never imports Hydra or training code: decoding and export use it in a bare
-torch + transformers environment.
+Beside this module: the draft vocabulary (``draft_vocab.py``: choosing and checking a token map),
+the safetensors header/size check (``safetensors_check.py``), and the heads' inputs, targets and
+top-k correctness (``head_targets.py``). This module never imports Hydra or training code: decoding
+and export use it in a bare torch + transformers environment.
 """
 
 from __future__ import annotations
@@ -46,63 +48,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from medusa_train.draft_vocab import TOKEN_MAP, check_token_map
+from medusa_train.errors import HeadsFormatError
+from medusa_train.head_targets import IGNORE_INDEX
+from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 OWN, SHARED, TRUNCATED = "own", "shared", "truncated"
 PROJECTIONS = (OWN, SHARED, TRUNCATED)
 """Head projection variants (``training.head_projection``; ``head_projection`` in config.json)."""
-TOKEN_MAP = "token_map"
-"""Name of the draft vocabulary's ``(N,)`` int64 tensor in the weights file (vLLM reads the same name)."""
-
-
-class HeadsFormatError(ValueError):
-    """A heads directory is missing, incomplete or does not match the expected shapes."""
-
-
-def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from a safetensors file's header, checking that the file holds all the
-    bytes the header announces (a truncated or foreign file fails here without reading the data).
-
-    Raises:
-        HeadsFormatError: missing, unreadable, not safetensors (e.g. a pickle), or truncated.
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or 8 + n > size or n > 100 << 20:
-                raise HeadsFormatError(
-                    f"cannot read {path}: truncated, or not a safetensors file ({size} bytes)"
-                )
-            header = json.loads(fh.read(n))
-    except FileNotFoundError:
-        raise HeadsFormatError(f"cannot read {path}: it is missing") from None
-    except OSError as err:
-        raise HeadsFormatError(f"cannot read {path}: {err.strerror or err}") from None
-    except ValueError:  # the header is no JSON
-        raise HeadsFormatError(
-            f"cannot read {path}: truncated, or not a safetensors file (its header does not parse)"
-        ) from None
-    if not isinstance(header, dict):
-        raise HeadsFormatError(f"cannot read {path}: not a safetensors file (its header is not an object)")
-    shapes, end = {}, 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            shapes[name] = tuple(int(d) for d in info["shape"])
-            end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise HeadsFormatError(
-                f"cannot read {path}: damaged (tensor '{name}' has no valid shape/offsets)"
-            ) from None
-    if 8 + n + end != size:
-        raise HeadsFormatError(
-            f"cannot read {path}: truncated or damaged ({size} bytes, its header says {8 + n + end})"
-        )
-    return shapes
 
 
 class _Unregistered:
@@ -522,172 +476,3 @@ class MedusaHeads(nn.Module):
             raise HeadsFormatError(f"cannot read {weights_path}: {err}") from None
         heads = cls.from_state(config, state, directory)
         return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
-
-
-def check_token_map(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``token_map`` as a ``(N,)`` int64 tensor, checked: 1 <= N <= V distinct ids in ``[0, V)``.
-
-    Raises:
-        HeadsFormatError: otherwise (the message names what is wrong).
-    """
-    if token_map.ndim != 1 or token_map.numel() == 0 or token_map.is_floating_point():
-        raise HeadsFormatError(
-            f"token_map must be a non-empty 1-D integer tensor, got {token_map.dtype} of shape {tuple(token_map.shape)}"
-        )
-    token_map = token_map.detach().to("cpu", torch.long)
-    if token_map.numel() > vocab_size:
-        raise HeadsFormatError(
-            f"token_map has {token_map.numel()} ids, more than the vocabulary's {vocab_size}"
-        )
-    low, high = int(token_map.min()), int(token_map.max())
-    if low < 0 or high >= vocab_size:
-        raise HeadsFormatError(
-            f"token_map holds ids in [{low}, {high}], outside the vocabulary of {vocab_size} tokens"
-        )
-    if torch.unique(token_map).numel() != token_map.numel():
-        raise HeadsFormatError("token_map repeats ids: each draft index must name a different token")
-    return token_map.clone()
-
-
-def draft_token_map(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
-    """The draft vocabulary: the ``size`` most frequent tokens, in increasing id order.
-
-    Args:
-        counts: ``(V,)`` how often each token is a training target.
-        size: N, tokens kept (ties go to the smaller id).
-
-    Returns:
-        ``(token_map (N,) int64, coverage)``: coverage = share of the counted targets whose token is
-        in the map (1.0 when nothing was counted).
-
-    Raises:
-        HeadsFormatError: ``size`` outside ``1..V``.
-    """
-    vocab = counts.numel()
-    if not 1 <= size <= vocab:
-        raise HeadsFormatError(f"a draft vocabulary of {size} tokens does not fit a vocabulary of {vocab}")
-    # Stable sort on -count: equal counts keep increasing-id order, so ties go to the smaller id.
-    order = torch.sort(-counts.to(torch.long), stable=True).indices  # (V,)
-    token_map = order[:size].sort().values
-    total = int(counts.sum())
-    coverage = float(counts[token_map].sum()) / total if total else 1.0
-    return token_map, coverage
-
-
-# -- what the heads are trained and scored on -------------------------------------------------------
-# One definition of the targets, shared by the training loss (training/losses.py), the hidden-state
-# cache and the held-out accuracy that calibrates the tree (decoding/calibrate.py).
-IGNORE_INDEX = -100
-"""Target value of a position that is not trained (nor scored) for a head."""
-
-
-def medusa_targets(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_heads: int
-) -> torch.Tensor:
-    """Per-head targets of every position, ``IGNORE_INDEX`` where the prediction is not trained.
-
-    Head k (1-based) at position t predicts token ``t+k+1``; that prediction counts iff
-    ``loss_mask[t+k+1] == 1`` (a token the backbone generated) and ``t+k+1`` is a real position.
-
-    Args:
-        input_ids: ``(B, T)``.
-        loss_mask: ``(B, T)``, 1 on tokens the backbone generated.
-        attention_mask: ``(B, T)``, 0 on padding.
-        num_heads: K.
-
-    Returns:
-        ``(B, T, K)`` long: ``[b, t, k-1] = input_ids[b, t+k+1]`` when ``loss_mask[b, t+k+1] == 1`` and
-        that position is real (not padding, inside T), else ``IGNORE_INDEX``.
-    """
-    b, t = input_ids.shape
-    valid = (loss_mask.bool() & attention_mask.bool()).to(input_ids.device)  # (B, T)
-    targets = torch.full((b, t, num_heads), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
-    for k in range(1, num_heads + 1):
-        shift = k + 1
-        if shift >= t:
-            break
-        tgt = torch.where(valid[:, shift:], input_ids[:, shift:], IGNORE_INDEX)  # (B, T-shift)
-        targets[:, : t - shift, k - 1] = tgt
-    return targets
-
-
-def soft_target_sources(targets: torch.Tensor) -> torch.Tensor:
-    """Where each head's soft target comes from: the position whose next-token distribution predicts
-    the same token as the head.
-
-    Head k at position t predicts token ``t+k+1``, which the backbone predicts at position ``t+k``:
-    the soft target of head k at t is the backbone's distribution at ``t+k``.
-
-    Args:
-        targets: ``(B, T, K)`` from :func:`medusa_targets`.
-
-    Returns:
-        ``(B, T, K)`` long: the flat index ``b * T + t + k`` into ``hidden.reshape(B * T, d)`` where
-        ``targets`` counts, ``IGNORE_INDEX`` elsewhere.
-    """
-    b, t, k = targets.shape
-    flat = torch.arange(b * t, device=targets.device).view(b, t, 1)  # (B, T, 1)
-    shift = torch.arange(1, k + 1, device=targets.device)  # (K,)
-    return torch.where(targets != IGNORE_INDEX, flat + shift, IGNORE_INDEX)  # (B, T, K)
-
-
-def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep only positions where at least one head has a target (the rest cost compute, add nothing).
-
-    Args:
-        hidden: ``(B, T, d)``.
-        targets: ``(B, T, K)`` from :func:`medusa_targets`.
-
-    Returns:
-        ``(N, d)`` hidden rows and ``(N, K)`` targets.
-    """
-    d, k = hidden.shape[-1], targets.shape[-1]
-    flat_t = targets.reshape(-1, k)  # (B*T, K)
-    keep = (flat_t != IGNORE_INDEX).any(dim=-1).nonzero(as_tuple=True)[0]  # (N,)
-    return hidden.reshape(-1, d)[keep], flat_t[keep]  # (N, d), (N, K)
-
-
-def last_hidden_state(
-    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` and the heads read.
-
-    Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.
-
-    Args:
-        backbone: a Hugging Face causal LM (or a peft model around one).
-        input_ids: ``(B, T)``; attention_mask: ``(B, T)``.
-
-    Returns:
-        ``(B, T, d)``.
-    """
-    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
-    decoder = base.get_decoder()
-    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-
-
-@torch.no_grad()
-def chunked_topk_correct(
-    feats: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, topk: int, chunk_size: int = 1024
-) -> torch.Tensor:
-    """How many counted rows have their target within the top-1, top-2, ..., top-``topk`` logits.
-
-    The logits ``feats @ weight.T`` are formed ``chunk_size`` rows at a time, never whole.
-
-    Args:
-        feats: ``(N, d)``; weight: ``(V, d)``; targets: ``(N,)`` with ``IGNORE_INDEX`` = not counted.
-
-    Returns:
-        ``(topk,)`` long cumulative counts: ``[i]`` = rows whose target ranks within the top ``i+1``.
-    """
-    correct = torch.zeros(topk, dtype=torch.long, device=feats.device)
-    for start in range(0, feats.shape[0], chunk_size):
-        y = targets[start : start + chunk_size]  # (c,)
-        ok = y != IGNORE_INDEX
-        if not bool(ok.any()):
-            continue
-        logits = feats[start : start + chunk_size][ok].to(weight.dtype) @ weight.t()  # (c', V)
-        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (c', topk)
-        hit = top == y[ok][:, None]  # (c', topk): at most one True per row
-        correct[: hit.shape[1]] += hit.long().cumsum(dim=-1).sum(dim=0)
-    return correct

@@ -57,7 +57,8 @@ def _current_rss_bytes() -> int:
 def measure(args: argparse.Namespace, variant: str) -> dict:
     """One variant's figures (runs in its own process)."""
     from medusa_train.decoding import PackedHeads
-    from medusa_train.heads import IGNORE_INDEX, MedusaHeads
+    from medusa_train.head_targets import IGNORE_INDEX
+    from medusa_train.heads import MedusaHeads
     from medusa_train.training.losses import medusa_head_loss
 
     torch.manual_seed(0)

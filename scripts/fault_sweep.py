@@ -454,214 +454,287 @@ def went_down(url_index: int) -> Callable[[Path, Run], str | None]:
 
 
 # -- the cases ------------------------------------------------------------------------------------------
-def cases(base: Path, scratch: Path) -> list[Case]:
-    """Every case; ``setup(wd)`` damages the fresh copy ``wd`` and returns the CLI arguments."""
-    out: list[Case] = []
+# One function per group of cases, each returning its Case records; ``cases`` lists them in sweep order.
+# A case's ``setup(wd)`` damages the fresh copy ``wd`` of the base workdir and returns the CLI arguments.
+Setup = Callable[[Path], list[str]]
 
-    def add(name, group, expect, setup, **kw):
-        out.append(Case(name, group, expect, setup, **kw))
 
-    # Config values: a size/count out of range never starts work.
-    for name, st, value in [
-        ("training.max_seq_len=-5", "train", ["training.overwrite=true"]),
-        ("training.calibration_max_records=-1", "train", []),
-        ("training.max_steps=0", "train", ["training.overwrite=true"]),
-        ("training.per_device_batch_size=0", "train", ["training.overwrite=true"]),
-        ("training.lr=-1", "train", ["training.overwrite=true"]),
-        ("data.max_records=0", "distill", ["distill.overwrite=true"]),
-        ("data.max_records=-3", "distill", ["distill.overwrite=true"]),
-        ("data.num_prompts=0", "distill", ["distill.overwrite=true"]),
-        ("data.num_prompts=-1", "distill", ["distill.overwrite=true"]),
-        ("pretrain.num_conversations=0", "pretrain", ["pretrain.overwrite=true"]),
-        ("distill.batch_size=0", "distill", ["distill.overwrite=true"]),
-        ("distill.max_new_tokens=-1", "distill", ["distill.overwrite=true"]),
-        ("eval.num_prompts=-1", "eval", []),
-        ("eval.max_new_tokens=0", "eval", []),
-        ("tree.max_nodes=0", "train", []),
-        ("data.eval_fraction=1.5", "train", []),
-    ]:
-        add(name, "config", "refuse", lambda wd, st=st, name=name, value=value: stage(st, wd, name, *value))
-    add(
-        "tree.choices ints, not paths",
-        "config",
-        "refuse",
-        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[1,2]"),
-    )
-    add(
-        "tree.choices top-k rank 999",
-        "config",
-        "refuse",
-        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[999]]"),
-    )
-    add(
-        "tree.choices without a path's parent",
-        "config",
-        "refuse",
-        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=[[0,0,0,0,0,0,0,0,0]]"),
-    )
-    chain = [[0] * n for n in range(1, 10)]  # deeper than the heads (debug=fast trains fewer)
-    add(
+class _Cases(list):
+    """A list of cases with ``add``, the short form of ``append(Case(...))``."""
+
+    def add(self, name: str, group: str, expect: str, setup: Setup, **kw) -> None:
+        self.append(Case(name, group, expect, setup, **kw))
+
+
+def truncated(rel: str, st: str, *extra: str, keep: float = 0.5) -> Setup:
+    """Setup: truncate ``wd/rel`` to ``keep`` of its size, then run stage ``st``."""
+
+    def setup(wd: Path) -> list[str]:
+        truncate(wd / rel, keep)
+        return stage(st, wd, *extra)
+
+    return setup
+
+
+def written(rel: str, text: str | bytes, st: str, *extra: str) -> Setup:
+    """Setup: replace ``wd/rel`` by ``text``, then run stage ``st``."""
+
+    def setup(wd: Path) -> list[str]:
+        p = wd / rel
+        p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
+        return stage(st, wd, *extra)
+
+    return setup
+
+
+def second_shard(wd: Path) -> Path:
+    return sorted((wd / "distill" / "shards").iterdir())[1]
+
+
+def new_distill(wd: Path) -> list[str]:
+    """Distill from scratch (same settings: distill.overwrite=true alone would skip complete data)."""
+    shutil.rmtree(wd / "distill")
+    return stage("distill", wd)
+
+
+# (override, stage, more overrides): a size or count out of range never starts work.
+CONFIG_OUT_OF_RANGE = [
+    ("training.max_seq_len=-5", "train", ["training.overwrite=true"]),
+    ("training.calibration_max_records=-1", "train", []),
+    ("training.max_steps=0", "train", ["training.overwrite=true"]),
+    ("training.per_device_batch_size=0", "train", ["training.overwrite=true"]),
+    ("training.lr=-1", "train", ["training.overwrite=true"]),
+    ("data.max_records=0", "distill", ["distill.overwrite=true"]),
+    ("data.max_records=-3", "distill", ["distill.overwrite=true"]),
+    ("data.num_prompts=0", "distill", ["distill.overwrite=true"]),
+    ("data.num_prompts=-1", "distill", ["distill.overwrite=true"]),
+    ("pretrain.num_conversations=0", "pretrain", ["pretrain.overwrite=true"]),
+    ("distill.batch_size=0", "distill", ["distill.overwrite=true"]),
+    ("distill.max_new_tokens=-1", "distill", ["distill.overwrite=true"]),
+    ("eval.num_prompts=-1", "eval", []),
+    ("eval.max_new_tokens=0", "eval", []),
+    ("tree.max_nodes=0", "train", []),
+    ("data.eval_fraction=1.5", "train", []),
+]
+CHAIN_DEEPER_THAN_HEADS = [[0] * n for n in range(1, 10)]  # debug=fast trains fewer heads
+# (case, eval's overrides): settings eval refuses before any work.
+EVAL_REFUSES = [
+    ("tree.choices ints, not paths", ["tree=custom", "tree.choices=[1,2]"]),
+    ("tree.choices top-k rank 999", ["tree=custom", "tree.choices=[[999]]"]),
+    ("tree.choices without a path's parent", ["tree=custom", "tree.choices=[[0,0,0,0,0,0,0,0,0]]"]),
+    (
         "tree.choices chain deeper than the heads",
-        "config",
-        "refuse",
-        lambda wd: stage("eval", wd, "tree=custom", "tree.choices=" + json.dumps(chain).replace(" ", "")),
-    )
-    add("model.device=tpu", "config", "refuse", lambda wd: stage("eval", wd, "model.device=tpu"))
-    add(
-        "model.device=cuda on a CPU machine",
-        "config",
-        "refuse",
-        lambda wd: stage("eval", wd, "model.device=cuda"),
-    )
-    add("unknown key", "config", "refuse", lambda wd: stage("eval", wd, "eval.no_such_key=1"))
-    add("unknown stage", "config", "refuse", lambda wd: ["stage=deploy", f"workdir={wd}", *BASE_ARGS])
-    add(
+        ["tree=custom", "tree.choices=" + json.dumps(CHAIN_DEEPER_THAN_HEADS).replace(" ", "")],
+    ),
+    ("model.device=tpu", ["model.device=tpu"]),
+    ("model.device=cuda on a CPU machine", ["model.device=cuda"]),
+    ("unknown key", ["eval.no_such_key=1"]),
+]
+
+
+def config_cases() -> list[Case]:
+    """Config values out of range or impossible: refused before any work."""
+    out = _Cases()
+    for name, st, value in CONFIG_OUT_OF_RANGE:
+        out.add(
+            name, "config", "refuse", lambda wd, st=st, name=name, value=value: stage(st, wd, name, *value)
+        )
+    for name, overrides in EVAL_REFUSES:
+        out.add(name, "config", "refuse", lambda wd, overrides=overrides: stage("eval", wd, *overrides))
+    out.add("unknown stage", "config", "refuse", lambda wd: ["stage=deploy", f"workdir={wd}", *BASE_ARGS])
+    out.add(
         "model.name_or_path missing folder",
         "config",
         "refuse",
         lambda wd: stage("eval", wd, "model=hf", f"model.name_or_path={wd}/nope"),
     )
+    return out
 
-    # Data files.
-    def data_file(lines: list[str], strict: bool = False):
-        def setup(wd: Path) -> list[str]:
-            path = wd / "prompts.jsonl"
-            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8", errors="surrogatepass")
-            extra = ["data.strict=true"] if strict else []
-            return stage(
-                "distill",
-                wd,
-                "data=jsonl",
-                f"data.path={path}",
-                "distill.overwrite=true",
-                "data.num_prompts=4",
-                *extra,
-            )
 
-        return setup
+def jsonl_distill(lines: list[str], strict: bool = False) -> Setup:
+    """Setup: ``lines`` as the prompts file of a new distill (``data=jsonl``)."""
 
+    def setup(wd: Path) -> list[str]:
+        path = wd / "prompts.jsonl"
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8", errors="surrogatepass")
+        extra = ["data.strict=true"] if strict else []
+        return stage(
+            "distill",
+            wd,
+            "data=jsonl",
+            f"data.path={path}",
+            "distill.overwrite=true",
+            "data.num_prompts=4",
+            *extra,
+        )
+
+    return setup
+
+
+def sharegpt_bad_roles(wd: Path) -> list[str]:
+    path = wd / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "alien", "value": "hi"}]}]))
+    return stage("distill", wd, "data=sharegpt", f"data.path={path}", "distill.overwrite=true")
+
+
+def data_cases() -> list[Case]:
+    """Data files: bad lines are skipped (or refused with data.strict), nothing usable is refused."""
+    out = _Cases()
     good = [json.dumps({"prompt": f"tell me about cats number {i}"}) for i in range(6)]
     deep = "[" * 100000 + "]" * 100000
-    add("jsonl: a deeply nested line", "data", "ok", data_file(good + [deep]))
-    add("jsonl: a lone-surrogate line", "data", "ok", data_file(good + ['{"prompt": "a \\ud800 b"}']))
-    add("jsonl: a huge integer line", "data", "ok", data_file(good + ['{"prompt": ' + "9" * 5000 + "}"]))
-    add("jsonl: a binary line", "data", "ok", data_file(good + ["\x00\x01\x02garbage"]))
-    add("jsonl: a bad line, strict", "data", "refuse", data_file(good + ["{not json"], strict=True))
-    add("jsonl: every line bad", "data", "refuse", data_file(["{not json", "[1,2"]))
-    add("jsonl: empty file", "data", "refuse", data_file([]))
-    add(
+    out.add("jsonl: a deeply nested line", "data", "ok", jsonl_distill(good + [deep]))
+    out.add("jsonl: a lone-surrogate line", "data", "ok", jsonl_distill(good + ['{"prompt": "a \\ud800 b"}']))
+    out.add(
+        "jsonl: a huge integer line", "data", "ok", jsonl_distill(good + ['{"prompt": ' + "9" * 5000 + "}"])
+    )
+    out.add("jsonl: a binary line", "data", "ok", jsonl_distill(good + ["\x00\x01\x02garbage"]))
+    out.add("jsonl: a bad line, strict", "data", "refuse", jsonl_distill(good + ["{not json"], strict=True))
+    out.add("jsonl: every line bad", "data", "refuse", jsonl_distill(["{not json", "[1,2"]))
+    out.add("jsonl: empty file", "data", "refuse", jsonl_distill([]))
+    out.add(
         "jsonl: missing file",
         "data",
         "refuse",
         lambda wd: stage("distill", wd, "data=jsonl", f"data.path={wd}/none.jsonl", "distill.overwrite=true"),
     )
-    add(
+    out.add(
         "jsonl: a folder as data.path",
         "data",
         "refuse",
         lambda wd: stage("distill", wd, "data=jsonl", f"data.path={wd}", "distill.overwrite=true"),
     )
+    out.add("sharegpt: only unknown roles", "data", "refuse", sharegpt_bad_roles)
+    return out
 
-    def sharegpt_bad_roles(wd: Path) -> list[str]:
-        path = wd / "sg.json"
-        path.write_text(json.dumps([{"conversations": [{"from": "alien", "value": "hi"}]}]))
-        return stage("distill", wd, "data=sharegpt", f"data.path={path}", "distill.overwrite=true")
 
-    add("sharegpt: only unknown roles", "data", "refuse", sharegpt_bad_roles)
+def copied(wd: Path) -> list[str]:
+    dst = wd.parent / (wd.name + "-copy")
+    shutil.copytree(wd, dst, copy_function=shutil.copyfile)
+    return stage("all", dst)
 
-    # Workdir state: copies, moves, relative names.
-    def copied(wd: Path) -> list[str]:
-        dst = wd.parent / (wd.name + "-copy")
-        shutil.copytree(wd, dst, copy_function=shutil.copyfile)
-        return stage("all", dst)
 
-    def heads_untouched(wd: Path, run: Run) -> str | None:
+def moved(wd: Path) -> list[str]:
+    dst = wd.parent / (wd.name + "-moved")
+    shutil.move(wd, dst)
+    return stage("all", dst)
+
+
+def heads_untouched(base_heads: str) -> Callable[[Path, Run], str | None]:
+    """Check: stage=all skipped the finished work and the heads are still ``base_heads`` (their sha)."""
+
+    def check(wd: Path, run: Run) -> str | None:
         if "skipping" not in run.err and "complete" not in run.err:
             return "stage=all did not skip the finished work"
         if sha(wd / "heads" / "medusa_lm_head.safetensors") != base_heads:
             return "heads retrained"
         return None
 
-    base_heads = sha(base / "heads" / "medusa_lm_head.safetensors")
-    add("copied workdir, stage=all", "workdir", "ok", copied, check=heads_untouched)
+    return check
 
-    def moved(wd: Path) -> list[str]:
-        dst = wd.parent / (wd.name + "-moved")
-        shutil.move(wd, dst)
-        return stage("all", dst)
 
-    add("moved workdir, stage=all", "workdir", "ok", moved, check=heads_untouched)
-    add(
+def workdir_place_cases(base: Path) -> list[Case]:
+    """A copied, moved or relatively named workdir is the same workdir: stage=all skips its work."""
+    out = _Cases()
+    untouched = heads_untouched(sha(base / "heads" / "medusa_lm_head.safetensors"))
+    out.add("copied workdir, stage=all", "workdir", "ok", copied, check=untouched)
+    out.add("moved workdir, stage=all", "workdir", "ok", moved, check=untouched)
+    out.add(
         "relative workdir name, stage=all",
         "workdir",
         "ok",
         lambda wd: stage("all", Path(wd.name)),
         cwd=lambda wd: wd.parent,
-        check=heads_untouched,
+        check=untouched,
     )
+    return out
 
-    def trunc(rel: str, st: str, *extra: str, keep: float = 0.5):
-        def setup(wd: Path) -> list[str]:
-            truncate(wd / rel, keep)
-            return stage(st, wd, *extra)
 
-        return setup
+def damaged_run_state(wd: Path) -> list[str]:
+    """Setup: the heads removed and the last checkpoint's trainer_state.json truncated: train resumes."""
+    shutil.rmtree(wd / "heads")
+    truncate(wd / "train" / "checkpoint-6" / "trainer_state.json")
+    return stage("train", wd)
 
-    def write(rel: str, text: str | bytes, st: str, *extra: str):
-        def setup(wd: Path) -> list[str]:
-            p = wd / rel
-            p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
-            return stage(st, wd, *extra)
 
-        return setup
+def damaged_hidden_cache(wd: Path) -> list[str]:
+    shutil.rmtree(wd / "heads")
+    for f in (wd / "train" / "hidden_cache").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            truncate(f)
+    return stage("train", wd)
 
-    def shard(wd: Path) -> Path:
-        return sorted((wd / "distill" / "shards").iterdir())[1]
 
+def damaged_init_heads(wd: Path) -> list[str]:
+    other = wd.parent / "init"
+    shutil.copytree(wd / "heads", other)
+    truncate(other / "medusa_lm_head.safetensors")
+    return stage("train", wd, f"training.init_heads={other}", "training.overwrite=true")
+
+
+def heads_mismatch(wd: Path) -> list[str]:
+    cfg = _json(wd / "heads" / "config.json")
+    cfg["medusa_num_heads"] = cfg["medusa_num_heads"] + 2
+    (wd / "heads" / "config.json").write_text(json.dumps(cfg))
+    return stage("export", wd)
+
+
+def pickled_heads(wd: Path) -> list[str]:
+    import torch
+
+    torch.save({"x": torch.zeros(2)}, wd / "heads" / "medusa_lm_head.safetensors")
+    return stage("export", wd)
+
+
+def damaged_file_cases() -> list[Case]:
+    """A file of the workdir truncated, deleted or replaced: the stage that writes it repairs it
+    (group ``workdir``), a stage that reads it refuses with one line (group ``artefact``) or, where the
+    file is a resumable run's state, resumes."""
+    out = _Cases()
+    add = out.add
     add(
         "truncated progress.json, distill",
         "workdir",
         "ok",
-        trunc("distill/progress.json", "distill"),
+        truncated("distill/progress.json", "distill"),
         check=distill_matches_manifest,
     )
     add(
         "truncated shard, distill",
         "workdir",
         "ok",
-        lambda wd: (truncate(shard(wd)), stage("distill", wd))[1],
+        lambda wd: (truncate(second_shard(wd)), stage("distill", wd))[1],
         check=distill_matches_manifest,
     )
     add(
         "truncated shard, train",
         "artefact",
         "refuse",
-        lambda wd: (truncate(shard(wd)), stage("train", wd, "training.overwrite=true"))[1],
+        lambda wd: (truncate(second_shard(wd)), stage("train", wd, "training.overwrite=true"))[1],
     )
     add(
         "deleted shard, train",
         "artefact",
         "refuse",
-        lambda wd: (shard(wd).unlink(), stage("train", wd, "training.overwrite=true"))[1],
+        lambda wd: (second_shard(wd).unlink(), stage("train", wd, "training.overwrite=true"))[1],
     )
     add(
         "deleted shard, distill",
         "workdir",
         "ok",
-        lambda wd: (shard(wd).unlink(), stage("distill", wd))[1],
+        lambda wd: (second_shard(wd).unlink(), stage("distill", wd))[1],
         check=distill_matches_manifest,
     )
     add(
         "truncated manifest.json, train",
         "artefact",
         "refuse",
-        trunc("distill/manifest.json", "train", "training.overwrite=true"),
+        truncated("distill/manifest.json", "train", "training.overwrite=true"),
     )
     add(
         "manifest.json a list, train",
         "artefact",
         "refuse",
-        write("distill/manifest.json", "[1, 2]", "train", "training.overwrite=true"),
+        written("distill/manifest.json", "[1, 2]", "train", "training.overwrite=true"),
     )
     add(
         "truncated run.json, train",
@@ -669,84 +742,49 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         "refuse",
         lambda wd: (shutil.rmtree(wd / "heads"), truncate(wd / "train" / "run.json"), stage("train", wd))[2],
     )
-
-    def trainer_state(wd: Path) -> list[str]:
-        shutil.rmtree(wd / "heads")
-        truncate(wd / "train" / "checkpoint-6" / "trainer_state.json")
-        return stage("train", wd)
-
-    add("truncated trainer_state.json, train resumes", "artefact", "ok", trainer_state)
-
-    def hidden_cache(wd: Path) -> list[str]:
-        shutil.rmtree(wd / "heads")
-        for f in (wd / "train" / "hidden_cache").rglob("*"):
-            if f.is_file() and f.stat().st_size > 1000:
-                truncate(f)
-        return stage("train", wd)
-
-    add("truncated hidden-state cache, train", "artefact", "ok", hidden_cache)
-    add("truncated calibration.json, eval", "artefact", "refuse", trunc("heads/calibration.json", "eval"))
+    add("truncated trainer_state.json, train resumes", "artefact", "ok", damaged_run_state)
+    add("truncated hidden-state cache, train", "artefact", "ok", damaged_hidden_cache)
+    add("truncated calibration.json, eval", "artefact", "refuse", truncated("heads/calibration.json", "eval"))
     add(
         "calibration.json a string, eval",
         "artefact",
         "refuse",
-        write("heads/calibration.json", '"x"', "eval"),
+        written("heads/calibration.json", '"x"', "eval"),
     )
     add(
         "truncated medusa_choices.json, eval",
         "artefact",
         "refuse",
-        trunc("heads/medusa_choices.json", "eval"),
+        truncated("heads/medusa_choices.json", "eval"),
     )
-    add("truncated heads config.json, export", "artefact", "refuse", trunc("heads/config.json", "export"))
-    add("heads config.json a list, eval", "artefact", "refuse", write("heads/config.json", "[]", "eval"))
+    add("truncated heads config.json, export", "artefact", "refuse", truncated("heads/config.json", "export"))
+    add("heads config.json a list, eval", "artefact", "refuse", written("heads/config.json", "[]", "eval"))
     add(
         "truncated heads safetensors, export",
         "artefact",
         "refuse",
-        trunc("heads/medusa_lm_head.safetensors", "export"),
+        truncated("heads/medusa_lm_head.safetensors", "export"),
     )
     add(
         "truncated heads safetensors, eval",
         "artefact",
         "refuse",
-        trunc("heads/medusa_lm_head.safetensors", "eval"),
+        truncated("heads/medusa_lm_head.safetensors", "eval"),
     )
-
-    def init_heads(wd: Path) -> list[str]:
-        other = wd.parent / "init"
-        shutil.copytree(wd / "heads", other)
-        truncate(other / "medusa_lm_head.safetensors")
-        return stage("train", wd, f"training.init_heads={other}", "training.overwrite=true")
-
-    add("truncated training.init_heads, train", "artefact", "refuse", init_heads)
-
-    def heads_mismatch(wd: Path) -> list[str]:
-        cfg = _json(wd / "heads" / "config.json")
-        cfg["medusa_num_heads"] = cfg["medusa_num_heads"] + 2
-        (wd / "heads" / "config.json").write_text(json.dumps(cfg))
-        return stage("export", wd)
-
+    add("truncated training.init_heads, train", "artefact", "refuse", damaged_init_heads)
     add("heads config vs weights mismatch, export", "artefact", "refuse", heads_mismatch)
-
-    def pickled(wd: Path) -> list[str]:
-        import torch
-
-        torch.save({"x": torch.zeros(2)}, wd / "heads" / "medusa_lm_head.safetensors")
-        return stage("export", wd)
-
-    add("a pickle as heads safetensors, export", "artefact", "refuse", pickled)
+    add("a pickle as heads safetensors, export", "artefact", "refuse", pickled_heads)
     add(
         "truncated pretrain weights, distill",
         "artefact",
         "refuse",
-        trunc("pretrain/model.safetensors", "distill", "distill.overwrite=true"),
+        truncated("pretrain/model.safetensors", "distill", "distill.overwrite=true"),
     )
     add(
         "garbage pretrain config.json, eval",
         "artefact",
         "refuse",
-        write("pretrain/config.json", "{ garbage", "eval"),
+        written("pretrain/config.json", "{ garbage", "eval"),
     )
     add(
         "truncated export safetensors, eval of export",
@@ -761,218 +799,228 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         "truncated eval/report.json, export",
         "artefact",
         "ok",
-        trunc("eval/report.json", "export"),
+        truncated("eval/report.json", "export"),
         check=export_complete,
     )
+    return out
 
-    # Medusa-2 LoRA adapter, damaged (trained once on the copy first).
-    def lora(damage: str):
-        def setup(wd: Path) -> list[str]:
-            m2 = [
-                "training=medusa2",
-                "training.backbone_tuning=lora",
-                "training.overwrite=true",
-                "training.max_steps=2",
-                "training.save_steps=2",
-            ]
-            r = run_cli(stage("train", wd, *m2), REPO)
-            if r.rc != 0:
-                raise RuntimeError(f"medusa2 training for the case failed: {r.err[-1500:]}")
-            adapter = wd / "heads" / "backbone"
-            if damage == "weights":
-                truncate(adapter / "adapter_model.safetensors")
-            else:
-                (adapter / "adapter_config.json").write_text("garbage{")
-            return stage("export", wd)
 
-        return setup
+def damaged_lora(damage: str) -> Setup:
+    """Setup: train Medusa-2 with LoRA on the copy, then damage the adapter's weights or config."""
 
-    add("truncated LoRA adapter weights, export", "artefact", "refuse", lora("weights"))
-    add("garbage adapter_config.json, export", "artefact", "refuse", lora("config"))
+    def setup(wd: Path) -> list[str]:
+        m2 = [
+            "training=medusa2",
+            "training.backbone_tuning=lora",
+            "training.overwrite=true",
+            "training.max_steps=2",
+            "training.save_steps=2",
+        ]
+        r = run_cli(stage("train", wd, *m2), REPO)
+        if r.rc != 0:
+            raise RuntimeError(f"medusa2 training for the case failed: {r.err[-1500:]}")
+        adapter = wd / "heads" / "backbone"
+        if damage == "weights":
+            truncate(adapter / "adapter_model.safetensors")
+        else:
+            (adapter / "adapter_config.json").write_text("garbage{")
+        return stage("export", wd)
 
-    # Model card of heads from elsewhere.
+    return setup
+
+
+def lora_cases() -> list[Case]:
+    """Medusa-2's LoRA adapter, damaged (trained once on the copy first): export refuses."""
+    out = _Cases()
+    out.add("truncated LoRA adapter weights, export", "artefact", "refuse", damaged_lora("weights"))
+    out.add("garbage adapter_config.json, export", "artefact", "refuse", damaged_lora("config"))
+    return out
+
+
+def other_heads(wd: Path) -> list[str]:
+    """Setup: export heads from elsewhere (this workdir's heads, changed, without training settings)."""
+    other = wd.parent / "other-heads"
+    shutil.copytree(wd / "heads", other)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(other / "medusa_lm_head.safetensors"))
+    state = {k: v + 0.01 for k, v in state.items()}
+    save_file(state, str(other / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
+    cfg = _json(other / "config.json")
+    cfg.pop("training", None)
+    (other / "config.json").write_text(json.dumps(cfg))
+    return stage("export", wd, f"export.heads_dir={other}")
+
+
+def wrong_result_cases(base: Path) -> list[Case]:
+    """Results that could be silently wrong: a model card of heads from elsewhere, plots of an older run."""
+    out = _Cases()
     own_tau = _json(base / "eval" / "report.json")["tau"]
-
-    def other_heads(wd: Path) -> list[str]:
-        other = wd.parent / "other-heads"
-        shutil.copytree(wd / "heads", other)
-        from safetensors.torch import load_file, save_file
-
-        state = load_file(str(other / "medusa_lm_head.safetensors"))
-        state = {k: v + 0.01 for k, v in state.items()}
-        save_file(state, str(other / "medusa_lm_head.safetensors"), metadata={"format": "pt"})
-        cfg = _json(other / "config.json")
-        cfg.pop("training", None)
-        (other / "config.json").write_text(json.dumps(cfg))
-        return stage("export", wd, f"export.heads_dir={other}")
-
-    add(
+    out.add(
         "export.heads_dir of other heads: card",
         "wrong",
         "ok",
         other_heads,
         check=all_of(export_complete, card_not_ours(own_tau)),
     )
-    add(
+    out.add(
         "eval without the tree sweep: plots",
         "wrong",
         "ok",
         lambda wd: stage("eval", wd, "eval.sweep_tree_sizes=[]"),
         check=eval_consistent,
     )
+    return out
 
-    # Kills at chosen moments, then the same command again.
-    def new_distill(wd: Path) -> list[str]:
-        """Distill from scratch (same settings: distill.overwrite=true alone would skip complete data)."""
-        shutil.rmtree(wd / "distill")
-        return stage("distill", wd)
 
-    kills = [
-        (
-            "SIGKILL in export's publish",
-            lambda wd: stage("export", wd),
-            "replace",
-            "/export",
-            1,
-            export_complete,
-        ),
-        ("SIGKILL in eval's publish", lambda wd: stage("eval", wd), "replace", "/eval", 1, eval_consistent),
-        (
-            "SIGKILL in heads' publish",
-            lambda wd: stage("train", wd, "training.overwrite=true"),
-            "replace",
-            "/heads",
-            1,
-            None,
-        ),
-        (
-            "SIGKILL in recalibrated heads' publish",
-            lambda wd: stage("train", wd, "tree.max_nodes=6"),
-            "replace",
-            "/heads",
-            1,
-            None,
-        ),
-        (
-            "SIGKILL in pretrain's publish",
-            lambda wd: stage("pretrain", wd, "pretrain.overwrite=true"),
-            "replace",
-            "/pretrain",
-            1,
-            None,
-        ),
-        (
-            "SIGKILL at a shard of a new distill",
-            new_distill,
-            "replace",
-            "shard-00001.arrow",
-            1,
-            distill_matches_manifest,
-        ),
-        (
-            "SIGKILL at a new distill's manifest",
-            new_distill,
-            "replace",
-            "manifest.json",
-            1,
-            distill_matches_manifest,
-        ),
-        (
-            "SIGKILL inside a train checkpoint",
-            lambda wd: stage("train", wd, "training.overwrite=true"),
-            "open",
-            "checkpoint-3/trainer_state.json",
-            1,
-            None,
-        ),
-        (
-            "SIGKILL at eval's report",
-            lambda wd: stage("eval", wd),
-            "replace",
-            "report.json",
-            1,
-            eval_consistent,
-        ),
-        (
-            "SIGKILL at export's model card",
-            lambda wd: stage("export", wd),
-            "replace",
-            "README.md",
-            1,
-            export_complete,
-        ),
-    ]
-    for name, argv, how, where, nth, check in kills:
+# (case, command, kill at a "replace" or an "open" of, path ending, nth such call, check of the rerun)
+SIGKILLS = [
+    ("SIGKILL in export's publish", lambda wd: stage("export", wd), "replace", "/export", 1, export_complete),
+    ("SIGKILL in eval's publish", lambda wd: stage("eval", wd), "replace", "/eval", 1, eval_consistent),
+    (
+        "SIGKILL in heads' publish",
+        lambda wd: stage("train", wd, "training.overwrite=true"),
+        "replace",
+        "/heads",
+        1,
+        None,
+    ),
+    (
+        "SIGKILL in recalibrated heads' publish",
+        lambda wd: stage("train", wd, "tree.max_nodes=6"),
+        "replace",
+        "/heads",
+        1,
+        None,
+    ),
+    (
+        "SIGKILL in pretrain's publish",
+        lambda wd: stage("pretrain", wd, "pretrain.overwrite=true"),
+        "replace",
+        "/pretrain",
+        1,
+        None,
+    ),
+    (
+        "SIGKILL at a shard of a new distill",
+        new_distill,
+        "replace",
+        "shard-00001.arrow",
+        1,
+        distill_matches_manifest,
+    ),
+    (
+        "SIGKILL at a new distill's manifest",
+        new_distill,
+        "replace",
+        "manifest.json",
+        1,
+        distill_matches_manifest,
+    ),
+    (
+        "SIGKILL inside a train checkpoint",
+        lambda wd: stage("train", wd, "training.overwrite=true"),
+        "open",
+        "checkpoint-3/trainer_state.json",
+        1,
+        None,
+    ),
+    ("SIGKILL at eval's report", lambda wd: stage("eval", wd), "replace", "report.json", 1, eval_consistent),
+    (
+        "SIGKILL at export's model card",
+        lambda wd: stage("export", wd),
+        "replace",
+        "README.md",
+        1,
+        export_complete,
+    ),
+]
+# (case, command, interrupt at a "replace" or an "open" of, path ending)
+SIGINTS = [
+    ("SIGINT at a shard of a new distill", new_distill, "replace", "shard-00001.arrow"),
+    (
+        "SIGINT inside a train checkpoint",
+        lambda wd: stage("train", wd, "training.overwrite=true"),
+        "open",
+        "checkpoint-3/trainer_state.json",
+    ),
+    ("SIGINT in export's publish", lambda wd: stage("export", wd), "replace", "/export"),
+]
+
+
+def kill_cases() -> list[Case]:
+    """Kills at chosen moments, then the same command again (the rerun is classified)."""
+    out = _Cases()
+    for name, argv, how, where, nth, check in SIGKILLS:
         fault = {"kind": f"signal_at_{how}", "signal": "SIGKILL", "where": where, "nth": nth}
-        add(name, "kill", "ok", argv, fault=fault, rerun=True, check=check)
-    for name, argv, how, where in [
-        (
-            "SIGINT at a shard of a new distill",
-            new_distill,
-            "replace",
-            "shard-00001.arrow",
-        ),
-        (
-            "SIGINT inside a train checkpoint",
-            lambda wd: stage("train", wd, "training.overwrite=true"),
-            "open",
-            "checkpoint-3/trainer_state.json",
-        ),
-        ("SIGINT in export's publish", lambda wd: stage("export", wd), "replace", "/export"),
-    ]:
+        out.add(name, "kill", "ok", argv, fault=fault, rerun=True, check=check)
+    for name, argv, how, where in SIGINTS:
         fault = {"kind": f"signal_at_{how}", "signal": "SIGINT", "where": where, "nth": 1}
-        add(name, "kill", "ok", argv, fault=fault, rerun=True)
+        out.add(name, "kill", "ok", argv, fault=fault, rerun=True)
+    return out
 
-    # Environment: read-only workdir, full disk, a file as the workdir.
-    for st, extra, keep in [
-        ("export", [], "export"),
-        ("eval", [], "eval"),
-        ("new distill", [], None),  # distill/ removed first: nothing to keep, nothing may be left half
-        ("train", ["training.overwrite=true"], "heads"),
-    ]:
+
+# (stage, its overrides, the folder a refused run must leave as it was)
+DISK_FAULT_STAGES = [
+    ("export", [], "export"),
+    ("eval", [], "eval"),
+    ("new distill", [], None),  # distill/ removed first: nothing to keep, nothing may be left half
+    ("train", ["training.overwrite=true"], "heads"),
+]
+
+
+def file_workdir(wd: Path) -> list[str]:
+    f = wd.parent / "a-file"
+    f.write_text("x")
+    return stage("eval", f)
+
+
+def environment_cases() -> list[Case]:
+    """The machine's faults: a read-only workdir, a full disk, a file where the workdir goes."""
+    out = _Cases()
+    for st, extra, keep in DISK_FAULT_STAGES:
 
         def command(wd, st=st, extra=extra):
             return new_distill(wd) if st == "new distill" else stage(st, wd, *extra)
 
-        out.append(
-            Case(
-                f"read-only workdir, {st}",
-                "environment",
-                "refuse",
-                command,
-                fault={"kind": "read_only", "root": "<wd>"},
-                check=None,
-                results={"keep": keep},
-            )
+        out.add(
+            f"read-only workdir, {st}",
+            "environment",
+            "refuse",
+            command,
+            fault={"kind": "read_only", "root": "<wd>"},
+            check=None,
+            results={"keep": keep},
         )
-        out.append(
-            Case(
-                f"full disk, {st}",
-                "environment",
-                "refuse",
-                command,
-                fault={"kind": "full_disk", "where": ""},
-                results={"keep": keep},
-            )
+        out.add(
+            f"full disk, {st}",
+            "environment",
+            "refuse",
+            command,
+            fault={"kind": "full_disk", "where": ""},
+            results={"keep": keep},
         )
-
-    def file_workdir(wd: Path) -> list[str]:
-        f = wd.parent / "a-file"
-        f.write_text("x")
-        return stage("eval", f)
-
-    add("workdir is a file", "environment", "refuse", file_workdir)
-    add(
+    out.add("workdir is a file", "environment", "refuse", file_workdir)
+    out.add(
         "workdir inside a file",
         "environment",
         "refuse",
         lambda wd: (wd.parent.joinpath("f2").write_text("x"), stage("eval", wd.parent / "f2" / "wd"))[1],
     )
+    return out
 
-    # distill.engine=server against stand-in servers (started here, killed when the case ends).
+
+def dead_url() -> str:
+    """A URL nothing listens on."""
+    return f"http://127.0.0.1:{free_port()}/v1"
+
+
+def server_cases(base: Path, scratch: Path) -> list[Case]:
+    """distill.engine=server against stand-in servers (started by the setup, killed when the case ends)."""
+    out = _Cases()
+    add = out.add
     reference = ServerReference(base, scratch)
-    dead = lambda: f"http://127.0.0.1:{free_port()}/v1"  # noqa: E731 - nothing listens there
-    add("server: unreachable URL", "server", "refuse", lambda wd: server_argv(wd, [dead()]))
+    add("server: unreachable URL", "server", "refuse", lambda wd: server_argv(wd, [dead_url()]))
     add(
         "server: URL without /v1",
         "server",
@@ -1019,7 +1067,7 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         "server: one of two endpoints dead",
         "server",
         "ok",
-        lambda wd: server_argv(wd, [dead(), start_server()]),
+        lambda wd: server_argv(wd, [dead_url(), start_server()]),
         check=all_of(reference.check, went_down(0)),
     )
     add(
@@ -1045,6 +1093,21 @@ def cases(base: Path, scratch: Path) -> list[Case]:
         check=all_of(reference.check, resumed),
     )
     return out
+
+
+def cases(base: Path, scratch: Path) -> list[Case]:
+    """Every case, in sweep order (``base``: the built workdir, read by the cases checked against it)."""
+    return [
+        *config_cases(),
+        *data_cases(),
+        *workdir_place_cases(base),
+        *damaged_file_cases(),
+        *lora_cases(),
+        *wrong_result_cases(base),
+        *kill_cases(),
+        *environment_cases(),
+        *server_cases(base, scratch),
+    ]
 
 
 # -- the sweep --------------------------------------------------------------------------------------------

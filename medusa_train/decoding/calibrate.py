@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..heads import (
+from ..head_targets import (
     IGNORE_INDEX,
-    MedusaHeads,
     chunked_topk_correct,
     last_hidden_state,
     medusa_targets,
     select_trained_rows,
 )
+from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .generate import context_limit, verify_forward
 from .tree import TreeBuffers
@@ -99,7 +99,7 @@ def head_topk_counts(
     """Per-head top-1..max_k hit counts of ``heads`` on token batches, with the training targets.
 
     Head k (1-based) at position t is scored on token ``t+k+1`` where that token is loss-masked and
-    real (:func:`medusa_train.heads.medusa_targets`, the targets the training loss uses). Targets are
+    real (:func:`medusa_train.head_targets.medusa_targets`, the targets the training loss uses). Targets are
     full-vocabulary ids for every projection variant: a truncated head's target outside its draft
     vocabulary counts as a miss, so the accuracies (and the tree grown from them) compare across
     variants. Shared heads must be bound to their lm_head (:meth:`MedusaHeads.attach`).

@@ -88,9 +88,8 @@ from medusa_train.decoding.timing import (
 )
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
-from medusa_train.errors import DamagedArtefactError, UserError
+from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import load_heads, read_heads_config
-from medusa_train.heads import HeadsFormatError
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,

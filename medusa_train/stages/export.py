@@ -45,21 +45,20 @@ from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, l
 from medusa_train.custom_generate import write_custom_generate
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
-from medusa_train.errors import UserError
+from medusa_train.errors import HeadsFormatError, UserError
 from medusa_train.formats import (
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
     VLLM,
-    add_legacy_config_keys,
     load_heads,
     portable_base_model,
     read_heads_config,
     save_medusa,
-    save_tokenizer,
     save_vllm,
 )
-from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.heads import MedusaHeads
 from medusa_train.report import HEADS_FINGERPRINT, belonging, model_card, read_json
+from medusa_train.transformers4 import add_legacy_config_keys, save_tokenizer
 from medusa_train.workdir import (
     CALIBRATION,
     CHOICES,
@@ -263,8 +262,8 @@ def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
 
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
     ``export.dtype`` unless auto, saved, then loaded back. config.json and the tokenizer files also
-    carry what transformers 4.x consumers read (:func:`~medusa_train.formats.add_legacy_config_keys`,
-    :func:`~medusa_train.formats.save_tokenizer`). Only one copy of the model is held at a
+    carry what transformers 4.x consumers read (:func:`~medusa_train.transformers4.add_legacy_config_keys`,
+    :func:`~medusa_train.transformers4.save_tokenizer`). Only one copy of the model is held at a
     time.
 
     Returns:

@@ -38,7 +38,7 @@ from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
-from medusa_train.formats import add_legacy_config_keys, save_tokenizer
+from medusa_train.transformers4 import add_legacy_config_keys, save_tokenizer
 from medusa_train.workdir import (
     PRETRAIN_REPORT,
     Workdir,

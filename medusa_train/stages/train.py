@@ -57,9 +57,10 @@ from medusa_train.backbone import (
 from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
-from medusa_train.errors import DamagedArtefactError, UserError
-from medusa_train.formats import save_tokenizer
-from medusa_train.heads import HeadsFormatError, MedusaHeads, draft_token_map, safetensors_shapes
+from medusa_train.draft_vocab import draft_token_map
+from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
+from medusa_train.heads import MedusaHeads
+from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.recipes import Medusa1, recipe_for
@@ -80,6 +81,7 @@ from medusa_train.training.zero import (
     is_zero3,
     register_gathered,
 )
+from medusa_train.transformers4 import save_tokenizer
 from medusa_train.workdir import (
     CALIBRATION,
     CHOICES,

@@ -3,7 +3,7 @@
 With a frozen backbone the heads' inputs never change, so the backbone forward can run once and
 every epoch reads the features from disk. Only rows that train at least one head are stored, and,
 for a soft head loss, the rows whose next-token distribution is some head's target (position
-``t+k`` for head k at t: :func:`medusa_train.heads.soft_target_sources`).
+``t+k`` for head k at t: :func:`medusa_train.head_targets.soft_target_sources`).
 
 Layout of ``workdir/train/hidden_cache/``::
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from medusa_train.errors import DamagedArtefactError
-from medusa_train.heads import IGNORE_INDEX, last_hidden_state, medusa_targets, soft_target_sources
+from medusa_train.head_targets import IGNORE_INDEX, last_hidden_state, medusa_targets, soft_target_sources
 from medusa_train.training.trainer import PadCollator
 from medusa_train.workdir import atomic_write_json, read_json
 
@@ -45,7 +45,7 @@ def kept_rows(targets: torch.Tensor, soft: bool) -> torch.Tensor:
     state is a head's soft target.
 
     Args:
-        targets: ``(B, T, K)`` from :func:`medusa_train.heads.medusa_targets`.
+        targets: ``(B, T, K)`` from :func:`medusa_train.head_targets.medusa_targets`.
 
     Returns:
         ``(B, T)`` bool.
@@ -62,7 +62,7 @@ def kept_rows(targets: torch.Tensor, soft: bool) -> torch.Tensor:
 def record_targets(
     input_ids: list[int], loss_mask: list[int], num_heads: int, soft: bool = False
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Targets ``(n, K)`` of one record's stored rows (see :func:`medusa_train.heads.medusa_targets`)
+    """Targets ``(n, K)`` of one record's stored rows (see :func:`medusa_train.head_targets.medusa_targets`)
     and, with ``soft``, their soft-target rows ``(n, K)`` (record-local row indices, -100 = none)."""
     ids = torch.tensor([input_ids])
     mask = torch.tensor([loss_mask])

@@ -9,7 +9,7 @@ Medusa-1 loss::
 
 Which positions count: the prediction head k makes at position t is a prediction of token
 ``t+k+1``; it is trained iff ``loss_mask[t+k+1] == 1`` (the target is a token the backbone
-generated) and ``t+k+1`` lies inside the (unpadded) sequence (:func:`medusa_train.heads.medusa_targets`,
+generated) and ``t+k+1`` lies inside the (unpadded) sequence (:func:`medusa_train.head_targets.medusa_targets`,
 the one definition the held-out accuracy of decoding/calibrate.py shares). Each head's CE is the
 mean over its counted positions in the batch; a head with no counted position contributes 0.
 
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from medusa_train.head_loss import SOFT_LOSSES, is_soft, parse_head_loss
-from medusa_train.heads import IGNORE_INDEX, chunked_topk_correct
+from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct
 
 
 # -- fused chunked linear + cross-entropy -----------------------------------------------------------
@@ -395,7 +395,7 @@ class SoftTargets:
     Attributes:
         hidden: ``(M, d)`` backbone last hidden states (a pool; no gradient is taken through it).
         sources: ``(N, K)`` long: ``sources[i, k-1]`` is the row of ``hidden`` holding ``h_{t+k}`` for the
-            loss row i at position t (:func:`medusa_train.heads.soft_target_sources`), ``IGNORE_INDEX``
+            loss row i at position t (:func:`medusa_train.head_targets.soft_target_sources`), ``IGNORE_INDEX``
             where head k does not train at row i.
         lm_head: ``(V, d)`` the backbone's lm_head weight.
     """

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa_train.heads import (
+from medusa_train.head_targets import (
     IGNORE_INDEX,
     last_hidden_state,
     medusa_targets,

@@ -20,8 +20,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 
-from medusa_train.errors import DamagedArtefactError
-from medusa_train.heads import IGNORE_INDEX, HeadsFormatError, safetensors_shapes
+from medusa_train.errors import DamagedArtefactError, HeadsFormatError
+from medusa_train.head_targets import IGNORE_INDEX
+from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
 from medusa_train.workdir import read_json

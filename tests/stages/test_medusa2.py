@@ -25,7 +25,7 @@ from medusa_train.backbone import load_backbone, load_tokenizer
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.formats import load_heads
-from medusa_train.heads import last_hidden_state
+from medusa_train.head_targets import last_hidden_state
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export, train
 from medusa_train.training.recipes import Medusa2

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from medusa_train.config import compose_config
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
-from medusa_train.formats import legacy_config_keys
 from medusa_train.stages import pretrain
+from medusa_train.transformers4 import legacy_config_keys
 
 TINY = [
     "stage=pretrain",

@@ -14,7 +14,10 @@ modules. Imports under ``if TYPE_CHECKING:`` are left out (they never run). Chec
   the modules of ``LAZY_PROJECT_IMPORTS``, each with its reason);
 - the heavy optional dependencies (deepspeed, peft, bitsandbytes, wandb, matplotlib, triton) are imported
   lazily, where used, so that importing any module needs none of them;
-- docs/architecture.md lists every module.
+- docs/architecture.md lists every module, and its "may import (project)" column is exact: each
+  module imports only the project modules its row names (``training/*``: any module of ``training/``;
+  "building blocks": any module but the stages and ``__main__``; "nothing": none), and imports every
+  module its row names.
 
 The checker itself is tested on a small package written to a temporary folder.
 """
@@ -22,6 +25,7 @@ The checker itself is tested on a small package written to a temporary folder.
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,6 +253,87 @@ def test_docs_architecture_lists_every_module(graph):
     assert [f for f in files if f"`{f}`" not in doc] == []
 
 
+TABLE_ROW = re.compile(r"^\| `(?P<file>[^`]+\.py)` \| .* \| (?P<may_import>[^|]*) \|$")
+BUILDING_BLOCKS = "building blocks"
+
+
+def doc_name(module: str, package: str = PACKAGE) -> str:
+    """A module as docs/architecture.md's "may import" column names it: ``decoding/tree`` for
+    ``medusa_train.decoding.tree``, ``decoding`` for the package ``medusa_train.decoding``, and the
+    package itself by its name."""
+    return module.removeprefix(f"{package}.").replace(".", "/") if module != package else package
+
+
+def may_import_table(doc: str) -> dict[str, str]:
+    """``{file relative to the package: its "may import (project)" cell}`` of the package map."""
+    return {m["file"]: m["may_import"].strip() for m in map(TABLE_ROW.match, doc.splitlines()) if m}
+
+
+def allowed_imports(
+    cell: str, modules: list[str], package: str = PACKAGE
+) -> tuple[set[str], set[str], list[str]]:
+    """What one "may import" cell allows, as module names: ``(allowed, named, unknown)``.
+
+    Parenthesised remarks are left out; "nothing" allows none; backticked names are modules (a
+    trailing ``/*`` allows every module of that folder); "building blocks" allows every module but
+    the stages and ``__main__``. ``named`` is the modules the cell names one by one (each must be
+    imported: the column is exact, not a loose upper bound); ``unknown`` the backticked names that
+    are no module.
+    """
+    text = re.sub(r"\([^()]*\)", "", cell)
+    by_name = {doc_name(m, package): m for m in modules}
+    allowed: set[str] = set()
+    named: set[str] = set()
+    unknown: list[str] = []
+    for token in re.findall(r"`([^`]+)`", text):
+        if token.endswith("/*"):
+            allowed |= {m for n, m in by_name.items() if n.startswith(token[:-1])}
+        elif token in by_name:
+            named.add(by_name[token])
+        else:
+            unknown.append(token)
+    if BUILDING_BLOCKS in text:
+        allowed |= {m for m in modules if not _in(m, f"{package}.stages", f"{package}.__main__")}
+    return allowed | named, named, unknown
+
+
+def may_import_violations(graph: dict[str, list[Import]], doc: str, root: Path, package: str) -> list[str]:
+    """One line per disagreement between the package map's "may import" column and the imports."""
+    edges = project_edges(graph)
+    table = may_import_table(doc)
+    modules = module_names(root, package)
+    by_file = {str(path.relative_to(root / package)): name for name, path in modules.items()}
+    bad = [
+        f"{file}: listed in docs/architecture.md but no such module" for file in table if file not in by_file
+    ]
+    for file, module in sorted(by_file.items()):
+        if file not in table:
+            if not file.endswith("__init__.py"):
+                bad.append(f"{file}: no row in docs/architecture.md's package map")
+            continue
+        allowed, named, unknown = allowed_imports(table[file], sorted(modules), package)
+        undeclared = sorted(doc_name(t, package) for t in edges[module] - allowed)
+        unused = sorted(doc_name(n, package) for n in named - edges[module])
+        if unknown:
+            bad.append(f"{file}: its 'may import' cell names {unknown}, which are not modules")
+        if undeclared:
+            bad.append(
+                f"{file} imports {undeclared}, not in its 'may import' cell: add them there or drop the import"
+            )
+        if unused:
+            bad.append(
+                f"{file}: its 'may import' cell names {unused}, which it does not import: remove them there"
+            )
+    return bad
+
+
+def test_docs_architecture_may_import_column_is_exact(graph):
+    """Every module imports exactly the project modules its row of the package map allows."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert "heads.py" in may_import_table(doc)
+    assert may_import_violations(graph, doc, ROOT, PACKAGE) == []
+
+
 # -- the checker itself ------------------------------------------------------------------------------
 def _write(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
@@ -283,3 +368,51 @@ def test_checker_resolves_relative_imports_and_finds_cycles(tmp_path):
 
     (tmp_path / "pkg/b.py").write_text("import pkg.sub\n")  # b -> sub -> x -> a -> b
     assert cycles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.b", "pkg.sub", "pkg.sub.x"]]
+
+
+def test_may_import_check_finds_undeclared_unused_and_unlisted(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/errors.py": "",
+            "pkg/a.py": "from pkg import errors\n",
+            "pkg/b.py": "from pkg import a, errors\n",
+            "pkg/c.py": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/x.py": "from pkg import a\n",
+            "pkg/stages/__init__.py": "",
+            "pkg/stages/s.py": "from pkg import b\nfrom pkg.sub import x\n",
+        },
+    )
+    g = import_graph(tmp_path, "pkg")
+    good = textwrap.dedent(
+        """\
+        | module | owns | may import (project) |
+        |---|---|---|
+        | `errors.py` | errors | nothing |
+        | `a.py` | a | `errors` (its messages) |
+        | `b.py` | b | `a`, `errors` |
+        | `c.py` | c | nothing |
+        | `sub/x.py` | x | `a` |
+        | `stages/s.py` | a stage | building blocks |
+        """
+    )
+    assert may_import_violations(g, good, tmp_path, "pkg") == []
+    bad = (
+        good.replace("| `a`, `errors` |", "| `errors`, `c` |")
+        .replace("| `sub/x.py` | x | `a` |\n", "")
+        .replace("`errors` (its messages)", "`errors`, `nope`")
+    )
+    assert may_import_violations(g, bad, tmp_path, "pkg") == [
+        "a.py: its 'may import' cell names ['nope'], which are not modules",
+        "b.py imports ['a'], not in its 'may import' cell: add them there or drop the import",
+        "b.py: its 'may import' cell names ['c'], which it does not import: remove them there",
+        "sub/x.py: no row in docs/architecture.md's package map",
+    ]
+    stage_row = "| `stages/s.py` | a stage | building blocks |"
+    wildcard = good.replace(stage_row, "| `stages/s.py` | a stage | `b`, `sub/*` |")
+    assert may_import_violations(g, wildcard, tmp_path, "pkg") == []
+    assert may_import_violations(
+        g, good.replace(stage_row, "| `stages/s.py` | a stage | `b` |"), tmp_path, "pkg"
+    ) == ["stages/s.py imports ['sub/x'], not in its 'may import' cell: add them there or drop the import"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
@@ -24,7 +25,7 @@ from medusa_train.formats import (
     save_vllm,
     vllm_config,
 )
-from medusa_train.heads import HeadsFormatError, MedusaHeads
+from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 
 D, V, K, L = 16, 40, 3, 2
@@ -443,7 +444,7 @@ def test_backbone_config_reads_the_same_in_transformers_4(
 ) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from medusa_train.formats import add_legacy_config_keys
+    from medusa_train.transformers4 import add_legacy_config_keys
 
     sizes = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
@@ -493,7 +494,7 @@ def test_backbone_tokenizer_reads_in_transformers_4_and_the_same_in_5(
 
     from transformers import AutoTokenizer
 
-    from medusa_train.formats import add_legacy_tokenizer_keys, save_tokenizer
+    from medusa_train.transformers4 import add_legacy_tokenizer_keys, save_tokenizer
 
     shutil.copytree(tiny_backbone_dir, tmp_path, dirs_exist_ok=True)
     before = AutoTokenizer.from_pretrained(tmp_path)

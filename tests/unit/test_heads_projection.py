@@ -24,6 +24,8 @@ from medusa_train.decoding import (
     medusa_generate_batch,
 )
 from medusa_train.decoding.calibrate import head_topk_counts
+from medusa_train.draft_vocab import check_token_map, draft_token_map
+from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import (
     VLLM_WEIGHTS_NAME,
     load_heads,
@@ -31,13 +33,8 @@ from medusa_train.formats import (
     save_vllm,
     vllm_config,
 )
-from medusa_train.heads import (
-    IGNORE_INDEX,
-    HeadsFormatError,
-    MedusaHeads,
-    check_token_map,
-    draft_token_map,
-)
+from medusa_train.head_targets import IGNORE_INDEX
+from medusa_train.heads import MedusaHeads
 from medusa_train.training.losses import medusa_head_loss, naive_medusa_head_loss
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 from tests.helpers.models import VOCAB, random_heads, tiny_model

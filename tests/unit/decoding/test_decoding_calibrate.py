@@ -87,7 +87,7 @@ def test_measure_forward_latency_and_head_accuracy():
 
 def test_head_accuracy_scores_the_training_targets_on_padded_masked_batches():
     """One accuracy: head k at t is scored on token t+k+1 where it is loss-masked and real
-    (``heads.medusa_targets``, the training loss's targets); right padding changes nothing."""
+    (``head_targets.medusa_targets``, the training loss's targets); right padding changes nothing."""
     model = tiny_model("llama")
     heads = random_heads(model, num_heads=3)
     gen = torch.Generator().manual_seed(1)

@@ -9,13 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from medusa_train.decoding.calibrate import head_topk_accuracy
-from medusa_train.heads import (
-    IGNORE_INDEX,
-    MedusaHeads,
-    chunked_topk_correct,
-    medusa_targets,
-    select_trained_rows,
-)
+from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct, medusa_targets, select_trained_rows
+from medusa_train.heads import MedusaHeads
 from medusa_train.training.losses import (
     chunked_cross_entropy,
     chunked_kl_to_teacher,

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from medusa_train.errors import UserError
-from medusa_train.heads import MedusaHeads, last_hidden_state, medusa_targets, select_trained_rows
+from medusa_train.head_targets import last_hidden_state, medusa_targets, select_trained_rows
+from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.optim import param_groups

@@ -13,7 +13,8 @@ import torch
 
 from medusa_train.errors import ConfigError
 from medusa_train.head_loss import parse_head_loss
-from medusa_train.heads import IGNORE_INDEX, MedusaHeads, medusa_targets, soft_target_sources
+from medusa_train.head_targets import IGNORE_INDEX, medusa_targets, soft_target_sources
+from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import build_hidden_cache
 from medusa_train.training.losses import (
     HeadLoss,

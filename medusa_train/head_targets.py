@@ -1,0 +1,129 @@
+"""What the heads read, are trained on and are scored on.
+
+One definition of the targets (head k at position t predicts token t+k+1), shared by the training
+loss (``training/losses.py``), the hidden-state cache (``training/hidden_cache.py``) and the held-out
+accuracy that calibrates the tree (``decoding/calibrate.py``); the backbone's last hidden state the
+heads read; and the top-k correctness count both training metrics and calibration use.
+
+Torch only (no Hydra, no training code): decoding imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+"""Target value of a position that is not trained (nor scored) for a head."""
+
+
+def medusa_targets(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, num_heads: int
+) -> torch.Tensor:
+    """Per-head targets of every position, ``IGNORE_INDEX`` where the prediction is not trained.
+
+    Head k (1-based) at position t predicts token ``t+k+1``; that prediction counts iff
+    ``loss_mask[t+k+1] == 1`` (a token the backbone generated) and ``t+k+1`` is a real position.
+
+    Args:
+        input_ids: ``(B, T)``.
+        loss_mask: ``(B, T)``, 1 on tokens the backbone generated.
+        attention_mask: ``(B, T)``, 0 on padding.
+        num_heads: K.
+
+    Returns:
+        ``(B, T, K)`` long: ``[b, t, k-1] = input_ids[b, t+k+1]`` when ``loss_mask[b, t+k+1] == 1`` and
+        that position is real (not padding, inside T), else ``IGNORE_INDEX``.
+    """
+    b, t = input_ids.shape
+    valid = (loss_mask.bool() & attention_mask.bool()).to(input_ids.device)  # (B, T)
+    targets = torch.full((b, t, num_heads), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
+    for k in range(1, num_heads + 1):
+        shift = k + 1
+        if shift >= t:
+            break
+        tgt = torch.where(valid[:, shift:], input_ids[:, shift:], IGNORE_INDEX)  # (B, T-shift)
+        targets[:, : t - shift, k - 1] = tgt
+    return targets
+
+
+def soft_target_sources(targets: torch.Tensor) -> torch.Tensor:
+    """Where each head's soft target comes from: the position whose next-token distribution predicts
+    the same token as the head.
+
+    Head k at position t predicts token ``t+k+1``, which the backbone predicts at position ``t+k``:
+    the soft target of head k at t is the backbone's distribution at ``t+k``.
+
+    Args:
+        targets: ``(B, T, K)`` from :func:`medusa_targets`.
+
+    Returns:
+        ``(B, T, K)`` long: the flat index ``b * T + t + k`` into ``hidden.reshape(B * T, d)`` where
+        ``targets`` counts, ``IGNORE_INDEX`` elsewhere.
+    """
+    b, t, k = targets.shape
+    flat = torch.arange(b * t, device=targets.device).view(b, t, 1)  # (B, T, 1)
+    shift = torch.arange(1, k + 1, device=targets.device)  # (K,)
+    return torch.where(targets != IGNORE_INDEX, flat + shift, IGNORE_INDEX)  # (B, T, K)
+
+
+def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep only positions where at least one head has a target (the rest cost compute, add nothing).
+
+    Args:
+        hidden: ``(B, T, d)``.
+        targets: ``(B, T, K)`` from :func:`medusa_targets`.
+
+    Returns:
+        ``(N, d)`` hidden rows and ``(N, K)`` targets.
+    """
+    d, k = hidden.shape[-1], targets.shape[-1]
+    flat_t = targets.reshape(-1, k)  # (B*T, K)
+    keep = (flat_t != IGNORE_INDEX).any(dim=-1).nonzero(as_tuple=True)[0]  # (N,)
+    return hidden.reshape(-1, d)[keep], flat_t[keep]  # (N, d), (N, K)
+
+
+def last_hidden_state(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` and the heads read.
+
+    Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.
+
+    Args:
+        backbone: a Hugging Face causal LM (or a peft model around one).
+        input_ids: ``(B, T)``; attention_mask: ``(B, T)``.
+
+    Returns:
+        ``(B, T, d)``.
+    """
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
+    decoder = base.get_decoder()
+    return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+@torch.no_grad()
+def chunked_topk_correct(
+    feats: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, topk: int, chunk_size: int = 1024
+) -> torch.Tensor:
+    """How many counted rows have their target within the top-1, top-2, ..., top-``topk`` logits.
+
+    The logits ``feats @ weight.T`` are formed ``chunk_size`` rows at a time, never whole.
+
+    Args:
+        feats: ``(N, d)``; weight: ``(V, d)``; targets: ``(N,)`` with ``IGNORE_INDEX`` = not counted.
+
+    Returns:
+        ``(topk,)`` long cumulative counts: ``[i]`` = rows whose target ranks within the top ``i+1``.
+    """
+    correct = torch.zeros(topk, dtype=torch.long, device=feats.device)
+    for start in range(0, feats.shape[0], chunk_size):
+        y = targets[start : start + chunk_size]  # (c,)
+        ok = y != IGNORE_INDEX
+        if not bool(ok.any()):
+            continue
+        logits = feats[start : start + chunk_size][ok].to(weight.dtype) @ weight.t()  # (c', V)
+        top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices  # (c', topk)
+        hit = top == y[ok][:, None]  # (c', topk): at most one True per row
+        correct[: hit.shape[1]] += hit.long().cumsum(dim=-1).sum(dim=0)
+    return correct
