@@ -7,12 +7,12 @@ Medusa-1: the frozen backbone is held *outside* the module tree (see ``_Frozen``
 ``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer checkpoint contain the
 heads only -- checkpoints stay small and ZeRO never shards or touches the frozen weights. The
 backbone runs under ``torch.no_grad()`` and its decoder's last hidden state (what ``lm_head`` reads,
-checked per architecture in the tests; :func:`medusa_train.heads.last_hidden_state`) feeds the heads. With a hidden-state cache the module has no
+checked per architecture in the tests; :func:`medusa_train.head_targets.last_hidden_state`) feeds the heads. With a hidden-state cache the module has no
 backbone at all and takes ``hidden_states``/``targets`` rows directly (and, for a soft head loss,
 ``sources`` into those rows plus the frozen lm_head given at construction).
 
 Soft head losses (``head_loss`` with ``kl``/``tv``): head k at position t compares with
-``softmax(lm_head(h_{t+k}) / T)`` (:func:`medusa_train.heads.soft_target_sources`), read from the
+``softmax(lm_head(h_{t+k}) / T)`` (:func:`medusa_train.head_targets.soft_target_sources`), read from the
 same forward's hidden states, detached; in Medusa-2 that is the backbone as it trains.
 
 Medusa-2: the backbone (optionally LoRA-wrapped) is a registered submodule; the LM loss is CE on

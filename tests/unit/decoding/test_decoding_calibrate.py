@@ -15,7 +15,7 @@ from medusa_train.decoding import (
     measure_forward_latency,
     per_rank_accuracy,
 )
-from medusa_train.decoding.calibrate import calibrate, head_topk_counts
+from medusa_train.decoding.calibrate import calibrate, device_label, head_topk_counts
 from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 
@@ -124,4 +124,7 @@ def test_calibrate_measures_and_chooses_a_tree():
     TreeBuffers.from_choices(cal.choices)
     saved = cal.to_json()
     assert saved["count"] == cal.count.tolist() == [20, 18, 16]
-    assert {"table", "context_len", "best"} == set(saved["tree"]) and "1" in saved["latency"]
+    assert {"table", "context_len", "best", "calibrated_for"} == set(saved["tree"]) and "1" in saved[
+        "latency"
+    ]
+    assert saved["tree"]["calibrated_for"] == {"device": device_label(model)["device"], "dtype": "float32"}
