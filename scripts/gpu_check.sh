@@ -103,7 +103,9 @@ grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >>"$OUTDIR/environment.txt"
 SELECT=()
 # The dry run: one architecture, one tree per test function (the CPU is slow at these sizes).
 [ $QUICK = 1 ] && SELECT=(-k "llama and not medusa63 and not random or calibration or eval_stage or sequential")
-step gpu-tests 240 "tests/gpu (figures in gpu_tests.jsonl)" \
+LIMIT=240
+[ $QUICK = 1 ] && LIMIT=900  # the models of these tests are sized for a GPU
+step gpu-tests $LIMIT "tests/gpu (figures in gpu_tests.jsonl)" \
     "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -o addopts="" "${SELECT[@]}"
 
 # 3. Every stage on the device, small settings, on copies of the demo workdir.
