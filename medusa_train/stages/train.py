@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 
 from medusa_train import dist
 from medusa_train.backbone import (
@@ -54,6 +54,7 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from medusa_train.config import Config, TrainingConfig
 from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
 from medusa_train.decoding.calibrate import calibrate
 from medusa_train.decoding.tree import save_choices
@@ -96,18 +97,18 @@ from medusa_train.workdir import (
     read_json,
     remove_stale,
     require,
-    settings_key,
+    settings_of,
     staging_dir,
 )
 
 log = logging.getLogger(__name__)
 
 HIDDEN_CACHE_VERSION = 2
-"""Layout version of the hidden-state cache, part of its key (2: keyed by the whole run key)."""
+"""Layout version of the hidden-state cache, part of its settings (2: the whole :func:`train_settings`)."""
 
 
 # -- the stage --------------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Train heads; write workdir/heads (+ calibration.json, medusa_choices.json). Returns the figures."""
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     recipe = recipe_for(cfg)  # Medusa-1 | Medusa-2: which parameters train, and the loss
@@ -142,14 +143,14 @@ def run(cfg) -> dict:
         )
 
     # 3. Skip finished heads, or re-run only their calibration.
-    key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
+    settings, calib_settings = train_settings(cfg, identity, manifest), calibration_settings(cfg)
     if dist.is_main():
         remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
         remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
-    done = None if tc.overwrite else trained_with(wd.heads, key, recipe)
+    done = None if tc.overwrite else trained_with(wd.heads, settings, recipe)
     if done is not None:
         stored = calibrated_with(wd.heads)
-        if stored == calibration_settings:
+        if stored == calib_settings:
             log.info(
                 "heads in %s are complete for these settings: skipping (training.overwrite=true retrains)",
                 wd.heads,
@@ -159,7 +160,7 @@ def run(cfg) -> dict:
             "heads in %s are trained with these settings but their tree was calibrated with other ones "
             "(%s): re-running the calibration only (training.overwrite=true retrains)",
             wd.heads,
-            describe_diff(stored, calibration_settings) if stored else f"{CALIBRATION} missing or damaged",
+            describe_diff(stored, calib_settings) if stored else f"{CALIBRATION} missing or damaged",
         )
 
     # 4. Data: the training split and the records the calibration measures on.
@@ -201,7 +202,7 @@ def run(cfg) -> dict:
     # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
     if done is None:
         result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map
+            cfg, recipe, backbone, tokenizer, identity, settings, train_set, ds_config, device, token_map
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
@@ -251,7 +252,7 @@ def run(cfg) -> dict:
         }
     )
     calibration = {
-        "settings": calibration_settings,
+        "settings": calib_settings,
         "split": calib_split,
         "records": len(calib_records),
         **calib.to_json(),
@@ -263,7 +264,7 @@ def run(cfg) -> dict:
     if done is None:
         # config.json: FasterDecoding keys + backbone identity (checked by later stages) + settings + figures.
         heads.save_pretrained(
-            tmp, extra_config={"backbone": identity, "training": key, "training_result": result}
+            tmp, extra_config={"backbone": identity, "training": settings, "training_result": result}
         )
         # Medusa-2: the trained backbone (LoRA: the adapter only) ships with the heads.
         if trained is not None:
@@ -280,11 +281,11 @@ def run(cfg) -> dict:
     return result if done is None else {**result, "skipped": True, "recalibrated": True}
 
 
-# -- skip / resume keys -----------------------------------------------------------------------------
-def run_key(cfg, identity: dict, manifest: dict) -> dict:
+# -- skip / resume settings -------------------------------------------------------------------------
+def train_settings(cfg: Config, identity: dict, manifest: dict) -> dict:
     """Everything that changes the trained heads: compared to skip finished work and to resume safely.
 
-    Every ``training.*`` field except ``TrainingConfig.RUN_ONLY``, plus the inputs: the backbone
+    Every ``training.*`` field but the ``run_only`` ones, plus the inputs: the backbone
     (fingerprint, dtype, quantization), the global batch size, the held-out fraction and what the
     distilled data is (its settings and counts, not when or how fast it was written: a distill run
     that only rewrote the manifest must not force a retrain). Flat, as ``config.json["training"]``.
@@ -292,10 +293,10 @@ def run_key(cfg, identity: dict, manifest: dict) -> dict:
     Inputs count by content, not by place: the distilled data's settings without file paths
     (:func:`~medusa_train.data.distilled.comparable`), the backbone by fingerprint, and
     ``training.init_heads`` by its weights file's SHA-256, so a copied or moved workdir has the same
-    key.
+    settings.
     """
     tc = cfg.training
-    key = settings_key(
+    settings = settings_of(
         training=tc,
         model_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         model_quantization=cfg.model.quantization,
@@ -304,28 +305,28 @@ def run_key(cfg, identity: dict, manifest: dict) -> dict:
         backbone_fingerprint=identity["fingerprint"],
         distill=data_key(manifest),
     )
-    flat = {**key.pop("training"), **key}
+    flat = {**settings.pop("training"), **settings}
     if tc.init_heads:
         weights = Path(tc.init_heads) / HEADS_WEIGHTS
         flat["init_heads"] = f"sha256:{file_sha256(weights)[:16]}" if weights.is_file() else tc.init_heads
     return flat
 
 
-def calibration_key(cfg) -> dict:
+def calibration_settings(cfg: Config) -> dict:
     """Everything the tree calibration depends on besides the trained model: every ``tree.*`` field
-    except ``TreeConfig.RUN_ONLY`` (as ``tree_<field>``) and ``training.calibration_max_records``.
+    but the ``run_only`` ones (as ``tree_<field>``) and ``training.calibration_max_records``.
 
     Stored in calibration.json: a change re-runs only the calibration (the heads stay as trained).
     """
-    key = settings_key(tree=cfg.tree, calibration_max_records=cfg.training.calibration_max_records)
-    return {**{f"tree_{k}": v for k, v in key.pop("tree").items()}, **key}
+    settings = settings_of(tree=cfg.tree, calibration_max_records=cfg.training.calibration_max_records)
+    return {**{f"tree_{k}": v for k, v in settings.pop("tree").items()}, **settings}
 
 
 _RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
 
 
-def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
-    """The stored training result if ``heads_dir`` is complete, whole and was trained with ``key``;
+def trained_with(heads_dir: Path, settings: dict, recipe: Medusa1) -> dict | None:
+    """The stored training result if ``heads_dir`` is complete, whole and was trained with ``settings``;
     None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
     if not all((heads_dir / name).is_file() for name in (HEADS_CONFIG, HEADS_WEIGHTS, CHOICES)):
@@ -338,7 +339,7 @@ def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
     except (DamagedArtefactError, HeadsFormatError) as err:
         log.warning("%s: training the heads again", err)
         return None
-    return meta.get("training_result") if meta.get("training") == key else None
+    return meta.get("training_result") if meta.get("training") == settings else None
 
 
 def calibrated_with(heads_dir: Path) -> dict | None:
@@ -354,7 +355,7 @@ def calibrated_with(heads_dir: Path) -> dict | None:
 def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
     """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
 
-    ``info`` is this run's ``run.json`` (``settings``: the run key, ``backbone``: its identity). The
+    ``info`` is this run's ``run.json`` (``settings``: :func:`train_settings`, ``backbone``: its identity). The
     backbone counts by content (its fingerprint), not by where it lies, so a moved or copied workdir
     resumes.
     """
@@ -425,7 +426,9 @@ class _Records(torch.utils.data.Dataset):
 
 
 # -- training ---------------------------------------------------------------------------------------
-def _initial_heads(cfg, backbone, identity: dict, token_map: torch.Tensor | None = None) -> MedusaHeads:
+def _initial_heads(
+    cfg: Config, backbone: PreTrainedModel, identity: dict, token_map: torch.Tensor | None = None
+) -> MedusaHeads:
     """Fresh heads (projections copied from lm_head, or bound to it when shared) or
     ``training.init_heads``, checked against the backbone and ``training.head_projection``.
 
@@ -469,7 +472,7 @@ def _initial_heads(cfg, backbone, identity: dict, token_map: torch.Tensor | None
     return heads
 
 
-def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
+def _attach(heads: MedusaHeads, backbone: PreTrainedModel, cfg: Config) -> MedusaHeads:
     """:meth:`MedusaHeads.attach` with its refusals as one-line user errors."""
     try:
         return heads.attach(backbone)
@@ -477,7 +480,18 @@ def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
         raise UserError(f"training.head_projection={cfg.training.head_projection}: {err}") from None
 
 
-def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map):
+def _train(
+    cfg: Config,
+    recipe: Medusa1,
+    backbone: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    identity: dict,
+    settings: dict,
+    train_set: _Records,
+    ds_config: dict | None,
+    device: torch.device,
+    token_map: torch.Tensor | None,
+) -> tuple[dict | None, MedusaHeads | None, PreTrainedModel | None]:
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
@@ -488,7 +502,7 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
     heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
-    info = {"settings": key, "backbone": identity}
+    info = {"settings": settings, "backbone": identity}
     _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
@@ -528,7 +542,7 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
         if tc.cache_hidden_states:  # Medusa-1 only (the config refuses it otherwise)
             dataset, collator = (
                 _hidden_cache(
-                    args, backbone, train_set, wd.train / HIDDEN_CACHE, key, tc, recipe.head_loss.soft
+                    args, backbone, train_set, wd.train / HIDDEN_CACHE, settings, tc, recipe.head_loss.soft
                 ),
                 row_collator,
             )
@@ -603,17 +617,29 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
 
 
 def _hidden_cache(
-    args, backbone, train_set: _Records, directory: Path, key: dict, tc, soft: bool
+    args: TrainingArguments,
+    backbone: PreTrainedModel,
+    train_set: _Records,
+    directory: Path,
+    settings: dict,
+    tc: TrainingConfig,
+    soft: bool,
 ) -> HiddenCache:
     """The frozen backbone's hidden states of the training split, built once by rank 0 (resumable)
-    and keyed by the run key: checkpoints of another run are refused or wiped with it anyway."""
-    settings = settings_key(run=key, cache_version=HIDDEN_CACHE_VERSION)
+    and stored with the run's settings: checkpoints of another run are refused or wiped with it anyway."""
+    cache_settings = settings_of(run=settings, cache_version=HIDDEN_CACHE_VERSION)
     with args.main_process_first(desc="hidden-state cache"):
         if args.process_index == 0:
             t0 = time.time()
             records = [train_set[i] for i in range(len(train_set))]
             build_hidden_cache(
-                backbone, records, directory, tc.num_heads, settings, tc.per_device_batch_size, soft=soft
+                backbone,
+                records,
+                directory,
+                tc.num_heads,
+                cache_settings,
+                tc.per_device_batch_size,
+                soft=soft,
             )
             log.info("hidden-state cache ready in %.1fs", time.time() - t0)
     return HiddenCache(directory)
