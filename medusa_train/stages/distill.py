@@ -215,7 +215,7 @@ def run(cfg: Config) -> dict:
 # 1-3: source, settings, prompts
 
 
-def _read_source(cfg) -> ReadResult:
+def _read_source(cfg: Config) -> ReadResult:
     d = cfg.data
     return read_records(
         d.format,
@@ -253,7 +253,7 @@ def _backbone_files_signature(name_or_path: str) -> str | None:
     return h.hexdigest()[:16]
 
 
-def _quick_settings(cfg, source: ReadResult) -> dict:
+def _quick_settings(cfg: Config, source: ReadResult) -> dict:
     """What can be checked without loading the model (decides the early return of a complete folder)."""
     distill = settings_of(distill=cfg.distill)["distill"]
     if cfg.distill.temperature == 0:
@@ -285,7 +285,7 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
     return quick
 
 
-def _max_context(cfg, model) -> int:
+def _max_context(cfg: Config, model) -> int:
     limit = cfg.data.max_prompt_tokens
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions:

@@ -37,6 +37,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,6 +77,9 @@ from medusa_train.workdir import (
     staging_dir,
 )
 
+if TYPE_CHECKING:  # annotations only: the stages that bench scripts import need no Hydra
+    from medusa_train.config import Config
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +87,7 @@ class ExportError(RuntimeError):
     """A written layout does not reproduce the trained weights (a bug or a bad disk, not a user error)."""
 
 
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Export ``export.heads_dir`` (default ``workdir/heads``) to ``workdir/export``.
 
     Returns:
@@ -208,7 +212,7 @@ def run(cfg) -> dict:
     }
 
 
-def _heads_repair(cfg, heads_dir: Path) -> str:
+def _heads_repair(cfg: Config, heads_dir: Path) -> str:
     """What rewrites a damaged heads folder: stage=train for the workdir's own, else another folder."""
     if cfg.export.heads_dir:
         return " (set export.heads_dir= to a whole heads folder)"
@@ -246,7 +250,7 @@ def roundtrip_identical(heads: MedusaHeads, directory: Path) -> bool:
         return torch.equal(back(hidden), heads(hidden))  # (K, 2, 3, V_draft) each
 
 
-def _bind_backbone_lm_head(cfg, heads: MedusaHeads, heads_dir: Path) -> None:
+def _bind_backbone_lm_head(cfg: Config, heads: MedusaHeads, heads_dir: Path) -> None:
     """Shared heads: bind the lm_head of their backbone (loaded on the CPU, unquantized), which the
     vLLM layout stores as ``lm_heads.0.weight``. Refuses a backbone without one, or of another shape."""
     model, _, source, _ = load_backbone_for_heads(
@@ -258,7 +262,7 @@ def _bind_backbone_lm_head(cfg, heads: MedusaHeads, heads_dir: Path) -> None:
         raise UserError(f"cannot export shared heads over {source}: {err}") from None
 
 
-def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
+def _export_backbone(cfg: Config, heads_dir: Path, directory: Path) -> bool:
     """Write the trained Medusa-2 backbone as a plain Hugging Face model (LoRA merged) + tokenizer.
 
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to
