@@ -323,6 +323,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (copy where links are refused) every file of ``src`` into ``dst``, except the
+    top-level ``skip`` names: a folder published again with a few files changed shares the unchanged
+    (large) ones."""
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(
+        src,
+        dst,
+        ignore=lambda folder, names: [n for n in names if Path(folder) == src and n in skip],
+        copy_function=link,
+        dirs_exist_ok=True,
+    )
+
+
 # -- skip/resume settings ---------------------------------------------------------------------------
 RUN_ONLY = "run_only"
 """Field metadata of a config field left out of :func:`settings_of` (set by ``config.run_only``)."""
