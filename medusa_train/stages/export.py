@@ -78,7 +78,7 @@ from medusa_train.workdir import (
     staging_dir,
 )
 
-if TYPE_CHECKING:  # annotations only: the stages that bench scripts import need no Hydra
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this stage does not need at run time
     from medusa_train.config import Config
 
 log = logging.getLogger(__name__)
