@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from medusa_train.config import compose_config
+from medusa_train.config import Config, compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, REPORT_MD
@@ -93,7 +93,7 @@ def quiet_third_party(quantization: str, deepspeed: bool) -> None:
             logger.addFilter(_DropPrefix(prefix))
 
 
-def run_stage(cfg) -> dict:
+def run_stage(cfg: Config) -> dict:
     """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
     from medusa_train.report import summary_table  # torch: not needed by --help/--cfg (module docstring)
 

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -43,6 +44,9 @@ from medusa_train.workdir import (
     read_json,
     remove_stale,
 )
+
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +343,7 @@ def _tensors_fingerprint(model) -> str:
 
 
 # -- cfg.model -> a loaded backbone -------------------------------------------------------------------
-def load_configured_backbone(model_cfg, device=None, *, trainable: bool = False):
+def load_configured_backbone(model_cfg: ModelConfig, device=None, *, trainable: bool = False):
     """``(model, tokenizer)`` as ``cfg.model`` describes them: the one place stages turn config into a load.
 
     Args:
@@ -390,7 +394,7 @@ def _same_path(a: str, b: str) -> bool:
     return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
 
 
-def _is_base(model_cfg, base: dict) -> bool:
+def _is_base(model_cfg: ModelConfig, base: dict) -> bool:
     """``model.name_or_path`` is the recorded base: the same name, or the same checkpoint files."""
     if _same_path(model_cfg.name_or_path, str(base["name_or_path"])):
         return True
@@ -398,7 +402,7 @@ def _is_base(model_cfg, base: dict) -> bool:
     return found is not None and found == base.get("fingerprint")
 
 
-def base_model_here(model_cfg, heads_dir: Path, recorded: str | None) -> str:
+def base_model_here(model_cfg: ModelConfig, heads_dir: Path, recorded: str | None) -> str:
     """The heads' base model as a path valid here: ``recorded`` (their ``base_model_name_or_path``),
     unless it is a local path that no longer exists (the workdir was moved, copied or renamed) and
     ``model.name_or_path`` holds the same checkpoint (by fingerprint): then ``model.name_or_path``.
@@ -413,7 +417,7 @@ def base_model_here(model_cfg, heads_dir: Path, recorded: str | None) -> str:
     return recorded
 
 
-def backbone_for_heads(model_cfg, heads_dir: Path) -> Path | None:
+def backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path) -> Path | None:
     """The trained Medusa-2 backbone to use with ``heads_dir``, or None for ``model.name_or_path``.
 
     See the module docstring for the rule; a warning says when a trained backbone is passed over.
@@ -436,7 +440,7 @@ def backbone_for_heads(model_cfg, heads_dir: Path) -> Path | None:
     return None
 
 
-def load_trained_backbone(model_cfg, directory: Path, device=None, *, base=None):
+def load_trained_backbone(model_cfg: ModelConfig, directory: Path, device=None, *, base=None):
     """The Medusa-2 backbone saved in ``directory``: a full model, or a LoRA adapter merged into its base.
 
     Args:
@@ -468,7 +472,7 @@ def load_trained_backbone(model_cfg, directory: Path, device=None, *, base=None)
     return model
 
 
-def load_backbone_for_heads(model_cfg, heads_dir: Path, device=None, *, quantize: bool = True):
+def load_backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path, device=None, *, quantize: bool = True):
     """``(model, tokenizer, source, trained)`` for evaluating or exporting the heads in ``heads_dir``.
 
     ``source`` names what was loaded: the trained backbone's directory (``trained`` True: Medusa-2,

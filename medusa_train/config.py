@@ -12,8 +12,18 @@ starts unbounded or empty work (tests/unit/test_config.py holds an out-of-range 
 take one of its groups as their settings (``backbone.load_configured_backbone``: ``cfg.model``;
 ``decoding.tree.tree_for_heads``: ``cfg.tree``; ``decoding.timing``'s ``tau_of``: ``cfg.eval``;
 ``tracking.start_tracking``: ``cfg.tracking``; ``training.recipes`` and ``training.medusa2``;
-``workdir.settings_key``); the other reusable parts (heads, decoding, losses, data readers,
+``workdir.settings_of``); the other reusable parts (heads, decoding, losses, data readers,
 engines) take plain arguments.
+
+What decides whether a stage skips, resumes or redoes its work (one rule, for every stage): the
+stage's *settings*, a JSON dict that ``workdir.settings_of`` builds from the config groups it hands
+over whole (``data`` and ``distill`` for stage=distill, ``training`` for stage=train, ``tree`` for
+the train stage's calibration) and from its inputs' identities; stored with the output, compared on
+the next run. Every field of those groups counts, a field added later included, unless it is
+declared with :func:`run_only` (it steers how a run goes, not what it produces: ``overwrite``, a
+batch split, a time budget); its class docstring says why. A stage's docstring names the other
+values it adds (``model.dtype``, the backbone's fingerprint, ...). The other groups' fields count
+only where a stage names them.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -33,11 +43,21 @@ from omegaconf import MISSING
 from medusa_train.choices import TreeError, normalise_choices
 from medusa_train.errors import ConfigError
 from medusa_train.head_loss import parse_head_loss
+from medusa_train.workdir import RUN_ONLY
 
 STAGES = ("pretrain", "distill", "train", "export", "eval", "all")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEVICE_SPEC = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 """The values `model.device` accepts (whether this machine has the device is checked when it is used)."""
+
+
+def run_only(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field left out of its stage's skip/resume settings (see the module docstring).
+
+    Used as the field's default: ``overwrite: bool = run_only(False)``; a changed value neither
+    redoes nor refuses earlier work.
+    """
+    return field(default=default, default_factory=default_factory, metadata={RUN_ONLY: True})
 
 
 def _choice(key: str, value: Any, options: tuple) -> None:
@@ -98,7 +118,12 @@ def _seed(key: str, value: int) -> None:
 
 @dataclass
 class ModelConfig:
-    """The backbone: any Hugging Face causal LM, or the embedded tiny one (`model=tiny`)."""
+    """The backbone: any Hugging Face causal LM, or the embedded tiny one (`model=tiny`).
+
+    Not handed to a stage's settings whole: the backbone counts by its weights' fingerprint, and
+    stage=distill and stage=train add `dtype` and `quantization` by name (a field added here counts
+    only where a stage adds it).
+    """
 
     name_or_path: str = MISSING
     """Hub id or local directory of the backbone. `model=tiny` points at `${workdir}/pretrain`,
@@ -195,11 +220,12 @@ class PretrainConfig:
 
 @dataclass
 class DataConfig:
-    """Where prompts/conversations come from (`data=` group)."""
+    """Where prompts/conversations come from (`data=` group).
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("strict",)
-    """Not part of a stage's skip/resume key: `strict` only decides whether a bad record fails the run
-    or is skipped; a run that completes distills the same records either way."""
+    Part of stage=distill's settings (every field but the `run_only` ones: `strict` only
+    decides whether a bad record fails the run or is skipped; a run that completes distills the same
+    records either way).
+    """
 
     format: str = "embedded"
     """embedded | sharegpt | alpaca | mtbench | jsonl | text | hub."""
@@ -227,7 +253,7 @@ class DataConfig:
     context would be longer is not answered (the conversation ends with the previous reply)."""
     long_prompts: str = "skip"
     """skip (count + warn) | truncate (keep the last max_prompt_tokens tokens of the first prompt)."""
-    strict: bool = False
+    strict: bool = run_only(False)
     """Fail on the first bad record (malformed JSON, empty conversation, leading assistant turn, prompt
     too long) naming its line, instead of skipping it with one summary warning."""
     eval_fraction: float = 0.05
@@ -305,14 +331,14 @@ class DistillServerConfig:
 
 @dataclass
 class DistillConfig:
-    """`stage=distill`: regenerate every assistant turn with the frozen backbone."""
+    """`stage=distill`: regenerate every assistant turn with the frozen backbone.
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("overwrite", "batch_size", "engine", "server")
-    """Not part of the skip/resume key: `overwrite` steers the run; `batch_size` changes no record
-    (greedy replies equal unbatched `generate`, and each record samples with its own seeded generator,
-    both tested), so a run may resume with another batch size. `engine` and `server` enter the key
-    through the stage (with engine=server only: the api and served model, never URLs or the key), so
-    in-process folders keep their keys."""
+    Part of stage=distill's settings (every field but the `run_only` ones: `overwrite` steers
+    the run; `batch_size` changes no record (greedy replies equal unbatched `generate`, and each
+    record samples with its own seeded generator, both tested), so a run may resume with another
+    batch size; `engine` and `server` enter the settings through the stage (with engine=server only:
+    the api and served model, never URLs or the key), so in-process folders keep their settings).
+    """
 
     max_new_tokens: int = 256
     """Per assistant turn, tokens, >= 1."""
@@ -320,23 +346,23 @@ class DistillConfig:
     """0 = greedy; > 0 samples (with top_p). Finite, >= 0."""
     top_p: float = 1.0
     """Nucleus sampling mass when temperature > 0, in (0, 1] (1.0 = off)."""
-    batch_size: int = 16
+    batch_size: int = run_only(16)
     """Rows generated together, >= 1 (continuous batching: a finished row frees its slot for the next prompt)."""
     shard_size: int = 256
     """Records per Arrow shard, >= 1; a killed run loses at most the shard in progress."""
     seed: int = 0
     """Sampling seed, 0 .. 2**32 - 1 (per record and turn, so results do not depend on batching or rank)."""
-    overwrite: bool = False
+    overwrite: bool = run_only(False)
     """Discard an existing distill folder made with other settings (backbone fingerprint, dtype,
     tokenizer, every distill.* and data.* field but batch_size, strict and eval_fraction, and with
     distill.engine=server the served model, not the URLs or client settings; top_p and seed
     only when sampling) instead of refusing; a folder with the same settings is always resumed or,
     when complete, reused as is."""
-    engine: str = "inprocess"
+    engine: str = run_only("inprocess")
     """inprocess: the backbone generates in this process (continuous batching, `batch_size` rows).
     server: OpenAI-compatible servers generate (`distill.server`); this process loads only the
     tokenizer and config of `model.name_or_path` (which must be the served model's)."""
-    server: DistillServerConfig = field(default_factory=DistillServerConfig)
+    server: DistillServerConfig = run_only(default_factory=DistillServerConfig)
 
     def __post_init__(self) -> None:
         _choice("distill.engine", self.engine, ("inprocess", "server"))
@@ -352,26 +378,14 @@ class DistillConfig:
 
 @dataclass
 class TrainingConfig:
-    """`stage=train` (`training=medusa1|medusa2`)."""
+    """`stage=train` (`training=medusa1|medusa2`).
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = (
-        "per_device_batch_size",
-        "gradient_accumulation_steps",
-        "max_minutes",
-        "loss_chunk_size",
-        "logging_steps",
-        "save_steps",
-        "save_total_limit",
-        "cache_hidden_states",
-        "overwrite",
-        "calibration_max_records",
-    )
-    """Fields left out of the trained heads' skip/resume key (``workdir.settings_key``): how a run goes,
-    not what it trains. The batch split (the key holds the global batch size instead), the time
-    budget (a stopped run resumes under any budget), loss chunking and the hidden-state cache
-    (same heads up to rounding), logging and checkpointing, ``overwrite``; and
-    ``calibration_max_records``, which is part of the calibration's key (a change re-runs only the
-    calibration). Every other field, new ones included, is compared."""
+    Part of the trained heads' settings (every field but the `run_only` ones: how a run goes,
+    not what it trains. The batch split (the settings hold the global batch size instead), the time
+    budget (a stopped run resumes under any budget), loss chunking and the hidden-state cache (same
+    heads up to rounding), logging and checkpointing, ``overwrite``; and ``calibration_max_records``,
+    which is part of the calibration's settings: a change re-runs only the calibration).
+    """
 
     mode: str = "medusa1"
     """medusa1 (frozen backbone, heads only) | medusa2 (joint training)."""
@@ -411,37 +425,37 @@ class TrainingConfig:
     lr_scheduler: str = "cosine"
     """A transformers scheduler that needs no extra arguments: cosine | linear | constant |
     constant_with_warmup | cosine_with_restarts | polynomial | inverse_sqrt."""
-    per_device_batch_size: int = 8
+    per_device_batch_size: int = run_only(8)
     """Sequences per process per micro-batch, >= 1 (global batch = this x processes x accumulation)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = run_only(1)
     """Micro-batches per optimizer step, >= 1."""
     num_epochs: float = 1.0
     """Passes over the training split (fractions allowed), >= 0 (> 0 unless max_steps is set)."""
     max_steps: int = -1
     """Overrides num_epochs when >= 1; -1 = use num_epochs (no other value below 1)."""
-    max_minutes: float | None = None
+    max_minutes: float | None = run_only(None)
     """Optional wall-clock budget, minutes, > 0: training stops cleanly (and saves) when reached; null = none."""
     max_seq_len: int = 512
     """Longer distilled records are truncated to this many tokens; >= num_heads + 2 (so that the last head
     has a target)."""
-    loss_chunk_size: int = 512
+    loss_chunk_size: int = run_only(512)
     """Tokens per chunk in the chunked head cross-entropy (memory vs speed), >= 1."""
-    logging_steps: int = 10
+    logging_steps: int = run_only(10)
     """Log loss and per-head top-1/top-5 every N >= 1 optimizer steps."""
-    save_steps: int = 200
+    save_steps: int = run_only(200)
     """Checkpoint every N >= 1 optimizer steps (resumable)."""
-    save_total_limit: int = 2
+    save_total_limit: int = run_only(2)
     """Checkpoints kept in workdir/train, >= 1 (older ones are deleted)."""
-    cache_hidden_states: bool = False
+    cache_hidden_states: bool = run_only(False)
     """Medusa-1: compute the backbone's last hidden states once into a memory-mapped store and
     train the heads from it (no backbone forward per epoch)."""
     seed: int = 0
     """Seed of head init, data order and dropout, 0 .. 2**32 - 1."""
-    overwrite: bool = False
+    overwrite: bool = run_only(False)
     """Retrain even if `workdir/heads` is complete for the same settings (also discards `workdir/train`)."""
     init_heads: str | None = None
     """Start from these heads (a heads directory, e.g. Medusa-1 heads before Medusa-2); null = fresh heads."""
-    calibration_max_records: int = 200
+    calibration_max_records: int = run_only(200)
     """Held-out records used for the top-k accuracy table and tree calibration after training, >= 1. A change
     (like one of `tree.max_nodes|topk|latency_context`) re-runs only the calibration of finished heads."""
     # -- medusa2 -------------------------------------------------------------------------------
@@ -555,19 +569,19 @@ class DeepSpeedConfig:
 
 @dataclass
 class TreeConfig:
-    """`tree=calibrated|medusa63|chain|custom`: the candidate tree verified per step."""
+    """`tree=calibrated|medusa63|chain|custom`: the candidate tree verified per step.
 
-    RUN_ONLY: ClassVar[tuple[str, ...]] = ("name", "choices", "chain_depth")
-    """Fields left out of the tree calibration's key (stage=train): they pick the tree at decode time,
-    the calibration does not read them. Every other field, new ones included, is compared."""
+    Part of the tree calibration's settings (stage=train; every field but the `run_only` ones:
+    they pick the tree at decode time, the calibration does not read them).
+    """
 
-    name: str = "calibrated"
+    name: str = run_only("calibrated")
     """calibrated (chosen after training, saved in workdir/heads) | medusa63 | chain | custom."""
-    choices: list[Any] | None = None
+    choices: list[Any] | None = run_only(None)
     """tree=custom: list of index paths, e.g. [[0], [0, 0], [1]]: each a non-empty list of ranks >= 0, every
     path's parent in the list too, at most training.num_heads deep; a rank must be below the heads'
     vocabulary size (checked when the heads are loaded)."""
-    chain_depth: int = 4
+    chain_depth: int = run_only(4)
     """tree=chain: number of nodes, 1 .. training.num_heads."""
     max_nodes: int = 64
     """Calibration: largest tree considered, nodes, >= 1."""

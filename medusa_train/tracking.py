@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from medusa_train import dist
+
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import TrackingConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ class Tracker:
 
 
 def start_tracking(
-    tracking_cfg, workdir: str | os.PathLike, stage: str, config: dict | None = None
+    tracking_cfg: TrackingConfig, workdir: str | os.PathLike, stage: str, config: dict | None = None
 ) -> Tracker:
     """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0)."""
     if tracking_cfg.mode == "disabled" or not dist.is_main():

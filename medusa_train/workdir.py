@@ -1,4 +1,4 @@
-"""The run directory: artefact names, atomic writes and publishing, and the skip/resume key of a stage.
+"""The run directory: artefact names, atomic writes and publishing, and the skip/resume settings of a stage.
 
 Every stage reads its inputs from and writes its outputs to fixed places of ``cfg.workdir``, so
 stages chain without the user passing paths:
@@ -21,10 +21,15 @@ Publishing: a stage builds an output folder under a temporary name beside its fi
 (:func:`staging_dir`) and swaps it in with renames (:func:`publish_dir`), so a reader never sees a
 half-written folder; leftovers of a killed run are removed by the next one (:func:`remove_stale`).
 
-Skip/resume keys: :func:`settings_key` turns config dataclasses and a stage's inputs into one
-JSON-able dict. Every dataclass field is part of the key unless the class lists it in its
-``RUN_ONLY`` class attribute (fields that steer how a run goes, not what it produces, e.g.
-``overwrite``), so a new config field is compared without anyone listing it.
+Skip and resume: a stage stores its *settings* with its output, a JSON-able dict that
+:func:`settings_of` builds from config dataclasses and the stage's inputs, and skips or resumes
+when the stored settings equal the current ones (:func:`settings_diff` / :func:`describe_diff` name
+what differs otherwise). Every dataclass field counts unless it is declared with
+``config.run_only`` (its field metadata ``run_only``: a field that steers how a run goes, not what
+it produces, e.g. ``overwrite``), so a field added later is compared without anyone listing it.
+Words: *settings* is that dict; a *key* is a short hex digest naming what an artefact holds
+(``data.distilled.data_key``); a *fingerprint* is a digest of files or tensors (a backbone's, the
+heads').
 """
 
 from __future__ import annotations
@@ -318,25 +323,53 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# -- skip/resume keys -------------------------------------------------------------------------------
-def settings_key(**parts: Any) -> dict:
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """Hard-link (copy where links are refused) every file of ``src`` into ``dst``, except the
+    top-level ``skip`` names: a folder published again with a few files changed shares the unchanged
+    (large) ones."""
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(
+        src,
+        dst,
+        ignore=lambda folder, names: [n for n in names if Path(folder) == src and n in skip],
+        copy_function=link,
+        dirs_exist_ok=True,
+    )
+
+
+# -- skip/resume settings ---------------------------------------------------------------------------
+RUN_ONLY = "run_only"
+"""Field metadata of a config field left out of :func:`settings_of` (set by ``config.run_only``)."""
+
+
+def settings_of(**parts: Any) -> dict:
     """The settings a stage's output depends on, as a JSON-able dict (compared to skip or resume).
 
     Args:
-        **parts: config dataclasses (every field except those in the class's ``RUN_ONLY``) or any
+        **parts: config dataclasses (every field except those declared ``run_only``) or any
             JSON-able values (a stage's input identities: a fingerprint, a manifest digest).
 
     Returns:
         ``{part name: {field: value}}`` for dataclasses, ``{part name: value}`` otherwise, normalised
-        through JSON (tuples become lists, paths strings), so a key read back from disk compares equal.
+        through JSON (tuples become lists, paths strings), so settings read back from disk compare
+        equal.
     """
-    key: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     for name, value in parts.items():
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            skip = set(getattr(type(value), "RUN_ONLY", ()))
-            value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name not in skip}
-        key[name] = value
-    return json.loads(json.dumps(key, sort_keys=True, default=_jsonable))
+            value = {
+                f.name: getattr(value, f.name)
+                for f in dataclasses.fields(value)
+                if not f.metadata.get(RUN_ONLY, False)
+            }
+        settings[name] = value
+    return json.loads(json.dumps(settings, sort_keys=True, default=_jsonable))
 
 
 def _jsonable(value: Any) -> Any:
@@ -350,7 +383,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def settings_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted names of the entries that differ between two keys; never empty when ``old != new``."""
+    """Dotted names of the entries that differ between two settings; never empty when ``old != new``."""
     if old == new:
         return []
     if isinstance(old, dict) and isinstance(new, dict):
@@ -362,7 +395,7 @@ def settings_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
 
 
 def describe_diff(old: Any, new: Any, limit: int = 4, settable: Callable[[str], bool] | None = None) -> str:
-    """The entries that differ between two keys as ``name (old -> new), ...``; never empty.
+    """The entries that differ between two settings as ``name (old -> new), ...``; never empty.
 
     Values are shown short (a long one is cut), so a user can rerun with the old value to keep the
     data made with it. ``settable``: which dotted names are settings a user sets (config keys); those

@@ -43,8 +43,13 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
         name = node.target.id
         annotation = ast.unparse(node.annotation)
         if annotation.startswith(("ClassVar", "typing.ClassVar")):
-            continue  # class attributes (e.g. RUN_ONLY) are not config keys
+            continue  # class attributes are not config keys
         default = ast.unparse(node.value) if node.value is not None else ""
+        run_only = default.startswith("run_only(")
+        if run_only:  # left out of the stage's skip/resume settings: said first in its row
+            default = (
+                "field(" + default[len("run_only(") :] if "default_factory=" in default else default[9:-1]
+            )
         if default.startswith("field(default_factory=lambda: "):
             default = default[len("field(default_factory=lambda: ") : -1]
         elif "default_factory=" in default:
@@ -58,6 +63,8 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, str, str, str]]:
                 and isinstance(nxt.value.value, str)
             ):
                 doc = " ".join(nxt.value.value.split())
+        if run_only:
+            doc = f"*Run-only* (not in the stage's skip/resume settings). {doc}"
         rows.append((name, annotation, default, doc))
     return rows
 

@@ -364,6 +364,22 @@ def read_manifest(distill_dir: str | Path) -> dict:
     return manifest
 
 
+def check_made_by(manifest: dict, identity: dict, distill_dir: str | Path, name_or_path: str) -> None:
+    """Refuse distilled data made by another backbone than the one loaded (``identity``: its
+    ``backbone.backbone_identity``), compared by weights fingerprint, not by name or place.
+
+    Raises:
+        UserError: the fingerprints differ.
+    """
+    made_by = manifest.get("backbone", {})
+    if made_by.get("fingerprint") != identity["fingerprint"]:
+        raise UserError(
+            f"{distill_dir} was distilled from another backbone ({made_by.get('name_or_path')}, fingerprint "
+            f"{made_by.get('fingerprint')}) than {name_or_path} (fingerprint {identity['fingerprint']}): "
+            "run stage=distill with this model (distill.overwrite=true) or use the matching model"
+        )
+
+
 def shard_files(distill_dir: str | Path) -> list[Path]:
     return sorted((Path(distill_dir) / SHARDS).glob("*.arrow"))
 

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import CompileConfig
@@ -46,6 +47,9 @@ from transformers import CompileConfig
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import attention_backends, medusa_generate
 from medusa_train.decoding.static import StaticDecoder
+
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +335,7 @@ class TimedDecoders:
             out.tokens.tolist(), seconds, list(out.accepted_lengths), out.prefill_s, out.num_forwards
         )
 
-    def tau_of(self, inputs: list[tuple[torch.Tensor, int]], acceptance: str, ecfg) -> float:
+    def tau_of(self, inputs: list[tuple[torch.Tensor, int]], acceptance: str, ecfg: EvalConfig) -> float:
         """Tokens per step of ``acceptance`` at ``ecfg.temperature`` over the same prompts."""
         gen = torch.Generator(device=self.device).manual_seed(ecfg.seed)
         tokens = steps = 0

@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from medusa_train.choices import TreeError, TreePath, normalise_choices
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import CHOICES, atomic_write_text
+
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import TreeConfig
 
 
 @dataclass(eq=False)
@@ -290,7 +294,7 @@ def resolve_tree(
     return paths
 
 
-def tree_for_heads(tree_cfg, heads_dir: Path, heads: MedusaHeads) -> list[list[int]]:
+def tree_for_heads(tree_cfg: TreeConfig, heads_dir: Path, heads: MedusaHeads) -> list[list[int]]:
     """:func:`resolve_tree` for a stage: the tree the ``tree=`` settings name, checked against ``heads``.
 
     Args:

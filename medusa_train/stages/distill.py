@@ -28,8 +28,8 @@ Steps (every rank):
 Several ranks synchronise through :mod:`medusa_train.dist` (a gloo group only when WORLD_SIZE > 1):
 one broadcast after step 4 and one gather before step 6.
 
-Settings compared (skip in step 2, resume in step 4): :func:`medusa_train.workdir.settings_key` of
-``cfg.distill`` and ``cfg.data`` (every field but their ``RUN_ONLY`` ones), the backbone (source and
+Settings compared (skip in step 2, resume in step 4): :func:`medusa_train.workdir.settings_of` of
+``cfg.distill`` and ``cfg.data`` (every field but their ``run_only`` ones), the backbone (source and
 files before it loads, weights fingerprint after), dtype, quantization, tokenizer and the records
 read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
 and ``data.eval_fraction`` belongs to stage=train.
@@ -101,7 +101,7 @@ from medusa_train.workdir import (
     read_json,
     remove_stale,
     settings_diff,
-    settings_key,
+    settings_of,
 )
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def run(cfg: Config) -> dict:
 # 1-3: source, settings, prompts
 
 
-def _read_source(cfg) -> ReadResult:
+def _read_source(cfg: Config) -> ReadResult:
     d = cfg.data
     return read_records(
         d.format,
@@ -253,12 +253,12 @@ def _backbone_files_signature(name_or_path: str) -> str | None:
     return h.hexdigest()[:16]
 
 
-def _quick_settings(cfg, source: ReadResult) -> dict:
+def _quick_settings(cfg: Config, source: ReadResult) -> dict:
     """What can be checked without loading the model (decides the early return of a complete folder)."""
-    distill = settings_key(distill=cfg.distill)["distill"]
+    distill = settings_of(distill=cfg.distill)["distill"]
     if cfg.distill.temperature == 0:
         distill.update(top_p=None, seed=None)  # neither changes a greedy reply
-    data = settings_key(data=cfg.data)["data"]
+    data = settings_of(data=cfg.data)["data"]
     del data["eval_fraction"]  # stage=train's held-out split: the records do not depend on it
     data.update(
         path=str(Path(cfg.data.path).expanduser().resolve()) if cfg.data.path else None,
@@ -272,20 +272,20 @@ def _quick_settings(cfg, source: ReadResult) -> dict:
         "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
     }
     served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
-    quick = settings_key(
+    quick = settings_of(
         backbone_source=backbone,
         dtype="server's" if served else resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         quantization="server's" if served else cfg.model.quantization,
         distill=distill,
         data=data,
     )
-    if served:  # the served model, not URLs or client settings (RUN_ONLY)
+    if served:  # the served model, not URLs or client settings (run-only fields)
         s = cfg.distill.server
         quick["engine"] = {"kind": "server", "api": s.api, "model": s.model or cfg.model.name_or_path}
     return quick
 
 
-def _max_context(cfg, model) -> int:
+def _max_context(cfg: Config, model) -> int:
     limit = cfg.data.max_prompt_tokens
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions:
@@ -336,7 +336,7 @@ def _full_settings(
     h = hashlib.sha256()
     for p in prompts:
         h.update(json.dumps(p).encode())
-    return settings_key(
+    return settings_of(
         format_version=FORMAT_VERSION,
         backbone_fingerprint=identity["fingerprint"],
         dtype=quick["dtype"],

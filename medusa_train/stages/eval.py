@@ -47,6 +47,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -123,6 +124,9 @@ from medusa_train.workdir import (
     staging_dir,
 )
 
+if TYPE_CHECKING:  # annotations only: bench scripts import this stage where Hydra is not installed
+    from medusa_train.config import Config, EvalConfig
+
 log = logging.getLogger(__name__)
 
 HEADS_ACC_RECORDS = 64
@@ -133,7 +137,7 @@ DRIFT_RECORDS = 200
 """Held-out distilled records on which eval.compare measures a trained backbone's drift."""
 
 
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Evaluate Medusa decoding; writes ``workdir/eval/`` and returns the report dict."""
     wd = Workdir(Path(cfg.workdir))
     if not is_main():
@@ -423,7 +427,7 @@ def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:
             )
 
 
-def load_eval_prompts(ecfg) -> list[Conversation]:
+def load_eval_prompts(ecfg: EvalConfig) -> list[Conversation]:
     """``eval.num_prompts`` prompts from the configured source (held-out embedded, MT-bench, JSONL)."""
     if ecfg.prompts == "embedded":
         prompts = []
@@ -476,7 +480,9 @@ def turn_budget(model, prompt_len: int, max_new_tokens: int) -> int:
 # decoding
 
 
-def fit_tree_to_device(cfg, heads_dir: Path, model, choices: list[list[int]]) -> tuple[list[list[int]], dict]:
+def fit_tree_to_device(
+    cfg: Config, heads_dir: Path, model, choices: list[list[int]]
+) -> tuple[list[list[int]], dict]:
     """The tree for this run's device: with ``tree=calibrated``, the stored tree if calibration.json says
     it was calibrated on this device and dtype, else one calibrated here from the stored head accuracies
     and a latency curve measured now (``eval.fit_tree=false`` keeps the stored tree).
@@ -523,7 +529,9 @@ def _describe_device(label: dict | None) -> str:
 _RECALIBRATE = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
 
 
-def head_topk(heads_dir: Path, wd: Workdir, cfg, model, heads) -> tuple[list[list[float]] | None, str | None]:
+def head_topk(
+    heads_dir: Path, wd: Workdir, cfg: Config, model, heads
+) -> tuple[list[list[float]] | None, str | None]:
     """Cumulative top-k accuracy ``(K, R)`` of every head and where it came from.
 
     Read from ``calibration.json`` (written by stage=train) when present, else computed on the
@@ -709,7 +717,7 @@ def load_assistant(name_or_path: str, model) -> torch.nn.Module:
 # several sets of heads
 
 
-def compare_heads(cfg, wd: Workdir, main: dict, model, inputs, choices, tok) -> list[dict]:
+def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, tok) -> list[dict]:
     """One row per set of heads: ``main`` (measured above with ``model``), then each of ``eval.compare``.
 
     Each set decodes the same turns (``inputs``: the rendered prompts and budgets of the main run)
@@ -800,7 +808,7 @@ def _decode_turns(
     return {k: figures[k] for k in ("tau", "speedup", "greedy_identical")}
 
 
-def _drift_batches(wd: Workdir, cfg) -> list[dict]:
+def _drift_batches(wd: Workdir, cfg: Config) -> list[dict]:
     """Held-out distilled records (at most ``DRIFT_RECORDS``), one per batch; [] without distilled data."""
     if not (wd.distill / MANIFEST).is_file():
         return []

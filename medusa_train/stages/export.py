@@ -36,7 +36,9 @@ import gc
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,6 +77,9 @@ from medusa_train.workdir import (
     staging_dir,
 )
 
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this stage does not need at run time
+    from medusa_train.config import Config
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +87,7 @@ class ExportError(RuntimeError):
     """A written layout does not reproduce the trained weights (a bug or a bad disk, not a user error)."""
 
 
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Export ``export.heads_dir`` (default ``workdir/heads``) to ``workdir/export``.
 
     Returns:
@@ -99,6 +104,57 @@ def run(cfg) -> dict:
         return {"export_dir": str(wd.export), "skipped": "not the main process"}
 
     # 1. Heads and tree (and, for Medusa-2 heads, where their trained backbone goes).
+    source = _source(cfg, wd)
+
+    wd.root.mkdir(parents=True, exist_ok=True)
+    remove_stale(wd.export)
+    tmp = staging_dir(wd.export)
+    try:
+        # 2. Every layout (and the backbone). 3. Each one read back: same weights, same logits.
+        identical = _write_layouts(cfg, source, tmp, wd.export)
+        # 4. Tree, calibration, the `model.generate(custom_generate=...)` folder, model card.
+        _write_companions(cfg, source, tmp, wd)
+        # 5. Into place: a reader sees the old export or the new one, never a mix.
+        publish_dir(tmp, wd.export)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    size = sum(f.stat().st_size for f in wd.export.rglob("*") if f.is_file())
+    heads = source.heads
+    log.info("exported %d heads (%s) to %s", heads.num_heads, ", ".join(cfg.export.formats), wd.export)
+    return {
+        "export_dir": str(wd.export),
+        "formats": list(cfg.export.formats),
+        "num_heads": heads.num_heads,
+        "num_layers": heads.num_layers,
+        "tree": cfg.tree.name,
+        "tree_size": len(source.choices),
+        "roundtrip_identical": all(identical.values()),
+        "bytes": size,
+        "backbone": str(source.shipped) if source.shipped is not None else None,
+    }
+
+
+@dataclass
+class _Source:
+    """What step 1 read: the heads as they will be written, and what goes with them."""
+
+    heads_dir: Path
+    heads: MedusaHeads
+    heads_config: dict
+    """The heads' config.json as read."""
+    fingerprints: set[str]
+    """The heads' identity as trained (recorded by an earlier export of them, else as read) and as
+    exported: the model card states only figures measured on one of these."""
+    extra: dict
+    """What the FasterDecoding layout's config.json carries beside its own keys."""
+    choices: list[list[int]]
+    shipped: Path | None
+    """Medusa-2: where the trained backbone goes in the export (named by the heads' config and the card)."""
+
+
+def _source(cfg: Config, wd: Workdir) -> _Source:
+    """Step 1: load the heads (either layout), cast to ``export.dtype``, their tree and their base model."""
     heads_dir = (
         Path(cfg.export.heads_dir) if cfg.export.heads_dir else require(wd.heads, "trained heads", "train")
     )
@@ -109,7 +165,6 @@ def run(cfg) -> dict:
         )
     except HeadsFormatError as err:
         raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
-    # The heads' identity: as trained (recorded by an earlier export of them, else as read), as exported.
     source_fingerprint = heads_config.get(HEADS_FINGERPRINT) or heads.fingerprint()
     fingerprints = {source_fingerprint, heads.fingerprint()}
     if heads.head_projection == "truncated" and MEDUSA in cfg.export.formats:
@@ -127,7 +182,7 @@ def run(cfg) -> dict:
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
     extra[HEADS_FINGERPRINT] = source_fingerprint
-    shipped = None  # Medusa-2: where the trained backbone goes, named by the heads' config and the card
+    shipped = None
     if backbone_for_heads(cfg.model, heads_dir) is not None:
         shipped = (wd.export / TRAINED_BACKBONE).absolute()
         heads.base_model_name_or_path = str(shipped)
@@ -138,76 +193,68 @@ def run(cfg) -> dict:
             )
         except HeadsFormatError as err:
             raise UserError(f"cannot export: {err}") from None
+    return _Source(heads_dir, heads, heads_config, fingerprints, extra, choices, shipped)
 
-    wd.root.mkdir(parents=True, exist_ok=True)
-    remove_stale(wd.export)
-    tmp = staging_dir(wd.export)
-    try:
-        # 2. Every layout (and the backbone). 3. Each one read back: same weights, same logits.
-        identical: dict[str, bool] = {}
-        if shipped is not None:
-            identical[TRAINED_BACKBONE] = _export_backbone(cfg, heads_dir, tmp / TRAINED_BACKBONE)
-        for fmt in cfg.export.formats:
-            if fmt == MEDUSA:
-                save_medusa(heads, tmp / MEDUSA, extra_config=extra, write_pickle=cfg.export.write_pickle)
-            else:
-                save_vllm(heads, tmp / VLLM)
-            identical[fmt] = roundtrip_identical(heads, tmp / fmt)
-        failed = [name for name, same in identical.items() if not same]
-        if failed:
-            raise ExportError(
-                f"the exported {', '.join(failed)} read back with other weights or logits than the source: "
-                f"nothing published ({wd.export} is unchanged); check the disk and run stage=export again"
+
+def _write_layouts(cfg: Config, source: _Source, tmp: Path, export_dir: Path) -> dict[str, bool]:
+    """Steps 2 and 3: every layout of ``export.formats`` (and the trained backbone) into ``tmp``,
+    each read back; ``{layout: identical}``.
+
+    Raises:
+        ExportError: a layout read back with other weights or logits than the source.
+    """
+    identical: dict[str, bool] = {}
+    if source.shipped is not None:
+        identical[TRAINED_BACKBONE] = _export_backbone(cfg, source.heads_dir, tmp / TRAINED_BACKBONE)
+    for fmt in cfg.export.formats:
+        if fmt == MEDUSA:
+            save_medusa(
+                source.heads, tmp / MEDUSA, extra_config=source.extra, write_pickle=cfg.export.write_pickle
             )
-
-        # 4. Tree, calibration (lets stage=eval on the export report head accuracy), the
-        #    `model.generate(custom_generate=...)` folder, model card (eval figures are added by
-        #    stage=eval when it runs later).
-        atomic_write_text(tmp / CHOICES, json.dumps(choices) + "\n")
-        if (heads_dir / CALIBRATION).is_file():
-            shutil.copyfile(heads_dir / CALIBRATION, tmp / CALIBRATION)
-        write_custom_generate(tmp, wd.export.absolute())
-        # Only figures measured on these heads: heads from elsewhere (export.heads_dir) never get
-        # this workdir's tau or distilled data.
-        manifest, report = belonging(
-            fingerprints, heads_config, read_json(wd.distill / MANIFEST), read_json(wd.eval / REPORT_JSON)
+        else:
+            save_vllm(source.heads, tmp / VLLM)
+        identical[fmt] = roundtrip_identical(source.heads, tmp / fmt)
+    failed = [name for name, same in identical.items() if not same]
+    if failed:
+        raise ExportError(
+            f"the exported {', '.join(failed)} read back with other weights or logits than the source: "
+            f"nothing published ({export_dir} is unchanged); check the disk and run stage=export again"
         )
-        card = model_card(
-            heads=heads,
-            heads_config=heads_config,
-            formats=list(cfg.export.formats),
-            tree_name=cfg.tree.name,
-            tree_size=len(choices),
-            manifest=manifest,
-            calibration=read_json(heads_dir / CALIBRATION),
-            report=report,
-            backbone=str(shipped) if shipped is not None else None,
-            export_dir=wd.export.absolute(),
-            pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
-        )
-        atomic_write_text(tmp / MODEL_CARD, card)
-
-        # 5. Into place: a reader sees the old export or the new one, never a mix.
-        publish_dir(tmp, wd.export)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    size = sum(f.stat().st_size for f in wd.export.rglob("*") if f.is_file())
-    log.info("exported %d heads (%s) to %s", heads.num_heads, ", ".join(cfg.export.formats), wd.export)
-    return {
-        "export_dir": str(wd.export),
-        "formats": list(cfg.export.formats),
-        "num_heads": heads.num_heads,
-        "num_layers": heads.num_layers,
-        "tree": cfg.tree.name,
-        "tree_size": len(choices),
-        "roundtrip_identical": all(identical.values()),
-        "bytes": size,
-        "backbone": str(shipped) if shipped is not None else None,
-    }
+    return identical
 
 
-def _heads_repair(cfg, heads_dir: Path) -> str:
+def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> None:
+    """Step 4: the tree, the calibration (lets stage=eval on the export report head accuracy),
+    ``custom_generate/`` and the model card (stage=eval adds its figures when it runs later)."""
+    atomic_write_text(tmp / CHOICES, json.dumps(source.choices) + "\n")
+    if (source.heads_dir / CALIBRATION).is_file():
+        shutil.copyfile(source.heads_dir / CALIBRATION, tmp / CALIBRATION)
+    write_custom_generate(tmp, wd.export.absolute())
+    # Only figures measured on these heads: heads from elsewhere (export.heads_dir) never get this
+    # workdir's tau or distilled data.
+    manifest, report = belonging(
+        source.fingerprints,
+        source.heads_config,
+        read_json(wd.distill / MANIFEST),
+        read_json(wd.eval / REPORT_JSON),
+    )
+    card = model_card(
+        heads=source.heads,
+        heads_config=source.heads_config,
+        formats=list(cfg.export.formats),
+        tree_name=cfg.tree.name,
+        tree_size=len(source.choices),
+        manifest=manifest,
+        calibration=read_json(source.heads_dir / CALIBRATION),
+        report=report,
+        backbone=str(source.shipped) if source.shipped is not None else None,
+        export_dir=wd.export.absolute(),
+        pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
+    )
+    atomic_write_text(tmp / MODEL_CARD, card)
+
+
+def _heads_repair(cfg: Config, heads_dir: Path) -> str:
     """What rewrites a damaged heads folder: stage=train for the workdir's own, else another folder."""
     if cfg.export.heads_dir:
         return " (set export.heads_dir= to a whole heads folder)"
@@ -245,7 +292,7 @@ def roundtrip_identical(heads: MedusaHeads, directory: Path) -> bool:
         return torch.equal(back(hidden), heads(hidden))  # (K, 2, 3, V_draft) each
 
 
-def _bind_backbone_lm_head(cfg, heads: MedusaHeads, heads_dir: Path) -> None:
+def _bind_backbone_lm_head(cfg: Config, heads: MedusaHeads, heads_dir: Path) -> None:
     """Shared heads: bind the lm_head of their backbone (loaded on the CPU, unquantized), which the
     vLLM layout stores as ``lm_heads.0.weight``. Refuses a backbone without one, or of another shape."""
     model, _, source, _ = load_backbone_for_heads(
@@ -257,7 +304,7 @@ def _bind_backbone_lm_head(cfg, heads: MedusaHeads, heads_dir: Path) -> None:
         raise UserError(f"cannot export shared heads over {source}: {err}") from None
 
 
-def _export_backbone(cfg, heads_dir: Path, directory: Path) -> bool:
+def _export_backbone(cfg: Config, heads_dir: Path, directory: Path) -> bool:
     """Write the trained Medusa-2 backbone as a plain Hugging Face model (LoRA merged) + tokenizer.
 
     Loaded without quantization (a QLoRA adapter is merged into the full-precision base), cast to

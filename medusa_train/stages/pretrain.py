@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ from medusa_train.workdir import (
     staging_dir,
 )
 
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this stage does not need at run time
+    from medusa_train.config import Config
+
 log = logging.getLogger(__name__)
 
 _REQUIRED_FILES = (
@@ -69,7 +73,7 @@ def is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Pretrain (or reuse) the embedded tiny LM and return its figures.
 
     Args:

@@ -33,16 +33,14 @@ of ``training.mode`` (``training/recipes.py``), so this file has no mode branche
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
-from transformers import TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 
 from medusa_train import dist
 from medusa_train.backbone import (
@@ -54,16 +52,17 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
-from medusa_train.data.distilled import data_key, load_distilled, read_manifest, split_heldout
-from medusa_train.decoding.calibrate import calibrate
+from medusa_train.config import Config, TrainingConfig
+from medusa_train.data.distilled import check_made_by, data_key, load_distilled, read_manifest
+from medusa_train.decoding.calibrate import Calibration, calibrate
 from medusa_train.decoding.tree import save_choices
-from medusa_train.draft_vocab import draft_token_map
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.recipes import Medusa1, recipe_for
+from medusa_train.training.records import Records, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
     MedusaTrainer,
     MetricsScheduleCallback,
@@ -94,22 +93,23 @@ from medusa_train.workdir import (
     atomic_write_json,
     describe_diff,
     file_sha256,
+    link_tree,
     publish_dir,
     read_json,
     remove_stale,
     require,
-    settings_key,
+    settings_of,
     staging_dir,
 )
 
 log = logging.getLogger(__name__)
 
 HIDDEN_CACHE_VERSION = 2
-"""Layout version of the hidden-state cache, part of its key (2: keyed by the whole run key)."""
+"""Layout version of the hidden-state cache, part of its settings (2: the whole :func:`train_settings`)."""
 
 
 # -- the stage --------------------------------------------------------------------------------------
-def run(cfg) -> dict:
+def run(cfg: Config) -> dict:
     """Train heads; write workdir/heads (+ calibration.json, medusa_choices.json). Returns the figures."""
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     recipe = recipe_for(cfg)  # Medusa-1 | Medusa-2: which parameters train, and the loss
@@ -120,90 +120,32 @@ def run(cfg) -> dict:
     manifest = read_manifest(wd.distill)
     check_backbone_source(cfg.model.name_or_path)
     device = resolve_device(cfg.model.device)
-    precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
     recipe.check()
-    ds_config = None
-    if cfg.deepspeed.enabled:
-        ds_config = deepspeed_config(
-            cfg.deepspeed.zero_stage,
-            offload_optimizer=cfg.deepspeed.offload_optimizer,
-            offload_param=cfg.deepspeed.offload_param,
-            dtype=precision,  # must agree with TrainingArguments(bf16=/fp16=), or transformers refuses it
-            on_cpu=device.type == "cpu",
-        )
+    ds_config = _deepspeed(cfg, recipe, device)
 
     # 2. Backbone; the distilled data must come from it.
     backbone, tokenizer = load_configured_backbone(cfg.model, device, trainable=recipe.trains_backbone)
     identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
-    made_by = manifest.get("backbone", {})
-    if made_by.get("fingerprint") != identity["fingerprint"]:
-        raise UserError(
-            f"{wd.distill} was distilled from another backbone ({made_by.get('name_or_path')}, fingerprint "
-            f"{made_by.get('fingerprint')}) than {cfg.model.name_or_path} (fingerprint {identity['fingerprint']}): "
-            "run stage=distill with this model (distill.overwrite=true) or use the matching model"
-        )
+    check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
 
     # 3. Skip finished heads, or re-run only their calibration.
-    key, calibration_settings = run_key(cfg, identity, manifest), calibration_key(cfg)
-    if dist.is_main():
-        remove_stale(wd.heads)  # a run killed while publishing them: the previous heads come back
-        remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
-    done = None if tc.overwrite else trained_with(wd.heads, key, recipe)
-    if done is not None:
-        stored = calibrated_with(wd.heads)
-        if stored == calibration_settings:
-            log.info(
-                "heads in %s are complete for these settings: skipping (training.overwrite=true retrains)",
-                wd.heads,
-            )
-            return {**done, "skipped": True}
-        log.info(
-            "heads in %s are trained with these settings but their tree was calibrated with other ones "
-            "(%s): re-running the calibration only (training.overwrite=true retrains)",
-            wd.heads,
-            describe_diff(stored, calibration_settings) if stored else f"{CALIBRATION} missing or damaged",
-        )
+    settings, calib_settings = train_settings(cfg, identity, manifest), calibration_settings(cfg)
+    done, calibrated = _published(wd, settings, calib_settings, recipe, tc.overwrite)
+    if calibrated:
+        return {**done, "skipped": True}
 
     # 4. Data: the training split and the records the calibration measures on.
-    ds = load_distilled(wd.distill)
-    train_ds, held_ds = split_heldout(ds, cfg.data.eval_fraction)
-    train_idx = _usable_indices(train_ds, tc.max_seq_len) if len(train_ds) else []
-    if not train_idx:
-        raise UserError(
-            f"no training data: {len(ds)} distilled records, {len(train_ds)} after holding out "
-            f"data.eval_fraction={cfg.data.eval_fraction}, none with a loss-masked token inside training.max_seq_len="
-            f"{tc.max_seq_len}: lower data.eval_fraction or distill more data"
-        )
-    train_set = _Records(train_ds, train_idx, tc.max_seq_len)
-    held_idx = _usable_indices(held_ds, tc.max_seq_len) if len(held_ds) else []
-    if held_idx:
-        calib_set, calib_split = _Records(held_ds, held_idx, tc.max_seq_len), "heldout"
-    else:
-        log.warning(
-            "no held-out records (data.eval_fraction=%s): calibrating on training records",
-            cfg.data.eval_fraction,
-        )
-        calib_set, calib_split = train_set, "train"
-    calib_records = [calib_set[i] for i in range(min(len(calib_set), tc.calibration_max_records))]
+    data = training_data(
+        load_distilled(wd.distill), cfg.data.eval_fraction, tc.max_seq_len, tc.calibration_max_records
+    )
     token_map, coverage = None, None
     if tc.head_projection == "truncated" and done is None:
-        vocab = identity["vocab_size"]
-        if tc.draft_vocab_size > vocab:
-            raise UserError(
-                f"training.draft_vocab_size={tc.draft_vocab_size} is larger than the backbone's vocabulary "
-                f"({vocab} tokens): pick at most {vocab}"
-            )
-        token_map, coverage = draft_token_map(_target_counts(train_set, vocab), tc.draft_vocab_size)
-        log.info(
-            "draft vocabulary: the %d most frequent target tokens cover %.2f%% of the training targets",
-            tc.draft_vocab_size,
-            100 * coverage,
-        )
+        token_map, coverage = draft_vocabulary(data.train, identity["vocab_size"], tc.draft_vocab_size)
 
     # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
     if done is None:
         result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map
+            cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
@@ -216,77 +158,160 @@ def run(cfg) -> dict:
         if not dist.is_main():
             return {"rank": dist.rank()}
         result, trained = dict(done), None
-        try:
-            heads = MedusaHeads.from_pretrained(wd.heads, device=device)
-        except HeadsFormatError as err:
-            raise DamagedArtefactError(
-                f"the heads in {wd.heads} cannot be calibrated again: {err}: {_RETRAIN}"
-            ) from None
-        backbone = recipe.published_backbone(wd.heads, backbone, device)
+        heads, backbone = _published_heads(wd.heads, recipe, backbone, device)
     _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
-    # 6. Rank 0: held-out accuracy -> the tree with the best expected tokens/s on this machine. A
-    # trained backbone was left in training mode: no dropout (LoRA's included) while measuring.
-    heads.eval()
-    backbone.eval()
-    collate = PadCollator(0)
-    batches = (
-        collate(calib_records[i : i + tc.per_device_batch_size])
-        for i in range(0, len(calib_records), tc.per_device_batch_size)
-    )
-    calib = calibrate(
-        backbone,
-        heads,
-        batches,
-        max_nodes=cfg.tree.max_nodes,
-        topk=cfg.tree.topk,
-        context_len=cfg.tree.latency_context,
-        chunk_size=tc.loss_chunk_size,
-    )
+
+    # 6. Rank 0: held-out accuracy -> the tree with the best expected tokens/s on this machine.
+    calib = _calibrate(cfg, backbone, heads, data.calibration)
     result.update(
         {
             "heldout_top1": [round(float(a), 4) for a in calib.acc[:, 0]],
             "heldout_top5": [round(float(a), 4) for a in calib.acc[:, 4]],
-            "calibration_split": calib_split,
+            "calibration_split": data.calibration_split,
             "tree_size": len(calib.choices),
             "expected_tau": round(calib.tree["best"]["expected_tau"], 4),
             "seconds": round(time.time() - start_time, 1),
         }
     )
     calibration = {
-        "settings": calibration_settings,
-        "split": calib_split,
-        "records": len(calib_records),
+        "settings": calib_settings,
+        "split": data.calibration_split,
+        "records": len(data.calibration),
         **calib.to_json(),
     }
 
     # 7. Rank 0: publish workdir/heads with renames only (never a half-written heads folder).
-    remove_stale(wd.heads)
-    tmp = staging_dir(wd.heads)
     if done is None:
-        # config.json: FasterDecoding keys + backbone identity (checked by later stages) + settings + figures.
-        heads.save_pretrained(
-            tmp, extra_config={"backbone": identity, "training": key, "training_result": result}
+        extra = {"backbone": identity, "training": settings, "training_result": result}
+        _publish(
+            wd.heads,
+            calib.choices,
+            calibration,
+            heads=heads,
+            extra=extra,
+            trained=trained,
+            tokenizer=tokenizer,
         )
-        # Medusa-2: the trained backbone (LoRA: the adapter only) ships with the heads.
-        if trained is not None:
-            trained.save_pretrained(tmp / TRAINED_BACKBONE)
-            save_tokenizer(tokenizer, tmp / TRAINED_BACKBONE)
-    else:  # recalibrated: the same weights (hard links), new figures
-        _link_tree(wd.heads, tmp, skip=(HEADS_CONFIG, CALIBRATION, CHOICES))
-        meta = read_json(wd.heads / HEADS_CONFIG, repair=_RETRAIN)
-        atomic_write_json(tmp / HEADS_CONFIG, {**meta, "training_result": result})
-    save_choices(tmp / CHOICES, calib.choices)
-    atomic_write_json(tmp / CALIBRATION, calibration)
-    publish_dir(tmp, wd.heads)
+    else:
+        _publish(wd.heads, calib.choices, calibration, result=result)
     _print_summary(result)
     return result if done is None else {**result, "skipped": True, "recalibrated": True}
 
 
-# -- skip / resume keys -----------------------------------------------------------------------------
-def run_key(cfg, identity: dict, manifest: dict) -> dict:
+def _deepspeed(cfg: Config, recipe: Medusa1, device: torch.device) -> dict | None:
+    """Step 1: the DeepSpeed config of ``deepspeed=`` (None when off), in the recipe's precision."""
+    if not cfg.deepspeed.enabled:
+        return None
+    return deepspeed_config(
+        cfg.deepspeed.zero_stage,
+        offload_optimizer=cfg.deepspeed.offload_optimizer,
+        offload_param=cfg.deepspeed.offload_param,
+        # must agree with TrainingArguments(bf16=/fp16=), or transformers refuses it
+        dtype=recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)]),
+        on_cpu=device.type == "cpu",
+    )
+
+
+def _published(
+    wd: Workdir, settings: dict, calib_settings: dict, recipe: Medusa1, overwrite: bool
+) -> tuple[dict | None, bool]:
+    """Step 3: ``(training result, calibrated)`` of the heads published in ``wd.heads``: ``(None,
+    False)`` when they must be trained (none, damaged, other settings, ``overwrite``), ``(result,
+    False)`` when only their calibration settings differ, ``(result, True)`` when they are done."""
+    heads_dir = wd.heads
+    if dist.is_main():
+        remove_stale(heads_dir)  # a run killed while publishing them: the previous heads come back
+        remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
+    done = None if overwrite else trained_with(heads_dir, settings, recipe)
+    if done is None:
+        return None, False
+    stored = calibrated_with(heads_dir)
+    if stored == calib_settings:
+        log.info(
+            "heads in %s are complete for these settings: skipping (training.overwrite=true retrains)",
+            heads_dir,
+        )
+        return done, True
+    log.info(
+        "heads in %s are trained with these settings but their tree was calibrated with other ones "
+        "(%s): re-running the calibration only (training.overwrite=true retrains)",
+        heads_dir,
+        describe_diff(stored, calib_settings) if stored else f"{CALIBRATION} missing or damaged",
+    )
+    return done, False
+
+
+def _published_heads(
+    heads_dir: Path, recipe: Medusa1, backbone: PreTrainedModel, device: torch.device
+) -> tuple[MedusaHeads, PreTrainedModel]:
+    """Step 5 without training: the published heads and the backbone they decode with."""
+    try:
+        heads = MedusaHeads.from_pretrained(heads_dir, device=device)
+    except HeadsFormatError as err:
+        raise DamagedArtefactError(
+            f"the heads in {heads_dir} cannot be calibrated again: {err}: {_RETRAIN}"
+        ) from None
+    return heads, recipe.published_backbone(heads_dir, backbone, device)
+
+
+def _calibrate(
+    cfg: Config, backbone: PreTrainedModel, heads: MedusaHeads, records: list[dict]
+) -> Calibration:
+    """Step 6: measure the heads on ``records`` and choose the tree (``decoding/calibrate.py``). A
+    trained backbone was left in training mode: no dropout (LoRA's included) while measuring."""
+    heads.eval()
+    backbone.eval()
+    collate, size = PadCollator(0), cfg.training.per_device_batch_size
+    batches = (collate(records[i : i + size]) for i in range(0, len(records), size))
+    return calibrate(
+        backbone,
+        heads,
+        batches,
+        max_nodes=cfg.tree.max_nodes,
+        topk=cfg.tree.topk,
+        context_len=cfg.tree.latency_context,
+        chunk_size=cfg.training.loss_chunk_size,
+    )
+
+
+def _publish(
+    heads_dir: Path,
+    choices: list[list[int]],
+    calibration: dict,
+    *,
+    heads: MedusaHeads | None = None,
+    extra: dict | None = None,
+    trained: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    result: dict | None = None,
+) -> None:
+    """Step 7: swap in ``heads_dir`` with renames only (never a half-written heads folder).
+
+    Trained ``heads`` are saved with ``extra`` in config.json (FasterDecoding keys + backbone identity
+    + settings + figures), Medusa-2's ``trained`` backbone (LoRA: the adapter only) beside them;
+    recalibrated heads keep their files (hard links) with a new ``result`` in config.json.
+    """
+    remove_stale(heads_dir)
+    tmp = staging_dir(heads_dir)
+    if heads is not None:
+        heads.save_pretrained(tmp, extra_config=extra)
+        if trained is not None:
+            trained.save_pretrained(tmp / TRAINED_BACKBONE)
+            save_tokenizer(tokenizer, tmp / TRAINED_BACKBONE)
+    else:
+        link_tree(heads_dir, tmp, skip=(HEADS_CONFIG, CALIBRATION, CHOICES))
+        meta = read_json(heads_dir / HEADS_CONFIG, repair=_RETRAIN)
+        atomic_write_json(tmp / HEADS_CONFIG, {**meta, "training_result": result})
+    save_choices(tmp / CHOICES, choices)
+    atomic_write_json(tmp / CALIBRATION, calibration)
+    publish_dir(tmp, heads_dir)
+
+
+# -- skip / resume settings -------------------------------------------------------------------------
+def train_settings(cfg: Config, identity: dict, manifest: dict) -> dict:
     """Everything that changes the trained heads: compared to skip finished work and to resume safely.
 
-    Every ``training.*`` field except ``TrainingConfig.RUN_ONLY``, plus the inputs: the backbone
+    Every ``training.*`` field but the ``run_only`` ones, plus the inputs: the backbone
     (fingerprint, dtype, quantization), the global batch size, the held-out fraction and what the
     distilled data is (its settings and counts, not when or how fast it was written: a distill run
     that only rewrote the manifest must not force a retrain). Flat, as ``config.json["training"]``.
@@ -294,10 +319,10 @@ def run_key(cfg, identity: dict, manifest: dict) -> dict:
     Inputs count by content, not by place: the distilled data's settings without file paths
     (:func:`~medusa_train.data.distilled.comparable`), the backbone by fingerprint, and
     ``training.init_heads`` by its weights file's SHA-256, so a copied or moved workdir has the same
-    key.
+    settings.
     """
     tc = cfg.training
-    key = settings_key(
+    settings = settings_of(
         training=tc,
         model_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         model_quantization=cfg.model.quantization,
@@ -306,28 +331,28 @@ def run_key(cfg, identity: dict, manifest: dict) -> dict:
         backbone_fingerprint=identity["fingerprint"],
         distill=data_key(manifest),
     )
-    flat = {**key.pop("training"), **key}
+    flat = {**settings.pop("training"), **settings}
     if tc.init_heads:
         weights = Path(tc.init_heads) / HEADS_WEIGHTS
         flat["init_heads"] = f"sha256:{file_sha256(weights)[:16]}" if weights.is_file() else tc.init_heads
     return flat
 
 
-def calibration_key(cfg) -> dict:
+def calibration_settings(cfg: Config) -> dict:
     """Everything the tree calibration depends on besides the trained model: every ``tree.*`` field
-    except ``TreeConfig.RUN_ONLY`` (as ``tree_<field>``) and ``training.calibration_max_records``.
+    but the ``run_only`` ones (as ``tree_<field>``) and ``training.calibration_max_records``.
 
     Stored in calibration.json: a change re-runs only the calibration (the heads stay as trained).
     """
-    key = settings_key(tree=cfg.tree, calibration_max_records=cfg.training.calibration_max_records)
-    return {**{f"tree_{k}": v for k, v in key.pop("tree").items()}, **key}
+    settings = settings_of(tree=cfg.tree, calibration_max_records=cfg.training.calibration_max_records)
+    return {**{f"tree_{k}": v for k, v in settings.pop("tree").items()}, **settings}
 
 
 _RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
 
 
-def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
-    """The stored training result if ``heads_dir`` is complete, whole and was trained with ``key``;
+def trained_with(heads_dir: Path, settings: dict, recipe: Medusa1) -> dict | None:
+    """The stored training result if ``heads_dir`` is complete, whole and was trained with ``settings``;
     None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
     if not all((heads_dir / name).is_file() for name in (HEADS_CONFIG, HEADS_WEIGHTS, CHOICES)):
@@ -340,7 +365,7 @@ def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
     except (DamagedArtefactError, HeadsFormatError) as err:
         log.warning("%s: training the heads again", err)
         return None
-    return meta.get("training_result") if meta.get("training") == key else None
+    return meta.get("training_result") if meta.get("training") == settings else None
 
 
 def calibrated_with(heads_dir: Path) -> dict | None:
@@ -356,7 +381,7 @@ def calibrated_with(heads_dir: Path) -> dict | None:
 def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
     """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
 
-    ``info`` is this run's ``run.json`` (``settings``: the run key, ``backbone``: its identity). The
+    ``info`` is this run's ``run.json`` (``settings``: :func:`train_settings`, ``backbone``: its identity). The
     backbone counts by content (its fingerprint), not by where it lies, so a moved or copied workdir
     resumes.
     """
@@ -384,50 +409,10 @@ def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
             )
 
 
-# -- data -------------------------------------------------------------------------------------------
-def _truncate(record: dict, max_len: int) -> dict:
-    return {
-        "input_ids": list(record["input_ids"][:max_len]),
-        "loss_mask": list(record["loss_mask"][:max_len]),
-    }
-
-
-def _usable_indices(ds, max_len: int) -> list[int]:
-    """Records with at least one head target inside the truncation window (head 1 needs index >= 2)."""
-    return [i for i, m in enumerate(ds["loss_mask"]) if sum(m[2:max_len]) > 0]
-
-
-def _target_counts(records: _Records, vocab_size: int) -> torch.Tensor:
-    """``(V,)`` how often each token is a head target in the training split: loss-masked tokens at
-    positions 2 .. max_len - 1 of the truncated records (head 1 at position 0 predicts position 2)."""
-    rows = records.ds.select(records.indices)
-    picked = [
-        np.asarray(ids[2 : records.max_len])[np.asarray(mask[2 : records.max_len], dtype=bool)]
-        for ids, mask in zip(rows["input_ids"], rows["loss_mask"], strict=True)
-    ]
-    flat = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
-    counts = np.bincount(flat.astype(np.int64), minlength=vocab_size)[:vocab_size]
-    return torch.from_numpy(counts)
-
-
-class _Records(torch.utils.data.Dataset):
-    """Truncated ``input_ids``/``loss_mask`` records of a distilled split, read lazily."""
-
-    def __init__(self, ds, indices: list[int], max_len: int) -> None:
-        self.ds, self.indices, self.max_len = ds, indices, max_len
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> dict:
-        return _truncate(self.ds[self.indices[i]], self.max_len)
-
-    def count_tokens(self) -> int:
-        return sum(min(len(r), self.max_len) for r in self.ds.select(self.indices)["input_ids"])
-
-
 # -- training ---------------------------------------------------------------------------------------
-def _initial_heads(cfg, backbone, identity: dict, token_map: torch.Tensor | None = None) -> MedusaHeads:
+def _initial_heads(
+    cfg: Config, backbone: PreTrainedModel, identity: dict, token_map: torch.Tensor | None = None
+) -> MedusaHeads:
     """Fresh heads (projections copied from lm_head, or bound to it when shared) or
     ``training.init_heads``, checked against the backbone and ``training.head_projection``.
 
@@ -471,7 +456,7 @@ def _initial_heads(cfg, backbone, identity: dict, token_map: torch.Tensor | None
     return heads
 
 
-def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
+def _attach(heads: MedusaHeads, backbone: PreTrainedModel, cfg: Config) -> MedusaHeads:
     """:meth:`MedusaHeads.attach` with its refusals as one-line user errors."""
     try:
         return heads.attach(backbone)
@@ -479,7 +464,18 @@ def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
         raise UserError(f"training.head_projection={cfg.training.head_projection}: {err}") from None
 
 
-def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map):
+def _train(
+    cfg: Config,
+    recipe: Medusa1,
+    backbone: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    identity: dict,
+    settings: dict,
+    train_set: Records,
+    ds_config: dict | None,
+    device: torch.device,
+    token_map: torch.Tensor | None,
+) -> tuple[dict | None, MedusaHeads | None, PreTrainedModel | None]:
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
@@ -490,7 +486,7 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
     heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
-    info = {"settings": key, "backbone": identity}
+    info = {"settings": settings, "backbone": identity}
     _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
@@ -530,7 +526,7 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
         if tc.cache_hidden_states:  # Medusa-1 only (the config refuses it otherwise)
             dataset, collator = (
                 _hidden_cache(
-                    args, backbone, train_set, wd.train / HIDDEN_CACHE, key, tc, recipe.head_loss.soft
+                    args, backbone, train_set, wd.train / HIDDEN_CACHE, settings, tc, recipe.head_loss.soft
                 ),
                 row_collator,
             )
@@ -605,42 +601,35 @@ def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, 
 
 
 def _hidden_cache(
-    args, backbone, train_set: _Records, directory: Path, key: dict, tc, soft: bool
+    args: TrainingArguments,
+    backbone: PreTrainedModel,
+    train_set: Records,
+    directory: Path,
+    settings: dict,
+    tc: TrainingConfig,
+    soft: bool,
 ) -> HiddenCache:
     """The frozen backbone's hidden states of the training split, built once by rank 0 (resumable)
-    and keyed by the run key: checkpoints of another run are refused or wiped with it anyway."""
-    settings = settings_key(run=key, cache_version=HIDDEN_CACHE_VERSION)
+    and stored with the run's settings: checkpoints of another run are refused or wiped with it anyway."""
+    cache_settings = settings_of(run=settings, cache_version=HIDDEN_CACHE_VERSION)
     with args.main_process_first(desc="hidden-state cache"):
         if args.process_index == 0:
             t0 = time.time()
             records = [train_set[i] for i in range(len(train_set))]
             build_hidden_cache(
-                backbone, records, directory, tc.num_heads, settings, tc.per_device_batch_size, soft=soft
+                backbone,
+                records,
+                directory,
+                tc.num_heads,
+                cache_settings,
+                tc.per_device_batch_size,
+                soft=soft,
             )
             log.info("hidden-state cache ready in %.1fs", time.time() - t0)
     return HiddenCache(directory)
 
 
 # -- publishing -------------------------------------------------------------------------------------
-def _link_tree(src: Path, dst: Path, skip: tuple[str, ...]) -> None:
-    """Hard-link (copy where links are refused) every file of ``src`` into ``dst``, except the
-    top-level ``skip`` names: a recalibrated heads folder shares the unchanged (large) weight files."""
-
-    def link(source: str, target: str) -> None:
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
-
-    shutil.copytree(
-        src,
-        dst,
-        ignore=lambda folder, names: [n for n in names if Path(folder) == src and n in skip],
-        copy_function=link,
-        dirs_exist_ok=True,
-    )
-
-
 def _print_summary(result: dict) -> None:
     lines = [
         f"train: {result['steps']} steps, final loss {result['final_loss']}, {result['tokens_per_s']} tokens/s"

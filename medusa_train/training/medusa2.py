@@ -12,14 +12,19 @@ the trainable backbone, the heads-only phase.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import TrainerCallback
 
 from medusa_train.errors import UserError
 from medusa_train.training.model import MedusaTrainingModel
 
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import Config, TrainingConfig
 
-def check_supported(cfg) -> None:
+
+def check_supported(cfg: Config) -> None:
     """Fail before any heavy work on combinations this implementation does not run."""
     tc = cfg.training
     if (
@@ -60,7 +65,7 @@ class HeadsOnlyCallback(TrainerCallback):
             group["frozen"] = frozen and group["backbone"]
 
 
-def trainable_backbone(tc, backbone: torch.nn.Module) -> torch.nn.Module:
+def trainable_backbone(tc: TrainingConfig, backbone: torch.nn.Module) -> torch.nn.Module:
     """``backbone`` made trainable as ``tc.backbone_tuning`` says, in training mode: every weight
     (full), or a peft model with LoRA adapters injected into ``backbone`` in place (lora, qlora)."""
     if tc.backbone_tuning in ("lora", "qlora"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.trainer import Lambda0Callback
 from medusa_train.workdir import TRAINED_BACKBONE
 
+if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
+    from medusa_train.config import Config
+
 
 class Medusa1:
     """Medusa-1: the heads train on a frozen backbone.
@@ -54,7 +58,7 @@ class Medusa1:
     trains_backbone = False
     """Whether the backbone is among the trained parameters (loaded trainable, published, calibrated with)."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg, self.tc = cfg, cfg.training
 
     def check(self) -> None:
@@ -220,6 +224,6 @@ class Medusa2(Medusa1):
 RECIPES: dict[str, type[Medusa1]] = {"medusa1": Medusa1, "medusa2": Medusa2}
 
 
-def recipe_for(cfg) -> Medusa1:
+def recipe_for(cfg: Config) -> Medusa1:
     """The recipe of ``cfg.training.mode`` (medusa1 | medusa2)."""
     return RECIPES[cfg.training.mode](cfg)

@@ -111,7 +111,7 @@ def test_complete_folder_returns_immediately(
     )
     again = _run(workdir, tiny_backbone_dir, prompts)
     assert again["already_complete"] and again["records"] == figures["records"]
-    # settings that change no record (RUN_ONLY fields; top_p and seed of a greedy run) reuse it too
+    # settings that change no record (run-only fields; top_p and seed of a greedy run) reuse it too
     same = ("distill.batch_size=2", "data.strict=true", "distill.seed=7", "distill.top_p=0.5")
     assert _run(workdir, tiny_backbone_dir, prompts, *same)["already_complete"]
 
