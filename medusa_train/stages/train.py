@@ -62,7 +62,7 @@ from medusa_train.formats import save_tokenizer
 from medusa_train.heads import HeadsFormatError, MedusaHeads, draft_token_map, safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
-from medusa_train.training.recipes import Medusa1, recipe_for
+from medusa_train.training.recipes import Recipe, recipe_for
 from medusa_train.training.trainer import (
     MedusaTrainer,
     MetricsScheduleCallback,
@@ -324,7 +324,7 @@ def calibration_key(cfg) -> dict:
 _RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
 
 
-def trained_with(heads_dir: Path, key: dict, recipe: Medusa1) -> dict | None:
+def trained_with(heads_dir: Path, key: dict, recipe: Recipe) -> dict | None:
     """The stored training result if ``heads_dir`` is complete, whole and was trained with ``key``;
     None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
@@ -477,7 +477,7 @@ def _attach(heads: MedusaHeads, backbone, cfg) -> MedusaHeads:
         raise UserError(f"training.head_projection={cfg.training.head_projection}: {err}") from None
 
 
-def _train(cfg, recipe: Medusa1, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map):
+def _train(cfg, recipe: Recipe, backbone, tokenizer, identity, key, train_set, ds_config, device, token_map):
     """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
 
     Returns:
