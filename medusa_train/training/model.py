@@ -67,44 +67,34 @@ def frozen(module: nn.Module) -> nn.Module:
     return module.eval().requires_grad_(False)
 
 
+@dataclass(frozen=True)
+class LMRows:
+    """One batch's trained rows, as an :class:`LMLoss` reads them."""
+
+    rows: torch.Tensor
+    """``(N, d)`` the backbone's last hidden state at the trained positions."""
+    targets: torch.Tensor
+    """``(N,)`` their next tokens (``IGNORE_INDEX``: no LM target)."""
+    input_ids: torch.Tensor
+    """``(B, T)`` the batch."""
+    attention_mask: torch.Tensor
+    """``(B, T)``, 0 on padding."""
+    selected_by: torch.Tensor
+    """``(B, T, C)`` the targets ``rows`` were selected by (selects the same rows again)."""
+
+
 class LMLoss(Protocol):
-    """Medusa-2's ``L_LM`` of one batch's trained rows: :func:`lm_cross_entropy` or :class:`KLToOriginal`."""
+    """Medusa-2's ``L_LM`` of one batch: :func:`lm_cross_entropy` or :class:`KLToOriginal`."""
 
-    def __call__(
-        self,
-        backbone: nn.Module,
-        rows: torch.Tensor,
-        lm_targets: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        targets: torch.Tensor,
-        chunk_size: int,
-    ) -> torch.Tensor:
-        """The loss (a scalar).
-
-        Args:
-            backbone: the backbone as it trains (its lm_head scores ``rows``).
-            rows: ``(N, d)`` its last hidden state at the trained positions.
-            lm_targets: ``(N,)`` their next tokens (``IGNORE_INDEX``: no LM target).
-            input_ids: ``(B, T)`` the batch; attention_mask: ``(B, T)``.
-            targets: ``(B, T, C)`` the targets ``rows`` were selected by (selects the same rows again).
-            chunk_size: rows per chunk of the fused loss.
-        """
+    def __call__(self, backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
+        """The loss (a scalar) of ``backbone`` (as it trains) on ``batch``, ``chunk_size`` rows per chunk."""
         ...
 
 
-def lm_cross_entropy(
-    backbone: nn.Module,
-    rows: torch.Tensor,
-    lm_targets: torch.Tensor,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    targets: torch.Tensor,
-    chunk_size: int,
-) -> torch.Tensor:
+def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
     """``L_LM`` = CE of the backbone's next-token prediction on the data (an :class:`LMLoss`)."""
     lm_head = backbone.get_output_embeddings().weight  # (V, d)
-    return chunked_cross_entropy(rows.to(lm_head.dtype), lm_head, lm_targets, chunk_size)
+    return chunked_cross_entropy(batch.rows.to(lm_head.dtype), lm_head, batch.targets, chunk_size)
 
 
 class KLToOriginal:
@@ -120,27 +110,18 @@ class KLToOriginal:
     def __init__(self, teacher: nn.Module | None = None) -> None:
         self.teacher = frozen(teacher) if teacher is not None else None
 
-    def __call__(
-        self,
-        backbone: nn.Module,
-        rows: torch.Tensor,
-        lm_targets: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        targets: torch.Tensor,
-        chunk_size: int,
-    ) -> torch.Tensor:
+    def __call__(self, backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
         lm_head = backbone.get_output_embeddings().weight  # (V, d)
-        rows = rows.to(lm_head.dtype)
-        keep_lm = lm_targets != IGNORE_INDEX  # (N,)
+        rows = batch.rows.to(lm_head.dtype)  # (N, d)
+        keep_lm = batch.targets != IGNORE_INDEX  # (N,)
         with torch.no_grad():
             teacher, ctx = self.teacher, contextlib.nullcontext()
             if teacher is None:  # LoRA: the original is the same model with adapters off
                 teacher, ctx = backbone, backbone.disable_adapter()
             with ctx:
-                t_h = last_hidden_state(teacher, input_ids, attention_mask)  # (B, T, d)
+                t_h = last_hidden_state(teacher, batch.input_ids, batch.attention_mask)  # (B, T, d)
                 t_w = teacher.get_output_embeddings().weight  # (V, d)
-            t_rows, _ = select_trained_rows(t_h, targets)  # (N, d), same rows as the student
+            t_rows, _ = select_trained_rows(t_h, batch.selected_by)  # (N, d), same rows as the student
         return chunked_kl_to_teacher(rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, chunk_size)
 
 
@@ -309,9 +290,8 @@ class MedusaTrainingModel(nn.Module):
             "head_top5": out.top5,
         }
         if self.lm_loss is not None and not self.heads_only:
-            lm = self.lm_loss(
-                self.backbone, rows, lm_rows_targets, input_ids, attention_mask, tgt, self.chunk_size
-            )
+            batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, selected_by=tgt)
+            lm = self.lm_loss(self.backbone, batch, self.chunk_size)
             result["lm_loss"] = lm.detach()
             result["loss"] = lm + self.lambda0 * out.loss
         return result
