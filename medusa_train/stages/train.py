@@ -61,7 +61,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
-from medusa_train.training.recipes import Medusa1, recipe_for
+from medusa_train.training.recipes import Recipe, recipe_for
 from medusa_train.training.records import Records, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
     MedusaTrainer,
@@ -198,7 +198,7 @@ def run(cfg: Config) -> dict:
     return result if done is None else {**result, "skipped": True, "recalibrated": True}
 
 
-def _deepspeed(cfg: Config, recipe: Medusa1, device: torch.device) -> dict | None:
+def _deepspeed(cfg: Config, recipe: Recipe, device: torch.device) -> dict | None:
     """Step 1: the DeepSpeed config of ``deepspeed=`` (None when off), in the recipe's precision."""
     if not cfg.deepspeed.enabled:
         return None
@@ -213,7 +213,7 @@ def _deepspeed(cfg: Config, recipe: Medusa1, device: torch.device) -> dict | Non
 
 
 def _published(
-    wd: Workdir, settings: dict, calib_settings: dict, recipe: Medusa1, overwrite: bool
+    wd: Workdir, settings: dict, calib_settings: dict, recipe: Recipe, overwrite: bool
 ) -> tuple[dict | None, bool]:
     """Step 3: ``(training result, calibrated)`` of the heads published in ``wd.heads``: ``(None,
     False)`` when they must be trained (none, damaged, other settings, ``overwrite``), ``(result,
@@ -242,7 +242,7 @@ def _published(
 
 
 def _published_heads(
-    heads_dir: Path, recipe: Medusa1, backbone: PreTrainedModel, device: torch.device
+    heads_dir: Path, recipe: Recipe, backbone: PreTrainedModel, device: torch.device
 ) -> tuple[MedusaHeads, PreTrainedModel]:
     """Step 5 without training: the published heads and the backbone they decode with."""
     try:
@@ -351,7 +351,7 @@ def calibration_settings(cfg: Config) -> dict:
 _RETRAIN = "run `python -m medusa_train stage=train training.overwrite=true` to train the heads again"
 
 
-def trained_with(heads_dir: Path, settings: dict, recipe: Medusa1) -> dict | None:
+def trained_with(heads_dir: Path, settings: dict, recipe: Recipe) -> dict | None:
     """The stored training result if ``heads_dir`` is complete, whole and was trained with ``settings``;
     None otherwise (a damaged heads folder is trained again, with a warning)."""
     config = heads_dir / HEADS_CONFIG
@@ -466,7 +466,7 @@ def _attach(heads: MedusaHeads, backbone: PreTrainedModel, cfg: Config) -> Medus
 
 def _train(
     cfg: Config,
-    recipe: Medusa1,
+    recipe: Recipe,
     backbone: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     identity: dict,

@@ -6,19 +6,20 @@ heads learning ``head_lr_multiplier`` times faster than the backbone, and option
 warm start of ``heads_only_steps`` steps (the paper's two-stage recipe: the lambda_0 warm-up then
 starts when joint training does).
 
-The pieces of Medusa-2 the recipe (``training/recipes.py``) assembles: the supported combinations,
-the trainable backbone, the heads-only phase.
+The pieces of Medusa-2 its recipe (``training/recipes.py``) assembles: the supported combinations,
+the LM loss, the trainable backbone, the heads-only phase.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainerCallback
 
 from medusa_train.errors import UserError
-from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.model import KLToOriginal, LMLoss, MedusaTrainingModel, lm_cross_entropy
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import Config, TrainingConfig
@@ -59,10 +60,19 @@ class HeadsOnlyCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         frozen = state.global_step < self.steps
-        self.model.backbone_frozen = frozen
+        self.model.heads_only = frozen
         # Under DeepSpeed these are its optimizer's view of our groups (training.optim.param_groups).
         for group in optimizer.param_groups:
             group["frozen"] = frozen and group["backbone"]
+
+
+def lm_loss(tc: TrainingConfig, backbone: torch.nn.Module) -> LMLoss:
+    """The LM loss of ``tc.lm_loss``: CE on the data, or KL to the frozen original -- with full tuning a
+    copy of ``backbone`` taken now (call this before the backbone turns trainable), with LoRA/QLoRA
+    the trained model itself with its adapters disabled."""
+    if tc.lm_loss == "ce":
+        return lm_cross_entropy
+    return KLToOriginal(copy.deepcopy(backbone) if tc.backbone_tuning == "full" else None)
 
 
 def trainable_backbone(tc: TrainingConfig, backbone: torch.nn.Module) -> torch.nn.Module:

@@ -1,29 +1,34 @@
 """The module the trainer optimises: backbone + Medusa heads -> loss and per-head metrics.
 
 Cai et al., "Medusa" (arXiv:2401.10774): Medusa-1 trains the heads on a frozen backbone; Medusa-2
-trains both, with ``L = L_LM + lambda_0(t) * L_medusa``.
+trains both, with ``L = L_LM + lambda_0(t) * L_medusa``. The module knows no recipe: it takes what
+differs as data (``backbone_trainable``, an ``lm_loss`` or None), which ``training/recipes.py``
+chooses.
 
-Medusa-1: the frozen backbone is held *outside* the module tree (see ``_Frozen``), so
-``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer checkpoint contain the
-heads only -- checkpoints stay small and ZeRO never shards or touches the frozen weights. The
-backbone runs under ``torch.no_grad()`` and its decoder's last hidden state (what ``lm_head`` reads,
-checked per architecture in the tests; :func:`medusa_train.head_targets.last_hidden_state`) feeds the heads. With a hidden-state cache the module has no
-backbone at all and takes ``hidden_states``/``targets`` rows directly (and, for a soft head loss,
-``sources`` into those rows plus the frozen lm_head given at construction).
+A frozen backbone (``backbone_trainable=False``) is held *outside* the module tree (see
+``_Frozen``), so ``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer
+checkpoint contain the heads only -- checkpoints stay small and ZeRO never shards or touches the
+frozen weights. It is frozen by :func:`frozen` and runs without gradient; its decoder's last hidden
+state (what ``lm_head`` reads, checked per architecture in the tests;
+:func:`medusa_train.head_targets.last_hidden_state`) feeds the heads. With a hidden-state cache the module
+has no backbone at all and takes ``hidden_states``/``targets`` rows directly (and, for a soft head
+loss, ``sources`` into those rows plus the frozen lm_head given at construction).
 
 Soft head losses (``head_loss`` with ``kl``/``tv``): head k at position t compares with
 ``softmax(lm_head(h_{t+k}) / T)`` (:func:`medusa_train.head_targets.soft_target_sources`), read from the
-same forward's hidden states, detached; in Medusa-2 that is the backbone as it trains.
+same forward's hidden states, detached; with a trainable backbone that is the backbone as it trains.
 
-Medusa-2: the backbone (optionally LoRA-wrapped) is a registered submodule; the LM loss is CE on
-the data or KL to the frozen original (a frozen copy, or the LoRA model with adapters disabled);
-``lambda0`` is set from outside each step (see ``training.trainer.Lambda0Callback``).
+A trainable backbone (optionally LoRA-wrapped) is a registered submodule. With an ``lm_loss``
+(:func:`lm_cross_entropy`, or :class:`KLToOriginal`: KL to the frozen original) the loss is
+``lm_loss + lambda0 * heads' loss``; ``lambda0`` is set from outside each step (see
+``training.trainer.Lambda0Callback``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -53,26 +58,93 @@ class _Frozen:
     module: nn.Module | None
 
 
+def frozen(module: nn.Module) -> nn.Module:
+    """``module`` as a fixed function: eval mode (no dropout) and no parameter requiring a gradient.
+
+    Where training freezes a backbone: the one a training module holds frozen, and the frozen
+    original Medusa-2's KL loss compares with (:class:`KLToOriginal`).
+    """
+    return module.eval().requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class LMRows:
+    """One batch's trained rows, as an :class:`LMLoss` reads them."""
+
+    rows: torch.Tensor
+    """``(N, d)`` the backbone's last hidden state at the trained positions."""
+    targets: torch.Tensor
+    """``(N,)`` their next tokens (``IGNORE_INDEX``: no LM target)."""
+    input_ids: torch.Tensor
+    """``(B, T)`` the batch."""
+    attention_mask: torch.Tensor
+    """``(B, T)``, 0 on padding."""
+    selected_by: torch.Tensor
+    """``(B, T, C)`` the targets ``rows`` were selected by (selects the same rows again)."""
+
+
+class LMLoss(Protocol):
+    """Medusa-2's ``L_LM`` of one batch: :func:`lm_cross_entropy` or :class:`KLToOriginal`."""
+
+    def __call__(self, backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
+        """The loss (a scalar) of ``backbone`` (as it trains) on ``batch``, ``chunk_size`` rows per chunk."""
+        ...
+
+
+def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
+    """``L_LM`` = CE of the backbone's next-token prediction on the data (an :class:`LMLoss`)."""
+    lm_head = backbone.get_output_embeddings().weight  # (V, d)
+    return chunked_cross_entropy(batch.rows.to(lm_head.dtype), lm_head, batch.targets, chunk_size)
+
+
+class KLToOriginal:
+    """``L_LM`` = KL from the frozen original's next-token distribution to the backbone's (an
+    :class:`LMLoss`; the paper's choice on self-distilled data).
+
+    Args:
+        teacher: the original, frozen here and held outside the training module (full tuning: a
+            copy taken before the backbone turns trainable), or None: the backbone itself with its
+            LoRA adapters disabled.
+    """
+
+    def __init__(self, teacher: nn.Module | None = None) -> None:
+        self.teacher = frozen(teacher) if teacher is not None else None
+
+    def __call__(self, backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
+        lm_head = backbone.get_output_embeddings().weight  # (V, d)
+        rows = batch.rows.to(lm_head.dtype)  # (N, d)
+        keep_lm = batch.targets != IGNORE_INDEX  # (N,)
+        with torch.no_grad():
+            teacher, ctx = self.teacher, contextlib.nullcontext()
+            if teacher is None:  # LoRA: the original is the same model with adapters off
+                teacher, ctx = backbone, backbone.disable_adapter()
+            with ctx:
+                t_h = last_hidden_state(teacher, batch.input_ids, batch.attention_mask)  # (B, T, d)
+                t_w = teacher.get_output_embeddings().weight  # (V, d)
+            t_rows, _ = select_trained_rows(t_h, batch.selected_by)  # (N, d), same rows as the student
+        return chunked_kl_to_teacher(rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, chunk_size)
+
+
 class MedusaTrainingModel(nn.Module):
     """Backbone + heads, returning the training loss and per-head metrics.
 
     Args:
         heads: :class:`medusa_train.heads.MedusaHeads`.
-        backbone: the causal LM, or None when training from cached hidden states (Medusa-1 only).
-        mode: medusa1 (frozen backbone, not registered) | medusa2 (trainable, registered).
+        backbone: the causal LM, or None when training from cached hidden states (frozen only).
+        backbone_trainable: False: the backbone is frozen (:func:`frozen`), held unregistered and
+            run without gradient (Medusa-1); True: a registered submodule that trains (Medusa-2).
         decay: head-loss weights lambda_k = decay^(k-1).
         chunk_size: rows per chunk of the fused cross-entropy.
-        lm_loss: medusa2: kl | ce.
-        teacher: medusa2 with lm_loss=kl and full tuning: the frozen original model (held unregistered).
-            None with LoRA: the teacher is the same model with its adapters disabled.
-        lambda0: medusa2: initial weight of the heads' loss (updated each step by the trainer).
+        lm_loss: None (the heads' loss only), or the backbone's :class:`LMLoss` added to it
+            (needs a trainable backbone): ``loss = lm_loss + lambda0 * heads' loss``.
+        lambda0: with ``lm_loss``: initial weight of the heads' loss (updated each step by the trainer).
         with_metrics: count top-1/top-5 hits in training forwards too (one extra no-grad logits pass).
         head_loss: the heads' loss terms and target temperature (:class:`HeadLoss`; default CE).
         lm_head: ``(V, d)`` the frozen backbone's lm_head weight, for a soft head loss trained from the
             hidden-state cache (held unregistered); with a backbone its own lm_head is read.
 
     ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
-    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and for medusa2 ``lm_loss``.
+    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and with ``lm_loss`` ``lm_loss``.
     """
 
     def __init__(
@@ -80,58 +152,57 @@ class MedusaTrainingModel(nn.Module):
         heads: nn.Module,
         backbone: nn.Module | None = None,
         *,
-        mode: str = "medusa1",
+        backbone_trainable: bool = False,
         decay: float = 0.8,
         chunk_size: int = 1024,
-        lm_loss: str = "kl",
-        teacher: nn.Module | None = None,
+        lm_loss: LMLoss | None = None,
         lambda0: float = 0.2,
         with_metrics: bool = True,
         head_loss: HeadLoss = CE_LOSS,
         lm_head: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
-        if mode not in ("medusa1", "medusa2"):
-            raise ValueError(f"mode={mode!r}")
-        if mode == "medusa2" and backbone is None:
-            raise ValueError("medusa2 needs the backbone")
-        self.mode = mode
+        if backbone_trainable and backbone is None:
+            raise ValueError("a trainable backbone needs the backbone")
+        if lm_loss is not None and not backbone_trainable:
+            raise ValueError("an LM loss trains the backbone: backbone_trainable=True")
+        if head_loss.soft and backbone is None and lm_head is None:
+            raise ValueError("a soft head loss from cached hidden states needs the backbone's lm_head")
         self.heads = heads
+        self.backbone_trainable = backbone_trainable
         self.decay = decay
         self.chunk_size = chunk_size
         self.lm_loss = lm_loss
         self.lambda0 = lambda0
         self.with_metrics = with_metrics
         self.head_loss = head_loss
-        if head_loss.soft and backbone is None and lm_head is None:
-            raise ValueError("a soft head loss from cached hidden states needs the backbone's lm_head")
         self._lm_head = _Frozen(lm_head.detach() if lm_head is not None else None)
-        self.backbone_frozen = False
-        """medusa2 two-stage: True while only the heads train (backbone forward under no_grad, no LM loss)."""
-        self._teacher = _Frozen(teacher)
-        if mode == "medusa1":
-            if backbone is not None:
-                backbone.eval()
-                backbone.requires_grad_(False)
-            self._frozen = _Frozen(backbone)
-        else:
+        self.heads_only = False
+        """Two-stage Medusa-2: True while only the heads train (backbone forward without gradient, no LM loss)."""
+        if backbone_trainable:
             self.backbone = backbone
+        else:
+            self._frozen = _Frozen(frozen(backbone) if backbone is not None else None)
 
     @property
     def frozen_backbone(self) -> nn.Module | None:
-        """The Medusa-1 backbone (None in medusa2 or when training from cached hidden states)."""
-        return self._frozen.module if self.mode == "medusa1" else None
+        """The frozen backbone (None with a trainable one, or when training from cached hidden states)."""
+        return None if self.backbone_trainable else self._frozen.module
+
+    def _backbone(self) -> nn.Module:
+        """The backbone, frozen or trainable."""
+        return self.backbone if self.backbone_trainable else self._frozen.module
 
     def directly_read_weights(self) -> list[nn.Parameter]:
         """Weights the loss reads without calling their module (ZeRO-3 must gather them for it): each
-        head's own ``(V, d)`` projection (the fused loss; shared heads have none), and in medusa2 the
-        backbone's lm_head (LM loss)."""
+        head's own ``(V, d)`` projection (the fused loss; shared heads have none), and with an LM
+        loss the backbone's lm_head."""
         weights = [
             self.heads.proj(k).weight
             for k in range(self.heads.num_heads)
             if self.heads.head_projection != "shared"
         ]
-        if self.mode == "medusa2":
+        if self.lm_loss is not None:
             weights.append(self.backbone.get_output_embeddings().weight)
         return weights
 
@@ -179,13 +250,11 @@ class MedusaTrainingModel(nn.Module):
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
             tgt = medusa_targets(input_ids, loss_mask, attention_mask, k)  # (B, T, K)
-            if self.mode == "medusa1":
-                with torch.no_grad():
-                    h = last_hidden_state(self.frozen_backbone, input_ids, attention_mask)  # (B, T, d)
-                lm_rows_targets = None
-            else:
-                with torch.set_grad_enabled(torch.is_grad_enabled() and not self.backbone_frozen):
-                    h = last_hidden_state(self.backbone, input_ids, attention_mask)  # (B, T, d)
+            backbone = self._backbone()
+            grad = self.backbone_trainable and not self.heads_only
+            with torch.set_grad_enabled(torch.is_grad_enabled() and grad):
+                h = last_hidden_state(backbone, input_ids, attention_mask)  # (B, T, d)
+            if self.lm_loss is not None:
                 lm_t = lm_targets(input_ids, loss_mask, attention_mask)  # (B, T)
                 tgt = torch.cat([lm_t[..., None], tgt], dim=-1)  # (B, T, 1+K)
             src = None
@@ -196,10 +265,9 @@ class MedusaTrainingModel(nn.Module):
             if src is not None:
                 all_targets, row_sources = all_targets[:, :-k], all_targets[:, -k:]  # ..., (N, K)
                 tgt = tgt[..., :-k]
-                backbone = self.frozen_backbone if self.mode == "medusa1" else self.backbone
                 lm_head = backbone.get_output_embeddings().weight.detach()  # (V, d)
                 soft = SoftTargets(h.detach().reshape(-1, h.shape[-1]), row_sources, lm_head)
-            if self.mode == "medusa2":
+            if self.lm_loss is not None:
                 lm_rows_targets, row_targets = all_targets[:, 0], all_targets[:, 1:]  # (N,), (N, K)
             else:
                 row_targets = all_targets
@@ -221,27 +289,9 @@ class MedusaTrainingModel(nn.Module):
             "head_top1": out.top1,
             "head_top5": out.top5,
         }
-        if self.mode == "medusa2" and not self.backbone_frozen:
-            lm = self._lm_loss(input_ids, attention_mask, rows, lm_rows_targets, tgt)
+        if self.lm_loss is not None and not self.heads_only:
+            batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, selected_by=tgt)
+            lm = self.lm_loss(self.backbone, batch, self.chunk_size)
             result["lm_loss"] = lm.detach()
             result["loss"] = lm + self.lambda0 * out.loss
         return result
-
-    # -- medusa2 ---------------------------------------------------------------------------------
-    def _lm_loss(self, input_ids, attention_mask, rows, lm_rows_targets, tgt) -> torch.Tensor:
-        lm_head = self.backbone.get_output_embeddings().weight  # (V, d)
-        rows = rows.to(lm_head.dtype)
-        if self.lm_loss == "ce":
-            return chunked_cross_entropy(rows, lm_head, lm_rows_targets, self.chunk_size)
-        keep_lm = lm_rows_targets != IGNORE_INDEX  # (N,)
-        with torch.no_grad():
-            teacher, ctx = self._teacher.module, contextlib.nullcontext()
-            if teacher is None:  # LoRA: the original is the same model with adapters off
-                teacher, ctx = self.backbone, self.backbone.disable_adapter()
-            with ctx:
-                t_h = last_hidden_state(teacher, input_ids, attention_mask)  # (B, T, d)
-                t_w = teacher.get_output_embeddings().weight  # (V, d)
-            t_rows, _ = select_trained_rows(t_h, tgt)  # (N, d), same rows as the student
-        return chunked_kl_to_teacher(
-            rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, self.chunk_size
-        )

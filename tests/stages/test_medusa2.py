@@ -3,7 +3,7 @@
 The workdir: the chat-template tiny Llama of tests/conftest.py (eval renders prompts with it) and the
 synthetic distilled records of tests/helpers/train_workdir.py (``x_{t+1} = x_t + 1``, which the random backbone
 does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
-module is captured from ``Medusa2.training_module`` to compare against what export and eval load from disk.
+module is captured from ``Medusa2Recipe.training_module`` to compare against what export and eval load from disk.
 The last tests use the plain tests/helpers/train_workdir.py backbone with tied embeddings (checkpoints, resume;
 DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process).
 """
@@ -28,7 +28,7 @@ from medusa_train.formats import load_heads
 from medusa_train.head_targets import last_hidden_state
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export, train
-from medusa_train.training.recipes import Medusa2
+from medusa_train.training.recipes import Medusa2Recipe
 from medusa_train.training.trainer import TrackerCallback
 from tests.helpers.models import build_tiny_backbone
 from tests.helpers.train_workdir import (
@@ -80,7 +80,7 @@ def run(request, tmp_path_factory) -> Medusa2Run:
     write_distill(root, make_records(48), root / "backbone")
     captured: dict = {}
     recorded: dict[int, dict] = {}
-    build = Medusa2.training_module
+    build = Medusa2Recipe.training_module
 
     def capture_build(self, *args, **kwargs):
         captured["module"], callbacks, extra = build(self, *args, **kwargs)
@@ -92,7 +92,7 @@ def run(request, tmp_path_factory) -> Medusa2Run:
 
     tuning = request.param
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Medusa2, "training_module", capture_build)
+        mp.setattr(Medusa2Recipe, "training_module", capture_build)
         mp.setattr(TrackerCallback, "on_log", record_log)
         train.run(_cfg(root, tuning))
     export.run(_cfg(root, tuning, "stage=export"))

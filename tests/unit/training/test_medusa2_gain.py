@@ -17,7 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_train.heads import MedusaHeads
-from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.optim import FreezableAdamW, param_groups
 from medusa_train.training.trainer import PadCollator
 
@@ -65,7 +65,12 @@ def _train(mode: str, lm_loss: str = "kl", lambda0: float = LAMBDA0) -> tuple[fl
     if mode == "medusa2":
         backbone.requires_grad_(True).train()
         model = MedusaTrainingModel(
-            heads, backbone, mode="medusa2", lm_loss=lm_loss, teacher=original, lambda0=lambda0, chunk_size=64
+            heads,
+            backbone,
+            backbone_trainable=True,
+            lm_loss=KLToOriginal(original) if lm_loss == "kl" else lm_cross_entropy,
+            lambda0=lambda0,
+            chunk_size=64,
         )
     else:
         model = MedusaTrainingModel(heads, backbone, chunk_size=64)
@@ -82,7 +87,7 @@ def _train(mode: str, lm_loss: str = "kl", lambda0: float = LAMBDA0) -> tuple[fl
         weights = torch.tensor([0.8**k for k in range(3)])
         heads_loss = float((out["head_ce"] * weights).sum())
         probe = MedusaTrainingModel(
-            heads, backbone, mode="medusa2", lm_loss="kl", teacher=original, chunk_size=64
+            heads, backbone, backbone_trainable=True, lm_loss=KLToOriginal(original), chunk_size=64
         )  # the KL of whatever backbone this run ended with (Medusa-1: the original itself, 0)
         kl = float(probe(**held)["lm_loss"])
     return heads_loss, kl

@@ -13,7 +13,7 @@ from medusa_train.config import compose_config
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported, trainable_backbone
-from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.optim import FreezableAdamW, param_groups
 from tests.helpers.training import batch, tiny_llama
 
@@ -22,7 +22,7 @@ def _model(lm_loss: str, lora: bool = False) -> MedusaTrainingModel:
     backbone = tiny_llama()
     heads = MedusaHeads(32, 64, 2, 1)
     heads.init_from_lm_head(backbone.get_output_embeddings().weight)
-    teacher = None
+    teacher = None  # LoRA: the backbone itself with its adapters disabled
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -31,8 +31,9 @@ def _model(lm_loss: str, lora: bool = False) -> MedusaTrainingModel:
         )
     else:
         backbone.requires_grad_(True)
-        teacher = copy.deepcopy(backbone).requires_grad_(False) if lm_loss == "kl" else None
-    return MedusaTrainingModel(heads, backbone, mode="medusa2", lm_loss=lm_loss, teacher=teacher, lambda0=0.5)
+        teacher = copy.deepcopy(backbone)
+    loss = KLToOriginal(teacher) if lm_loss == "kl" else lm_cross_entropy
+    return MedusaTrainingModel(heads, backbone, backbone_trainable=True, lm_loss=loss, lambda0=0.5)
 
 
 @pytest.mark.parametrize(("lm_loss", "lora"), [("kl", False), ("ce", False), ("kl", True)])
@@ -54,7 +55,7 @@ def test_medusa2_trains_backbone_and_heads(lm_loss, lora):
 
 def test_heads_only_phase_gives_backbone_no_gradient():
     model = _model("ce")
-    model.backbone_frozen = True
+    model.heads_only = True
     out = model(**batch())
     assert "lm_loss" not in out
     out["loss"].backward()
@@ -72,7 +73,7 @@ def test_heads_only_phase_leaves_the_backbone_groups_alone_even_with_zero_gradie
     backbone_before = [p.detach().clone() for p in model.backbone.parameters()]
     heads_before = [p.detach().clone() for p in model.heads.parameters()]
     callback.on_step_begin(None, SimpleNamespace(global_step=0), None, optimizer=optimizer)
-    assert model.backbone_frozen
+    assert model.heads_only
     assert all(g["frozen"] == g["backbone"] for g in optimizer.param_groups)
     model(**batch())["loss"].backward()
     for p in model.backbone.parameters():
@@ -82,7 +83,7 @@ def test_heads_only_phase_leaves_the_backbone_groups_alone_even_with_zero_gradie
     assert not any(p in optimizer.state for p in model.backbone.parameters())
     assert all(not torch.equal(p, q) for p, q in zip(model.heads.parameters(), heads_before, strict=True))
     callback.on_step_begin(None, SimpleNamespace(global_step=1), None, optimizer=optimizer)
-    assert not model.backbone_frozen and not any(g["frozen"] for g in optimizer.param_groups)
+    assert not model.heads_only and not any(g["frozen"] for g in optimizer.param_groups)
 
 
 def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():

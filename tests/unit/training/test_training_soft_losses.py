@@ -23,7 +23,7 @@ from medusa_train.training.losses import (
     medusa_head_loss,
     naive_medusa_head_loss,
 )
-from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.model import MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.trainer import row_collator
 from tests.helpers.training import VOCAB, batch, tiny_llama
 
@@ -244,7 +244,13 @@ def test_medusa2_heads_see_the_same_soft_loss_and_train():
     m1 = _model(HeadLoss.from_spec("kl"))
     backbone = m1.frozen_backbone.requires_grad_(True).train(False)
     m2 = MedusaTrainingModel(
-        m1.heads, backbone, mode="medusa2", lm_loss="ce", lambda0=0.5, chunk_size=8, head_loss=m1.head_loss
+        m1.heads,
+        backbone,
+        backbone_trainable=True,
+        lm_loss=lm_cross_entropy,
+        lambda0=0.5,
+        chunk_size=8,
+        head_loss=m1.head_loss,
     )
     b = batch()
     out = m2(**b)
