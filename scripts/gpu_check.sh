@@ -8,7 +8,7 @@
 #     bash scripts/gpu_check.sh --device cpu  # a dry run of the same steps on tiny settings (CPU machine)
 #
 # Options: --device cuda|cpu (default cuda), --dtype bfloat16|float16|float32 (the demo eval; default
-# bfloat16), --workdir DIR (a `make demo` workdir, without train/; default runs/gpu-demo, made by
+# bfloat16 on CUDA, float32 on the CPU), --workdir DIR (a `make demo` workdir, without train/; default runs/gpu-demo, made by
 # `make gpu-demo`), --wheels DIR (default .gpu-wheels), --out DIR (default $OUT or gpu-check).
 # Without a demo workdir the demo steps are skipped (and say so). Sized for ~8 minutes on one H100.
 #
@@ -21,7 +21,7 @@
 #   5. benchmarks: bench_decode.py --llama8b-shape, and the attention / static benches where present
 set -u
 DEVICE=cuda
-DTYPE=bfloat16
+DTYPE=
 WORKDIR=runs/gpu-demo
 WHEELS=.gpu-wheels
 OUTDIR=${OUT:-gpu-check}
@@ -49,6 +49,7 @@ export MEDUSA_GPU_REPORT=$OUTDIR/gpu_tests.jsonl MEDUSA_GPU_TEST_DEVICE=$DEVICE
 : >"$MEDUSA_GPU_REPORT"
 QUICK=0
 [ "$DEVICE" = cpu ] && QUICK=1
+[ -z "$DTYPE" ] && { [ $QUICK = 1 ] && DTYPE=float32 || DTYPE=bfloat16; }  # bf16 matmuls crawl on a CPU
 
 {
     echo "# gpu_check ($(date -u +%FT%TZ), device $DEVICE)"
@@ -97,7 +98,7 @@ for m in ('hydra', 'datasets', 'deepspeed', 'peft', 'triton'):
     except Exception as e:
         print(m, 'missing:', e)
 "
-grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >>"$OUTDIR/environment.txt"
+grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >"$OUTDIR/environment.txt"
 
 # 2. The gpu-marked tests (on --device cpu: the same tests on the CPU, a dry run of the test code).
 SELECT=()
@@ -145,7 +146,9 @@ if [ -d "$WORKDIR/heads" ]; then
     rm -rf "$EWD/train" "$EWD/eval"
     EXTRA=()
     [ $QUICK = 1 ] && EXTRA=(eval.num_prompts=4 eval.max_new_tokens=24 "eval.batch_sizes=[1,2]" "eval.sweep_tree_sizes=[1,4]")
-    step eval-demo 240 "stage=eval, $DTYPE" "${CLI[@]}" stage=eval "workdir=$EWD" "model.dtype=$DTYPE" "${EXTRA[@]}"
+    LIMIT=240
+    [ $QUICK = 1 ] && LIMIT=600
+    step eval-demo $LIMIT "stage=eval, $DTYPE" "${CLI[@]}" stage=eval "workdir=$EWD" "model.dtype=$DTYPE" "${EXTRA[@]}"
     cp "$EWD/eval/report.md" "$OUTDIR/eval_report.md" 2>/dev/null
     cp "$EWD/eval/report.json" "$OUTDIR/eval_report.json" 2>/dev/null
 else
