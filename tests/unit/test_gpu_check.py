@@ -1,0 +1,28 @@
+"""scripts/gpu_check.sh, the one command for a GPU machine: it parses, documents itself and refuses a
+bad option with one line (its full run needs a GPU, or minutes on a CPU: `--device cpu`)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
+
+
+def test_the_script_parses():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+def test_help_says_how_to_run_it():
+    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "make gpu-wheels" in out.stdout and "--device cpu" in out.stdout
+
+
+def test_an_unknown_option_is_one_line_and_exit_2(tmp_path):
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "--devcie", "cuda", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "--devcie" in out.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
