@@ -75,9 +75,19 @@ def summarise(records: list[dict], num_prompts: int) -> dict:
         by_prompt[r["prompt_index"]] = by_prompt.get(r["prompt_index"], True) and r["identical"]
     hist = Counter(length for r in records for length in r["accepted_lengths"])
     max_len = max(hist) if hist else 1
+    firsts = sorted(r["first_difference"] for r in records if r.get("first_difference") is not None)
     return {
         **speedup_figures(records),
         "greedy_identical": sum(by_prompt.values()) / max(1, len(by_prompt)),
+        # Where turns differ (half precision: two kernels round differently), after how many tokens.
+        "first_difference": {
+            "turns": len(firsts),
+            "min": firsts[0],
+            "median": firsts[len(firsts) // 2],
+            "max": firsts[-1],
+        }
+        if firsts
+        else None,
         "num_prompts": num_prompts,
         "num_turns": len(records),
         "accepted_length_histogram": {str(n): hist.get(n, 0) for n in range(1, max_len + 1)},
@@ -194,6 +204,14 @@ def _tree_device(calibration: dict | None, report: dict | None) -> str:
     return text
 
 
+def _first_difference(report: dict) -> str:
+    """ " (n differing turns from token a, median b)" when some turns differ from plain greedy, else ""."""
+    first = report.get("first_difference")
+    if not first:
+        return ""
+    return f" ({first['turns']} turns differ, first from token {first['min']}, median {first['median']})"
+
+
 def summary_table(report: dict) -> str:
     """The headline figures as a Markdown table (printed at the end of stage=all)."""
     temp = report.get("temperature")
@@ -212,7 +230,7 @@ def summary_table(report: dict) -> str:
             if report.get("speedup_tokens_per_s") is not None
             else "n/a",
         ),
-        ("greedy output identical", f"{report['greedy_identical']:.0%}"),
+        ("greedy output identical", f"{report['greedy_identical']:.0%}{_first_difference(report)}"),
         (f"tau, typical (T={temp})", _fmt(report.get("tau_typical"))),
         (f"tau, sample (T={temp})", _fmt(report.get("tau_sample"))),
         ("head top-1", " / ".join(f"{a:.2f}" for a in acc1) if acc1 else "n/a"),

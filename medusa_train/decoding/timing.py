@@ -74,6 +74,14 @@ class Decoded:
     forwards: int = 0
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter's length if one is a prefix of
+    the other), None when they are equal: how far a half-precision Medusa row follows plain greedy."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def pair_record(base: Decoded, med: Decoded) -> dict:
     """What one turn decoded plainly (``base``) and with Medusa (``med``) says: whether the tokens are
     identical, counts and seconds of both, Medusa's steps and accepted lengths, its speed-up, and the
@@ -85,6 +93,7 @@ def pair_record(base: Decoded, med: Decoded) -> dict:
     base_tps, med_tps = base_tokens / max(1e-9, base.seconds), med_tokens / max(1e-9, med.seconds)
     return {
         "identical": base.tokens == med.tokens,
+        "first_difference": first_difference(base.tokens, med.tokens) if flat else None,
         "tokens": med_tokens,
         "steps": len(med.accepted_lengths or []),
         "baseline_tokens": base_tokens,

@@ -20,6 +20,7 @@ from medusa_train.decoding.timing import (
     speedup_ceiling,
     speedup_figures,
 )
+from medusa_train.report import summarise, summary_table
 
 TOKENS = 8
 STEP_S = 0.002  # one plain step
@@ -104,3 +105,15 @@ def test_report_prints_the_reason_not_the_figure() -> None:
     assert headline_speedup(fig).startswith("not shown")
     ok = speedup_figures([_record(0.15, 0.1) for _ in range(5)])
     assert headline_speedup(ok) == "1.50x (1.50-1.50)"
+
+
+def test_differing_turns_are_reported_with_where_they_first_differ() -> None:
+    same = pair_record(Decoded([1, 2, 3, 4], 1.0), Decoded([1, 2, 3, 4], 0.5, [2, 2], 0.0, 2))
+    late = pair_record(Decoded([1, 2, 3, 4], 1.0), Decoded([1, 2, 9, 9], 0.5, [2, 2], 0.0, 2))
+    short = pair_record(Decoded([1, 2, 3, 4], 1.0), Decoded([1, 2, 3], 0.5, [2, 1], 0.0, 2))
+    assert (same["first_difference"], late["first_difference"], short["first_difference"]) == (None, 2, 3)
+    records = [{**r, "prompt_index": i} for i, r in enumerate([same, late, short])]
+    report = summarise(records, num_prompts=3)
+    assert report["first_difference"] == {"turns": 2, "min": 2, "median": 3, "max": 3}
+    assert report["greedy_identical"] == pytest.approx(1 / 3)
+    assert "2 turns differ, first from token 2, median 3" in summary_table({**report, "tree_size": 4})
