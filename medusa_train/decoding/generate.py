@@ -653,7 +653,7 @@ def medusa_generate(
             with tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:
-            mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), a view
+            mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), contiguous and aligned
             position_ids = inputs.position_ids(past_len, m)  # (1, M), a view
             t0 = _now(device)
             logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
