@@ -9,7 +9,16 @@ second, nothing downloaded. Treat it as read-only (copy it to change it).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported (its own library is decorated then), and any
+# test may import it first (torch.compile does): without a GPU the whole session runs Triton kernels in
+# its CPU interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
