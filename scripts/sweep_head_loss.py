@@ -31,6 +31,17 @@ the first trained one; at most ``--max-new-tokens`` new tokens), on the 63-node 
   for every run, so the runs of one base see the same random numbers;
 - ``heldout_top1``: the calibration's held-out top-1 per head.
 
+``ceiling`` bounds what any heads could reach on a base with the same prompts, budget and tree: it
+samples each prompt's reply from the backbone (ancestral sampling at T; greedy at T=0), takes the
+rank of every emitted token under the backbone's own distribution given its prefix, and replays
+the tree walk of exact sampling with oracle heads whose children at every node are the backbone's
+top-ranked tokens given that node's path (a node is entered iff the drawn token's rank is one of its
+children's ranks). Exact sampling emits the backbone's ancestral samples whatever the heads, so this
+is the expected tau of oracle heads (Monte Carlo over ``--samples`` replies per prompt); no head
+trained on ``h_t`` alone, which cannot see the drawn path, gets above it:
+
+    python scripts/sweep_head_loss.py ceiling --base runs/demo --num-prompts 20 --max-new-tokens 64
+
 A failed run is recorded (``failed`` in its result.json) and the others still run.
 """
 
@@ -55,6 +66,7 @@ from medusa_train.data.chat import eos_token_ids  # noqa: E402
 from medusa_train.data.distilled import load_distilled, split_heldout  # noqa: E402
 from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, medusa_generate  # noqa: E402
 from medusa_train.heads import MedusaHeads  # noqa: E402
+from medusa_train.hf_compat import cache_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = ["ce", "kl", "tv", "kl+0.5ce"]
@@ -122,6 +134,64 @@ def measure(wd: Path, prompts: list[torch.Tensor], max_new_tokens: int) -> dict:
             steps += len(out.accepted_lengths)
         result[rule_key(acceptance, temperature)] = round(tokens / max(steps, 1), 4)
     return result
+
+
+# -- ceiling ----------------------------------------------------------------------------------------
+@torch.inference_mode()
+def sample_ranks(model, ids: torch.Tensor, budget: int, temperature: float, eos: set[int], gen) -> list[int]:
+    """Ranks (0 = the argmax) of an ancestral sample's tokens under the backbone, EOS included."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    logits = model(input_ids=ids, **cache_kwargs(model, cache)).logits[0, -1]  # (V,)
+    ranks = []
+    for _ in range(budget):
+        if temperature > 0:
+            tok = int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+        else:
+            tok = int(logits.argmax())
+        ranks.append(int((logits > logits[tok]).sum()))
+        if tok in eos:
+            break
+        logits = model(input_ids=torch.tensor([[tok]]), **cache_kwargs(model, cache)).logits[0, -1]  # (V,)
+    return ranks
+
+
+def replay_tau(ranks: list[int], paths: set[tuple[int, ...]], depth: int, budget: int) -> tuple[int, int]:
+    """(tokens, steps) of the tree walk of oracle heads over one reply's ranks (see ``ceiling``)."""
+    n, pos, steps = len(ranks), 0, 0
+    while pos < n:
+        room = min(budget - pos - 1, n - pos - 1, depth)  # nodes that could still be emitted
+        accepted = 0
+        while accepted < room and tuple(ranks[pos + 1 : pos + 2 + accepted]) in paths:
+            accepted += 1
+        pos += 1 + accepted
+        steps += 1
+    return n, steps
+
+
+def cmd_ceiling(args) -> None:
+    torch.set_num_threads(args.threads)
+    base = Path(args.base).resolve()
+    prompts = heldout_prompts(base / "distill", args.num_prompts, args.eval_fraction)
+    model, tok = load_backbone(str(base / "pretrain"))
+    model.eval()
+    eos = set(eos_token_ids(model, tok))
+    paths = {tuple(p) for p in MEDUSA_63 if len(p) <= args.depth}
+    result = {"base": str(base), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
+    for temperature in args.temperatures:
+        gen = torch.Generator().manual_seed(1234)
+        tokens = steps = 0
+        for ids in prompts:
+            budget = min(args.max_new_tokens, model.config.max_position_embeddings - ids.shape[1])
+            for _ in range(args.samples if temperature > 0 else 1):
+                t, s = replay_tau(
+                    sample_ranks(model, ids, budget, temperature, eos, gen), paths, args.depth, budget
+                )
+                tokens, steps = tokens + t, steps + s
+        name = "tau_greedy" if temperature == 0 else f"tau_sample_{temperature:.1f}"
+        result[name] = round(tokens / max(steps, 1), 4)
+    print(json.dumps(result), flush=True)
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -250,6 +320,16 @@ def main() -> None:
     r.add_argument("--nice", type=int, default=10)
     r.add_argument("--force", action="store_true", help="train again runs that have a result.json")
     r.set_defaults(func=cmd_run)
+    c = sub.add_parser("ceiling", help="tau of oracle heads on the backbone's own samples")
+    c.add_argument("--base", required=True, help="workdir with pretrain/ and distill/")
+    c.add_argument("--num-prompts", type=int, default=40)
+    c.add_argument("--eval-fraction", type=float, default=0.05)
+    c.add_argument("--max-new-tokens", type=int, default=128)
+    c.add_argument("--depth", type=int, default=4, help="heads (tree depth), training.num_heads")
+    c.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7, 1.0])
+    c.add_argument("--samples", type=int, default=3, help="sampled replies per prompt at T > 0")
+    c.add_argument("--threads", type=int, default=1)
+    c.set_defaults(func=cmd_ceiling)
     rep = sub.add_parser("report", help="the Markdown table over one or more --out folders")
     rep.add_argument("--out", nargs="+", required=True)
     rep.set_defaults(func=cmd_report)
