@@ -62,6 +62,20 @@ from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct
 
 
 # -- fused chunked linear + cross-entropy -----------------------------------------------------------
+def _stored_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The (features, weight) gradients a chunked loss's forward computed, scaled by ``grad_out``.
+
+    The usual upstream gradient is exactly 1 (the weight lambda_k is applied inside via ``scale``):
+    then the stored gradients are handed over as they are, and the context drops its reference.
+    """
+    grad_feats, grad_weight = ctx.grads
+    del ctx.grads
+    if bool(grad_out != 1):
+        grad_feats = grad_feats * grad_out.to(grad_feats.dtype) if grad_feats is not None else None
+        grad_weight = grad_weight * grad_out.to(grad_weight.dtype) if grad_weight is not None else None
+    return grad_feats, grad_weight
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean CE of ``feats @ weight.T`` against ``targets`` without materialising the logits.
 
@@ -123,14 +137,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_feats, grad_weight = ctx.grads
-        del ctx.grads
-        # The usual upstream gradient is exactly 1 (the weight lambda_k is applied inside via
-        # ``scale``): hand the stored gradients over as they are.
-        if bool(grad_out != 1):
-            grad_feats = grad_feats * grad_out.to(grad_feats.dtype) if grad_feats is not None else None
-            grad_weight = grad_weight * grad_out.to(grad_weight.dtype) if grad_weight is not None else None
-        return grad_feats, grad_weight, None, None, None
+        return (*_stored_grads(ctx, grad_out), None, None, None)
 
 
 def chunked_cross_entropy(
@@ -212,12 +219,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_feats, grad_weight = ctx.grads
-        del ctx.grads
-        if bool(grad_out != 1):
-            grad_feats = grad_feats * grad_out.to(grad_feats.dtype) if grad_feats is not None else None
-            grad_weight = grad_weight * grad_out.to(grad_weight.dtype) if grad_weight is not None else None
-        return grad_feats, grad_weight, None, None, None, None, None, None, None, None
+        return (*_stored_grads(ctx, grad_out), None, None, None, None, None, None, None, None)
 
 
 class _SoftChunk:
