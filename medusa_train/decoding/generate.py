@@ -11,8 +11,8 @@ is verified in ONE forward of the backbone through its own ``forward``: a 4-D fl
 into place (no re-forward), and the logits/hidden state of its last node seed the next step.
 With ``attention="triton" | "cuda"`` the verification forward builds no mask: the model's attention
 layers run a tree-attention kernel that reads the tree's ancestor bits (:mod:`.attention`).
-The per-step work around the forward is kept small: the mask and position ids are views of buffers
-kept on the tree, a chain's candidates are written straight into the token buffer, acceptance is one
+The per-step work around the forward is kept small: the mask and position ids are cut out of buffers
+kept on the tree (the mask copied to a fresh aligned block when the cut is not one), a chain's candidates are written straight into the token buffer, acceptance is one
 device-to-host copy and a walk over host-side children lists, and KV entries already in place are
 not copied (the whole path, for a chain).
 
@@ -258,10 +258,11 @@ def _mask_slab(
 
 
 class _TreeInputs:
-    """Every step's attention mask and position ids as views of two per-tree buffers.
+    """Every step's attention mask and position ids cut out of two per-tree buffers.
 
     Built by :func:`_tree_inputs` (cached on the tree, grown when a longer context comes), so a
-    step costs two ``narrow`` views instead of building a ``(M, past + M)`` mask.
+    step costs two ``narrow`` views (and, for the mask, a copy when the view is not contiguous and
+    aligned) instead of building a ``(M, past + M)`` mask.
     """
 
     def __init__(self, model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype):
@@ -573,7 +574,7 @@ def medusa_generate(
         )
 
     # Per-call setup (counted as overhead: it runs inside total_s, outside prefill and forwards).
-    # Every step's mask and position ids are views of per-tree buffers; the cache never holds more
+    # Every step's mask and position ids are cut out of per-tree buffers; the cache never holds more
     # than prompt_len + budget tokens before a verification.
     # With a kernel: no mask at all, the tree's ancestor bits and the row's past length instead.
     kernel = backend != "sdpa"
