@@ -9,22 +9,29 @@
 #
 # Options: --device cuda|cpu (default cuda), --dtype bfloat16|float16|float32 (the demo eval; default
 # bfloat16 on CUDA, float32 on the CPU), --workdir DIR (a `make demo` workdir, without train/; default runs/gpu-demo, made by
-# `make gpu-demo`), --wheels DIR (default .gpu-wheels), --out DIR (default $OUT or gpu-check).
+# `make gpu-demo`), --wheels DIR (default .gpu-wheels), --out DIR (default $OUT or gpu-check),
+# --budget SECONDS (default 0: none; else each step's limit is cut to what is left of the budget and a
+# step that would start with under 30 s left is skipped, so the summary is written in time).
 # Without a demo workdir the demo steps are skipped (and say so). Sized for ~8 minutes on one H100.
 #
-# What it runs, in order; a failing step is recorded and the next one runs:
+# What it runs, most important first; a failing step is recorded and the next one runs:
 #   1. wheels: pip install --no-index --no-deps --target the carried wheels (hydra, omegaconf, datasets, ...)
-#   2. gpu tests: pytest -m gpu tests/gpu (greedy parity fp32, bf16/fp16 identical fraction, eval stage)
-#   3. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
-#      train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU), export, custom_generate
-#   4. stage=eval on the demo workdir in --dtype (the headline: speed-up, tree forward vs plain step)
-#   5. benchmarks: bench_decode.py --llama8b-shape, and the attention / static benches where present
+#   2. gpu tests: pytest -m gpu on tests/gpu and the tree-attention kernels' tests (greedy parity fp32,
+#      bf16/fp16 identical fraction, eval stage, the Triton and CUDA kernels against SDPA)
+#   3. bench_attention.py: the tree-attention kernels against SDPA and flash attention
+#   4. stage=eval on the demo workdir in --dtype, with the compiled decoders on CUDA (the headline:
+#      speed-up against eager and compiled plain greedy, tree forward vs plain step)
+#   5. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
+#      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
+#   6. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache
+#   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
 set -u
 DEVICE=cuda
 DTYPE=
 WORKDIR=runs/gpu-demo
 WHEELS=.gpu-wheels
 OUTDIR=${OUT:-gpu-check}
+BUDGET=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
@@ -32,7 +39,8 @@ while [ $# -gt 0 ]; do
         --workdir) WORKDIR=$2; shift 2 ;;
         --wheels) WHEELS=$2; shift 2 ;;
         --out) OUTDIR=$2; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --budget) BUDGET=$2; shift 2 ;;
+        -h|--help) sed -n '2,/^set -u/{/^set -u/d;p}' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -58,11 +66,21 @@ QUICK=0
     echo "|---|---|---|---|"
 } >"$SUMMARY"
 
-# step NAME LIMIT_S NOTE CMD...: run CMD under a time limit, log its output, add a summary row.
+BEGAN=$(date +%s)
+# step NAME LIMIT_S NOTE CMD...: run CMD under a time limit (cut to what is left of --budget), log its
+# output, add a summary row.
 step() {
     local name=$1 limit=$2 note=$3
     shift 3
-    local t0 t1 rc result
+    local t0 t1 rc result left
+    if [ "$BUDGET" -gt 0 ]; then
+        left=$((BUDGET - ($(date +%s) - BEGAN)))
+        if [ $left -lt 30 ]; then
+            skip "$name" "not run: ${left}s of the ${BUDGET}s budget left"
+            return 0
+        fi
+        [ $left -lt "$limit" ] && limit=$left
+    fi
     echo "===== $name (limit ${limit}s): $*" >>"$LOG"
     t0=$(date +%s.%N)
     timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
@@ -106,11 +124,40 @@ SELECT=()
 [ $QUICK = 1 ] && SELECT=(-k "llama and not medusa63 and not random or calibration or eval_stage or sequential")
 LIMIT=240
 [ $QUICK = 1 ] && LIMIT=900  # the models of these tests are sized for a GPU
-step gpu-tests $LIMIT "tests/gpu (figures in gpu_tests.jsonl)" \
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -o addopts="" "${SELECT[@]}"
+step gpu-tests $LIMIT "tests/gpu + kernel tests (figures in gpu_tests.jsonl)" \
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/decoding/test_tree_attention.py \
+    -o addopts="" "${SELECT[@]}"
 
-# 3. Every stage on the device, small settings, on copies of the demo workdir.
+# 3. The tree-attention kernels against SDPA (alone on the device: nothing else runs meanwhile).
+if [ -f scripts/bench_attention.py ]; then
+    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_attention.json")
+    [ $QUICK = 1 ] && ARGS+=(--quick)
+    step bench-attention 120 "tree attention kernels vs SDPA" "$PY" scripts/bench_attention.py "${ARGS[@]}"
+fi
+
 CLI=("$PY" -m medusa_train tracking=disabled "model.device=$DEVICE")
+# 4. The demo's eval on the device: speed-up, tree fitted to the device, every table.
+if [ -d "$WORKDIR/heads" ]; then
+    EWD=$SCRATCH/eval
+    mkdir -p "$EWD"
+    cp -a "$WORKDIR"/. "$EWD/"
+    rm -rf "$EWD/train" "$EWD/eval"
+    EXTRA=()
+    [ $QUICK = 1 ] && EXTRA=(eval.num_prompts=4 eval.max_new_tokens=24 "eval.batch_sizes=[1,2]" "eval.sweep_tree_sizes=[1,4]")
+    [ $QUICK = 0 ] && EXTRA=(eval.compile=true)  # the baseline a GPU user compares with: compiled plain greedy
+    LIMIT=240
+    [ $QUICK = 1 ] && LIMIT=600
+    if ! step eval-demo $LIMIT "stage=eval, $DTYPE ${EXTRA[*]}" "${CLI[@]}" stage=eval "workdir=$EWD" \
+        "model.dtype=$DTYPE" "${EXTRA[@]}" && [ $QUICK = 0 ]; then  # the headline without the compiled rows
+        step eval-demo-eager $LIMIT "stage=eval, $DTYPE" "${CLI[@]}" stage=eval "workdir=$EWD" "model.dtype=$DTYPE"
+    fi
+    cp "$EWD/eval/report.md" "$OUTDIR/eval_report.md" 2>/dev/null
+    cp "$EWD/eval/report.json" "$OUTDIR/eval_report.json" 2>/dev/null
+else
+    skip eval-demo "no demo workdir at $WORKDIR"
+fi
+
+# 5. Every stage on the device, small settings, on copies of the demo workdir.
 if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
     WD=$SCRATCH/stages
     mkdir -p "$WD"
@@ -138,43 +185,34 @@ else
     skip stages "no demo workdir at $WORKDIR (make gpu-demo)"
 fi
 
-# 4. The demo's eval on the device: speed-up, tree fitted to the device, every table.
-if [ -d "$WORKDIR/heads" ]; then
-    EWD=$SCRATCH/eval
-    mkdir -p "$EWD"
-    cp -a "$WORKDIR"/. "$EWD/"
-    rm -rf "$EWD/train" "$EWD/eval"
-    EXTRA=()
-    [ $QUICK = 1 ] && EXTRA=(eval.num_prompts=4 eval.max_new_tokens=24 "eval.batch_sizes=[1,2]" "eval.sweep_tree_sizes=[1,4]")
-    LIMIT=240
-    [ $QUICK = 1 ] && LIMIT=600
-    step eval-demo $LIMIT "stage=eval, $DTYPE" "${CLI[@]}" stage=eval "workdir=$EWD" "model.dtype=$DTYPE" "${EXTRA[@]}"
-    cp "$EWD/eval/report.md" "$OUTDIR/eval_report.md" 2>/dev/null
-    cp "$EWD/eval/report.json" "$OUTDIR/eval_report.json" 2>/dev/null
-else
-    skip eval-demo "no demo workdir at $WORKDIR"
-fi
-
-# 5. Benchmarks (alone on the device: nothing else runs meanwhile).
-if [ $QUICK = 1 ]; then
-    step bench-decode 180 "random tiny model (dry run)" "$PY" scripts/bench_decode.py --random --device cpu \
-        --num-prompts 2 --max-new-tokens 16 --repeats 1 --contexts 32 --json "$OUTDIR/bench_decode.json"
-else
-    step bench-decode 150 "Llama-3-8B shape, bf16, random weights" "$PY" scripts/bench_decode.py --llama8b-shape \
-        --device cuda --dtype bfloat16 --batch-sizes 1 4 16 --contexts 512 2048 --repeats 3 \
-        --json "$OUTDIR/bench_decode.json"
-fi
-if [ -f scripts/bench_attention.py ]; then
-    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_attention.json")
-    [ $QUICK = 1 ] && ARGS+=(--quick)
-    step bench-attention 120 "tree attention kernels vs SDPA" "$PY" scripts/bench_attention.py "${ARGS[@]}"
-fi
+# 6. The static-shape step on the 8B shape (CUDA graph) against transformers' compiled static cache.
 if [ -f scripts/bench_static.py ]; then
     ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
     [ $QUICK = 1 ] && ARGS+=(--tiny)
     step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
 fi
 
+# 7. The eager decoder on the 8B shape: the N-tree-tokens table, then a Medusa step with each tree
+#    attention at context 2048 (merged into one bench_decode.json: the device returns at most 8 files).
+if [ $QUICK = 1 ]; then
+    step bench-decode 180 "random tiny model (dry run)" "$PY" scripts/bench_decode.py --random --device cpu \
+        --num-prompts 2 --max-new-tokens 16 --repeats 1 --contexts 32 --json "$OUTDIR/bench_decode.json"
+else
+    step bench-decode 150 "Llama-3-8B shape, bf16, random weights" "$PY" scripts/bench_decode.py --llama8b-shape \
+        --device cuda --dtype bfloat16 --contexts 512 2048 --repeats 3 --json "$SCRATCH/decode_table.json"
+    for a in sdpa triton cuda; do
+        step "bench-decode-$a" 90 "8B shape, context 2048, attention=$a" "$PY" scripts/bench_decode.py \
+            --llama8b-shape --device cuda --dtype bfloat16 --contexts 2048 --skip-overhead --attention $a \
+            --json "$SCRATCH/decode_$a.json"
+    done
+    "$PY" - "$SCRATCH" "$OUTDIR/bench_decode.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+runs = {p.stem.removeprefix("decode_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("decode_*.json"))}
+if runs:
+    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+PYEOF
+fi
 {
     echo
     echo "Environment:"

@@ -226,8 +226,7 @@ class TimedDecoders:
     def medusa_static(self, ids: torch.Tensor, max_new_tokens: int) -> Decoded:
         """Greedy Medusa through a captured :class:`StaticDecoder` (capacity: the next power of two >= 256
         that holds prompt + budget + tree; each capacity is captured once, on first use)."""
-        need = ids.shape[1] + max_new_tokens + self.tree.num_nodes
-        capacity = max(256, 1 << (need - 1).bit_length())
+        capacity = self.static_capacity(ids.shape[1], max_new_tokens)
         if capacity not in self._static:
             self._static[capacity] = StaticDecoder(
                 self.model, self.packed, self.tree, capacity, capture=self.static_capture
@@ -236,6 +235,31 @@ class TimedDecoders:
             self._static[capacity].generate, ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos
         )
         return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))
+
+    def warm_up_compiled(self, turns: Sequence[tuple[torch.Tensor, int]], compiled_args: dict) -> None:
+        """Compile and capture, untimed, every shape the compiled decoders meet on ``turns`` (``(ids,
+        budget)`` pairs): transformers' static-cache ``generate`` once on the turn needing the longest cache
+        (later calls reuse a cache at least that long, so they do not recompile), and the static decoder
+        once per capacity, on that capacity's longest turn. Without this a compile would land inside a
+        timed turn and slow the compiled baseline, inflating Medusa's speed-up over it."""
+        if not turns:
+            return
+        longest = max(turns, key=lambda t: t[0].shape[1] + t[1])
+        self.plain(*longest, **compiled_args)
+        per_capacity: dict[int, tuple[torch.Tensor, int]] = {}
+        for ids, budget in turns:
+            cap = self.static_capacity(ids.shape[1], budget)
+            held = per_capacity.get(cap)
+            if held is None or ids.shape[1] + budget > held[0].shape[1] + held[1]:
+                per_capacity[cap] = (ids, budget)
+        for ids, budget in per_capacity.values():
+            self.medusa_static(ids, budget)
+
+    def static_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The static decoder's cache capacity for a turn: the next power of two >= 256 that holds the
+        prompt, the budget and one tree."""
+        need = prompt_len + max_new_tokens + self.tree.num_nodes
+        return max(256, 1 << (need - 1).bit_length())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

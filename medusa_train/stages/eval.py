@@ -194,6 +194,12 @@ def run(cfg: Config) -> dict:
                 decode.plain(ids, budget, **extra)
             if ecfg.compile:
                 decode.medusa_static(ids, budget)
+    if ecfg.compile:  # every first turn's shapes compiled and captured before anything is timed
+        firsts = [render(prompt, []) for prompt in prompts]
+        budgets = [turn_budget(model, ids.shape[1], ecfg.max_new_tokens) for ids in firsts]
+        decode.warm_up_compiled(
+            [(i, b) for i, b in zip(firsts, budgets, strict=True) if b > 0], others["compiled_plain"]
+        )
 
     # 4. Plain greedy, Medusa greedy and the alternatives, prompt by prompt (turn by turn).
     records: list[dict] = []

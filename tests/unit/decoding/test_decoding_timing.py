@@ -10,11 +10,14 @@ ratio, which those few turns dominate, is flagged by the plausibility check.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from medusa_train.decoding.timing import (
     Decoded,
+    TimedDecoders,
     interleaved,
     pair_record,
     speedup_ceiling,
@@ -117,3 +120,38 @@ def test_differing_turns_are_reported_with_where_they_first_differ() -> None:
     assert report["first_difference"] == {"turns": 2, "min": 2, "median": 3, "max": 3}
     assert report["greedy_identical"] == pytest.approx(1 / 3)
     assert "2 turns differ, first from token 2, median 3" in summary_table({**report, "tree_size": 4})
+
+
+class _RecordingDecoders(TimedDecoders):
+    """TimedDecoders whose decoders only record what they were asked to run."""
+
+    def __init__(self, tree_nodes: int) -> None:
+        self.tree = SimpleNamespace(num_nodes=tree_nodes)
+        self.calls: list[tuple[str, int, int, dict]] = []
+
+    def plain(self, ids, max_new_tokens, **extra):
+        self.calls.append(("plain", ids.shape[1], max_new_tokens, extra))
+
+    def medusa_static(self, ids, max_new_tokens):
+        self.calls.append(("static", ids.shape[1], max_new_tokens, {}))
+
+
+def test_compiled_warm_up_covers_every_shape_of_the_timed_turns() -> None:
+    """The compiled baseline is compiled once, on the turn needing the longest cache (transformers then
+    reuses a cache at least that long), and the static decoder is captured once per capacity, on that
+    capacity's longest turn: no compile lands in a timed turn."""
+    decode = _RecordingDecoders(tree_nodes=16)
+    turns = [
+        (torch.zeros(1, n, dtype=torch.long), budget)
+        for n, budget in [(40, 64), (200, 64), (90, 128), (30, 8)]
+    ]
+    decode.warm_up_compiled(turns, {"cache_implementation": "static"})
+    plain = [c for c in decode.calls if c[0] == "plain"]
+    assert plain == [("plain", 200, 64, {"cache_implementation": "static"})]
+    static = sorted(
+        (decode.static_capacity(n, b), n, b) for kind, n, b, _ in decode.calls if kind == "static"
+    )
+    # capacities: 40+64+16=120 -> 256, 200+64+16=280 -> 512, 90+128+16=234 -> 256, 30+8+16 -> 256
+    assert static == [(256, 90, 128), (512, 200, 64)]
+    wanted = {decode.static_capacity(ids.shape[1], b) for ids, b in turns}
+    assert {cap for cap, _, _ in static} == wanted
