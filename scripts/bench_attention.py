@@ -11,10 +11,16 @@ Per shape, the time of one attention call (the masks and the tree description bu
 ``sdpa_float`` SDPA with the dense ``(B, 1, M, W)`` float mask and K/V expanded to the query heads (what
 the decoders' ``attention=sdpa`` path runs through transformers), ``sdpa_bool`` the same with a boolean
 mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it ignores the tree), and the
-tree kernels ``triton`` and ``cuda``. GPU times are CUDA-event medians after a warm-up. Each kernel's
-largest deviation from ``sdpa_bool`` (relative to the output's largest magnitude) is reported too. A
-case that fails is reported with its error and the rest go on. Needs only torch (+ triton for the
-Triton kernel, nvcc + ninja for the CUDA one).
+tree kernels ``triton`` (``triton_m128``: the same kernel with 128 packed query rows and 8 warps per
+program) and ``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
+largest magnitude) is reported too. A case that fails is reported with its error and the rest go on.
+Needs only torch (+ triton for the Triton kernel, nvcc + ninja for the CUDA one).
+
+Two times per method on a GPU. ``<method>`` is the GPU's own time per call: the calls are queued
+behind a sleep kernel, so the host has launched them all before the first starts and launch gaps are
+not timed (what a CUDA-graph replay of the decoder step pays). ``<method>_call`` is the CUDA-event
+median of single calls, launch cost included (what an eager decoder pays per layer). On a CPU both
+are wall-clock medians.
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from medusa_train.decoding.attention import TreeMask, resolve_attention, tree_attention  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.decoding.attention.triton_kernel import triton_tree_attention  # noqa: E402
 from medusa_train.decoding.tree import TreeBuffers  # noqa: E402
 from tests.helpers.models import random_tree  # noqa: E402
 
-METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "cuda")
+METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "triton_m128", "cuda")
+KERNELS = ("triton", "triton_m128", "cuda")
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
 
 
 def tree_of(nodes: int) -> list[list[int]]:
@@ -66,6 +75,21 @@ def time_call(fn, device: torch.device, warmup: int, iters: int) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
+
+
+def time_queued(fn, warmup: int, iters: int) -> float:
+    """Milliseconds of GPU time per ``fn()`` with ``iters`` calls queued behind a sleep kernel (CUDA)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the host queues every call below while the GPU sleeps
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def bench_case(
@@ -94,6 +118,9 @@ def bench_case(
         "sdpa_bool": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed),
         "flash_nomask": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "triton": lambda: tree_attention(q, k, v, past, start, mask, backend="triton"),
+        "triton_m128": lambda: triton_tree_attention(
+            q, k, v, past, start, mask.bits, mask.depth, q.shape[-1] ** -0.5, block_m=128, num_warps=8
+        ),
         "cuda": lambda: tree_attention(q, k, v, past, start, mask, backend="cuda"),
     }
     ref = calls["sdpa_bool"]().float()
@@ -101,10 +128,12 @@ def bench_case(
     row: dict = {"context": context, "nodes": m, "batch": batch}
     for name in METHODS:
         try:
-            if name in ("triton", "cuda"):
-                resolve_attention(name, device)  # a clear reason when it cannot run here
+            if name in KERNELS:
+                resolve_attention(name.split("_")[0], device)  # a clear reason when it cannot run here
                 row[f"{name}_err"] = ((calls[name]().float() - ref).abs().max().item()) / scale
-            row[name] = time_call(calls[name], device, warmup, iters)
+            row[f"{name}_call"] = time_call(calls[name], device, warmup, iters)
+            queued = device.type == "cuda"
+            row[name] = time_queued(calls[name], warmup, iters) if queued else row[f"{name}_call"]
         except Exception as err:  # noqa: BLE001 - report the case and go on
             row[name] = None
             row[f"{name}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -112,24 +141,28 @@ def bench_case(
 
 
 def markdown(rows: list[dict]) -> str:
-    """The rows as a markdown table (ms per call; the kernels' speed-up over sdpa_float)."""
+    """The rows as a markdown table: GPU ms per call (launch gaps not timed), the Triton kernel's
+    speed-up over sdpa_float and its ratio to flash without a mask, then single-call times with the
+    launch included."""
     lines = [
         "| context | nodes | batch | SDPA + float mask | SDPA + bool mask | flash, no mask (lower bound) | "
-        "triton | cuda | triton vs float mask | triton / flash | max rel. err (triton, cuda) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "triton | triton, 128 rows | cuda | triton vs float mask | triton / flash | "
+        "per call with launch: float mask, triton | max rel. err (triton, cuda) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ms(x):
-        return "failed" if x is None else f"{x:.3f} ms"
+        return "failed" if x is None else f"{x:.3f}"
 
     for r in rows:
         t, f, nm = r.get("triton"), r.get("sdpa_float"), r.get("flash_nomask")
         speed = f"{f / t:.2f}x" if t and f else "-"
         bound = f"{t / nm:.2f}" if t and nm else "-"
+        calls = f"{ms(r.get('sdpa_float_call'))}, {ms(r.get('triton_call'))}"
         errs = ", ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("triton_err", "cuda_err"))
         lines.append(
             f"| {r['context']} | {r['nodes']} | {r['batch']} | {ms(f)} | {ms(r.get('sdpa_bool'))} | {ms(nm)} | "
-            f"{ms(t)} | {ms(r.get('cuda'))} | {speed} | {bound} | {errs} |"
+            f"{ms(t)} | {ms(r.get('triton_m128'))} | {ms(r.get('cuda'))} | {speed} | {bound} | {calls} | {errs} |"
         )
     failures = sorted({f"{k[:-6]}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
     if failures:

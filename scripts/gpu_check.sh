@@ -11,7 +11,9 @@
 # bfloat16 on CUDA, float32 on the CPU), --workdir DIR (a `make demo` workdir, without train/; default runs/gpu-demo, made by
 # `make gpu-demo`), --wheels DIR (default .gpu-wheels), --out DIR (default $OUT or gpu-check),
 # --budget SECONDS (default 0: none; else each step's limit is cut to what is left of the budget and a
-# step that would start with under 30 s left is skipped, so the summary is written in time).
+# step that would start with under 30 s left is skipped, so the summary is written in time),
+# --only STEP,STEP,... (run only these steps, by the names of the summary's rows; wheels and
+# environment always run), --select EXPR (pytest -k for the gpu tests; default: all of them).
 # Without a demo workdir the demo steps are skipped (and say so). Sized for ~8 minutes on one H100.
 #
 # What it runs, most important first; a failing step is recorded and the next one runs:
@@ -32,6 +34,8 @@ WORKDIR=runs/gpu-demo
 WHEELS=.gpu-wheels
 OUTDIR=${OUT:-gpu-check}
 BUDGET=0
+ONLY=
+SELECT_EXPR=
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) DEVICE=$2; shift 2 ;;
@@ -40,6 +44,8 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=$2; shift 2 ;;
         --out) OUTDIR=$2; shift 2 ;;
         --budget) BUDGET=$2; shift 2 ;;
+        --only) ONLY=$2; shift 2 ;;
+        --select) SELECT_EXPR=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set -u/{/^set -u/d;p}' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -73,6 +79,10 @@ step() {
     local name=$1 limit=$2 note=$3
     shift 3
     local t0 t1 rc result left
+    case "$name" in
+        wheels | environment) ;;
+        *) if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi ;;
+    esac
     if [ "$BUDGET" -gt 0 ]; then
         left=$((BUDGET - ($(date +%s) - BEGAN)))
         if [ $left -lt 30 ]; then
@@ -122,6 +132,7 @@ grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >"$OUTDIR/environment.txt"
 SELECT=()
 # The dry run: one architecture, one tree per test function (the CPU is slow at these sizes).
 [ $QUICK = 1 ] && SELECT=(-k "llama and not medusa63 and not random or calibration or eval_stage or sequential")
+[ -n "$SELECT_EXPR" ] && SELECT=(-k "$SELECT_EXPR")
 LIMIT=240
 [ $QUICK = 1 ] && LIMIT=900  # the models of these tests are sized for a GPU
 step gpu-tests $LIMIT "tests/gpu + kernel tests (figures in gpu_tests.jsonl)" \
