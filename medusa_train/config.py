@@ -709,7 +709,8 @@ class EvalConfig:
     attention: str = "sdpa"
     """Tree attention of Medusa's verification forwards: sdpa (the model's attention with a dense
     float mask) | triton | cuda (fused kernels reading the tree's ancestor bits, no mask; GPU) | auto
-    (the fastest that runs on the device; sdpa on a CPU). See docs/decoding.md."""
+    (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, where it measured faster;
+    else sdpa, and always on a CPU). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

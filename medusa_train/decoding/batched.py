@@ -320,7 +320,7 @@ def medusa_generate_batch(
             raise ValueError(f"got {len(gens)} generators for {bsz} prompts: give one per prompt")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    backend = resolve_attention(attention, device)
+    backend = resolve_attention(attention, device, context=max(map(len, rows_in)) + max_new_tokens)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads)
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)

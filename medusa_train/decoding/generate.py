@@ -543,7 +543,6 @@ def medusa_generate(
         raise ValueError("input_ids is empty: give at least one prompt token")
     _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
     device = input_ids.device
-    backend = resolve_attention(attention, device)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
@@ -552,6 +551,7 @@ def medusa_generate(
     prompt_len = input_ids.shape[1]
     limit = context_limit(model)
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_len)
+    backend = resolve_attention(attention, device, context=prompt_len + max(budget, 0))
     if budget <= 0:
         return MedusaOutput(tokens=torch.empty(0, dtype=torch.long), stop_reason="empty")
     stop_at_limit = budget < max_new_tokens

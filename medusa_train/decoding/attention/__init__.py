@@ -46,8 +46,15 @@ from .triton_kernel import interpreter_enabled, triton_available, triton_tree_at
 
 ATTENTION_CHOICES = ("sdpa", "triton", "cuda", "auto")
 """What the decoders' ``attention`` argument (and ``eval.attention``) accepts."""
-AUTO_ORDER = ("triton", "cuda")
-"""``auto`` on a CUDA device: the first of these that runs there (fastest first), else ``sdpa``."""
+AUTO_ORDER = ("triton",)
+"""``auto`` on a CUDA device, from :data:`AUTO_MIN_CONTEXT` keys: the first of these that runs there,
+else ``sdpa``. The CUDA kernel is not among them: on one H100 it was slower than SDPA at every shape
+measured (docs/benchmarks.md)."""
+AUTO_MIN_CONTEXT = 8192
+"""``auto`` takes a kernel only for calls of at least this many keys (prompt + new tokens), else SDPA.
+Measured on one H100 (bf16, 32/8 heads, head dim 128, 64 nodes, batch 1, one call with its launch): at
+2,048 keys SDPA with the float mask 0.076 ms against Triton's 0.099 ms; at 8,192 keys 0.232 against
+0.173 ms; between the two was not measured."""
 KERNEL_NAME = "medusa_tree"
 """The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
 
@@ -163,10 +170,12 @@ def tree_attention(
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
 
 
-def resolve_attention(attention: str, device: torch.device) -> str:
+def resolve_attention(attention: str, device: torch.device, context: int | None = None) -> str:
     """The implementation a decoder uses for ``attention`` on ``device``: "sdpa", "triton" or "cuda".
 
-    ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device (CPU: ``sdpa``).
+    ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device when the call's ``context``
+    (the most keys a row attends to: prompt + new tokens; None: unknown, taken as long) reaches
+    :data:`AUTO_MIN_CONTEXT`, else ``sdpa`` (always on a CPU).
 
     Raises:
         AttentionBackendError: an unknown choice, or one that cannot run here (the message says why).
@@ -178,7 +187,7 @@ def resolve_attention(attention: str, device: torch.device) -> str:
     if attention == "sdpa":
         return "sdpa"
     if attention == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" or (context is not None and context < AUTO_MIN_CONTEXT):
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
@@ -281,6 +290,7 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
 
 __all__ = [
     "ATTENTION_CHOICES",
+    "AUTO_MIN_CONTEXT",
     "AUTO_ORDER",
     "KERNEL_NAME",
     "AttentionBackendError",

@@ -24,6 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
 from medusa_train.decoding.attention import (  # noqa: E402
+    AUTO_MIN_CONTEXT,
     KERNEL_NAME,
     AttentionBackendError,
     TreeMask,
@@ -34,6 +35,7 @@ from medusa_train.decoding.attention import (  # noqa: E402
 )
 from medusa_train.decoding.attention.cuda_kernel import SOURCE, nvcc_path  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.decoding.attention.triton_kernel import triton_available  # noqa: E402
 from medusa_train.hf_compat import cache_kwargs  # noqa: E402
 from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model  # noqa: E402
 from tests.helpers.scripts import load_script  # noqa: E402
@@ -156,6 +158,17 @@ def test_resolve_attention_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(AttentionBackendError, match="CUDA device|not installed"):
         resolve_attention("triton", cpu)
+
+
+def test_auto_takes_the_kernel_only_for_long_contexts_on_cuda():
+    """``auto`` on a CUDA device: SDPA below AUTO_MIN_CONTEXT keys (faster there per call, measured),
+    the Triton kernel from there on or when the context is unknown (needs no GPU: nothing runs)."""
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT - 1) == "sdpa"
+    if triton_available():
+        assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT) == "triton"
+        assert resolve_attention("auto", cuda) == "triton"
+    assert resolve_attention("auto", torch.device("cpu"), context=10**6) == "sdpa"
 
 
 def test_tree_step_switches_the_attention_and_restores_it_on_error():
