@@ -177,6 +177,9 @@ if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
         data.max_records=24 distill.max_new_tokens=32
     step train-medusa1 150 "Medusa-1, 30 steps" "${CLI[@]}" stage=train "workdir=$WD" \
         training.max_steps=30 training.max_minutes=2 tree.max_nodes=16
+    if [ ! -d "$WD/heads" ]; then  # training was not run here (--only): the demo's own data and heads
+        cp -a "$WORKDIR/distill" "$WORKDIR/heads" "$WD/"
+    fi
     step export 60 "serving layouts + card" "${CLI[@]}" stage=export "workdir=$WD"
     if [ -f scripts/check_custom_generate.py ]; then
         step custom-generate 120 "model.generate(custom_generate=export)" "$PY" scripts/check_custom_generate.py \
