@@ -227,6 +227,24 @@ def test_static_with_triton_kernel_equals_greedy(arch, monkeypatch):
     assert model.config._attn_implementation == own
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["triton", "cuda"])
+def test_gpu_captured_step_with_kernels_equals_greedy(attention):
+    """The CUDA-graph step with the kernel (fp32 tiny Llama): three rows of different lengths and a
+    second call replaying the same graph each equal their plain greedy."""
+    model = tiny_model("llama", seed=3, hidden=128, heads=4, kv_heads=2).cuda()
+    heads = random_heads(model, seed=5).cuda()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen).cuda() for n in (5, 13, 2)]
+    refs = [plain_greedy(model, p, 16) for p in prompts]
+    decoder = StaticDecoder(
+        model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture="cuda_graph", attention=attention
+    )
+    for _ in range(2):
+        assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
+
+
 def test_one_call_sizes_its_decoder_to_the_context():
     """medusa_generate_static with a budget past the context: sized to what fits, stops at the limit."""
     model = tiny_model("qwen2", seed=2)
