@@ -3,14 +3,21 @@
 Run as:
     # GPU (one H100, ~3 min): Llama-3-8B shape, random bf16 weights, 4 random heads
     python scripts/bench_static.py --device cuda --json static.json
+    # the step's tree forward through a tree-attention kernel instead of SDPA's (B, 1, M, C) mask
+    python scripts/bench_static.py --device cuda --attention triton --json static_triton.json
     # CPU dry run (under a minute): a tiny Llama, same table
     python scripts/bench_static.py --device cpu --tiny
+    # CPU dry run of the Triton kernel (triton's interpreter: slow, so few cases)
+    python scripts/bench_static.py --device cpu --tiny --attention triton --contexts 32 --new-tokens 8 \
+        --batch-sizes 2 --nodes 1 16 --hf-static-contexts --parity-captures eager
 
 Prints one table: the device's copy bandwidth and the floor it implies (reading every weight once),
 plain eager ``generate`` ms/token, transformers' ``generate(cache_implementation="static")`` ms/token
 (compiled by transformers on CUDA: ``mode="reduce-overhead"``; eager static cache elsewhere), our
 static decoder with a 1-node tree (plain greedy, captured) ms/step, and Medusa ms/step for 4, 16 and
-64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. Before the table, a
+64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. ``--attention``
+picks the tree attention of our decoder's steps (``sdpa``: the model's attention with the fixed-width mask;
+``triton`` / ``cuda``: the tree kernels); it is recorded in the JSON. Before the table, a
 parity check on tiny models on the same device: the captured decoder's tokens against ``generate``.
 Every case catches its own failure and reports it, so one bad case does not lose the others. Needs
 only torch + transformers (no Hydra).
@@ -20,13 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -111,8 +122,9 @@ def static_ms_per_step(decoder: StaticDecoder, prompts: list[torch.Tensor], new:
     return 1000 * (out.total_s - out.prefill_s) / max(1, out.num_forwards), out.tau
 
 
-def parity(device: str, captures: list[str]) -> list[dict]:
-    """Captured decoder vs ``generate`` on tiny fp32 models on ``device`` (one row per capture)."""
+def parity(device: str, captures: list[str], attention: str = "sdpa") -> list[dict]:
+    """Captured decoder vs ``generate`` on tiny fp32 models on ``device`` (one row per capture), the
+    steps' tree attention ``attention``."""
     rows = []
     for capture in captures:
         for arch in ("llama", "gpt2"):
@@ -121,9 +133,18 @@ def parity(device: str, captures: list[str]) -> list[dict]:
                 heads = random_heads(model).to(device)
                 mode = "reduce-overhead" if capture == "compile" and device == "cuda" else None
                 tree = random_tree(1)
-                dec = StaticDecoder(model, heads, tree, 128, capture=capture, compile_mode=mode)
+                dec = StaticDecoder(
+                    model, heads, tree, 128, capture=capture, compile_mode=mode, attention=attention
+                )
                 batch = StaticDecoder(
-                    model, heads, tree, 128, batch_size=3, capture=capture, compile_mode=mode
+                    model,
+                    heads,
+                    tree,
+                    128,
+                    batch_size=3,
+                    capture=capture,
+                    compile_mode=mode,
+                    attention=attention,
                 )
                 same = 0
                 prompts, refs = [], []
@@ -140,13 +161,21 @@ def parity(device: str, captures: list[str]) -> list[dict]:
                 rows.append(
                     {
                         "capture": capture,
+                        "attention": attention,
                         "arch": arch,
                         "identical": f"{same}/3",
                         "batch3_rows": f"{same_rows}/3",
                     }
                 )
             except Exception as err:  # noqa: BLE001 - report and go on
-                rows.append({"capture": capture, "arch": arch, "error": f"{type(err).__name__}: {err}"})
+                rows.append(
+                    {
+                        "capture": capture,
+                        "attention": attention,
+                        "arch": arch,
+                        "error": f"{type(err).__name__}: {err}",
+                    }
+                )
                 traceback.print_exc()
             print(rows[-1], flush=True)
     return rows
@@ -154,9 +183,12 @@ def parity(device: str, captures: list[str]) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    results: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "attention": args.attention,
+    }
     captures = [c for c in args.parity_captures if c != "cuda_graph" or device.type == "cuda"]
-    results["parity"] = parity(args.device, captures)
+    results["parity"] = parity(args.device, captures, args.attention)
     dtype = getattr(torch, args.dtype)
     config = tiny_llama_config() if args.tiny else llama8b_config(num_hidden_layers=args.layers)
     t0 = time.perf_counter()
@@ -223,12 +255,14 @@ def run(args: argparse.Namespace) -> dict:
                             capture=capture,
                             compile_mode=mode,
                             sdpa_backend=args.sdpa,
+                            attention=args.attention,
                         )
                         ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
                         del dec
                         return {"ms": ms, "tau": tau, "batch": bsz}
 
-                    row(f"static {capture} batch {bsz}, {nodes} node{'s' if nodes > 1 else ''}", medusa)
+                    kind = capture if args.attention == "sdpa" else f"{capture} {args.attention}"
+                    row(f"static {kind} batch {bsz}, {nodes} node{'s' if nodes > 1 else ''}", medusa)
 
     results["table"] = markdown(results)
     return results
@@ -237,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
 def markdown(results: dict) -> str:
     floor = results["floor_ms"]
     lines = [
-        f"device {results['device']}: weights {results['weights_gb']:.2f} GB, copy "
+        f"device {results['device']}, tree attention {results['attention']}: weights {results['weights_gb']:.2f} GB, copy "
         f"{results['copy_gb_s']:.0f} GB/s, floor {floor:.2f} ms",
         "",
         "x plain: the step's time over the 1-node step's at the same batch and context (the tau at which",
@@ -281,6 +315,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--capture", choices=CAPTURES, default=None, help="default: cuda_graph on CUDA")
     p.add_argument("--sdpa", choices=SDPA_BACKENDS, default=None, help="SDPA backend (default: torch's)")
+    p.add_argument(
+        "--attention",
+        choices=("sdpa", "triton", "cuda"),
+        default="sdpa",
+        help="tree attention of our decoder's steps: the model's SDPA with a mask, or a tree kernel",
+    )
     p.add_argument("--head-projection", choices=("own", "shared"), default="own")
     p.add_argument(
         "--hf-static-contexts",

@@ -20,6 +20,13 @@ What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, 
   ``retrieve_indices``: :func:`greedy_path`), KV compaction (the accepted path's entries gathered to
   ``[L_b, L_b + n_b)``) and the bookkeeping are tensor operations.
 
+Tree attention. With ``attention="sdpa"`` the model's own attention reads all C columns through the
+mask above. With a kernel (``"triton"``, ``"cuda"``; :mod:`.attention`) the step's forward builds no
+mask: each layer's kernel reads row b's past ``[0, L_b)`` and its M tree columns ``[L_b, L_b + M)`` of
+the same ``(B, H, C, D)`` cache through the tree's ancestor bits, with the rows' L_b in a persistent
+int32 device tensor updated in place by the step, so a replay reads the current lengths and the
+kernel's grid depends only on shapes. The prefill runs the model's own attention either way.
+
 What syncs. The host reads the rows' numbers of emitted tokens (and their new tokens, to look for EOS)
 once every ``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
 
@@ -38,6 +45,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
+from .attention import TreeMask, TreeStep, resolve_attention, tree_step
 from .batched import MedusaBatchOutput
 from .generate import (
     MedusaOutput,
@@ -151,10 +159,16 @@ class StaticDecoder:
             syncs, up to ``sync_every - 1`` wasted steps at the end).
         sdpa_backend: None (PyTorch's choice) or one of "math", "efficient", "cudnn", "flash": the
             scaled-dot-product backend for every forward of this decoder (``torch.nn.attention.sdpa_kernel``).
+        attention: tree attention of the step's forward: "sdpa" (the model's attention with the
+            ``(B, 1, M, C)`` mask), "triton" or "cuda" (a kernel of :mod:`medusa_train.decoding.attention`
+            reading each row's past and tree, no mask), or "auto" (the fastest that runs on the device;
+            sdpa on a CPU). The prefill always runs the model's own attention.
 
     Raises:
-        ValueError: an unknown capture or backend, cuda_graph off CUDA, a model mixing full and
-            sliding-window layers, a flash-attention model, or a capacity too small for the tree.
+        ValueError: an unknown capture or backend, cuda_graph off CUDA, compile with a kernel off
+            CUDA, a model mixing full and sliding-window layers, a flash-attention model, or a
+            capacity too small for the tree.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree does not fit the heads.
     """
 
@@ -170,6 +184,7 @@ class StaticDecoder:
         compile_mode: str | None = None,
         sync_every: int = 1,
         sdpa_backend: str | None = None,
+        attention: str = "sdpa",
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -198,6 +213,12 @@ class StaticDecoder:
         self.limit = context_limit(model)
         self.sdpa_backend = sdpa_backend
         self.capture = capture
+        self.attention = resolve_attention(attention, self.device)
+        if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
+            raise ValueError(
+                f"capture='compile' with attention={self.attention} needs a CUDA model (torch.compile "
+                "cannot trace triton's CPU interpreter): use capture='eager' on a CPU"
+            )
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).
@@ -208,6 +229,12 @@ class StaticDecoder:
         self._retrieve_valid = self.tree.retrieve_indices[:, 1:] >= 0  # (Lf, D)
         self._parents = self.tree.parents.clamp(min=0)  # (M,)
         self._row_ids = torch.arange(b, device=dev)  # (B,)
+        # The kernels' view of the step: the same tensors every step (a replay reads them in place).
+        self._kernel_step: TreeStep | None = None
+        if self.attention != "sdpa":
+            past = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) column of each row's first node
+            starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
+            self._kernel_step = TreeStep(past, starts, TreeMask.of(self.tree), self.attention)
         # State, updated in place by every step.
         with torch.inference_mode():
             self.cache = StaticKVCache(_num_layers(model), capacity, b, dev)
@@ -254,18 +281,26 @@ class StaticDecoder:
         }
         return sdpa_kernel(names[self.sdpa_backend])
 
+    def _tree_attention(self) -> contextlib.AbstractContextManager:
+        """Where the step's forward runs: the model's own attention (sdpa), or the kernel of
+        ``attention`` (:func:`tree_step`: the model's attention implementation switched to it for the
+        block, restored after). Held around every run of the step, its capture and its compilation."""
+        if self._kernel_step is None:
+            return contextlib.nullcontext()
+        return tree_step(self.model, self._kernel_step)
+
     @torch.inference_mode()
     def _capture_graph(self) -> None:
         """Warm the step up on a side stream, then capture one step into a CUDA graph (state is reset by
         every call's prefill, so the warm-up steps leave nothing behind)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), self._backend():
+        with torch.cuda.stream(stream), self._backend(), self._tree_attention():
             for _ in range(3):
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), self._backend():
+        with torch.cuda.graph(graph), self._backend(), self._tree_attention():
             self._step()
         torch.cuda.synchronize(self.device)
         self._graph = graph
@@ -313,9 +348,16 @@ class StaticDecoder:
         if self.limit is not None:
             positions = positions.clamp(max=self.limit - 1)  # nodes past the limit are never emitted
         self.cache.write_cols = (length[:, None] + self._nodes).clamp(max=self.capacity - 1)  # (B, M)
+        if self._kernel_step is None:
+            mask = self._tree_mask()  # (B, 1, M, C)
+        else:
+            # The kernel reads [0, L_b) and [L_b, L_b + M); a finished row's L_b may run past C - M
+            # (its steps are discarded), so the column is clamped to stay inside the cache.
+            self._kernel_step.past_lens.copy_(length.clamp(max=self.capacity - tree.num_nodes))
+            mask = None  # the model builds none for the kernel's implementation either
         out = self.model(
             input_ids=tree_tokens,
-            attention_mask=self._tree_mask(),
+            attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             output_hidden_states=True,
@@ -445,8 +487,9 @@ class StaticDecoder:
             self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
             while any(active):
-                for _ in range(self.sync_every):
-                    self._run()
+                with self._tree_attention():
+                    for _ in range(self.sync_every):
+                        self._run()
                 steps += self.sync_every
                 # The host's one read per sync_every steps: each active row's new tokens.
                 counts = self.num_out[: len(ids)].tolist()
@@ -542,6 +585,7 @@ def medusa_generate_static(
     capture: str = "eager",
     compile_mode: str | None = None,
     sync_every: int = 1,
+    attention: str = "sdpa",
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
@@ -549,6 +593,13 @@ def medusa_generate_static(
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - input_ids.shape[1])
     capacity = input_ids.shape[1] + max(budget, 1) + as_tree(tree).num_nodes
     decoder = StaticDecoder(
-        model, heads, tree, capacity, capture=capture, compile_mode=compile_mode, sync_every=sync_every
+        model,
+        heads,
+        tree,
+        capacity,
+        capture=capture,
+        compile_mode=compile_mode,
+        sync_every=sync_every,
+        attention=attention,
     )
     return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

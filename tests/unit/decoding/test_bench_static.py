@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+
+import pytest
 
 from tests.helpers.scripts import load_script
 
@@ -15,6 +18,7 @@ def test_tiny_cpu_run_reports_every_row(tmp_path, capsys):
     assert bench.main(argv) == 0
     results = json.loads(out.read_text())
     assert [r["identical"] for r in results["parity"]] == ["3/3", "3/3"]
+    assert results["attention"] == "sdpa"
     rows = results["rows"]
     assert not [r for r in rows if "error" in r]
     assert [r["decoder"] for r in rows] == [
@@ -25,3 +29,18 @@ def test_tiny_cpu_run_reports_every_row(tmp_path, capsys):
     ]
     assert all(r["ms"] > 0 for r in rows) and results["floor_ms"] > 0
     assert "| context | decoder |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_tiny_cpu_run_with_the_triton_kernel(tmp_path):
+    """``--attention triton`` on CPU (triton's interpreter): recorded in the JSON, every row timed."""
+    bench = load_script("bench_static")
+    out = tmp_path / "static.json"
+    argv = ["--device", "cpu", "--tiny", "--attention", "triton", "--contexts", "16", "--new-tokens", "4"]
+    argv += ["--batch-sizes", "2", "--nodes", "4", "--hf-static-contexts", "--parity-captures"]
+    assert bench.main(argv + ["--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["attention"] == "triton" and results["parity"] == []
+    rows = results["rows"]
+    assert [r["decoder"] for r in rows] == ["plain eager generate", "static eager triton batch 2, 4 nodes"]
+    assert not [r for r in rows if "error" in r] and all(r["ms"] > 0 for r in rows)

@@ -3,9 +3,12 @@ its tensor acceptance picks the same path as the host-side walk."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
+import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate
 from medusa_train.decoding.acceptance import accept_greedy
 from medusa_train.decoding.static import StaticDecoder, greedy_path, medusa_generate_static
@@ -153,6 +156,11 @@ def test_static_user_errors():
         StaticDecoder(model, heads, MEDUSA_63, 128, capture="graph")
     with pytest.raises(ValueError, match="CUDA"):
         StaticDecoder(model, heads, MEDUSA_63, 128, capture="cuda_graph")
+    with pytest.raises(ValueError, match="attention must be"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, attention="flash")
+    if importlib.util.find_spec("triton") is not None:
+        with pytest.raises(ValueError, match="capture='eager' on a CPU"):
+            StaticDecoder(model, heads, MEDUSA_63, 128, capture="compile", attention="triton")
     with pytest.raises(ValueError, match="capacity >= "):
         StaticDecoder(model, heads, MEDUSA_63, 80).generate(
             torch.ones(1, 10, dtype=torch.long), max_new_tokens=30
@@ -174,6 +182,67 @@ def test_static_compiled_parity(arch):
     for prompt_len in (3, 11):
         prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == plain_greedy(model, prompt, 30)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_static_with_triton_kernel_equals_greedy(arch, monkeypatch):
+    """The step's forward through the Triton kernel (CPU: its interpreter), batch 1 and two rows of
+    different lengths (mistral: window 8, crossed): every row is its plain greedy, every layer of every
+    step ran the kernel, and the model's attention implementation is its own outside the steps.
+
+    The long row stops at its first token while the short one runs on, under a capacity that only
+    just fits the call, so the finished row's length passes C - M (the kernel's column is clamped)."""
+    calls = []
+    kernel = tree_attention_module.triton_tree_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].data_ptr())  # past_lens: the decoder's one tensor
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
+    model = tiny_model(arch, seed=3)
+    heads = random_heads(model, seed=5)
+    own = model.config._attn_implementation
+    tree = TreeBuffers.from_choices(random_tree(1, nodes=8))
+    m = tree.num_nodes
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen) for n in (17, 2)]
+    refs = [plain_greedy(model, p, 14) for p in prompts]
+
+    one = StaticDecoder(model, heads, tree, capacity=2 * MAX_POS, attention="triton")
+    single = one.generate(prompts[0], max_new_tokens=14)
+    assert single.tokens.tolist() == refs[0]
+    assert calls == [one._kernel_step.past_lens.data_ptr()] * len(one.cache.layers) * single.num_forwards
+    assert model.config._attn_implementation == own
+
+    rows = StaticDecoder(
+        model, heads, tree, capacity=17 + 14 + m, batch_size=2, sync_every=3, attention="triton"
+    )
+    eos = refs[0][0]
+    out = rows.generate_batch(prompts, max_new_tokens=14, eos_token_id=eos)
+    cut = refs[1].index(eos) + 1 if eos in refs[1] else len(refs[1])
+    assert [r.tokens.tolist() for r in out.rows] == [refs[0][:1], refs[1][:cut]]
+    assert int(rows.length[0]) > rows.capacity - m  # the clamped case ran
+    assert model.config._attn_implementation == own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["triton", "cuda"])
+def test_gpu_captured_step_with_kernels_equals_greedy(attention):
+    """The CUDA-graph step with the kernel (fp32 tiny Llama): three rows of different lengths and a
+    second call replaying the same graph each equal their plain greedy."""
+    model = tiny_model("llama", seed=3, hidden=128, heads=4, kv_heads=2).cuda()
+    heads = random_heads(model, seed=5).cuda()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen).cuda() for n in (5, 13, 2)]
+    refs = [plain_greedy(model, p, 16) for p in prompts]
+    decoder = StaticDecoder(
+        model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture="cuda_graph", attention=attention
+    )
+    for _ in range(2):
+        assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
 
 
 def test_one_call_sizes_its_decoder_to_the_context():
