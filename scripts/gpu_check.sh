@@ -25,7 +25,8 @@
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
-#   6. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache
+#   6. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
+#      then the captured step with SDPA and with the Triton kernel at 2K and 8K context
 #   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
 set -u
 DEVICE=cuda
@@ -204,6 +205,22 @@ if [ -f scripts/bench_static.py ]; then
     ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
     [ $QUICK = 1 ] && ARGS+=(--tiny)
     step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
+    # The captured step with each tree attention at long contexts (one JSON: at most 8 files come back).
+    ARGS=(--device "$DEVICE" --contexts 2048 8192 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --hf-static-contexts)
+    PARITY=(--parity-captures cuda_graph)
+    [ $QUICK = 1 ] && PARITY=(--parity-captures)  # none: the interpreter is slow, the unit tests cover it
+    for a in sdpa triton; do
+        step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
+            "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
+    done
+    "$PY" - "$SCRATCH" "$OUTDIR/bench_static_attention.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+runs = {p.stem.removeprefix("static_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("static_*.json"))}
+if runs:
+    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+PYEOF
 fi
 
 # 7. The eager decoder on the 8B shape: the N-tree-tokens table, then a Medusa step with each tree

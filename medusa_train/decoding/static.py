@@ -161,8 +161,8 @@ class StaticDecoder:
             scaled-dot-product backend for every forward of this decoder (``torch.nn.attention.sdpa_kernel``).
         attention: tree attention of the step's forward: "sdpa" (the model's attention with the
             ``(B, 1, M, C)`` mask), "triton" or "cuda" (a kernel of :mod:`medusa_train.decoding.attention`
-            reading each row's past and tree, no mask), or "auto" (the fastest that runs on the device;
-            sdpa on a CPU). The prefill always runs the model's own attention.
+            reading each row's past and tree, no mask), or "auto" (:func:`resolve_attention` with the
+            capacity as the context; sdpa on a CPU). The prefill always runs the model's own attention.
 
     Raises:
         ValueError: an unknown capture or backend, cuda_graph off CUDA, compile with a kernel off
@@ -213,7 +213,7 @@ class StaticDecoder:
         self.limit = context_limit(model)
         self.sdpa_backend = sdpa_backend
         self.capture = capture
-        self.attention = resolve_attention(attention, self.device)
+        self.attention = resolve_attention(attention, self.device, context=capacity)
         if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
             raise ValueError(
                 f"capture='compile' with attention={self.attention} needs a CUDA model (torch.compile "

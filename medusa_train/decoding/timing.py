@@ -229,7 +229,12 @@ class TimedDecoders:
         capacity = self.static_capacity(ids.shape[1], max_new_tokens)
         if capacity not in self._static:
             self._static[capacity] = StaticDecoder(
-                self.model, self.packed, self.tree, capacity, capture=self.static_capture
+                self.model,
+                self.packed,
+                self.tree,
+                capacity,
+                capture=self.static_capture,
+                attention=self.attention,
             )
         out, seconds = self._timed(
             self._static[capacity].generate, ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos
