@@ -536,7 +536,4 @@ cudaError_t tree_attention_launch(const Params& p, int B, int dtype, cudaStream_
 // The padded head dim (row stride of the split scratch) used for head dim D.
 int padded_head_dim(int D) { return D <= 32 ? 32 : D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
-// Packed query rows per block of the forward kernel launched for head dim D and dtype (as above).
-int rows_per_block(int D, int dtype) { return dtype != 0 && D > 32 && D <= 128 && tensor_cores() ? MMA_ROWS : ROWS; }
-
 }  // namespace medusa_tree
