@@ -2,11 +2,13 @@
 with ``torch.utils.cpp_extension.load_inline``.
 
 The kernel source has no torch dependency (it is compile-checked alone with ``nvcc``); the few lines of
-:data:`WRAPPER` bind it to torch tensors. Same contract and scratch layout as the Triton kernel
-(:mod:`.triton_kernel`): one block per (row, KV head, 16 packed query rows, KV split), K/V tiles staged
-in shared memory, fp32 online softmax, and a combine kernel when the past is split. Its arithmetic is
-fp32 on the CUDA cores (no tensor cores), which keeps it short and exact; the Triton kernel is the one
-built for speed.
+:data:`WRAPPER` bind it to torch tensors. Same contract, math and scratch layout as the Triton kernel
+(:mod:`.triton_kernel`): one block per (row, KV head, block of packed query rows, KV split), K/V tiles
+staged in shared memory, fp32 online softmax in log2 units, and a combine kernel when the past is split.
+fp16/bf16 with head dims in (32, 128] on sm_80+ run on the tensor cores (``nvcuda::wmma``, 64 packed
+query rows and 64-key tiles per block, probabilities rounded to the input dtype before the value
+product as flash attention does); fp32 and the other head dims take an fp32 kernel on the CUDA cores
+(16 packed query rows per block).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .triton_kernel import _num_splits as _num_splits_mma
 from .triton_kernel import num_sms
 
 SOURCE = Path(__file__).with_name("tree_attention.cu")
@@ -97,8 +100,18 @@ def padded_head_dim(d: int) -> int:
     return 32 if d <= 32 else 64 if d <= 64 else 128 if d <= 128 else 256
 
 
+def tensor_cores(dtype: torch.dtype, d: int, device: torch.device) -> bool:
+    """Whether the tensor-core kernel serves this call (mirrors ``launch_d16`` in the .cu source)."""
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and 32 < d <= 128
+        and torch.cuda.get_device_capability(device)[0] >= 8
+    )
+
+
 def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
-    """KV splits so that about two waves of blocks fill the GPU; 1 where there is little past."""
+    """KV splits of the fp32 kernel so that about two waves of blocks fill the GPU; 1 where there is
+    little past. The tensor-core kernel splits as the Triton kernel does (same rows per block)."""
     if past_width < 512:
         return 1
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -134,7 +147,10 @@ def cuda_tree_attention(
     g = hq // hkv
     ext = _extension()
     out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device)  # (B, M, Hq, D)
-    splits = num_splits or _num_splits(math.ceil(g * m / 16) * bsz * hkv, key.shape[2] - m, query.device)
+    fast = tensor_cores(query.dtype, d, query.device)
+    choose = _num_splits_mma if fast else _num_splits
+    blocks = math.ceil(g * m / (64 if fast else 16)) * bsz * hkv  # rows per block: MMA_ROWS or ROWS
+    splits = num_splits or choose(blocks, key.shape[2] - m, query.device)
     rows = bsz * hkv * splits * g * m if splits > 1 else 1
     part = torch.empty(rows, padded_head_dim(d), dtype=torch.float32, device=query.device)
     ml = torch.empty(rows, 2, dtype=torch.float32, device=query.device)

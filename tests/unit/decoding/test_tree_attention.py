@@ -33,7 +33,7 @@ from medusa_train.decoding.attention import (  # noqa: E402
     tree_attention,
     tree_step,
 )
-from medusa_train.decoding.attention.cuda_kernel import SOURCE, nvcc_path  # noqa: E402
+from medusa_train.decoding.attention.cuda_kernel import SOURCE, cuda_tree_attention, nvcc_path  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
 from medusa_train.decoding.attention.triton_kernel import triton_available  # noqa: E402
 from medusa_train.hf_compat import cache_kwargs  # noqa: E402
@@ -277,6 +277,77 @@ def test_gpu_kernels_long_context_split(backend):
     err = (out.float() - ref).abs().max().item()
     torch_err = (torch_bf16.float() - ref).abs().max().item()
     assert err <= max(2 * torch_err, TOLERANCE[torch.bfloat16][0] * ref.abs().max().item()), (err, torch_err)
+
+
+# The CUDA kernel's tensor-core path (fp16/bf16, head dims in (32, 128]) on what the shared cases leave
+# out: (tree, past lengths, first visible columns, KV heads, group, head dim, dtype, window, K/V layout,
+# KV splits). Layouts: "bhwd" as the cache holds them; "bwhd" heads interleaved (head-dim stride 1,
+# 16-byte loads); "bhdw" head-dim stride W (the generic staging path).
+TENSOR_CORE_CASES = {
+    "window-bf16-g4-d128": (
+        random_tree(7, nodes=40),
+        [300, 90],
+        [0, 5],
+        2,
+        4,
+        128,
+        torch.bfloat16,
+        50,
+        "bhwd",
+        None,
+    ),
+    "fp16-g2-d96-bwhd": (random_tree(8, nodes=20), [200], [0], 2, 2, 96, torch.float16, None, "bwhd", None),
+    "bf16-g1-d80-bhdw-70-nodes": (
+        random_tree(9, nodes=70, max_depth=4, max_rank=30),
+        [130],
+        [7],
+        1,
+        1,
+        80,
+        torch.bfloat16,
+        None,
+        "bhdw",
+        None,
+    ),
+    "split-fp16-g8-d64-empty-splits": (
+        random_tree(10, nodes=25),
+        [3000, 1500, 100],
+        [0, 40, 0],
+        1,
+        8,
+        64,
+        torch.float16,
+        None,
+        "bhwd",
+        5,
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(TENSOR_CORE_CASES))
+def test_gpu_cuda_tensor_core_kernel_matches_sdpa_reference(name):
+    """As close to the fp32 reference as PyTorch's own SDPA in the input dtype (the kernel rounds the
+    probabilities to that dtype before the value product), or within the short cases' tolerance."""
+    tree, pasts, starts, hkv, group, head_dim, dtype, window, layout, splits = TENSOR_CORE_CASES[name]
+    q, k, v, past, start, mask = random_case(
+        len(name), tree, pasts, starts, hkv, group, head_dim, dtype, "cuda"
+    )
+    if layout == "bwhd":
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))  # (B, Hkv, W, D) views
+    elif layout == "bhdw":
+        k, v = (x.transpose(2, 3).contiguous().transpose(2, 3) for x in (k, v))
+    out = cuda_tree_attention(
+        q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, head_dim**-0.5, window, splits
+    )
+    ref = reference(q, k, v, past, start, mask, window)
+    torch_same_dtype = tree_attention(
+        q, k.nan_to_num(), v.nan_to_num(), past, start, mask, window=window, backend="sdpa"
+    )
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (torch_same_dtype.float() - ref).abs().max().item()
+    assert err <= max(2 * torch_err, TOLERANCE[dtype][0] * ref.abs().max().item()), (err, torch_err)
 
 
 @pytest.mark.gpu
