@@ -23,10 +23,10 @@
 #   3. bench_attention.py: the tree-attention kernels against SDPA and flash attention
 #   4. stage=eval on the demo workdir in --dtype, with the compiled decoders on CUDA (the headline:
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
-#   5. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
-#      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
-#   6. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
+#   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context
+#   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
+#      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
 #   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
 set -u
 DEVICE=cuda
@@ -137,7 +137,7 @@ SELECT=()
 LIMIT=240
 [ $QUICK = 1 ] && LIMIT=900  # the models of these tests are sized for a GPU
 step gpu-tests $LIMIT "tests/gpu + kernel tests (figures in gpu_tests.jsonl)" \
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/decoding/test_tree_attention.py \
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/decoding/test_tree_attention.py tests/unit/decoding/test_decoding_static.py \
     -o addopts="" "${SELECT[@]}"
 
 # 3. The tree-attention kernels against SDPA (alone on the device: nothing else runs meanwhile).
@@ -169,7 +169,30 @@ else
     skip eval-demo "no demo workdir at $WORKDIR"
 fi
 
-# 5. Every stage on the device, small settings, on copies of the demo workdir.
+# 5. The static-shape step on the 8B shape (CUDA graph) against transformers' compiled static cache.
+if [ -f scripts/bench_static.py ]; then
+    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
+    [ $QUICK = 1 ] && ARGS+=(--tiny)
+    step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
+    # The captured step with each tree attention at long contexts (one JSON: at most 8 files come back).
+    ARGS=(--device "$DEVICE" --contexts 2048 8192 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --hf-static-contexts)
+    PARITY=(--parity-captures cuda_graph)
+    [ $QUICK = 1 ] && PARITY=(--parity-captures)  # none: the interpreter is slow, the unit tests cover it
+    for a in sdpa triton; do
+        step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
+            "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
+    done
+    "$PY" - "$SCRATCH" "$OUTDIR/bench_static_attention.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+runs = {p.stem.removeprefix("static_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("static_*.json"))}
+if runs:
+    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+PYEOF
+fi
+
+# 6. Every stage on the device, small settings, on copies of the demo workdir.
 if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
     WD=$SCRATCH/stages
     mkdir -p "$WD"
@@ -198,29 +221,6 @@ if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
         deepspeed=zero2 training.max_steps=20 training.max_minutes=2 tree.max_nodes=16
 else
     skip stages "no demo workdir at $WORKDIR (make gpu-demo)"
-fi
-
-# 6. The static-shape step on the 8B shape (CUDA graph) against transformers' compiled static cache.
-if [ -f scripts/bench_static.py ]; then
-    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
-    [ $QUICK = 1 ] && ARGS+=(--tiny)
-    step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
-    # The captured step with each tree attention at long contexts (one JSON: at most 8 files come back).
-    ARGS=(--device "$DEVICE" --contexts 2048 8192 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
-    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --hf-static-contexts)
-    PARITY=(--parity-captures cuda_graph)
-    [ $QUICK = 1 ] && PARITY=(--parity-captures)  # none: the interpreter is slow, the unit tests cover it
-    for a in sdpa triton; do
-        step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
-            "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
-    done
-    "$PY" - "$SCRATCH" "$OUTDIR/bench_static_attention.json" <<'PYEOF'
-import json, sys
-from pathlib import Path
-runs = {p.stem.removeprefix("static_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("static_*.json"))}
-if runs:
-    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
-PYEOF
 fi
 
 # 7. The eager decoder on the 8B shape: the N-tree-tokens table, then a Medusa step with each tree
