@@ -11,8 +11,7 @@ Per shape, the time of one attention call (the masks and the tree description bu
 ``sdpa_float`` SDPA with the dense ``(B, 1, M, W)`` float mask and K/V expanded to the query heads (what
 the decoders' ``attention=sdpa`` path runs through transformers), ``sdpa_bool`` the same with a boolean
 mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it ignores the tree), and the
-tree kernels ``triton`` (``triton_m128``: the same kernel with 128 packed query rows and 8 warps per
-program) and ``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
+tree kernels ``triton`` and ``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
 largest magnitude) is reported too. A case that fails is reported with its error and the rest go on.
 Needs only torch (+ triton for the Triton kernel, nvcc + ninja for the CUDA one).
 
@@ -43,12 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from medusa_train.decoding.attention import TreeMask, resolve_attention, tree_attention  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
-from medusa_train.decoding.attention.triton_kernel import triton_tree_attention  # noqa: E402
 from medusa_train.decoding.tree import TreeBuffers  # noqa: E402
 from tests.helpers.models import random_tree  # noqa: E402
 
-METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "triton_m128", "cuda")
-KERNELS = ("triton", "triton_m128", "cuda")
+METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "cuda")
+KERNELS = ("triton", "cuda")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
 
 
@@ -118,9 +116,6 @@ def bench_case(
         "sdpa_bool": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed),
         "flash_nomask": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "triton": lambda: tree_attention(q, k, v, past, start, mask, backend="triton"),
-        "triton_m128": lambda: triton_tree_attention(
-            q, k, v, past, start, mask.bits, mask.depth, q.shape[-1] ** -0.5, block_m=128, num_warps=8
-        ),
         "cuda": lambda: tree_attention(q, k, v, past, start, mask, backend="cuda"),
     }
     ref = calls["sdpa_bool"]().float()
@@ -129,7 +124,7 @@ def bench_case(
     for name in METHODS:
         try:
             if name in KERNELS:
-                resolve_attention(name.split("_")[0], device)  # a clear reason when it cannot run here
+                resolve_attention(name, device)  # a clear reason when it cannot run here
                 row[f"{name}_err"] = ((calls[name]().float() - ref).abs().max().item()) / scale
             row[f"{name}_call"] = time_call(calls[name], device, warmup, iters)
             queued = device.type == "cuda"
@@ -146,9 +141,9 @@ def markdown(rows: list[dict]) -> str:
     launch included."""
     lines = [
         "| context | nodes | batch | SDPA + float mask | SDPA + bool mask | flash, no mask (lower bound) | "
-        "triton | triton, 128 rows | cuda | triton vs float mask | triton / flash | "
+        "triton | cuda | triton vs float mask | triton / flash | "
         "per call with launch: float mask, triton | max rel. err (triton, cuda) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ms(x):
@@ -162,7 +157,7 @@ def markdown(rows: list[dict]) -> str:
         errs = ", ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("triton_err", "cuda_err"))
         lines.append(
             f"| {r['context']} | {r['nodes']} | {r['batch']} | {ms(f)} | {ms(r.get('sdpa_bool'))} | {ms(nm)} | "
-            f"{ms(t)} | {ms(r.get('triton_m128'))} | {ms(r.get('cuda'))} | {speed} | {bound} | {calls} | {errs} |"
+            f"{ms(t)} | {ms(r.get('cuda'))} | {speed} | {bound} | {calls} | {errs} |"
         )
     failures = sorted({f"{k[:-6]}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
     if failures:

@@ -338,6 +338,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if not all(1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
         p.error(f"--nodes must be in 1..{len(MEDUSA_63) + 1}")
+    limit = (tiny_llama_config() if args.tiny else llama8b_config()).max_position_embeddings
+    too_long = [c for c in args.contexts if c + args.new_tokens + max(args.nodes) > limit]
+    if too_long:  # the decoders would stop at once (nothing left to generate) and time nothing
+        p.error(
+            f"--contexts {too_long}: context + --new-tokens + tree nodes must fit the model's "
+            f"{limit} positions; give at most {limit - args.new_tokens - max(args.nodes)}"
+        )
     return args
 
 

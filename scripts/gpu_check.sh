@@ -24,7 +24,8 @@
 #   4. stage=eval on the demo workdir in --dtype, with the compiled decoders on CUDA (the headline:
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
-#      then the captured step with SDPA and with the Triton kernel at 2K and 8K context
+#      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
+#      8B shape holds 8,192 positions)
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
 #   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
@@ -175,7 +176,7 @@ if [ -f scripts/bench_static.py ]; then
     [ $QUICK = 1 ] && ARGS+=(--tiny)
     step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
     # The captured step with each tree attention at long contexts (one JSON: at most 8 files come back).
-    ARGS=(--device "$DEVICE" --contexts 2048 8192 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
+    ARGS=(--device "$DEVICE" --contexts 2048 8000 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
     [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --hf-static-contexts)
     PARITY=(--parity-captures cuda_graph)
     [ $QUICK = 1 ] && PARITY=(--parity-captures)  # none: the interpreter is slow, the unit tests cover it

@@ -213,7 +213,9 @@ class StaticDecoder:
         self.limit = context_limit(model)
         self.sdpa_backend = sdpa_backend
         self.capture = capture
-        self.attention = resolve_attention(attention, self.device, context=capacity)
+        self.attention = resolve_attention(
+            attention, self.device, context=capacity, captured=capture == "cuda_graph"
+        )
         if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
             raise ValueError(
                 f"capture='compile' with attention={self.attention} needs a CUDA model (torch.compile "

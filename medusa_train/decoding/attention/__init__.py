@@ -51,10 +51,17 @@ AUTO_ORDER = ("triton",)
 else ``sdpa``. The CUDA kernel is not among them: on one H100 it was slower than SDPA at every shape
 measured (docs/benchmarks.md)."""
 AUTO_MIN_CONTEXT = 8192
-"""``auto`` takes a kernel only for calls of at least this many keys (prompt + new tokens), else SDPA.
-Measured on one H100 (bf16, 32/8 heads, head dim 128, 64 nodes, batch 1, one call with its launch): at
-2,048 keys SDPA with the float mask 0.076 ms against Triton's 0.099 ms; at 8,192 keys 0.232 against
-0.173 ms; between the two was not measured."""
+"""``auto`` takes a kernel for an eager decoder's calls of at least this many keys (prompt + new tokens),
+else SDPA. Measured on one H100 (bf16, 32/8 heads, head dim 128, batch 1, one call with its launch):
+at 2,048 keys SDPA with the float mask took 0.071 / 0.088 / 0.085 ms for 16 / 64 / 256 nodes and
+the Triton kernel 0.087 / 0.088 / 0.127 ms; at 8,192 keys 0.224 / 0.235 / 0.234 against 0.101 /
+0.112 / 0.187 ms. Between the two was not measured."""
+AUTO_MIN_CONTEXT_CAPTURED = 2048
+"""The same for a step captured as a CUDA graph (the static decoder), where launches cost nothing and
+only the GPU's time counts: at 2,048 keys the Triton kernel took 0.024 / 0.025 / 0.058 ms of GPU time
+against SDPA's 0.052 / 0.056 / 0.066 ms (16 / 64 / 256 nodes, batch 1), and the captured step of a
+Llama-3-8B-shaped model 9.54 / 12.91 ms (1 / 64 nodes) against 11.07 / 15.52 ms; at 512 keys the two
+were level (0.019-0.030 ms)."""
 KERNEL_NAME = "medusa_tree"
 """The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
 
@@ -170,12 +177,15 @@ def tree_attention(
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
 
 
-def resolve_attention(attention: str, device: torch.device, context: int | None = None) -> str:
+def resolve_attention(
+    attention: str, device: torch.device, context: int | None = None, captured: bool = False
+) -> str:
     """The implementation a decoder uses for ``attention`` on ``device``: "sdpa", "triton" or "cuda".
 
     ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device when the call's ``context``
     (the most keys a row attends to: prompt + new tokens; None: unknown, taken as long) reaches
-    :data:`AUTO_MIN_CONTEXT`, else ``sdpa`` (always on a CPU).
+    :data:`AUTO_MIN_CONTEXT` (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as
+    a CUDA graph), else ``sdpa`` (always on a CPU).
 
     Raises:
         AttentionBackendError: an unknown choice, or one that cannot run here (the message says why).
@@ -187,7 +197,8 @@ def resolve_attention(attention: str, device: torch.device, context: int | None 
     if attention == "sdpa":
         return "sdpa"
     if attention == "auto":
-        if device.type != "cuda" or (context is not None and context < AUTO_MIN_CONTEXT):
+        least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
+        if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
@@ -291,6 +302,7 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
 __all__ = [
     "ATTENTION_CHOICES",
     "AUTO_MIN_CONTEXT",
+    "AUTO_MIN_CONTEXT_CAPTURED",
     "AUTO_ORDER",
     "KERNEL_NAME",
     "AttentionBackendError",

@@ -244,8 +244,6 @@ def triton_tree_attention(
     scale: float,
     window: int | None = None,
     num_splits: int | None = None,
-    block_m: int | None = None,
-    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (see the module docstring and
     :func:`medusa_train.decoding.attention.tree_attention` for the contract).
@@ -260,8 +258,6 @@ def triton_tree_attention(
         scale: softmax scale of the scores.
         window: sliding window (query sees a key iff their positions differ by less), None for none.
         num_splits: KV splits (None: chosen from the shape and the device).
-        block_m, num_warps: packed query rows per program and warps per program (None: the defaults
-            below; other values are for benchmarks, ``scripts/bench_attention.py``).
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
@@ -273,10 +269,10 @@ def triton_tree_attention(
     out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)  # (B, Hq, M, D)
     block_d = max(16, triton_next_pow2(d))
     if query.device.type == "cuda":
-        block_m = block_m or (64 if g * m > 32 else max(16, triton_next_pow2(g * m)))
+        block_m = 64 if g * m > 32 else max(16, triton_next_pow2(g * m))
         block_n = 64 if block_d <= 128 else 32
     else:  # the interpreter: its cost is per operation, so few large tiles
-        block_m = block_m or min(256, max(16, triton_next_pow2(g * m)))
+        block_m = min(256, max(16, triton_next_pow2(g * m)))
         block_n = 128
     grid_m = math.ceil(g * m / block_m)
     past_width = key.shape[2] - m
@@ -295,7 +291,7 @@ def triton_tree_attention(
         bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=num_warps or 4, num_stages=2 if query.dtype == torch.float32 else 3,
+        num_warps=4, num_stages=2 if query.dtype == torch.float32 else 3,
     )  # fmt: skip
     if splits > 1:
         combine[(grid_m, bsz * hkv)](

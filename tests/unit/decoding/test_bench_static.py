@@ -44,3 +44,14 @@ def test_tiny_cpu_run_with_the_triton_kernel(tmp_path):
     rows = results["rows"]
     assert [r["decoder"] for r in rows] == ["plain eager generate", "static eager triton batch 2, 4 nodes"]
     assert not [r for r in rows if "error" in r] and all(r["ms"] > 0 for r in rows)
+
+
+def test_a_context_the_model_cannot_hold_is_refused(capsys):
+    """Context + new tokens + tree past the model's positions would time an empty decode: refused
+    with one line and exit 2, before any model is built."""
+    bench = load_script("bench_static")
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--device", "cpu", "--contexts", "2048", "8192"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--contexts [8192]" in err and "8064" in err

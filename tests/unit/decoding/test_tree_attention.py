@@ -25,6 +25,7 @@ from transformers import DynamicCache  # noqa: E402
 from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
 from medusa_train.decoding.attention import (  # noqa: E402
     AUTO_MIN_CONTEXT,
+    AUTO_MIN_CONTEXT_CAPTURED,
     KERNEL_NAME,
     AttentionBackendError,
     TreeMask,
@@ -169,6 +170,10 @@ def test_auto_takes_the_kernel_only_for_long_contexts_on_cuda():
         assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT) == "triton"
         assert resolve_attention("auto", cuda) == "triton"
     assert resolve_attention("auto", torch.device("cpu"), context=10**6) == "sdpa"
+    # a captured step (no launch cost) takes the kernel from a shorter context
+    assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT_CAPTURED - 1, captured=True) == "sdpa"
+    if triton_available():
+        assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT_CAPTURED, captured=True) == "triton"
 
 
 def test_tree_step_switches_the_attention_and_restores_it_on_error():
