@@ -108,6 +108,18 @@ step() {
     return $rc
 }
 skip() { printf '| %s | skipped | - | %s |\n' "$1" "$2" >>"$SUMMARY"; }
+# merge_json PREFIX OUT: $SCRATCH/PREFIX_<name>.json files as one {name: contents} JSON file (the
+# device returns at most 8 files).
+merge_json() {
+    "$PY" - "$SCRATCH" "$1" "$2" <<'PYEOF'
+import json, sys
+from pathlib import Path
+scratch, prefix, out = sys.argv[1:]
+runs = {p.stem.removeprefix(prefix + "_"): json.loads(p.read_text()) for p in sorted(Path(scratch).glob(prefix + "_*.json"))}
+if runs:
+    Path(out).write_text(json.dumps(runs, indent=1))
+PYEOF
+}
 
 # 1. Wheels the image lacks (hydra, omegaconf, datasets, deepspeed...), installed beside the image's own.
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
@@ -184,13 +196,7 @@ if [ -f scripts/bench_static.py ]; then
         step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
             "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
     done
-    "$PY" - "$SCRATCH" "$OUTDIR/bench_static_attention.json" <<'PYEOF'
-import json, sys
-from pathlib import Path
-runs = {p.stem.removeprefix("static_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("static_*.json"))}
-if runs:
-    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
-PYEOF
+    merge_json static "$OUTDIR/bench_static_attention.json"
 fi
 
 # 6. Every stage on the device, small settings, on copies of the demo workdir.
@@ -237,13 +243,7 @@ else
             --llama8b-shape --device cuda --dtype bfloat16 --contexts 2048 --skip-overhead --attention $a \
             --json "$SCRATCH/decode_$a.json"
     done
-    "$PY" - "$SCRATCH" "$OUTDIR/bench_decode.json" <<'PYEOF'
-import json, sys
-from pathlib import Path
-runs = {p.stem.removeprefix("decode_"): json.loads(p.read_text()) for p in sorted(Path(sys.argv[1]).glob("decode_*.json"))}
-if runs:
-    Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
-PYEOF
+    merge_json decode "$OUTDIR/bench_decode.json"
 fi
 {
     echo
