@@ -320,6 +320,20 @@ def test_static_compiled_parity(arch):
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == plain_greedy(model, prompt, 30)
 
 
+@pytest.mark.slow
+def test_static_compiled_typical():
+    """Typical acceptance in the step under torch.compile (about 30 s on 2 cores)."""
+    model = peaked_model("llama", seed=4)
+    heads = random_heads(model, seed=7)
+    settings = dict(acceptance="typical", temperature=0.7)
+    decoder = StaticDecoder(model, heads, random_tree(1), 2 * MAX_POS, capture="compile", **settings)
+    gen = torch.Generator().manual_seed(20)
+    for prompt_len in (3, 11):
+        prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
+        ref = medusa_generate(model, heads, prompt, max_new_tokens=30, tree=random_tree(1), **settings)
+        assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == ref.tokens.tolist()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_static_with_triton_kernel_equals_greedy(arch, monkeypatch):
@@ -377,6 +391,26 @@ def test_gpu_captured_step_with_kernels_equals_greedy(attention):
     decoder = StaticDecoder(
         model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture="cuda_graph", attention=attention
     )
+    for _ in range(2):
+        assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_captured_step_typical_equals_medusa_generate():
+    """Typical acceptance in the CUDA-graph step (fp32 peaked tiny Llama): three rows, two calls replaying
+    the same graph, each row ``medusa_generate(acceptance="typical")``."""
+    model = peaked_model("llama", seed=4).cuda()
+    heads = random_heads(model, seed=7).cuda()
+    tree = random_tree(1, nodes=12)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen).cuda() for n in (5, 13, 2)]
+    settings = dict(acceptance="typical", temperature=0.7)
+    refs = [
+        medusa_generate(model, heads, p, max_new_tokens=16, tree=tree, **settings).tokens.tolist()
+        for p in prompts
+    ]
+    decoder = StaticDecoder(model, heads, tree, 64, batch_size=3, capture="cuda_graph", **settings)
     for _ in range(2):
         assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
 
