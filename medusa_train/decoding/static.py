@@ -15,10 +15,11 @@ What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, 
   never emitted; their position ids are clamped to the model's last position), by every row until the
   last row stops (a finished row's steps are discarded);
 - each row's cache length, root token, last hidden state, emitted tokens and per-step accepted
-  lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`), greedy
-  acceptance (each node's token against its parent's argmax, the longest accepted root-to-leaf row of
-  ``retrieve_indices``: :func:`greedy_path`), KV compaction (the accepted path's entries gathered to
-  ``[L_b, L_b + n_b)``) and the bookkeeping are tensor operations.
+  lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`), acceptance
+  (greedy: each node's token against its parent's argmax, the longest accepted root-to-leaf row of
+  ``retrieve_indices``, :func:`greedy_path`; or Medusa's typical acceptance, :func:`typical_path`), KV
+  compaction (the accepted path's entries gathered to ``[L_b, L_b + n_b)``) and the bookkeeping are
+  tensor operations.
 
 Tree attention. With ``attention="sdpa"`` the model's own attention reads all C columns through the
 mask above. With a kernel (``"triton"``, ``"cuda"``; :mod:`.attention`) the step's forward builds no
@@ -31,12 +32,14 @@ What syncs. The host reads the rows' numbers of emitted tokens (and their new to
 once every ``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
 
 Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
-to the float rounding of a different attention width, as for :func:`medusa_generate`).
+to the float rounding of a different attention width, as for :func:`medusa_generate`); typical output
+equals :func:`medusa_generate` with ``acceptance="typical"`` at the same temperature and thresholds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -60,6 +63,7 @@ from .generate import (
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
+STATIC_ACCEPTANCE = ("greedy", "typical")
 SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
 
@@ -141,7 +145,7 @@ class StaticKVCache(Cache):
 
 
 class StaticDecoder:
-    """Greedy Medusa decoding of up to B rows whose step has fixed shapes; built once, reused across prompts.
+    """Medusa decoding of up to B rows whose step has fixed shapes; built once, reused across prompts.
 
     Args:
         model: a Hugging Face causal LM in eval mode (Llama, Qwen2, Mistral, GPT-2, ... with the "sdpa"
@@ -163,11 +167,17 @@ class StaticDecoder:
             ``(B, 1, M, C)`` mask), "triton" or "cuda" (a kernel of :mod:`medusa_train.decoding.attention`
             reading each row's past and tree, no mask), or "auto" (:func:`resolve_attention` with the
             capacity as the context; sdpa on a CPU). The prefill always runs the model's own attention.
+        acceptance: "greedy" (each node against its parent's argmax: plain greedy decoding) or
+            "typical" (Medusa's typical acceptance, :func:`typical_path`, inside the step: the same
+            tokens as ``medusa_generate(acceptance="typical")``); "sample" needs the dynamic decoders.
+        temperature: the temperature of "typical" (0: greedy).
+        posterior_threshold: epsilon of "typical".
+        posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
 
     Raises:
-        ValueError: an unknown capture or backend, cuda_graph off CUDA, compile with a kernel off
-            CUDA, a model mixing full and sliding-window layers, a flash-attention model, or a
-            capacity too small for the tree.
+        ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
+            threshold, cuda_graph off CUDA, compile with a kernel off CUDA, a model mixing full and
+            sliding-window layers, a flash-attention model, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree does not fit the heads.
     """
@@ -185,6 +195,10 @@ class StaticDecoder:
         sync_every: int = 1,
         sdpa_backend: str | None = None,
         attention: str = "sdpa",
+        acceptance: str = "greedy",
+        temperature: float = 1.0,
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -192,7 +206,17 @@ class StaticDecoder:
             raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
         if sync_every < 1 or batch_size < 1:
             raise ValueError(f"sync_every and batch_size must be >= 1, got {sync_every} and {batch_size}")
-        _check_settings(model, "greedy", 0, 1.0, 1.0)
+        if acceptance not in STATIC_ACCEPTANCE:
+            raise ValueError(
+                f"the static decoder's acceptance must be one of {STATIC_ACCEPTANCE}, got {acceptance!r}"
+                + (": use medusa_generate for sampling" if acceptance == "sample" else "")
+            )
+        if not (posterior_threshold >= 0 and posterior_alpha >= 0):
+            raise ValueError(
+                "posterior_threshold and posterior_alpha must be >= 0, got "
+                f"{posterior_threshold} and {posterior_alpha}"
+            )
+        _check_settings(model, acceptance, 0, temperature, 1.0)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -231,6 +255,18 @@ class StaticDecoder:
         self._retrieve_valid = self.tree.retrieve_indices[:, 1:] >= 0  # (Lf, D)
         self._parents = self.tree.parents.clamp(min=0)  # (M,)
         self._row_ids = torch.arange(b, device=dev)  # (B,)
+        # The acceptance rule of the step, chosen once (typical at temperature 0, or without candidates,
+        # is greedy).
+        self._accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        self._accept = self._accept_greedy
+        if acceptance == "typical" and temperature > 0 and d_depth > 0:
+            self._internal, self._parent_slot = typical_nodes(self.tree)  # (P,), (M,)
+            self._typical_settings = dict(
+                temperature=temperature,
+                posterior_threshold=posterior_threshold,
+                posterior_alpha=posterior_alpha,
+            )
+            self._accept = self._accept_typical
         # The kernels' view of the step: the same tensors every step (a replay reads them in place).
         self._kernel_step: TreeStep | None = None
         if self.attention != "sdpa":
@@ -247,6 +283,7 @@ class StaticDecoder:
             self.hidden = torch.zeros(b, hidden_size, dtype=self.dtype, device=dev)  # (B, d)
             self.out_tokens = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) emitted
             self.num_out = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
+            self.budget = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) tokens each row may emit
             self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
@@ -258,6 +295,7 @@ class StaticDecoder:
             self.hidden,
             self.out_tokens,
             self.num_out,
+            self.budget,
             self.step_lengths,
             self.num_steps,
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
@@ -366,10 +404,10 @@ class StaticDecoder:
             **self._cache_kwargs,
         )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
-        # 3. Greedy acceptance: a node is accepted when its token is its parent's argmax; the longest
-        #    accepted prefix of a root-to-leaf row of the tree is the path.
+        # 3. Acceptance (greedy or typical): the longest accepted prefix of a root-to-leaf row of the
+        #    tree is the path; the next root is the argmax at its last node.
         pred = logits.argmax(dim=-1)  # (B, M)
-        path, n = greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
+        path, n = self._accept(tree_tokens, logits, pred)  # (B, D + 1), (B,)
         last = path.gather(1, (n - 1)[:, None])[:, 0]  # (B,)
         path_tokens = tree_tokens.gather(1, path)  # (B, D + 1)
         # 4. KV compaction: entry L + path[j] moves to L + j (entries past n are stale and masked).
@@ -385,6 +423,29 @@ class StaticDecoder:
         length.add_(n)
         self.root.copy_(pred.gather(1, last[:, None])[:, 0])
         self.hidden.copy_(hidden[self._row_ids, last])
+
+    def _accept_greedy(
+        self, tree_tokens: torch.Tensor, logits: torch.Tensor, pred: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`greedy_path` of the step: ``(B, M)`` tokens, ``(B, M, V)`` logits, ``(B, M)`` argmax."""
+        return greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
+
+    def _accept_typical(
+        self, tree_tokens: torch.Tensor, logits: torch.Tensor, pred: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`typical_path` of the step, each row's accepted candidates capped at its remaining
+        budget less the root (as ``medusa_generate`` cuts its tree near the end)."""
+        room = (self.budget - self.num_out - 1).clamp(min=0)  # (B,)
+        return typical_path(
+            tree_tokens,
+            logits,
+            self._internal,
+            self._parent_slot,
+            self._retrieve,
+            self._retrieve_valid,
+            room,
+            **self._typical_settings,
+        )
 
     def _prefill_row(self, row: int, input_ids: torch.Tensor) -> None:
         """Row ``row``'s prompt ``(1, T)`` into its columns ``[0, T)`` (eager); its state reset."""
@@ -414,7 +475,7 @@ class StaticDecoder:
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> MedusaOutput:
-        """Greedy Medusa generation of one prompt; the same result as :func:`medusa_generate` greedy.
+        """Medusa generation of one prompt; the same result as :func:`medusa_generate` with the same rule.
 
         Args:
             input_ids: ``(1, T)`` prompt on the model's device.
@@ -443,7 +504,7 @@ class StaticDecoder:
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> MedusaBatchOutput:
-        """Greedy Medusa generation of up to B prompts of any lengths, one row each.
+        """Medusa generation of up to B prompts of any lengths, one row each.
 
         Args:
             prompts: ``(1, T)`` or ``(T,)`` token ids on the model's device, T >= 1, at most B of them.
@@ -451,7 +512,8 @@ class StaticDecoder:
             eos_token_id: one id or several; an EOS is emitted and ends its row.
 
         Returns:
-            :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate``; every row
+            :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate`` (typical: its
+            ``medusa_generate(acceptance="typical")``); every row
             takes part in every step until the last row stops (``num_forwards``: steps run).
 
         Raises:
@@ -486,6 +548,7 @@ class StaticDecoder:
             t0 = _now(self.device)
             for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
                 self._prefill_row(row, ids[row] if row < len(ids) else ids[0])
+                self.budget[row] = budgets[row] if row < len(ids) else budgets[0]
             self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
             while any(active):
@@ -553,6 +616,81 @@ def greedy_path(
     return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
 
 
+def typical_nodes(tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nodes whose distributions :func:`typical_path` needs (those with children) and where each
+    node's parent sits among them.
+
+    Returns:
+        ``(P,)`` the internal nodes in increasing order and ``(M,)`` the index into them of each node's
+        parent (the root's: the root's own index, 0). The tree must have at least one candidate.
+    """
+    assert tree.max_depth > 0, "typical acceptance needs a tree with candidates"
+    parents = tree.parents.clamp(min=0)  # (M,)
+    internal = parents[1:].unique()  # (P,) sorted, the root first
+    return internal, torch.searchsorted(internal, parents)
+
+
+def typical_path(
+    tree_tokens: torch.Tensor,
+    logits: torch.Tensor,
+    internal: torch.Tensor,
+    parent_slot: torch.Tensor,
+    retrieve: torch.Tensor,
+    retrieve_valid: torch.Tensor,
+    max_accept: torch.Tensor,
+    *,
+    temperature: float,
+    posterior_threshold: float,
+    posterior_alpha: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Medusa's typical acceptance of B rows as tensor operations (no host sync), the rule of
+    :func:`~medusa_train.decoding.acceptance.accept_typical`.
+
+    A node is accepted iff its token's probability at its parent (softmax of the logits over the
+    temperature) exceeds ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``; the path is
+    the longest accepted prefix of a root-to-leaf row, capped at ``max_accept`` candidates, ties between
+    rows broken by the prefix's summed ``log(p + 1e-10)`` (the first such row on equal sums). The
+    softmax runs over the internal nodes only (a leaf's distribution judges no candidate).
+
+    Args:
+        tree_tokens: ``(B, M)`` token of every node.
+        logits: ``(B, M, V)`` backbone logits at every node.
+        internal: ``(P,)`` nodes with children; ``parent_slot``: ``(M,)`` each node's parent's index
+            into ``internal`` (both from :func:`typical_nodes`).
+        retrieve: ``(Lf, D + 1)`` root-to-leaf node indices, padding clamped to 0.
+        retrieve_valid: ``(Lf, D)`` which of entries 1..D of ``retrieve`` are real nodes.
+        max_accept: ``(B,)`` most candidates a row may accept (its remaining budget less the root).
+        temperature: > 0.
+        posterior_threshold: epsilon; posterior_alpha: delta.
+
+    Returns:
+        ``(B, D + 1)`` each row's path of node indices (root first; entries from n on are padding) and
+        ``(B,)`` n, the accepted nodes, the root included. The next root is the argmax of the logits at
+        the path's last node.
+    """
+    b, _, v = logits.shape
+    probs = torch.softmax(logits.index_select(1, internal).float() / temperature, dim=-1)  # (B, P, V)
+    entropy = -(probs * torch.log(probs + 1e-10)).sum(dim=-1)  # (B, P)
+    threshold = torch.minimum(
+        torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy)
+    )  # (B, P)
+    # p(node's token | parent) for every node, read from the flattened (B, P * V) probabilities.
+    flat = parent_slot[None, :] * v + tree_tokens  # (B, M)
+    p_node = probs.view(b, -1).gather(1, flat)  # (B, M)
+    ok = p_node > threshold[:, parent_slot]  # (B, M)
+    ok_rows = ok[:, retrieve[:, 1:]] & retrieve_valid  # (B, Lf, D)
+    accepted = ok_rows.long().cumprod(dim=2).sum(dim=2)  # (B, Lf)
+    accepted = torch.minimum(accepted, max_accept[:, None])  # (B, Lf)
+    longest = accepted.amax(dim=1)  # (B,)
+    steps = torch.arange(retrieve.shape[1] - 1, device=logits.device)  # (D,)
+    cand_p = p_node[:, retrieve[:, 1:]]  # (B, Lf, D)
+    in_prefix = steps < accepted[:, :, None]  # (B, Lf, D)
+    loglik = torch.where(in_prefix, torch.log(cand_p + 1e-10), torch.zeros_like(cand_p)).sum(dim=2)
+    loglik = torch.where(accepted == longest[:, None], loglik, torch.full_like(loglik, -math.inf))  # (B, Lf)
+    best = loglik.argmax(dim=1)  # (B,)
+    return retrieve.index_select(0, best), longest + 1  # (B, D + 1), (B,)
+
+
 def _cut_lengths(step_lengths: list[int], num_tokens: int) -> list[int]:
     """The per-step accepted lengths of the first ``num_tokens`` tokens (the last step cut to fit)."""
     lengths, total = [], 0
@@ -588,6 +726,10 @@ def medusa_generate_static(
     compile_mode: str | None = None,
     sync_every: int = 1,
     attention: str = "sdpa",
+    acceptance: str = "greedy",
+    temperature: float = 1.0,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
@@ -603,5 +745,9 @@ def medusa_generate_static(
         compile_mode=compile_mode,
         sync_every=sync_every,
         attention=attention,
+        acceptance=acceptance,
+        temperature=temperature,
+        posterior_threshold=posterior_threshold,
+        posterior_alpha=posterior_alpha,
     )
     return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

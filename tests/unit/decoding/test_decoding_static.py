@@ -1,5 +1,6 @@
-"""The static-shape decoder is token-for-token plain greedy ``generate``, eager and under torch.compile;
-its tensor acceptance picks the same path as the host-side walk."""
+"""The static-shape decoder is token-for-token plain greedy ``generate``, eager and under torch.compile,
+and with typical acceptance token-for-token ``medusa_generate(acceptance="typical")``; its tensor
+acceptance rules pick the same paths as the host-side ones."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ import torch
 
 import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate
-from medusa_train.decoding.acceptance import accept_greedy
-from medusa_train.decoding.static import StaticDecoder, greedy_path, medusa_generate_static
+from medusa_train.decoding.acceptance import accept_greedy, accept_typical
+from medusa_train.decoding.static import (
+    StaticDecoder,
+    greedy_path,
+    medusa_generate_static,
+    typical_nodes,
+    typical_path,
+)
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
@@ -149,6 +156,129 @@ def test_greedy_path_matches_host_walk(seed):
     assert len(lengths) >= 2
 
 
+def peaked_model(arch: str, seed: int) -> torch.nn.Module:
+    """A tiny model whose final norm is scaled up: its next-token distributions are peaked enough for
+    typical acceptance to reject candidates (the plain tiny models are nearly uniform: all accepted)."""
+    model = tiny_model(arch, seed=seed)
+    norm = model.transformer.ln_f if arch == "gpt2" else model.model.norm
+    with torch.no_grad():
+        norm.weight.mul_({"gpt2": 8.0}.get(arch, 20.0))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_static_typical_matches_medusa_generate(arch):
+    """Typical acceptance inside the step: batch 1 and three rows (different prompt lengths, a budget
+    that cuts the last step's tree), two temperatures, a bushy and a random tree, and an EOS; every row
+    is ``medusa_generate(acceptance="typical")`` token for token and step for step."""
+    model = peaked_model(arch, seed=4)
+    heads = random_heads(model, seed=7)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen) for n in (4, 13, 1)]
+    lengths = set()
+    for tree in (MEDUSA_63, random_tree(3)):
+        for temperature in (0.7, 1.0):
+            settings = dict(acceptance="typical", temperature=temperature)
+            refs = [
+                medusa_generate(model, heads, p, max_new_tokens=23, tree=tree, **settings) for p in prompts
+            ]
+            one = StaticDecoder(model, heads, tree, 2 * MAX_POS, **settings)
+            single = one.generate(prompts[0], max_new_tokens=23)
+            assert single.tokens.tolist() == refs[0].tokens.tolist()
+            assert single.accepted_lengths == refs[0].accepted_lengths
+            rows = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3, sync_every=2, **settings)
+            out = rows.generate_batch(prompts, max_new_tokens=23)
+            for ref, row in zip(refs, out.rows, strict=True):
+                assert row.tokens.tolist() == ref.tokens.tolist(), (tree is MEDUSA_63, temperature)
+                assert row.accepted_lengths == ref.accepted_lengths
+                lengths.update(ref.accepted_lengths)
+            eos = refs[1].tokens.tolist()[6]
+            out = rows.generate_batch(prompts, max_new_tokens=23, eos_token_id=eos)
+            for p, row in zip(prompts, out.rows, strict=True):
+                ref = medusa_generate(
+                    model, heads, p, max_new_tokens=23, tree=tree, eos_token_id=eos, **settings
+                )
+                assert row.tokens.tolist() == ref.tokens.tolist() and row.stop_reason == ref.stop_reason
+    assert {1, 2, 3} <= lengths  # candidates were rejected and accepted
+    greedy = StaticDecoder(model, heads, MEDUSA_63, 2 * MAX_POS, acceptance="typical", temperature=0.0)
+    assert greedy.generate(prompts[1], max_new_tokens=20).tokens.tolist() == plain_greedy(
+        model, prompts[1], 20
+    )
+
+
+def _accepted_lengths(tokens, logits, tree, temperature, eps, alpha) -> list[int]:
+    """Each root-to-leaf row's accepted prefix, walked on the host (the test's own view of the rule)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (M, V)
+    entropy = -(probs * torch.log(probs + 1e-10)).sum(-1)  # (M,)
+    threshold = torch.minimum(torch.full_like(entropy, eps), alpha * torch.exp(-entropy))
+    lengths = []
+    for row in tree.retrieve_indices.tolist():
+        n = 0
+        while n + 1 < len(row) and row[n + 1] >= 0 and probs[row[n], tokens[row[n + 1]]] > threshold[row[n]]:
+            n += 1
+        lengths.append(n)
+    return lengths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_typical_path_matches_accept_typical(seed):
+    """On random logits, B = 4 rows at once: the tensor rule accepts the path of :func:`accept_typical`
+    (ties in length among several rows included), capped at a budget as ``accept_typical`` on the
+    tree's prefix of that depth."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = TreeBuffers.from_choices(MEDUSA_63 if seed % 2 else random_tree(seed, nodes=30))
+    vocab, b, eps, alpha = 12, 4, 0.09, 0.3
+    retrieve = tree.retrieve_indices.clamp(min=0)
+    valid = tree.retrieve_indices[:, 1:] >= 0
+    internal, parent_slot = typical_nodes(tree)
+    node_of = {c: n + 1 for n, c in enumerate(tree.choices)}
+    ties = lengths = 0
+    for temperature in (0.7, 1.0, 1.5):
+        for _ in range(15):
+            logits = 3 * torch.randn(b, tree.num_nodes, vocab, generator=gen)  # (B, M, V)
+            ranks = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(b * tree.max_depth)])
+            flat = torch.cat([torch.full((b, 1), 3), ranks[:, : tree.topk].reshape(b, -1)], dim=1)
+            tokens = flat[:, tree.tree_indices]  # (B, M)
+            cap = torch.randint(0, tree.max_depth + 2, (b,), generator=gen)  # (B,) budget less the root
+            path, n = typical_path(
+                tokens,
+                logits,
+                internal,
+                parent_slot,
+                retrieve,
+                valid,
+                cap,
+                temperature=temperature,
+                posterior_threshold=eps,
+                posterior_alpha=alpha,
+            )
+            for r in range(b):
+                sub = tree.prefix(int(cap[r]))
+                nodes = [0] + [node_of[c] for c in sub.choices]  # sub-tree node -> node
+                expected = accept_typical(
+                    tokens[r, nodes],
+                    logits[r, nodes],
+                    sub,
+                    temperature=temperature,
+                    posterior_threshold=eps,
+                    posterior_alpha=alpha,
+                )
+                got = path[r, : int(n[r])].tolist()
+                assert got == [nodes[i] for i in expected.path], (temperature, r)
+                assert int(logits[r, got[-1]].argmax()) == expected.next_token
+                rows = _accepted_lengths(tokens[r], logits[r], tree, temperature, eps, alpha)
+                longest = max(rows)
+                heads_of_ties = {
+                    tuple(row[: longest + 1])
+                    for row, k in zip(tree.retrieve_indices.tolist(), rows, strict=True)
+                    if k == longest
+                }
+                ties += longest > 0 and len(heads_of_ties) > 1 and int(cap[r]) >= longest
+                lengths |= 1 << int(n[r])
+    assert ties >= 5  # distinct paths of equal length, settled by their log-likelihood
+    assert lengths.bit_count() >= 3
+
+
 def test_static_user_errors():
     model = tiny_model("llama")
     heads = random_heads(model)
@@ -161,6 +291,12 @@ def test_static_user_errors():
     if importlib.util.find_spec("triton") is not None:
         with pytest.raises(ValueError, match="capture='eager' on a CPU"):
             StaticDecoder(model, heads, MEDUSA_63, 128, capture="compile", attention="triton")
+    with pytest.raises(ValueError, match="use medusa_generate for sampling"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="sample")
+    with pytest.raises(ValueError, match="temperature >= 0"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="typical", temperature=-1.0)
+    with pytest.raises(ValueError, match="posterior_alpha must be >= 0"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="typical", posterior_alpha=-0.3)
     with pytest.raises(ValueError, match="capacity >= "):
         StaticDecoder(model, heads, MEDUSA_63, 80).generate(
             torch.ones(1, 10, dtype=torch.long), max_new_tokens=30
@@ -182,6 +318,20 @@ def test_static_compiled_parity(arch):
     for prompt_len in (3, 11):
         prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == plain_greedy(model, prompt, 30)
+
+
+@pytest.mark.slow
+def test_static_compiled_typical():
+    """Typical acceptance in the step under torch.compile (about 30 s on 2 cores)."""
+    model = peaked_model("llama", seed=4)
+    heads = random_heads(model, seed=7)
+    settings = dict(acceptance="typical", temperature=0.7)
+    decoder = StaticDecoder(model, heads, random_tree(1), 2 * MAX_POS, capture="compile", **settings)
+    gen = torch.Generator().manual_seed(20)
+    for prompt_len in (3, 11):
+        prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
+        ref = medusa_generate(model, heads, prompt, max_new_tokens=30, tree=random_tree(1), **settings)
+        assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == ref.tokens.tolist()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -241,6 +391,26 @@ def test_gpu_captured_step_with_kernels_equals_greedy(attention):
     decoder = StaticDecoder(
         model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture="cuda_graph", attention=attention
     )
+    for _ in range(2):
+        assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_captured_step_typical_equals_medusa_generate():
+    """Typical acceptance in the CUDA-graph step (fp32 peaked tiny Llama): three rows, two calls replaying
+    the same graph, each row ``medusa_generate(acceptance="typical")``."""
+    model = peaked_model("llama", seed=4).cuda()
+    heads = random_heads(model, seed=7).cuda()
+    tree = random_tree(1, nodes=12)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen).cuda() for n in (5, 13, 2)]
+    settings = dict(acceptance="typical", temperature=0.7)
+    refs = [
+        medusa_generate(model, heads, p, max_new_tokens=16, tree=tree, **settings).tokens.tolist()
+        for p in prompts
+    ]
+    decoder = StaticDecoder(model, heads, tree, 64, batch_size=3, capture="cuda_graph", **settings)
     for _ in range(2):
         assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
 
