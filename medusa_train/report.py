@@ -452,6 +452,14 @@ def write_plots(report: dict, directory: Path) -> dict[str, Path]:
         sizes = [r["batch_size"] for r in rows]
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         ax.plot(sizes, [r["speedup"] for r in rows], "o-", color="tab:red", label="speed-up")
+        if "static_speedup" in rows[0]:  # eval.compile
+            ax.plot(
+                sizes,
+                [r["static_speedup"] for r in rows],
+                "D-",
+                color="tab:purple",
+                label="static Medusa speed-up",
+            )
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])

@@ -27,7 +27,7 @@ from medusa_train.decoding.timing import (
     speedup_ceiling,
     speedup_figures,
 )
-from medusa_train.report import report_markdown, summarise, summary_table
+from medusa_train.report import report_markdown, summarise, summary_table, write_plots
 from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 TOKENS = 8
@@ -162,7 +162,7 @@ def test_compiled_warm_up_covers_every_shape_of_the_timed_turns() -> None:
     assert {cap for cap, _, _ in static} == wanted
 
 
-def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatch) -> None:
+def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatch, tmp_path) -> None:
     """eval.compile in the batch-size table: the static decoder with B rows (captured eagerly here) and
     the static-cache ``generate`` with B rows decode the same groups as plain batched ``generate``,
     row for row identical; each (capacity, B) is captured once, untimed, before the timed groups."""
@@ -196,9 +196,11 @@ def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatc
     )
     assert built == [(256, 2)]  # captured once, in the warm-up
     assert not decode._static  # released after its batch size
-    md = report_markdown(
+    full = (
         main
         | {"batch_sizes": [one, two], "date": "now", "num_prompts": 5, "tree_size": tree.num_nodes}
         | {"accepted_length_histogram": {}, "machine": {}}
     )
+    md = report_markdown(full)
     assert "| static Medusa tokens/s |" in md and "| 2 | " in md
+    assert write_plots(full, tmp_path)["batch_size"].stat().st_size > 1000
