@@ -703,8 +703,8 @@ class EvalConfig:
     compile: bool = False
     """Also measure the compiled decoders on every turn: plain greedy with transformers' static cache and
     compiled forward (`cache_implementation="static"`), and Medusa's static-shape decoder (its whole step
-    a CUDA graph on CUDA, `torch.compile` on CPU); the report gives Medusa's speed-up against both
-    baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
+    a CUDA graph on CUDA, `torch.compile` on CPU), at batch 1 and with B rows at each of
+    `eval.batch_sizes`; the report gives Medusa's speed-up against both baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
     pays only over long runs; on a GPU turn it on."""
     attention: str = "sdpa"
     """Tree attention of Medusa's verification forwards: sdpa (the model's attention with a dense

@@ -311,6 +311,23 @@ def report_markdown(report: dict) -> str:
             for r in report["batch_sizes"]
         ]
         lines.append("")
+        if "static_speedup" in report["batch_sizes"][0]:  # eval.compile
+            lines += [
+                "Compiled, same groups: transformers' static-cache `generate` with B rows (left padding) and "
+                "Medusa's static decoder with B rows; speed-ups over plain batched `generate`, and the static "
+                "decoder's over the compiled `generate` (medians over groups).",
+                "",
+                "| batch | compiled plain tokens/s | speed-up | rows identical "
+                "| static Medusa tokens/s | speed-up | rows identical | static vs compiled |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {r['batch_size']} | {r['compiled_tokens_per_s']:.1f} | {r['compiled_speedup']:.2f}x "
+                f"| {r['compiled_identical']:.0%} | {r['static_tokens_per_s']:.1f} | {r['static_speedup']:.2f}x "
+                f"| {r['static_identical']:.0%} | {r['static_speedup_vs_compiled']:.2f}x |"
+                for r in report["batch_sizes"]
+            ]
+            lines.append("")
     if report.get("vllm_chain"):
         lines += ["## vLLM: the top-1 chain", "", vllm_chain_table(report["vllm_chain"]), ""]
     if report.get("comparison"):
@@ -435,6 +452,14 @@ def write_plots(report: dict, directory: Path) -> dict[str, Path]:
         sizes = [r["batch_size"] for r in rows]
         fig, ax = plt.subplots(figsize=(5.5, 3.5))
         ax.plot(sizes, [r["speedup"] for r in rows], "o-", color="tab:red", label="speed-up")
+        if "static_speedup" in rows[0]:  # eval.compile
+            ax.plot(
+                sizes,
+                [r["static_speedup"] for r in rows],
+                "D-",
+                color="tab:purple",
+                label="static Medusa speed-up",
+            )
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])

@@ -7,7 +7,8 @@ generation are the same call with their ``generate`` arguments); Medusa is :func
 (batch 1) and :func:`medusa_generate_batch`. With ``compile=True`` two more: plain greedy through
 transformers' static cache with a compiled forward (``cache_implementation="static"``, the fair GPU
 baseline) and greedy Medusa through a :class:`StaticDecoder` (a CUDA graph on CUDA, ``torch.compile``
-elsewhere), one decoder per capacity bucket, captured on first use.
+elsewhere), one decoder per capacity bucket and number of rows, captured on first use; both at batch 1
+and, in the batch-size table, with B rows.
 
 The protocol (eval's main row, its batch-size table and tree-size sweep, ``scripts/bench_decode.py``):
 
@@ -204,7 +205,7 @@ class TimedDecoders:
         self.model, self.packed, self.tree, self.eos, self.pad = model, packed, tree, eos, pad_token_id
         self.attention = attention
         self.device = next(model.parameters()).device
-        self._static: dict[int, StaticDecoder] = {}  # capacity -> captured decoder
+        self._static: dict[tuple[int, int], StaticDecoder] = {}  # (capacity, rows) -> captured decoder
 
     def compiled_generate_args(self) -> dict:
         """``generate`` arguments of the compiled plain baseline: transformers' static cache, whose forward
@@ -222,24 +223,49 @@ class TimedDecoders:
         """How the static decoder's step is captured here: a CUDA graph on CUDA, torch.compile elsewhere."""
         return "cuda_graph" if self.device.type == "cuda" else "compile"
 
-    @torch.inference_mode()
-    def medusa_static(self, ids: torch.Tensor, max_new_tokens: int) -> Decoded:
-        """Greedy Medusa through a captured :class:`StaticDecoder` (capacity: the next power of two >= 256
-        that holds prompt + budget + tree; each capacity is captured once, on first use)."""
-        capacity = self.static_capacity(ids.shape[1], max_new_tokens)
-        if capacity not in self._static:
-            self._static[capacity] = StaticDecoder(
+    def static_decoder(self, capacity: int, batch_size: int = 1) -> StaticDecoder:
+        """The :class:`StaticDecoder` of ``capacity`` with ``batch_size`` rows, built (and so captured, on its
+        first call) once."""
+        key = (capacity, batch_size)
+        if key not in self._static:
+            self._static[key] = StaticDecoder(
                 self.model,
                 self.packed,
                 self.tree,
                 capacity,
+                batch_size=batch_size,
                 capture=self.static_capture,
                 attention=self.attention,
             )
+        return self._static[key]
+
+    def release_static(self, batch_size: int) -> None:
+        """Drop the static decoders with ``batch_size`` rows (their caches and captured graphs)."""
+        for key in [k for k in self._static if k[1] == batch_size]:
+            del self._static[key]
+
+    @torch.inference_mode()
+    def medusa_static(self, ids: torch.Tensor, max_new_tokens: int) -> Decoded:
+        """Greedy Medusa through a captured :class:`StaticDecoder` (capacity: the next power of two >= 256
+        that holds prompt + budget + tree; each capacity is captured once, on first use)."""
+        decoder = self.static_decoder(self.static_capacity(ids.shape[1], max_new_tokens))
         out, seconds = self._timed(
-            self._static[capacity].generate, ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos
+            decoder.generate, ids, max_new_tokens=max_new_tokens, eos_token_id=self.eos
         )
         return Decoded(out.tokens.tolist(), seconds, list(out.accepted_lengths))
+
+    @torch.inference_mode()
+    def medusa_static_batch(self, rows: list[torch.Tensor], max_new_tokens: int) -> Decoded:
+        """Greedy Medusa through a captured :class:`StaticDecoder` with ``len(rows)`` rows (``(1, T)``
+        prompts, no padding; capacity as :meth:`medusa_static` for the longest); ``accepted_lengths`` of
+        all rows, ``forwards`` the steps run (every row takes part in every step)."""
+        capacity = self.static_capacity(max(r.shape[1] for r in rows), max_new_tokens)
+        decoder = self.static_decoder(capacity, len(rows))
+        out, seconds = self._timed(
+            decoder.generate_batch, rows, max_new_tokens=max_new_tokens, eos_token_id=self.eos
+        )
+        steps = [n for r in out.rows for n in r.accepted_lengths]
+        return Decoded([r.tokens.tolist() for r in out.rows], seconds, steps, out.prefill_s, out.num_forwards)
 
     def warm_up_compiled(self, turns: Sequence[tuple[torch.Tensor, int]], compiled_args: dict) -> None:
         """Compile and capture, untimed, every shape the compiled decoders meet on ``turns`` (``(ids,
@@ -259,6 +285,27 @@ class TimedDecoders:
                 per_capacity[cap] = (ids, budget)
         for ids, budget in per_capacity.values():
             self.medusa_static(ids, budget)
+
+    def warm_up_compiled_batch(
+        self, groups: Sequence[tuple[list[torch.Tensor], int]], compiled_args: dict
+    ) -> None:
+        """:meth:`warm_up_compiled` for groups of B rows (``(prompts, budget)`` pairs, every group the same
+        B): the static-cache ``generate`` on the group needing the longest cache, the static decoder
+        with B rows once per capacity, on that capacity's longest group."""
+        if not groups:
+            return
+
+        def need(group: tuple[list[torch.Tensor], int]) -> int:
+            return max(r.shape[1] for r in group[0]) + group[1]
+
+        self.plain_batch(*max(groups, key=need), **compiled_args)
+        per_capacity: dict[int, tuple[list[torch.Tensor], int]] = {}
+        for group in groups:
+            cap = self.static_capacity(max(r.shape[1] for r in group[0]), group[1])
+            if cap not in per_capacity or need(group) > need(per_capacity[cap]):
+                per_capacity[cap] = group
+        for rows, budget in per_capacity.values():
+            self.medusa_static_batch(rows, budget)
 
     def static_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """The static decoder's cache capacity for a turn: the next power of two >= 256 that holds the
@@ -306,15 +353,16 @@ class TimedDecoders:
         return self.pad if self.pad is not None else self.eos[0]
 
     @torch.inference_mode()
-    def plain_batch(self, rows: list[torch.Tensor], max_new_tokens: int) -> Decoded:
-        """Greedy ``generate`` on left-padded ``(1, T)`` prompts; each row's tokens up to its EOS."""
+    def plain_batch(self, rows: list[torch.Tensor], max_new_tokens: int, **extra) -> Decoded:
+        """Greedy ``generate`` on left-padded ``(1, T)`` prompts; each row's tokens up to its EOS; ``extra``:
+        more ``generate`` arguments (:meth:`compiled_generate_args`: the compiled baseline)."""
         width = max(r.shape[1] for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
             ids[i, width - r.shape[1] :] = r[0]
             mask[i, width - r.shape[1] :] = 1
-        out, seconds = self._generate(ids, mask, max_new_tokens)
+        out, seconds = self._generate(ids, mask, max_new_tokens, **extra)
         eos = set(self.eos)
         tokens = []
         for row in out[:, width:].tolist():
@@ -385,7 +433,11 @@ class TimedDecoders:
 
 
 def batch_table(
-    decode: TimedDecoders, inputs: list[tuple[torch.Tensor, int]], sizes, report: dict
+    decode: TimedDecoders,
+    inputs: list[tuple[torch.Tensor, int]],
+    sizes,
+    report: dict,
+    compiled_args: dict | None = None,
 ) -> list[dict]:
     """Plain batched ``generate`` vs batched Medusa at each batch size in ``sizes``, same turns.
 
@@ -394,6 +446,12 @@ def batch_table(
     first group; plain and Medusa alternate which goes first from group to group, and the speed-up is
     the median over groups (:func:`speedup_figures`). ``identical`` is the fraction of rows whose
     Medusa tokens equal the plain batched row.
+
+    With ``compiled_args`` (:meth:`TimedDecoders.compiled_generate_args`, eval.compile) two more
+    decoders join every group, in the same rotation: the static-cache compiled ``generate`` with B
+    rows (left padding) and a :class:`StaticDecoder` with B rows, each compiled or captured untimed
+    first (:meth:`TimedDecoders.warm_up_compiled_batch`); a row then also holds
+    :data:`BATCH_COMPILED_KEYS` (B = 1: the main run's ``alternatives``).
     """
     rows = []
     for bsz in sorted({int(b) for b in sizes}):
@@ -404,6 +462,7 @@ def batch_table(
                     **{k: report[k] for k in BATCH_ROW_FIGURES},
                     "identical": report["greedy_identical"],
                     "turns": report["num_turns"],
+                    **(_compiled_at_batch_1(report["alternatives"]) if compiled_args is not None else {}),
                 }
             )
             continue
@@ -411,31 +470,66 @@ def batch_table(
             log.warning("eval.batch_sizes: %d is more than the %d evaluated turns: skipped", bsz, len(inputs))
             continue
         groups = [inputs[i : i + bsz] for i in range(0, len(inputs) - bsz + 1, bsz)]
-        warm = [ids for ids, _ in groups[0]]
-        budget = min(b for _, b in groups[0])
-        decode.plain_batch(warm, budget)
-        decode.medusa_batch(warm, budget)
-        records = []
-        same = 0
-        for g, group in enumerate(groups):
-            ids = [i for i, _ in group]
-            budget = min(b for _, b in group)
-            base, med = interleaved(
-                g, [partial(decode.plain_batch, ids, budget), partial(decode.medusa_batch, ids, budget)]
-            )
+        batches = [([ids for ids, _ in group], min(b for _, b in group)) for group in groups]
+        decode.plain_batch(*batches[0])
+        decode.medusa_batch(*batches[0])
+        if compiled_args is not None:
+            decode.warm_up_compiled_batch(batches, compiled_args)
+        records, static_records, compiled_records, static_vs_compiled = [], [], [], []
+        same = same_static = same_compiled = 0
+        for g, (ids, budget) in enumerate(batches):
+            calls = [partial(decode.plain_batch, ids, budget), partial(decode.medusa_batch, ids, budget)]
+            if compiled_args is not None:
+                calls.append(partial(decode.plain_batch, ids, budget, **compiled_args))
+                calls.append(partial(decode.medusa_static_batch, ids, budget))
+            base, med, *compiled = interleaved(g, calls)
             records.append(pair_record(base, med))
             same += sum(a == b for a, b in zip(base.tokens, med.tokens, strict=True))
+            if compiled:
+                comp, static = compiled
+                compiled_records.append(pair_record(base, comp))
+                static_records.append(pair_record(base, static))
+                static_vs_compiled.append(pair_record(comp, static)["speedup"])
+                same_compiled += sum(a == b for a, b in zip(base.tokens, comp.tokens, strict=True))
+                same_static += sum(a == b for a, b in zip(base.tokens, static.tokens, strict=True))
         figures = speedup_figures(records)
-        rows.append(
-            {
-                "batch_size": bsz,
-                **{k: figures[k] for k in BATCH_ROW_FIGURES},
-                "identical": same / (len(groups) * bsz),
-                "turns": len(groups) * bsz,
+        n_rows = len(groups) * bsz
+        row = {
+            "batch_size": bsz,
+            **{k: figures[k] for k in BATCH_ROW_FIGURES},
+            "identical": same / n_rows,
+            "turns": n_rows,
+        }
+        if compiled_args is not None:
+            static_fig, compiled_fig = speedup_figures(static_records), speedup_figures(compiled_records)
+            row |= {
+                "static_tokens_per_s": static_fig["tokens_per_s_medusa"],
+                "static_speedup": static_fig["speedup"],
+                "static_identical": same_static / n_rows,
+                "compiled_tokens_per_s": compiled_fig["tokens_per_s_medusa"],
+                "compiled_speedup": compiled_fig["speedup"],
+                "compiled_identical": same_compiled / n_rows,
+                "static_speedup_vs_compiled": statistics.median(static_vs_compiled),
             }
-        )
-        log.info("batch %d: speed-up %.2fx, tau %.2f", bsz, rows[-1]["speedup"], rows[-1]["tau"])
+            decode.release_static(bsz)
+        rows.append(row)
+        log.info("batch %d: speed-up %.2fx, tau %.2f", bsz, row["speedup"], row["tau"])
     return rows
+
+
+def _compiled_at_batch_1(alternatives: Mapping[str, Mapping]) -> dict:
+    """:data:`BATCH_COMPILED_KEYS` of the batch-1 row, from the main run's ``compiled_plain`` and
+    ``static_medusa`` alternatives."""
+    static, compiled = alternatives["static_medusa"], alternatives["compiled_plain"]
+    return {
+        "static_tokens_per_s": static["tokens_per_s"],
+        "static_speedup": static["speedup"],
+        "static_identical": static["identical"],
+        "compiled_tokens_per_s": compiled["tokens_per_s"],
+        "compiled_speedup": compiled["speedup"],
+        "compiled_identical": compiled["identical"],
+        "static_speedup_vs_compiled": static["speedup_vs_compiled"],
+    }
 
 
 BATCH_ROW_FIGURES = (
@@ -449,3 +543,18 @@ BATCH_ROW_FIGURES = (
     "tau",
 )
 """The :func:`speedup_figures` a row of the batch-size table keeps."""
+
+
+BATCH_COMPILED_KEYS = (
+    "static_tokens_per_s",
+    "static_speedup",
+    "static_identical",
+    "compiled_tokens_per_s",
+    "compiled_speedup",
+    "compiled_identical",
+    "static_speedup_vs_compiled",
+)
+"""What a row of the batch-size table adds with eval.compile: the :class:`StaticDecoder` with B rows and
+the static-cache compiled ``generate`` with B rows, each tokens/s, speed-up over plain batched
+``generate`` (median over groups) and fraction of rows identical to it, and the static decoder's
+speed-up over the compiled ``generate`` (median over groups)."""

@@ -27,7 +27,8 @@ calibrated trees of `eval.sweep_tree_sizes` nodes and the evaluated tree, on the
 `eval.sweep_prompts` turns, and the tau the head accuracies predict beside the measured one; vLLM's
 view: greedy tau of the top-1 chain of the first n heads, n = 1..K (what vLLM verifies with
 `num_speculative_tokens=n`); (8) plain batched `generate` vs batched Medusa at
-each of `eval.batch_sizes`; (9) with `eval.compare`, the same turns and tree decoded with other sets
+each of `eval.batch_sizes` (with `eval.compile`, also the compiled static-cache `generate` and the
+static decoder with B rows); (9) with `eval.compare`, the same turns and tree decoded with other sets
 of heads, each with its own backbone, and a trained backbone's drift from `model.name_or_path`
 (argmax agreement, KL on held-out distilled positions); (10) report.json, report.md, plots and
 generations.jsonl, written into a staging folder and swapped into `workdir/eval` as one (they always
@@ -308,7 +309,9 @@ def run(cfg: Config) -> dict:
         report["alternatives"]["static_medusa"]["setting"] = (
             f"{decode.static_capture}; {vs:.2f}x compiled plain"
         )
-    report["batch_sizes"] = batch_table(decode, inputs, ecfg.batch_sizes, report)
+    report["batch_sizes"] = batch_table(
+        decode, inputs, ecfg.batch_sizes, report, others["compiled_plain"] if ecfg.compile else None
+    )
 
     # 9. Other heads (eval.compare), each with its own backbone, on the same turns and tree.
     report["comparison"] = []

@@ -15,15 +15,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers
 from medusa_train.decoding.timing import (
+    BATCH_COMPILED_KEYS,
+    BATCH_ROW_FIGURES,
     Decoded,
     TimedDecoders,
+    batch_table,
     interleaved,
     pair_record,
     speedup_ceiling,
     speedup_figures,
 )
-from medusa_train.report import summarise, summary_table
+from medusa_train.report import report_markdown, summarise, summary_table, write_plots
+from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 TOKENS = 8
 STEP_S = 0.002  # one plain step
@@ -155,3 +160,47 @@ def test_compiled_warm_up_covers_every_shape_of_the_timed_turns() -> None:
     assert static == [(256, 90, 128), (512, 200, 64)]
     wanted = {decode.static_capacity(ids.shape[1], b) for ids, b in turns}
     assert {cap for cap, _, _ in static} == wanted
+
+
+def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatch, tmp_path) -> None:
+    """eval.compile in the batch-size table: the static decoder with B rows (captured eagerly here) and
+    the static-cache ``generate`` with B rows decode the same groups as plain batched ``generate``,
+    row for row identical; each (capacity, B) is captured once, untimed, before the timed groups."""
+    monkeypatch.setattr(TimedDecoders, "static_capture", "eager")
+    model = tiny_model("llama", seed=1)
+    tree = TreeBuffers.from_choices(MEDUSA_63)
+    decode = TimedDecoders(model, PackedHeads(random_heads(model, seed=2)), tree, eos=[0], pad_token_id=0)
+    built: list[tuple[int, int]] = []
+    static_decoder = decode.static_decoder
+
+    def recording(capacity: int, batch_size: int = 1):
+        if (capacity, batch_size) not in decode._static:
+            built.append((capacity, batch_size))
+        return static_decoder(capacity, batch_size)
+
+    monkeypatch.setattr(decode, "static_decoder", recording)
+    gen = torch.Generator().manual_seed(4)
+    inputs = [(torch.randint(1, VOCAB, (1, n), generator=gen), 12) for n in (3, 9, 6, 14, 5)]
+    main = {k: 1.0 for k in BATCH_ROW_FIGURES} | {"greedy_identical": 1.0, "num_turns": 5}
+    main["alternatives"] = {
+        "static_medusa": {"tokens_per_s": 3.0, "speedup": 1.5, "identical": 1.0, "speedup_vs_compiled": 1.2},
+        "compiled_plain": {"tokens_per_s": 2.5, "speedup": 1.1, "identical": 1.0},
+    }
+    one, two = batch_table(decode, inputs, [1, 2], main, {"cache_implementation": "static"})
+    assert one["static_speedup"] == 1.5 and one["static_speedup_vs_compiled"] == 1.2
+    assert set(BATCH_COMPILED_KEYS) <= set(one) and set(BATCH_COMPILED_KEYS) <= set(two)
+    assert two["batch_size"] == 2 and two["turns"] == 4
+    assert two["static_identical"] == 1.0 and two["compiled_identical"] == 1.0 and two["identical"] == 1.0
+    assert (
+        two["static_tokens_per_s"] > 0 and two["static_speedup"] > 0 and two["static_speedup_vs_compiled"] > 0
+    )
+    assert built == [(256, 2)]  # captured once, in the warm-up
+    assert not decode._static  # released after its batch size
+    full = (
+        main
+        | {"batch_sizes": [one, two], "date": "now", "num_prompts": 5, "tree_size": tree.num_nodes}
+        | {"accepted_length_histogram": {}, "machine": {}}
+    )
+    md = report_markdown(full)
+    assert "| static Medusa tokens/s |" in md and "| 2 | " in md
+    assert write_plots(full, tmp_path)["batch_size"].stat().st_size > 1000
