@@ -202,11 +202,11 @@ class _Documents:
         """The training and held-out documents as strings."""
         if not self.conversations:
             return self.train, self.heldout
-        render = [
-            [tokenizer.apply_chat_template(c, tokenize=False) for c in docs]
-            for docs in (self.train, self.heldout)
-        ]
-        return render[0], render[1]
+
+        def render(convs: list) -> list[str]:
+            return [tokenizer.apply_chat_template(c, tokenize=False) for c in convs]
+
+        return render(self.train), render(self.heldout)
 
 
 def _documents(cfg: Config) -> _Documents:
