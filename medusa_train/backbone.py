@@ -118,6 +118,14 @@ def check_backbone_source(name_or_path: str) -> None:
         )
 
 
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a fixed function, in place: eval mode (no dropout) and no parameter requiring a
+    gradient. The one place a model is frozen: a backbone loaded with ``trainable=False``, a merged
+    LoRA adapter, the backbone a training module holds frozen, Medusa-2's KL original.
+    """
+    return model.eval().requires_grad_(False)
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation."""
     tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
@@ -144,7 +152,7 @@ def load_backbone(
         dtype: float32 | bfloat16 | float16 | auto (:func:`resolve_dtype`).
         quantization: none | 8bit | 4bit (bitsandbytes; nf4 with double quantization for 4bit).
         device: where to put the model (quantized models are placed by bitsandbytes).
-        trainable: False puts the model in eval mode with ``requires_grad=False`` everywhere.
+        trainable: False freezes the model (:func:`frozen`).
     """
     check_backbone_source(name_or_path)
     dtype = resolve_dtype(dtype, device)
@@ -174,8 +182,7 @@ def load_backbone(
     if quantization == "none":
         model.to(device)
     if not trainable:
-        model.eval()
-        model.requires_grad_(False)
+        frozen(model)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
@@ -240,9 +247,7 @@ def merge_adapter(base, adapter_dir: str | os.PathLike):
             f"{adapter_dir} is not a LoRA adapter of this base model ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}): {RETRAIN_MEDUSA2}"
         ) from None
-    merged.eval()
-    merged.requires_grad_(False)
-    return merged
+    return frozen(merged)
 
 
 def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:

@@ -9,7 +9,7 @@ Run as:
     # GPU: verification cost of N = 1..64 tree tokens on a Llama-3-8B-shaped random bf16 model
     python scripts/bench_decode.py --llama8b-shape --device cuda --dtype bfloat16
     # the demo workdir at batch sizes 1, 4 and 16: plain batched generate vs batched Medusa
-    python scripts/bench_decode.py --model runs/default/backbone --heads runs/default/heads \
+    python scripts/bench_decode.py --model runs/default/pretrain --heads runs/default/heads \
         --tree runs/default/heads/medusa_choices.json --embedded-prompts --num-prompts 16 \
         --max-new-tokens 128 --batch-sizes 1 4 16 --repeats 3
 

@@ -120,6 +120,7 @@ def cache_epoch_ratio(args: argparse.Namespace) -> dict:
 
     from transformers import LlamaForCausalLM
 
+    from medusa_train.backbone import frozen
     from medusa_train.heads import MedusaHeads
     from medusa_train.training.hidden_cache import build_hidden_cache
     from medusa_train.training.model import MedusaTrainingModel
@@ -139,7 +140,7 @@ def cache_epoch_ratio(args: argparse.Namespace) -> dict:
         eos_token_id=2,
         pad_token_id=None,
     )
-    backbone = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    backbone = frozen(LlamaForCausalLM(cfg))
     g = torch.Generator().manual_seed(0)
     records = []
     for _ in range(args.cache_records):

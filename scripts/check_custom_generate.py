@@ -73,7 +73,7 @@ def ensure_distribution_record(tmp: Path) -> str | None:
 
 def tiny_export(tmp: Path) -> tuple[Path, Path]:
     """A tiny random backbone and an export of random heads for it (``medusa/``, tree, custom_generate/)."""
-    backbone = build_tiny_backbone(tmp / "backbone")
+    backbone = build_tiny_backbone(tmp / "base_model")
     model = AutoModelForCausalLM.from_pretrained(backbone)
     heads = random_heads(model, num_heads=3, std=0.05)
     heads.base_model_name_or_path = str(backbone)

@@ -15,10 +15,11 @@ Run as:
     python scripts/sweep_medusa2.py report --out runs/sweep --plot docs/medusa2_sweep.png
     python scripts/sweep_medusa2.py list            # the named settings
 
-Each setting gets ``<out>/<name>/`` holding copies of the base's ``backbone/`` and ``distill/``
-(``cp -a``), trains there with ``python -m medusa_train stage=train training=medusa2
-training.init_heads=<base>/heads <overrides>`` (a subprocess, ``nice``, ``OMP_NUM_THREADS``), and is
-then measured in this process, all on the same inputs as the Medusa-1 reference:
+Each setting gets ``<out>/<name>/`` holding copies of the base's ``pretrain/`` (its embedded
+backbone) and ``distill/`` (``cp -a``), trains there with ``python -m medusa_train stage=train
+training=medusa2 training.init_heads=<base>/heads <overrides>`` (a subprocess, ``nice``,
+``OMP_NUM_THREADS``), and is then measured in this process, all on the same inputs as the
+Medusa-1 reference:
 
 - ``tau_medusa63`` / ``tau_m1tree``: greedy tokens per step of ``medusa_generate`` with the trained
   backbone and heads on the first turns of the 40 held-out embedded eval prompts (``stage=eval``'s
@@ -614,7 +615,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "baseline"):
         p = sub.add_parser(name)
-        p.add_argument("--base", required=True, help="the Medusa-1 workdir (backbone/, distill/, heads/)")
+        p.add_argument("--base", required=True, help="the Medusa-1 workdir (pretrain/, distill/, heads/)")
         p.add_argument("--out", required=True, help="folder of the sweep's workdirs and results")
         p.add_argument("--threads", type=int, default=1, help="torch threads (training and measuring)")
         if name == "run":

@@ -28,4 +28,4 @@ from tests.helpers.models import build_tiny_backbone
 @pytest.fixture(scope="session")
 def tiny_backbone_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Path of a saved tiny random Llama + chat tokenizer (read-only; see the module docstring)."""
-    return build_tiny_backbone(tmp_path_factory.mktemp("tiny_backbone") / "backbone")
+    return build_tiny_backbone(tmp_path_factory.mktemp("tiny_backbone") / "base_model")

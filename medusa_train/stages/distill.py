@@ -131,28 +131,94 @@ def run(cfg: Config) -> dict:
     """Regenerate every assistant turn of the data source with the frozen backbone (see module docstring)."""
     out = Workdir(Path(cfg.workdir)).distill
 
-    # 1. the source: fails on a missing / unreadable file before the model loads
+    # 1. The source: fails on a missing / unreadable file before the model loads.
     source = _read_source(cfg)
-    if dist.is_main():
-        source.log_warning(log)
     check_backbone_source(cfg.model.name_or_path)
     quick = _quick_settings(cfg, source)
 
-    # 2. already complete with these settings? (rank 0 first deletes the temp files of writes a kill
-    #    interrupted; no rank writes before the broadcast of step 4)
+    # 2. Already complete with these settings?
+    manifest = _complete_manifest(out, quick)
+    if manifest is not None:
+        return _figures(manifest, generated_now=0, resumed=True)
+
+    # 3. Backbone (distill.engine=server: its tokenizer and config only), prompts, long-prompt rule.
+    plan, model, renderer = _load_and_plan(cfg, out, source, quick)
+
+    created_group = dist.init_process_group()
+    tracker = Tracker(None)
+    try:
+        # 4. The folder checked and prepared on rank 0, the decision shared with every rank.
+        complete = _prepare_folder_everywhere(plan)
+        if complete is not None:
+            return _figures(complete, generated_now=0, resumed=True)
+
+        # 5. This rank's shards.
+        tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg))  # no-op off rank 0
+        all_stats = dist.gather(_distill_shards(plan, model, renderer, tracker))
+
+        # 6. One manifest, written by rank 0 once every shard is on disk.
+        figures = _publish_manifest(plan, renderer.tokenizer, all_stats)
+        tracker.summary({f"distill/{k}": v for k, v in figures.items() if isinstance(v, int | float)})
+    finally:
+        tracker.finish()
+        dist.destroy_process_group(created_group)
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------
+# 1-3: source, settings, prompts
+
+
+def _read_source(cfg: Config) -> ReadResult:
+    """Step 1: the records of ``data=`` (rank 0 logs what was skipped or repaired)."""
+    d = cfg.data
+    source = read_records(
+        d.format,
+        d.path,
+        prompt_key=d.prompt_key,
+        text_prompt_chars=d.text_prompt_chars,
+        strict=d.strict,
+        name=d.name,
+        subset=d.subset,
+        split=d.split,
+        hub_format=d.hub_format,
+        max_records=d.max_records,
+        num_prompts=d.num_prompts,
+        seed=cfg.seed,
+    )
+    if dist.is_main():
+        source.log_warning(log)
+    return source
+
+
+def _complete_manifest(out: Path, quick: dict) -> dict | None:
+    """Step 2: the manifest of ``out`` when it is complete with these settings (None: work to do).
+
+    Rank 0 first deletes the temp files of writes a kill interrupted; no rank writes before the
+    broadcast of step 4.
+    """
     if dist.is_main():
         remove_stale(out)
     manifest = complete_manifest(out, quick)
-    if manifest is not None:
-        if dist.is_main():
-            log.info(
-                "distill: %s is complete with these settings (%d records); nothing to do",
-                out,
-                manifest["counts"]["records"],
-            )
-        return _figures(manifest, generated_now=0, resumed=True)
+    if manifest is not None and dist.is_main():
+        log.info(
+            "distill: %s is complete with these settings (%d records); nothing to do",
+            out,
+            manifest["counts"]["records"],
+        )
+    return manifest
 
-    # 3. backbone (distill.engine=server: its tokenizer and config only), prompts, long-prompt rule
+
+def _load_and_plan(
+    cfg: Config, out: Path, source: ReadResult, quick: dict
+) -> tuple[_Plan, object, ChatRenderer]:
+    """Step 3: the backbone (distill.engine=server: its tokenizer and config only, every endpoint
+    checked before any work), the first prompts under the long-prompt rule, the full settings.
+
+    Returns:
+        ``(plan, model, renderer)``: ``model`` is the loaded backbone, or for distill.engine=server an
+        object with its ``config`` and ``generation_config`` only.
+    """
     if cfg.distill.engine == "server":
         model, tokenizer, identity = _served_backbone(cfg)
     else:
@@ -176,61 +242,7 @@ def run(cfg: Config) -> dict:
         cfg, out, source, records, prompts, long_skipped, eos_ids, max_context, identity, settings, quick,
         num_shards, server,
     )  # fmt: skip
-
-    created_group = dist.init_process_group()
-    tracker = Tracker(None)
-    try:
-        # 4. folder check / preparation on rank 0, decision shared with every rank
-        error, complete = None, None
-        if dist.is_main():
-            try:
-                complete = _prepare_folder(out, settings, quick, num_shards, cfg.distill.overwrite)
-            except UserError as err:
-                error = str(err)
-        error, complete = dist.broadcast((error, complete))
-        if error:
-            raise UserError(error)
-        if complete is not None:
-            return _figures(complete, generated_now=0, resumed=True)
-
-        # 5. this rank's shards
-        tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg))  # no-op off rank 0
-        stats = _distill_shards(plan, model, renderer, tracker)
-        all_stats = dist.gather(stats)
-
-        # 6. one manifest, written by rank 0 once every shard is on disk
-        if dist.is_main():
-            _write_manifest(plan, tokenizer, all_stats)
-        dist.barrier()
-        manifest = read_manifest(out)
-        figures = _figures(manifest, generated_now=sum(s["tokens"] for s in all_stats), resumed=False)
-        tracker.summary({f"distill/{k}": v for k, v in figures.items() if isinstance(v, int | float)})
-    finally:
-        tracker.finish()
-        dist.destroy_process_group(created_group)
-    return figures
-
-
-# ----------------------------------------------------------------------------------------------
-# 1-3: source, settings, prompts
-
-
-def _read_source(cfg: Config) -> ReadResult:
-    d = cfg.data
-    return read_records(
-        d.format,
-        d.path,
-        prompt_key=d.prompt_key,
-        text_prompt_chars=d.text_prompt_chars,
-        strict=d.strict,
-        name=d.name,
-        subset=d.subset,
-        split=d.split,
-        hub_format=d.hub_format,
-        max_records=d.max_records,
-        num_prompts=d.num_prompts,
-        seed=cfg.seed,
-    )
+    return plan, model, renderer
 
 
 def _records_hash(records: list[Conversation]) -> str:
@@ -359,6 +371,23 @@ def _tokenizer_info(tokenizer, eos_ids: list[int]) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # 4: the folder
+
+
+def _prepare_folder_everywhere(plan: _Plan) -> dict | None:
+    """Step 4: :func:`_prepare_folder` on rank 0, its answer (the manifest of a complete folder, or
+    None) broadcast to every rank; its refusal raised on every rank."""
+    error, complete = None, None
+    if dist.is_main():
+        try:
+            complete = _prepare_folder(
+                plan.out, plan.settings, plan.quick, plan.num_shards, plan.cfg.distill.overwrite
+            )
+        except UserError as err:
+            error = str(err)
+    error, complete = dist.broadcast((error, complete))
+    if error:
+        raise UserError(error)
+    return complete
 
 
 def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool) -> dict | None:
@@ -533,6 +562,16 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
 
 # ----------------------------------------------------------------------------------------------
 # 6: manifest and figures
+
+
+def _publish_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> dict:
+    """Step 6: rank 0 writes the manifest once every rank's shards are on disk; every rank returns
+    the figures read back from it."""
+    if dist.is_main():
+        _write_manifest(plan, tokenizer, all_stats)
+    dist.barrier()
+    manifest = read_manifest(plan.out)
+    return _figures(manifest, generated_now=sum(s["tokens"] for s in all_stats), resumed=False)
 
 
 def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:

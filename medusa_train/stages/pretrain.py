@@ -8,15 +8,16 @@ Run as:
     python -m medusa_train stage=pretrain data=text data.path=data/text/harbour.txt
     python -m medusa_train stage=pretrain pretrain.overwrite=true pretrain.max_minutes=10
 
-Steps: (1) documents: the embedded conversations rendered with the chat template (train split;
-the eval split is held out), or chunks of a plain text file (its last `heldout_fraction` held out);
-(2) a byte-level BPE tokenizer trained on the training documents; (3) the documents tokenised and
-packed into one token stream; (4) AdamW with warmup then cosine decay on random windows of
-`seq_len + 1` tokens, until `max_minutes` or `max_steps`; (5) held-out perplexity, bits per byte
-and next-token accuracy (plus, for the embedded corpus, how often greedy decoding reproduces the
-reference reply exactly); (6) a standard Hugging Face model directory (model, tokenizer, generation
-config, `train_report.json`) written into a temporary folder and renamed into place, so a killed
-run never leaves a half-written `pretrain/`.
+Steps: (1) the output folder: a complete model is reused (`pretrain.overwrite=true` retrains), a
+folder of files this stage did not write refused; (2) documents: the embedded conversations rendered
+with the chat template (train split; the eval split is held out), or chunks of a plain text file
+(its last `heldout_fraction` held out), and a byte-level BPE tokenizer trained on the training
+documents; (3) the documents tokenised and packed into one token stream per split; (4) AdamW with
+warmup then cosine decay on random windows of `seq_len + 1` tokens, until `max_minutes` or
+`max_steps`; (5) held-out perplexity, bits per byte and next-token accuracy (plus, for the embedded
+corpus, how often greedy decoding reproduces the reference reply exactly); (6) a standard Hugging
+Face model directory (model, tokenizer, generation config, `train_report.json`) written into a
+temporary folder and renamed into place, so a killed run never leaves a half-written `pretrain/`.
 
 The cosine schedule runs on the larger of step progress and wall-clock progress, so the learning
 rate reaches its floor exactly when the budget ends, whatever the speed of the machine.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,77 +95,39 @@ def run(cfg: Config) -> dict:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
     bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
-    remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
-    if is_complete(out_dir) and not bc.overwrite:
-        report = read_json(
-            out_dir / PRETRAIN_REPORT,
-            repair="run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain again",
-        )
-        log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
-        return {**report, "skipped": True}
-    own = out_dir.absolute() == Workdir(Path(cfg.workdir)).pretrain.absolute()  # the workdir's own folder
-    if not own and out_dir.exists() and not (out_dir / PRETRAIN_REPORT).is_file() and any(out_dir.iterdir()):
-        # elsewhere, and not written by this stage (it publishes a whole folder, report included, or nothing)
-        raise UserError(
-            f"model.name_or_path={out_dir} holds files stage=pretrain did not write (no {PRETRAIN_REPORT}), "
-            "which pretraining would replace: leave model.name_or_path at its model=tiny default "
-            "(${workdir}/pretrain) or point it at a new folder"
-        )
 
+    # 1. The output folder: a complete model is reused, a folder of other files refused.
+    done = _pretrained(cfg, out_dir)
+    if done is not None:
+        return {**done, "skipped": True}
     start = time.time()
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
 
-    # 1. documents (strings) and the texts the tokenizer learns from
-    if cfg.data.format == "text":
-        train_docs, heldout_docs, tok_texts, heldout_convs = _text_documents(
-            cfg.data.path, bc.heldout_fraction
-        )
-    else:
-        train_convs = embedded_conversations("train", bc.num_conversations, cfg.seed)
-        heldout_convs = embedded_conversations(
-            "eval", max(1, round(bc.num_conversations * bc.heldout_fraction)), cfg.seed
-        )
-        tok_texts = list(conversation_texts(train_convs))
-        train_docs = heldout_docs = []  # rendered below, once the tokenizer has its template
-
-    # 2. tokenizer
-    tokenizer = train_tokenizer(tok_texts, bc.vocab_size, model_max_length=bc.max_position_embeddings)
-    if cfg.data.format != "text":
-        train_docs = [tokenizer.apply_chat_template(c, tokenize=False) for c in train_convs]
-        heldout_docs = [tokenizer.apply_chat_template(c, tokenize=False) for c in heldout_convs]
-
-    # 3. pack: one token stream per split
-    train_ids = _pack(tokenizer, train_docs)  # (N_train,)
-    heldout_ids = _pack(tokenizer, heldout_docs)[: _MAX_EVAL_TOKENS + 1]  # (N_heldout,)
-    if len(train_ids) < bc.seq_len + 2 or len(heldout_ids) < 2:
-        raise UserError(
-            f"too little text to train on: {len(train_ids)} training tokens for pretrain.seq_len={bc.seq_len}"
-        )
-    prep_seconds = time.time() - start
-    log.info(
-        "tokenizer %d tokens; %d training tokens, %d held-out",
-        len(tokenizer),
-        len(train_ids),
-        len(heldout_ids),
+    # 2. Documents, and the byte-level BPE tokenizer trained on the training ones.
+    docs = _documents(cfg)
+    tokenizer = train_tokenizer(
+        docs.tokenizer_texts, bc.vocab_size, model_max_length=bc.max_position_embeddings
     )
 
-    # 4. model and training
+    # 3. Pack: one token stream per split.
+    train_ids, heldout_ids = _token_streams(tokenizer, docs, bc.seq_len)
+    prep_seconds = time.time() - start
+
+    # 4. Model and training.
     model = _build_model(bc, tokenizer).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
     losses, steps, train_seconds, tokens_seen = _train(model, train_ids, bc, device, cfg.seed)
 
-    # 5. held-out figures
+    # 5. Held-out figures.
     model.eval()
     figures = _evaluate(model, tokenizer, heldout_ids, bc.seq_len, bc.batch_size, device)
-    if cfg.data.format != "text":
+    if docs.conversations:
         figures["heldout_greedy_exact"] = _greedy_exact(
-            model, tokenizer, heldout_convs[:_EXACT_PROMPTS], device
+            model, tokenizer, docs.heldout[:_EXACT_PROMPTS], device
         )
-
     report = {
         "data_format": cfg.data.format,
-        "params": n_params,
+        "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "uniform_ppl": float(len(tokenizer)),
         "hidden_size": bc.hidden_size,
@@ -182,11 +146,11 @@ def run(cfg: Config) -> dict:
         "device": str(device),
     }
 
-    # 6. save atomically
+    # 6. Publish atomically.
     _save(model.cpu(), tokenizer, report, out_dir)
     log.info(
         "pretrain: %d params, %d steps, held-out ppl %.2f (uniform %d), %.3f bits/byte -> %s",
-        n_params,
+        report["params"],
         steps,
         report["heldout_ppl"],
         len(tokenizer),
@@ -196,9 +160,96 @@ def run(cfg: Config) -> dict:
     return report
 
 
-def _text_documents(
-    path: str | None, heldout_fraction: float
-) -> tuple[list[str], list[str], list[str], list]:
+def _pretrained(cfg: Config, out_dir: Path) -> dict | None:
+    """Step 1: the report of the complete model in `out_dir` (None: pretrain it), after putting back
+    the previous model a kill left aside.
+
+    Raises:
+        UserError: `out_dir` is not the workdir's own folder and holds files this stage did not write
+            (pretraining would replace them).
+    """
+    remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
+    if is_complete(out_dir) and not cfg.pretrain.overwrite:
+        report = read_json(
+            out_dir / PRETRAIN_REPORT,
+            repair="run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain again",
+        )
+        log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
+        return report
+    own = out_dir.absolute() == Workdir(Path(cfg.workdir)).pretrain.absolute()  # the workdir's own folder
+    if not own and out_dir.exists() and not (out_dir / PRETRAIN_REPORT).is_file() and any(out_dir.iterdir()):
+        # elsewhere, and not written by this stage (it publishes a whole folder, report included, or nothing)
+        raise UserError(
+            f"model.name_or_path={out_dir} holds files stage=pretrain did not write (no {PRETRAIN_REPORT}), "
+            "which pretraining would replace: leave model.name_or_path at its model=tiny default "
+            "(${workdir}/pretrain) or point it at a new folder"
+        )
+    return None
+
+
+@dataclass
+class _Documents:
+    """Step 2's training and held-out documents: strings (format=text) or conversations (embedded,
+    rendered with the tokenizer's chat template once it is trained)."""
+
+    train: list
+    heldout: list
+    tokenizer_texts: list[str]
+    """What the tokenizer learns from."""
+    conversations: bool
+
+    def texts(self, tokenizer) -> tuple[list[str], list[str]]:
+        """The training and held-out documents as strings."""
+        if not self.conversations:
+            return self.train, self.heldout
+
+        def render(convs: list) -> list[str]:
+            return [tokenizer.apply_chat_template(c, tokenize=False) for c in convs]
+
+        return render(self.train), render(self.heldout)
+
+
+def _documents(cfg: Config) -> _Documents:
+    """Step 2: chunks of a plain text file (its last `heldout_fraction` held out), or the embedded
+    conversations (train split; the eval split held out)."""
+    bc = cfg.pretrain
+    if cfg.data.format == "text":
+        train_docs, heldout_docs, tok_texts = _text_documents(cfg.data.path, bc.heldout_fraction)
+        return _Documents(train_docs, heldout_docs, tok_texts, conversations=False)
+    train_convs = embedded_conversations("train", bc.num_conversations, cfg.seed)
+    heldout_convs = embedded_conversations(
+        "eval", max(1, round(bc.num_conversations * bc.heldout_fraction)), cfg.seed
+    )
+    return _Documents(train_convs, heldout_convs, list(conversation_texts(train_convs)), conversations=True)
+
+
+def _token_streams(tokenizer, docs: _Documents, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: the training and held-out documents packed into one token stream each.
+
+    Returns:
+        ``(train_ids, heldout_ids)``: (N_train,) and (N_heldout,) int64, the held-out stream cut to
+        `_MAX_EVAL_TOKENS` + 1.
+
+    Raises:
+        UserError: too little text for one training window of `seq_len` tokens.
+    """
+    train_docs, heldout_docs = docs.texts(tokenizer)
+    train_ids = _pack(tokenizer, train_docs)  # (N_train,)
+    heldout_ids = _pack(tokenizer, heldout_docs)[: _MAX_EVAL_TOKENS + 1]  # (N_heldout,)
+    if len(train_ids) < seq_len + 2 or len(heldout_ids) < 2:
+        raise UserError(
+            f"too little text to train on: {len(train_ids)} training tokens for pretrain.seq_len={seq_len}"
+        )
+    log.info(
+        "tokenizer %d tokens; %d training tokens, %d held-out",
+        len(tokenizer),
+        len(train_ids),
+        len(heldout_ids),
+    )
+    return train_ids, heldout_ids
+
+
+def _text_documents(path: str | None, heldout_fraction: float) -> tuple[list[str], list[str], list[str]]:
     """Split a plain text file into training / held-out documents of about `_TEXT_DOC_CHARS` characters."""
     file = Path(path or "")
     if not file.is_file():
@@ -221,7 +272,7 @@ def _text_documents(
         return out
 
     train_docs = chunks(train_text)
-    return train_docs, chunks(heldout_text), train_text.splitlines(keepends=True), []
+    return train_docs, chunks(heldout_text), train_text.splitlines(keepends=True)
 
 
 def _pack(tokenizer, docs: list[str]) -> torch.Tensor:

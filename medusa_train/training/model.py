@@ -8,8 +8,8 @@ chooses.
 A frozen backbone (``backbone_trainable=False``) is held *outside* the module tree (see
 ``_Frozen``), so ``state_dict()``, ``parameters()``, DeepSpeed/DDP wrapping and every trainer
 checkpoint contain the heads only -- checkpoints stay small and ZeRO never shards or touches the
-frozen weights. It is frozen by :func:`frozen` and runs without gradient; its decoder's last hidden
-state (what ``lm_head`` reads, checked per architecture in the tests;
+frozen weights. It is frozen by :func:`medusa_train.backbone.frozen` and runs without gradient; its
+decoder's last hidden state (what ``lm_head`` reads, checked per architecture in the tests;
 :func:`medusa_train.head_targets.last_hidden_state`) feeds the heads. With a hidden-state cache the module
 has no backbone at all and takes ``hidden_states``/``targets`` rows directly (and, for a soft head
 loss, ``sources`` into those rows plus the frozen lm_head given at construction).
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from medusa_train.backbone import frozen
 from medusa_train.head_targets import (
     IGNORE_INDEX,
     last_hidden_state,
@@ -56,15 +57,6 @@ class _Frozen:
     """Holds a module without registering it as a submodule (not in state_dict / parameters)."""
 
     module: nn.Module | None
-
-
-def frozen(module: nn.Module) -> nn.Module:
-    """``module`` as a fixed function: eval mode (no dropout) and no parameter requiring a gradient.
-
-    Where training freezes a backbone: the one a training module holds frozen, and the frozen
-    original Medusa-2's KL loss compares with (:class:`KLToOriginal`).
-    """
-    return module.eval().requires_grad_(False)
 
 
 @dataclass(frozen=True)

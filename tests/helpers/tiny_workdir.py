@@ -1,6 +1,6 @@
 """A tiny workdir for the export/eval stage tests: the shared random Llama + random heads, no training.
 
-``make_workdir`` writes a backbone to backbone/ (with a chat-template tokenizer; ``model=hf`` points
+``make_workdir`` writes a backbone to base_model/ (with a chat-template tokenizer; ``model=hf`` points
 there) and what stage=train would leave behind (heads/ in the FasterDecoding layout, calibration.json,
 medusa_choices.json) in well under a second, so the export and eval stages run for real on it.
 """
@@ -26,8 +26,8 @@ TOPK = [[0.8, 0.9] + [0.95] * 8, [0.6, 0.75] + [0.85] * 8, [0.4, 0.55] + [0.7] *
 
 
 def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) -> Path:
-    """Create ``root`` as a workdir with backbone/ and heads/ (+ calibration files); returns ``root``."""
-    backbone = build_tiny_backbone(root / "backbone")  # some replies end with EOS early
+    """Create ``root`` as a workdir with base_model/ and heads/ (+ calibration files); returns ``root``."""
+    backbone = build_tiny_backbone(root / "base_model")  # some replies end with EOS early
     model = LlamaForCausalLM.from_pretrained(backbone)
     vocab = model.get_output_embeddings().weight.shape[0]
     torch.manual_seed(0)
@@ -51,9 +51,9 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
 
 
 def tiny_overrides(workdir: Path, *overrides: str) -> list[str]:
-    """The fast debug settings on ``workdir`` (tracking off, ``model=hf`` on its backbone/ in float32),
+    """The fast debug settings on ``workdir`` (tracking off, ``model=hf`` on its base_model/ in float32),
     plus ``overrides``: the CLI's arguments."""
-    model = ["model=hf", f"model.name_or_path={workdir / 'backbone'}", "model.dtype=float32"]
+    model = ["model=hf", f"model.name_or_path={workdir / 'base_model'}", "model.dtype=float32"]
     return [f"workdir={workdir}", "debug=fast", "tracking=disabled", *model, *overrides]
 
 

@@ -1,6 +1,6 @@
 """A tiny workdir for the train-stage tests: random Llama backbone + synthetic distilled data.
 
-``make_train_workdir`` writes a backbone to backbone/ (with a tokenizer; ``model=hf`` points there) and
+``make_train_workdir`` writes a backbone to base_model/ (with a tokenizer; ``model=hf`` points there) and
 what stage=distill leaves behind (distill/ with one Arrow shard and a manifest carrying the backbone
 identity) in about a second. The records follow a pattern a head can learn from the current token alone
 (``x_{t+1} = x_t + 1`` over a window of the vocabulary), after a 4-token "prompt" with loss_mask 0.
@@ -104,9 +104,9 @@ def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> Non
 
 
 def make_train_workdir(root: Path, n_records: int = 48, **backbone: int | bool) -> Path:
-    """Create ``root`` with backbone/ and distill/ (``backbone``: make_backbone options); returns ``root``."""
-    make_backbone(root / "backbone", **backbone)
-    write_distill(root, make_records(n_records), root / "backbone")
+    """Create ``root`` with base_model/ and distill/ (``backbone``: make_backbone options); returns ``root``."""
+    make_backbone(root / "base_model", **backbone)
+    write_distill(root, make_records(n_records), root / "base_model")
     return root
 
 

@@ -119,7 +119,7 @@ def word_backbone(tiny_backbone_dir, tmp_path_factory) -> Path:
         for index in range(weight.shape[0]):
             if index not in keep:
                 weight[index] = 0.0
-    out = tmp_path_factory.mktemp("word_backbone") / "backbone"
+    out = tmp_path_factory.mktemp("word_backbone") / "base_model"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

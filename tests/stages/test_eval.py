@@ -120,7 +120,7 @@ def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> Non
     n = report["vllm_num_speculative_tokens"]
     assert "## vLLM: the top-1 chain" in (out / "report.md").read_text()
     assert f"| {n} (recommended) |" in card and f'"num_speculative_tokens": {n}}}\'' in card
-    assert f"vllm serve {workdir / 'backbone'} --speculative-config" in card
+    assert f"vllm serve {workdir / 'base_model'} --speculative-config" in card
 
 
 def test_vllm_layout_chain_tree_and_all_turns(tmp_path: Path, evaluated: tuple[Path, dict]) -> None:
@@ -171,11 +171,11 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
     workdir, _ = evaluated
     quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
     report = eval_stage.run(
-        tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={workdir / 'backbone'}", *quick)
+        tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={workdir / 'base_model'}", *quick)
     )
     assisted = report["alternatives"]["assisted"]
     assert assisted["identical"] == 1.0 and assisted["tokens_per_s"] > 0
-    assert assisted["setting"] == str(workdir / "backbone") and report["batch_sizes"] == []
+    assert assisted["setting"] == str(workdir / "base_model") and report["batch_sizes"] == []
     assert "| assisted generation (" in (workdir / "eval" / "report.md").read_text()
     with pytest.raises(UserError, match="eval.assistant_model=.*cannot be loaded"):
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={tmp_path / 'none'}", *quick))

@@ -44,7 +44,7 @@ def test_export_writes_both_layouts_with_identical_logits(workdir: Path) -> None
     # the training settings recorded by stage=train travel with the FasterDecoding config
     assert json.loads((out / "medusa" / "config.json").read_text())["training"]["mode"] == "medusa1"
     card = (out / "README.md").read_text()
-    assert str(workdir / "backbone") in card
+    assert str(workdir / "base_model") in card
     assert "| 1 | t+2 | 0.800 | 0.950 |" in card  # head accuracy from calibration.json
     assert "speculative_config" in card and "text-generation-launcher" in card and "trtllm-build" in card
     assert not [p for p in workdir.iterdir() if p.name.startswith(".export")]  # no temp folder left
@@ -60,20 +60,20 @@ def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request
     root = make_workdir(tmp_path / "run")
     config_path = root / "heads" / "config.json"
     config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "run/backbone"}))
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "run/base_model"}))
     monkeypatch.chdir(tmp_path)
     with caplog.at_level("WARNING", logger="medusa_train.formats"):
         export.run(tiny_cfg(Path("run"), "stage=export", "export.write_pickle=true"))
     medusa = root / "export" / "medusa"
     assert json.loads((medusa / "config.json").read_text())["base_model_name_or_path"] == str(
-        root / "backbone"
+        root / "base_model"
     )
     assert (medusa / LEGACY_WEIGHTS_NAME).is_file() and "pickle" in caplog.text
     pickled = torch.load(medusa / LEGACY_WEIGHTS_NAME, weights_only=True)
     assert pickled.keys() == load_file(str(medusa / HEADS_WEIGHTS)).keys()
     card = (root / "export" / "README.md").read_text()
     assert "is an absolute path on the machine that exported" in card
-    assert f"--model-id {root / 'export' / 'medusa'} --tokenizer-config-path {root / 'backbone'}/" in card
+    assert f"--model-id {root / 'export' / 'medusa'} --tokenizer-config-path {root / 'base_model'}/" in card
     assert f"--num_medusa_heads {NUM_HEADS} " in card and "which this export has" in card
     assert f"heads {NUM_HEADS + 1}..5 stay random" in card and f"depth <= {NUM_HEADS}" in card
     # stage=eval's rewrite of the card (no eval report yet) says the same
@@ -81,7 +81,7 @@ def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request
         root / "export", heads_dir=root / "heads", wd=Workdir(root), tree_name="calibrated", tree_size=5
     )
     assert (root / "export" / "README.md").read_text() == card
-    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "elsewhere/run/backbone"}))
+    config_path.write_text(json.dumps({**config, "base_model_name_or_path": "elsewhere/run/base_model"}))
     with pytest.raises(UserError, match="neither a folder"):
         export.run(tiny_cfg(Path("run"), "stage=export"))
 

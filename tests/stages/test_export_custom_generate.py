@@ -34,7 +34,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = make_workdir(tmp_path_factory.mktemp("custom_generate"))
     config_path = root / "heads" / "config.json"
     config = json.loads(config_path.read_text())
-    config["backbone"]["fingerprint"] = local_fingerprint(str(root / "backbone"))
+    config["backbone"]["fingerprint"] = local_fingerprint(str(root / "base_model"))
     config_path.write_text(json.dumps(config))
     export.run(tiny_cfg(root, "stage=export"))
     return root
@@ -42,12 +42,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(workdir: Path):
-    return AutoModelForCausalLM.from_pretrained(workdir / "backbone").eval()
+    return AutoModelForCausalLM.from_pretrained(workdir / "base_model").eval()
 
 
 @pytest.fixture(scope="module")
 def tok(workdir: Path):
-    tokenizer = AutoTokenizer.from_pretrained(workdir / "backbone")
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "base_model")
     tokenizer.padding_side = "left"
     return tokenizer
 
@@ -119,13 +119,13 @@ def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model
     with pytest.raises(ValueError, match="do not belong to this model.*hidden_size=32.*hidden_size=64"):
         _medusa(other, workdir / "export", **one, max_new_tokens=4)
     # same shapes, other checkpoint files: the fingerprint stage=train recorded tells them apart
-    changed = AutoModelForCausalLM.from_pretrained(workdir / "backbone").eval()
+    changed = AutoModelForCausalLM.from_pretrained(workdir / "base_model").eval()
     with torch.no_grad():
         changed.model.norm.weight.mul_(1.5)
     changed.save_pretrained(tmp_path / "changed")
     changed = AutoModelForCausalLM.from_pretrained(tmp_path / "changed").eval()
     with pytest.raises(
-        ValueError, match=r"go with .*backbone \(checkpoint fingerprint .*medusa_check_base=False"
+        ValueError, match=r"go with .*base_model \(checkpoint fingerprint .*medusa_check_base=False"
     ):
         _medusa(changed, workdir / "export", **one, max_new_tokens=4)
     out = _medusa(changed, workdir / "export", **one, max_new_tokens=6, medusa_check_base=False)
@@ -198,7 +198,7 @@ def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkey
         == 0
     )
     results = json.loads(out.read_text())
-    assert results["base"] == str(workdir / "backbone") and results["greedy"]["identical"] == [True] * 4
+    assert results["base"] == str(workdir / "base_model") and results["greedy"]["identical"] == [True] * 4
     assert all(results[case]["ok"] for case in ("greedy", "batch", "sample", "typical", "mismatch", "timing"))
     real = importlib.metadata.version
 

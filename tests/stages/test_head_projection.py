@@ -157,7 +157,7 @@ def test_eval_of_variant_heads_is_greedy_identical(tmp_path: Path, kind: str):
         own.vocab_size,
         own.num_heads,
         1,
-        str(workdir / "backbone"),
+        str(workdir / "base_model"),
         head_projection=kind,
         token_map=token_map,
     )
@@ -219,5 +219,5 @@ def test_medusa2_shared_heads_export_the_trained_lm_head(tmp_path: Path):
     assert export.run(train_cfg(root, "stage=export", *overrides))["roundtrip_identical"]
     exported = load_file(str(root / "export" / "vllm" / VLLM_WEIGHTS_NAME))["lm_heads.0.weight"]
     trained = load_file(str(next((root / "heads" / "backbone").glob("*.safetensors"))))["lm_head.weight"]
-    base = load_file(str(next((root / "backbone").glob("*.safetensors"))))["lm_head.weight"]
+    base = load_file(str(next((root / "base_model").glob("*.safetensors"))))["lm_head.weight"]
     assert torch.equal(exported, trained) and not torch.equal(trained, base)

@@ -76,8 +76,8 @@ class Medusa2Run:
 @pytest.fixture(scope="module", params=sorted(TUNING))
 def run(request, tmp_path_factory) -> Medusa2Run:
     root = tmp_path_factory.mktemp(f"medusa2_{request.param}")
-    build_tiny_backbone(root / "backbone")
-    write_distill(root, make_records(48), root / "backbone")
+    build_tiny_backbone(root / "base_model")
+    write_distill(root, make_records(48), root / "base_model")
     captured: dict = {}
     recorded: dict[int, dict] = {}
     build = Medusa2Recipe.training_module
@@ -106,7 +106,7 @@ def run(request, tmp_path_factory) -> Medusa2Run:
 def _greedy_texts(model, run: Medusa2Run) -> list[str]:
     """Plain greedy ``generate`` of ``model`` on the prompts eval used (first turns), decoded as eval does."""
     cfg = run.cfg("stage=eval")
-    tok = load_tokenizer(str(run.root / "backbone"))
+    tok = load_tokenizer(str(run.root / "base_model"))
     eos, renderer = eos_token_ids(model, tok), ChatRenderer(tok)
     texts = []
     for prompt in eval_stage.load_eval_prompts(cfg.eval):
@@ -125,7 +125,7 @@ def _greedy_texts(model, run: Medusa2Run) -> list[str]:
 
 
 def _original(run: Medusa2Run):
-    return load_backbone(str(run.root / "backbone"))[0]
+    return load_backbone(str(run.root / "base_model"))[0]
 
 
 def _logits(backbone, heads, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +162,7 @@ def test_eval_compare_reports_every_set_of_heads_on_the_same_turns_with_its_back
     main, other = report["comparison"]
     assert (main["trained"], other["trained"]) == (True, False)
     assert main["backbone"] == str(run.root / "heads" / "backbone") and other["backbone"] == str(
-        run.root / "backbone"
+        run.root / "base_model"
     )
     assert main["tau"] == report["tau"] and main["greedy_identical"] == other["greedy_identical"] == 1.0
     alone = eval_stage.run(run.cfg("stage=eval", f"eval.heads_dir={on_original}"))
@@ -213,15 +213,15 @@ def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run
     # Serving engines load the base named in medusa/config.json; the card names the same folder.
     config = json.loads((out / "medusa" / "config.json").read_text())
     assert config["base_model_name_or_path"] == str(out / "backbone")
-    assert config["backbone"]["name_or_path"] == str(run.root / "backbone")  # where training started
+    assert config["backbone"]["name_or_path"] == str(run.root / "base_model")  # where training started
     loading = (out / "README.md").read_text().split("## Loading", 1)[1]
     assert f'LLM(model="{out / "backbone"}"' in loading and f"--model_dir {out / 'backbone'} " in loading
-    assert f"{run.root / 'backbone'} " not in loading and f'"{run.root / "backbone"}"' not in loading
+    assert f"{run.root / 'base_model'} " not in loading and f'"{run.root / "base_model"}"' not in loading
     # model.generate(custom_generate=<export>) decodes over the shipped backbone (greedy: plain generate's
     # tokens) and refuses the backbone training started from
     out_ids = exported.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=12)
     assert torch.equal(out_ids, exported.generate(ids, do_sample=False, max_new_tokens=12))
-    original = AutoModelForCausalLM.from_pretrained(run.root / "backbone").eval()
+    original = AutoModelForCausalLM.from_pretrained(run.root / "base_model").eval()
     with pytest.raises(ValueError, match="go with .*export/backbone"):
         original.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=4)
 
@@ -267,7 +267,7 @@ def test_moved_workdir_still_uses_the_trained_backbone_and_another_model_overrid
     model = _original(run)
     with torch.no_grad():
         model.lm_head.weight.mul_(-1.0)
-    shutil.copytree(run.root / "backbone", other)  # tokenizer and chat template
+    shutil.copytree(run.root / "base_model", other)  # tokenizer and chat template
     model.save_pretrained(other)
     report = eval_stage.run(run.cfg("stage=eval", f"model.name_or_path={other}", root=copy))
     assert report["backbone"] == str(other) and report["greedy_identical"] == 1.0
@@ -362,7 +362,7 @@ def _assert_same_training(root: Path, ref: Path, tuning: str) -> None:
         assert got.lm_head.weight.data_ptr() == got.model.embed_tokens.weight.data_ptr()
         got = got.state_dict()
         expected = AutoModelForCausalLM.from_pretrained(ref / "heads" / "backbone").state_dict()
-        base = AutoModelForCausalLM.from_pretrained(ref / "backbone").state_dict()
+        base = AutoModelForCausalLM.from_pretrained(ref / "base_model").state_dict()
         assert max(float((expected[k] - base[k]).abs().max()) for k in base) > 1e-3
     else:  # the adapter only
         got = load_file(str(root / "heads" / "backbone" / "adapter_model.safetensors"))

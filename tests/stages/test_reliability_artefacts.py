@@ -96,7 +96,7 @@ def _distill_overrides(workdir: Path | str, prompts: Path) -> list[str]:
         "stage=distill",
         f"workdir={workdir}",
         "model=hf",
-        f"model.name_or_path={Path(workdir) / 'backbone'}",  # inside the workdir, as model=tiny
+        f"model.name_or_path={Path(workdir) / 'base_model'}",  # inside the workdir, as model=tiny
         "model.dtype=float32",
         "model.device=cpu",
         "tracking=disabled",
@@ -118,7 +118,7 @@ def distilled(tmp_path_factory, tiny_backbone_dir) -> tuple[Path, Path, dict]:
         "".join(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=4 + i)) + "?"}) + "\n" for i in range(6))
     )
     wd = root / "wd"
-    shutil.copytree(tiny_backbone_dir, wd / "backbone")
+    shutil.copytree(tiny_backbone_dir, wd / "base_model")
     figures = distill.run(compose_config(_distill_overrides(wd, prompts)))
     assert figures["num_shards"] == 3
     return wd, prompts, figures
@@ -230,13 +230,13 @@ def test_moved_workdir_resumes_then_skips_then_exports(tmp_path, monkeypatch) ->
     result = train_run(train_cfg(Path("b")))
     assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6
     _fresh_copy(tmp_path / "b", tmp_path / "c")
-    shutil.rmtree(tmp_path / "b")  # the heads name b/backbone as their base: gone now
+    shutil.rmtree(tmp_path / "b")  # the heads name b/base_model as their base: gone now
     again = train_run(train_cfg(tmp_path / "c"))  # absolute this time
     assert again["skipped"]
     out = export.run(compose_config(train_overrides(Path("c"), "stage=export")))
     assert out["roundtrip_identical"]
     config = json.loads((tmp_path / "c" / "export" / "medusa" / "config.json").read_text())
-    assert config["base_model_name_or_path"] == str((tmp_path / "c" / "backbone").resolve())
+    assert config["base_model_name_or_path"] == str((tmp_path / "c" / "base_model").resolve())
     assert oct((tmp_path / "c" / "export").stat().st_mode & 0o777) == oct(0o777 & ~_umask())
     # Killed while publishing recalibrated heads: the next run finds the old heads and recalibrates.
     heads = tmp_path / "c" / "heads"

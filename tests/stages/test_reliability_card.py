@@ -99,10 +99,10 @@ def test_card_states_figures_only_for_the_heads_they_were_measured_on(tmp_path: 
 def _lora_workdir(root: Path) -> Path:
     """A tiny workdir whose heads ship a LoRA adapter in heads/backbone, as training=medusa2 lora leaves."""
     make_workdir(root)
-    base = LlamaForCausalLM.from_pretrained(root / "backbone")
+    base = LlamaForCausalLM.from_pretrained(root / "base_model")
     lora = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
     lora.save_pretrained(root / "heads" / "backbone")
-    AutoTokenizer.from_pretrained(root / "backbone").save_pretrained(root / "heads" / "backbone")
+    AutoTokenizer.from_pretrained(root / "base_model").save_pretrained(root / "heads" / "backbone")
     return root
 
 
@@ -130,7 +130,7 @@ def test_damaged_lora_adapter_is_one_line(tmp_path: Path, capsys, damage: str) -
     with pytest.raises(DamagedArtefactError, match="training=medusa2 training.overwrite=true"):
         export.run(tiny_cfg(root, "stage=export"))
     overrides = [f"workdir={root}", "debug=fast", "tracking=disabled", "model=hf"]
-    overrides += [f"model.name_or_path={root / 'backbone'}", "model.dtype=float32"]
+    overrides += [f"model.name_or_path={root / 'base_model'}", "model.dtype=float32"]
     for stage in ("export", "eval"):
         line = _cli_line(capsys, [f"stage={stage}", *overrides])
         assert str(path) in line and "stage=train training=medusa2 training.overwrite=true" in line, line

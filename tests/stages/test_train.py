@@ -57,7 +57,7 @@ def test_train_writes_heads_calibration_and_small_checkpoints(reference):
     assert all(0 <= a <= 1 for a in result["heldout_top1"] + result["train_top1"] + result["train_top5"])
     heads_dir = root / "heads"
     config = json.loads((heads_dir / "config.json").read_text())
-    assert config["medusa_num_heads"] == 3 and config["base_model_name_or_path"] == str(root / "backbone")
+    assert config["medusa_num_heads"] == 3 and config["base_model_name_or_path"] == str(root / "base_model")
     assert config["backbone"]["fingerprint"] and config["training"]["mode"] == "medusa1"
     calib = json.loads((heads_dir / "calibration.json").read_text())
     acc = calib["head_topk_accuracy"]
@@ -288,13 +288,13 @@ def test_quantized_frozen_backbone_trains_heads(tmp_path, quantization):
     pytest.importorskip("bitsandbytes")
     # bitsandbytes' 4-bit CPU kernel needs every quantized row to span whole 64-value blocks
     root = make_train_workdir(tmp_path / quantization, hidden=64, kv_heads=4)
-    backbone_files = {p.name: p.read_bytes() for p in (root / "backbone").iterdir() if p.is_file()}
+    backbone_files = {p.name: p.read_bytes() for p in (root / "base_model").iterdir() if p.is_file()}
     overrides = (f"model.quantization={quantization}", "training.max_steps=12")
     result = run(train_cfg(root, *overrides))
     assert result["steps"] == 12
     _assert_heads_learned(root, result, *overrides)
     # the frozen checkpoint on disk is untouched
-    assert {p.name: p.read_bytes() for p in (root / "backbone").iterdir() if p.is_file()} == backbone_files
+    assert {p.name: p.read_bytes() for p in (root / "base_model").iterdir() if p.is_file()} == backbone_files
 
 
 _DIES_AT_STEP = """

@@ -213,7 +213,9 @@ def test_workdir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
         "data=jsonl",
         f"data.path={data}",
     ]
-    assert main([*argv, "model=hf", f"model.name_or_path={make_workdir(tmp_path / 'run') / 'backbone'}"]) == 2
+    assert (
+        main([*argv, "model=hf", f"model.name_or_path={make_workdir(tmp_path / 'run') / 'base_model'}"]) == 2
+    )
     assert f"a file stands where a folder is needed: {afile}/" in _error_line(capsys)
     assert afile.read_text() == "not a folder"
 

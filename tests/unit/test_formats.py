@@ -344,14 +344,14 @@ def test_vllm_config_survives_vllm_medusa_config_renaming(tmp_path: Path) -> Non
 
 
 def test_portable_base_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "runs" / "default" / "backbone").mkdir(parents=True)
+    (tmp_path / "runs" / "default" / "pretrain").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert portable_base_model("runs/default/backbone") == str(tmp_path / "runs" / "default" / "backbone")
+    assert portable_base_model("runs/default/pretrain") == str(tmp_path / "runs" / "default" / "pretrain")
     assert portable_base_model("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
     assert is_hub_id("meta-llama/Llama-3.1-8B") and not is_hub_id(str(tmp_path))
     assert portable_base_model("/nowhere/llama") == "/nowhere/llama"  # another machine's path
     with pytest.raises(HeadsFormatError, match="neither a folder"):
-        portable_base_model("runs/other/backbone")
+        portable_base_model("runs/other/pretrain")
 
 
 # -- an exported backbone's config.json read by a transformers 4.x consumer ---------------------------

@@ -58,7 +58,7 @@ def _backbone() -> LlamaForCausalLM:
 def _train(mode: str, lm_loss: str = "kl", lambda0: float = LAMBDA0) -> tuple[float, float]:
     """``(held-out heads loss sum_k decay^(k-1) CE_k, held-out KL to the original)`` after STEPS steps."""
     backbone = _backbone()
-    original = copy.deepcopy(backbone).requires_grad_(False)
+    original = copy.deepcopy(backbone)  # KLToOriginal freezes it
     torch.manual_seed(1)
     heads = MedusaHeads(32, VOCAB, 3, 1)
     heads.init_from_lm_head(backbone.get_output_embeddings().weight.detach())
