@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,11 +160,33 @@ def run_killed_at_step(cfg: Config, monkeypatch, step: int = 4) -> None:
         monkeypatch.setattr(MedusaTrainer, "training_step", original)
 
 
-def launch(cmd: list[str], cwd: Path = REPO) -> None:
-    """Run a multi-process launcher command (torchrun, deepspeed), one thread per process."""
+def launch(cmd: list[str], cwd: Path = REPO, timeout: float = 300) -> None:
+    """Run a multi-process launcher command (torchrun, deepspeed), one thread per process.
+
+    On timeout the launcher gets SIGTERM, so that it stops its ranks, then SIGKILL with its process
+    group: a SIGKILLed launcher leaves its ranks behind, holding the rendezvous port, and every later
+    run on that port hangs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"{cmd[0]} ran past {timeout:.0f} s: " + out[-3000:] + err[-3000:]) from None
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
 
 
 @contextlib.contextmanager
