@@ -273,18 +273,10 @@ class TimedDecoders:
         (later calls reuse a cache at least that long, so they do not recompile), and the static decoder
         once per capacity, on that capacity's longest turn. Without this a compile would land inside a
         timed turn and slow the compiled baseline, inflating Medusa's speed-up over it."""
-        if not turns:
-            return
-        longest = max(turns, key=lambda t: t[0].shape[1] + t[1])
-        self.plain(*longest, **compiled_args)
-        per_capacity: dict[int, tuple[torch.Tensor, int]] = {}
-        for ids, budget in turns:
-            cap = self.static_capacity(ids.shape[1], budget)
-            held = per_capacity.get(cap)
-            if held is None or ids.shape[1] + budget > held[0].shape[1] + held[1]:
-                per_capacity[cap] = (ids, budget)
-        for ids, budget in per_capacity.values():
-            self.medusa_static(ids, budget)
+        if turns:
+            self.plain(*max(turns, key=lambda t: t[0].shape[1] + t[1]), **compiled_args)
+            for ids, budget in self._longest_per_capacity(turns, lambda t: t[0].shape[1]):
+                self.medusa_static(ids, budget)
 
     def warm_up_compiled_batch(
         self, groups: Sequence[tuple[list[torch.Tensor], int]], compiled_args: dict
@@ -292,20 +284,24 @@ class TimedDecoders:
         """:meth:`warm_up_compiled` for groups of B rows (``(prompts, budget)`` pairs, every group the same
         B): the static-cache ``generate`` on the group needing the longest cache, the static decoder
         with B rows once per capacity, on that capacity's longest group."""
-        if not groups:
-            return
+        if groups:
+            self.plain_batch(
+                *max(groups, key=lambda g: max(r.shape[1] for r in g[0]) + g[1]), **compiled_args
+            )
+            for rows, budget in self._longest_per_capacity(groups, lambda g: max(r.shape[1] for r in g[0])):
+                self.medusa_static_batch(rows, budget)
 
-        def need(group: tuple[list[torch.Tensor], int]) -> int:
-            return max(r.shape[1] for r in group[0]) + group[1]
-
-        self.plain_batch(*max(groups, key=need), **compiled_args)
-        per_capacity: dict[int, tuple[list[torch.Tensor], int]] = {}
-        for group in groups:
-            cap = self.static_capacity(max(r.shape[1] for r in group[0]), group[1])
-            if cap not in per_capacity or need(group) > need(per_capacity[cap]):
-                per_capacity[cap] = group
-        for rows, budget in per_capacity.values():
-            self.medusa_static_batch(rows, budget)
+    def _longest_per_capacity(
+        self, items: Sequence[tuple], prompt_len: Callable[[tuple], int]
+    ) -> list[tuple]:
+        """Of ``(prompts, budget)`` items, the one needing the most columns for each static capacity."""
+        chosen: dict[int, tuple] = {}
+        for item in items:
+            need = prompt_len(item) + item[1]
+            cap = self.static_capacity(prompt_len(item), item[1])
+            if cap not in chosen or need > prompt_len(chosen[cap]) + chosen[cap][1]:
+                chosen[cap] = item
+        return list(chosen.values())
 
     def static_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """The static decoder's cache capacity for a turn: the next power of two >= 256 that holds the
