@@ -11,7 +11,9 @@ Per shape, the time of one attention call (the masks and the tree description bu
 ``sdpa_float`` SDPA with the dense ``(B, 1, M, W)`` float mask and K/V expanded to the query heads (what
 the decoders' ``attention=sdpa`` path runs through transformers), ``sdpa_bool`` the same with a boolean
 mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it ignores the tree), and the
-tree kernels ``triton`` and ``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
+tree kernels ``triton`` (on a GPU in the launch configuration its tuner picked for the shape, reported as
+``triton_config``), ``triton_default`` (the same kernel in its untuned default configuration) and
+``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
 largest magnitude) is reported too. A case that fails is reported with its error and the rest go on.
 Needs only torch (+ triton for the Triton kernel, nvcc + ninja for the CUDA one).
 
@@ -42,11 +44,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from medusa_train.decoding.attention import TreeMask, resolve_attention, tree_attention  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
+    default_config,
+    triton_next_pow2,
+    triton_tree_attention,
+    tuned_configs,
+)
 from medusa_train.decoding.tree import TreeBuffers  # noqa: E402
 from tests.helpers.models import random_tree  # noqa: E402
 
-METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "cuda")
-KERNELS = ("triton", "cuda")
+METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "triton_default", "cuda")
+KERNELS = ("triton", "triton_default", "cuda")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
 
 
@@ -109,6 +117,8 @@ def bench_case(
     float_mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
         ~allowed, torch.finfo(dtype).min
     )
+    untuned = default_config((hq // hkv) * m, max(16, triton_next_pow2(d)), dtype, device.type)
+    kernel_args = (q, k, v, past, start, mask.bits, mask.depth, d**-0.5)
     k_rep = k.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, W, D), as transformers' repeat_kv
     v_rep = v.repeat_interleave(hq // hkv, dim=1)
     calls = {
@@ -116,6 +126,7 @@ def bench_case(
         "sdpa_bool": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed),
         "flash_nomask": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "triton": lambda: tree_attention(q, k, v, past, start, mask, backend="triton"),
+        "triton_default": lambda: triton_tree_attention(*kernel_args, config=untuned),
         "cuda": lambda: tree_attention(q, k, v, past, start, mask, backend="cuda"),
     }
     ref = calls["sdpa_bool"]().float()
@@ -124,8 +135,14 @@ def bench_case(
     for name in METHODS:
         try:
             if name in KERNELS:
-                resolve_attention(name, device)  # a clear reason when it cannot run here
+                resolve_attention(
+                    name.removesuffix("_default"), device
+                )  # a clear reason when it cannot run here
+                tuned = set(tuned_configs().items())
                 row[f"{name}_err"] = ((calls[name]().float() - ref).abs().max().item()) / scale
+                if name == "triton":  # its first call tuned it (on a GPU): which configuration won
+                    picked = [str(c) for _, c in set(tuned_configs().items()) - tuned]
+                    row["triton_config"] = picked[0] if picked else str(untuned)
             row[f"{name}_call"] = time_call(calls[name], device, warmup, iters)
             queued = device.type == "cuda"
             row[name] = time_queued(calls[name], warmup, iters) if queued else row[f"{name}_call"]
@@ -141,9 +158,9 @@ def markdown(rows: list[dict]) -> str:
     launch included."""
     lines = [
         "| context | nodes | batch | SDPA + float mask | SDPA + bool mask | flash, no mask (lower bound) | "
-        "triton | cuda | triton vs float mask | triton / flash | "
+        "triton (tuned config) | triton, default config | cuda | triton vs float mask | triton / flash | "
         "per call with launch: float mask, triton | max rel. err (triton, cuda) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ms(x):
@@ -157,7 +174,8 @@ def markdown(rows: list[dict]) -> str:
         errs = ", ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("triton_err", "cuda_err"))
         lines.append(
             f"| {r['context']} | {r['nodes']} | {r['batch']} | {ms(f)} | {ms(r.get('sdpa_bool'))} | {ms(nm)} | "
-            f"{ms(t)} | {ms(r.get('cuda'))} | {speed} | {bound} | {calls} | {errs} |"
+            f"{ms(t)} ({r.get('triton_config', '-')}) | {ms(r.get('triton_default'))} | {ms(r.get('cuda'))} | "
+            f"{speed} | {bound} | {calls} | {errs} |"
         )
     failures = sorted({f"{k[:-6]}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
     if failures:

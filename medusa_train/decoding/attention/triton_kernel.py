@@ -11,6 +11,15 @@ are fp32 (exp2 with the scale folded in). With several KV splits (long contexts,
 split writes its unnormalised partial output and (max, sum) to fp32 scratch and a second kernel
 combines them (flash-decoding).
 
+Launch configuration (query rows and keys per tile, warps, pipeline stages). On a CUDA device the first
+call of each shape class (:func:`tuning_key`) times every candidate of :func:`candidate_configs` on its
+own inputs and keeps the fastest for the process (:func:`tuned_configs`). A call inside a CUDA-graph
+capture never times anything: it takes the tuned configuration if its shape class was seen before (the
+static decoder warms its step up before capturing it), else :func:`default_config`; a call traced by
+``torch.compile`` always takes the default. ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the default configuration everywhere).
+triton's own ``triton.autotune`` is not used because it would time candidates inside a capture or a
+trace. The interpreter always takes the default configuration.
+
 Triton is optional: it is imported (and the kernels compiled) on first use. On a CPU the kernels run
 in triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
 """
@@ -18,10 +27,15 @@ in triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is impo
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 tl = None  # triton.language, bound by _kernels() (the jitted kernels resolve it as a module global)
 
@@ -233,6 +247,142 @@ def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
     return max(1, min(math.ceil(2 * sms / programs), past_width // 512, 64))
 
 
+class LaunchConfig(NamedTuple):
+    """How the forward kernel is launched: query rows and keys per tile, warps, pipeline stages (a
+    named tuple: ``torch.compile`` traces it as plain values)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+def default_config(rows: int, block_d: int, dtype: torch.dtype, device_type: str) -> LaunchConfig:
+    """The untuned configuration for ``rows = g * M`` packed query rows of head dim ``block_d``.
+
+    On CUDA: 64-row programs (one warpgroup's tensor-core tile) of 64 keys, 3 pipeline stages (2 in
+    fp32, whose tiles are twice the size). In the interpreter, whose cost is per operation: few large
+    tiles."""
+    if device_type != "cuda":
+        return LaunchConfig(min(256, max(16, triton_next_pow2(rows))), 128, 4, 1)
+    block_m = 64 if rows > 32 else max(16, triton_next_pow2(rows))
+    block_n = 64 if block_d <= 128 else 32
+    return LaunchConfig(block_m, block_n, 4, 2 if dtype == torch.float32 else 3)
+
+
+def candidate_configs(rows: int, block_d: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    """The CUDA configurations the tuner times, the default first.
+
+    Larger query tiles (128 rows, 8 warps) read each K/V tile once for twice the rows, which matters
+    when many programs share one KV head (256-node trees: 16 programs of 64 rows per KV head at a GQA
+    group of 4); fewer stages leave shared memory for them (3 stages of 128-row tiles with 128-key tiles
+    overflowed an H100's 227 KiB). A configuration that does not fit the device fails to compile and
+    is skipped. Tiles never have more rows than the call (``rows`` rounded up to a power of two)."""
+    first = default_config(rows, block_d, dtype, "cuda")
+    max_rows = max(16, triton_next_pow2(rows))
+    if dtype == torch.float32:
+        shapes = [(64, 32, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2)]
+    elif block_d > 128:
+        shapes = [(64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 3)]
+    else:
+        shapes = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]
+        shapes += [(32, 64, 4, 3), (16, 64, 4, 3)]
+    out = [first]
+    for bm, bn, warps, stages in shapes:
+        bm = min(bm, max_rows)
+        config = LaunchConfig(bm, bn, warps if bm >= 64 else 4, stages)  # 8 warps want 64+ rows
+        if config not in out:
+            out.append(config)
+    return out
+
+
+_TUNED: dict[tuple, LaunchConfig] = {}
+
+
+def tuned_configs() -> dict[tuple, LaunchConfig]:
+    """The configurations tuned so far in this process, by :func:`tuning_key` (a copy)."""
+    return dict(_TUNED)
+
+
+def tuning_key(query: torch.Tensor, key: torch.Tensor, splits: int, window: int | None) -> tuple:
+    """The shape class a tuned configuration is kept for: device, dtype, head dim, GQA group, tree
+    nodes, batch, KV splits, sliding window or not, and the past's width rounded up to a power of two
+    (an eager decoder's growing cache re-tunes a few times per generation, not every step)."""
+    bsz, hq, m, d = query.shape
+    hkv = key.shape[1]
+    width = max(1, key.shape[2] - m)
+    shape = (d, hq // hkv, m, bsz, splits, window is not None, width.bit_length())
+    return (str(query.device), query.dtype, *shape)
+
+
+def tuning_enabled() -> bool:
+    """Whether CUDA calls time the candidate configurations (``MEDUSA_TRITON_TUNE`` is not ``0``)."""
+    return os.environ.get("MEDUSA_TRITON_TUNE", "1") != "0"
+
+
+def gpu_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Milliseconds per ``fn()`` on the current CUDA stream: one untimed call (compilation), then
+    ``reps`` calls queued back to back between two events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def fastest(
+    candidates: list[LaunchConfig],
+    launch: Callable[[LaunchConfig], object],
+    measure: Callable[[Callable[[], object]], float],
+) -> tuple[LaunchConfig, dict[LaunchConfig, float]]:
+    """The candidate with the smallest ``measure(lambda: launch(config))``, and every time measured.
+    A candidate that raises (out of shared memory, too many registers) is skipped; if all of them do,
+    the first one's error propagates."""
+    times: dict[LaunchConfig, float] = {}
+    first_error: Exception | None = None
+    for config in candidates:
+        try:
+            times[config] = measure(lambda config=config: launch(config))
+        except Exception as err:  # noqa: BLE001 - a configuration this device cannot run
+            log.debug("tree attention config %s skipped: %s", config, err)
+            first_error = first_error or err
+    if not times:
+        assert first_error is not None
+        raise first_error
+    return min(times, key=times.__getitem__), times
+
+
+def select_config(
+    key: tuple, candidates: list[LaunchConfig], launch: Callable[[LaunchConfig], object], device: torch.device
+) -> LaunchConfig:
+    """The configuration for shape class ``key``: the one tuned before, else the fastest candidate
+    (timed now with :func:`gpu_ms`, and kept), else, inside a capture or a trace or with tuning off,
+    the first candidate (the default)."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if _capturing_or_tracing(device) or not tuning_enabled():
+        return candidates[0]
+    config, times = fastest(candidates, launch, gpu_ms)
+    _TUNED[key] = config
+    default = candidates[0]
+    base = f"{times[default]:.4f} ms" if default in times else "failed"
+    log.info("tree attention %s: %s (%.4f ms; default %s %s)", key, config, times[config], default, base)
+    return config
+
+
+def _capturing_or_tracing(device: torch.device) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def triton_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -244,6 +394,7 @@ def triton_tree_attention(
     scale: float,
     window: int | None = None,
     num_splits: int | None = None,
+    config: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (see the module docstring and
     :func:`medusa_train.decoding.attention.tree_attention` for the contract).
@@ -258,6 +409,8 @@ def triton_tree_attention(
         scale: softmax scale of the scores.
         window: sliding window (query sees a key iff their positions differ by less), None for none.
         num_splits: KV splits (None: chosen from the shape and the device).
+        config: launch configuration (None: tuned on CUDA, see the module docstring; the default in
+            the interpreter).
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
@@ -268,35 +421,42 @@ def triton_tree_attention(
     g = hq // hkv
     out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)  # (B, Hq, M, D)
     block_d = max(16, triton_next_pow2(d))
-    if query.device.type == "cuda":
-        block_m = 64 if g * m > 32 else max(16, triton_next_pow2(g * m))
-        block_n = 64 if block_d <= 128 else 32
-    else:  # the interpreter: its cost is per operation, so few large tiles
-        block_m = min(256, max(16, triton_next_pow2(g * m)))
-        block_n = 128
-    grid_m = math.ceil(g * m / block_m)
+    device_type = query.device.type
+    default = default_config(g * m, block_d, query.dtype, device_type)
     past_width = key.shape[2] - m
-    splits = num_splits or _num_splits(grid_m * bsz * hkv, past_width, query.device)
+    # The split count follows the default tiling, so every candidate configuration splits alike.
+    programs = math.ceil(g * m / default.block_m) * bsz * hkv
+    splits = num_splits or _num_splits(programs, past_width, query.device)
     prec = "ieee" if query.dtype == torch.float32 else "tf32"
     # triton's CPU interpreter multiplies bf16 matrices wrongly: it gets them as fp32 there.
-    upcast = query.dtype == torch.bfloat16 and query.device.type != "cuda"
+    upcast = query.dtype == torch.bfloat16 and device_type != "cuda"
     if splits > 1:
         part = torch.empty(bsz * hkv * splits * g * m, block_d, dtype=torch.float32, device=query.device)
         ml = torch.empty(bsz * hkv * splits * g * m, 2, dtype=torch.float32, device=query.device)
     else:
         part = ml = out  # unused
-    fwd[(grid_m, bsz * hkv, splits)](
-        query, key, value, out, part, ml, past_lens, starts, bits, depth,
-        *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-        bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
-        D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=4, num_stages=2 if query.dtype == torch.float32 else 3,
-    )  # fmt: skip
-    if splits > 1:
-        combine[(grid_m, bsz * hkv)](
-            out, part, ml, *out.stride(), m, g, hkv, splits, D=d, BLOCK_D=block_d, BLOCK_M=block_m
-        )
+
+    def launch(cfg: LaunchConfig) -> None:
+        fwd[(math.ceil(g * m / cfg.block_m), bsz * hkv, splits)](
+            query, key, value, out, part, ml, past_lens, starts, bits, depth,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
+            D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if splits > 1:
+            combine[(math.ceil(g * m / default.block_m), bsz * hkv)](
+                out, part, ml, *out.stride(), m, g, hkv, splits,
+                D=d, BLOCK_D=block_d, BLOCK_M=default.block_m,
+            )  # fmt: skip
+
+    if config is None:
+        config = default
+        if device_type == "cuda" and not torch.compiler.is_compiling():
+            key_ = tuning_key(query, key, splits, window)
+            config = select_config(key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device)
+    launch(config)
     return out
 
 

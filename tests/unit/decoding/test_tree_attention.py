@@ -36,7 +36,14 @@ from medusa_train.decoding.attention import (  # noqa: E402
 )
 from medusa_train.decoding.attention.cuda_kernel import SOURCE, cuda_tree_attention, nvcc_path  # noqa: E402
 from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
-from medusa_train.decoding.attention.triton_kernel import triton_available  # noqa: E402
+from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
+    LaunchConfig,
+    candidate_configs,
+    default_config,
+    triton_available,
+    triton_tree_attention,
+    tuning_key,
+)
 from medusa_train.hf_compat import cache_kwargs  # noqa: E402
 from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model  # noqa: E402
 from tests.helpers.scripts import load_script  # noqa: E402
@@ -146,6 +153,67 @@ def test_triton_kernel_split_past_combines_exactly():
     args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 32**-0.5)
     split = triton_tree_attention(*args, num_splits=3)
     assert_matches(split, reference(q, k, v, past, start, mask), torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_launch_config_the_tuner_may_pick_matches_the_reference(dtype):
+    """Tile sizes change only how the rows and keys are cut (the interpreter ignores warps and stages),
+    never the result: every candidate of the CUDA tuner against the reference, split and unsplit."""
+    q, k, v, past, start, mask = random_case(11, random_tree(9, nodes=40), [70, 5], [0, 2], 1, 4, 64, dtype)
+    ref = reference(q, k, v, past, start, mask)
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 64**-0.5)
+    configs = candidate_configs(4 * mask.num_nodes, 64, dtype)
+    assert len(configs) >= 4 and configs[0] == default_config(4 * mask.num_nodes, 64, dtype, "cuda")
+    for config in configs:
+        for splits in (1, 2):
+            out = triton_tree_attention(*args, num_splits=splits, config=config)
+            assert_matches(out, ref, dtype)
+
+
+def test_tuner_keeps_the_fastest_config_and_never_times_inside_a_trace(monkeypatch):
+    from medusa_train.decoding.attention import triton_kernel
+
+    small, large, huge = LaunchConfig(64, 64, 4, 3), LaunchConfig(128, 64, 8, 2), LaunchConfig(128, 128, 8, 2)
+    cost = {small: 2.0, large: 1.0}
+    launched = []
+
+    def launch(config):
+        launched.append(config)
+        if config == huge:
+            raise RuntimeError("out of resources: shared memory")
+
+    def measure(fn):  # what the launched configuration costs
+        fn()
+        return cost[launched[-1]]
+
+    monkeypatch.setattr(triton_kernel, "gpu_ms", measure)
+    monkeypatch.setattr(triton_kernel, "_TUNED", {})
+    candidates, cpu = [small, large, huge], torch.device("cpu")
+    assert triton_kernel.select_config(("a",), candidates, launch, cpu) == large
+    assert launched == candidates  # each timed once, the failing one skipped
+    assert triton_kernel.select_config(("a",), candidates, launch, cpu) == large and len(launched) == 3
+    assert triton_kernel.tuned_configs() == {("a",): large}
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # a trace: nothing timed or kept
+    assert triton_kernel.select_config(("b",), candidates, launch, cpu) == small and len(launched) == 3
+    assert triton_kernel.select_config(("a",), candidates, launch, cpu) == large
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setenv("MEDUSA_TRITON_TUNE", "0")
+    assert triton_kernel.select_config(("b",), candidates, launch, cpu) == small and len(launched) == 3
+    assert ("b",) not in triton_kernel.tuned_configs()
+    with pytest.raises(RuntimeError, match="out of resources"):
+        triton_kernel.fastest([huge], launch, measure)
+
+
+def test_tuning_key_buckets_the_past_by_powers_of_two():
+    q = torch.zeros(1, 8, 5, 16)
+
+    def key(width):
+        return tuning_key(q, torch.zeros(1, 2, width + 5, 16), 1, None)
+
+    assert key(600) == key(1000) != key(1100)
+    assert key(600)[1:7] == (torch.float32, 16, 4, 5, 1, 1)
 
 
 def test_resolve_attention_on_cpu(monkeypatch):
@@ -353,6 +421,38 @@ def test_gpu_cuda_tensor_core_kernel_matches_sdpa_reference(name):
     err = (out.float() - ref).abs().max().item()
     torch_err = (torch_same_dtype.float() - ref).abs().max().item()
     assert err <= max(2 * torch_err, TOLERANCE[dtype][0] * ref.abs().max().item()), (err, torch_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tuned_triton_configs_match_the_reference():
+    """The tuner's pick and every candidate that compiles on this GPU (256 nodes, bf16, GQA 4, head dim
+    128: the shape where the tiles matter most) agree with the fp32 reference as closely as PyTorch's
+    own bf16 SDPA does."""
+    from medusa_train.decoding.attention import triton_kernel
+
+    tree = random_tree(6, nodes=255, max_depth=5, max_rank=60)
+    q, k, v, past, start, mask = random_case(3, tree, [3000, 1200], [0, 7], 2, 4, 128, torch.bfloat16, "cuda")
+    ref = reference(q, k, v, past, start, mask)
+    torch_err = (
+        tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, backend="sdpa").float() - ref
+    )
+    bound = max(2 * torch_err.abs().max().item(), TOLERANCE[torch.bfloat16][0] * ref.abs().max().item())
+    before = len(triton_kernel.tuned_configs())
+    out = tree_attention(q, k, v, past, start, mask, backend="triton")
+    assert len(triton_kernel.tuned_configs()) == before + 1
+    assert (out.float() - ref).abs().max().item() <= bound
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 128**-0.5)
+    ran = 0
+    for config in candidate_configs(4 * mask.num_nodes, 128, torch.bfloat16):
+        try:
+            out = triton_tree_attention(*args, config=config)
+        except Exception as err:  # noqa: BLE001 - a tile this GPU cannot hold: the tuner skips it too
+            print(f"{config}: {type(err).__name__}")
+            continue
+        ran += 1
+        assert (out.float() - ref).abs().max().item() <= bound, config
+    assert ran >= 2
 
 
 @pytest.mark.gpu
