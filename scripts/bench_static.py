@@ -5,6 +5,10 @@ Run as:
     python scripts/bench_static.py --device cuda --json static.json
     # the step's tree forward through a tree-attention kernel instead of SDPA's (B, 1, M, C) mask
     python scripts/bench_static.py --device cuda --attention triton --json static_triton.json
+    # heads over a 32K-token draft vocabulary (a quarter of the 8B shape's 128K: 1.1 GB instead of 4.2 GB
+    # read per tree step), and the step compiled by inductor with its GEMM autotuning instead of captured
+    python scripts/bench_static.py --device cuda --head-projection truncated --draft-vocab 32768 \
+        --capture compile --compile-mode max-autotune --inductor-tuning --contexts 2048 --batch-sizes 1
     # CPU dry run (under a minute): a tiny Llama, same table
     python scripts/bench_static.py --device cpu --tiny
     # CPU dry run of the Triton kernel (triton's interpreter: slow, so few cases)
@@ -61,16 +65,31 @@ def tiny_llama_config() -> LlamaConfig:
     )
 
 
-def build(config: LlamaConfig, device: str, dtype: torch.dtype, projection: str, num_heads: int = 4):
-    """Random backbone (built on the device, in ``dtype``) and heads (copies of its lm_head, or sharing it)."""
+def build(
+    config: LlamaConfig,
+    device: str,
+    dtype: torch.dtype,
+    projection: str,
+    num_heads: int = 4,
+    draft_vocab: int | None = None,
+):
+    """Random backbone (built on the device, in ``dtype``) and heads (copies of its lm_head, sharing it,
+    or ``truncated``: copies of its first ``draft_vocab`` rows, which time the same as any other map)."""
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    token_map = None
+    if projection == "truncated":
+        token_map = torch.arange(min(draft_vocab or config.vocab_size, config.vocab_size))
     try:
         with torch.device(device):
             model = LlamaForCausalLM(config).eval()
             heads = MedusaHeads(
-                config.hidden_size, config.vocab_size, num_heads=num_heads, head_projection=projection
+                config.hidden_size,
+                config.vocab_size,
+                num_heads=num_heads,
+                head_projection=projection,
+                token_map=token_map,
             )
     finally:
         torch.set_default_dtype(previous)
@@ -186,13 +205,25 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "attention": args.attention,
+        "capture": args.capture or ("cuda_graph" if device.type == "cuda" else "eager"),
+        "compile_mode": args.compile_mode,
+        "inductor_tuning": args.inductor_tuning,
     }
     captures = [c for c in args.parity_captures if c != "cuda_graph" or device.type == "cuda"]
     results["parity"] = parity(args.device, captures, args.attention)
     dtype = getattr(torch, args.dtype)
     config = tiny_llama_config() if args.tiny else llama8b_config(num_hidden_layers=args.layers)
+    if args.inductor_tuning:  # gpt-fast's setting: inductor tunes its generated kernels' launch parameters
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     t0 = time.perf_counter()
-    model, heads = build(config, args.device, dtype, args.head_projection)
+    model, heads = build(config, args.device, dtype, args.head_projection, draft_vocab=args.draft_vocab)
+    results["heads"] = {
+        "projection": args.head_projection,
+        "draft_vocab": heads.draft_vocab_size,
+        "bytes": sum(p.numel() * p.element_size() for p in heads.parameters()),
+    }
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
     results |= {
@@ -205,8 +236,8 @@ def run(args: argparse.Namespace) -> dict:
     print(
         f"weights {weight_bytes / 1e9:.2f} GB, copy {bw / 1e9:.0f} GB/s, floor {results['floor_ms']:.2f} ms"
     )
-    capture = args.capture or ("cuda_graph" if device.type == "cuda" else "eager")
-    mode = "reduce-overhead" if capture == "compile" and device.type == "cuda" else None
+    capture = results["capture"]
+    mode = args.compile_mode if capture == "compile" and device.type == "cuda" else None
     for context in args.contexts:
         ids = torch.randint(1, config.vocab_size, (1, context), generator=torch.Generator().manual_seed(1))
         ids = ids.to(device)
@@ -271,8 +302,10 @@ def run(args: argparse.Namespace) -> dict:
 def markdown(results: dict) -> str:
     floor = results["floor_ms"]
     lines = [
-        f"device {results['device']}, tree attention {results['attention']}: weights {results['weights_gb']:.2f} GB, copy "
-        f"{results['copy_gb_s']:.0f} GB/s, floor {floor:.2f} ms",
+        f"device {results['device']}, tree attention {results['attention']}, capture {results['capture']}: weights "
+        f"{results['weights_gb']:.2f} GB, copy {results['copy_gb_s']:.0f} GB/s, floor {floor:.2f} ms",
+        f"heads: {results['heads']['projection']} projections over {results['heads']['draft_vocab']} tokens, "
+        f"{results['heads']['bytes'] / 1e9:.2f} GB",
         "",
         "x plain: the step's time over the 1-node step's at the same batch and context (the tau at which",
         "Medusa breaks even).",
@@ -321,7 +354,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="sdpa",
         help="tree attention of our decoder's steps: the model's SDPA with a mask, or a tree kernel",
     )
-    p.add_argument("--head-projection", choices=("own", "shared"), default="own")
+    p.add_argument(
+        "--head-projection",
+        choices=("own", "shared", "truncated"),
+        default="own",
+        help="the heads' vocabulary projections: own copies of the lm_head, the lm_head itself, or "
+        "truncated to --draft-vocab tokens",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=32768,
+        help="tokens of truncated heads (--head-projection truncated)",
+    )
+    p.add_argument(
+        "--compile-mode",
+        default="reduce-overhead",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="torch.compile mode of --capture compile on CUDA (reduce-overhead and max-autotune add CUDA graphs)",
+    )
+    p.add_argument(
+        "--inductor-tuning",
+        action="store_true",
+        help="inductor's coordinate-descent tuning of its generated kernels (for --capture compile and "
+        "transformers' compiled static cache)",
+    )
     p.add_argument(
         "--hf-static-contexts",
         type=int,
@@ -336,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.draft_vocab < 1:
+        p.error(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
     if not all(1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
         p.error(f"--nodes must be in 1..{len(MEDUSA_63) + 1}")
     limit = (tiny_llama_config() if args.tiny else llama8b_config()).max_position_embeddings

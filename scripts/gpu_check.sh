@@ -25,7 +25,8 @@
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
-#      8B shape holds 8,192 positions)
+#      8B shape holds 8,192 positions), with heads over a 32K-token draft vocabulary, compiled by
+#      inductor with max-autotune; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
 #   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
@@ -184,10 +185,12 @@ fi
 
 # 5. The static-shape step on the 8B shape (CUDA graph) against transformers' compiled static cache.
 if [ -f scripts/bench_static.py ]; then
-    ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_static.json")
+    # Every static run's JSON is merged into one bench_static.json (main, sdpa, triton, ...): the device
+    # returns at most 8 files.
+    ARGS=(--device "$DEVICE" --json "$SCRATCH/static_main.json")
     [ $QUICK = 1 ] && ARGS+=(--tiny)
     step bench-static 240 "static-shape step, CUDA graph, vs compiled plain" "$PY" scripts/bench_static.py "${ARGS[@]}"
-    # The captured step with each tree attention at long contexts (one JSON: at most 8 files come back).
+    # The captured step with each tree attention at long contexts.
     ARGS=(--device "$DEVICE" --contexts 2048 8000 --batch-sizes 1 --nodes 1 64 --hf-static-contexts)
     [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --hf-static-contexts)
     PARITY=(--parity-captures cuda_graph)
@@ -196,7 +199,21 @@ if [ -f scripts/bench_static.py ]; then
         step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
             "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
     done
-    merge_json static "$OUTDIR/bench_static_attention.json"
+    # The backbone's products at 1..256 tokens: whether a tree step's forward reads its weights slower.
+    ARGS=(--device "$DEVICE" --json "$SCRATCH/static_linear.json")
+    [ $QUICK = 1 ] && ARGS=(--device cpu --quick --dtype float32 --json "$SCRATCH/static_linear.json")
+    step bench-linear 60 "8B linear layers at 1-256 tokens vs copy bandwidth" "$PY" scripts/bench_linear.py "${ARGS[@]}"
+    # Two ways to a cheaper tree step: heads over a 32K-token draft vocabulary instead of four 128K ones,
+    # then inductor (GEMM autotuning + coordinate-descent tuning) instead of the eager captured step.
+    ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 --head-projection truncated --draft-vocab 32768)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --head-projection truncated --draft-vocab 128)
+    step bench-static-truncated 120 "captured step, triton, 32K-token heads" "$PY" scripts/bench_static.py \
+        "${ARGS[@]}" --attention triton --nodes 1 16 32 64 --hf-static-contexts --parity-captures \
+        --json "$SCRATCH/static_truncated.json"
+    step bench-static-inductor 300 "compiled step (max-autotune), 32K-token heads" "$PY" scripts/bench_static.py \
+        "${ARGS[@]}" --capture compile --compile-mode max-autotune --inductor-tuning --nodes 1 64 \
+        --hf-static-contexts --parity-captures --json "$SCRATCH/static_inductor.json"
+    merge_json static "$OUTDIR/bench_static.json"
 fi
 
 # 6. Every stage on the device, small settings, on copies of the demo workdir.

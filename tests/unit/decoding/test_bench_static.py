@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from tests.helpers.scripts import load_script
 
@@ -46,6 +47,31 @@ def test_tiny_cpu_run_with_the_triton_kernel(tmp_path):
     assert not [r for r in rows if "error" in r] and all(r["ms"] > 0 for r in rows)
 
 
+def test_truncated_heads_are_recorded_and_timed(tmp_path, capsys):
+    """``--head-projection truncated``: heads over the first --draft-vocab tokens, their size in the JSON
+    and the table's header, every row timed."""
+    bench = load_script("bench_static")
+    out = tmp_path / "static.json"
+    argv = ["--device", "cpu", "--tiny", "--contexts", "16", "--new-tokens", "6", "--batch-sizes", "1"]
+    argv += [
+        "--nodes",
+        "1",
+        "16",
+        "--hf-static-contexts",
+        "--parity-captures",
+        "--head-projection",
+        "truncated",
+    ]
+    assert bench.main(argv + ["--draft-vocab", "100", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    heads = results["heads"]
+    assert heads["projection"] == "truncated" and heads["draft_vocab"] == 100
+    assert heads["bytes"] == 4 * (100 * 64 + 64 * 64 + 64) * 4  # 4 fp32 heads: projection + one block
+    rows = results["rows"]
+    assert not [r for r in rows if "error" in r] and len(rows) == 3 and all(r["ms"] > 0 for r in rows)
+    assert "truncated projections over 100 tokens" in capsys.readouterr().out
+
+
 def test_a_context_the_model_cannot_hold_is_refused(capsys):
     """Context + new tokens + tree past the model's positions would time an empty decode: refused
     with one line and exit 2, before any model is built."""
@@ -55,3 +81,33 @@ def test_a_context_the_model_cannot_hold_is_refused(capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--contexts [8192]" in err and "8064" in err
+
+
+def test_bench_linear_dry_run_times_every_weight_at_every_token_count(tmp_path):
+    """scripts/bench_linear.py on a CPU (tiny shape): a row per weight and token count, the forward's
+    sum per token count (layers counted), and the table."""
+    bench = load_script("bench_linear")
+    out = tmp_path / "linear.json"
+    argv = ["--device", "cpu", "--quick", "--dtype", "float32", "--tokens", "1", "8", "--calls", "3"]
+    assert bench.main(argv + ["--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    assert len(rows) == 6 * 2 and {r["tokens"] for r in rows} == {1, 8}
+    assert all(r["ms"] > 0 and r["gb_s"] > 0 for r in rows)
+    per_layer = {r["weight"]: r for r in rows if r["tokens"] == 8}
+    layers = bench.TINY["layers"]
+    expected = (
+        2 * layers * (per_layer["q / o"]["ms"] + per_layer["k / v"]["ms"] + per_layer["gate / up"]["ms"])
+    )
+    expected += layers * per_layer["down"]["ms"] + per_layer["lm_head"]["ms"]
+    forward = {f["tokens"]: f for f in results["forward"]}
+    assert forward[8]["ms"] == pytest.approx(expected)
+    assert "| tokens | ms | floor ms | x floor |" in results["table"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_bench_linear_refuses_cuda_without_a_device(capsys):
+    bench = load_script("bench_linear")
+    with pytest.raises(SystemExit) as done:
+        bench.main(["--device", "cuda"])
+    assert done.value.code == 2 and "--device cpu" in capsys.readouterr().err
