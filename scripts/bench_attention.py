@@ -9,8 +9,11 @@ Run as:
 
 Per shape, the time of one attention call (the masks and the tree description built beforehand):
 ``sdpa_float`` SDPA with the dense ``(B, 1, M, W)`` float mask and K/V expanded to the query heads (what
-the decoders' ``attention=sdpa`` path runs through transformers), ``sdpa_bool`` the same with a boolean
-mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it ignores the tree), and the
+the decoders' ``attention=sdpa`` path ran through transformers, its K/V expansion left out), ``sdpa_bool``
+the same with a boolean mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it
+ignores the tree), ``sdpa_repeat`` transformers' SDPA attention function on the float mask (its
+``repeat_kv`` copy of K/V timed too), ``sdpa_packed`` the decoders' ``attention=sdpa`` path now
+(``packed_gqa_sdpa``: query heads stacked per KV head, nothing expanded), and the
 tree kernels ``triton`` (on a GPU in the launch configuration its tuner picked for the shape, reported as
 ``triton_config``), ``triton_default`` (the same kernel in its untuned default configuration) and
 ``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -43,7 +47,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from medusa_train.decoding.attention import TreeMask, resolve_attention, tree_attention  # noqa: E402
-from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.decoding.attention.sdpa import dense_tree_mask, packed_gqa_sdpa  # noqa: E402
 from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
     default_config,
     triton_next_pow2,
@@ -53,7 +57,16 @@ from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
 from medusa_train.decoding.tree import TreeBuffers  # noqa: E402
 from tests.helpers.models import random_tree  # noqa: E402
 
-METHODS = ("sdpa_float", "sdpa_bool", "flash_nomask", "triton", "triton_default", "cuda")
+METHODS = (
+    "sdpa_float",
+    "sdpa_bool",
+    "flash_nomask",
+    "sdpa_repeat",
+    "sdpa_packed",
+    "triton",
+    "triton_default",
+    "cuda",
+)
 KERNELS = ("triton", "triton_default", "cuda")
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
 
@@ -98,8 +111,25 @@ def time_queued(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+class GroupedLayer(torch.nn.Module):
+    """What transformers' attention functions read from a grouped-query attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
 def bench_case(
-    context: int, nodes: int, batch: int, shape: dict, device: torch.device, dtype, warmup: int, iters: int
+    context: int,
+    nodes: int,
+    batch: int,
+    shape: dict,
+    device: torch.device,
+    dtype,
+    warmup: int,
+    iters: int,
+    methods: tuple[str, ...] = METHODS,
 ) -> dict:
     """Every method at one shape; the rows of a batch have different past lengths (the longest ``context``)."""
     hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
@@ -119,12 +149,15 @@ def bench_case(
     )
     untuned = default_config((hq // hkv) * m, max(16, triton_next_pow2(d)), dtype, device.type)
     kernel_args = (q, k, v, past, start, mask.bits, mask.depth, d**-0.5)
+    layer = GroupedLayer(hq // hkv)
     k_rep = k.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, W, D), as transformers' repeat_kv
     v_rep = v.repeat_interleave(hq // hkv, dim=1)
     calls = {
         "sdpa_float": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=float_mask),
         "sdpa_bool": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed),
         "flash_nomask": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "sdpa_repeat": lambda: sdpa_attention_forward(layer, q, k, v, float_mask, scaling=d**-0.5),
+        "sdpa_packed": lambda: packed_gqa_sdpa(q, k, v, float_mask, d**-0.5),
         "triton": lambda: tree_attention(q, k, v, past, start, mask, backend="triton"),
         "triton_default": lambda: triton_tree_attention(*kernel_args, config=untuned),
         "cuda": lambda: tree_attention(q, k, v, past, start, mask, backend="cuda"),
@@ -132,7 +165,7 @@ def bench_case(
     ref = calls["sdpa_bool"]().float()
     scale = ref.abs().max().item()
     row: dict = {"context": context, "nodes": m, "batch": batch}
-    for name in METHODS:
+    for name in methods:
         try:
             if name in KERNELS:
                 resolve_attention(
@@ -158,23 +191,29 @@ def markdown(rows: list[dict]) -> str:
     launch included."""
     lines = [
         "| context | nodes | batch | SDPA + float mask | SDPA + bool mask | flash, no mask (lower bound) | "
+        "transformers' SDPA (K/V expanded) | packed SDPA | "
         "triton (tuned config) | triton, default config | cuda | triton vs float mask | triton / flash | "
         "per call with launch: float mask, triton | max rel. err (triton, cuda) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ms(x):
         return "failed" if x is None else f"{x:.3f}"
 
     for r in rows:
+
+        def cell(name: str, r: dict = r) -> str:  # "-": not timed (--methods)
+            return ms(r[name]) if name in r else "-"
+
         t, f, nm = r.get("triton"), r.get("sdpa_float"), r.get("flash_nomask")
         speed = f"{f / t:.2f}x" if t and f else "-"
         bound = f"{t / nm:.2f}" if t and nm else "-"
-        calls = f"{ms(r.get('sdpa_float_call'))}, {ms(r.get('triton_call'))}"
+        calls = f"{cell('sdpa_float_call')}, {cell('triton_call')}"
         errs = ", ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("triton_err", "cuda_err"))
         lines.append(
-            f"| {r['context']} | {r['nodes']} | {r['batch']} | {ms(f)} | {ms(r.get('sdpa_bool'))} | {ms(nm)} | "
-            f"{ms(t)} ({r.get('triton_config', '-')}) | {ms(r.get('triton_default'))} | {ms(r.get('cuda'))} | "
+            f"| {r['context']} | {r['nodes']} | {r['batch']} | {cell('sdpa_float')} | {cell('sdpa_bool')} | "
+            f"{cell('flash_nomask')} | {cell('sdpa_repeat')} | {cell('sdpa_packed')} | "
+            f"{cell('triton')} ({r.get('triton_config', '-')}) | {cell('triton_default')} | {cell('cuda')} | "
             f"{speed} | {bound} | {calls} | {errs} |"
         )
     failures = sorted({f"{k[:-6]}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
@@ -191,6 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, nargs="+", default=None)
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--iters", type=int, default=None, help="timed calls per method (median)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument(
+        "--methods", nargs="+", choices=METHODS, default=list(METHODS), help="what to time (default: all)"
+    )
     p.add_argument("--json", help="write the rows here")
     return p.parse_args(argv)
 
@@ -205,13 +248,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         contexts, nodes, batches, iters, warmup = [512, 2048, 8192, 32768], [16, 64, 256], [1, 8], 10, 3
     contexts, nodes, batches = args.contexts or contexts, args.nodes or nodes, args.batches or batches
     iters = args.iters or iters
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)
     rows = []
     for batch in batches:
         for context in contexts:
             for n in nodes:
                 try:
-                    rows.append(bench_case(context, n, batch, shape, device, dtype, warmup, iters))
+                    rows.append(
+                        bench_case(
+                            context, n, batch, shape, device, dtype, warmup, iters, tuple(args.methods)
+                        )
+                    )
                 except Exception as err:  # noqa: BLE001 - e.g. out of memory: report and go on
                     rows.append(
                         {"context": context, "nodes": n, "batch": batch, "case_error": repr(err)[:300]}

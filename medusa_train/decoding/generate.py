@@ -47,7 +47,7 @@ from .acceptance import (
     accept_typical,
     first_token,
 )
-from .attention import TreeMask, TreeStep, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
 from .tree import TreeBuffers, as_tree
 
 
@@ -403,7 +403,10 @@ def _forward(
         logits ``(B, T or logits_to_keep, V)`` and last hidden states ``(B, T, d)``; the other layers'
         hidden states are dropped here.
     """
-    with attention_backends(input_ids.device):
+    # A masked forward of a grouped-query model (a tree's nodes) stacks each KV head's query heads
+    # instead of expanding K/V (packed_sdpa); an unmasked one is the model's own causal attention.
+    packing = contextlib.nullcontext() if mask is None else packed_sdpa(model)
+    with attention_backends(input_ids.device), packing:
         out = model(
             input_ids=input_ids,
             attention_mask=mask,

@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
-from .attention import TreeMask, TreeStep, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
 from .batched import MedusaBatchOutput
 from .generate import (
     MedusaOutput,
@@ -322,11 +322,12 @@ class StaticDecoder:
         return sdpa_kernel(names[self.sdpa_backend])
 
     def _tree_attention(self) -> contextlib.AbstractContextManager:
-        """Where the step's forward runs: the model's own attention (sdpa), or the kernel of
-        ``attention`` (:func:`tree_step`: the model's attention implementation switched to it for the
-        block, restored after). Held around every run of the step, its capture and its compilation."""
+        """Where the step's forward runs: the model's SDPA on the step's mask (:func:`packed_sdpa`:
+        a grouped-query layer's K/V not expanded), or the kernel of ``attention`` (:func:`tree_step`).
+        Either switches the model's attention implementation for the block and restores it after.
+        Held around every run of the step, its capture and its compilation."""
         if self._kernel_step is None:
-            return contextlib.nullcontext()
+            return packed_sdpa(self.model)
         return tree_step(self.model, self._kernel_step)
 
     @torch.inference_mode()

@@ -24,6 +24,12 @@ no mask then (transformers skips mask creation for an implementation without a m
 previous implementation is restored when the forward returns. Outside a step the registered function is
 transformers' own SDPA attention, but the model builds no mask for it either (causal attention without
 padding only): the name is meant for :func:`tree_step`, not for ``set_attn_implementation``.
+
+The ``sdpa`` path itself runs its masked forwards (a tree's M nodes, up to
+:data:`~.sdpa.PACKED_MAX_QUERIES` queries) inside :func:`packed_sdpa`, which switches a model on
+transformers' ``sdpa`` to :data:`PACKED_SDPA_NAME`: the same SDPA on the same mask, with a grouped-query
+layer's query heads stacked per KV head instead of K/V expanded to every query head
+(:func:`~.sdpa.packed_gqa_sdpa`); every other call goes to transformers' SDPA attention unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ...errors import UserError
 from ..tree import TreeBuffers
 from .cuda_kernel import cuda_available, cuda_tree_attention
-from .sdpa import sdpa_tree_attention, unpack_bits
+from .sdpa import PACKED_MAX_QUERIES, packed_gqa_sdpa, sdpa_tree_attention, unpack_bits
 from .triton_kernel import interpreter_enabled, triton_available, triton_tree_attention
 
 ATTENTION_CHOICES = ("sdpa", "triton", "cuda", "auto")
@@ -65,6 +71,8 @@ the two were level (0.019-0.030 ms). The one shape from 2,048 keys where SDPA wa
 batch 8 (0.346 against 0.265 ms at 2,048 keys)."""
 KERNEL_NAME = "medusa_tree"
 """The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
+PACKED_SDPA_NAME = "medusa_sdpa"
+"""The name :func:`hf_packed_sdpa_attention` is registered under (:func:`packed_sdpa`)."""
 
 
 class AttentionBackendError(UserError, ValueError):
@@ -276,9 +284,57 @@ def hf_tree_attention(
     return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
 
 
+def hf_packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as :data:`PACKED_SDPA_NAME`: :func:`~.sdpa.packed_gqa_sdpa` for a
+    grouped-query layer given a mask shared by its heads and at most
+    :data:`~.sdpa.PACKED_MAX_QUERIES` queries; transformers' SDPA attention for anything else.
+
+    Returns:
+        ``(B, M, Hq, D)`` attention output and no weights.
+    """
+    if (
+        getattr(module, "num_key_value_groups", 1) > 1
+        and attention_mask is not None
+        and attention_mask.ndim == 4
+        and attention_mask.shape[1] == 1
+        and query.shape[2] <= PACKED_MAX_QUERIES
+        and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "position_bias"))
+    ):
+        return packed_gqa_sdpa(query, key, value, attention_mask, scaling, dropout), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
 def register() -> None:
-    """Register :func:`hf_tree_attention` with transformers' ``AttentionInterface`` (idempotent)."""
+    """Register :func:`hf_tree_attention` and :func:`hf_packed_sdpa_attention` with transformers'
+    ``AttentionInterface`` (idempotent)."""
     AttentionInterface.register(KERNEL_NAME, hf_tree_attention)
+    AttentionInterface.register(PACKED_SDPA_NAME, hf_packed_sdpa_attention)
+
+
+@contextmanager
+def packed_sdpa(model: torch.nn.Module) -> Iterator[None]:
+    """Run the model's forwards inside this block with :func:`hf_packed_sdpa_attention` if the model
+    uses transformers' ``sdpa`` (any other implementation is left alone); switched back afterwards
+    (also when the forward raises)."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    register()
+    config._attn_implementation = PACKED_SDPA_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 @contextmanager
@@ -306,10 +362,13 @@ __all__ = [
     "AUTO_MIN_CONTEXT_CAPTURED",
     "AUTO_ORDER",
     "KERNEL_NAME",
+    "PACKED_SDPA_NAME",
     "AttentionBackendError",
     "TreeMask",
     "TreeStep",
+    "hf_packed_sdpa_attention",
     "hf_tree_attention",
+    "packed_sdpa",
     "register",
     "resolve_attention",
     "tree_attention",

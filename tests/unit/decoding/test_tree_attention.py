@@ -27,15 +27,18 @@ from medusa_train.decoding.attention import (  # noqa: E402
     AUTO_MIN_CONTEXT,
     AUTO_MIN_CONTEXT_CAPTURED,
     KERNEL_NAME,
+    PACKED_SDPA_NAME,
     AttentionBackendError,
     TreeMask,
     TreeStep,
+    hf_packed_sdpa_attention,
+    packed_sdpa,
     resolve_attention,
     tree_attention,
     tree_step,
 )
 from medusa_train.decoding.attention.cuda_kernel import SOURCE, cuda_tree_attention, nvcc_path  # noqa: E402
-from medusa_train.decoding.attention.sdpa import dense_tree_mask  # noqa: E402
+from medusa_train.decoding.attention.sdpa import PACKED_MAX_QUERIES, dense_tree_mask, packed_gqa_sdpa  # noqa: E402
 from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
     LaunchConfig,
     candidate_configs,
@@ -214,6 +217,138 @@ def test_tuning_key_buckets_the_past_by_powers_of_two():
 
     assert key(600) == key(1000) != key(1100)
     assert key(600)[1:7] == (torch.float32, 16, 4, 5, 1, 1)
+
+
+class _GroupedLayer(torch.nn.Module):
+    """What transformers' attention functions read from the attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+@pytest.mark.parametrize(("hkv", "group", "m"), [(2, 4, 7), (1, 8, 1), (4, 2, 33)])
+def test_packed_gqa_sdpa_equals_transformers_sdpa_with_expanded_kv(kind, hkv, group, m):
+    """Query heads stacked per KV head give transformers' repeat_kv SDPA output (same layout)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(hkv * 100 + group * 10 + m)
+    bsz, width, d = 2, 45, 16
+    q = torch.randn(bsz, m, hkv * group, d, generator=gen).transpose(
+        1, 2
+    )  # (B, Hq, M, D), as the models give it
+    k, v = torch.randn(bsz, hkv, width, d, generator=gen), torch.randn(bsz, hkv, width, d, generator=gen)
+    allowed = torch.rand(bsz, 1, m, width, generator=gen) > 0.3
+    allowed[..., 0] = True  # every query sees something
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo().min)
+    out = packed_gqa_sdpa(q, k, v, mask, 0.3)
+    ref, _ = sdpa_attention_forward(_GroupedLayer(group), q, k, v, mask, scaling=0.3)
+    assert out.shape == ref.shape == (bsz, m, hkv * group, d)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_attention_takes_only_masked_short_grouped_calls(monkeypatch):
+    """Unmasked calls, head-specific masks, more than PACKED_MAX_QUERIES queries and layers without
+    grouped heads go to transformers' SDPA attention."""
+    from medusa_train.decoding import attention
+
+    taken = []
+    real = attention.packed_gqa_sdpa
+    monkeypatch.setattr(attention, "packed_gqa_sdpa", lambda *a: taken.append(1) or real(*a))
+
+    def call(groups, m, mask_heads=1, masked=True):
+        q = torch.randn(1, 4, m, 8)
+        k = v = torch.randn(1, 4 // groups, m + 3, 8)
+        mask = torch.zeros(1, mask_heads, m, m + 3) if masked else None
+        out, _ = hf_packed_sdpa_attention(_GroupedLayer(groups), q, k, v, mask, scaling=0.5)
+        assert out.shape == (1, m, 4, 8)
+        return len(taken)
+
+    assert call(2, 5) == 1
+    assert call(2, 5, masked=False) == 1
+    assert call(2, 5, mask_heads=4) == 1
+    assert call(2, PACKED_MAX_QUERIES + 1) == 1
+    assert call(1, 5) == 1
+    assert call(4, PACKED_MAX_QUERIES) == 2
+
+
+def test_packed_sdpa_switches_sdpa_models_only_and_restores_on_error():
+    model = tiny_model("llama", seed=1)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError, match="boom"), packed_sdpa(model):
+        assert model.config._attn_implementation == PACKED_SDPA_NAME
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+    model.config._attn_implementation = "eager"
+    with packed_sdpa(model):
+        assert model.config._attn_implementation == "eager"
+
+
+def test_tree_forward_is_the_same_with_packed_heads():
+    """A grouped-query model's tree forward (4D float mask) inside packed_sdpa: the logits of
+    transformers' own SDPA path, and the decoders' greedy output is plain greedy."""
+    model = tiny_model("llama", seed=4, hidden=64, heads=8, kv_heads=2)
+    tree = TreeBuffers.from_choices(random_tree(2, nodes=20))
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=gen)
+    logits = []
+    for packed in (False, True):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            tokens = torch.randint(1, VOCAB, (1, tree.num_nodes), generator=torch.Generator().manual_seed(1))
+            mask = dense_tree_mask(
+                torch.tensor([9]),
+                torch.tensor([0]),
+                TreeMask.of(tree).bits,
+                TreeMask.of(tree).depth,
+                9 + tree.num_nodes,
+            )
+            fmask = torch.zeros(mask.shape).masked_fill_(~mask, torch.finfo().min)
+            with packed_sdpa(model) if packed else contextlib.nullcontext():
+                out = model(
+                    input_ids=tokens,
+                    attention_mask=fmask,
+                    position_ids=(9 + tree.depth)[None],
+                    use_cache=True,
+                    **cache_kwargs(model, cache),
+                )
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    heads = random_heads(model, seed=2)
+    ref = plain_greedy(model, prompt[0], 24)
+    assert (
+        medusa_generate(
+            model, heads, prompt, max_new_tokens=24, tree=random_tree(2, nodes=20)
+        ).tokens.tolist()
+        == ref
+    )
+
+
+def test_every_decoder_verifies_through_the_packed_heads(monkeypatch):
+    """attention="sdpa" in the eager, batched and static decoders: each tree forward of a grouped-query
+    model runs packed_gqa_sdpa (a call per layer and step), and the output stays plain greedy."""
+    from medusa_train.decoding import attention
+    from medusa_train.decoding.static import StaticDecoder
+
+    calls = []
+    real = attention.packed_gqa_sdpa
+    monkeypatch.setattr(attention, "packed_gqa_sdpa", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    model = tiny_model("qwen2", seed=6)
+    heads = random_heads(model, seed=1)
+    tree = random_tree(3, nodes=10)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 11)]
+    refs = [plain_greedy(model, p, 12) for p in prompts]
+    one = medusa_generate(model, heads, prompts[0][None], max_new_tokens=12, tree=tree)
+    assert one.tokens.tolist() == refs[0] and len(calls) >= 2 * one.num_forwards - 2
+    calls.clear()
+    batch = medusa_generate_batch(model, heads, prompts, max_new_tokens=12, tree=tree)
+    assert [r.tokens.tolist() for r in batch.rows] == refs and calls
+    calls.clear()
+    static = StaticDecoder(model, heads, tree, 48, batch_size=2).generate_batch(prompts, max_new_tokens=12)
+    assert [r.tokens.tolist() for r in static.rows] == refs and 11 in calls  # the step's 11 nodes
 
 
 def test_resolve_attention_on_cpu(monkeypatch):
