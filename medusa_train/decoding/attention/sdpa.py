@@ -103,10 +103,8 @@ def packed_gqa_sdpa(
     hkv, width = key.shape[1], mask.shape[-1]
     g = hq // hkv
     rows = query.reshape(bsz, hkv, g * m, d)  # row j * M + i: query head kvh * g + j, node i
-    # The mask repeated for the g heads, in a buffer whose rows start 16-element aligned (what SDPA's
-    # fused kernels want; an unaligned mask is padded by SDPA on every call).
-    aligned = -(-width // 16) * 16
-    packed = mask.new_empty(bsz, 1, g * m, aligned)[..., :width]  # (B, 1, g * M, W)
-    packed.view(bsz, 1, g, m, width).copy_(mask[:, :, None])
+    # The mask repeated for the g heads: a new contiguous tensor, laid out as the decoders' own masks
+    # (contiguous from an aligned start; a strided view made cuDNN's attention fault on an H100).
+    packed = mask[:, :, None].expand(bsz, 1, g, m, width).reshape(bsz, 1, g * m, width)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=packed, dropout_p=dropout, scale=scale)
     return out.view(bsz, hq, m, d).transpose(1, 2).contiguous()  # (B, M, Hq, D)
