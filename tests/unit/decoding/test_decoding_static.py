@@ -14,6 +14,7 @@ from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_gen
 from medusa_train.decoding.acceptance import accept_greedy, accept_typical
 from medusa_train.decoding.static import (
     StaticDecoder,
+    StaticKVCache,
     greedy_path,
     medusa_generate_static,
     typical_nodes,
@@ -421,3 +422,32 @@ def test_one_call_sizes_its_decoder_to_the_context():
     prompt = torch.randint(1, VOCAB, (1, 50), generator=torch.Generator().manual_seed(8))
     out = medusa_generate_static(model, random_heads(model), prompt, max_new_tokens=10**6, tree=MEDUSA_63)
     assert out.tokens.tolist() == plain_greedy(model, prompt, MAX_POS - 50) and out.stop_reason == "context"
+
+
+@pytest.mark.parametrize("shapes", [[(2, 4)] * 3, [(2, 4), (1, 4), (2, 4)]], ids=["uniform", "mixed"])
+def test_static_cache_compacts_every_layer_in_one_tensor_or_layer_by_layer(shapes):
+    """Layers of one shape live in one (L, 2, B, H, C, D) tensor and a compaction moves them all at once;
+    a layer of another shape keeps its own tensors and the compaction goes layer by layer. Either way
+    entry src[b, i] lands at dst[b, i] in every layer, keys and values."""
+    cache = StaticKVCache(len(shapes), 10, 2, torch.device("cpu"))
+    cache.write_cols = torch.arange(10).expand(2, 10)  # a "step" writing every column
+    gen = torch.Generator().manual_seed(0)
+    written = []
+    for layer, (h, d) in zip(cache.layers, shapes, strict=True):
+        k, v = torch.randn(2, h, 10, d, generator=gen), torch.randn(2, h, 10, d, generator=gen)
+        layer.update(k, v)
+        written.append((k, v))
+    uniform = len(set(shapes)) == 1
+    assert [layer.in_storage for layer in cache.layers] == [s == shapes[0] for s in shapes]
+    assert cache.storage is not None and (cache.storage.shape[0], cache.storage.shape[3]) == (3, 2)
+    if uniform:
+        assert cache.layers[1].keys.data_ptr() == cache.storage[1, 0].data_ptr()
+    src, dst = torch.tensor([[3, 5, 9], [2, 7, 8]]), torch.tensor([[1, 2, 3], [0, 1, 2]])
+    cache.move_entries(src, dst)
+    for layer, (k, v) in zip(cache.layers, written, strict=True):
+        for got, before in ((layer.keys, k), (layer.values, v)):
+            want = before.clone()
+            for b in range(2):
+                want[b, :, dst[b]] = before[b, :, src[b]]
+            assert torch.equal(got, want)
+    assert not StaticKVCache(1, 4, 1, torch.device("cpu"), shared=False).shared
