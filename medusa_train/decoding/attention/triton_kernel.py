@@ -455,7 +455,9 @@ def triton_tree_attention(
         config = default
         if device_type == "cuda" and not torch.compiler.is_compiling():
             key_ = tuning_key(query, key, splits, window)
-            config = select_config(key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device)
+            config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
+                key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
+            )
     launch(config)
     return out
 
