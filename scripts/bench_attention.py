@@ -55,6 +55,7 @@ from medusa_train.decoding.attention.triton_kernel import (  # noqa: E402
     tuned_configs,
 )
 from medusa_train.decoding.tree import TreeBuffers  # noqa: E402
+from tests.helpers.bench import time_queued  # noqa: E402
 from tests.helpers.models import random_tree  # noqa: E402
 
 METHODS = (
@@ -68,7 +69,6 @@ METHODS = (
     "cuda",
 )
 KERNELS = ("triton", "triton_default", "cuda")
-SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
 
 
 def tree_of(nodes: int) -> list[list[int]]:
@@ -94,21 +94,6 @@ def time_call(fn, device: torch.device, warmup: int, iters: int) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
-
-
-def time_queued(fn, warmup: int, iters: int) -> float:
-    """Milliseconds of GPU time per ``fn()`` with ``iters`` calls queued behind a sleep kernel (CUDA)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)  # the host queues every call below while the GPU sleeps
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 class GroupedLayer(torch.nn.Module):

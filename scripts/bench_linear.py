@@ -23,6 +23,7 @@ Needs only torch.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -33,7 +34,10 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep: longer than the host takes to queue the timed calls
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.helpers.bench import copy_bandwidth, time_queued  # noqa: E402
+
 L2_DEFEAT_BYTES = 256 << 20  # each product cycles through copies of its weight totalling at least this
 
 # (name, out features, in features, products per forward): Llama-3-8B, one decoder layer's products
@@ -54,30 +58,10 @@ def weights_of(shape: dict) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    reps = 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - t0)
-
-
 def time_products(x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> float:
     """Milliseconds per ``F.linear(x, w)``, cycling through ``weights`` (GPU time of queued calls on
     CUDA, the wall-clock median elsewhere)."""
-    for w in weights:
-        F.linear(x, w)  # warm-up: the library picks its kernel
+    F.linear(x, weights[0])  # warm-up: the library picks its kernel
     if x.device.type != "cuda":
         times = []
         for i in range(calls):
@@ -85,15 +69,8 @@ def time_products(x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> f
             F.linear(x, weights[i % len(weights)])
             times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)  # the host queues every call below while the GPU sleeps
-    start.record()
-    for i in range(calls):
-        F.linear(x, weights[i % len(weights)])
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    cycle = itertools.cycle(weights)
+    return time_queued(lambda: F.linear(x, next(cycle)), warmup=len(weights), iters=calls)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medusa_train.decoding import MEDUSA_63  # noqa: E402
 from medusa_train.decoding.static import CAPTURES, SDPA_BACKENDS, StaticDecoder  # noqa: E402
 from medusa_train.heads import MedusaHeads  # noqa: E402
+from tests.helpers.bench import copy_bandwidth, sync  # noqa: E402
 from tests.helpers.models import llama8b_config, random_heads, random_tree, tiny_model  # noqa: E402
 
 NODES = (1, 4, 16, 64)
@@ -99,25 +100,6 @@ def build(
         heads.init_from_lm_head(model.get_output_embeddings().weight)
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
     return model, heads.eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync(device)
-    reps = 10
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - t0)
 
 
 def generate_ms_per_token(model, ids: torch.Tensor, new: int, **kwargs) -> float:

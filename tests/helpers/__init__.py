@@ -8,6 +8,8 @@
   (train, Medusa-2), the DeepSpeed launch helpers and the kill-and-resume helper.
 - :mod:`tests.helpers.training`: ``tiny_llama`` and ``batch`` for the training unit tests.
 - :mod:`tests.helpers.scripts`: ``load_script`` imports a file of ``scripts/`` as a module.
+- :mod:`tests.helpers.bench`: the bench scripts' GPU timing (copy bandwidth, calls queued behind a
+  sleep kernel).
 
 The repository root is on ``sys.path`` under pytest (``tests/`` is a package: pytest's rootdir
 insertion) and in the bench scripts (they add it themselves), so nothing needs installing.

@@ -230,6 +230,9 @@ def _why_not(backend: str, device: torch.device) -> str | None:
 
 
 _STEP: ContextVar[TreeStep | None] = ContextVar("medusa_tree_step", default=None)
+SCORE_MODIFIERS = ("softcap", "s_aux", "position_bias")
+"""Attention arguments some models pass that change the scores or the softmax (Gemma-2's softcap,
+gpt-oss's sinks, T5-style biases): the tree kernels and the packed SDPA do not apply them."""
 
 
 @dataclass
@@ -271,7 +274,7 @@ def hf_tree_attention(
     step = _STEP.get()
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    extra = [k for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None]
+    extra = [k for k in SCORE_MODIFIERS if kwargs.get(k) is not None]
     if extra:
         raise AttentionBackendError(
             f"{type(module).__name__} passes {', '.join(extra)} to its attention, which the tree kernels do "
@@ -307,7 +310,7 @@ def hf_packed_sdpa_attention(
         and attention_mask.ndim == 4
         and attention_mask.shape[1] == 1
         and query.shape[2] <= PACKED_MAX_QUERIES
-        and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "position_bias"))
+        and all(kwargs.get(k) is None for k in SCORE_MODIFIERS)
     ):
         return packed_gqa_sdpa(query, key, value, attention_mask, scaling, dropout), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
