@@ -707,8 +707,9 @@ class EvalConfig:
     `eval.batch_sizes`; the report gives Medusa's speed-up against both baselines. Off by default: on CPU compilation costs about a minute per shape and the compiled step
     pays only over long runs; on a GPU turn it on."""
     attention: str = "sdpa"
-    """Tree attention of Medusa's verification forwards: sdpa (the model's attention with a dense
-    float mask) | triton | cuda (fused kernels reading the tree's ancestor bits, no mask; GPU) | auto
+    """Tree attention of Medusa's verification forwards: sdpa (PyTorch's SDPA with a dense float mask;
+    grouped-query heads packed, K/V not expanded) | triton | cuda (fused kernels reading the tree's
+    ancestor bits, no mask; GPU) | auto
     (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, where it measured faster;
     else sdpa, and always on a CPU). See docs/decoding.md."""
 
