@@ -16,9 +16,9 @@ call of each shape class (:func:`tuning_key`) times every candidate of :func:`ca
 own inputs and keeps the fastest for the process (:func:`tuned_configs`). A call inside a CUDA-graph
 capture never times anything: it takes the tuned configuration if its shape class was seen before (the
 static decoder warms its step up before capturing it), else :func:`default_config`; a call traced by
-``torch.compile`` always takes the default. ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the default configuration everywhere).
-triton's own ``triton.autotune`` is not used because it would time candidates inside a capture or a
-trace. The interpreter always takes the default configuration.
+``torch.compile`` always takes the default. ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the
+default configuration everywhere). triton's own ``triton.autotune`` is not used because it would time
+candidates inside a capture or a trace. The interpreter always takes the default configuration.
 
 Triton is optional: it is imported (and the kernels compiled) on first use. On a CPU the kernels run
 in triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is imported.
@@ -278,9 +278,9 @@ def candidate_configs(rows: int, block_d: int, dtype: torch.dtype) -> list[Launc
 
     Larger query tiles (128 rows, 8 warps) read each K/V tile once for twice the rows, which matters
     when many programs share one KV head (256-node trees: 16 programs of 64 rows per KV head at a GQA
-    group of 4); fewer stages leave shared memory for them (3 stages of 128-row tiles with 128-key tiles
-    overflowed an H100's 227 KiB). A configuration that does not fit the device fails to compile and
-    is skipped. Tiles never have more rows than the call (``rows`` rounded up to a power of two)."""
+    group of 4); fewer stages leave shared memory for them (an earlier 128-row variant with 3 stages
+    asked for 256 KiB, over an H100's 227 KiB). A configuration that does not fit the device fails to
+    compile and is skipped. Tiles never have more rows than the call (``rows`` rounded up to a power of two)."""
     first = default_config(rows, block_d, dtype, "cuda")
     max_rows = max(16, triton_next_pow2(rows))
     if dtype == torch.float32:
