@@ -44,12 +44,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
-from .batched import MedusaBatchOutput
+from .batched import MedusaBatchOutput, PreallocatedLayer, shared_storage
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -67,37 +67,11 @@ STATIC_ACCEPTANCE = ("greedy", "typical")
 SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
 
-class _StaticLayer(CacheLayerMixin):
+class _StaticLayer(PreallocatedLayer):
     """One layer of a :class:`StaticKVCache`: ``(B, H, C, D)`` keys/values written where the owner says."""
 
-    is_sliding = False
-
-    def __init__(self, owner: StaticKVCache, index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.in_storage = False  # keys and values are views of the owner's storage
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        o = self.owner
-        _, h, _, d = key_states.shape
-        shape = (o.num_rows, h, o.capacity, d)  # (B, H, C, D)
-        if o.shared and o.storage is None and self.index == 0 and value_states.shape == key_states.shape:
-            o.storage = key_states.new_zeros(len(o.layers), 2, *shape)  # (L, 2, B, H, C, D)
-        s = o.storage
-        if (
-            s is not None
-            and s.shape[2:] == shape
-            and value_states.shape == key_states.shape
-            and s.dtype == key_states.dtype == value_states.dtype
-            and s.device == key_states.device
-        ):
-            self.keys, self.values = s[self.index, 0], s[self.index, 1]
-            self.in_storage = True
-        else:  # a layer of another shape (or dtype) than the first: its own tensors
-            self.keys = key_states.new_zeros(shape)
-            self.values = value_states.new_zeros(o.num_rows, h, o.capacity, value_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
+    def rows(self, batch: int) -> int:
+        return self.owner.num_rows  # the first update is a one-row prefill
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the new entries; return every column of the rows written.
@@ -141,7 +115,8 @@ class StaticKVCache(Cache):
         capacity: columns per row (prompt + budget + tree nodes of the longest row).
         batch_size: rows.
         device: where the row index lives.
-        shared: every layer's keys and values in one tensor when their shapes agree (see ``storage``).
+        shared: every layer's keys and values in one tensor when their shapes agree
+            (:class:`~.batched.PreallocatedLayer`).
     """
 
     def __init__(
@@ -154,19 +129,15 @@ class StaticKVCache(Cache):
         self.prefill_row: int | None = None
         self.write_pos: torch.Tensor | None = None
         self.write_cols: torch.Tensor | None = None
-        # Every layer's keys and values as views of one (L, 2, B, H, C, D) tensor when the layers share
-        # a shape (allocated by the first layer's first update), so a compaction is one gather and one
-        # scatter for the whole model rather than four per layer: 0.42 against 1.44 ms per step on a
-        # CPU at the 8B shape (32 layers, 2,112 columns); on a GPU, 2 kernels in the graph instead of 128.
         # Not under torch.compile (shared=False): inductor failed on static inputs that are views of
         # one tensor ("Storage size calculation overflowed", torch 2.13 on a CPU).
-        self.storage: torch.Tensor | None = None
+        self.storage: torch.Tensor | None = None  # (L, 2, B, H, C, D): see PreallocatedLayer
 
     def move_entries(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """In every row b and layer, entry ``src[b, i]`` is copied to ``dst[b, i]`` (``(B, n)`` each);
         all sources are read before any destination is written."""
-        if self.storage is not None and all(layer.in_storage for layer in self.layers):
-            kv = self.storage  # (L, 2, B, H, C, D)
+        kv = shared_storage(self)
+        if kv is not None:
             kv[:, :, self.rows, :, dst] = kv[:, :, self.rows, :, src]  # (B, n, L, 2, H, D)
             return
         for layer in self.layers:

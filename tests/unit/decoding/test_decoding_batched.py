@@ -272,3 +272,29 @@ def test_batched_user_errors():
         medusa_generate_batch(
             model, heads, [torch.ones(2, 3, dtype=torch.long)], max_new_tokens=4, tree=chain_tree(2)
         )
+
+
+@pytest.mark.parametrize("shapes", [[(2, 4)] * 3, [(2, 4), (1, 4), (2, 4)]], ids=["uniform", "mixed"])
+def test_row_cache_moves_entries_and_rows_of_every_layer(shapes):
+    """Layers of one shape share one tensor (a move is one op for the model), a layer of another shape
+    keeps its own; either way move_entries and keep_rows do the same to every layer's keys and values."""
+    from medusa_train.decoding.batched import RowKVCache
+
+    cache = RowKVCache(len(shapes), 8)
+    gen = torch.Generator().manual_seed(0)
+    written = []
+    for layer, (h, d) in zip(cache.layers, shapes, strict=True):  # a prefill of 3 rows x 8 columns
+        k, v = torch.randn(3, h, 8, d, generator=gen), torch.randn(3, h, 8, d, generator=gen)
+        layer.update(k, v)
+        written.append([k.clone(), v.clone()])
+    assert [layer.in_storage for layer in cache.layers] == [s == shapes[0] for s in shapes]
+    rows, src, dst = torch.tensor([0, 2, 2]), torch.tensor([5, 4, 7]), torch.tensor([1, 0, 3])
+    cache.move_entries(rows, src, dst)
+    keep = torch.tensor([1, 2])
+    cache.keep_rows(keep)
+    for layer, tensors in zip(cache.layers, written, strict=True):
+        for got, before in zip((layer.keys, layer.values), tensors, strict=True):
+            want = before.clone()
+            want[rows, :, dst] = before[rows, :, src]
+            want[:2] = want[keep].clone()
+            assert torch.equal(got, want)
