@@ -300,8 +300,6 @@ class StaticDecoder:
             self.step_lengths,
             self.num_steps,
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
-        if self.cache.storage is not None:
-            self._static.append(self.cache.storage)
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
