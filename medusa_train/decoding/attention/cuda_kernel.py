@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .triton_kernel import _num_splits as _num_splits_mma
-from .triton_kernel import num_sms
+from .triton_kernel import kv_splits, num_sms
 
 SOURCE = Path(__file__).with_name("tree_attention.cu")
 """The kernel source (package data)."""
@@ -148,7 +147,7 @@ def cuda_tree_attention(
     ext = _extension()
     out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device)  # (B, M, Hq, D)
     fast = tensor_cores(query.dtype, d, query.device)
-    choose = _num_splits_mma if fast else _num_splits
+    choose = kv_splits if fast else _num_splits
     blocks = math.ceil(g * m / (64 if fast else 16)) * bsz * hkv  # rows per block: MMA_ROWS or ROWS
     splits = num_splits or choose(blocks, key.shape[2] - m, query.device)
     rows = bsz * hkv * splits * g * m if splits > 1 else 1

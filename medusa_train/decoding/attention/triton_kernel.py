@@ -237,7 +237,7 @@ def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_splits(programs: int, past_width: int, device: torch.device) -> int:
+def kv_splits(programs: int, past_width: int, device: torch.device) -> int:
     """KV splits so that about two waves of programs fill the GPU; 1 where there is little past."""
     if device.type != "cuda" or past_width < 1024:
         return 1
@@ -426,7 +426,7 @@ def triton_tree_attention(
     past_width = key.shape[2] - m
     # The split count follows the default tiling, so every candidate configuration splits alike.
     programs = math.ceil(g * m / default.block_m) * bsz * hkv
-    splits = num_splits or _num_splits(programs, past_width, query.device)
+    splits = num_splits or kv_splits(programs, past_width, query.device)
     prec = "ieee" if query.dtype == torch.float32 else "tf32"
     # triton's CPU interpreter multiplies bf16 matrices wrongly: it gets them as fp32 there.
     upcast = query.dtype == torch.bfloat16 and device_type != "cuda"
