@@ -9,8 +9,10 @@ Run as:
 This module only parses and dispatches; each stage lives in ``medusa_train/stages/<stage>.py``.
 
 ``--help`` and ``--cfg`` answer without importing torch or transformers (seconds to import): the
-report, which pulls them in, is imported in :func:`run_stage`, where ``stage=all`` prints its summary
--- the one place the project imports its own module inside a function
+report, which pulls them in, and :mod:`medusa_train.dist` (torch.distributed) are imported in
+:func:`run_stage` and :func:`_dispatch`, where every rank leaves its process group and
+``stage=all`` prints its summary
+-- the one place the project imports its own modules inside a function
 (``tests/unit/test_architecture.py`` allows it here and nowhere else).
 """
 
@@ -94,8 +96,18 @@ def quiet_third_party(quantization: str, deepspeed: bool) -> None:
 
 
 def run_stage(cfg: Config) -> dict:
+    """Run ``cfg.stage``; then, in a launched run, this rank leaves its process group (see dist.leave)."""
+    from medusa_train import dist  # torch: not needed by --help/--cfg (module docstring)
+
+    try:
+        return _dispatch(cfg)
+    finally:
+        dist.leave()
+
+
+def _dispatch(cfg: Config) -> dict:
     """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
-    from medusa_train.report import summary_table  # torch: not needed by --help/--cfg (module docstring)
+    from medusa_train.report import summary_table  # torch, like dist above
 
     if cfg.stage != "all":
         return get_stage(cfg.stage)(cfg)

@@ -59,6 +59,18 @@ def destroy_process_group(created: bool) -> None:
         tdist.destroy_process_group()
 
 
+def leave() -> None:
+    """End of a launched process: leave the process group a stage left (the Trainer's, under a launcher).
+
+    Every rank calls it before the interpreter exits. A gloo group still alive at exit can abort the
+    process ("terminate called without an active exception", SIGABRT) after its work succeeded, and
+    the launcher then reports the whole run failed. Destroying it is local to this rank: a rank that
+    finished early leaves while rank 0 goes on publishing.
+    """
+    if launched() and tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
 def _active() -> bool:
     return world_size() > 1 and tdist.is_initialized()
 
