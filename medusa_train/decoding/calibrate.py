@@ -219,19 +219,25 @@ def measure_forward_latency(
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,
+    interleave: bool = True,
 ) -> dict[int, dict[str, float]]:
     """Time one verification forward of N tree tokens on top of a KV cache of ``context_len`` tokens.
 
     The N tokens form a chain-shaped tree (the mask's shape does not change the cost of a dense
-    attention kernel); the cache is cropped back after every forward.
+    attention kernel); the cache is cropped back after every forward. The sizes are timed in rounds,
+    each round timing every size once (ascending, then descending in the next round), so a machine
+    that slows down or speeds up while it measures shifts every size alike instead of the sizes timed
+    last (``scripts/bench_calibration.py`` compares the picks of both orders; docs/benchmarks.md).
 
     Args:
         model: the backbone.
         sizes: token counts N to time (tree nodes + 1).
         context_len: tokens in the cache.
-        warmup: untimed forwards per size.
-        repeats: timed forwards per size; the median is reported.
+        warmup: untimed rounds.
+        repeats: timed rounds; the median of each size is reported.
         seed: for the random context tokens.
+        interleave: False times each size's warm-up and repeats before the next size
+            (``scripts/bench_calibration.py`` compares the two orders).
 
     Returns:
         ``{N: {"seconds": median, "relative": median / median at N = 1}}``. N = 1 is always timed.
@@ -249,22 +255,25 @@ def measure_forward_latency(
     cache = DynamicCache()
     if context_len:
         model(input_ids=context, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
-    results: dict[int, dict[str, float]] = {}
-    for n in sizes:
-        tree = TreeBuffers.from_choices([[0] * d for d in range(1, n)]).to(device)
-        tokens = torch.randint(0, vocab, (n,), generator=gen).to(device)  # (N,)
-        times = []
-        for r in range(warmup + repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            verify_forward(model, cache, tokens, tree, context_len)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if r >= warmup:
-                times.append(time.perf_counter() - t0)
-            cache.crop(-n)
-        results[n] = {"seconds": statistics.median(times)}
+    trees = {n: TreeBuffers.from_choices([[0] * d for d in range(1, n)]).to(device) for n in sizes}
+    tokens = {n: torch.randint(0, vocab, (n,), generator=gen).to(device) for n in sizes}  # (N,) each
+    rounds = range(warmup + repeats)
+    if interleave:  # (round, size) in the order they run
+        schedule = [(r, n) for r in rounds for n in (sizes if r % 2 == 0 else sizes[::-1])]
+    else:
+        schedule = [(r, n) for n in sizes for r in rounds]
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r, n in schedule:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        verify_forward(model, cache, tokens[n], trees[n], context_len)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r >= warmup:
+            times[n].append(time.perf_counter() - t0)
+        cache.crop(-n)
+    results = {n: {"seconds": statistics.median(times[n])} for n in sizes}
     base = results[1]["seconds"]
     for n in results:
         results[n]["relative"] = results[n]["seconds"] / base
@@ -328,7 +337,13 @@ TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def calibrate_tree(
-    model: torch.nn.Module, topk_acc: torch.Tensor, max_nodes: int, topk: int, context_len: int
+    model: torch.nn.Module,
+    topk_acc: torch.Tensor,
+    max_nodes: int,
+    topk: int,
+    context_len: int,
+    *,
+    interleave: bool = True,
 ) -> dict:
     """Grow Medusa trees from an accuracy table and choose the size with the best expected tokens/s.
 
@@ -338,6 +353,7 @@ def calibrate_tree(
         max_nodes: largest tree considered.
         topk: candidates per head considered.
         context_len: KV-cache length of the timed forwards (lowered to fit the model's positions).
+        interleave: as :func:`measure_forward_latency`.
 
     Returns:
         ``{"choices", "table", "latency", "context_len", "best"}``: the chosen tree's paths, the
@@ -351,7 +367,7 @@ def calibrate_tree(
     limit = context_limit(model)
     if limit is not None:
         context_len = max(0, min(context_len, limit - max(sizes)))
-    latency = measure_forward_latency(model, sizes, context_len)
+    latency = measure_forward_latency(model, sizes, context_len, interleave=interleave)
     choices, table = choose_tree(trees, taus, latency)
     best = next(row for row in table if row["nodes"] == len(choices))
     return {

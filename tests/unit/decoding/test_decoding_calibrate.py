@@ -15,6 +15,7 @@ from medusa_train.decoding import (
     measure_forward_latency,
     per_rank_accuracy,
 )
+from medusa_train.decoding import calibrate as calibrate_module
 from medusa_train.decoding.calibrate import calibrate, device_label, head_topk_counts
 from tests.helpers.models import VOCAB, random_heads, tiny_model
 
@@ -62,6 +63,20 @@ def test_choose_tree_trades_tau_for_latency():
     best, table = choose_tree(trees, taus, {1: 1.0, 2: 1.5, 6: 10.0})  # steep cost: smallest tree
     assert best == trees[0]
     assert table[0]["tau_per_latency"] == pytest.approx(1.6 / 1.5)
+
+
+def test_latency_is_timed_in_rounds_over_every_size(monkeypatch: pytest.MonkeyPatch):
+    """Each round times every size once, alternating direction: drift while measuring hits all sizes."""
+    order: list[int] = []
+    real = calibrate_module.verify_forward
+
+    def spy(model, cache, tokens, tree, past_len):
+        order.append(tokens.numel())
+        return real(model, cache, tokens, tree, past_len)
+
+    monkeypatch.setattr(calibrate_module, "verify_forward", spy)
+    measure_forward_latency(tiny_model("llama"), [2, 4], context_len=8, warmup=1, repeats=2)
+    assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4]
 
 
 def test_measure_forward_latency_and_head_accuracy():
