@@ -96,13 +96,20 @@ def quiet_third_party(quantization: str, deepspeed: bool) -> None:
 
 
 def run_stage(cfg: Config) -> dict:
-    """Run ``cfg.stage``; then, in a launched run, this rank leaves its process group (see dist.leave)."""
+    """Run ``cfg.stage``; then, in a launched run, this rank leaves its process group (see dist.leave),
+    after the stage succeeded or failed, but not on Ctrl-C: a collective may still be in flight then,
+    and leaving would wait for it while the user waits for the process to stop."""
     from medusa_train import dist  # torch: not needed by --help/--cfg (module docstring)
 
     try:
-        return _dispatch(cfg)
-    finally:
+        result = _dispatch(cfg)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
         dist.leave()
+        raise
+    dist.leave()
+    return result
 
 
 def _dispatch(cfg: Config) -> dict:

@@ -42,15 +42,37 @@ def test_a_group_this_process_was_not_launched_with_is_left_alone(monkeypatch: p
         tdist.destroy_process_group()
 
 
-def test_the_cli_leaves_the_group_when_the_stage_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+def test_the_cli_leaves_the_group_when_the_stage_ends(monkeypatch: pytest.MonkeyPatch, outcome: str) -> None:
     """A failing rank leaves too, so its exit code is the stage's error, not an abort at exit."""
 
-    def failing_stage(cfg):
+    def stage(cfg):
         assert tdist.is_initialized()
-        raise RuntimeError("stage failed")
+        if outcome == "raises":
+            raise RuntimeError("stage failed")
+        return {"done": True}
 
     _one_process_group(monkeypatch, launched=True)
-    monkeypatch.setattr(cli, "get_stage", lambda name: failing_stage)
-    with pytest.raises(RuntimeError, match="stage failed"):
-        cli.run_stage(compose_config(["stage=eval"]))
+    monkeypatch.setattr(cli, "get_stage", lambda name: stage)
+    if outcome == "raises":
+        with pytest.raises(RuntimeError, match="stage failed"):
+            cli.run_stage(compose_config(["stage=eval"]))
+    else:
+        assert cli.run_stage(compose_config(["stage=eval"])) == {"done": True}
     assert not tdist.is_initialized()
+
+
+def test_ctrl_c_does_not_wait_to_leave_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted, a rank exits at once: leaving could wait on a collective still in flight."""
+
+    def interrupted_stage(cfg):
+        raise KeyboardInterrupt
+
+    _one_process_group(monkeypatch, launched=True)
+    monkeypatch.setattr(cli, "get_stage", lambda name: interrupted_stage)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cli.run_stage(compose_config(["stage=eval"]))
+        assert tdist.is_initialized()
+    finally:
+        tdist.destroy_process_group()
