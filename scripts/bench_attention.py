@@ -12,7 +12,7 @@ Per shape, the time of one attention call (the masks and the tree description bu
 the decoders' ``attention=sdpa`` path ran through transformers, its K/V expansion left out), ``sdpa_bool``
 the same with a boolean mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it
 ignores the tree), ``sdpa_repeat`` transformers' SDPA attention function on the float mask (its
-``repeat_kv`` copy of K/V timed too), ``sdpa_packed`` the decoders' ``attention=sdpa`` path now
+``repeat_kv`` copy of K/V timed too), ``sdpa_packed`` the decoders' ``attention=sdpa`` path
 (``packed_gqa_sdpa``: query heads stacked per KV head, nothing expanded), and the
 tree kernels ``triton`` (on a GPU in the launch configuration its tuner picked for the shape, reported as
 ``triton_config``), ``triton_default`` (the same kernel in its untuned default configuration) and

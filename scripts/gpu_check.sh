@@ -14,9 +14,9 @@
 # step that would start with under 30 s left is skipped, so the summary is written in time),
 # --only STEP,STEP,... (run only these steps, by the names of the summary's rows; wheels and
 # environment always run), --select EXPR (pytest -k for the gpu tests; default: all of them).
-# Without a demo workdir the demo steps are skipped (and say so). A full run took ~8 minutes on one
-# H100 before step 5's variants (truncated heads, inductor, linear products) were added, which may take
-# up to 8 more at their limits; with less device time pass --budget, or --only the steps needed.
+# Without a demo workdir the demo steps are skipped (and say so). The steps other than step 5's variants
+# (truncated heads, inductor, linear products) took ~8 minutes on one H100 (2026-11-27); those variants
+# may take up to 8 more at their limits; with less device time pass --budget, or --only the steps needed.
 #
 # What it runs, most important first; a failing step is recorded and the next one runs:
 #   1. wheels: pip install --no-index --no-deps --target the carried wheels (hydra, omegaconf, datasets, ...)
