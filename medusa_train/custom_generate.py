@@ -22,6 +22,14 @@ belong to the model, and decodes:
   acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
 - a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
   row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`;
+- ``cache_implementation="static"`` (what asks plain ``generate`` for its static cache and, on a GPU,
+  its compiled forward): the static-shape decoder, :class:`~medusa_train.decoding.StaticDecoder`, whose
+  whole step is captured as one CUDA graph on a CUDA device (``disable_compile=True``: not captured;
+  on other devices it is compiled only with a ``compile_config`` that compiles on all devices, as
+  transformers does); greedy or typical acceptance. The decoder, its KV cache and its capture are
+  kept on the model for the next call with as many rows (:func:`release` frees them);
+- ``medusa_attention``: the tree attention of the verification forwards ("sdpa", "triton", "cuda" or
+  "auto", :func:`~medusa_train.decoding.attention.resolve_attention`);
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
   rows that stopped early padded with ``pad_token_id`` (a ``GenerateDecoderOnlyOutput`` with only
   ``sequences`` when ``return_dict_in_generate``).
@@ -45,8 +53,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
 from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
+from medusa_train.decoding.attention import ATTENTION_CHOICES
 from medusa_train.decoding.batched import medusa_generate_batch
-from medusa_train.decoding.generate import PackedHeads, medusa_generate
+from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
+from medusa_train.decoding.static import STATIC_ACCEPTANCE, StaticDecoder, capacity_for
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
@@ -97,7 +107,8 @@ Written by `python -m medusa_train stage=export`. It needs torch, transformers a
 (requirements.txt); the heads and the tree are read from the export this folder belongs to (the
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
 Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_p, eos_token_id, a
-left-padded batch with its attention_mask), plus medusa_acceptance="typical", medusa_choices=<paths>.
+left-padded batch with its attention_mask, cache_implementation="static" for the decoder captured as
+a CUDA graph), plus medusa_acceptance="typical", medusa_attention="auto", medusa_choices=<paths>.
 See medusa_train.custom_generate.
 """
 
@@ -138,10 +149,12 @@ def requirements_txt() -> str:
 
 @dataclass
 class _Loaded:
-    """An export's heads packed for one model, and its tree on the model's device."""
+    """An export's heads packed for one model, and its tree on the model's device; ``key``: what they
+    were loaded from (export folder, tree, check)."""
 
     packed: PackedHeads
     tree: TreeBuffers
+    key: tuple
 
 
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dir, choices): _Loaded}
@@ -159,6 +172,7 @@ def generate(
     medusa_acceptance: str | None = None,
     medusa_posterior_threshold: float = 0.09,
     medusa_posterior_alpha: float = 0.3,
+    medusa_attention: str = "sdpa",
     medusa_check_base: bool = True,
     **kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
@@ -176,10 +190,15 @@ def generate(
         medusa_choices: the tree as index paths; default the export's ``medusa_choices.json``.
         medusa_acceptance: "greedy", "typical" or "sample"; None: greedy, or sample with ``do_sample``.
         medusa_posterior_threshold, medusa_posterior_alpha: typical acceptance's epsilon and delta.
+        medusa_attention: tree attention of the verification forwards: "sdpa" (the model's attention
+            with a dense mask), "triton" or "cuda" (the tree-attention kernels, no mask built), "auto"
+            (the fastest that runs on the device for the call's length; sdpa on a CPU).
         medusa_check_base: False decodes over a base model whose checkpoint files differ from the
             one the heads were trained on (outputs stay exact, fewer drafts are accepted).
         **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation
-            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``).
+            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``;
+            ``cache_implementation="static"`` with ``disable_compile`` and ``compile_config``: the
+            static-shape decoder, see the module docstring).
 
     Returns:
         ``(B, T + n)`` long ids on the prompt's device, or a ``GenerateDecoderOnlyOutput`` with
@@ -188,7 +207,8 @@ def generate(
     Raises:
         ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
-            right padding, an unknown ``medusa_acceptance``).
+            right padding, an unknown ``medusa_acceptance`` or ``medusa_attention``, sampling with
+            ``cache_implementation="static"``); an attention kernel that cannot run here.
     """
     source = _find_export(model, medusa_heads, export_dir)
     refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]
@@ -213,6 +233,14 @@ def generate(
             f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"
         )
     rule = _acceptance(config, medusa_acceptance)
+    if medusa_attention not in ATTENTION_CHOICES:
+        raise ValueError(f"medusa_attention must be one of {ATTENTION_CHOICES}, got {medusa_attention!r}")
+    static = config.cache_implementation == "static"
+    if static and rule not in STATIC_ACCEPTANCE:
+        raise ValueError(
+            "cache_implementation='static' decodes with greedy or typical acceptance "
+            "(medusa_acceptance='typical'), not by sampling: call generate without cache_implementation"
+        )
     eos = _as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
@@ -234,10 +262,16 @@ def generate(
         posterior_alpha=medusa_posterior_alpha,
         eos_token_id=eos,
     )
-    if len(rows) == 1:
-        new = [medusa_generate(model, loaded.packed, rows[0], **settings).tokens]
+    if static:
+        decoder = _static_decoder(model, loaded, rows, config, settings, medusa_attention)
+        out = decoder.generate_batch(rows, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos)
+        new = [row.tokens for row in out.rows]
+    elif len(rows) == 1:
+        new = [medusa_generate(model, loaded.packed, rows[0], attention=medusa_attention, **settings).tokens]
     else:
-        out = medusa_generate_batch(model, loaded.packed, rows, pad_token_id=pad, **settings)
+        out = medusa_generate_batch(
+            model, loaded.packed, rows, pad_token_id=pad, attention=medusa_attention, **settings
+        )
         new = [row.tokens for row in out.rows]
     # The prompt as given, then each row's new tokens, right-padded like plain generate's finished rows.
     longest = max(len(t) for t in new)
@@ -330,9 +364,91 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
         tree.check_heads(heads.num_heads, heads.vocab_size)
     except TreeError as err:
         raise ValueError(f"bad Medusa tree: {err}") from None
-    loaded = _Loaded(PackedHeads(heads), tree.to(weight.device))
+    loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key)
     per_model[key] = loaded
     return loaded
+
+
+# -- the static-shape decoder, kept on the model ----------------------------------------------------
+_STATIC_ATTR = "_medusa_static_decoders"
+"""The model attribute holding the :class:`StaticDecoder` of each kind of call (:class:`_StaticDecoders`).
+On the model, not in ``_LOADED``: a decoder refers to its model, which a weak-keyed table would then
+keep alive for ever; as an attribute the two form a cycle that is collected with the model."""
+
+
+class _StaticDecoders(dict):
+    """Static decoders by call kind: caches, dropped (not copied) when the model is copied or pickled
+    (a captured CUDA graph cannot be)."""
+
+    def __deepcopy__(self, memo) -> _StaticDecoders:
+        return _StaticDecoders()
+
+    def __reduce__(self):
+        return (_StaticDecoders, ())
+
+
+def release(model) -> None:
+    """Free the static decoders (KV caches, captured graphs) that ``generate`` with
+    ``cache_implementation="static"`` kept on ``model``; the next such call builds them again."""
+    vars(model).pop(_STATIC_ATTR, None)
+
+
+def _static_capture(config, device: torch.device) -> tuple[str, str | None]:
+    """``(capture, compile_mode)`` of the static decoder, decided as transformers decides whether to
+    compile a static-cache ``generate``: not with ``disable_compile``; on a CUDA device the whole step
+    as one CUDA graph (which measured faster than compiling it, docs/benchmarks.md); elsewhere compiled
+    (``torch.compile`` in the ``compile_config``'s mode) only when the ``compile_config`` compiles on
+    all devices."""
+    if config.disable_compile:
+        return "eager", None
+    if device.type == "cuda":
+        return "cuda_graph", None
+    compile_config = config.compile_config
+    if compile_config is not None and getattr(compile_config, "_compile_all_devices", False):
+        return "compile", compile_config.mode
+    return "eager", None
+
+
+def _static_decoder(
+    model, loaded: _Loaded, rows: list[torch.Tensor], config, settings: dict, attention: str
+) -> StaticDecoder:
+    """The model's :class:`StaticDecoder` for this kind of call (heads, tree, rows, capture, attention,
+    acceptance) with room for its rows: the one kept from an earlier call, else a new one (replacing a
+    smaller one) of :func:`~medusa_train.decoding.static.capacity_for` columns."""
+    device = model.get_output_embeddings().weight.device
+    capture, compile_mode = _static_capture(config, device)
+    rule = settings["acceptance"]
+    typical = (
+        (settings["temperature"], settings["posterior_threshold"], settings["posterior_alpha"])
+        if rule == "typical"
+        else None
+    )
+    key = (loaded.key, len(rows), capture, compile_mode, attention, rule, typical)
+    nodes, budget, limit = loaded.tree.num_nodes, settings["max_new_tokens"], context_limit(model)
+    need = max(
+        r.shape[1] + max(0, budget if limit is None else min(budget, limit - r.shape[1])) + nodes
+        for r in rows
+    )
+    decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
+    decoder = decoders.get(key)
+    if decoder is None or decoder.capacity < need:
+        decoders.pop(key, None)  # the smaller cache is freed before the larger one is allocated
+        decoder = StaticDecoder(
+            model,
+            loaded.packed,
+            loaded.tree,
+            capacity_for(need, None if limit is None else limit + nodes),
+            batch_size=len(rows),
+            capture=capture,
+            compile_mode=compile_mode,
+            attention=attention,
+            acceptance=rule,
+            temperature=settings["temperature"],
+            posterior_threshold=settings["posterior_threshold"],
+            posterior_alpha=settings["posterior_alpha"],
+        )
+        decoders[key] = decoder
+    return decoder
 
 
 def _heads_dir(source: Path) -> Path:

@@ -16,8 +16,11 @@ Cases, each caught and reported on its own (one failing case does not hide the o
 ``greedy`` (each prompt alone: identical to plain greedy ``generate``), ``batch`` (the prompts as one
 left-padded batch: each row identical to its own plain greedy ``generate``; equality with plain
 batched ``generate`` is reported too), ``sample`` and ``typical`` (they run and keep the prompt),
-``mismatch`` (a model of another hidden size is refused with a ValueError), and the wall-clock
-tokens/s of both paths over the greedy prompts. Prints one JSON object; exit code 1 when a case failed.
+``mismatch`` (a model of another hidden size is refused with a ValueError), ``static`` (greedy and the
+batch again with ``cache_implementation="static"``: the static-shape decoder, its step one CUDA graph
+on a GPU), and the wall-clock tokens/s over the greedy prompts of plain ``generate``, the tree decoder,
+plain ``generate`` with its static cache (compiled by transformers on a GPU) and the static-shape
+tree decoder, each after an untimed call that compiles or captures it. Prints one JSON object; exit code 1 when a case failed.
 Needs torch + transformers + medusa_train only (no Hydra): transformers checks
 ``custom_generate/requirements.txt``, so a medusa_train that is importable but not pip-installed is
 given a minimal distribution record in a temporary folder (said in the output).
@@ -163,26 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     def encode(text: str) -> dict:
         return {k: v.to(device) for k, v in tok(text, return_tensors="pt").items()}
 
-    def plain(inputs: dict) -> torch.Tensor:
-        return model.generate(**inputs, do_sample=False, max_new_tokens=n, pad_token_id=tok.pad_token_id)
+    def plain(inputs: dict, **extra) -> torch.Tensor:
+        return model.generate(
+            **inputs, do_sample=False, max_new_tokens=n, pad_token_id=tok.pad_token_id, **extra
+        )
 
-    def greedy() -> dict:
+    def greedy(**extra) -> dict:
         same = []
         for text in PROMPTS:
             inputs = encode(text)
-            same.append(
-                bool(
-                    torch.equal(
-                        medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id), plain(inputs)
-                    )
-                )
-            )
+            ours = medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id, **extra)
+            same.append(bool(torch.equal(ours, plain(inputs))))
         return {"ok": all(same), "identical": same}
 
-    def batch() -> dict:
+    def batch(**extra) -> dict:
         inputs = {k: v.to(device) for k, v in tok(PROMPTS, return_tensors="pt", padding=True).items()}
         width = inputs["input_ids"].shape[1]
-        ours = medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id)
+        ours = medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id, **extra)
         batched = plain(inputs)
         rows = []
         for i, text in enumerate(PROMPTS):
@@ -215,23 +215,39 @@ def main(argv: list[str] | None = None) -> int:
             return {"ok": "do not belong to this model" in str(err), "message": str(err)}
         return {"ok": False, "error": "no ValueError for a model of another hidden size"}
 
+    def static() -> dict:
+        alone, rows = greedy(cache_implementation="static"), batch(cache_implementation="static")
+        return {"ok": alone["ok"] and rows["ok"], **alone, **{k: v for k, v in rows.items() if k != "ok"}}
+
     def timing() -> dict:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        totals = {"plain": [0, 0.0], "custom_generate": [0, 0.0]}
+        static = {"cache_implementation": "static"}
+        calls = {
+            "plain": lambda inputs: plain(inputs),
+            "custom_generate": lambda inputs: medusa(**inputs, max_new_tokens=n),
+            "plain_static": lambda inputs: plain(inputs, **static),
+            "custom_generate_static": lambda inputs: medusa(**inputs, max_new_tokens=n, **static),
+        }
+        longest = encode(max(PROMPTS, key=lambda text: len(tok(text)["input_ids"])))
+        for call in calls.values():  # compile / capture outside the timed calls, for the longest prompt
+            call(longest)
+        totals = {name: [0, 0.0] for name in calls}
         for text in PROMPTS:
             inputs = encode(text)
-            for name, call in (
-                ("plain", lambda inputs=inputs: plain(inputs)),
-                ("custom_generate", lambda inputs=inputs: medusa(**inputs, max_new_tokens=n)),
-            ):
+            for name, call in calls.items():
                 sync()
                 t0 = time.perf_counter()
-                out = call()
+                out = call(inputs)
                 sync()
                 totals[name][0] += out.shape[1] - inputs["input_ids"].shape[1]
                 totals[name][1] += time.perf_counter() - t0
         tps = {name: tokens / max(1e-9, s) for name, (tokens, s) in totals.items()}
-        return {"ok": True, "tokens_per_s": tps, "speedup": tps["custom_generate"] / max(1e-9, tps["plain"])}
+        return {
+            "ok": True,
+            "tokens_per_s": tps,
+            "speedup": tps["custom_generate"] / max(1e-9, tps["plain"]),
+            "speedup_static": tps["custom_generate_static"] / max(1e-9, tps["plain_static"]),
+        }
 
     medusa(**encode(PROMPTS[0]), max_new_tokens=4)  # warm-up: loads the module, the heads and kernels
     plain(encode(PROMPTS[0]))
@@ -240,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     run_case(results, "sample", sampled)
     run_case(results, "typical", lambda: sampled(medusa_acceptance="typical"))
     run_case(results, "mismatch", mismatch)
+    run_case(results, "static", static)
     run_case(results, "timing", timing)
     cases = [k for k, v in results.items() if isinstance(v, dict) and "ok" in v]
     results["ok"] = all(results[k]["ok"] for k in cases)

@@ -713,6 +713,15 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
+def capacity_for(need: int, limit: int | None = None) -> int:
+    """The KV columns of a :class:`StaticDecoder` that is to hold ``need`` (prompt + budget + tree): the
+    next power of two from 256, so that calls of nearby lengths share one decoder (and its capture);
+    at most ``limit`` (the model's positions plus the tree's nodes; None: no limit) when that holds
+    ``need``."""
+    capacity = max(256, 1 << (max(need, 1) - 1).bit_length())
+    return capacity if limit is None or limit < need else min(capacity, limit)
+
+
 def _num_layers(model: torch.nn.Module) -> int:
     config = model.config
     return getattr(config, "num_hidden_layers", None) or config.n_layer

@@ -47,7 +47,7 @@ from transformers import CompileConfig
 
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import attention_backends, medusa_generate
-from medusa_train.decoding.static import StaticDecoder
+from medusa_train.decoding.static import StaticDecoder, capacity_for
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import EvalConfig
@@ -306,8 +306,7 @@ class TimedDecoders:
     def static_capacity(self, prompt_len: int, max_new_tokens: int) -> int:
         """The static decoder's cache capacity for a turn: the next power of two >= 256 that holds the
         prompt, the budget and one tree."""
-        need = prompt_len + max_new_tokens + self.tree.num_nodes
-        return max(256, 1 << (need - 1).bit_length())
+        return capacity_for(prompt_len + max_new_tokens + self.tree.num_nodes)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

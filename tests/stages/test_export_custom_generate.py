@@ -1,10 +1,12 @@
 """The export decodes through transformers' `model.generate(custom_generate=<export>, trust_remote_code=True)`:
 greedy output identical to plain greedy `generate` (one prompt and a left-padded batch), sampling and
-typical acceptance from the usual arguments, and a one-line error for a base model the heads do not
+typical acceptance from the usual arguments, the static-shape decoder behind `cache_implementation="static"`,
+the tree attention chosen by `medusa_attention`, and a one-line error for a base model the heads do not
 belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained`, as a user would."""
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import re
@@ -16,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.configuration_utils import CompileConfig
 
 from medusa_train.backbone import local_fingerprint
-from medusa_train.custom_generate import FOLDER, MIN_TORCH, MIN_TRANSFORMERS
+from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
+from medusa_train.custom_generate import FOLDER, MIN_TORCH, MIN_TRANSFORMERS, release
 from medusa_train.stages import export
 from tests.helpers.models import tiny_model
 from tests.helpers.scripts import load_script
@@ -113,6 +117,79 @@ def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: P
     assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))
 
 
+def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir: Path, model, tok) -> None:
+    """cache_implementation="static" (as for plain generate's static cache) runs the static-shape
+    decoder: greedy identical to plain generate, typical identical to the dynamic decoder's; one decoder
+    per kind of call is kept on the model, grown when a call needs more room, dropped by a copy of the
+    model and by release()."""
+    model = copy.deepcopy(model)  # its own decoders: the module-scoped model stays as it was
+    one = tok(PROMPTS[0], return_tensors="pt")
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    plain = model.generate(**one, do_sample=False, max_new_tokens=30)
+    assert torch.equal(
+        _medusa(model, workdir / "export", **one, max_new_tokens=30, cache_implementation="static"), plain
+    )
+    kept = vars(model)[STATIC_ATTR]
+    (first,) = kept.values()
+    assert (first.capture, first.batch_size, first.capacity) == ("eager", 1, 256)  # CPU: no compile asked
+    again = _medusa(model, workdir / "export", **one, max_new_tokens=12, cache_implementation="static")
+    assert torch.equal(again, plain[:, : one["input_ids"].shape[1] + 12])
+    assert list(kept.values()) == [first]  # reused, not rebuilt
+    # the longest call the model's 256 positions allow needs 256 + the tree's 6 nodes (root included): a
+    # larger decoder replaces it
+    long_plain = model.generate(**one, do_sample=False, max_new_tokens=400)
+    long_ours = _medusa(model, workdir / "export", **one, max_new_tokens=400, cache_implementation="static")
+    assert torch.equal(long_ours, long_plain)  # (the reply ends at an EOS; the room was for 256 positions)
+    (grown,) = kept.values()
+    assert grown is not first and grown.capacity == 256 + first.tree.num_nodes == 262
+    # a left-padded batch: its own decoder of 2 rows, each row exact
+    plain_batch = model.generate(**batch, do_sample=False, max_new_tokens=30)
+    ours = _medusa(model, workdir / "export", **batch, max_new_tokens=30, cache_implementation="static")
+    assert torch.equal(ours, plain_batch) and sorted(d.batch_size for d in kept.values()) == [1, 2]
+    # typical acceptance: the same tokens as the dynamic decoders
+    typical = dict(max_new_tokens=20, do_sample=True, medusa_acceptance="typical")
+    assert torch.equal(
+        _medusa(model, workdir / "export", **batch, **typical, cache_implementation="static"),
+        _medusa(model, workdir / "export", **batch, **typical),
+    )
+    with pytest.raises(ValueError, match="not by sampling: call generate without cache_implementation"):
+        _medusa(
+            model, workdir / "export", **one, max_new_tokens=4, do_sample=True, cache_implementation="static"
+        )
+    # compiled as transformers compiles a static-cache generate off accelerators: when told to
+    compile_all = CompileConfig(mode="default")
+    compile_all._compile_all_devices = True
+    compiled = _medusa(
+        model,
+        workdir / "export",
+        **one,
+        max_new_tokens=30,
+        cache_implementation="static",
+        compile_config=compile_all,
+    )
+    assert torch.equal(compiled, plain) and "compile" in {d.capture for d in kept.values()}
+    assert len(vars(copy.deepcopy(model))[STATIC_ATTR]) == 0  # a copy starts without the captures
+    release(model)
+    assert STATIC_ATTR not in vars(model)
+
+
+def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, tok) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    plain = model.generate(**one, do_sample=False, max_new_tokens=16)
+    # the Triton kernel (triton's interpreter on a CPU), eagerly and in the static decoder; auto: sdpa here
+    for extra in ({}, {"cache_implementation": "static"}):
+        for attention in ("triton", "auto"):
+            out = _medusa(
+                model, workdir / "export", **one, max_new_tokens=16, medusa_attention=attention, **extra
+            )
+            assert torch.equal(out, plain), (attention, extra)
+    with pytest.raises(
+        ValueError, match="medusa_attention must be one of .*'sdpa', 'triton', 'cuda', 'auto'"
+    ):
+        _medusa(model, workdir / "export", **one, max_new_tokens=4, medusa_attention="flash")
+    release(model)
+
+
 def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model, tok, tmp_path) -> None:
     one = tok(PROMPTS[0], return_tensors="pt")
     other = tiny_model(hidden=64, vocab=model.config.vocab_size)
@@ -199,7 +276,9 @@ def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkey
     )
     results = json.loads(out.read_text())
     assert results["base"] == str(workdir / "base_model") and results["greedy"]["identical"] == [True] * 4
-    assert all(results[case]["ok"] for case in ("greedy", "batch", "sample", "typical", "mismatch", "timing"))
+    cases = ("greedy", "batch", "sample", "typical", "mismatch", "static", "timing")
+    assert all(results[case]["ok"] for case in cases)
+    assert results["static"]["identical"] == [True] * 4 and len(results["timing"]["tokens_per_s"]) == 4
     real = importlib.metadata.version
 
     def not_installed(name: str) -> str:

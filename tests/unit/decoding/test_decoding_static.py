@@ -15,6 +15,7 @@ from medusa_train.decoding.acceptance import accept_greedy, accept_typical
 from medusa_train.decoding.static import (
     StaticDecoder,
     StaticKVCache,
+    capacity_for,
     greedy_path,
     medusa_generate_static,
     typical_nodes,
@@ -451,3 +452,10 @@ def test_static_cache_compacts_every_layer_in_one_tensor_or_layer_by_layer(shape
                 want[b, :, dst[b]] = before[b, :, src[b]]
             assert torch.equal(got, want)
     assert not StaticKVCache(1, 4, 1, torch.device("cpu"), shared=False).shared
+
+
+def test_capacity_is_a_power_of_two_from_256_within_the_limit() -> None:
+    assert [capacity_for(n) for n in (0, 1, 256, 257, 1000, 1025)] == [256, 256, 256, 512, 1024, 2048]
+    assert capacity_for(300, limit=262) == 512  # the limit is not enough for the need: ignored
+    assert capacity_for(261, limit=262) == 262  # the model's positions + the tree: no power of two past them
+    assert capacity_for(100, limit=262) == 256
