@@ -28,8 +28,8 @@ belong to the model, and decodes:
   on other devices it is compiled only with a ``compile_config`` that compiles on all devices, as
   transformers does); greedy or typical acceptance. The decoder, its KV cache and its capture are
   kept on the model for the next call with as many rows (:func:`release` frees them);
-- ``medusa_attention``: the tree attention of the verification forwards ("sdpa", "triton", "cuda" or
-  "auto", :func:`~medusa_train.decoding.attention.resolve_attention`);
+- ``medusa_attention``: the tree attention of the verification forwards ("auto" by default, "sdpa",
+  "triton" or "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`);
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
   rows that stopped early padded with ``pad_token_id`` (a ``GenerateDecoderOnlyOutput`` with only
   ``sequences`` when ``return_dict_in_generate``).
@@ -108,7 +108,8 @@ Written by `python -m medusa_train stage=export`. It needs torch, transformers a
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
 Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_p, eos_token_id, a
 left-padded batch with its attention_mask, cache_implementation="static" for the decoder captured as
-a CUDA graph), plus medusa_acceptance="typical", medusa_attention="auto", medusa_choices=<paths>.
+a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
+"auto"), medusa_choices=<paths>.
 See medusa_train.custom_generate.
 """
 
@@ -172,7 +173,7 @@ def generate(
     medusa_acceptance: str | None = None,
     medusa_posterior_threshold: float = 0.09,
     medusa_posterior_alpha: float = 0.3,
-    medusa_attention: str = "sdpa",
+    medusa_attention: str = "auto",
     medusa_check_base: bool = True,
     **kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
@@ -190,9 +191,10 @@ def generate(
         medusa_choices: the tree as index paths; default the export's ``medusa_choices.json``.
         medusa_acceptance: "greedy", "typical" or "sample"; None: greedy, or sample with ``do_sample``.
         medusa_posterior_threshold, medusa_posterior_alpha: typical acceptance's epsilon and delta.
-        medusa_attention: tree attention of the verification forwards: "sdpa" (the model's attention
-            with a dense mask), "triton" or "cuda" (the tree-attention kernels, no mask built), "auto"
-            (the fastest that runs on the device for the call's length; sdpa on a CPU).
+        medusa_attention: tree attention of the verification forwards: "auto" (the tree-attention
+            kernel on a CUDA device from the lengths where it measured faster than SDPA, else SDPA;
+            always SDPA on a CPU), "sdpa" (the model's attention with a dense mask), "triton" or
+            "cuda" (that kernel, no mask built).
         medusa_check_base: False decodes over a base model whose checkpoint files differ from the
             one the heads were trained on (outputs stay exact, fewer drafts are accepted).
         **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation

@@ -770,8 +770,8 @@ def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) ->
         f"With transformers and medusa_train installed, load the base model{which} and pass this folder (or its "
         "Hub id) as `custom_generate`: greedy output is identical to plain `generate`; `do_sample=True` samples "
         'exactly, `medusa_acceptance="typical"` uses Medusa\'s typical acceptance; a left-padded batch works. '
-        '`cache_implementation="static"` runs the static-shape tree decoder (one CUDA graph per step on a GPU), '
-        '`medusa_attention="auto"` the tree-attention kernels where they are faster.',
+        '`cache_implementation="static"` runs the static-shape tree decoder (its step captured as one CUDA graph on a GPU); '
+        'the tree-attention kernels verify the tree where they measured faster (`medusa_attention="auto"`).',
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",

@@ -232,7 +232,7 @@ if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
     fi
     step export 60 "serving layouts + card" "${CLI[@]}" stage=export "workdir=$WD"
     if [ -f scripts/check_custom_generate.py ]; then
-        step custom-generate 120 "model.generate(custom_generate=export)" "$PY" scripts/check_custom_generate.py \
+        step custom-generate 240 "model.generate(custom_generate=export), static cache included" "$PY" scripts/check_custom_generate.py \
             --export "$WD/export" --model "$WD/pretrain" --device "$DEVICE"
     fi
     WD2=$SCRATCH/m2
