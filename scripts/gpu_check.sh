@@ -231,6 +231,9 @@ if [ -d "$WORKDIR/pretrain" ] && [ -d "$WORKDIR/heads" ]; then
         cp -a "$WORKDIR/distill" "$WORKDIR/heads" "$WD/"
     fi
     step export 60 "serving layouts + card" "${CLI[@]}" stage=export "workdir=$WD"
+    if [ ! -d "$WD/export" ] && [ -d "$WORKDIR/export" ]; then  # not exported here (--only): the demo's export
+        cp -a "$WORKDIR/export" "$WD/"
+    fi
     if [ -f scripts/check_custom_generate.py ]; then
         step custom-generate 240 "model.generate(custom_generate=export), static cache included" "$PY" scripts/check_custom_generate.py \
             --export "$WD/export" --model "$WD/pretrain" --device "$DEVICE"
