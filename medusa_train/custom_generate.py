@@ -26,7 +26,8 @@ belong to the model, and decodes:
   its compiled forward): the static-shape decoder, :class:`~medusa_train.decoding.StaticDecoder`, whose
   whole step is captured as one CUDA graph on a CUDA device (``disable_compile=True``: not captured;
   on other devices it is compiled only with a ``compile_config`` that compiles on all devices, as
-  transformers does); greedy or typical acceptance. The decoder, its KV cache and its capture are
+  transformers does); greedy or typical acceptance (sampling warns once and runs on the dynamic
+  decoders, exactly as without the setting). The decoder, its KV cache and its capture are
   kept on the model for the next call with as many rows (:func:`release` frees them);
 - ``medusa_attention``: the tree attention of the verification forwards ("auto" by default, "sdpa",
   "triton" or "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`);
@@ -209,8 +210,8 @@ def generate(
     Raises:
         ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
-            right padding, an unknown ``medusa_acceptance`` or ``medusa_attention``, sampling with
-            ``cache_implementation="static"``); an attention kernel that cannot run here.
+            right padding, an unknown ``medusa_acceptance`` or ``medusa_attention``); an attention
+            kernel that cannot run here.
     """
     source = _find_export(model, medusa_heads, export_dir)
     refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]
@@ -238,11 +239,12 @@ def generate(
     if medusa_attention not in ATTENTION_CHOICES:
         raise ValueError(f"medusa_attention must be one of {ATTENTION_CHOICES}, got {medusa_attention!r}")
     static = config.cache_implementation == "static"
-    if static and rule not in STATIC_ACCEPTANCE:
-        raise ValueError(
-            "cache_implementation='static' decodes with greedy or typical acceptance "
-            "(medusa_acceptance='typical'), not by sampling: call generate without cache_implementation"
+    if static and rule not in STATIC_ACCEPTANCE:  # the cache is a speed setting: sample exactly without it
+        _warn_once(
+            "the static-shape Medusa decoder takes greedy or typical acceptance: sampling runs on the "
+            "dynamic cache (cache_implementation='static' is not used for it)"
         )
+        static = False
     eos = _as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
@@ -497,11 +499,16 @@ def _acceptance(config, requested: str | None) -> str:
     ]
     if rule == "sample" and config.top_k:
         ignored.append(f"top_k={config.top_k} (temperature and top_p are applied)")
-    message = f"Medusa decoding does not apply {', '.join(ignored)}"
-    if ignored and message not in _WARNED:
+    if ignored:
+        _warn_once(f"Medusa decoding does not apply {', '.join(ignored)}")
+    return rule
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)
-    return rule
 
 
 def _as_list(eos) -> list[int]:

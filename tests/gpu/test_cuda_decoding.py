@@ -189,3 +189,40 @@ def test_eval_stage_on_cuda(tmp_path: Path):
         assert report["machine"]["device"] == torch.cuda.get_device_name()
         assert report["tree_fit"]["recalibrated"]  # the workdir's tree was calibrated on the CPU
     assert all(row["identical"] == 1.0 for row in report["batch_sizes"])
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "auto"])
+def test_generate_with_the_static_cache_captures_the_step(tmp_path: Path, attention):
+    """``model.generate``'s Medusa path with ``cache_implementation="static"``: the static decoder, its
+    step a CUDA graph on CUDA, kept on the model for the next call; greedy identical in fp32, one prompt
+    and a left-padded batch."""
+    from medusa_train.custom_generate import _STATIC_ATTR, generate, release
+    from medusa_train.formats import save_medusa
+
+    model = _model("llama", torch.float32)
+    save_medusa(random_heads(model.cpu(), seed=1), tmp_path / "medusa")
+    model.to(DEVICE)
+    args = dict(
+        medusa_heads=str(tmp_path), medusa_choices=[list(p) for p in MEDUSA_63], medusa_attention=attention,
+        cache_implementation="static", max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    prompts = _prompts(3, seed=5)
+    for _ in range(2):  # the second round replays the decoder the first one captured
+        for prompt in prompts:
+            out = generate(
+                model, input_ids=prompt[None], attention_mask=torch.ones_like(prompt[None]), **args
+            )
+            assert out[0, len(prompt) :].tolist() == _plain(model, prompt, NEW_TOKENS)
+    (decoder,) = vars(model)[_STATIC_ATTR].values()
+    assert decoder.capture == ("cuda_graph" if DEVICE == "cuda" else "eager")
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    out = generate(model, input_ids=ids, attention_mask=mask, **args)
+    for i, p in enumerate(prompts):
+        expected = _plain(model, p, NEW_TOKENS)
+        assert out[i, width : width + len(expected)].tolist() == expected
+    _record(test="generate_static", attention=attention, capture=decoder.capture, identical=True)
+    release(model)

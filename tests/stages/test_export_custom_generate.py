@@ -152,10 +152,14 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
         _medusa(model, workdir / "export", **batch, **typical, cache_implementation="static"),
         _medusa(model, workdir / "export", **batch, **typical),
     )
-    with pytest.raises(ValueError, match="not by sampling: call generate without cache_implementation"):
-        _medusa(
-            model, workdir / "export", **one, max_new_tokens=4, do_sample=True, cache_implementation="static"
-        )
+    # sampling: the dynamic decoders (the cache is a speed setting), the same draws as without it
+    sample = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9)
+    before = list(kept.values())
+    torch.manual_seed(0)
+    sampled = _medusa(model, workdir / "export", **one, **sample, cache_implementation="static")
+    torch.manual_seed(0)
+    assert torch.equal(sampled, _medusa(model, workdir / "export", **one, **sample))
+    assert list(kept.values()) == before  # no static decoder built for it
     # compiled as transformers compiles a static-cache generate off accelerators: when told to
     compile_all = CompileConfig(mode="default")
     compile_all._compile_all_devices = True
