@@ -28,7 +28,9 @@ belong to the model, and decodes:
   on other devices it is compiled only with a ``compile_config`` that compiles on all devices, as
   transformers does); greedy or typical acceptance (sampling warns once and runs on the dynamic
   decoders, exactly as without the setting). The decoder, its KV cache and its capture are
-  kept on the model for the next call with as many rows (:func:`release` frees them);
+  kept on the model for the next call of the same kind (same rows, tree, acceptance, attention), at
+  most :data:`MAX_STATIC_DECODERS` kinds, the least recently used dropped first (:func:`release`
+  frees them all);
 - ``medusa_attention``: the tree attention of the verification forwards ("auto" by default, "sdpa",
   "triton" or "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`);
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
@@ -374,6 +376,9 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
 
 
 # -- the static-shape decoder, kept on the model ----------------------------------------------------
+MAX_STATIC_DECODERS = 4
+"""Static decoders kept per model (each holds a KV cache for its rows and capacity): the least recently
+used one is dropped to make room for a new kind of call."""
 _STATIC_ATTR = "_medusa_static_decoders"
 """The model attribute holding the :class:`StaticDecoder` of each kind of call (:class:`_StaticDecoders`).
 On the model, not in ``_LOADED``: a decoder refers to its model, which a weak-keyed table would then
@@ -400,7 +405,7 @@ def release(model) -> None:
 def _static_capture(config, device: torch.device) -> tuple[str, str | None]:
     """``(capture, compile_mode)`` of the static decoder, decided as transformers decides whether to
     compile a static-cache ``generate``: not with ``disable_compile``; on a CUDA device the whole step
-    as one CUDA graph (which measured faster than compiling it, docs/benchmarks.md); elsewhere compiled
+    as one CUDA graph (as ``eval.compile`` measures it there, docs/benchmarks.md); elsewhere compiled
     (``torch.compile`` in the ``compile_config``'s mode) only when the ``compile_config`` compiles on
     all devices."""
     if config.disable_compile:
@@ -434,9 +439,11 @@ def _static_decoder(
         for r in rows
     )
     decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
-    decoder = decoders.get(key)
+    decoder = decoders.pop(key, None)  # put back last: the dict runs from least to most recently used
     if decoder is None or decoder.capacity < need:
-        decoders.pop(key, None)  # the smaller cache is freed before the larger one is allocated
+        del decoder  # a smaller cache is freed before the larger one is allocated
+        while len(decoders) >= MAX_STATIC_DECODERS:
+            del decoders[next(iter(decoders))]
         decoder = StaticDecoder(
             model,
             loaded.packed,
@@ -451,7 +458,7 @@ def _static_decoder(
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
         )
-        decoders[key] = decoder
+    decoders[key] = decoder
     return decoder
 
 

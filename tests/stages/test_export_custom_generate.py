@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from medusa_train.backbone import local_fingerprint
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
-from medusa_train.custom_generate import FOLDER, MIN_TORCH, MIN_TRANSFORMERS, release
+from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
 from medusa_train.stages import export
 from tests.helpers.models import tiny_model
 from tests.helpers.scripts import load_script
@@ -146,6 +146,7 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     plain_batch = model.generate(**batch, do_sample=False, max_new_tokens=30)
     ours = _medusa(model, workdir / "export", **batch, max_new_tokens=30, cache_implementation="static")
     assert torch.equal(ours, plain_batch) and sorted(d.batch_size for d in kept.values()) == [1, 2]
+    two_rows = next(d for d in kept.values() if d.batch_size == 2)
     # typical acceptance: the same tokens as the dynamic decoders
     typical = dict(max_new_tokens=20, do_sample=True, medusa_acceptance="typical")
     assert torch.equal(
@@ -173,6 +174,18 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     )
     assert torch.equal(compiled, plain) and "compile" in {d.capture for d in kept.values()}
     assert len(vars(copy.deepcopy(model))[STATIC_ATTR]) == 0  # a copy starts without the captures
+    # at most MAX_STATIC_DECODERS kinds of call are kept: a new kind drops the least recently used
+    assert len(kept) == MAX_STATIC_DECODERS == 4  # greedy 1 row, 2 rows, typical 2 rows, compiled
+    _medusa(model, workdir / "export", **one, max_new_tokens=8, cache_implementation="static")  # used again
+    _medusa(
+        model,
+        workdir / "export",
+        **one,
+        max_new_tokens=8,
+        cache_implementation="static",
+        medusa_choices=[[0]],
+    )
+    assert len(kept) == 4 and grown in kept.values() and two_rows not in kept.values()
     release(model)
     assert STATIC_ATTR not in vars(model)
 
