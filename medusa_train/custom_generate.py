@@ -26,8 +26,8 @@ belong to the model, and decodes:
   its compiled forward): the static-shape decoder, :class:`~medusa_train.decoding.StaticDecoder`, whose
   whole step is captured as one CUDA graph on a CUDA device (``disable_compile=True``: not captured;
   on other devices it is compiled only with a ``compile_config`` that compiles on all devices, as
-  transformers does); greedy or typical acceptance (sampling warns once and runs on the dynamic
-  decoders, exactly as without the setting). The decoder, its KV cache and its capture are
+  transformers does); greedy, typical or exact sampling (its draws inside the step, from torch's
+  default generator). The decoder, its KV cache and its capture are
   kept on the model for the next call of the same kind (same rows, tree, acceptance, attention), at
   most :data:`MAX_STATIC_DECODERS` kinds, the least recently used dropped first (:func:`release`
   frees them all);
@@ -59,7 +59,7 @@ from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_ba
 from medusa_train.decoding.attention import ATTENTION_CHOICES
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
-from medusa_train.decoding.static import STATIC_ACCEPTANCE, StaticDecoder, capacity_for
+from medusa_train.decoding.static import StaticDecoder, capacity_for
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
@@ -241,12 +241,6 @@ def generate(
     if medusa_attention not in ATTENTION_CHOICES:
         raise ValueError(f"medusa_attention must be one of {ATTENTION_CHOICES}, got {medusa_attention!r}")
     static = config.cache_implementation == "static"
-    if static and rule not in STATIC_ACCEPTANCE:  # the cache is a speed setting: sample exactly without it
-        _warn_once(
-            "the static-shape Medusa decoder takes greedy or typical acceptance: sampling runs on the "
-            "dynamic cache (cache_implementation='static' is not used for it)"
-        )
-        static = False
     eos = _as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
@@ -427,12 +421,15 @@ def _static_decoder(
     device = model.get_output_embeddings().weight.device
     capture, compile_mode = _static_capture(config, device)
     rule = settings["acceptance"]
-    typical = (
-        (settings["temperature"], settings["posterior_threshold"], settings["posterior_alpha"])
-        if rule == "typical"
-        else None
-    )
-    key = (loaded.key, len(rows), capture, compile_mode, attention, rule, typical)
+    if rule == "typical":
+        rule_settings = (
+            settings["temperature"],
+            settings["posterior_threshold"],
+            settings["posterior_alpha"],
+        )
+    else:
+        rule_settings = (settings["temperature"], settings["top_p"]) if rule == "sample" else None
+    key = (loaded.key, len(rows), capture, compile_mode, attention, rule, rule_settings)
     nodes, budget, limit = loaded.tree.num_nodes, settings["max_new_tokens"], context_limit(model)
     need = max(
         r.shape[1] + max(0, budget if limit is None else min(budget, limit - r.shape[1])) + nodes
@@ -455,6 +452,7 @@ def _static_decoder(
             attention=attention,
             acceptance=rule,
             temperature=settings["temperature"],
+            top_p=settings["top_p"],
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
         )
@@ -506,16 +504,11 @@ def _acceptance(config, requested: str | None) -> str:
     ]
     if rule == "sample" and config.top_k:
         ignored.append(f"top_k={config.top_k} (temperature and top_p are applied)")
-    if ignored:
-        _warn_once(f"Medusa decoding does not apply {', '.join(ignored)}")
-    return rule
-
-
-def _warn_once(message: str) -> None:
-    """Log ``message`` as a warning the first time this process sees it."""
-    if message not in _WARNED:
+    message = f"Medusa decoding does not apply {', '.join(ignored)}"
+    if ignored and message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)
+    return rule
 
 
 def _as_list(eos) -> list[int]:

@@ -16,9 +16,9 @@ Cases, each caught and reported on its own (one failing case does not hide the o
 ``greedy`` (each prompt alone: identical to plain greedy ``generate``), ``batch`` (the prompts as one
 left-padded batch: each row identical to its own plain greedy ``generate``; equality with plain
 batched ``generate`` is reported too), ``sample`` and ``typical`` (they run and keep the prompt),
-``mismatch`` (a model of another hidden size is refused with a ValueError), ``static`` (greedy and the
-batch again with ``cache_implementation="static"``: the static-shape decoder, its step one CUDA graph
-on a GPU), and the wall-clock tokens/s over the greedy prompts of plain ``generate``, the tree decoder,
+``mismatch`` (a model of another hidden size is refused with a ValueError), ``static`` (greedy, the
+batch and sampling again with ``cache_implementation="static"``: the static-shape decoder, its step
+one CUDA graph on a GPU), and the wall-clock tokens/s over the greedy prompts of plain ``generate``, the tree decoder,
 plain ``generate`` with its static cache (compiled by transformers on a GPU) and the static-shape
 tree decoder, each after an untimed call that compiles or captures it. Prints one JSON object; exit code 1 when a case failed.
 Needs torch + transformers + medusa_train only (no Hydra): transformers checks
@@ -217,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def static() -> dict:
         alone, rows = greedy(cache_implementation="static"), batch(cache_implementation="static")
-        return {"ok": alone["ok"] and rows["ok"], **alone, **{k: v for k, v in rows.items() if k != "ok"}}
+        sampling = sampled(cache_implementation="static")
+        return {
+            "ok": alone["ok"] and rows["ok"] and sampling["ok"],
+            **alone,
+            **{k: v for k, v in rows.items() if k != "ok"},
+            "sample_new_tokens": sampling["new_tokens"],
+        }
 
     def timing() -> dict:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -17,7 +17,8 @@ What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, 
 - each row's cache length, root token, last hidden state, emitted tokens and per-step accepted
   lengths live in device tensors; candidates (top-k of the heads, :class:`PackedHeads`), acceptance
   (greedy: each node's token against its parent's argmax, the longest accepted root-to-leaf row of
-  ``retrieve_indices``, :func:`greedy_path`; or Medusa's typical acceptance, :func:`typical_path`), KV
+  ``retrieve_indices``, :func:`greedy_path`; sampling: the same walk against one draw per node,
+  :func:`draw_tokens`; or Medusa's typical acceptance, :func:`typical_path`), KV
   compaction (the accepted path's entries gathered to ``[L_b, L_b + n_b)``) and the bookkeeping are
   tensor operations.
 
@@ -33,12 +34,15 @@ once every ``sync_every`` steps; nothing else leaves the device. The prefill run
 
 Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
 to the float rounding of a different attention width, as for :func:`medusa_generate`); typical output
-equals :func:`medusa_generate` with ``acceptance="typical"`` at the same temperature and thresholds.
+equals :func:`medusa_generate` with ``acceptance="typical"`` at the same temperature and thresholds;
+sampled output has the distribution of ``generate(do_sample=True)`` at the same temperature and top_p
+(draws from torch's default generator of the device: seed it with ``torch.manual_seed``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +52,7 @@ from transformers.cache_utils import Cache
 
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
+from .acceptance import warp_probs
 from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
 from .batched import MedusaBatchOutput, PreallocatedLayer, shared_storage
 from .generate import (
@@ -63,7 +68,7 @@ from .generate import (
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
-STATIC_ACCEPTANCE = ("greedy", "typical")
+STATIC_ACCEPTANCE = ("greedy", "typical", "sample")
 SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
 
@@ -168,10 +173,13 @@ class StaticDecoder:
             ``(B, 1, M, C)`` mask), "triton" or "cuda" (a kernel of :mod:`medusa_train.decoding.attention`
             reading each row's past and tree, no mask), or "auto" (:func:`resolve_attention` with the
             capacity as the context; sdpa on a CPU). The prefill always runs the model's own attention.
-        acceptance: "greedy" (each node against its parent's argmax: plain greedy decoding) or
+        acceptance: "greedy" (each node against its parent's argmax: plain greedy decoding),
             "typical" (Medusa's typical acceptance, :func:`typical_path`, inside the step: the same
-            tokens as ``medusa_generate(acceptance="typical")``); "sample" needs the dynamic decoders.
-        temperature: the temperature of "typical" (0: greedy).
+            tokens as ``medusa_generate(acceptance="typical")``) or "sample" (each node against a draw
+            from its parent's distribution, :func:`draw_tokens`: exact sampling, the distribution of
+            ``generate(do_sample=True)``).
+        temperature: the temperature of "typical" and "sample" (0: greedy).
+        top_p: nucleus filtering of "sample".
         posterior_threshold: epsilon of "typical".
         posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
 
@@ -198,6 +206,7 @@ class StaticDecoder:
         attention: str = "sdpa",
         acceptance: str = "greedy",
         temperature: float = 1.0,
+        top_p: float = 1.0,
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
     ) -> None:
@@ -210,14 +219,13 @@ class StaticDecoder:
         if acceptance not in STATIC_ACCEPTANCE:
             raise ValueError(
                 f"the static decoder's acceptance must be one of {STATIC_ACCEPTANCE}, got {acceptance!r}"
-                + (": use medusa_generate for sampling" if acceptance == "sample" else "")
             )
         if not (posterior_threshold >= 0 and posterior_alpha >= 0):
             raise ValueError(
                 "posterior_threshold and posterior_alpha must be >= 0, got "
                 f"{posterior_threshold} and {posterior_alpha}"
             )
-        _check_settings(model, acceptance, 0, temperature, 1.0)
+        _check_settings(model, acceptance, 0, temperature, top_p)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -257,7 +265,11 @@ class StaticDecoder:
         self._parents = self.tree.parents.clamp(min=0)  # (M,)
         self._row_ids = torch.arange(b, device=dev)  # (B,)
         # The acceptance rule of the step, chosen once (typical at temperature 0, or without candidates,
-        # is greedy).
+        # is greedy; so is sampling at temperature 0): what each node predicts for its successor (the
+        # argmax, or a draw), and the path accepted against it.
+        self._predict: Callable[[torch.Tensor], torch.Tensor] = _argmax
+        if acceptance == "sample" and temperature > 0:
+            self._predict = functools.partial(draw_tokens, temperature=temperature, top_p=top_p)
         self._accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         self._accept = self._accept_greedy
         if acceptance == "typical" and temperature > 0 and d_depth > 0:
@@ -288,7 +300,7 @@ class StaticDecoder:
             self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
-            with self._backend():
+            with self._backend(), _own_rng(dev):
                 self._prefill_row(0, self._row_ids[None, :1])
         self._static = [
             self.length,
@@ -307,7 +319,8 @@ class StaticDecoder:
                 torch._dynamo.mark_static_address(t)
             self._run = torch.compile(self._step, mode=compile_mode)
         elif capture == "cuda_graph":
-            self._capture_graph()
+            with _own_rng(dev):
+                self._capture_graph()
 
     def _backend(self):
         if self.sdpa_backend is None:
@@ -406,9 +419,9 @@ class StaticDecoder:
             **self._cache_kwargs,
         )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
-        # 3. Acceptance (greedy or typical): the longest accepted prefix of a root-to-leaf row of the
-        #    tree is the path; the next root is the argmax at its last node.
-        pred = logits.argmax(dim=-1)  # (B, M)
+        # 3. Acceptance (greedy, sampling or typical): the longest accepted prefix of a root-to-leaf row
+        #    of the tree is the path; the next root is the argmax (sampling: the draw) at its last node.
+        pred = self._predict(logits)  # (B, M) argmax, or a draw
         path, n = self._accept(tree_tokens, logits, pred)  # (B, D + 1), (B,)
         last = path.gather(1, (n - 1)[:, None])[:, 0]  # (B,)
         path_tokens = tree_tokens.gather(1, path)  # (B, D + 1)
@@ -431,7 +444,8 @@ class StaticDecoder:
     def _accept_greedy(
         self, tree_tokens: torch.Tensor, logits: torch.Tensor, pred: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`greedy_path` of the step: ``(B, M)`` tokens, ``(B, M, V)`` logits, ``(B, M)`` argmax."""
+        """:func:`greedy_path` of the step: ``(B, M)`` tokens, ``(B, M, V)`` logits, ``(B, M)`` argmax (or
+        draws: sampling walks the same way)."""
         return greedy_path(tree_tokens, pred, self._retrieve, self._retrieve_valid, self._parents)
 
     def _accept_typical(
@@ -466,7 +480,7 @@ class StaticDecoder:
             )  # (1, 1, V), (1, T, d)
         finally:
             self.cache.prefill_row = None
-        self.root[row] = logits[0, -1].argmax()
+        self.root[row] = self._predict(logits[0, -1])  # the argmax, or a draw
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
         self.num_out[row] = 0
@@ -620,6 +634,44 @@ def greedy_path(
     return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
 
 
+def _own_rng(device: torch.device) -> contextlib.AbstractContextManager:
+    """A block whose random draws (a sampling decoder's first forward and capture warm-up) leave the
+    caller's generator as it was: a seed set before a call repeats that call's draws, also the call
+    that builds the decoder. A replay of the captured step draws from the generator as it is then."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.random.fork_rng(devices=[index], device_type="cuda")
+    return torch.random.fork_rng(devices=[])
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def draw_tokens(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """One token per position drawn from its distribution warped as ``generate(do_sample=True)`` warps
+    it (:func:`~medusa_train.decoding.acceptance.warp_probs`), as tensor operations with no host sync.
+
+    The exponential race: with ``E_i`` i.i.d. Exp(1), ``argmax_i p_i / E_i`` is token i with probability
+    ``p_i`` (each ``E_i / p_i`` is the first arrival of a Poisson clock of rate ``p_i``); a token of
+    probability 0 never wins. ``torch.multinomial`` would check its input on the host, which a CUDA
+    graph cannot hold; ``exponential_`` draws from the device's default generator, whose offset a
+    captured graph advances on every replay. With a draw at every node, following the draws down the
+    tree emits tokens distributed as ancestral sampling (:func:`~.acceptance.accept_sample`).
+
+    Args:
+        logits: ``(..., V)``.
+        temperature: > 0.
+        top_p: in (0, 1].
+
+    Returns:
+        ``(...)`` long token ids.
+    """
+    probs = warp_probs(logits, temperature, top_p)  # (..., V) float32
+    race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
 def typical_nodes(tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     """The nodes whose distributions :func:`typical_path` needs (those with children) and where each
     node's parent sits among them.
@@ -741,6 +793,7 @@ def medusa_generate_static(
     attention: str = "sdpa",
     acceptance: str = "greedy",
     temperature: float = 1.0,
+    top_p: float = 1.0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
 ) -> MedusaOutput:
@@ -760,6 +813,7 @@ def medusa_generate_static(
         attention=attention,
         acceptance=acceptance,
         temperature=temperature,
+        top_p=top_p,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
     )

@@ -226,3 +226,15 @@ def test_generate_with_the_static_cache_captures_the_step(tmp_path: Path, attent
         assert out[i, width : width + len(expected)].tolist() == expected
     _record(test="generate_static", attention=attention, capture=decoder.capture, identical=True)
     release(model)
+
+
+@pytest.mark.parametrize("capture", ["cuda_graph", "eager"])
+def test_static_sampling_distribution_on_the_device(capture):
+    """Exact sampling in the static step on the device: the draws of a replayed CUDA graph must be fresh
+    on every replay (the generator's offset advances), else the sequences would not fit the joint."""
+    if capture == "cuda_graph" and DEVICE != "cuda":
+        pytest.skip("a CUDA graph needs a CUDA device")
+    from tests.unit.decoding.test_decoding_sampling import check_static_sampling
+
+    check_static_sampling(torch.device(DEVICE), capture, temperature=1.0, top_p=0.9)
+    _record(test="static_sampling", capture=capture, fits_the_joint=True)

@@ -10,7 +10,8 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from medusa_train.decoding import PackedHeads, TreeBuffers, accept_sample, medusa_generate, warp_probs
-from tests.helpers.models import tiny_model
+from medusa_train.decoding.static import StaticDecoder
+from tests.helpers.models import random_heads, tiny_model
 
 SMALL_VOCAB = 6
 
@@ -97,6 +98,11 @@ def test_sampling_distribution_matches_ancestral(temperature, top_p, choices):
         counts[key] = counts.get(key, 0) + 1
         accepted_multi += int(max(out.accepted_lengths) > 1)
     assert accepted_multi > draws // (10 if len(choices) > 2 else 20)  # the tree really is used
+    assert_matches(counts, exact, draws, n_tokens)
+
+
+def assert_matches(counts: dict[tuple[int, ...], int], exact: dict, draws: int, n_tokens: int) -> None:
+    """``counts`` of ``draws`` sampled sequences fit the exact joint (chi-square, total variation)."""
     assert all(exact[k] > 0 for k in counts)  # never a token outside the top-p set
     # Chi-square over cells with expected count >= 5 (the rest pooled).
     stat, df, pooled_e, pooled_o = 0.0, -1, 0.0, 0
@@ -113,3 +119,58 @@ def test_sampling_distribution_matches_ancestral(temperature, top_p, choices):
     assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
     tv = 0.5 * sum(abs(counts.get(k, 0) / draws - p) for k, p in exact.items())
     assert tv < 0.15, tv
+
+
+class FixedRowHeads(FixedHeads):
+    """:class:`FixedHeads` for the static decoder, which asks for every row's heads at once (on the
+    rows' device: the logits are copied there on the first call, before any capture)."""
+
+    def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        ranks = getattr(self, "_ranks", None)
+        if ranks is None or ranks.device != hidden.device:
+            ranks = self._ranks = self.logits(hidden, num_heads).to(hidden.device)
+        return ranks[None].expand(hidden.shape[0], -1, -1)  # (B, K, V)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_static_sampling_distribution_matches_ancestral(temperature, top_p):
+    check_static_sampling(torch.device("cpu"), "eager", temperature, top_p)
+
+
+def check_static_sampling(device: torch.device, capture: str, temperature: float, top_p: float) -> None:
+    """The static decoder's draws inside the step (the exponential race) against the exact joint of 3
+    tokens: 1,500 sequences, 100 rows of one prompt per call (also the gpu test, on CUDA)."""
+    model = tiny_model("llama", vocab=SMALL_VOCAB, initializer_range=0.5)
+    prompt = torch.tensor([[1, 4, 2]])
+    n_tokens, draws, rows = 3, 1500, 100
+    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p)
+    decoder = StaticDecoder(
+        model.to(device), FixedRowHeads(), TREE_12, capacity=32, batch_size=rows, capture=capture,
+        acceptance="sample", temperature=temperature, top_p=top_p,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted_multi = 0
+    for _ in range(draws // rows):
+        for row in decoder.generate_batch([prompt.to(device)] * rows, max_new_tokens=n_tokens).rows:
+            key = tuple(row.tokens.tolist())
+            counts[key] = counts.get(key, 0) + 1
+            accepted_multi += int(max(row.accepted_lengths) > 1)
+    assert accepted_multi > draws // 10  # the tree really is used
+    assert_matches(counts, exact, draws, n_tokens)
+
+
+def test_static_sampling_at_temperature_0_is_greedy_and_a_seed_repeats_it():
+    model = tiny_model("llama", seed=3)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    heads = PackedHeads(random_heads(model, seed=1))
+    expected = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False
+    )
+    greedy = StaticDecoder(model, heads, TREE_12, 64, acceptance="sample", temperature=0.0)
+    assert greedy.generate(prompt, max_new_tokens=20).tokens.tolist() == expected[0, 4:].tolist()
+    sampler = StaticDecoder(model, heads, TREE_12, 64, acceptance="sample", temperature=1.0, top_p=0.9)
+    torch.manual_seed(7)
+    first = sampler.generate(prompt, max_new_tokens=20).tokens
+    torch.manual_seed(7)
+    assert torch.equal(sampler.generate(prompt, max_new_tokens=20).tokens, first)

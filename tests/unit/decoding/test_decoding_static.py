@@ -293,8 +293,10 @@ def test_static_user_errors():
     if importlib.util.find_spec("triton") is not None:
         with pytest.raises(ValueError, match="capture='eager' on a CPU"):
             StaticDecoder(model, heads, MEDUSA_63, 128, capture="compile", attention="triton")
-    with pytest.raises(ValueError, match="use medusa_generate for sampling"):
-        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="sample")
+    with pytest.raises(ValueError, match="acceptance must be one of"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="beam")
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="sample", top_p=0.0)
     with pytest.raises(ValueError, match="temperature >= 0"):
         StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="typical", temperature=-1.0)
     with pytest.raises(ValueError, match="posterior_alpha must be >= 0"):
