@@ -24,6 +24,7 @@ from medusa_train.decoding import (
     medusa_generate_batch,
     verify_forward,
 )
+from medusa_train.decoding.static import StaticDecoder
 from medusa_train.decoding.tree import TreeBuffers, chain_tree
 from medusa_train.hf_compat import cache_kwargs
 from tests.helpers.models import random_heads, random_tree, tiny_model
@@ -237,4 +238,16 @@ def test_static_sampling_distribution_on_the_device(capture):
     from tests.unit.decoding.test_decoding_sampling import check_static_sampling
 
     check_static_sampling(torch.device(DEVICE), capture, temperature=1.0, top_p=0.9)
-    _record(test="static_sampling", capture=capture, fits_the_joint=True)
+    # a seed repeats a call, also the one after the decoder was built (and captured) under that seed
+    model = _model("llama", torch.float32)
+    heads = random_heads(model.cpu(), seed=1).to(DEVICE)
+    model.to(DEVICE)
+    prompt = _prompts(1, seed=9)[0][None]
+    torch.manual_seed(3)
+    decoder = StaticDecoder(
+        model, heads, MEDUSA_63, 128, capture=capture, acceptance="sample", temperature=1.0
+    )
+    first = decoder.generate(prompt, max_new_tokens=20).tokens
+    torch.manual_seed(3)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=20).tokens, first)
+    _record(test="static_sampling", capture=capture, fits_the_joint=True, seed_repeats=True)
