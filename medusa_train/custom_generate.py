@@ -154,7 +154,7 @@ def requirements_txt() -> str:
 @dataclass
 class _Loaded:
     """An export's heads packed for one model, and its tree on the model's device; ``key``: what they
-    were loaded from (export folder, tree, check)."""
+    were loaded from and for (export folder, tree, check, the model's device and dtype)."""
 
     packed: PackedHeads
     tree: TreeBuffers
@@ -335,17 +335,20 @@ def _existing(path: Path, what: str) -> Path:
 
 # -- heads and tree, once per model ---------------------------------------------------------------
 def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: bool) -> _Loaded:
-    """The export's heads (checked against ``model``, on its device and dtype) and tree, cached per model."""
+    """The export's heads (checked against ``model``, on its device and dtype) and tree, cached per model
+    and per device and dtype of the model (moved or cast, it gets heads, and static decoders, to match)."""
     per_model = _LOADED.setdefault(model, {})
-    key = (str(source.resolve()), json.dumps(choices), check_base)
+    weight = model.get_output_embeddings().weight
+    key = (str(source.resolve()), json.dumps(choices), check_base, str(weight.device), weight.dtype)
     if key in per_model:
         return per_model[key]
+    for stale in [k for k in per_model if k[3:] != key[3:]]:  # heads for where the model was before
+        del per_model[stale]
     heads_dir = _heads_dir(source)
     try:
         heads = load_heads(heads_dir)
     except HeadsFormatError as err:
         raise ValueError(f"cannot load Medusa heads: {err}") from None
-    weight = model.get_output_embeddings().weight  # (V, d)
     heads = heads.to(device=weight.device, dtype=weight.dtype)
     try:
         heads.attach(model)  # hidden size, vocabulary, token map; binds shared heads to the lm_head
@@ -436,6 +439,8 @@ def _static_decoder(
         for r in rows
     )
     decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
+    for stale in [k for k in decoders if k[0][3:] != loaded.key[3:]]:  # built before the model moved
+        del decoders[stale]
     decoder = decoders.pop(key, None)  # put back last: the dict runs from least to most recently used
     if decoder is None or decoder.capacity < need:
         del decoder  # a smaller cache is freed before the larger one is allocated

@@ -189,6 +189,12 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
         medusa_choices=[[0]],
     )
     assert len(kept) == 4 and grown in kept.values() and two_rows not in kept.values()
+    # cast (or moved), the model gets heads and a decoder to match, and the old decoders are dropped
+    model.to(torch.float64)
+    cast = _medusa(model, workdir / "export", **one, max_new_tokens=30, cache_implementation="static")
+    assert torch.equal(cast, model.generate(**one, do_sample=False, max_new_tokens=30))
+    assert [d.dtype for d in kept.values()] == [torch.float64]
+    model.to(torch.float32)
     release(model)
     assert STATIC_ATTR not in vars(model)
 
