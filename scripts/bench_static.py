@@ -9,6 +9,9 @@ Run as:
     # read per tree step), and the step compiled by inductor with its GEMM autotuning instead of captured
     python scripts/bench_static.py --device cuda --head-projection truncated --draft-vocab 32768 \
         --capture compile --compile-mode max-autotune --inductor-tuning --contexts 2048 --batch-sizes 1
+    # the cost of exact sampling in the captured step (warping, top-p's sort, a draw per node)
+    python scripts/bench_static.py --device cuda --acceptance sample --top-p 0.9 --contexts 2048 \
+        --batch-sizes 1 16 --nodes 1 64 --hf-static-contexts --json static_sample.json
     # CPU dry run (under a minute): a tiny Llama, same table
     python scripts/bench_static.py --device cpu --tiny
     # CPU dry run of the Triton kernel (triton's interpreter: slow, so few cases)
@@ -21,7 +24,9 @@ plain eager ``generate`` ms/token, transformers' ``generate(cache_implementation
 static decoder with a 1-node tree (plain greedy, captured) ms/step, and Medusa ms/step for 4, 16 and
 64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. ``--attention``
 picks the tree attention of our decoder's steps (``sdpa``: the model's attention with the fixed-width mask;
-``triton`` / ``cuda``: the tree kernels); it is recorded in the JSON. Before the table, a
+``triton`` / ``cuda``: the tree kernels); ``--acceptance`` the rule inside the step (greedy by
+default; ``sample`` and ``typical`` at ``--temperature``, ``sample`` with ``--top-p``); both are
+recorded in the JSON. Before the table, a
 parity check on tiny models on the same device: the captured decoder's tokens against ``generate``.
 Every case catches its own failure and reports it, so one bad case does not lose the others. Needs
 only torch + transformers (no Hydra).
@@ -187,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "attention": args.attention,
+        "acceptance": {"rule": args.acceptance, "temperature": args.temperature, "top_p": args.top_p},
         "capture": args.capture or ("cuda_graph" if device.type == "cuda" else "eager"),
         "compile_mode": args.compile_mode,
         "inductor_tuning": args.inductor_tuning,
@@ -269,12 +275,16 @@ def run(args: argparse.Namespace) -> dict:
                             compile_mode=mode,
                             sdpa_backend=args.sdpa,
                             attention=args.attention,
+                            acceptance=args.acceptance,
+                            temperature=args.temperature,
+                            top_p=args.top_p,
                         )
                         ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
                         del dec
                         return {"ms": ms, "tau": tau, "batch": bsz}
 
                     kind = capture if args.attention == "sdpa" else f"{capture} {args.attention}"
+                    kind += "" if args.acceptance == "greedy" else f" {args.acceptance}"
                     row(f"static {kind} batch {bsz}, {nodes} node{'s' if nodes > 1 else ''}", medusa)
 
     results["table"] = markdown(results)
@@ -337,6 +347,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tree attention of our decoder's steps: the model's SDPA with a mask, or a tree kernel",
     )
     p.add_argument(
+        "--acceptance",
+        choices=("greedy", "sample", "typical"),
+        default="greedy",
+        help="acceptance rule inside our decoder's step (sample: exact sampling, a draw per node)",
+    )
+    p.add_argument("--temperature", type=float, default=0.7, help="of --acceptance sample and typical")
+    p.add_argument("--top-p", type=float, default=1.0, help="of --acceptance sample")
+    p.add_argument(
         "--head-projection",
         choices=("own", "shared", "truncated"),
         default="own",
@@ -377,6 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.draft_vocab < 1:
         p.error(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}")
     if not all(1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
         p.error(f"--nodes must be in 1..{len(MEDUSA_63) + 1}")
     limit = (tiny_llama_config() if args.tiny else llama8b_config()).max_position_embeddings

@@ -27,7 +27,7 @@
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
-#      8B shape holds 8,192 positions), with heads over a 32K-token draft vocabulary, compiled by
+#      8B shape holds 8,192 positions), with exact sampling in the step, with heads over a 32K-token draft vocabulary, compiled by
 #      inductor with max-autotune; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
@@ -201,6 +201,11 @@ if [ -f scripts/bench_static.py ]; then
         step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
             "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
     done
+    # Exact sampling inside the captured step (warping, top-p's sort over the vocabulary, a draw per node).
+    ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 16 --nodes 1 64 --hf-static-contexts)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 2 --nodes 1 4 --hf-static-contexts)
+    step bench-static-sample 120 "captured step, exact sampling (T 0.7, top-p 0.9)" "$PY" scripts/bench_static.py \
+        "${ARGS[@]}" "${PARITY[@]}" --acceptance sample --top-p 0.9 --json "$SCRATCH/static_sample.json"
     # The backbone's products at 1..256 tokens: whether a tree step's forward reads its weights slower.
     ARGS=(--device "$DEVICE" --json "$SCRATCH/static_linear.json")
     [ $QUICK = 1 ] && ARGS=(--device cpu --quick --dtype float32 --json "$SCRATCH/static_linear.json")

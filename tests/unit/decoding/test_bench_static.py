@@ -111,3 +111,21 @@ def test_bench_linear_refuses_cuda_without_a_device(capsys):
     with pytest.raises(SystemExit) as done:
         bench.main(["--device", "cuda"])
     assert done.value.code == 2 and "--device cpu" in capsys.readouterr().err
+
+
+def test_sampling_in_the_step_is_recorded_and_timed(tmp_path):
+    """``--acceptance sample``: the rule and its settings in the JSON, in the rows' names, every row timed."""
+    bench = load_script("bench_static")
+    out = tmp_path / "static.json"
+    argv = ["--device", "cpu", "--tiny", "--contexts", "16", "--new-tokens", "6", "--batch-sizes", "2"]
+    argv += ["--nodes", "1", "16", "--hf-static-contexts", "--parity-captures", "--acceptance", "sample"]
+    assert bench.main(argv + ["--top-p", "0.9", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["acceptance"] == {"rule": "sample", "temperature": 0.7, "top_p": 0.9}
+    rows = results["rows"]
+    assert [r["decoder"] for r in rows] == [
+        "plain eager generate",
+        "static eager sample batch 2, 1 node",
+        "static eager sample batch 2, 16 nodes",
+    ]
+    assert not [r for r in rows if "error" in r] and all(r["ms"] > 0 for r in rows)
