@@ -15,10 +15,10 @@ belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
-  ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``;
+  ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``;
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
   ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
-  temperature and top_p; ``top_k`` is not applied); ``medusa_acceptance="typical"``: Medusa's typical
+  temperature, top_k and top_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
   acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
 - a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
   row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`;
@@ -109,7 +109,7 @@ GENERATE_PY = '''"""Medusa tree decoding for `model.generate(**inputs, custom_ge
 Written by `python -m medusa_train stage=export`. It needs torch, transformers and medusa_train
 (requirements.txt); the heads and the tree are read from the export this folder belongs to (the
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
-Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_p, eos_token_id, a
+Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, a
 left-padded batch with its attention_mask, cache_implementation="static" for the decoder captured as
 a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
 "auto"), medusa_choices=<paths>.
@@ -258,6 +258,7 @@ def generate(
         acceptance=rule,
         temperature=float(config.temperature),
         top_p=float(config.top_p),
+        top_k=int(config.top_k or 0),
         posterior_threshold=medusa_posterior_threshold,
         posterior_alpha=medusa_posterior_alpha,
         eos_token_id=eos,
@@ -346,7 +347,10 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
         del per_model[stale]
     heads_dir = _heads_dir(source)
     try:
-        heads = load_heads(heads_dir)
+        # Building the modules draws initial weights (then overwritten): from a fork, not the caller's
+        # generator, so a seed set before the first call repeats that call's draws.
+        with torch.random.fork_rng(devices=[]):
+            heads = load_heads(heads_dir)
     except HeadsFormatError as err:
         raise ValueError(f"cannot load Medusa heads: {err}") from None
     heads = heads.to(device=weight.device, dtype=weight.dtype)
@@ -431,7 +435,9 @@ def _static_decoder(
             settings["posterior_alpha"],
         )
     else:
-        rule_settings = (settings["temperature"], settings["top_p"]) if rule == "sample" else None
+        rule_settings = (
+            (settings["temperature"], settings["top_p"], settings["top_k"]) if rule == "sample" else None
+        )
     key = (loaded.key, len(rows), capture, compile_mode, attention, rule, rule_settings)
     nodes, budget, limit = loaded.tree.num_nodes, settings["max_new_tokens"], context_limit(model)
     need = max(
@@ -458,6 +464,7 @@ def _static_decoder(
             acceptance=rule,
             temperature=settings["temperature"],
             top_p=settings["top_p"],
+            top_k=settings["top_k"],
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
         )
@@ -507,8 +514,6 @@ def _acceptance(config, requested: str | None) -> str:
         for name, default in _IGNORED_SETTINGS.items()
         if getattr(config, name, default) not in (default, None)
     ]
-    if rule == "sample" and config.top_k:
-        ignored.append(f"top_k={config.top_k} (temperature and top_p are applied)")
     message = f"Medusa decoding does not apply {', '.join(ignored)}"
     if ignored and message not in _WARNED:
         _WARNED.add(message)

@@ -15,10 +15,10 @@ Every rule sees the tree tokens ``(M,)`` and the backbone's logits at every tree
   posterior_alpha * exp(-H(parent)))`` with p at the given temperature; longest accepted prefix,
   ties broken by the path's log-likelihood. The root and the next root are the argmax (Medusa's
   default "fast" mode); at temperature 0 this is greedy.
-- ``sample``: draw x ~ p (temperature, then top-p) at every node; starting at the root, descend to
-  the child whose token is x while there is one; the x drawn at the last node is the next root. Each
-  emitted token is a draw from the model's conditional given the emitted prefix, so the output has
-  exactly the distribution of plain ancestral sampling. At temperature 0 this is greedy.
+- ``sample``: draw x ~ p (temperature, then top-k, then top-p) at every node; starting at the root,
+  descend to the child whose token is x while there is one; the x drawn at the last node is the next
+  root. Each emitted token is a draw from the model's conditional given the emitted prefix, so the
+  output has exactly the distribution of plain ancestral sampling. At temperature 0 this is greedy.
 """
 
 from __future__ import annotations
@@ -49,18 +49,25 @@ class Accepted:
     tokens: list[int] = field(default_factory=list)
 
 
-def warp_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature then nucleus (top-p) filtering, as ``generate(do_sample=True)`` applies them.
+def warp_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """Temperature, then top-k, then nucleus (top-p) filtering, as ``generate(do_sample=True)`` applies
+    them (its warpers, in that order).
 
     Args:
         logits: ``(..., V)``.
         temperature: > 0.
         top_p: in (0, 1]; the smallest set of tokens whose mass reaches ``top_p`` is kept (at least one).
+        top_k: keep the k highest scores (and any tied with the k-th); 0: no top-k.
 
     Returns:
         ``(..., V)`` float32 probabilities.
     """
     scores = logits.float() / temperature  # (..., V)
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p < 1.0:
         sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)  # (..., V)
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (..., V)
@@ -121,6 +128,7 @@ def accept_sample(
     *,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> Accepted:
     """Distribution-preserving acceptance: draw at every node, follow the draws down the tree.
@@ -130,7 +138,7 @@ def accept_sample(
     """
     if temperature <= 0:
         return accept_greedy(tree_tokens, logits, tree)
-    probs = warp_probs(logits, temperature, top_p)  # (M, V)
+    probs = warp_probs(logits, temperature, top_p, top_k)  # (M, V)
     draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (M,)
     node_tokens, draw_list = torch.stack((tree_tokens, draws)).tolist()  # one device-to-host copy
     return _accept_by_match(node_tokens, draw_list, tree)
@@ -221,10 +229,11 @@ def first_token(
     *,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     generator: torch.Generator | None = None,
 ) -> int:
     """The first new token, chosen from the prefill's last logits ``(V,)`` under the same rule."""
     if acceptance == "sample" and temperature > 0:
-        probs = warp_probs(logits, temperature, top_p)  # (V,)
+        probs = warp_probs(logits, temperature, top_p, top_k)  # (V,)
         return int(torch.multinomial(probs, 1, generator=generator))
     return int(logits.argmax())

@@ -314,6 +314,7 @@ def medusa_generate_batch(
     acceptance: str = "greedy",
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
     eos_token_id: int | Sequence[int] | None = None,
@@ -331,7 +332,7 @@ def medusa_generate_batch(
         prompts: B prompts, each 1-D token ids (a list or a ``(T,)`` / ``(1, T)`` tensor), T >= 1.
         max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
         tree: one tree for every row.
-        acceptance, temperature, top_p, posterior_threshold, posterior_alpha, eos_token_id: as for
+        acceptance, temperature, top_p, top_k, posterior_threshold, posterior_alpha, eos_token_id: as for
             :func:`~medusa_train.decoding.medusa_generate`, applied to each row.
         generators: for ``sample``: one generator per row (a row's draws then depend on its
             generator only), or one generator shared by all rows (draws in row order each step).
@@ -356,7 +357,7 @@ def medusa_generate_batch(
         raise ValueError("prompts is empty: give at least one prompt")
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k)
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):
         gens = [generators] * bsz
@@ -374,6 +375,7 @@ def medusa_generate_batch(
         acceptance=acceptance,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
         eos_token_id=eos_token_id,
@@ -442,7 +444,9 @@ def medusa_generate_batch(
     hidden = hidden[:, -1]  # (n, d)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
-        first_token(logits[i, -1], acceptance, temperature=temperature, top_p=top_p, generator=gens[b])
+        first_token(
+            logits[i, -1], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[b]
+        )
         for i, b in enumerate(live)
     ]
     result.prefill_s = _now(device) - t0
@@ -532,7 +536,7 @@ def medusa_generate_batch(
             else:
                 acc = accept_sample(
                     tree_tokens[i, :m_b], logits[i, :m_b], sub_b, temperature=temperature, top_p=top_p,
-                    generator=gens[b],
+                    top_k=top_k, generator=gens[b],
                 )  # fmt: skip
                 path, nxt = acc.path, acc.next_token
             path_tokens = [host_tokens[i][p] for p in path]

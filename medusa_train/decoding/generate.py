@@ -464,7 +464,12 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
 
 
 def _check_settings(
-    model: torch.nn.Module, acceptance: str, max_new_tokens: int, temperature: float, top_p: float
+    model: torch.nn.Module,
+    acceptance: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
 ) -> None:
     """The checks every Medusa decoder makes before any work: a known rule, sane sampling settings and
     an attention implementation that takes a 4-D float mask.
@@ -478,6 +483,8 @@ def _check_settings(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k!r}")
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn.startswith("flash"):
         raise ValueError(
@@ -497,6 +504,7 @@ def medusa_generate(
     acceptance: str = "greedy",
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
     eos_token_id: int | Sequence[int] | None = None,
@@ -519,6 +527,7 @@ def medusa_generate(
             :mod:`medusa_train.decoding.acceptance`.
         temperature: sampling temperature for "typical" and "sample" (0 means greedy).
         top_p: nucleus filtering for "sample".
+        top_k: top-k filtering for "sample", before top_p as ``generate`` applies them (0: none).
         posterior_threshold: epsilon of typical acceptance.
         posterior_alpha: delta of typical acceptance (threshold = min(epsilon, delta * exp(-H))).
         eos_token_id: one id or several; an EOS inside an accepted path is emitted and ends generation.
@@ -544,7 +553,7 @@ def medusa_generate(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k)
     device = input_ids.device
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
@@ -573,7 +582,7 @@ def medusa_generate(
                 posterior_alpha=posterior_alpha,
             )
         return accept_sample(
-            tree_tokens, logits, sub, temperature=temperature, top_p=top_p, generator=generator
+            tree_tokens, logits, sub, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
         )
 
     # Per-call setup (counted as overhead: it runs inside total_s, outside prefill and forwards).
@@ -609,7 +618,9 @@ def medusa_generate(
     logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
     hidden = hidden[0, -1]  # (d,)
     # 2. The first root: the backbone's own choice after the prompt.
-    root = first_token(logits[0, -1], acceptance, temperature=temperature, top_p=top_p, generator=generator)
+    root = first_token(
+        logits[0, -1], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+    )
     prefill_s = _now(device) - t0
     del logits
 

@@ -35,7 +35,7 @@ once every ``sync_every`` steps; nothing else leaves the device. The prefill run
 Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
 to the float rounding of a different attention width, as for :func:`medusa_generate`); typical output
 equals :func:`medusa_generate` with ``acceptance="typical"`` at the same temperature and thresholds;
-sampled output has the distribution of ``generate(do_sample=True)`` at the same temperature and top_p
+sampled output has the distribution of ``generate(do_sample=True)`` at the same temperature, top_k and top_p
 (draws from torch's default generator of the device: seed it with ``torch.manual_seed``).
 """
 
@@ -180,6 +180,7 @@ class StaticDecoder:
             ``generate(do_sample=True)``).
         temperature: the temperature of "typical" and "sample" (0: greedy).
         top_p: nucleus filtering of "sample".
+        top_k: top-k filtering of "sample", before top_p as ``generate`` applies them (0: none).
         posterior_threshold: epsilon of "typical".
         posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
 
@@ -207,6 +208,7 @@ class StaticDecoder:
         acceptance: str = "greedy",
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
     ) -> None:
@@ -225,7 +227,7 @@ class StaticDecoder:
                 "posterior_threshold and posterior_alpha must be >= 0, got "
                 f"{posterior_threshold} and {posterior_alpha}"
             )
-        _check_settings(model, acceptance, 0, temperature, top_p)
+        _check_settings(model, acceptance, 0, temperature, top_p, top_k)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -269,7 +271,7 @@ class StaticDecoder:
         # argmax, or a draw), and the path accepted against it.
         self._predict: Callable[[torch.Tensor], torch.Tensor] = _argmax
         if acceptance == "sample" and temperature > 0:
-            self._predict = functools.partial(draw_tokens, temperature=temperature, top_p=top_p)
+            self._predict = functools.partial(draw_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         self._accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         self._accept = self._accept_greedy
         if acceptance == "typical" and temperature > 0 and d_depth > 0:
@@ -648,7 +650,9 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def draw_tokens(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def draw_tokens(
+    logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
     """One token per position drawn from its distribution warped as ``generate(do_sample=True)`` warps
     it (:func:`~medusa_train.decoding.acceptance.warp_probs`), as tensor operations with no host sync.
 
@@ -663,11 +667,12 @@ def draw_tokens(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0)
         logits: ``(..., V)``.
         temperature: > 0.
         top_p: in (0, 1].
+        top_k: >= 0 (0: none).
 
     Returns:
         ``(...)`` long token ids.
     """
-    probs = warp_probs(logits, temperature, top_p)  # (..., V) float32
+    probs = warp_probs(logits, temperature, top_p, top_k)  # (..., V) float32
     race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(dim=-1)
 
@@ -794,6 +799,7 @@ def medusa_generate_static(
     acceptance: str = "greedy",
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
 ) -> MedusaOutput:
@@ -814,6 +820,7 @@ def medusa_generate_static(
         acceptance=acceptance,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
     )

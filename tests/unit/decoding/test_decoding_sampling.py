@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from medusa_train.decoding import PackedHeads, TreeBuffers, accept_sample, medusa_generate, warp_probs
 from medusa_train.decoding.static import StaticDecoder
@@ -16,13 +16,18 @@ from tests.helpers.models import random_heads, tiny_model
 SMALL_VOCAB = 6
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)])
-def test_warp_probs_matches_generate_warpers(temperature, top_p):
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 0.5, 0), (1.0, 1.0, 5), (0.7, 0.9, 20)],
+)
+def test_warp_probs_matches_generate_warpers(temperature, top_p, top_k):
     logits = torch.randn(3, 50) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    torch.testing.assert_close(warp_probs(logits, temperature, top_p), scores.softmax(-1))
+    torch.testing.assert_close(warp_probs(logits, temperature, top_p, top_k), scores.softmax(-1))
 
 
 def test_accept_sample_descends_on_matching_draws():
@@ -38,8 +43,8 @@ def test_accept_sample_descends_on_matching_draws():
     assert result.path == [0] and result.next_token == 8
 
 
-def _exact_joint(model, prompt, n_tokens, temperature, top_p) -> dict[tuple[int, ...], float]:
-    """p(x1..xn) by enumeration, with the same temperature/top-p warping as generate."""
+def _exact_joint(model, prompt, n_tokens, temperature, top_p, top_k=0) -> dict[tuple[int, ...], float]:
+    """p(x1..xn) by enumeration, with the same temperature/top-k/top-p warping as generate."""
     joint = {(): 1.0}
     for _ in range(n_tokens):
         prefixes = list(joint)
@@ -51,7 +56,7 @@ def _exact_joint(model, prompt, n_tokens, temperature, top_p) -> dict[tuple[int,
             dim=1,
         )
         with torch.no_grad():
-            probs = warp_probs(model(ids).logits[:, -1], temperature, top_p)  # (P, V)
+            probs = warp_probs(model(ids).logits[:, -1], temperature, top_p, top_k)  # (P, V)
         joint = {
             pre + (v,): joint[pre] * float(probs[i, v])
             for i, pre in enumerate(prefixes)
@@ -75,15 +80,16 @@ TREE_12 = [[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)]
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "choices"),
-    [(1.0, 1.0, TREE_12), (0.8, 0.9, TREE_12), (1.0, 1.0, [[0], [0, 0]])],  # the chain: host-side drafts
-    ids=["tree12-1.0-1.0", "tree12-0.8-0.9", "chain2-1.0-1.0"],
+    ("temperature", "top_p", "top_k", "choices"),
+    # the chain: host-side drafts; top-k 4 of the 6 tokens, then top-p, as generate warps them
+    [(1.0, 1.0, 0, TREE_12), (0.8, 0.9, 4, TREE_12), (1.0, 1.0, 0, [[0], [0, 0]])],
+    ids=["tree12-1.0-1.0", "tree12-0.8-0.9-k4", "chain2-1.0-1.0"],
 )
-def test_sampling_distribution_matches_ancestral(temperature, top_p, choices):
+def test_sampling_distribution_matches_ancestral(temperature, top_p, top_k, choices):
     model = tiny_model("llama", vocab=SMALL_VOCAB, initializer_range=0.5)
     prompt = torch.tensor([[1, 4, 2]])
     n_tokens, draws = 3, 1500
-    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p)
+    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p, top_k)
     tree = TreeBuffers.from_choices(choices)
     heads = FixedHeads()
     gen = torch.Generator().manual_seed(0)
@@ -92,7 +98,7 @@ def test_sampling_distribution_matches_ancestral(temperature, top_p, choices):
     for _ in range(draws):
         out = medusa_generate(
             model, heads, prompt, max_new_tokens=n_tokens, tree=tree, acceptance="sample",
-            temperature=temperature, top_p=top_p, generator=gen,
+            temperature=temperature, top_p=top_p, top_k=top_k, generator=gen,
         )  # fmt: skip
         key = tuple(out.tokens.tolist())
         counts[key] = counts.get(key, 0) + 1
@@ -132,21 +138,23 @@ class FixedRowHeads(FixedHeads):
         return ranks[None].expand(hidden.shape[0], -1, -1)  # (B, K, V)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
-def test_static_sampling_distribution_matches_ancestral(temperature, top_p):
-    check_static_sampling(torch.device("cpu"), "eager", temperature, top_p)
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.8, 0.9, 4)])
+def test_static_sampling_distribution_matches_ancestral(temperature, top_p, top_k):
+    check_static_sampling(torch.device("cpu"), "eager", temperature, top_p, top_k)
 
 
-def check_static_sampling(device: torch.device, capture: str, temperature: float, top_p: float) -> None:
+def check_static_sampling(
+    device: torch.device, capture: str, temperature: float, top_p: float, top_k: int = 0
+) -> None:
     """The static decoder's draws inside the step (the exponential race) against the exact joint of 3
     tokens: 1,500 sequences, 100 rows of one prompt per call (also the gpu test, on CUDA)."""
     model = tiny_model("llama", vocab=SMALL_VOCAB, initializer_range=0.5)
     prompt = torch.tensor([[1, 4, 2]])
     n_tokens, draws, rows = 3, 1500, 100
-    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p)
+    exact = _exact_joint(model, prompt, n_tokens, temperature, top_p, top_k)
     decoder = StaticDecoder(
         model.to(device), FixedRowHeads(), TREE_12, capacity=32, batch_size=rows, capture=capture,
-        acceptance="sample", temperature=temperature, top_p=top_p,
+        acceptance="sample", temperature=temperature, top_p=top_p, top_k=top_k,
     )  # fmt: skip
     torch.manual_seed(0)
     counts: dict[tuple[int, ...], int] = {}
