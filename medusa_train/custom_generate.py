@@ -15,7 +15,8 @@ belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
-  ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``;
+  ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``, ``streamer``
+  (one prompt: it gets the prompt, then each step's accepted tokens as they are decided, then ``end()``);
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
   ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
   temperature, top_k and top_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
@@ -99,7 +100,6 @@ _REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding l
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
     "assistant_model",
-    "streamer",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
 )
@@ -201,7 +201,8 @@ def generate(
         medusa_check_base: False decodes over a base model whose checkpoint files differ from the
             one the heads were trained on (outputs stay exact, fewer drafts are accepted).
         **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation
-            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``;
+            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``,
+            a ``streamer`` for one prompt;
             ``cache_implementation="static"`` with ``disable_compile`` and ``compile_config``: the
             static-shape decoder, see the module docstring).
 
@@ -220,6 +221,7 @@ def generate(
     if refused:
         raise ValueError(f"Medusa decoding does not take {', '.join(refused)}: call generate without them")
     kwargs.pop("synced_gpus", None)
+    streamer = kwargs.pop("streamer", None)
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = kwargs.pop("attention_mask", None)
     if input_ids is None:
@@ -263,12 +265,32 @@ def generate(
         posterior_alpha=medusa_posterior_alpha,
         eos_token_id=eos,
     )
+    stream = None
+    if streamer is not None:  # as generate streams: the prompt, then the new tokens as they come, then end()
+        if len(rows) != 1:
+            raise ValueError(
+                f"a streamer takes one prompt (as generate's streamers do), got a batch of {len(rows)}"
+            )
+        streamer.put(input_ids.cpu())
+
+        def stream(new_tokens: list[int]) -> None:
+            streamer.put(torch.tensor(new_tokens, dtype=torch.long))
+
     if static:
         decoder = _static_decoder(model, loaded, rows, config, settings, medusa_attention)
-        out = decoder.generate_batch(rows, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos)
+        out = decoder.generate_batch(
+            rows,
+            max_new_tokens=settings["max_new_tokens"],
+            eos_token_id=eos,
+            on_tokens=None if stream is None else (lambda row, new_tokens: stream(new_tokens)),
+        )
         new = [row.tokens for row in out.rows]
     elif len(rows) == 1:
-        new = [medusa_generate(model, loaded.packed, rows[0], attention=medusa_attention, **settings).tokens]
+        new = [
+            medusa_generate(
+                model, loaded.packed, rows[0], attention=medusa_attention, on_tokens=stream, **settings
+            ).tokens
+        ]
     else:
         out = medusa_generate_batch(
             model, loaded.packed, rows, pad_token_id=pad, attention=medusa_attention, **settings
@@ -280,6 +302,8 @@ def generate(
     sequences[:, :width] = input_ids  # (B, T)
     for i, tokens in enumerate(new):
         sequences[i, width : width + len(tokens)] = tokens.to(input_ids.device)  # (n_i,)
+    if streamer is not None:
+        streamer.end()
     if config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences

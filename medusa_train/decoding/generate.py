@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -510,6 +510,7 @@ def medusa_generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     attention: str = "sdpa",
+    on_tokens: Callable[[list[int]], object] | None = None,
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -537,6 +538,8 @@ def medusa_generate(
             a dense float mask), "triton" or "cuda" (the fused kernels of
             :mod:`medusa_train.decoding.attention`, no mask built), or "auto" (the fastest that runs
             on the device; sdpa on a CPU). The prefill always runs the model's own attention.
+        on_tokens: called with each step's newly emitted tokens as they are decided, in order (what
+            a streamer's ``put`` gets); their concatenation is the output's ``tokens``.
 
     Returns:
         :class:`MedusaOutput`.
@@ -636,6 +639,8 @@ def medusa_generate(
         if root in eos or room == 1:
             tokens.append(root)
             lengths.append(1)
+            if on_tokens is not None:
+                on_tokens([root])
             if root in eos:
                 stop_reason = "eos"
             break
@@ -684,10 +689,14 @@ def medusa_generate(
             cut = next(j + 1 for j, tok in enumerate(path_tokens) if tok in eos)
             tokens.extend(path_tokens[:cut])
             lengths.append(cut)
+            if on_tokens is not None:
+                on_tokens(path_tokens[:cut])
             stop_reason = "eos"
             break
         tokens.extend(path_tokens)
         lengths.append(len(path))
+        if on_tokens is not None:
+            on_tokens(path_tokens)
         if len(tokens) >= budget:
             break
         # 8. Keep the accepted nodes' KV entries in place; no re-forward (a chain prefix moves nothing).

@@ -494,6 +494,7 @@ class StaticDecoder:
         *,
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
+        on_tokens: Callable[[list[int]], object] | None = None,
     ) -> MedusaOutput:
         """Medusa generation of one prompt; the same result as :func:`medusa_generate` with the same rule.
 
@@ -501,6 +502,8 @@ class StaticDecoder:
             input_ids: ``(1, T)`` prompt on the model's device.
             max_new_tokens: most tokens to generate (also stops before ``max_position_embeddings``).
             eos_token_id: one id or several; an EOS is emitted and ends generation.
+            on_tokens: called with the newly emitted tokens at each read of the device (every
+                ``sync_every`` steps), in order; their concatenation is the output's ``tokens``.
 
         Returns:
             :class:`MedusaOutput`; ``num_forwards`` counts the steps run (with ``sync_every > 1``, the
@@ -511,7 +514,10 @@ class StaticDecoder:
         """
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be (1, T), got {tuple(input_ids.shape)}")
-        out = self.generate_batch([input_ids], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        per_row = None if on_tokens is None else (lambda row, new: on_tokens(new))
+        out = self.generate_batch(
+            [input_ids], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, on_tokens=per_row
+        )
         row = out.rows[0]
         row.prefill_s, row.total_s = out.prefill_s, out.total_s
         return row
@@ -523,6 +529,7 @@ class StaticDecoder:
         *,
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
+        on_tokens: Callable[[int, list[int]], object] | None = None,
     ) -> MedusaBatchOutput:
         """Medusa generation of up to B prompts of any lengths, one row each.
 
@@ -530,6 +537,8 @@ class StaticDecoder:
             prompts: ``(1, T)`` or ``(T,)`` token ids on the model's device, T >= 1, at most B of them.
             max_new_tokens: most tokens per row (a row also stops before ``max_position_embeddings``).
             eos_token_id: one id or several; an EOS is emitted and ends its row.
+            on_tokens: called as ``on_tokens(row, new_tokens)`` with each row's newly emitted tokens
+                at each read of the device, in order.
 
         Returns:
             :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate`` (typical: its
@@ -586,7 +595,10 @@ class StaticDecoder:
                         continue
                     new = chunk[r][len(tokens[r]) - lo : min(counts[r], budgets[r]) - lo]
                     cut = next((i + 1 for i, tok in enumerate(new) if tok in eos), None) if eos else None
-                    tokens[r].extend(new if cut is None else new[:cut])
+                    new = new if cut is None else new[:cut]
+                    tokens[r].extend(new)
+                    if on_tokens is not None and new:
+                        on_tokens(r, new)
                     if cut is not None:
                         reasons[r], active[r] = "eos", False
                     elif len(tokens[r]) >= budgets[r]:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 from transformers.generation.configuration_utils import CompileConfig
+from transformers.generation.streamers import BaseStreamer
 
 from medusa_train.backbone import local_fingerprint
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
@@ -202,6 +203,42 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     model.to(torch.float32)
     release(model)
     assert STATIC_ATTR not in vars(model)
+
+
+class Collect(BaseStreamer):
+    """What generate's streamer protocol hands over: each put's ids, and whether end() came."""
+
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_a_streamer_gets_the_prompt_then_each_steps_tokens(workdir: Path, model, tok) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    plain = Collect()
+    expected = model.generate(**one, do_sample=False, max_new_tokens=24, streamer=plain)
+    for extra in ({}, {"cache_implementation": "static"}):
+        ours = Collect()
+        out = _medusa(model, workdir / "export", **one, max_new_tokens=24, streamer=ours, **extra)
+        assert torch.equal(out, expected) and ours.ended, extra
+        assert ours.puts[0] == plain.puts[0] == one["input_ids"][0].tolist()  # the prompt first
+        assert sum(ours.puts[1:], []) == out[0, one["input_ids"].shape[1] :].tolist()
+    eos_at_once = Collect()  # the second prompt's reply is EOS at once: streamed, then end()
+    out = _medusa(model, workdir / "export", **tok(PROMPTS[1], return_tensors="pt"), streamer=eos_at_once)
+    assert eos_at_once.puts[1:] == [[tok.eos_token_id]] and eos_at_once.ended
+    text = TextIteratorStreamer(tok, skip_prompt=True)
+    out = _medusa(model, workdir / "export", **one, max_new_tokens=24, streamer=text)
+    assert "".join(text) == tok.decode(out[0, one["input_ids"].shape[1] :])
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="a streamer takes one prompt"):
+        _medusa(model, workdir / "export", **batch, max_new_tokens=4, streamer=Collect())
+    release(model)
 
 
 def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, tok) -> None:

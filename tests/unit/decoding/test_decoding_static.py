@@ -461,3 +461,21 @@ def test_capacity_is_a_power_of_two_from_256_within_the_limit() -> None:
     assert capacity_for(300, limit=262) == 512  # the limit is not enough for the need: ignored
     assert capacity_for(261, limit=262) == 262  # the model's positions + the tree: no power of two past them
     assert capacity_for(100, limit=262) == 256
+
+
+def test_on_tokens_gets_each_steps_accepted_tokens():
+    """The streaming hook of both decoders: one call per step with its accepted tokens (oracle heads
+    accept whole chains), in order, adding up to the output."""
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = plain_greedy(model, prompt, 40)
+    full = torch.cat([prompt[0], torch.tensor(ref)])[None]
+    eager: list[list[int]] = []
+    out = medusa_generate(
+        model, OracleHeads(model, full), prompt, max_new_tokens=21, tree=chain_tree(4), on_tokens=eager.append
+    )
+    assert [len(t) for t in eager] == out.accepted_lengths == [5, 5, 5, 5, 1] and sum(eager, []) == ref[:21]
+    static: list[list[int]] = []
+    decoder = StaticDecoder(model, RowOracleHeads(model, full), chain_tree(4), 64)
+    out = decoder.generate(prompt, max_new_tokens=21, on_tokens=static.append)
+    assert static == eager and out.tokens.tolist() == ref[:21]
