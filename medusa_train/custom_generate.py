@@ -60,7 +60,7 @@ from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_ba
 from medusa_train.decoding.attention import ATTENTION_CHOICES
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
-from medusa_train.decoding.static import StaticDecoder, capacity_for
+from medusa_train.decoding.static import StaticDecoder, capacity_for, columns_needed, row_budgets
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
@@ -452,22 +452,22 @@ def _static_decoder(
     device = model.get_output_embeddings().weight.device
     capture, compile_mode = _static_capture(config, device)
     rule = settings["acceptance"]
-    if rule == "typical":
-        rule_settings = (
-            settings["temperature"],
-            settings["posterior_threshold"],
-            settings["posterior_alpha"],
-        )
-    else:
-        rule_settings = (
-            (settings["temperature"], settings["top_p"], settings["top_k"]) if rule == "sample" else None
-        )
-    key = (loaded.key, len(rows), capture, compile_mode, attention, rule, rule_settings)
-    nodes, budget, limit = loaded.tree.num_nodes, settings["max_new_tokens"], context_limit(model)
-    need = max(
-        r.shape[1] + max(0, budget if limit is None else min(budget, limit - r.shape[1])) + nodes
-        for r in rows
+    rule_settings = {  # what changes the step of each rule (greedy: nothing)
+        "typical": ("temperature", "posterior_threshold", "posterior_alpha"),
+        "sample": ("temperature", "top_p", "top_k"),
+    }.get(rule, ())
+    key = (
+        loaded.key,
+        len(rows),
+        capture,
+        compile_mode,
+        attention,
+        rule,
+        *(settings[k] for k in rule_settings),
     )
+    nodes, limit = loaded.tree.num_nodes, context_limit(model)
+    lens = [r.shape[1] for r in rows]
+    need = columns_needed(lens, row_budgets(lens, settings["max_new_tokens"], limit), nodes)
     decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
     for stale in [k for k in decoders if k[0][3:] != loaded.key[3:]]:  # built before the model moved
         del decoders[stale]

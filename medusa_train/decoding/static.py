@@ -557,10 +557,8 @@ class StaticDecoder:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         lens = [p.shape[1] for p in ids]
-        budgets = [
-            max_new_tokens if self.limit is None else min(max_new_tokens, self.limit - t) for t in lens
-        ]
-        need = max(t + max(0, n) + self.tree.num_nodes for t, n in zip(lens, budgets, strict=True))
+        budgets = row_budgets(lens, max_new_tokens, self.limit)
+        need = columns_needed(lens, budgets, self.tree.num_nodes)
         if need > self.capacity:
             raise ValueError(
                 f"prompt + max_new_tokens + tree ({self.tree.num_nodes} nodes) need capacity {need}; this "
@@ -780,6 +778,18 @@ def _float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, torch.finfo(dtype).min
     )
+
+
+def row_budgets(prompt_lens: Sequence[int], max_new_tokens: int, limit: int | None) -> list[int]:
+    """Tokens each row may emit: ``max_new_tokens``, less where prompt + tokens would pass the model's
+    ``limit`` positions (None: no limit); 0 or less: none."""
+    return [max_new_tokens if limit is None else min(max_new_tokens, limit - t) for t in prompt_lens]
+
+
+def columns_needed(prompt_lens: Sequence[int], budgets: Sequence[int], num_nodes: int) -> int:
+    """KV columns the most demanding row needs: its prompt, its budget (:func:`row_budgets`) and a tree
+    of ``num_nodes`` nodes."""
+    return max(t + max(0, n) + num_nodes for t, n in zip(prompt_lens, budgets, strict=True))
 
 
 def capacity_for(need: int, limit: int | None = None) -> int:
