@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStream
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
+import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.backbone import local_fingerprint
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
 from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
@@ -241,16 +242,26 @@ def test_a_streamer_gets_the_prompt_then_each_steps_tokens(workdir: Path, model,
     release(model)
 
 
-def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, tok) -> None:
+def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, tok, monkeypatch) -> None:
     one = tok(PROMPTS[0], return_tensors="pt")
     plain = model.generate(**one, do_sample=False, max_new_tokens=16)
+    calls = []
+    kernel = tree_attention_module.triton_tree_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
     # the Triton kernel (triton's interpreter on a CPU), eagerly and in the static decoder; auto: sdpa here
     for extra in ({}, {"cache_implementation": "static"}):
-        for attention in ("triton", "auto"):
+        for attention, runs_kernel in (("triton", True), ("auto", False)):
+            calls.clear()
             out = _medusa(
                 model, workdir / "export", **one, max_new_tokens=16, medusa_attention=attention, **extra
             )
             assert torch.equal(out, plain), (attention, extra)
+            assert bool(calls) == runs_kernel, (attention, extra)
     with pytest.raises(
         ValueError, match="medusa_attention must be one of .*'sdpa', 'triton', 'cuda', 'auto'"
     ):
