@@ -169,6 +169,7 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     torch.manual_seed(0)
     assert torch.equal(sampled, _medusa(model, workdir / "export", **one, **sample))
     assert torch.equal(sampled[:, : one["input_ids"].shape[1]], one["input_ids"])
+    assert not torch.equal(sampled, plain[:, : sampled.shape[1]])  # drawn, not the greedy reply
     assert len(kept) == 4  # greedy 1 row, 2 rows, typical 2 rows, sampling 1 row
     del kept[next(k for k in kept if k[5] == "sample")]
     # compiled as transformers compiles a static-cache generate off accelerators: when told to

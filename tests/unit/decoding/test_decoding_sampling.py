@@ -182,3 +182,4 @@ def test_static_sampling_at_temperature_0_is_greedy_and_a_seed_repeats_it():
     first = sampler.generate(prompt, max_new_tokens=20).tokens
     torch.manual_seed(7)
     assert torch.equal(sampler.generate(prompt, max_new_tokens=20).tokens, first)
+    assert first.tolist() != expected[0, 4:].tolist()  # drawn, not the greedy reply
