@@ -297,6 +297,8 @@ def test_static_user_errors():
         StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="beam")
     with pytest.raises(ValueError, match="0 < top_p <= 1"):
         StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="sample", top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="sample", top_k=-1)
     with pytest.raises(ValueError, match="temperature >= 0"):
         StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="typical", temperature=-1.0)
     with pytest.raises(ValueError, match="posterior_alpha must be >= 0"):
