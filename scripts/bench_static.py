@@ -9,7 +9,8 @@ Run as:
     # read per tree step), and the step compiled by inductor with its GEMM autotuning instead of captured
     python scripts/bench_static.py --device cuda --head-projection truncated --draft-vocab 32768 \
         --capture compile --compile-mode max-autotune --inductor-tuning --contexts 2048 --batch-sizes 1
-    # the cost of exact sampling in the captured step (warping, top-p's sort, a draw per node)
+    # the cost of exact sampling in the captured step (warping, top-p's sort, a draw per node);
+    # --top-k 50 (generate's default) ranks only the top-k's scores for the top-p instead of sorting
     python scripts/bench_static.py --device cuda --acceptance sample --top-p 0.9 --contexts 2048 \
         --batch-sizes 1 16 --nodes 1 64 --hf-static-contexts --json static_sample.json
     # CPU dry run (under a minute): a tiny Llama, same table
@@ -25,7 +26,7 @@ static decoder with a 1-node tree (plain greedy, captured) ms/step, and Medusa m
 64 tree nodes (prefixes of the 63-path Medusa tree), at batch 1, 4 and 16 and the given contexts. ``--attention``
 picks the tree attention of our decoder's steps (``sdpa``: the model's attention with the fixed-width mask;
 ``triton`` / ``cuda``: the tree kernels); ``--acceptance`` the rule inside the step (greedy by
-default; ``sample`` and ``typical`` at ``--temperature``, ``sample`` with ``--top-p``); both are
+default; ``sample`` and ``typical`` at ``--temperature``, ``sample`` with ``--top-p`` and ``--top-k``); both are
 recorded in the JSON. Before the table, a
 parity check on tiny models on the same device: the captured decoder's tokens against ``generate``.
 Every case catches its own failure and reports it, so one bad case does not lose the others. Needs
@@ -192,7 +193,12 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "attention": args.attention,
-        "acceptance": {"rule": args.acceptance, "temperature": args.temperature, "top_p": args.top_p},
+        "acceptance": {
+            "rule": args.acceptance,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+        },
         "capture": args.capture or ("cuda_graph" if device.type == "cuda" else "eager"),
         "compile_mode": args.compile_mode,
         "inductor_tuning": args.inductor_tuning,
@@ -278,6 +284,7 @@ def run(args: argparse.Namespace) -> dict:
                             acceptance=args.acceptance,
                             temperature=args.temperature,
                             top_p=args.top_p,
+                            top_k=args.top_k,
                         )
                         ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
                         del dec
@@ -354,6 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=0.7, help="of --acceptance sample and typical")
     p.add_argument("--top-p", type=float, default=1.0, help="of --acceptance sample")
+    p.add_argument("--top-k", type=int, default=0, help="of --acceptance sample (0: none)")
     p.add_argument(
         "--head-projection",
         choices=("own", "shared", "truncated"),
@@ -395,8 +403,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     if args.draft_vocab < 1:
         p.error(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error(f"need --temperature >= 0 and 0 < --top-p <= 1, got {args.temperature} and {args.top_p}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        p.error(
+            "need --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0, got "
+            f"{args.temperature}, {args.top_p} and {args.top_k}"
+        )
     if not all(1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
         p.error(f"--nodes must be in 1..{len(MEDUSA_63) + 1}")
     limit = (tiny_llama_config() if args.tiny else llama8b_config()).max_position_embeddings

@@ -28,7 +28,8 @@
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
 #      8B shape holds 8,192 positions), with exact sampling in the step, with heads over a 32K-token draft vocabulary, compiled by
-#      inductor with max-autotune; bench_linear.py: the 8B shape's products at 1..256 tokens
+#      inductor with max-autotune; bench_sampling.py: the warping of 64 and 1,024 distributions of 128K
+#      against transformers' warpers; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
 #   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
@@ -206,6 +207,10 @@ if [ -f scripts/bench_static.py ]; then
     [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 2 --nodes 1 4 --hf-static-contexts)
     step bench-static-sample 120 "captured step, exact sampling (T 0.7, top-p 0.9)" "$PY" scripts/bench_static.py \
         "${ARGS[@]}" "${PARITY[@]}" --acceptance sample --top-p 0.9 --json "$SCRATCH/static_sample.json"
+    # The warping alone, ours against transformers' warpers: top-p over the vocabulary's sort or the top-k's.
+    ARGS=(--device "$DEVICE" --rows 64 1024 --json "$SCRATCH/static_sampling.json")
+    [ $QUICK = 1 ] && ARGS=(--device cpu --rows 8 --vocab 4096 --json "$SCRATCH/static_sampling.json")
+    step bench-sampling 60 "warping 64 and 1024 distributions of 128K" "$PY" scripts/bench_sampling.py "${ARGS[@]}"
     # The backbone's products at 1..256 tokens: whether a tree step's forward reads its weights slower.
     ARGS=(--device "$DEVICE" --json "$SCRATCH/static_linear.json")
     [ $QUICK = 1 ] && ARGS=(--device cpu --quick --dtype float32 --json "$SCRATCH/static_linear.json")

@@ -119,9 +119,9 @@ def test_sampling_in_the_step_is_recorded_and_timed(tmp_path):
     out = tmp_path / "static.json"
     argv = ["--device", "cpu", "--tiny", "--contexts", "16", "--new-tokens", "6", "--batch-sizes", "2"]
     argv += ["--nodes", "1", "16", "--hf-static-contexts", "--parity-captures", "--acceptance", "sample"]
-    assert bench.main(argv + ["--top-p", "0.9", "--json", str(out)]) == 0
+    assert bench.main(argv + ["--top-p", "0.9", "--top-k", "5", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert results["acceptance"] == {"rule": "sample", "temperature": 0.7, "top_p": 0.9}
+    assert results["acceptance"] == {"rule": "sample", "temperature": 0.7, "top_p": 0.9, "top_k": 5}
     rows = results["rows"]
     assert [r["decoder"] for r in rows] == [
         "plain eager generate",
@@ -129,3 +129,14 @@ def test_sampling_in_the_step_is_recorded_and_timed(tmp_path):
         "static eager sample batch 2, 16 nodes",
     ]
     assert not [r for r in rows if "error" in r] and all(r["ms"] > 0 for r in rows)
+
+
+def test_bench_sampling_times_every_setting_against_transformers(tmp_path, capsys):
+    bench = load_script("bench_sampling")
+    out = tmp_path / "sampling.json"
+    assert bench.main(["--rows", "3", "--vocab", "300", "--repeats", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    settings = [(r["temperature"], r["top_p"], r["top_k"]) for r in results["results"]]
+    assert settings == [(0.6, 0.9, 50), (0.6, 0.9, 0), (1.0, 1.0, 50)]
+    assert all(ms > 0 for r in results["results"] for ms in r["ms"].values())
+    assert "| rows | temperature |" in capsys.readouterr().out

@@ -30,6 +30,30 @@ def test_warp_probs_matches_generate_warpers(temperature, top_p, top_k):
     torch.testing.assert_close(warp_probs(logits, temperature, top_p, top_k), scores.softmax(-1))
 
 
+def test_warp_probs_keeps_ties_at_both_cutoffs():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, -1.0]])
+    # top-k 3 keeps the three tokens tied at the third score, as transformers' warper does
+    scores = TopPLogitsWarper(0.99)(None, TopKLogitsWarper(3)(None, logits.clone()))
+    probs = warp_probs(logits, 1.0, 0.99, 3)
+    torch.testing.assert_close(probs, scores.softmax(-1))
+    assert (probs[0, :5] > 0).all() and (probs[0, 5:] == 0).all()
+    # a nucleus boundary inside a tie keeps the whole tie (transformers keeps any of its members)
+    mass = logits.softmax(-1)[0]
+    top_p = float(mass[:3].sum()) - 1e-3  # the first of the tied tokens reaches it
+    probs = warp_probs(logits, 1.0, top_p)
+    assert (probs[0, :5] > 0).all() and (probs[0, 5:] == 0).all()
+
+
+def test_warp_probs_ranks_once_with_a_top_k(monkeypatch):
+    logits = torch.randn(4, 1000)
+    expected = TopPLogitsWarper(0.9)(None, TopKLogitsWarper(50)(None, logits.clone())).softmax(-1)
+    calls = []
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: calls.append(1))
+    torch.testing.assert_close(warp_probs(logits, 1.0, 0.9, 50), expected)
+    assert not calls  # the nucleus ranked the top-k's scores, not the vocabulary
+
+
 def test_accept_sample_descends_on_matching_draws():
     tree = TreeBuffers.from_choices([[0], [1], [0, 0]])  # nodes: root, (0,), (1,), (0, 0)
     tokens = torch.tensor([7, 3, 4, 5])
