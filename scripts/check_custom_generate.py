@@ -10,7 +10,8 @@ Run as:
     python scripts/check_custom_generate.py --tiny --device cpu
 
 An export without ``custom_generate/`` is checked on a temporary copy
-with that folder written in.
+with that folder written in. The four prompts are user turns in the tokenizer's chat template where
+it has one (the text heads of a chat model are trained on), plain text with ``--raw-prompts``.
 
 Cases, each caught and reported on its own (one failing case does not hide the others):
 ``greedy`` (each prompt alone: identical to plain greedy ``generate``), ``batch`` (the prompts as one
@@ -55,6 +56,16 @@ PROMPTS = [
     "why is the sun",
     "write a list of three happy things: one",
 ]
+
+
+def render(tok, text: str) -> str:
+    """``text`` as a user turn in the tokenizer's chat template, ready for the assistant's reply: what
+    a chat model's heads are trained on (a raw prompt may draw an end-of-turn within a few tokens)."""
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -123,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument(
+        "--raw-prompts",
+        action="store_true",
+        help="encode the prompts as plain text even where the tokenizer has a chat template",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if not args.tiny and args.export is None:
@@ -163,8 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     def medusa(**kwargs) -> torch.Tensor:
         return model.generate(**kwargs, custom_generate=str(export), trust_remote_code=True)
 
-    def encode(text: str) -> dict:
-        return {k: v.to(device) for k, v in tok(text, return_tensors="pt").items()}
+    templated = tok.chat_template is not None and not args.raw_prompts
+    results["chat_template"] = templated
+    texts = [render(tok, text) if templated else text for text in PROMPTS]
+
+    def encode(text: str | list[str], **kwargs) -> dict:
+        # a rendered template carries its own special tokens (a BOS would be doubled)
+        ids = tok(text, return_tensors="pt", add_special_tokens=not templated, **kwargs)
+        return {k: v.to(device) for k, v in ids.items()}
 
     def plain(inputs: dict, **extra) -> torch.Tensor:
         return model.generate(
@@ -173,19 +195,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def greedy(**extra) -> dict:
         same = []
-        for text in PROMPTS:
+        for text in texts:
             inputs = encode(text)
             ours = medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id, **extra)
             same.append(bool(torch.equal(ours, plain(inputs))))
         return {"ok": all(same), "identical": same}
 
     def batch(**extra) -> dict:
-        inputs = {k: v.to(device) for k, v in tok(PROMPTS, return_tensors="pt", padding=True).items()}
+        inputs = encode(texts, padding=True)
         width = inputs["input_ids"].shape[1]
         ours = medusa(**inputs, max_new_tokens=n, pad_token_id=tok.pad_token_id, **extra)
         batched = plain(inputs)
         rows = []
-        for i, text in enumerate(PROMPTS):
+        for i, text in enumerate(texts):
             alone = plain(encode(text))[0, encode(text)["input_ids"].shape[1] :].tolist()
             row = ours[i, width:].tolist()
             rows.append(row[: len(alone)] == alone and all(t == tok.pad_token_id for t in row[len(alone) :]))
@@ -193,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "identical_to_batched_generate": bool(torch.equal(ours, batched))}  # fmt: skip
 
     def sampled(**extra) -> dict:
-        inputs = encode(PROMPTS[0])
+        inputs = encode(texts[0])
         width = inputs["input_ids"].shape[1]
         out = medusa(**inputs, max_new_tokens=n, do_sample=True, temperature=0.8, top_p=0.9, **extra)
         ok = (
@@ -209,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         other = tiny_model(hidden=2 * hidden if hidden <= 64 else 32, vocab=vocab).to(device)
         try:
             other.generate(
-                **encode(PROMPTS[0]), custom_generate=str(export), trust_remote_code=True, max_new_tokens=4
+                **encode(texts[0]), custom_generate=str(export), trust_remote_code=True, max_new_tokens=4
             )
         except ValueError as err:
             return {"ok": "do not belong to this model" in str(err), "message": str(err)}
@@ -234,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             "plain_static": lambda inputs: plain(inputs, **static),
             "custom_generate_static": lambda inputs: medusa(**inputs, max_new_tokens=n, **static),
         }
-        longest = encode(max(PROMPTS, key=lambda text: len(tok(text)["input_ids"])))
+        longest = encode(max(texts, key=lambda text: len(tok(text)["input_ids"])))
         for call in calls.values():  # compile / capture outside the timed calls, for the longest prompt
             call(longest)
         totals = {name: [0, 0.0] for name in calls}
-        for text in PROMPTS:
+        for text in texts:
             inputs = encode(text)
             for name, call in calls.items():
                 sync()
@@ -255,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_static": tps["custom_generate_static"] / max(1e-9, tps["plain_static"]),
         }
 
-    medusa(**encode(PROMPTS[0]), max_new_tokens=4)  # warm-up: loads the module, the heads and kernels
-    plain(encode(PROMPTS[0]))
+    medusa(**encode(texts[0]), max_new_tokens=4)  # warm-up: loads the module, the heads and kernels
+    plain(encode(texts[0]))
     run_case(results, "greedy", greedy)
     run_case(results, "batch", batch)
     run_case(results, "sample", sampled)

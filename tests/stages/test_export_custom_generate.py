@@ -359,6 +359,9 @@ def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkey
     cases = ("greedy", "batch", "sample", "typical", "mismatch", "static", "timing")
     assert all(results[case]["ok"] for case in cases)
     assert results["static"]["identical"] == [True] * 4 and len(results["timing"]["tokens_per_s"]) == 4
+    # the prompts are user turns where the tokenizer has a chat template
+    has_template = AutoTokenizer.from_pretrained(workdir / "base_model").chat_template is not None
+    assert results["chat_template"] is has_template
     real = importlib.metadata.version
 
     def not_installed(name: str) -> str:
