@@ -457,7 +457,7 @@ class TrainingConfig:
     """Start from these heads (a heads directory, e.g. Medusa-1 heads before Medusa-2); null = fresh heads."""
     calibration_max_records: int = run_only(200)
     """Held-out records used for the top-k accuracy table and tree calibration after training, >= 1. A change
-    (like one of `tree.max_nodes|topk|latency_context`) re-runs only the calibration of finished heads."""
+    (like one of `tree.max_nodes|topk|latency_context|tolerance`) re-runs only the calibration of finished heads."""
     # -- medusa2 -------------------------------------------------------------------------------
     head_lr_multiplier: float = 4.0
     """medusa2: heads lr = lr * head_lr_multiplier, > 0."""
@@ -589,6 +589,9 @@ class TreeConfig:
     """Calibration: candidates per head considered, 1 .. 10."""
     latency_context: int = 256
     """Calibration: KV-cache length at which tree forwards are timed, tokens, >= 1."""
+    tolerance: float = 0.03
+    """Calibration: pick the smallest tree whose expected tokens/s is within this fraction of the best
+    one's, in [0, 1) (0: the best; a few percent keeps timing noise from choosing on a flat curve)."""
 
     def __post_init__(self) -> None:
         _choice("tree.name", self.name, ("calibrated", "medusa63", "chain", "custom"))
@@ -603,6 +606,7 @@ class TreeConfig:
         _range("tree.max_nodes", self.max_nodes, 1)
         _range("tree.topk", self.topk, 1, 10)
         _range("tree.latency_context", self.latency_context, 1)
+        _range("tree.tolerance", self.tolerance, 0, 1, high_open=True)
 
 
 @dataclass

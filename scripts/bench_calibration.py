@@ -6,12 +6,16 @@ at each size, timed on this machine. A latency curve skewed by a machine that dr
 measured picks another tree from one run to the next. This script repeats the calibration of one set
 of heads ``--trials`` times, with the latencies timed in rounds (every size once per round: what the
 calibration does) and one size after the other, alternating the two, and reports which tree size
-each order picked how often (``--json``: with every trial's latency curve). The accuracy table and settings are those stored in the heads'
-``calibration.json``, so only the timing differs between trials.
+each order picked how often at tolerance 0, the best expected tokens/s (``--json``: with every
+trial's latency curve). The accuracy table and settings are those stored in the heads'
+``calibration.json``, so only the timing differs between trials. For each ``--tolerances`` value it
+also reports the picks of ``pick_size`` on the same trials' tables: the smallest tree within that
+fraction of the best expected tokens/s (``tree.tolerance``).
 
 Run as:
     python scripts/bench_calibration.py --backbone runs/default/pretrain --heads runs/default/heads
     python scripts/bench_calibration.py --backbone ... --heads ... --trials 16 --json calibration.json
+    python scripts/bench_calibration.py --backbone ... --heads ... --tolerances 0 0.02 0.05
 """
 
 from __future__ import annotations
@@ -37,16 +41,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=8, help="calibrations per timing order (>= 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--tolerances",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.01, 0.02, 0.03, 0.05],
+        help="tree.tolerance values whose picks are reported (each in [0, 1))",
+    )
     p.add_argument("--json", help="write the results to this file too")
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error(f"--trials must be >= 1, got {args.trials}")
+    if not all(0 <= t < 1 for t in args.tolerances):
+        p.error(f"--tolerances must be in [0, 1), got {args.tolerances}")
     return args
 
 
 def run(args: argparse.Namespace) -> dict:
     from medusa_train.backbone import load_backbone
-    from medusa_train.decoding.calibrate import calibrate_tree, device_label
+    from medusa_train.decoding.calibrate import calibrate_tree, device_label, pick_size
 
     calibration_file = Path(args.heads) / "calibration.json"
     if not calibration_file.is_file():
@@ -57,6 +70,9 @@ def run(args: argparse.Namespace) -> dict:
     model, _ = load_backbone(args.backbone, dtype=args.dtype, device=args.device)
     model.eval()
     picks: dict[str, list[int]] = {name: [] for name in ORDERS}
+    by_tolerance: dict[str, dict[float, list[int]]] = {
+        name: {t: [] for t in args.tolerances} for name in ORDERS
+    }
     curves: dict[str, list[dict[int, float]]] = {name: [] for name in ORDERS}  # ms by token count
     with torch.inference_mode():
         for _ in range(args.trials):
@@ -70,6 +86,8 @@ def run(args: argparse.Namespace) -> dict:
                     interleave=interleave,
                 )
                 picks[name].append(len(tree["choices"]))
+                for t in args.tolerances:
+                    by_tolerance[name][t].append(pick_size(tree["table"], t))
                 curves[name].append({n: round(v["seconds"] * 1e3, 3) for n, v in tree["latency"].items()})
     return {
         "machine": device_label(model),
@@ -77,6 +95,10 @@ def run(args: argparse.Namespace) -> dict:
         "stored_pick": stored["tree"]["best"]["nodes"],
         "picks": picks,
         "counts": {name: dict(sorted(collections.Counter(p).items())) for name, p in picks.items()},
+        "tolerance_counts": {
+            name: {t: dict(sorted(collections.Counter(p).items())) for t, p in per.items()}
+            for name, per in by_tolerance.items()
+        },
         "context_len": tree["context_len"],
         "latency_ms": curves,
     }
@@ -86,6 +108,10 @@ def table(result: dict) -> str:
     lines = ["| timing order | tree sizes picked (nodes: times) |", "|---|---|"]
     for name, counts in result["counts"].items():
         lines.append(f"| {name} | {', '.join(f'{n}: {c}' for n, c in counts.items())} |")
+    lines += ["", "| timing order | tolerance | tree sizes picked (nodes: times) |", "|---|---:|---|"]
+    for name, per in result["tolerance_counts"].items():
+        for t, counts in per.items():
+            lines.append(f"| {name} | {t:g} | {', '.join(f'{n}: {c}' for n, c in counts.items())} |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple D
 probability that head k's rank-i candidate is correct, a tree's expected accepted length is the sum
 over its nodes of the product of ``a`` along the node's path; grow the tree greedily by adding the
 frontier node with the largest path probability. The node count is then chosen to maximise expected
-tokens per second, ``tau(N) / latency(N + 1)``, using the forward latency measured on this machine.
+tokens per second, ``tau(N) / latency(N + 1)``, using the forward latency measured on this machine
+(or, with a tolerance, the smallest count within that fraction of the maximum: timing noise does not
+choose on a flat curve).
 
 Pipeline: :func:`head_topk_counts` (or :func:`head_topk_accuracy` on logits you already have)
 -> :func:`per_rank_accuracy` -> :func:`grow_tree` -> :func:`measure_forward_latency` ->
@@ -297,17 +299,21 @@ def choose_tree(
     trees: Sequence[Sequence[Sequence[int]]],
     expected_tau: Sequence[float],
     latency: dict[int, float] | dict[int, dict[str, float]],
+    tolerance: float = 0.0,
 ) -> tuple[list[list[int]], list[dict[str, float]]]:
-    """Pick the tree size that maximises expected tokens per unit of forward time.
+    """Pick the tree size that maximises expected tokens per unit of forward time, or the smallest one
+    within ``tolerance`` of that maximum (:func:`pick_size`).
 
     Args:
         trees: ``trees[n - 1]`` has n nodes (from :func:`grow_tree`).
         expected_tau: matching expected tokens per step.
         latency: forward time (any unit) by token count N = nodes + 1; either plain numbers or the
             output of :func:`measure_forward_latency`. Sizes in between are interpolated linearly.
+        tolerance: fraction in [0, 1): a smaller tree whose expected tokens/s is at least
+            ``1 - tolerance`` times the best one's is preferred.
 
     Returns:
-        The best tree's paths and a table (one dict per size: nodes, tokens, expected_tau,
+        The chosen tree's paths and a table (one dict per size: nodes, tokens, expected_tau,
         latency, tau_per_latency) in size order.
     """
     if not trees or len(trees) != len(expected_tau):
@@ -328,8 +334,24 @@ def choose_tree(
                 "tau_per_latency": float(tau) / cost,
             }
         )
-    best = max(range(len(table)), key=lambda i: table[i]["tau_per_latency"])
-    return [list(p) for p in trees[best]], table
+    nodes = pick_size(table, tolerance)
+    chosen = next(tree for tree, row in zip(trees, table, strict=True) if row["nodes"] == nodes)
+    return [list(p) for p in chosen], table
+
+
+def pick_size(table: Sequence[dict[str, float]], tolerance: float = 0.0) -> int:
+    """The node count of the smallest tree in ``table`` (:func:`choose_tree`'s) whose expected tokens/s
+    (``tau_per_latency``) is at least ``1 - tolerance`` times the best.
+
+    With ``tolerance`` 0 that is the best tree. A tolerance of a few percent, the size of the timing
+    noise, keeps noise from choosing: where the curve is flat (a forward costs nearly the same over a
+    range of sizes while the expected tau rises slowly) the pick otherwise moves between sizes from one
+    calibration to the next, and the smaller tree also costs less in batched decoding.
+    """
+    if not 0.0 <= tolerance < 1.0:
+        raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+    best = max(row["tau_per_latency"] for row in table)
+    return min(int(row["nodes"]) for row in table if row["tau_per_latency"] >= (1.0 - tolerance) * best)
 
 
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -344,6 +366,7 @@ def calibrate_tree(
     context_len: int,
     *,
     interleave: bool = True,
+    tolerance: float = 0.0,
 ) -> dict:
     """Grow Medusa trees from an accuracy table and choose the size with the best expected tokens/s.
 
@@ -354,6 +377,7 @@ def calibrate_tree(
         topk: candidates per head considered.
         context_len: KV-cache length of the timed forwards (lowered to fit the model's positions).
         interleave: as :func:`measure_forward_latency`.
+        tolerance: as :func:`choose_tree`.
 
     Returns:
         ``{"choices", "table", "latency", "context_len", "best"}``: the chosen tree's paths, the
@@ -368,7 +392,7 @@ def calibrate_tree(
     if limit is not None:
         context_len = max(0, min(context_len, limit - max(sizes)))
     latency = measure_forward_latency(model, sizes, context_len, interleave=interleave)
-    choices, table = choose_tree(trees, taus, latency)
+    choices, table = choose_tree(trees, taus, latency, tolerance)
     best = next(row for row in table if row["nodes"] == len(choices))
     return {
         "choices": choices,
@@ -442,6 +466,7 @@ def calibrate(
     context_len: int,
     chunk_size: int = 1024,
     max_k: int = 10,
+    tolerance: float = 0.0,
 ) -> Calibration:
     """Held-out accuracy of ``heads`` -> the tree with the best expected tokens/s on this machine.
 
@@ -449,7 +474,7 @@ def calibrate(
         model: the backbone (eval mode: no dropout while measuring).
         heads: the trained heads.
         batches: held-out batches, as :func:`head_topk_counts` takes them.
-        max_nodes, topk, context_len: as :func:`calibrate_tree`.
+        max_nodes, topk, context_len, tolerance: as :func:`calibrate_tree`.
         chunk_size: rows per chunk of logits.
         max_k: length of the top-k table.
 
@@ -458,5 +483,5 @@ def calibrate(
     """
     hits, count = head_topk_counts(model, heads, batches, max_k, chunk_size)
     acc = hits.float() / count.clamp(min=1)[:, None].float()  # (K, max_k)
-    tree = calibrate_tree(model, acc, max_nodes, topk, context_len)
+    tree = calibrate_tree(model, acc, max_nodes, topk, context_len, tolerance=tolerance)
     return Calibration(tree["choices"], acc, count, tree)

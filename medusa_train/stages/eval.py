@@ -517,7 +517,12 @@ def fit_tree_to_device(
     )
     acc = torch.tensor(topk)  # (K, R)
     result = calibrate_tree(
-        model, acc, cfg.tree.max_nodes, min(cfg.tree.topk, acc.shape[1]), cfg.tree.latency_context
+        model,
+        acc,
+        cfg.tree.max_nodes,
+        min(cfg.tree.topk, acc.shape[1]),
+        cfg.tree.latency_context,
+        tolerance=cfg.tree.tolerance,
     )
     info.update(
         recalibrated=True,

@@ -15,14 +15,16 @@ Steps:
     2. Load the backbone; the distilled data must have been made by it.
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
        (unless overwrite); if only the calibration's settings differ (`tree.max_nodes`, `tree.topk`,
-       `tree.latency_context`, `training.calibration_max_records`), calibrate the published heads again.
+       `tree.latency_context`, `tree.tolerance`, `training.calibration_max_records`), calibrate the
+       published heads again.
     4. Data: the training split and the held-out records the calibration measures on;
        `training.head_projection=truncated`: the draft vocabulary (token_map), the
        `training.draft_vocab_size` most frequent target tokens of the training split.
     5. Train with the Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to
        workdir/train and resuming from its last checkpoint automatically (all ranks).
     6. Rank 0: held-out top-1..10 accuracy per head; grow trees, time tree forwards on this machine,
-       choose the size with the best expected tokens/s (``decoding/calibrate.py``).
+       choose the smallest size within `tree.tolerance` of the best expected tokens/s
+       (`decoding/calibrate.py`).
     7. Rank 0: publish workdir/heads atomically: heads, calibration.json, medusa_choices.json
        (Medusa-2 also the trained backbone, or only its LoRA adapter, in workdir/heads/backbone).
 
@@ -271,6 +273,7 @@ def _calibrate(
         topk=cfg.tree.topk,
         context_len=cfg.tree.latency_context,
         chunk_size=cfg.training.loss_chunk_size,
+        tolerance=cfg.tree.tolerance,
     )
 
 

@@ -146,6 +146,12 @@ def test_changed_calibration_settings_rerun_only_the_calibration(reference, tmp_
     # Fewer calibration records: the accuracy table is measured again too.
     result = run(train_cfg(root, "tree.max_nodes=3", "training.calibration_max_records=2"))
     assert result["recalibrated"] and json.loads((heads / "calibration.json").read_text())["records"] == 2
+    # Another tolerance: the same accuracy table, the tree chosen again (the smallest within 100% - 1e-9: one node).
+    result = run(
+        train_cfg(root, "tree.max_nodes=3", "training.calibration_max_records=2", "tree.tolerance=0.999999")
+    )
+    assert result["recalibrated"] and result["tree_size"] == 1
+    assert json.loads((heads / "calibration.json").read_text())["settings"]["tree_tolerance"] == 0.999999
 
 
 @pytest.mark.parametrize("cache", ["false", "true"])

@@ -36,6 +36,10 @@ def test_both_orders_pick_a_tree_every_trial(tiny_backbone_dir: Path, tmp_path: 
         # every timed size, N = 1 included, in each trial's curve
         assert all(set(curve) == {"1", "2", "3", "4", "5", "7"} for curve in result["latency_ms"][name])
     assert result["stored_pick"] == 4 and result["context_len"] == 16
+    for name, per in result["tolerance_counts"].items():  # every default tolerance, every trial
+        assert list(per) == ["0.0", "0.01", "0.02", "0.03", "0.05"]
+        assert all(sum(counts.values()) == 2 for counts in per.values())
+        assert per["0.0"] == result["counts"][name]  # tolerance 0 is the calibration's own pick
     assert "| rounds |" in capsys.readouterr().out
 
 

@@ -16,7 +16,7 @@ from medusa_train.decoding import (
     per_rank_accuracy,
 )
 from medusa_train.decoding import calibrate as calibrate_module
-from medusa_train.decoding.calibrate import calibrate, device_label, head_topk_counts
+from medusa_train.decoding.calibrate import calibrate, device_label, head_topk_counts, pick_size
 from tests.helpers.models import VOCAB, random_heads, tiny_model
 
 
@@ -63,6 +63,19 @@ def test_choose_tree_trades_tau_for_latency():
     best, table = choose_tree(trees, taus, {1: 1.0, 2: 1.5, 6: 10.0})  # steep cost: smallest tree
     assert best == trees[0]
     assert table[0]["tau_per_latency"] == pytest.approx(1.6 / 1.5)
+
+
+def test_a_tolerance_prefers_the_smallest_tree_near_the_best():
+    table = [{"nodes": n, "tau_per_latency": v} for n, v in [(1, 380.0), (2, 700.0), (3, 721.0), (4, 715.0)]]
+    assert pick_size(table) == 3 and pick_size(table, 0.0) == 3
+    assert pick_size(table, 0.03) == 2  # 700 >= 0.97 * 721
+    assert pick_size(table, 0.02) == 3  # 700 < 0.98 * 721; 4 is within but larger
+    with pytest.raises(ValueError, match="tolerance"):
+        pick_size(table, 1.0)
+    trees, taus = grow_tree([[0.6, 0.2, 0.1], [0.5, 0.2, 0.1]], max_nodes=5)
+    flat = {1: 1.0, 8: 1.0}  # the biggest tree is best; a wide tolerance takes the smallest
+    assert choose_tree(trees, taus, flat)[0] == trees[-1]
+    assert choose_tree(trees, taus, flat, tolerance=0.5)[0] == trees[0]  # tau 1.6 >= 0.5 * tau of 5 nodes
 
 
 def test_latency_is_timed_in_rounds_over_every_size(monkeypatch: pytest.MonkeyPatch):
