@@ -122,6 +122,25 @@ def generate_ms_per_token(model, ids: torch.Tensor, new: int, **kwargs) -> float
     return 1000 * (timed(new) - timed(1)) / (new - 1)
 
 
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def step_floor_bytes(model, heads: MedusaHeads, depth: int, context: int, batch: int) -> int:
+    """The least one step reads from memory: every backbone weight (the issue's floor), the heads the
+    tree reaches (its depth; shared heads read the lm_head once more), and each row's KV cache over its
+    ``context`` columns. A tree step's time over the 1-node step's can at best be the ratio of the two
+    floors, whatever the kernels."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+    used = sum(tensor_bytes(heads.heads[k]) for k in range(depth))
+    if depth and heads.head_projection == "shared":
+        used += heads.head_weight(0).numel() * element
+    return tensor_bytes(model) + used + kv_per_token * context * batch
+
+
 def static_ms_per_step(decoder: StaticDecoder, prompts: list[torch.Tensor], new: int) -> tuple[float, float]:
     """Our decoder on B prompts: (ms per step after the prefill, tau), after a warm-up call."""
     decoder.generate_batch(prompts, max_new_tokens=4)
@@ -288,7 +307,9 @@ def run(args: argparse.Namespace) -> dict:
                         )
                         ms, tau = static_ms_per_step(dec, prompts, args.new_tokens)
                         del dec
-                        return {"ms": ms, "tau": tau, "batch": bsz}
+                        depth = max((len(path) for path in tree), default=0)
+                        floor_bytes = step_floor_bytes(model, heads, depth, context, bsz)
+                        return {"ms": ms, "tau": tau, "batch": bsz, "step_floor_ms": 1000 * floor_bytes / bw}
 
                     kind = capture if args.attention == "sdpa" else f"{capture} {args.attention}"
                     kind += "" if args.acceptance == "greedy" else f" {args.acceptance}"
@@ -307,27 +328,34 @@ def markdown(results: dict) -> str:
         f"{results['heads']['bytes'] / 1e9:.2f} GB",
         "",
         "x plain: the step's time over the 1-node step's at the same batch and context (the tau at which",
-        "Medusa breaks even).",
+        "Medusa breaks even). step floor: what the step must read (weights, the heads its tree reaches,",
+        "every row's KV cache) at the copy bandwidth; floor x plain: its step floor over the 1-node step's,",
+        "the least x plain can be.",
         "",
-        "| context | decoder | ms per token/step | x floor | x plain | tau | seconds |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| context | decoder | ms per token/step | x floor | x plain | step floor ms | x step floor "
+        "| floor x plain | tau | seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    plain = {
-        (r["context"], r["batch"]): r["ms"]
-        for r in results["rows"]
-        if "batch" in r and "error" not in r and r["decoder"].endswith(" 1 node")
-    }
+    ones = [
+        r for r in results["rows"] if "batch" in r and "error" not in r and r["decoder"].endswith(" 1 node")
+    ]
+    plain = {(r["context"], r["batch"]): r["ms"] for r in ones}
+    plain_floor = {(r["context"], r["batch"]): r["step_floor_ms"] for r in ones}
     for r in results["rows"]:
         if "error" in r:
             lines.append(
-                f"| {r['context']} | {r['decoder']} | failed: {r['error'][:80]} | | | | {r['seconds']} |"
+                f"| {r['context']} | {r['decoder']} | failed: {r['error'][:80]} | | | | | | | {r['seconds']} |"
             )
             continue
         tau = f"{r['tau']:.2f}" if "tau" in r else ""
         base = plain.get((r["context"], r.get("batch")))
         vs = f"{r['ms'] / base:.2f}" if base else ""
+        own = r.get("step_floor_ms")
+        base_floor = plain_floor.get((r["context"], r.get("batch")))
+        step = f"{own:.2f} | {r['ms'] / own:.2f} | " if own else " | | "
+        step += f"{own / base_floor:.2f}" if own and base_floor else ""
         lines.append(
-            f"| {r['context']} | {r['decoder']} | {r['ms']:.2f} | {r['ms'] / floor:.2f} | {vs} | {tau} | "
+            f"| {r['context']} | {r['decoder']} | {r['ms']:.2f} | {r['ms'] / floor:.2f} | {vs} | {step} | {tau} | "
             f"{r['seconds']} |"
         )
     return "\n".join(lines)

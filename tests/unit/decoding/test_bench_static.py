@@ -30,6 +30,11 @@ def test_tiny_cpu_run_reports_every_row(tmp_path, capsys):
     ]
     assert all(r["ms"] > 0 for r in rows) and results["floor_ms"] > 0
     assert "| context | decoder |" in capsys.readouterr().out
+    # each step's floor: the weights, then more heads as the tree deepens, more KV with more rows
+    floors = {(r["batch"], r["decoder"].rsplit(", ", 1)[1]): r["step_floor_ms"] for r in rows if "batch" in r}
+    assert floors[(1, "1 node")] >= results["floor_ms"] * 0.999
+    assert floors[(1, "1 node")] < floors[(1, "4 nodes")] < floors[(1, "16 nodes")] <= floors[(1, "64 nodes")]
+    assert floors[(1, "1 node")] < floors[(2, "1 node")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
