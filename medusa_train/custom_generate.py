@@ -15,8 +15,10 @@ belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
-  ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``, ``streamer``
-  (one prompt: it gets the prompt, then each step's accepted tokens as they are decided, then ``end()``);
+  ``top_k``, ``top_p``, ``repetition_penalty`` (on every node's logits, as generate's processor applies
+  it: :mod:`medusa_train.decoding.penalty`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
+  ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
+  then ``end()``);
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
   ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
   temperature, top_k and top_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
@@ -77,7 +79,6 @@ ACCEPTANCE = ("greedy", "typical", "sample")
 """``medusa_acceptance`` values; None picks greedy or sample from ``do_sample``."""
 
 _IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa decoding does not apply
-    "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_length": 0,
@@ -109,9 +110,9 @@ GENERATE_PY = '''"""Medusa tree decoding for `model.generate(**inputs, custom_ge
 Written by `python -m medusa_train stage=export`. It needs torch, transformers and medusa_train
 (requirements.txt); the heads and the tree are read from the export this folder belongs to (the
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
-Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, a
-left-padded batch with its attention_mask, cache_implementation="static" for the decoder captured as
-a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
+Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p,
+repetition_penalty, eos_token_id, a left-padded batch with its attention_mask,
+cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
 "auto"), medusa_choices=<paths>.
 See medusa_train.custom_generate.
 """
@@ -201,7 +202,8 @@ def generate(
         medusa_check_base: False decodes over a base model whose checkpoint files differ from the
             one the heads were trained on (outputs stay exact, fewer drafts are accepted).
         **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation
-            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``, ``eos_token_id``,
+            settings such as ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_p``,
+            ``repetition_penalty``, ``eos_token_id``,
             a ``streamer`` for one prompt;
             ``cache_implementation="static"`` with ``disable_compile`` and ``compile_config``: the
             static-shape decoder, see the module docstring).
@@ -261,6 +263,7 @@ def generate(
         temperature=float(config.temperature),
         top_p=float(config.top_p),
         top_k=int(config.top_k or 0),
+        repetition_penalty=float(config.repetition_penalty or 1.0),
         posterior_threshold=medusa_posterior_threshold,
         posterior_alpha=medusa_posterior_alpha,
         eos_token_id=eos,
@@ -447,8 +450,8 @@ def _static_decoder(
     model, loaded: _Loaded, rows: list[torch.Tensor], config, settings: dict, attention: str
 ) -> StaticDecoder:
     """The model's :class:`StaticDecoder` for this kind of call (heads, tree, rows, capture, attention,
-    acceptance) with room for its rows: the one kept from an earlier call, else a new one (replacing a
-    smaller one) of :func:`~medusa_train.decoding.static.capacity_for` columns."""
+    acceptance, repetition penalty) with room for its rows: the one kept from an earlier call, else a
+    new one (replacing a smaller one) of :func:`~medusa_train.decoding.static.capacity_for` columns."""
     device = model.get_output_embeddings().weight.device
     capture, compile_mode = _static_capture(config, device)
     rule = settings["acceptance"]
@@ -464,6 +467,7 @@ def _static_decoder(
         attention,
         rule,
         *(settings[k] for k in rule_settings),
+        settings["repetition_penalty"],
     )
     nodes, limit = loaded.tree.num_nodes, context_limit(model)
     lens = [r.shape[1] for r in rows]
@@ -491,6 +495,7 @@ def _static_decoder(
             top_k=settings["top_k"],
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
+            repetition_penalty=settings["repetition_penalty"],
         )
     decoders[key] = decoder
     return decoder

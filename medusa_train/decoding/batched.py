@@ -55,6 +55,7 @@ from .generate import (
     context_limit,
     medusa_generate,
 )
+from .penalty import mark_seen, penalize, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 
@@ -322,6 +323,7 @@ def medusa_generate_batch(
     pad_token_id: int = 0,
     batch1_fast_path: bool = True,
     attention: str = "sdpa",
+    repetition_penalty: float = 1.0,
 ) -> MedusaBatchOutput:
     """Generate with Medusa heads for several prompts of any lengths at once.
 
@@ -332,8 +334,9 @@ def medusa_generate_batch(
         prompts: B prompts, each 1-D token ids (a list or a ``(T,)`` / ``(1, T)`` tensor), T >= 1.
         max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
         tree: one tree for every row.
-        acceptance, temperature, top_p, top_k, posterior_threshold, posterior_alpha, eos_token_id: as for
-            :func:`~medusa_train.decoding.medusa_generate`, applied to each row.
+        acceptance, temperature, top_p, top_k, posterior_threshold, posterior_alpha, eos_token_id,
+            repetition_penalty: as for :func:`~medusa_train.decoding.medusa_generate`, applied to each
+            row (the penalty over the row's own tokens, its padding not included).
         generators: for ``sample``: one generator per row (a row's draws then depend on its
             generator only), or one generator shared by all rows (draws in row order each step).
         pad_token_id: the token placed in left-padding positions (masked; any valid id).
@@ -357,7 +360,7 @@ def medusa_generate_batch(
         raise ValueError("prompts is empty: give at least one prompt")
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):
         gens = [generators] * bsz
@@ -379,6 +382,7 @@ def medusa_generate_batch(
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
         eos_token_id=eos_token_id,
+        repetition_penalty=repetition_penalty,
     )
 
     if bsz == 1 and batch1_fast_path:
@@ -442,11 +446,17 @@ def medusa_generate_batch(
     cache.width = t_max
     logits, hidden = _forward(model, cache, ids, prefill_mask, position_ids, logits_to_keep=1)
     hidden = hidden[:, -1]  # (n, d)
+    last = logits[:, -1]  # (n, V)
+    penalized = repetition_penalty != 1.0
+    if penalized:  # each row's tokens so far (its prompt, then its accepted paths), by original row
+        seen = torch.zeros(bsz, last.shape[-1], dtype=torch.bool, device=device)  # (B, V)
+        for b in range(bsz):
+            mark_seen(seen[b], torch.tensor(rows_in[b], device=device))
+        ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
+        last = penalize(last, seen[live], repetition_penalty)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
-        first_token(
-            logits[i, -1], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[b]
-        )
+        first_token(last[i], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[b])
         for i, b in enumerate(live)
     ]
     result.prefill_s = _now(device) - t0
@@ -509,6 +519,8 @@ def medusa_generate_batch(
             logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.forward_s += _now(device) - t0
         result.num_forwards += 1
+        if penalized:
+            logits = penalize(logits, seen[live], repetition_penalty, tree_tokens, ancestors)  # (n, m, V)
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).
         host_tokens = tree_tokens.tolist()
         preds = argmax_list(logits) if acceptance == "greedy" or temperature <= 0 else None
@@ -552,6 +564,8 @@ def medusa_generate_batch(
                 continue
             emitted[b].extend(path_tokens)
             steps[b].append(len(path))
+            if penalized:
+                mark_seen(seen[b], torch.tensor(path_tokens, device=device))
             new_roots.append(nxt)
             last_nodes.append(path[-1])
             if len(emitted[b]) >= budgets[b]:

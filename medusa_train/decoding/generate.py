@@ -48,6 +48,7 @@ from .acceptance import (
     first_token,
 )
 from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
+from .penalty import mark_seen, penalize, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 
@@ -470,6 +471,7 @@ def _check_settings(
     temperature: float,
     top_p: float,
     top_k: int = 0,
+    repetition_penalty: float = 1.0,
 ) -> None:
     """The checks every Medusa decoder makes before any work: a known rule, sane sampling settings and
     an attention implementation that takes a 4-D float mask.
@@ -485,6 +487,8 @@ def _check_settings(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k!r}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty!r}")
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     if attn.startswith("flash"):
         raise ValueError(
@@ -511,6 +515,7 @@ def medusa_generate(
     generator: torch.Generator | None = None,
     attention: str = "sdpa",
     on_tokens: Callable[[list[int]], object] | None = None,
+    repetition_penalty: float = 1.0,
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -540,6 +545,8 @@ def medusa_generate(
             on the device; sdpa on a CPU). The prefill always runs the model's own attention.
         on_tokens: called with each step's newly emitted tokens as they are decided, in order (what
             a streamer's ``put`` gets); their concatenation is the output's ``tokens``.
+        repetition_penalty: ``generate``'s repetition penalty (1: none), applied to every node's
+            logits before any rule (:mod:`medusa_train.decoding.penalty`).
 
     Returns:
         :class:`MedusaOutput`.
@@ -556,7 +563,7 @@ def medusa_generate(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
     device = input_ids.device
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
@@ -620,9 +627,16 @@ def medusa_generate(
     cache = DynamicCache()
     logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
     hidden = hidden[0, -1]  # (d,)
+    last = logits[0, -1]  # (V,)
+    penalized = repetition_penalty != 1.0
+    if penalized:  # the tokens of the sequence so far: the prompt, then each accepted path
+        seen = torch.zeros(last.shape[-1], dtype=torch.bool, device=device)  # (V,)
+        mark_seen(seen, input_ids[0])
+        ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
+        last = penalize(last, seen, repetition_penalty)
     # 2. The first root: the backbone's own choice after the prompt.
     root = first_token(
-        logits[0, -1], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+        last, acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
     )
     prefill_s = _now(device) - t0
     del logits
@@ -680,6 +694,8 @@ def medusa_generate(
         forward_s += _now(device) - t0
         num_forwards += 1
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
+        if penalized:
+            logits = penalize(logits, seen, repetition_penalty, tree_tokens, ancestors)
         # 6. Acceptance: the path of nodes to keep, its tokens and the token after it (the next root);
         #    one device-to-host copy.
         result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)
@@ -697,6 +713,8 @@ def medusa_generate(
         lengths.append(len(path))
         if on_tokens is not None:
             on_tokens(path_tokens)
+        if penalized:
+            mark_seen(seen, torch.tensor(path_tokens, device=device))
         if len(tokens) >= budget:
             break
         # 8. Keep the accepted nodes' KV entries in place; no re-forward (a chain prefix moves nothing).

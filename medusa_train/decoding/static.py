@@ -65,6 +65,7 @@ from .generate import (
     _sliding_window_kinds,
     context_limit,
 )
+from .penalty import mark_seen, penalize, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
@@ -183,6 +184,9 @@ class StaticDecoder:
         top_k: top-k filtering of "sample", before top_p as ``generate`` applies them (0: none).
         posterior_threshold: epsilon of "typical".
         posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
+        repetition_penalty: ``generate``'s repetition penalty (1: none), on every node's logits
+            before the rule (:mod:`medusa_train.decoding.penalty`; each row's token set is state of
+            the step, as its cache is).
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
@@ -211,6 +215,7 @@ class StaticDecoder:
         top_k: int = 0,
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
+        repetition_penalty: float = 1.0,
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -227,7 +232,7 @@ class StaticDecoder:
                 "posterior_threshold and posterior_alpha must be >= 0, got "
                 f"{posterior_threshold} and {posterior_alpha}"
             )
-        _check_settings(model, acceptance, 0, temperature, top_p, top_k)
+        _check_settings(model, acceptance, 0, temperature, top_p, top_k, repetition_penalty)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -301,6 +306,13 @@ class StaticDecoder:
             self.budget = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) tokens each row may emit
             self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
+            # The repetition penalty's state: each row's tokens so far (prompt, then accepted paths).
+            self.repetition_penalty = repetition_penalty
+            self.seen: torch.Tensor | None = None
+            if repetition_penalty != 1.0:
+                vocab = model.get_output_embeddings().weight.shape[0]
+                self.seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)  # (B, V)
+                self._ancestors = tree_ancestors(self.tree)  # (M, D + 1)
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
             with self._backend(), _own_rng(dev):
                 self._prefill_row(0, self._row_ids[None, :1])
@@ -314,6 +326,8 @@ class StaticDecoder:
             self.step_lengths,
             self.num_steps,
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        if self.seen is not None:
+            self._static.append(self.seen)
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
@@ -421,6 +435,8 @@ class StaticDecoder:
             **self._cache_kwargs,
         )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
+        if self.seen is not None:
+            logits = penalize(logits, self.seen, self.repetition_penalty, tree_tokens, self._ancestors)
         # 3. Acceptance (greedy, sampling or typical): the longest accepted prefix of a root-to-leaf row
         #    of the tree is the path; the next root is the argmax (sampling: the draw) at its last node.
         pred = self._predict(logits)  # (B, M) argmax, or a draw
@@ -436,6 +452,9 @@ class StaticDecoder:
         # 5. Emit the path's tokens, record n, seed the next step.
         out_pos = (self.num_out[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
         self.out_tokens.scatter_(1, out_pos, path_tokens)
+        if self.seen is not None:  # the accepted tokens; entries from n on are padding: the root again
+            valid = self._path_steps[None, :] < n[:, None]  # (B, D + 1)
+            mark_seen(self.seen, torch.where(valid, path_tokens, path_tokens[:, :1]))
         self.step_lengths.index_copy_(1, self.num_steps.clamp(max=self.capacity - 1), n[:, None])
         self.num_out.add_(n)
         self.num_steps.add_(1)
@@ -482,7 +501,12 @@ class StaticDecoder:
             )  # (1, 1, V), (1, T, d)
         finally:
             self.cache.prefill_row = None
-        self.root[row] = self._predict(logits[0, -1])  # the argmax, or a draw
+        last = logits[0, -1]  # (V,)
+        if self.seen is not None:
+            self.seen[row].zero_()
+            mark_seen(self.seen[row], input_ids[0])
+            last = penalize(last, self.seen[row], self.repetition_penalty)
+        self.root[row] = self._predict(last)  # the argmax, or a draw
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
         self.num_out[row] = 0
@@ -824,6 +848,7 @@ def medusa_generate_static(
     top_k: int = 0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    repetition_penalty: float = 1.0,
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
@@ -845,5 +870,6 @@ def medusa_generate_static(
         top_k=top_k,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
+        repetition_penalty=repetition_penalty,
     )
     return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

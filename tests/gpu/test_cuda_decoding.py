@@ -229,6 +229,31 @@ def test_generate_with_the_static_cache_captures_the_step(tmp_path: Path, attent
     release(model)
 
 
+def test_the_repetition_penalty_in_the_captured_step():
+    """A repetition penalty inside the captured step (each row's token set is state the graph updates):
+    every row identical to ``generate(repetition_penalty=1.3)`` in fp32, two calls on one capture."""
+    from medusa_train.decoding.static import StaticDecoder
+
+    model = _model("llama", torch.float32)
+    heads = random_heads(model.cpu(), seed=2)
+    model.to(DEVICE)
+    heads.to(DEVICE)
+    capture = "cuda_graph" if DEVICE == "cuda" else "eager"
+    prompts = _prompts(3, seed=7)
+    decoder = StaticDecoder(
+        model, heads, MEDUSA_63, 192, batch_size=3, capture=capture, repetition_penalty=1.3
+    )
+    for _ in range(2):
+        out = decoder.generate_batch([p[None] for p in prompts], max_new_tokens=NEW_TOKENS)
+        for row, p in zip(out.rows, prompts, strict=True):
+            expected = model.generate(
+                p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                repetition_penalty=1.3, pad_token_id=0,
+            )[0, len(p) :].tolist()  # fmt: skip
+            assert row.tokens.tolist() == expected
+    _record(test="static_repetition_penalty", capture=capture, identical=True)
+
+
 @pytest.mark.parametrize("capture", ["cuda_graph", "eager"])
 def test_static_sampling_distribution_on_the_device(capture):
     """Exact sampling in the static step on the device: the draws of a replayed CUDA graph must be fresh

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -122,6 +123,34 @@ def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: P
     release(model)
     out = _medusa(model, workdir / "export", **one, max_new_tokens=5, return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))
+
+
+def test_the_repetition_penalty_is_applied_as_generate_applies_it(workdir: Path, model, tok, caplog) -> None:
+    one = tok(PROMPTS[0], return_tensors="pt")
+    plain = model.generate(**one, do_sample=False, max_new_tokens=30, repetition_penalty=1.3)
+    assert not torch.equal(plain, model.generate(**one, do_sample=False, max_new_tokens=30))
+    with caplog.at_level(logging.WARNING):
+        for extra in ({}, {"cache_implementation": "static"}):
+            out = _medusa(
+                model, workdir / "export", **one, max_new_tokens=30, repetition_penalty=1.3, **extra
+            )
+            assert torch.equal(out, plain), extra
+    assert "does not apply" not in caplog.text
+    # a batch: each row as its own generate (generate's batch would penalise the padding tokens too)
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    width = batch["input_ids"].shape[1]
+    for extra in ({}, {"cache_implementation": "static"}):
+        out = _medusa(model, workdir / "export", **batch, max_new_tokens=30, repetition_penalty=0.8, **extra)
+        for i, text in enumerate(PROMPTS):
+            alone = tok(text, return_tensors="pt")
+            ref = model.generate(**alone, do_sample=False, max_new_tokens=30, repetition_penalty=0.8)
+            ref = ref[0, alone["input_ids"].shape[1] :].tolist()
+            row = out[i, width:].tolist()
+            assert row[: len(ref)] == ref and all(t == tok.pad_token_id for t in row[len(ref) :]), (i, extra)
+    # a setting Medusa decoding does not apply is named in a warning
+    with caplog.at_level(logging.WARNING):
+        _medusa(model, workdir / "export", **one, max_new_tokens=4, no_repeat_ngram_size=7)
+    assert "Medusa decoding does not apply no_repeat_ngram_size=7" in caplog.text
 
 
 def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir: Path, model, tok) -> None:
