@@ -8,7 +8,8 @@
 // computes the scores of its rows against them, updates each row's running max and sum (online
 // softmax, fp32, scores in log2 units: exp2 with the scale folded in) and its fp32 accumulator. Past
 // columns [lo, past_b) carry no mask (lo: the row's first visible column, raised by a sliding window);
-// tree columns past_b + j are visible to node i iff bit j % 64 of word j / 64 of bits[i] is set. With
+// tree columns past_b + j are visible to node i iff bit j % 64 of word j / 64 of bits[i] is set (a
+// node's ancestors precede it, so a block reads the tree up to its last node only). With
 // several splits each block writes its unnormalised partial output and (max, sum) to fp32 scratch, and
 // tree_attn_combine merges them (flash-decoding).
 //
@@ -126,7 +127,10 @@ __global__ void __launch_bounds__(THREADS) tree_attn_fwd(Params p) {
   int span = max(past - lo, 0);
   int chunk = ((span + p.S - 1) / p.S + BN - 1) / BN * BN;
   int c_lo = lo + split * chunk, c_hi = min(c_lo + chunk, past);
-  int tree_tiles = split == p.S - 1 ? (p.M + BN - 1) / BN : 0;
+  // A node's ancestors precede it: a block of one head's nodes sees no tree column after its last node.
+  const int last_row = min(row0 + ROWS, GM) - 1;
+  const int tree_hi = row0 / p.M == last_row / p.M ? last_row % p.M + 1 : p.M;
+  int tree_tiles = split == p.S - 1 ? (tree_hi + BN - 1) / BN : 0;
   int past_tiles = c_hi > c_lo ? (c_hi - c_lo + BN - 1) / BN : 0;
 
   for (int t = 0; t < past_tiles + tree_tiles; ++t) {
@@ -309,7 +313,9 @@ __global__ void __launch_bounds__(THREADS) tree_attn_mma(Params p, bool vec) {
   int span = max(past - lo, 0);
   int chunk = ((span + p.S - 1) / p.S + MMA_BN - 1) / MMA_BN * MMA_BN;
   int c_lo = lo + split * chunk, c_hi = min(c_lo + chunk, past);
-  int tree_tiles = split == p.S - 1 ? (p.M + MMA_BN - 1) / MMA_BN : 0;
+  const int last_row = min(row0 + MMA_ROWS, GM) - 1;  // the tree columns after its last node: unseen
+  const int tree_hi = row0 / p.M == last_row / p.M ? last_row % p.M + 1 : p.M;
+  int tree_tiles = split == p.S - 1 ? (tree_hi + MMA_BN - 1) / MMA_BN : 0;
   int past_tiles = c_hi > c_lo ? (c_hi - c_lo + MMA_BN - 1) / MMA_BN : 0;
 
   for (int t = 0; t < past_tiles + tree_tiles; ++t) {

@@ -6,7 +6,9 @@ that share a KV head are packed into one block of ``g * M`` query rows, so every
 read once per KV head (GQA without expanding K/V). A program walks its share of row b's past columns
 ``[start_b, past_b)`` in tiles of ``BLOCK_N`` keys (bounds only: the past is fully visible), and the
 program of the last split then the M tree columns ``[past_b, past_b + M)``, where query node i sees
-node j iff bit ``j % 64`` of word ``j // 64`` of ``bits[i]`` is set. Scores and the running max/sum
+node j iff bit ``j % 64`` of word ``j // 64`` of ``bits[i]`` is set (nodes are ordered so that a node's
+ancestors precede it, as :class:`~medusa_train.decoding.tree.TreeBuffers` orders them: a program stops
+at the tree column after its last node). Scores and the running max/sum
 are fp32 (exp2 with the scale folded in). With several KV splits (long contexts, few programs) each
 split writes its unnormalised partial output and (max, sum) to fp32 scratch and a second kernel
 combines them (flash-decoding).
@@ -141,9 +143,14 @@ def _kernels():
                 p = p.to(V.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
             m_i = m_new
-        # 2. The tree: M columns from past, masked by the ancestor bits (last split only).
+        # 2. The tree: M columns from past, masked by the ancestor bits (last split only). A node's
+        #    ancestors precede it, so the block's rows see no node after its last one: a block of one
+        #    head's nodes [n, n + BLOCK_M) reads the first n + BLOCK_M columns of the tree only.
         if split == S - 1:
-            for t0 in range(0, M, BLOCK_N):
+            row0 = pid_m * BLOCK_M
+            last_row = tl.minimum(row0 + BLOCK_M, G * M) - 1
+            tree_hi = tl.where(row0 // M == last_row // M, last_row % M + 1, M)
+            for t0 in range(0, tree_hi, BLOCK_N):
                 nodes = t0 + tl.arange(0, BLOCK_N)
                 n_ok = nodes < M
                 cols = past + nodes
@@ -404,7 +411,7 @@ def triton_tree_attention(
         key, value: ``(B, Hkv, W, D)``; any strides; ``Hq % Hkv == 0``.
         past_lens: ``(B,)`` int32, row b's tree sits at columns ``[past_b, past_b + M)``.
         starts: ``(B,)`` int32, row b's first visible column (its left padding before it).
-        bits: ``(M, ceil(M / 64))`` int64 ancestor bitmasks.
+        bits: ``(M, ceil(M / 64))`` int64 ancestor bitmasks (node i sees only nodes j <= i).
         depth: ``(M,)`` int32 node depths.
         scale: softmax scale of the scores.
         window: sliding window (query sees a key iff their positions differ by less), None for none.

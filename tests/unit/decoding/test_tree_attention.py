@@ -174,6 +174,20 @@ def test_every_launch_config_the_tuner_may_pick_matches_the_reference(dtype):
             assert_matches(out, ref, dtype)
 
 
+@needs_triton
+def test_a_block_reads_the_tree_up_to_its_last_node():
+    """Small tiles on a 95-node tree, 2 query heads a KV head: a block of one head's nodes stops at the
+    tree tile holding its last node (nodes see only their ancestors, which precede them); a block
+    spanning both heads reads the whole tree. The second head's blocks end on nodes 16 and 32, the
+    first node of a tile: one tile short, that node would not see itself."""
+    tree = random_tree(13, nodes=94, max_rank=3)
+    q, k, v, past, start, mask = random_case(12, tree, [9], [0], 1, 2, 16, torch.float32)
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 16**-0.5)
+    ref = reference(q, k, v, past, start, mask)
+    for config in (LaunchConfig(16, 16, 4, 1), LaunchConfig(32, 16, 4, 1)):
+        assert_matches(triton_tree_attention(*args, num_splits=1, config=config), ref, torch.float32)
+
+
 def test_tuner_keeps_the_fastest_config_and_never_times_inside_a_trace(monkeypatch):
     from medusa_train.decoding.attention import triton_kernel
 
