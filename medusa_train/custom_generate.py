@@ -15,13 +15,13 @@ belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
-  ``top_k``, ``top_p``, ``repetition_penalty`` (on every node's logits, as generate's processor applies
+  ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` (on every node's logits, as generate's processor applies
   it: :mod:`medusa_train.decoding.penalty`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
   ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
   then ``end()``);
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
   ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
-  temperature, top_k and top_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
+  temperature, top_k, top_p and min_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
   acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
 - a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
   row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`;
@@ -90,11 +90,17 @@ _IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa d
     "forced_eos_token_id": None,
     "sequence_bias": None,
     "typical_p": 1.0,
-    "min_p": None,
+    "top_h": None,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "exponential_decay_length_penalty": None,
     "stop_strings": None,
+    "max_time": None,
+    "guidance_scale": None,
+    "penalty_alpha": None,  # contrastive search
+    "dola_layers": None,
+    "token_healing": False,
+    "watermarking_config": None,
 }
 _REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding loop
     "logits_processor",
@@ -110,7 +116,7 @@ GENERATE_PY = '''"""Medusa tree decoding for `model.generate(**inputs, custom_ge
 Written by `python -m medusa_train stage=export`. It needs torch, transformers and medusa_train
 (requirements.txt); the heads and the tree are read from the export this folder belongs to (the
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
-Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p,
+Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
 repetition_penalty, eos_token_id, a left-padded batch with its attention_mask,
 cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
 "auto"), medusa_choices=<paths>.
@@ -263,6 +269,7 @@ def generate(
         temperature=float(config.temperature),
         top_p=float(config.top_p),
         top_k=int(config.top_k or 0),
+        min_p=float(config.min_p or 0.0),
         repetition_penalty=float(config.repetition_penalty or 1.0),
         posterior_threshold=medusa_posterior_threshold,
         posterior_alpha=medusa_posterior_alpha,
@@ -457,7 +464,7 @@ def _static_decoder(
     rule = settings["acceptance"]
     rule_settings = {  # what changes the step of each rule (greedy: nothing)
         "typical": ("temperature", "posterior_threshold", "posterior_alpha"),
-        "sample": ("temperature", "top_p", "top_k"),
+        "sample": ("temperature", "top_p", "top_k", "min_p"),
     }.get(rule, ())
     key = (
         loaded.key,
@@ -493,6 +500,7 @@ def _static_decoder(
             temperature=settings["temperature"],
             top_p=settings["top_p"],
             top_k=settings["top_k"],
+            min_p=settings["min_p"],
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
             repetition_penalty=settings["repetition_penalty"],

@@ -50,10 +50,10 @@ class Accepted:
 
 
 def warp_probs(
-    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
 ) -> torch.Tensor:
-    """Temperature, then top-k, then nucleus (top-p) filtering, as ``generate(do_sample=True)`` applies
-    them (its warpers, in that order).
+    """Temperature, then top-k, then nucleus (top-p), then min-p filtering, as ``generate(do_sample=True)``
+    applies them (its warpers, in that order).
 
     Nucleus filtering keeps a token iff the mass of the tokens ranked before it is below ``top_p`` (the
     rule of transformers' ``TopPLogitsWarper``, which drops a token iff the mass of it and every token
@@ -67,6 +67,8 @@ def warp_probs(
         temperature: > 0.
         top_p: in (0, 1]; the smallest set of tokens whose mass reaches ``top_p`` is kept (at least one).
         top_k: keep the k highest scores (and any tied with the k-th); 0: no top-k.
+        min_p: in [0, 1]; keep the tokens whose probability is at least ``min_p`` times the most
+            likely one's (after the filters above); 0: none.
 
     Returns:
         ``(..., V)`` float32 probabilities.
@@ -85,6 +87,9 @@ def warp_probs(
         keep[..., 0] = True  # at least the most likely token
         cutoff = ranked.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)  # (..., 1)
         scores = scores.masked_fill(scores < cutoff, float("-inf"))
+    if min_p > 0.0:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return scores.softmax(dim=-1)
 
 
@@ -140,6 +145,7 @@ def accept_sample(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    min_p: float = 0.0,
 ) -> Accepted:
     """Distribution-preserving acceptance: draw at every node, follow the draws down the tree.
 
@@ -148,7 +154,7 @@ def accept_sample(
     """
     if temperature <= 0:
         return accept_greedy(tree_tokens, logits, tree)
-    probs = warp_probs(logits, temperature, top_p, top_k)  # (M, V)
+    probs = warp_probs(logits, temperature, top_p, top_k, min_p)  # (M, V)
     draws = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (M,)
     node_tokens, draw_list = torch.stack((tree_tokens, draws)).tolist()  # one device-to-host copy
     return _accept_by_match(node_tokens, draw_list, tree)
@@ -241,9 +247,10 @@ def first_token(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    min_p: float = 0.0,
 ) -> int:
     """The first new token, chosen from the prefill's last logits ``(V,)`` under the same rule."""
     if acceptance == "sample" and temperature > 0:
-        probs = warp_probs(logits, temperature, top_p, top_k)  # (V,)
+        probs = warp_probs(logits, temperature, top_p, top_k, min_p)  # (V,)
         return int(torch.multinomial(probs, 1, generator=generator))
     return int(logits.argmax())

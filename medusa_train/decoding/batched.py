@@ -324,6 +324,7 @@ def medusa_generate_batch(
     batch1_fast_path: bool = True,
     attention: str = "sdpa",
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
 ) -> MedusaBatchOutput:
     """Generate with Medusa heads for several prompts of any lengths at once.
 
@@ -334,7 +335,7 @@ def medusa_generate_batch(
         prompts: B prompts, each 1-D token ids (a list or a ``(T,)`` / ``(1, T)`` tensor), T >= 1.
         max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
         tree: one tree for every row.
-        acceptance, temperature, top_p, top_k, posterior_threshold, posterior_alpha, eos_token_id,
+        acceptance, temperature, top_p, top_k, min_p, posterior_threshold, posterior_alpha, eos_token_id,
             repetition_penalty: as for :func:`~medusa_train.decoding.medusa_generate`, applied to each
             row (the penalty over the row's own tokens, its padding not included).
         generators: for ``sample``: one generator per row (a row's draws then depend on its
@@ -360,7 +361,7 @@ def medusa_generate_batch(
         raise ValueError("prompts is empty: give at least one prompt")
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p)
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):
         gens = [generators] * bsz
@@ -379,6 +380,7 @@ def medusa_generate_batch(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        min_p=min_p,
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
         eos_token_id=eos_token_id,
@@ -456,7 +458,15 @@ def medusa_generate_batch(
         last = penalize(last, seen[live], repetition_penalty)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
-        first_token(last[i], acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=gens[b])
+        first_token(
+            last[i],
+            acceptance,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generator=gens[b],
+            min_p=min_p,
+        )
         for i, b in enumerate(live)
     ]
     result.prefill_s = _now(device) - t0
@@ -548,7 +558,7 @@ def medusa_generate_batch(
             else:
                 acc = accept_sample(
                     tree_tokens[i, :m_b], logits[i, :m_b], sub_b, temperature=temperature, top_p=top_p,
-                    top_k=top_k, generator=gens[b],
+                    top_k=top_k, generator=gens[b], min_p=min_p,
                 )  # fmt: skip
                 path, nxt = acc.path, acc.next_token
             path_tokens = [host_tokens[i][p] for p in path]

@@ -472,6 +472,7 @@ def _check_settings(
     top_p: float,
     top_k: int = 0,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
 ) -> None:
     """The checks every Medusa decoder makes before any work: a known rule, sane sampling settings and
     an attention implementation that takes a 4-D float mask.
@@ -487,6 +488,8 @@ def _check_settings(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k!r}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0: no min-p), got {min_p!r}")
     if not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (1: none), got {repetition_penalty!r}")
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -516,6 +519,7 @@ def medusa_generate(
     attention: str = "sdpa",
     on_tokens: Callable[[list[int]], object] | None = None,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -534,6 +538,7 @@ def medusa_generate(
         temperature: sampling temperature for "typical" and "sample" (0 means greedy).
         top_p: nucleus filtering for "sample".
         top_k: top-k filtering for "sample", before top_p as ``generate`` applies them (0: none).
+        min_p: min-p filtering for "sample", after top_p as ``generate`` applies it (0: none).
         posterior_threshold: epsilon of typical acceptance.
         posterior_alpha: delta of typical acceptance (threshold = min(epsilon, delta * exp(-H))).
         eos_token_id: one id or several; an EOS inside an accepted path is emitted and ends generation.
@@ -563,7 +568,7 @@ def medusa_generate(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
+    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p)
     device = input_ids.device
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
@@ -592,7 +597,14 @@ def medusa_generate(
                 posterior_alpha=posterior_alpha,
             )
         return accept_sample(
-            tree_tokens, logits, sub, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+            tree_tokens,
+            logits,
+            sub,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generator=generator,
+            min_p=min_p,
         )
 
     # Per-call setup (counted as overhead: it runs inside total_s, outside prefill and forwards).
@@ -636,7 +648,7 @@ def medusa_generate(
         last = penalize(last, seen, repetition_penalty)
     # 2. The first root: the backbone's own choice after the prompt.
     root = first_token(
-        last, acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+        last, acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, min_p=min_p
     )
     prefill_s = _now(device) - t0
     del logits

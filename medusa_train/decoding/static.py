@@ -182,6 +182,7 @@ class StaticDecoder:
         temperature: the temperature of "typical" and "sample" (0: greedy).
         top_p: nucleus filtering of "sample".
         top_k: top-k filtering of "sample", before top_p as ``generate`` applies them (0: none).
+        min_p: min-p filtering of "sample", after top_p as ``generate`` applies it (0: none).
         posterior_threshold: epsilon of "typical".
         posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
         repetition_penalty: ``generate``'s repetition penalty (1: none), on every node's logits
@@ -216,6 +217,7 @@ class StaticDecoder:
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -232,7 +234,7 @@ class StaticDecoder:
                 "posterior_threshold and posterior_alpha must be >= 0, got "
                 f"{posterior_threshold} and {posterior_alpha}"
             )
-        _check_settings(model, acceptance, 0, temperature, top_p, top_k, repetition_penalty)
+        _check_settings(model, acceptance, 0, temperature, top_p, top_k, repetition_penalty, min_p)
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -276,7 +278,9 @@ class StaticDecoder:
         # argmax, or a draw), and the path accepted against it.
         self._predict: Callable[[torch.Tensor], torch.Tensor] = _argmax
         if acceptance == "sample" and temperature > 0:
-            self._predict = functools.partial(draw_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+            self._predict = functools.partial(
+                draw_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
+            )
         self._accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         self._accept = self._accept_greedy
         if acceptance == "typical" and temperature > 0 and d_depth > 0:
@@ -685,7 +689,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def draw_tokens(
-    logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0
+    logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
 ) -> torch.Tensor:
     """One token per position drawn from its distribution warped as ``generate(do_sample=True)`` warps
     it (:func:`~medusa_train.decoding.acceptance.warp_probs`), as tensor operations with no host sync.
@@ -702,11 +706,12 @@ def draw_tokens(
         temperature: > 0.
         top_p: in (0, 1].
         top_k: >= 0 (0: none).
+        min_p: in [0, 1] (0: none).
 
     Returns:
         ``(...)`` long token ids.
     """
-    probs = warp_probs(logits, temperature, top_p, top_k)  # (..., V) float32
+    probs = warp_probs(logits, temperature, top_p, top_k, min_p)  # (..., V) float32
     race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(dim=-1)
 
@@ -849,6 +854,7 @@ def medusa_generate_static(
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
     repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
@@ -871,5 +877,6 @@ def medusa_generate_static(
         posterior_threshold=posterior_threshold,
         posterior_alpha=posterior_alpha,
         repetition_penalty=repetition_penalty,
+        min_p=min_p,
     )
     return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

@@ -116,10 +116,17 @@ def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: P
     assert typical.shape[0] == 2 and torch.equal(
         typical[:, : batch["input_ids"].shape[1]], batch["input_ids"]
     )
-    # top_k is applied: top_k=1 leaves one token, so sampling is greedy (dynamic and static decoders)
+    # top_k and min_p are applied: top_k=1 or min_p=1 leaves one token, so sampling is greedy (dynamic
+    # and static decoders)
     for extra in ({}, {"cache_implementation": "static"}):
-        out = _medusa(model, workdir / "export", **one, max_new_tokens=12, do_sample=True, top_k=1, **extra)
-        assert torch.equal(out, model.generate(**one, do_sample=False, max_new_tokens=12)), extra
+        for one_token in ({"top_k": 1}, {"min_p": 1.0}):
+            out = _medusa(
+                model, workdir / "export", **one, max_new_tokens=12, do_sample=True, **one_token, **extra
+            )
+            assert torch.equal(out, model.generate(**one, do_sample=False, max_new_tokens=12)), (
+                extra,
+                one_token,
+            )
     release(model)
     out = _medusa(model, workdir / "export", **one, max_new_tokens=5, return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))

@@ -7,9 +7,22 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from medusa_train.decoding import PackedHeads, TreeBuffers, accept_sample, medusa_generate, warp_probs
+from medusa_train.decoding import (
+    MEDUSA_63,
+    PackedHeads,
+    TreeBuffers,
+    accept_sample,
+    medusa_generate,
+    medusa_generate_batch,
+    warp_probs,
+)
 from medusa_train.decoding.static import StaticDecoder
 from tests.helpers.models import random_heads, tiny_model
 
@@ -17,17 +30,28 @@ SMALL_VOCAB = 6
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k"),
-    [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.3, 0.5, 0), (1.0, 1.0, 5), (0.7, 0.9, 20)],
+    ("temperature", "top_p", "top_k", "min_p"),
+    [
+        (1.0, 1.0, 0, 0.0),
+        (0.7, 0.8, 0, 0.0),
+        (1.3, 0.5, 0, 0.0),
+        (1.0, 1.0, 5, 0.0),
+        (0.7, 0.9, 20, 0.0),
+        (1.0, 1.0, 0, 0.1),
+        (0.7, 0.95, 30, 0.05),
+        (1.0, 1.0, 0, 1.0),
+    ],
 )
-def test_warp_probs_matches_generate_warpers(temperature, top_p, top_k):
+def test_warp_probs_matches_generate_warpers(temperature, top_p, top_k, min_p):
     logits = torch.randn(3, 50) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    torch.testing.assert_close(warp_probs(logits, temperature, top_p, top_k), scores.softmax(-1))
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    torch.testing.assert_close(warp_probs(logits, temperature, top_p, top_k, min_p), scores.softmax(-1))
 
 
 def test_warp_probs_keeps_ties_at_both_cutoffs():
@@ -207,3 +231,26 @@ def test_static_sampling_at_temperature_0_is_greedy_and_a_seed_repeats_it():
     torch.manual_seed(7)
     assert torch.equal(sampler.generate(prompt, max_new_tokens=20).tokens, first)
     assert first.tolist() != expected[0, 4:].tolist()  # drawn, not the greedy reply
+
+
+def test_min_p_of_one_keeps_the_most_likely_token_in_every_decoder():
+    """min_p=1 keeps only the tokens as likely as the most likely one: sampling is greedy decoding."""
+    model = tiny_model("llama", seed=7)
+    heads = random_heads(model, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, model.config.vocab_size, (1, n), generator=gen) for n in (4, 9)]
+    greedy = [
+        medusa_generate(model, heads, p, max_new_tokens=20, tree=MEDUSA_63).tokens.tolist() for p in prompts
+    ]
+    rule = dict(acceptance="sample", temperature=1.3, top_p=0.9, min_p=1.0)
+    for p, expected in zip(prompts, greedy, strict=True):
+        assert (
+            medusa_generate(model, heads, p, max_new_tokens=20, tree=MEDUSA_63, **rule).tokens.tolist()
+            == expected
+        )
+    batch = medusa_generate_batch(model, heads, prompts, max_new_tokens=20, tree=MEDUSA_63, **rule)
+    assert [r.tokens.tolist() for r in batch.rows] == greedy
+    static = StaticDecoder(model, heads, MEDUSA_63, 128, batch_size=2, **rule)
+    assert [r.tokens.tolist() for r in static.generate_batch(prompts, max_new_tokens=20).rows] == greedy
+    with pytest.raises(ValueError, match="min_p must be in"):
+        medusa_generate(model, heads, prompts[0], max_new_tokens=4, tree=MEDUSA_63, min_p=1.5)
