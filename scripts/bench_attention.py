@@ -149,7 +149,16 @@ def bench_case(
     }
     ref = calls["sdpa_bool"]().float()
     scale = ref.abs().max().item()
-    row: dict = {"context": context, "nodes": m, "batch": batch}
+    keys = sum(pasts) + batch * m  # every row's past and tree
+    row: dict = {
+        "context": context,
+        "nodes": m,
+        "batch": batch,
+        # what a call must move and compute at least: K and V of every key once; every query against
+        # every key of its row (the tree's mask spares a little of that), two products of head dim d
+        "kv_bytes": 2 * keys * hkv * d * k.element_size(),
+        "dense_flop": 4 * keys * m * hq * d,
+    }
     for name in methods:
         try:
             if name in KERNELS:
@@ -178,9 +187,16 @@ def markdown(rows: list[dict]) -> str:
         "| context | nodes | batch | SDPA + float mask | SDPA + bool mask | flash, no mask (lower bound) | "
         "transformers' SDPA (K/V expanded) | packed SDPA | "
         "triton (tuned config) | triton, default config | cuda | triton vs float mask | triton / flash | "
-        "per call with launch: float mask, triton | max rel. err (triton, cuda) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "triton, flash: K/V GB/s, TFLOPS | per call with launch: float mask, triton | "
+        "max rel. err (triton, cuda) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def rates(r: dict, name: str) -> str:  # K/V read and dense products per second of GPU time
+        t = r.get(name)
+        if not t or "kv_bytes" not in r:
+            return "-"
+        return f"{r['kv_bytes'] / t / 1e6:.0f}, {r['dense_flop'] / t / 1e9:.0f}"
 
     def ms(x):
         return "failed" if x is None else f"{x:.3f}"
@@ -199,7 +215,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['context']} | {r['nodes']} | {r['batch']} | {cell('sdpa_float')} | {cell('sdpa_bool')} | "
             f"{cell('flash_nomask')} | {cell('sdpa_repeat')} | {cell('sdpa_packed')} | "
             f"{cell('triton')} ({r.get('triton_config', '-')}) | {cell('triton_default')} | {cell('cuda')} | "
-            f"{speed} | {bound} | {calls} | {errs} |"
+            f"{speed} | {bound} | {rates(r, 'triton')}; {rates(r, 'flash_nomask')} | {calls} | {errs} |"
         )
     failures = sorted({f"{k[:-6]}: {v}" for r in rows for k, v in r.items() if k.endswith("_error")})
     if failures:
