@@ -632,3 +632,7 @@ def test_bench_attention_dry_run_reports_every_method():
     assert row["triton_err"] < 1e-2  # bf16
     assert row["cuda"] is None and "CUDA device" in row["cuda_error"]
     assert "| 40 | 8 | 2 |" in bench.markdown(rows)
+    # K/V bytes and dense products of the case: rows of past 40 and 35 (ragged), 8 nodes each, 4 query
+    # and 2 KV heads of dim 16, bf16
+    keys = 40 + 35 + 2 * 8
+    assert row["kv_bytes"] == 2 * keys * 2 * 16 * 2 and row["dense_flop"] == 4 * keys * 8 * 4 * 16
