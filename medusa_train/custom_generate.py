@@ -102,6 +102,8 @@ _IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa d
     "token_healing": False,
     "watermarking_config": None,
 }
+_NOT_RETURNED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+"""``generate`` outputs besides the sequences that a ``return_dict_in_generate`` call may ask for."""
 _REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding loop
     "logits_processor",
     "stopping_criteria",
@@ -315,6 +317,10 @@ def generate(
     if streamer is not None:
         streamer.end()
     if config.return_dict_in_generate:
+        _warn_once(
+            [f"{name}=True" for name in _NOT_RETURNED if getattr(config, name, False)],
+            "Medusa decoding returns the sequences only, not {}: those fields are None",
+        )
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
 
@@ -551,11 +557,16 @@ def _acceptance(config, requested: str | None) -> str:
         for name, default in _IGNORED_SETTINGS.items()
         if getattr(config, name, default) not in (default, None)
     ]
-    message = f"Medusa decoding does not apply {', '.join(ignored)}"
-    if ignored and message not in _WARNED:
+    _warn_once(ignored, "Medusa decoding does not apply {}")
+    return rule
+
+
+def _warn_once(items: list[str], template: str) -> None:
+    """Log ``template`` filled with ``items`` (if any), once per process for each distinct message."""
+    message = template.format(", ".join(items))
+    if items and message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)
-    return rule
 
 
 def _as_list(eos) -> list[int]:

@@ -158,6 +158,16 @@ def test_the_repetition_penalty_is_applied_as_generate_applies_it(workdir: Path,
     with caplog.at_level(logging.WARNING):
         _medusa(model, workdir / "export", **one, max_new_tokens=4, no_repeat_ngram_size=7)
     assert "Medusa decoding does not apply no_repeat_ngram_size=7" in caplog.text
+    with caplog.at_level(logging.WARNING):  # outputs besides the sequences: named, left None
+        out = _medusa(
+            model,
+            workdir / "export",
+            **one,
+            max_new_tokens=4,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    assert out.scores is None and "returns the sequences only, not output_scores=True" in caplog.text
 
 
 def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir: Path, model, tok) -> None:
