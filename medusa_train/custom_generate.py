@@ -15,8 +15,8 @@ belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
-  ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` (on every node's logits, as generate's processor applies
-  it: :mod:`medusa_train.decoding.penalty`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
+  ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and ``min_new_tokens`` / ``min_length`` (on
+  every node's logits, as generate's processors apply them: :mod:`medusa_train.decoding.processors`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
   ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
   then ``end()``);
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
@@ -81,8 +81,6 @@ ACCEPTANCE = ("greedy", "typical", "sample")
 _IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa decoding does not apply
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": None,
     "bad_words_ids": None,
     "suppress_tokens": None,
     "begin_suppress_tokens": None,
@@ -119,7 +117,7 @@ Written by `python -m medusa_train stage=export`. It needs torch, transformers a
 (requirements.txt); the heads and the tree are read from the export this folder belongs to (the
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
 Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
-repetition_penalty, eos_token_id, a left-padded batch with its attention_mask,
+repetition_penalty, min_new_tokens, eos_token_id, a left-padded batch with its attention_mask,
 cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
 "auto"), medusa_choices=<paths>.
 See medusa_train.custom_generate.
@@ -273,6 +271,8 @@ def generate(
         top_k=int(config.top_k or 0),
         min_p=float(config.min_p or 0.0),
         repetition_penalty=float(config.repetition_penalty or 1.0),
+        min_new_tokens=int(config.min_new_tokens or 0),
+        min_length=int(config.min_length or 0),
         posterior_threshold=medusa_posterior_threshold,
         posterior_alpha=medusa_posterior_alpha,
         eos_token_id=eos,
@@ -463,7 +463,7 @@ def _static_decoder(
     model, loaded: _Loaded, rows: list[torch.Tensor], config, settings: dict, attention: str
 ) -> StaticDecoder:
     """The model's :class:`StaticDecoder` for this kind of call (heads, tree, rows, capture, attention,
-    acceptance, repetition penalty) with room for its rows: the one kept from an earlier call, else a
+    acceptance, repetition penalty, minimum length) with room for its rows: the one kept from an earlier call, else a
     new one (replacing a smaller one) of :func:`~medusa_train.decoding.static.capacity_for` columns."""
     device = model.get_output_embeddings().weight.device
     capture, compile_mode = _static_capture(config, device)
@@ -481,6 +481,8 @@ def _static_decoder(
         rule,
         *(settings[k] for k in rule_settings),
         settings["repetition_penalty"],
+        settings["min_new_tokens"],
+        settings["min_length"],
     )
     nodes, limit = loaded.tree.num_nodes, context_limit(model)
     lens = [r.shape[1] for r in rows]
@@ -510,6 +512,8 @@ def _static_decoder(
             posterior_threshold=settings["posterior_threshold"],
             posterior_alpha=settings["posterior_alpha"],
             repetition_penalty=settings["repetition_penalty"],
+            min_new_tokens=settings["min_new_tokens"],
+            min_length=settings["min_length"],
         )
     decoders[key] = decoder
     return decoder

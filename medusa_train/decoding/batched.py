@@ -55,7 +55,7 @@ from .generate import (
     context_limit,
     medusa_generate,
 )
-from .penalty import mark_seen, penalize, tree_ancestors
+from .processors import eos_allowed_from, eos_mask_of, mark_seen, penalize, suppress_eos, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 
@@ -325,6 +325,8 @@ def medusa_generate_batch(
     attention: str = "sdpa",
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
+    min_new_tokens: int = 0,
+    min_length: int = 0,
 ) -> MedusaBatchOutput:
     """Generate with Medusa heads for several prompts of any lengths at once.
 
@@ -336,8 +338,9 @@ def medusa_generate_batch(
         max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
         tree: one tree for every row.
         acceptance, temperature, top_p, top_k, min_p, posterior_threshold, posterior_alpha, eos_token_id,
-            repetition_penalty: as for :func:`~medusa_train.decoding.medusa_generate`, applied to each
-            row (the penalty over the row's own tokens, its padding not included).
+            repetition_penalty, min_new_tokens, min_length: as for
+            :func:`~medusa_train.decoding.medusa_generate`, applied to each row (the penalty over the
+            row's own tokens and ``min_length`` counting its own prompt, its padding not included).
         generators: for ``sample``: one generator per row (a row's draws then depend on its
             generator only), or one generator shared by all rows (draws in row order each step).
         pad_token_id: the token placed in left-padding positions (masked; any valid id).
@@ -361,7 +364,10 @@ def medusa_generate_batch(
         raise ValueError("prompts is empty: give at least one prompt")
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p)
+    _check_settings(
+        model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p,
+        min_new_tokens, min_length,
+    )  # fmt: skip
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):
         gens = [generators] * bsz
@@ -385,6 +391,8 @@ def medusa_generate_batch(
         posterior_alpha=posterior_alpha,
         eos_token_id=eos_token_id,
         repetition_penalty=repetition_penalty,
+        min_new_tokens=min_new_tokens,
+        min_length=min_length,
     )
 
     if bsz == 1 and batch1_fast_path:
@@ -456,6 +464,10 @@ def medusa_generate_batch(
             mark_seen(seen[b], torch.tensor(rows_in[b], device=device))
         ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
         last = penalize(last, seen[live], repetition_penalty)
+    eos_from = torch.tensor([eos_allowed_from(len(r), min_new_tokens, min_length) for r in rows_in])  # (B,)
+    eos_mask = eos_mask_of(eos, last.shape[-1], device) if eos and bool((eos_from > 0).any()) else None
+    if eos_mask is not None:  # EOS may not end a reply before its minimum length
+        last = suppress_eos(last, eos_mask, 0, eos_from[live])
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
         first_token(
@@ -531,6 +543,10 @@ def medusa_generate_batch(
         result.num_forwards += 1
         if penalized:
             logits = penalize(logits, seen[live], repetition_penalty, tree_tokens, ancestors)  # (n, m, V)
+        if eos_mask is not None:
+            emitted_now = torch.tensor([len(emitted[b]) for b in live])  # (n,)
+            if bool((emitted_now + 1 < eos_from[live]).any()):  # a node may predict an early token
+                logits = suppress_eos(logits, eos_mask, emitted_now, eos_from[live], sub.depth)
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).
         host_tokens = tree_tokens.tolist()
         preds = argmax_list(logits) if acceptance == "greedy" or temperature <= 0 else None

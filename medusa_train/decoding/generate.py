@@ -48,7 +48,7 @@ from .acceptance import (
     first_token,
 )
 from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
-from .penalty import mark_seen, penalize, tree_ancestors
+from .processors import eos_allowed_from, eos_mask_of, mark_seen, penalize, suppress_eos, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 
@@ -473,6 +473,8 @@ def _check_settings(
     top_k: int = 0,
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
+    min_new_tokens: int = 0,
+    min_length: int = 0,
 ) -> None:
     """The checks every Medusa decoder makes before any work: a known rule, sane sampling settings and
     an attention implementation that takes a 4-D float mask.
@@ -488,6 +490,9 @@ def _check_settings(
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     if not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k!r}")
+    for name, value in (("min_new_tokens", min_new_tokens), ("min_length", min_length)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0: none), got {value!r}")
     if not 0 <= min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1] (0: no min-p), got {min_p!r}")
     if not repetition_penalty > 0:
@@ -520,6 +525,8 @@ def medusa_generate(
     on_tokens: Callable[[list[int]], object] | None = None,
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
+    min_new_tokens: int = 0,
+    min_length: int = 0,
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -551,7 +558,9 @@ def medusa_generate(
         on_tokens: called with each step's newly emitted tokens as they are decided, in order (what
             a streamer's ``put`` gets); their concatenation is the output's ``tokens``.
         repetition_penalty: ``generate``'s repetition penalty (1: none), applied to every node's
-            logits before any rule (:mod:`medusa_train.decoding.penalty`).
+            logits before any rule (:mod:`medusa_train.decoding.processors`).
+        min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
+            prompt counted): EOS cannot end the reply earlier (0: none).
 
     Returns:
         :class:`MedusaOutput`.
@@ -568,7 +577,10 @@ def medusa_generate(
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
-    _check_settings(model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p)
+    _check_settings(
+        model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p,
+        min_new_tokens, min_length,
+    )  # fmt: skip
     device = input_ids.device
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
@@ -646,6 +658,10 @@ def medusa_generate(
         mark_seen(seen, input_ids[0])
         ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
         last = penalize(last, seen, repetition_penalty)
+    allowed_from = eos_allowed_from(prompt_len, min_new_tokens, min_length)
+    eos_mask = eos_mask_of(eos, last.shape[-1], device) if eos and allowed_from > 0 else None
+    if eos_mask is not None:  # EOS may not end the reply before the minimum length
+        last = suppress_eos(last, eos_mask, 0, allowed_from)
     # 2. The first root: the backbone's own choice after the prompt.
     root = first_token(
         last, acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, min_p=min_p
@@ -708,6 +724,8 @@ def medusa_generate(
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
         if penalized:
             logits = penalize(logits, seen, repetition_penalty, tree_tokens, ancestors)
+        if eos_mask is not None and len(tokens) + 1 < allowed_from:  # a node may predict an early token
+            logits = suppress_eos(logits, eos_mask, len(tokens), allowed_from, sub.depth)
         # 6. Acceptance: the path of nodes to keep, its tokens and the token after it (the next root);
         #    one device-to-host copy.
         result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)

@@ -65,7 +65,7 @@ from .generate import (
     _sliding_window_kinds,
     context_limit,
 )
-from .penalty import mark_seen, penalize, tree_ancestors
+from .processors import eos_allowed_from, mark_seen, penalize, suppress_eos, tree_ancestors
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
@@ -186,8 +186,10 @@ class StaticDecoder:
         posterior_threshold: epsilon of "typical".
         posterior_alpha: delta of "typical" (threshold = min(epsilon, delta * exp(-H))).
         repetition_penalty: ``generate``'s repetition penalty (1: none), on every node's logits
-            before the rule (:mod:`medusa_train.decoding.penalty`; each row's token set is state of
+            before the rule (:mod:`medusa_train.decoding.processors`; each row's token set is state of
             the step, as its cache is).
+        min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
+            prompt counted): EOS is masked in the step where it would end a row earlier (0: none).
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
@@ -218,6 +220,8 @@ class StaticDecoder:
         posterior_alpha: float = 0.3,
         repetition_penalty: float = 1.0,
         min_p: float = 0.0,
+        min_new_tokens: int = 0,
+        min_length: int = 0,
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -234,7 +238,18 @@ class StaticDecoder:
                 "posterior_threshold and posterior_alpha must be >= 0, got "
                 f"{posterior_threshold} and {posterior_alpha}"
             )
-        _check_settings(model, acceptance, 0, temperature, top_p, top_k, repetition_penalty, min_p)
+        _check_settings(
+            model,
+            acceptance,
+            0,
+            temperature,
+            top_p,
+            top_k,
+            repetition_penalty,
+            min_p,
+            min_new_tokens,
+            min_length,
+        )
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
@@ -317,6 +332,13 @@ class StaticDecoder:
                 vocab = model.get_output_embeddings().weight.shape[0]
                 self.seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)  # (B, V)
                 self._ancestors = tree_ancestors(self.tree)  # (M, D + 1)
+            # The minimum length's state: the EOS ids of the call and each row's first index allowed EOS.
+            self.min_lengths = (min_new_tokens, min_length)
+            self.eos_mask: torch.Tensor | None = None
+            if min_new_tokens > 0 or min_length > 0:
+                vocab = model.get_output_embeddings().weight.shape[0]
+                self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)  # (V,)
+                self.eos_allowed = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
             with self._backend(), _own_rng(dev):
                 self._prefill_row(0, self._row_ids[None, :1])
@@ -332,6 +354,8 @@ class StaticDecoder:
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         if self.seen is not None:
             self._static.append(self.seen)
+        if self.eos_mask is not None:
+            self._static += [self.eos_mask, self.eos_allowed]
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
@@ -441,6 +465,8 @@ class StaticDecoder:
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
         if self.seen is not None:
             logits = penalize(logits, self.seen, self.repetition_penalty, tree_tokens, self._ancestors)
+        if self.eos_mask is not None:
+            logits = suppress_eos(logits, self.eos_mask, self.num_out, self.eos_allowed, tree.depth)
         # 3. Acceptance (greedy, sampling or typical): the longest accepted prefix of a root-to-leaf row
         #    of the tree is the path; the next root is the argmax (sampling: the draw) at its last node.
         pred = self._predict(logits)  # (B, M) argmax, or a draw
@@ -510,6 +536,9 @@ class StaticDecoder:
             self.seen[row].zero_()
             mark_seen(self.seen[row], input_ids[0])
             last = penalize(last, self.seen[row], self.repetition_penalty)
+        if self.eos_mask is not None:
+            self.eos_allowed[row] = eos_allowed_from(t, *self.min_lengths)
+            last = suppress_eos(last, self.eos_mask, 0, self.eos_allowed[row])
         self.root[row] = self._predict(last)  # the argmax, or a draw
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
@@ -593,6 +622,11 @@ class StaticDecoder:
                 f"StaticDecoder has {self.capacity}: build one with capacity >= {need}"
             )
         eos = _eos_set(eos_token_id)
+        if self.eos_mask is not None:  # the call's EOS ids, for the minimum length inside the step
+            self.eos_mask.zero_()
+            ids_in_vocab = [e for e in eos if 0 <= e < self.eos_mask.shape[0]]
+            if ids_in_vocab:
+                self.eos_mask[torch.tensor(ids_in_vocab, device=self.device)] = True
         tokens: list[list[int]] = [[] for _ in ids]
         reasons = [
             "empty" if n <= 0 else "max_new_tokens" if n == max_new_tokens else "context" for n in budgets
@@ -855,6 +889,8 @@ def medusa_generate_static(
     posterior_alpha: float = 0.3,
     repetition_penalty: float = 1.0,
     min_p: float = 0.0,
+    min_new_tokens: int = 0,
+    min_length: int = 0,
 ) -> MedusaOutput:
     """One prompt through a :class:`StaticDecoder` sized for it (build the decoder yourself to reuse a
     capture across prompts). Arguments as :class:`StaticDecoder` and :meth:`StaticDecoder.generate`."""
@@ -878,5 +914,7 @@ def medusa_generate_static(
         posterior_alpha=posterior_alpha,
         repetition_penalty=repetition_penalty,
         min_p=min_p,
+        min_new_tokens=min_new_tokens,
+        min_length=min_length,
     )
     return decoder.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

@@ -229,9 +229,10 @@ def test_generate_with_the_static_cache_captures_the_step(tmp_path: Path, attent
     release(model)
 
 
-def test_the_repetition_penalty_in_the_captured_step():
-    """A repetition penalty inside the captured step (each row's token set is state the graph updates):
-    every row identical to ``generate(repetition_penalty=1.3)`` in fp32, two calls on one capture."""
+def test_the_repetition_penalty_and_minimum_length_in_the_captured_step():
+    """generate's repetition penalty and min_new_tokens inside the captured step (each row's token set,
+    EOS ids and bound are state the graph reads and updates): every row identical to ``generate`` with
+    the same settings in fp32, two calls on one capture."""
     from medusa_train.decoding.static import StaticDecoder
 
     model = _model("llama", torch.float32)
@@ -240,18 +241,19 @@ def test_the_repetition_penalty_in_the_captured_step():
     heads.to(DEVICE)
     capture = "cuda_graph" if DEVICE == "cuda" else "eager"
     prompts = _prompts(3, seed=7)
-    decoder = StaticDecoder(
-        model, heads, MEDUSA_63, 192, batch_size=3, capture=capture, repetition_penalty=1.3
-    )
+    eos = _plain(model, prompts[0], NEW_TOKENS)[3]  # plain greedy would stop row 0 at its fourth token
+    settings = dict(repetition_penalty=1.3, min_new_tokens=NEW_TOKENS // 2)
+    decoder = StaticDecoder(model, heads, MEDUSA_63, 192, batch_size=3, capture=capture, **settings)
     for _ in range(2):
-        out = decoder.generate_batch([p[None] for p in prompts], max_new_tokens=NEW_TOKENS)
+        out = decoder.generate_batch([p[None] for p in prompts], max_new_tokens=NEW_TOKENS, eos_token_id=eos)
         for row, p in zip(out.rows, prompts, strict=True):
             expected = model.generate(
                 p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                repetition_penalty=1.3, pad_token_id=0,
+                eos_token_id=eos, pad_token_id=0, **settings,
             )[0, len(p) :].tolist()  # fmt: skip
+            expected = expected[: expected.index(eos) + 1] if eos in expected else expected
             assert row.tokens.tolist() == expected
-    _record(test="static_repetition_penalty", capture=capture, identical=True)
+    _record(test="static_processors", capture=capture, identical=True)
 
 
 @pytest.mark.parametrize("capture", ["cuda_graph", "eager"])

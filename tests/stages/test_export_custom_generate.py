@@ -154,6 +154,15 @@ def test_the_repetition_penalty_is_applied_as_generate_applies_it(workdir: Path,
             ref = ref[0, alone["input_ids"].shape[1] :].tolist()
             row = out[i, width:].tolist()
             assert row[: len(ref)] == ref and all(t == tok.pad_token_id for t in row[len(ref) :]), (i, extra)
+    # a minimum length: the row whose reply is EOS at once writes 6 tokens first, as its generate does
+    for extra in ({}, {"cache_implementation": "static"}):
+        out = _medusa(model, workdir / "export", **batch, max_new_tokens=12, min_new_tokens=6, **extra)
+        for i, text in enumerate(PROMPTS):
+            alone = tok(text, return_tensors="pt")
+            ref = model.generate(**alone, do_sample=False, max_new_tokens=12, min_new_tokens=6)
+            ref = ref[0, alone["input_ids"].shape[1] :].tolist()
+            row = out[i, width:].tolist()
+            assert len(ref) >= 6 and row[: len(ref)] == ref, (i, extra)
     # a setting Medusa decoding does not apply is named in a warning
     with caplog.at_level(logging.WARNING):
         _medusa(model, workdir / "export", **one, max_new_tokens=4, no_repeat_ngram_size=7)

@@ -1,5 +1,5 @@
-"""generate's repetition penalty in every decoder: node by node as transformers' processor applies it,
-and greedy decoding identical to ``generate(repetition_penalty=p)``."""
+"""generate's logits processors in every decoder (repetition penalty, minimum length): node by node as
+transformers applies them, and greedy decoding identical to ``generate`` with the same settings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch
-from medusa_train.decoding.penalty import mark_seen, penalize, tree_ancestors
+from medusa_train.decoding.processors import mark_seen, penalize, tree_ancestors
 from medusa_train.decoding.static import StaticDecoder, medusa_generate_static
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, tiny_model
 from tests.unit.decoding.test_decoding_batched import OracleRows
@@ -137,3 +137,113 @@ def test_a_penalty_that_is_not_positive_is_refused():
         medusa_generate(model, heads, prompt, max_new_tokens=4, tree=MEDUSA_63, repetition_penalty=0.0)
     with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
         StaticDecoder(model, heads, MEDUSA_63, 64, repetition_penalty=-1.0)
+
+
+def greedy_until_eos(model, prompt: torch.Tensor, new: int, eos: int, **settings) -> list[int]:
+    out = model.generate(
+        prompt, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0, **settings
+    )
+    row = out[0, prompt.shape[1] :].tolist()
+    return row[: row.index(eos) + 1] if eos in row else row
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_minimum_length_keeps_eos_away_in_every_decoder(arch):
+    model = tiny_model(arch, seed=4)
+    heads = random_heads(model, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    prompt, other = (
+        torch.randint(1, VOCAB, (1, 6), generator=gen),
+        torch.randint(1, VOCAB, (1, 9), generator=gen),
+    )
+    eos = greedy_until_eos(model, prompt, 30, -1)[2]  # plain greedy would stop at the third new token
+    for minimum, first_eos in (({"min_new_tokens": 12}, 11), ({"min_length": 6 + 9}, 8)):
+        ref = greedy_until_eos(model, prompt, 30, eos, **minimum)
+        assert len(ref) > first_eos and eos not in ref[:first_eos]  # the minimum moved the stop
+        for tree in (chain_tree(4), MEDUSA_63):
+            out = medusa_generate(
+                model, heads, prompt, max_new_tokens=30, tree=tree, eos_token_id=eos, **minimum
+            )
+            assert out.tokens.tolist() == ref, (minimum, tree)
+        out = medusa_generate_static(
+            model, heads, prompt, max_new_tokens=30, tree=MEDUSA_63, eos_token_id=eos, **minimum
+        )
+        assert out.tokens.tolist() == ref, minimum
+        other_ref = greedy_until_eos(model, other, 30, eos, **minimum)
+        batch = medusa_generate_batch(
+            model,
+            heads,
+            [prompt[0], other[0]],
+            max_new_tokens=30,
+            tree=MEDUSA_63,
+            eos_token_id=eos,
+            **minimum,
+        )
+        assert [r.tokens.tolist() for r in batch.rows] == [ref, other_ref], minimum
+        static = StaticDecoder(model, heads, MEDUSA_63, 2 * MAX_POS, batch_size=2, **minimum)
+        rows = static.generate_batch([prompt, other], max_new_tokens=30, eos_token_id=eos).rows
+        assert [r.tokens.tolist() for r in rows] == [ref, other_ref], minimum
+        # the same decoder without EOS ids in the call: nothing to keep away
+        assert static.generate(prompt, max_new_tokens=10).tokens.tolist() == greedy_until_eos(
+            model, prompt, 10, -1
+        )
+
+
+def eos_everywhere(model, eos: int) -> torch.nn.Module:
+    """The model with a bias that makes ``eos`` the argmax at every position."""
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[eos] = 1e3
+    model.set_output_embeddings(biased)
+    return model
+
+
+@pytest.mark.parametrize("min_new_tokens", [9, 10, 11, 12])
+def test_whole_accepted_paths_keep_eos_away_node_by_node(min_new_tokens):
+    """EOS is the argmax everywhere, so generate emits it right at min_new_tokens; heads that know that
+    continuation get whole chains accepted (a chain of 4 ends at every offset of the bound across the 4
+    settings): every node must mask EOS exactly while the token it predicts comes too early."""
+    eos = 7
+    model = eos_everywhere(tiny_model("llama", seed=3), eos)
+    prompt = torch.randint(8, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = greedy_until_eos(model, prompt, 40, eos, min_new_tokens=min_new_tokens)
+    assert len(ref) == min_new_tokens + 1 and ref[-1] == eos and eos not in ref[:-1]
+    full = torch.cat([prompt[0], torch.tensor(ref)])[None]
+    heads = RowOracleHeads(model, full)
+    for decode in (medusa_generate, medusa_generate_static):
+        out = decode(
+            model,
+            heads,
+            prompt,
+            max_new_tokens=40,
+            tree=chain_tree(4),
+            eos_token_id=eos,
+            min_new_tokens=min_new_tokens,
+        )
+        assert out.tokens.tolist() == ref, decode.__name__
+        assert out.accepted_lengths[0] == 5, decode.__name__  # whole chains from the first step
+    other = torch.randint(8, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    refs = [ref, greedy_until_eos(model, other, 40, eos, min_new_tokens=min_new_tokens)]
+    fulls = [torch.cat([p[0], torch.tensor(r)]) for p, r in zip((prompt, other), refs, strict=True)]
+    out = medusa_generate_batch(
+        model, OracleRows(model, fulls), [prompt[0], other[0]], max_new_tokens=40, tree=chain_tree(4),
+        eos_token_id=eos, min_new_tokens=min_new_tokens,
+    )  # fmt: skip
+    assert [r.tokens.tolist() for r in out.rows] == refs
+    assert all(r.accepted_lengths[0] == 5 for r in out.rows)
+
+
+def test_a_negative_minimum_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="min_new_tokens must be an integer >= 0"):
+        medusa_generate(
+            model,
+            random_heads(model),
+            torch.tensor([[1, 2]]),
+            max_new_tokens=4,
+            tree=MEDUSA_63,
+            min_new_tokens=-1,
+        )
