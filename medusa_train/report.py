@@ -769,7 +769,9 @@ def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) ->
         "",
         f"With transformers and medusa_train installed, load the base model{which} and pass this folder (or its "
         "Hub id) as `custom_generate`: greedy output is identical to plain `generate`; `do_sample=True` samples "
-        'exactly, `medusa_acceptance="typical"` uses Medusa\'s typical acceptance; a left-padded batch works. '
+        "exactly; the generation config's temperature, top-k, top-p, min-p, repetition penalty and minimum "
+        'lengths apply as in `generate`; `medusa_acceptance="typical"` uses Medusa\'s typical acceptance; '
+        "a left-padded batch works. "
         '`cache_implementation="static"` runs the static-shape tree decoder (its step captured as one CUDA graph on a GPU); '
         'the tree-attention kernels verify the tree where they measured faster (`medusa_attention="auto"`).',
         "",
