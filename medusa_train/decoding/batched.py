@@ -55,7 +55,7 @@ from .generate import (
     context_limit,
     medusa_generate,
 )
-from .processors import eos_allowed_from, eos_mask_of, mark_seen, penalize, suppress_eos, tree_ancestors
+from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
 
@@ -457,17 +457,15 @@ def medusa_generate_batch(
     logits, hidden = _forward(model, cache, ids, prefill_mask, position_ids, logits_to_keep=1)
     hidden = hidden[:, -1]  # (n, d)
     last = logits[:, -1]  # (n, V)
-    penalized = repetition_penalty != 1.0
-    if penalized:  # each row's tokens so far (its prompt, then its accepted paths), by original row
-        seen = torch.zeros(bsz, last.shape[-1], dtype=torch.bool, device=device)  # (B, V)
+    processors = RowProcessors(
+        bsz, last.shape[-1], tree, device,
+        repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
+    )  # fmt: skip
+    if processors.active:  # the repetition penalty, the minimum length; state by original row
+        processors.set_eos(sorted(eos))
         for b in range(bsz):
-            mark_seen(seen[b], torch.tensor(rows_in[b], device=device))
-        ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
-        last = penalize(last, seen[live], repetition_penalty)
-    eos_from = torch.tensor([eos_allowed_from(len(r), min_new_tokens, min_length) for r in rows_in])  # (B,)
-    eos_mask = eos_mask_of(eos, last.shape[-1], device) if eos and bool((eos_from > 0).any()) else None
-    if eos_mask is not None:  # EOS may not end a reply before its minimum length
-        last = suppress_eos(last, eos_mask, 0, eos_from[live])
+            processors.start_row(b, torch.tensor(rows_in[b]))
+        last = processors.prompt_logits(last, live)
     # 2. Each row's first root, drawn with its own generator under "sample".
     roots = [
         first_token(
@@ -541,12 +539,10 @@ def medusa_generate_batch(
             logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.forward_s += _now(device) - t0
         result.num_forwards += 1
-        if penalized:
-            logits = penalize(logits, seen[live], repetition_penalty, tree_tokens, ancestors)  # (n, m, V)
-        if eos_mask is not None:
-            emitted_now = torch.tensor([len(emitted[b]) for b in live])  # (n,)
-            if bool((emitted_now + 1 < eos_from[live]).any()):  # a node may predict an early token
-                logits = suppress_eos(logits, eos_mask, emitted_now, eos_from[live], sub.depth)
+        if processors.active:
+            logits = processors.node_logits(
+                logits, live, tree_tokens, sub.depth, [len(emitted[b]) for b in live]
+            )
         # 6. Acceptance per row on its own sub-tree (the first m_b nodes).
         host_tokens = tree_tokens.tolist()
         preds = argmax_list(logits) if acceptance == "greedy" or temperature <= 0 else None
@@ -590,8 +586,8 @@ def medusa_generate_batch(
                 continue
             emitted[b].extend(path_tokens)
             steps[b].append(len(path))
-            if penalized:
-                mark_seen(seen[b], torch.tensor(path_tokens, device=device))
+            if processors.active:
+                processors.accepted([b], torch.tensor([path_tokens], device=device))
             new_roots.append(nxt)
             last_nodes.append(path[-1])
             if len(emitted[b]) >= budgets[b]:

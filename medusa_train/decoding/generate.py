@@ -48,7 +48,7 @@ from .acceptance import (
     first_token,
 )
 from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
-from .processors import eos_allowed_from, eos_mask_of, mark_seen, penalize, suppress_eos, tree_ancestors
+from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
 
@@ -652,16 +652,14 @@ def medusa_generate(
     logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
     hidden = hidden[0, -1]  # (d,)
     last = logits[0, -1]  # (V,)
-    penalized = repetition_penalty != 1.0
-    if penalized:  # the tokens of the sequence so far: the prompt, then each accepted path
-        seen = torch.zeros(last.shape[-1], dtype=torch.bool, device=device)  # (V,)
-        mark_seen(seen, input_ids[0])
-        ancestors = tree_ancestors(tree)  # (M, D + 1); a depth prefix's nodes are its first rows
-        last = penalize(last, seen, repetition_penalty)
-    allowed_from = eos_allowed_from(prompt_len, min_new_tokens, min_length)
-    eos_mask = eos_mask_of(eos, last.shape[-1], device) if eos and allowed_from > 0 else None
-    if eos_mask is not None:  # EOS may not end the reply before the minimum length
-        last = suppress_eos(last, eos_mask, 0, allowed_from)
+    processors = RowProcessors(
+        1, last.shape[-1], tree, device,
+        repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
+    )  # fmt: skip
+    if processors.active:  # the repetition penalty, the minimum length
+        processors.set_eos(sorted(eos))
+        processors.start_row(0, input_ids[0])
+        last = processors.prompt_logits(last[None], [0])[0]
     # 2. The first root: the backbone's own choice after the prompt.
     root = first_token(
         last, acceptance, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, min_p=min_p
@@ -722,10 +720,8 @@ def medusa_generate(
         forward_s += _now(device) - t0
         num_forwards += 1
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
-        if penalized:
-            logits = penalize(logits, seen, repetition_penalty, tree_tokens, ancestors)
-        if eos_mask is not None and len(tokens) + 1 < allowed_from:  # a node may predict an early token
-            logits = suppress_eos(logits, eos_mask, len(tokens), allowed_from, sub.depth)
+        if processors.active:
+            logits = processors.node_logits(logits[None], [0], tree_tokens[None], sub.depth, [len(tokens)])[0]
         # 6. Acceptance: the path of nodes to keep, its tokens and the token after it (the next root);
         #    one device-to-host copy.
         result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)
@@ -743,8 +739,8 @@ def medusa_generate(
         lengths.append(len(path))
         if on_tokens is not None:
             on_tokens(path_tokens)
-        if penalized:
-            mark_seen(seen, torch.tensor(path_tokens, device=device))
+        if processors.active:
+            processors.accepted([0], torch.tensor([path_tokens], device=device))
         if len(tokens) >= budget:
             break
         # 8. Keep the accepted nodes' KV entries in place; no re-forward (a chain prefix moves nothing).

@@ -65,7 +65,7 @@ from .generate import (
     _sliding_window_kinds,
     context_limit,
 )
-from .processors import eos_allowed_from, mark_seen, penalize, suppress_eos, tree_ancestors
+from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
@@ -325,20 +325,11 @@ class StaticDecoder:
             self.budget = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) tokens each row may emit
             self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
-            # The repetition penalty's state: each row's tokens so far (prompt, then accepted paths).
-            self.repetition_penalty = repetition_penalty
-            self.seen: torch.Tensor | None = None
-            if repetition_penalty != 1.0:
-                vocab = model.get_output_embeddings().weight.shape[0]
-                self.seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)  # (B, V)
-                self._ancestors = tree_ancestors(self.tree)  # (M, D + 1)
-            # The minimum length's state: the EOS ids of the call and each row's first index allowed EOS.
-            self.min_lengths = (min_new_tokens, min_length)
-            self.eos_mask: torch.Tensor | None = None
-            if min_new_tokens > 0 or min_length > 0:
-                vocab = model.get_output_embeddings().weight.shape[0]
-                self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=dev)  # (V,)
-                self.eos_allowed = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
+            # The repetition penalty and minimum length: each row's tokens so far, its EOS bound.
+            self.processors = RowProcessors(
+                b, model.get_output_embeddings().weight.shape[0], self.tree, dev,
+                repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
+            )  # fmt: skip
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
             with self._backend(), _own_rng(dev):
                 self._prefill_row(0, self._row_ids[None, :1])
@@ -352,10 +343,7 @@ class StaticDecoder:
             self.step_lengths,
             self.num_steps,
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
-        if self.seen is not None:
-            self._static.append(self.seen)
-        if self.eos_mask is not None:
-            self._static += [self.eos_mask, self.eos_allowed]
+        self._static += self.processors.state()
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
@@ -463,10 +451,8 @@ class StaticDecoder:
             **self._cache_kwargs,
         )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
-        if self.seen is not None:
-            logits = penalize(logits, self.seen, self.repetition_penalty, tree_tokens, self._ancestors)
-        if self.eos_mask is not None:
-            logits = suppress_eos(logits, self.eos_mask, self.num_out, self.eos_allowed, tree.depth)
+        if self.processors.active:
+            logits = self.processors.node_logits(logits, slice(None), tree_tokens, tree.depth, self.num_out)
         # 3. Acceptance (greedy, sampling or typical): the longest accepted prefix of a root-to-leaf row
         #    of the tree is the path; the next root is the argmax (sampling: the draw) at its last node.
         pred = self._predict(logits)  # (B, M) argmax, or a draw
@@ -482,9 +468,9 @@ class StaticDecoder:
         # 5. Emit the path's tokens, record n, seed the next step.
         out_pos = (self.num_out[:, None] + self._path_steps).clamp(max=self.capacity - 1)  # (B, D + 1)
         self.out_tokens.scatter_(1, out_pos, path_tokens)
-        if self.seen is not None:  # the accepted tokens; entries from n on are padding: the root again
+        if self.processors.active:  # the accepted tokens; entries from n on are padding: the root again
             valid = self._path_steps[None, :] < n[:, None]  # (B, D + 1)
-            mark_seen(self.seen, torch.where(valid, path_tokens, path_tokens[:, :1]))
+            self.processors.accepted(slice(None), torch.where(valid, path_tokens, path_tokens[:, :1]))
         self.step_lengths.index_copy_(1, self.num_steps.clamp(max=self.capacity - 1), n[:, None])
         self.num_out.add_(n)
         self.num_steps.add_(1)
@@ -532,13 +518,9 @@ class StaticDecoder:
         finally:
             self.cache.prefill_row = None
         last = logits[0, -1]  # (V,)
-        if self.seen is not None:
-            self.seen[row].zero_()
-            mark_seen(self.seen[row], input_ids[0])
-            last = penalize(last, self.seen[row], self.repetition_penalty)
-        if self.eos_mask is not None:
-            self.eos_allowed[row] = eos_allowed_from(t, *self.min_lengths)
-            last = suppress_eos(last, self.eos_mask, 0, self.eos_allowed[row])
+        if self.processors.active:
+            self.processors.start_row(row, input_ids[0])
+            last = self.processors.prompt_logits(last[None], [row])[0]
         self.root[row] = self._predict(last)  # the argmax, or a draw
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
@@ -622,11 +604,7 @@ class StaticDecoder:
                 f"StaticDecoder has {self.capacity}: build one with capacity >= {need}"
             )
         eos = _eos_set(eos_token_id)
-        if self.eos_mask is not None:  # the call's EOS ids, for the minimum length inside the step
-            self.eos_mask.zero_()
-            ids_in_vocab = [e for e in eos if 0 <= e < self.eos_mask.shape[0]]
-            if ids_in_vocab:
-                self.eos_mask[torch.tensor(ids_in_vocab, device=self.device)] = True
+        self.processors.set_eos(sorted(eos))  # the call's EOS ids, for the minimum length inside the step
         tokens: list[list[int]] = [[] for _ in ids]
         reasons = [
             "empty" if n <= 0 else "max_new_tokens" if n == max_new_tokens else "context" for n in budgets
