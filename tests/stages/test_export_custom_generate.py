@@ -132,7 +132,25 @@ def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: P
     assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))
 
 
-def test_the_repetition_penalty_is_applied_as_generate_applies_it(workdir: Path, model, tok, caplog) -> None:
+def _rows_match_their_own_generate(model, tok, export: Path, max_new_tokens: int, **settings) -> None:
+    """A left-padded batch of PROMPTS through the export, static and dynamic: each row equals its own
+    (unpadded) generate with the same settings (generate's batch would count the padding: penalised
+    tokens, min_length), then padding."""
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    width = batch["input_ids"].shape[1]
+    for extra in ({}, {"cache_implementation": "static"}):
+        out = _medusa(model, export, **batch, max_new_tokens=max_new_tokens, **settings, **extra)
+        for i, text in enumerate(PROMPTS):
+            alone = tok(text, return_tensors="pt")
+            ref = model.generate(**alone, do_sample=False, max_new_tokens=max_new_tokens, **settings)
+            ref = ref[0, alone["input_ids"].shape[1] :].tolist()
+            row = out[i, width:].tolist()
+            assert row[: len(ref)] == ref and all(t == tok.pad_token_id for t in row[len(ref) :]), (i, extra)
+
+
+def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplog) -> None:
+    """The repetition penalty and the minimum length as generate applies them; settings that Medusa
+    decoding does not apply, and outputs it does not return, named in a warning."""
     one = tok(PROMPTS[0], return_tensors="pt")
     plain = model.generate(**one, do_sample=False, max_new_tokens=30, repetition_penalty=1.3)
     assert not torch.equal(plain, model.generate(**one, do_sample=False, max_new_tokens=30))
@@ -143,26 +161,10 @@ def test_the_repetition_penalty_is_applied_as_generate_applies_it(workdir: Path,
             )
             assert torch.equal(out, plain), extra
     assert "does not apply" not in caplog.text
-    # a batch: each row as its own generate (generate's batch would penalise the padding tokens too)
-    batch = tok(PROMPTS, return_tensors="pt", padding=True)
-    width = batch["input_ids"].shape[1]
-    for extra in ({}, {"cache_implementation": "static"}):
-        out = _medusa(model, workdir / "export", **batch, max_new_tokens=30, repetition_penalty=0.8, **extra)
-        for i, text in enumerate(PROMPTS):
-            alone = tok(text, return_tensors="pt")
-            ref = model.generate(**alone, do_sample=False, max_new_tokens=30, repetition_penalty=0.8)
-            ref = ref[0, alone["input_ids"].shape[1] :].tolist()
-            row = out[i, width:].tolist()
-            assert row[: len(ref)] == ref and all(t == tok.pad_token_id for t in row[len(ref) :]), (i, extra)
+    _rows_match_their_own_generate(model, tok, workdir / "export", 30, repetition_penalty=0.8)
     # a minimum length: the row whose reply is EOS at once writes 6 tokens first, as its generate does
-    for extra in ({}, {"cache_implementation": "static"}):
-        out = _medusa(model, workdir / "export", **batch, max_new_tokens=12, min_new_tokens=6, **extra)
-        for i, text in enumerate(PROMPTS):
-            alone = tok(text, return_tensors="pt")
-            ref = model.generate(**alone, do_sample=False, max_new_tokens=12, min_new_tokens=6)
-            ref = ref[0, alone["input_ids"].shape[1] :].tolist()
-            row = out[i, width:].tolist()
-            assert len(ref) >= 6 and row[: len(ref)] == ref, (i, extra)
+    assert model.generate(**tok(PROMPTS[1], return_tensors="pt"), max_new_tokens=4)[0, -1] == tok.eos_token_id
+    _rows_match_their_own_generate(model, tok, workdir / "export", 12, min_new_tokens=6)
     # a setting Medusa decoding does not apply is named in a warning
     with caplog.at_level(logging.WARNING):
         _medusa(model, workdir / "export", **one, max_new_tokens=4, no_repeat_ngram_size=7)
