@@ -365,8 +365,9 @@ def medusa_generate_batch(
     if any(len(r) == 0 for r in rows_in):
         raise ValueError("a prompt is empty: give at least one token per prompt")
     _check_settings(
-        model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p,
-        min_new_tokens, min_length,
+        model, acceptance, max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+        min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
     )  # fmt: skip
     bsz = len(rows_in)
     if generators is None or isinstance(generators, torch.Generator):

@@ -468,6 +468,7 @@ def _check_settings(
     model: torch.nn.Module,
     acceptance: str,
     max_new_tokens: int,
+    *,
     temperature: float,
     top_p: float,
     top_k: int = 0,
@@ -578,8 +579,9 @@ def medusa_generate(
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
     _check_settings(
-        model, acceptance, max_new_tokens, temperature, top_p, top_k, repetition_penalty, min_p,
-        min_new_tokens, min_length,
+        model, acceptance, max_new_tokens,
+        temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+        min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
     )  # fmt: skip
     device = input_ids.device
     tree = as_tree(tree).to(device)

@@ -239,17 +239,10 @@ class StaticDecoder:
                 f"{posterior_threshold} and {posterior_alpha}"
             )
         _check_settings(
-            model,
-            acceptance,
-            0,
-            temperature,
-            top_p,
-            top_k,
-            repetition_penalty,
-            min_p,
-            min_new_tokens,
-            min_length,
-        )
+            model, acceptance, 0,
+            temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+            min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
+        )  # fmt: skip
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(
