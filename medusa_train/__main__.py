@@ -11,7 +11,7 @@ This module only parses and dispatches; each stage lives in ``medusa_train/stage
 ``--help`` and ``--cfg`` answer without importing torch or transformers (seconds to import): the
 report, which pulls them in, and :mod:`medusa_train.dist` (torch.distributed) are imported in
 :func:`run_stage` and :func:`_dispatch`, where every rank leaves its process group and
-``stage=all`` prints its summary
+``stage=all`` prints its summary, and in :func:`entry`, where a launched rank exits
 -- the one place the project imports its own modules inside a function
 (``tests/unit/test_architecture.py`` allows it here and nowhere else).
 """
@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from dataclasses import asdict
 
 from medusa_train.config import Config, compose_config
@@ -164,5 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The process's entry point (``python -m medusa_train``, the ``medusa-train`` script): exit with
+    :func:`main`'s code. A rank started by a launcher (torchrun, deepspeed) exits through
+    ``dist.end_process`` instead of the interpreter's finalization, which can abort it after its
+    stage succeeded; a bug's traceback is printed first and its exit code stays 1."""
+    if "WORLD_SIZE" not in os.environ:  # dist.launched(), without importing torch for --help
+        sys.exit(main())
+    from medusa_train import dist
+
+    try:
+        code = main()
+    except SystemExit as stop:  # sys.exit() inside a library: its code, as the interpreter would
+        code = stop.code if isinstance(stop.code, int) else (stop.code is not None)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    except KeyboardInterrupt:  # before main() could answer it
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    dist.end_process(int(code))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -9,9 +9,12 @@ where one is needed outside the HF Trainer, is gloo: the collectives here move s
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as tdist
 
@@ -69,6 +72,32 @@ def leave() -> None:
     """
     if launched() and tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End a launched rank whose stage is over: exit with ``code`` without tearing the interpreter down.
+
+    Leaving the group (:func:`leave`) does not always stop gloo's threads: with torch 2.13, once
+    ``torch._dynamo`` is imported after the group exists (the HF Trainer's DDP wrapper imports it),
+    the group outlives ``destroy_process_group`` and its worker threads run until the interpreter's
+    finalization, which now and then aborts the rank under them ("terminate called without an
+    active exception", SIGABRT) after its work succeeded; the launcher then fails the whole run
+    (seen once in CI, on a 2-rank training that had published everything). So a rank does what
+    finalization would have done for it, in order: waits for its non-daemon threads, runs the
+    ``atexit`` handlers (logging's flush, wandb's, temporary directories' clean-up), flushes its
+    streams, and then leaves with ``os._exit``, which finalizes nothing more. Every file the
+    stages write is closed (or atomically renamed) before this point.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the interpreter's own exit step, run while it is still whole
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said on it
+            pass
+    os._exit(code)
 
 
 def _active() -> bool:

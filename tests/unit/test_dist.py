@@ -1,8 +1,13 @@
-"""The process group's end of life: a launched rank leaves it before exiting, nothing else is touched."""
+"""The process group's end of life: a launched rank leaves it before exiting, nothing else is touched;
+then the rank's process ends with its stage's exit code, after its exit work."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as tdist
@@ -10,6 +15,8 @@ import torch.distributed as tdist
 from medusa_train import __main__ as cli
 from medusa_train import dist
 from medusa_train.config import compose_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _one_process_group(monkeypatch: pytest.MonkeyPatch, launched: bool) -> None:
@@ -76,3 +83,81 @@ def test_ctrl_c_does_not_wait_to_leave_the_group(monkeypatch: pytest.MonkeyPatch
         assert tdist.is_initialized()
     finally:
         tdist.destroy_process_group()
+
+
+# -- the end of a launched rank's process ----------------------------------------------------------
+_LAUNCHED_RANK = """
+import atexit, os, socket, sys, threading, time
+from pathlib import Path
+out, outcome = Path(sys.argv[1]), sys.argv[2]
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+import torch, torch.distributed as tdist
+tdist.init_process_group("gloo")
+import torch._dynamo  # after the group: it keeps the group's threads alive past destroy_process_group
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+ddp(torch.ones(2, 4)).sum().backward()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+def late_writer():
+    time.sleep(0.5)
+    (out / "thread").write_text("ran")
+threading.Thread(target=late_writer).start()  # not a daemon: the process waits for it
+from medusa_train import __main__ as cli
+def stage(cfg):
+    print("published", end="")  # no newline, no flush: only a flush at exit shows it
+    if outcome == "user-error":
+        raise cli.UserError("workdir has no heads: run stage=train first")
+    if outcome == "bug":
+        raise ZeroDivisionError("a bug")
+    if outcome == "interrupt":
+        raise KeyboardInterrupt
+    return {}
+cli.get_stage = lambda name: stage
+sys.argv = ["medusa_train", "stage=eval", f"workdir={out}"]
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize(
+    ("outcome", "code", "says"),
+    [
+        ("returns", 0, None),
+        ("user-error", 2, "error: workdir has no heads: run stage=train first"),
+        ("bug", 1, "ZeroDivisionError: a bug"),
+        ("interrupt", 130, "interrupted: run the same command again to resume"),
+    ],
+)
+def test_a_launched_rank_exits_with_its_stage_code_after_its_exit_work(
+    tmp_path: Path, outcome: str, code: int, says: str | None
+) -> None:
+    """A launched rank ends without the interpreter's finalization (dist.end_process), after doing
+    what it would have done: its exit code is the stage's, its non-daemon threads finished, its
+    atexit handlers ran, what it printed is flushed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _LAUNCHED_RANK, str(tmp_path), outcome],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert proc.stdout.endswith("published")
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "ran"
+    if says:
+        assert says in proc.stderr
+    if outcome == "bug":
+        assert "Traceback" in proc.stderr
+
+
+def test_a_process_without_a_launcher_exits_as_usual(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not launched: entry() is sys.exit(main()) (tests and library users call main() directly)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(cli, "main", lambda: 2)
+    monkeypatch.setattr(dist, "end_process", lambda code: pytest.fail("end_process outside a launch"))
+    with pytest.raises(SystemExit) as stop:
+        cli.entry()
+    assert stop.value.code == 2
