@@ -264,7 +264,7 @@ class StaticDecoder:
         self.sdpa_backend = sdpa_backend
         self.capture = capture
         self.attention = resolve_attention(
-            attention, self.device, context=capacity, captured=capture == "cuda_graph"
+            attention, self.device, context=capacity, captured=capture == "cuda_graph", queries=m * batch_size
         )
         if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
             raise ValueError(
