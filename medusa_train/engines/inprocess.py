@@ -12,6 +12,13 @@ Sampling (temperature > 0) draws each token of a request with that request's own
 a reply does not depend on which requests share its batch. Limitation: a padded batched forward
 differs from an unpadded one in the last floating-point bits, so a draw that lands within ~1e-7 of
 a boundary between two tokens' probability mass can still differ between batchings.
+
+The model's repetition penalty (``repetition_penalty`` of its generation config, e.g. 1.05 for
+Qwen2.5-Instruct) is applied as ``generate`` applies it, over each row's own tokens (its context and
+its reply so far, never another row's or the padding), before the greedy pick or the draw: so
+greedy replies equal ``model.generate(do_sample=False)`` with the model's own generation config, as
+a server's do. The generation config's sampling filters (top-k, min-p) are not applied: a sampled
+reply draws from the distribution ``distill.temperature`` and ``distill.top_p`` shape.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
+from medusa_train.decoding.processors import penalize
 from medusa_train.engines.base import GenRequest, OnDone
 from medusa_train.hf_compat import cache_kwargs
 
@@ -50,6 +58,36 @@ def sample_rows(
     u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
     pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
     return order.gather(-1, pos).squeeze(-1)  # (B,)
+
+
+class RowPenalty:
+    """Logits processor for ``generate``: the repetition penalty over each row's own tokens.
+
+    ``generate``'s own penalty also counts a left-padded row's padding; this one skips the first
+    ``pads[b]`` columns of row b, so a batched row is penalised as it would be alone (used by the
+    static fallback).
+    """
+
+    def __init__(self, penalty: float, pads: list[int]) -> None:
+        self.penalty = penalty
+        self.pads = torch.tensor(pads)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        real = (
+            torch.arange(input_ids.shape[1], device=input_ids.device)
+            >= self.pads.to(input_ids.device)[:, None]
+        )
+        seen = torch.zeros(scores.shape, dtype=torch.int32, device=scores.device)  # (B, V)
+        seen.scatter_reduce_(1, input_ids, real.int(), reduce="amax")  # a token seen at any real column
+        return penalize(scores, seen.bool(), self.penalty)
+
+
+def _seen_tokens(contexts: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``(rows, vocab)`` bool: the tokens of each row's context."""
+    seen = torch.zeros(len(contexts), vocab, dtype=torch.bool, device=device)
+    for row, ctx in enumerate(contexts):
+        seen[row, torch.tensor(ctx, dtype=torch.long, device=device)] = True
+    return seen
 
 
 class RecordSampler:
@@ -91,6 +129,7 @@ def generate_batch(
     generators: list[torch.Generator] | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
     """One static batched ``generate`` call with left padding and KV cache.
 
@@ -105,6 +144,7 @@ def generate_batch(
         generators: one per row when sampling (temperature > 0); None = greedy.
         temperature: sampling temperature (ignored when greedy).
         top_p: nucleus mass (ignored when greedy).
+        repetition_penalty: over each row's own tokens (:class:`RowPenalty`); 1 = off.
 
     Returns:
         The new tokens of every row, up to and including its first EOS (no EOS when cut by the cap).
@@ -117,13 +157,20 @@ def generate_batch(
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
         use_cache=True,
+        # generate fills what a config leaves unset from the model's generation config: its own
+        # penalty would also count the padding, so it is off and RowPenalty applies the model's.
+        repetition_penalty=1.0,
     )
-    processors = LogitsProcessorList([RecordSampler(generators, temperature, top_p)]) if generators else None
+    processors = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        processors.append(RowPenalty(repetition_penalty, [width - len(c) for c in contexts]))
+    if generators:
+        processors.append(RecordSampler(generators, temperature, top_p))
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
         generation_config=config,
-        logits_processor=processors,
+        logits_processor=processors or None,
     )  # (B, T + new)
     eos = set(eos_ids)
     result = []
@@ -144,6 +191,8 @@ class _Row:
     """Tokens generated so far; the last one is not in the cache yet (it is the next input)."""
     generator: torch.Generator | None = None
     """The request's sampling generator (None when greedy)."""
+    seen: torch.Tensor | None = None
+    """``(V,)`` bool, the row's tokens so far (context and reply), when a repetition penalty applies."""
 
 
 _HEADROOM = 128
@@ -270,9 +319,9 @@ class ContinuousBatcher:
 
     Greedy rows equal unbatched ``generate(do_sample=False)`` token for token (a padded forward
     differs from an unpadded one only in the last floating-point bits, as in ``generate``'s own
-    batching); sampled rows draw with their own generator (:func:`sample_rows`). The model's
-    ``generation_config`` extras (repetition penalty, ...) are not applied: distillation samples
-    the model's raw distribution with the configured temperature and top-p.
+    batching); sampled rows draw with their own generator (:func:`sample_rows`).
+    ``repetition_penalty`` (the stage passes the model's) applies over each row's own tokens (see
+    the module docstring); no other generation-config setting does.
 
     Models whose cache layers are not plain ``DynamicLayer`` (sliding-window or hybrid caches, e.g.
     Mistral with ``sliding_window`` set) cannot be edited this way; for them requests run in static
@@ -289,6 +338,7 @@ class ContinuousBatcher:
         max_new_tokens: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
         refill_min: int | None = None,
     ) -> None:
         self.model = model
@@ -299,6 +349,7 @@ class ContinuousBatcher:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.repetition_penalty = repetition_penalty
         # A quarter of the batch. At batch 16 on the embedded backbone, joining at 1, 2 or 4 free slots
         # gave tokens/s within 3% of each other and 8 was 10% slower; 4 runs 3.5x fewer prefills than
         # 1 (each a forward of its own), which matters more where a forward costs more.
@@ -345,15 +396,25 @@ class ContinuousBatcher:
                 generators=gens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                repetition_penalty=self.repetition_penalty,
             )
             follow = [f for r, o in zip(batch, outs, strict=True) if (f := on_done(r, o)) is not None]
             queue.extendleft(reversed(follow))
 
     def _choose(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Next token per row from its last-position logits (B, V)."""
+        """Next token per row from its last-position logits (B, V), penalised over the row's own tokens."""
+        penalised = self.repetition_penalty != 1.0
+        if penalised:
+            logits = penalize(logits, torch.stack([r.seen for r in rows]), self.repetition_penalty)
         if self.temperature > 0:
-            return sample_rows(logits, [r.generator for r in rows], self.temperature, self.top_p).tolist()
-        return logits.argmax(dim=-1).tolist()
+            tokens = sample_rows(logits, [r.generator for r in rows], self.temperature, self.top_p)
+        else:
+            tokens = logits.argmax(dim=-1)
+        chosen = tokens.tolist()
+        if penalised:
+            for row, token in zip(rows, chosen, strict=True):
+                row.seen[token] = True
+        return chosen
 
     def _prefill(self, requests: list[GenRequest]):
         """One forward over the joining requests, left-padded among themselves; their first tokens chosen."""
@@ -375,7 +436,12 @@ class ContinuousBatcher:
         rows = [
             _Row(r, -1, len(r.context), [], request_generator(r.seed) if sampled else None) for r in requests
         ]
-        for row, tok in zip(rows, self._choose(out.logits[:, -1].float(), rows), strict=True):
+        logits = out.logits[:, -1].float()  # (n, V)
+        if self.repetition_penalty != 1.0:
+            seen = _seen_tokens([r.context for r in requests], logits.shape[-1], logits.device)
+            for row, row_seen in zip(rows, seen, strict=True):
+                row.seen = row_seen
+        for row, tok in zip(rows, self._choose(logits, rows), strict=True):
             row.new.append(tok)
         return cache, rows
 

@@ -233,6 +233,10 @@ def _load_and_plan(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
     settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
+    if cfg.distill.engine != "server" and repetition_penalty(model) != 1.0:
+        # Recorded where it applies only, so folders of models without one keep their settings; a
+        # folder distilled before the engine applied it does not resume into one that does.
+        settings["repetition_penalty"] = repetition_penalty(model)
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
         server = _check_server(cfg, renderer, records[0], prompts[0])
@@ -243,6 +247,12 @@ def _load_and_plan(
         num_shards, server,
     )  # fmt: skip
     return plan, model, renderer
+
+
+def repetition_penalty(model) -> float:
+    """The repetition penalty of ``model``'s generation config, which the in-process engine applies
+    as ``generate`` and the servers do (1.0: none set)."""
+    return float(getattr(getattr(model, "generation_config", None), "repetition_penalty", None) or 1.0)
 
 
 def _records_hash(records: list[Conversation]) -> str:
@@ -518,6 +528,7 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
+            repetition_penalty=repetition_penalty(model),
         )
     before = dict(engine.stats)
     try:  # the bar ends its line also when generation fails (an error then starts a line of its own)
@@ -594,6 +605,9 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
             "quantization": plan.quick["quantization"],
             "max_context": max_context,
             "eos_token_ids": plan.eos_ids,
+            "repetition_penalty": "server's"
+            if plan.server is not None
+            else plan.settings.get("repetition_penalty", 1.0),
         },
         "data": {**plan.quick["data"], "repaired": {k: len(v) for k, v in source.repaired.items()}},
         "counts": {**counts, "skipped": skipped, "records_skipped": sum(skipped.values())},

@@ -158,6 +158,38 @@ def test_sigkill_then_restart_gives_the_same_records(reference, tiny_backbone_di
     assert _rows(tmp_path) == _rows(reference[0])
 
 
+def test_the_backbones_repetition_penalty_applies_as_in_generate(
+    tiny_backbone_dir, prompts, tmp_path
+) -> None:
+    """A generation config with a repetition penalty: every greedy reply is the model's own ``generate``
+    (which applies it), unlike the replies without it; the manifest says which penalty was applied."""
+    backbone = tmp_path / "penalised"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    config = json.loads((backbone / "generation_config.json").read_text())
+    (backbone / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.8}))
+    _run(tmp_path, backbone, prompts, "data.num_prompts=4")
+    model, tok = load_backbone(str(backbone))
+    assert model.generation_config.repetition_penalty == 1.8
+    changed = 0
+    for _, ids, mask in _rows(tmp_path):
+        for start, end in _spans(mask):
+            ctx = torch.tensor([ids[:start]])
+            kw = dict(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=tok.eos_token_id)
+            ref, plain = (
+                model.generate(ctx, attention_mask=torch.ones_like(ctx), repetition_penalty=p, **kw)[
+                    0, start:
+                ]
+                for p in (1.8, 1.0)
+            )
+            ref = ref.tolist()
+            if tok.eos_token_id in ref:
+                ref = ref[: ref.index(tok.eos_token_id) + 1]
+            assert ids[start:end] == ref
+            changed += plain.tolist()[: end - start] != ids[start:end]
+    assert changed  # the penalty changed replies
+    assert read_manifest(tmp_path / "distill")["generation"]["repetition_penalty"] == 1.8
+
+
 def test_resume_with_other_settings_is_refused(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
     shutil.copytree(reference[0] / "distill", tmp_path / "distill")
     with pytest.raises(UserError, match=r"other settings.*distill.max_new_tokens.*distill.overwrite=true"):

@@ -69,7 +69,9 @@ def _reference(model, context: list[int], eos: list[int], max_new: int = MAX_NEW
     return out[:end]
 
 
-def _run(model, prompts, eos: list[int], batch_size: int, refill_min: int | None = None, **kw) -> dict:
+def _run(
+    model, prompts, eos: list[int], batch_size: int, refill_min: int | None = None, pad_id: int = 0, **kw
+) -> dict:
     """Generate; every first reply queues a second turn built on it (key ``("turn2", i)``)."""
     replies: dict = {}
 
@@ -82,7 +84,7 @@ def _run(model, prompts, eos: list[int], batch_size: int, refill_min: int | None
     batcher = ContinuousBatcher(
         model,
         batch_size=batch_size,
-        pad_id=0,
+        pad_id=pad_id,
         eos_ids=eos,
         max_new_tokens=MAX_NEW,
         refill_min=refill_min,
@@ -139,3 +141,36 @@ def test_sampled_rows_do_not_depend_on_the_batch() -> None:
     one, five = (_run(model, prompts, eos, bs, temperature=0.9, top_p=0.95) for bs in (1, 5))
     assert one == five
     assert any(new != _reference(model, context, eos) for context, new in one.values())  # it really sampled
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_the_models_repetition_penalty_applies_as_in_generate(arch: str) -> None:
+    """A generation config's repetition penalty (Qwen2.5-Instruct sets 1.05) is applied over each row's
+    own context and reply: greedy replies equal the model's own ``generate``, which applies it, in a
+    batch of rows of different lengths too (the static fallback's padding is not counted)."""
+    model = _model(arch)
+    prompts = _prompts(8, seed=4)
+    eos = _pick_eos(model, prompts)
+    unpenalised = {i: _reference(model, p, eos) for i, p in enumerate(prompts)}
+    counts: dict[int, int] = {}
+    for reply in unpenalised.values():
+        for t in reply:
+            counts[t] = counts.get(t, 0) + 1
+    pad = max(counts, key=counts.get)  # padding that a penalty counting it would change replies with
+    model.generation_config.repetition_penalty = 1.8
+    for batch_size in (1, 4):
+        replies = _run(model, prompts, eos, batch_size, pad_id=pad, repetition_penalty=1.8)
+        for key, (context, new) in replies.items():
+            assert new == _reference(model, context, eos), (arch, batch_size, key)
+    assert any(replies[i][1] != unpenalised[i] for i in unpenalised)  # the penalty changed replies
+
+
+def test_sampled_rows_with_a_penalty_do_not_depend_on_the_batch() -> None:
+    model = _model("llama")
+    prompts = _prompts(9, seed=5)
+    eos = _pick_eos(model, prompts)
+    kw = dict(temperature=0.9, top_p=0.95, repetition_penalty=1.8)
+    one, five = (_run(model, prompts, eos, bs, **kw) for bs in (1, 5))
+    assert one == five
+    plain = _run(model, prompts, eos, 5, temperature=0.9, top_p=0.95)
+    assert one != plain  # the penalty changed draws
