@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -285,6 +286,24 @@ def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp
         result = run(train_cfg(root, "deepspeed=zero3"))
     assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+def test_an_in_process_zero2_run_releases_its_engine(tmp_path):
+    """After a ZeRO-2 stage=train in this process, DeepSpeed's engine and optimizer are gone: their
+    optimizer state would otherwise hold memory through the stages after it (``stage=all``), and the
+    process group its parameters reference would keep its threads. (ZeRO-3 still leaves its engine:
+    DeepSpeed's own module-level registries hold it.)"""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, (DeepSpeedEngine, DeepSpeedZeroOptimizer)) for o in gc.get_objects())
+
+    before = alive()
+    root = make_train_workdir(tmp_path)
+    assert run(train_cfg(root, "deepspeed=zero2"))["steps"] == 6
+    assert alive() == before
 
 
 @pytest.mark.parametrize("quantization", ["8bit", "4bit"])
