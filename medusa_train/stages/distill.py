@@ -233,10 +233,12 @@ def _load_and_plan(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
     settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
-    if cfg.distill.engine != "server" and repetition_penalty(model) != 1.0:
+    penalty = _repetition_penalty(model)
+    if cfg.distill.engine != "server" and penalty != 1.0:
         # Recorded where it applies only, so folders of models without one keep their settings; a
-        # folder distilled before the engine applied it does not resume into one that does.
-        settings["repetition_penalty"] = repetition_penalty(model)
+        # folder distilled before the engine applied it does not resume into one that does. The
+        # engine applies what is recorded here (_distill_shards).
+        settings["repetition_penalty"] = penalty
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
         server = _check_server(cfg, renderer, records[0], prompts[0])
@@ -249,7 +251,7 @@ def _load_and_plan(
     return plan, model, renderer
 
 
-def repetition_penalty(model) -> float:
+def _repetition_penalty(model) -> float:
     """The repetition penalty of ``model``'s generation config, which the in-process engine applies
     as ``generate`` and the servers do (1.0: none set)."""
     return float(getattr(getattr(model, "generation_config", None), "repetition_penalty", None) or 1.0)
@@ -528,7 +530,7 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
-            repetition_penalty=repetition_penalty(model),
+            repetition_penalty=plan.settings.get("repetition_penalty", 1.0),
         )
     before = dict(engine.stats)
     try:  # the bar ends its line also when generation fails (an error then starts a line of its own)
