@@ -81,6 +81,7 @@ from medusa_train.training.zero import (
     gather_zero3,
     is_zero3,
     register_gathered,
+    release_engine,
 )
 from medusa_train.transformers4 import save_tokenizer
 from medusa_train.workdir import (
@@ -573,11 +574,9 @@ def _train(
             heads, state = gather_zero3(trainer, heads, with_backbone=trained is not None)
         main = trainer.is_world_process_zero()  # asked before DeepSpeed's process state is released
         if ds_config is not None:
-            # DeepSpeed's engine keeps hooks on the parameters and its process group on them
-            # (`_dp_group`): unless the engine is destroyed, it, the optimizer state and the group's
-            # threads outlive the run in this process. Everything below reads plain tensors. (Not
-            # needed without DeepSpeed, where nothing stays, and not free: a gc pass, ~0.5 s on a 2-core VM.)
-            trainer.accelerator.free_memory()
+            # Everything below reads plain tensors. (Not needed without DeepSpeed, where nothing
+            # stays, and not free: a gc pass, ~0.5 s on a 2-core VM.)
+            release_engine(trainer, is_zero3(ds_config))
     if not main:
         return None, None, None
     if state is not None:

@@ -13,6 +13,7 @@ this module holds what the Trainer does not do for us:
 - :func:`register_gathered`: ZeRO-3 must gather weights a module reads directly (the fused loss
   reads each head's projection weight, Medusa-2's LM loss reads ``lm_head``'s).
 - :func:`gather_zero3`: ZeRO-3 leaves the trained module partitioned; rank 0 gets it whole.
+- :func:`release_engine`: destroy a finished run's engine, so nothing of it outlives the stage.
 
 Nothing here reads the Hydra config; ranks come from :mod:`medusa_train.dist`.
 """
@@ -138,6 +139,34 @@ def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
             deepspeed.comm.destroy_process_group()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def release_engine(trainer, zero3: bool) -> None:
+    """Destroy the DeepSpeed engine of ``trainer``'s finished run (accelerate's ``free_memory``).
+
+    Its hooks on the parameters would otherwise keep the engine, the optimizer state and the process
+    group (``_dp_group`` on each parameter, the group's threads) alive after the stage returns: in
+    ``stage=all`` that memory would stay held through export and eval. ZeRO-3 also leaves the engine
+    in two of DeepSpeed's module-level objects (found with gc referrers on deepspeed 0.19.8): the stack
+    of modules in forward (``parameter_offload.FWD_MODULE_STACK``, one entry left after the last
+    forward) and a class-level ``functools.lru_cache`` on ``PartitionedParameterCoordinator`` keyed by
+    the coordinator and the module (``__params_to_release``). Both are emptied here, between runs,
+    when no forward is in flight; the cache only memoizes, so another engine still alive recomputes
+    its entries. Either missing from another DeepSpeed version is skipped, not an error."""
+    trainer.accelerator.free_memory()
+    if not zero3:
+        return
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack.clear()
+    method = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    # the lru_cache wrapper, itself wrapped by DeepSpeed's NVTX decorator (a closure, no __wrapped__)
+    for candidate in (method, *(c.cell_contents for c in getattr(method, "__closure__", None) or ())):
+        if hasattr(candidate, "cache_clear"):
+            candidate.cache_clear()
 
 
 def register_gathered(module: torch.nn.Module, weights: Iterable[torch.nn.Parameter]) -> None:

@@ -288,21 +288,27 @@ def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp
     _assert_heads_close(root, ref_root, atol=1e-5)
 
 
-def test_an_in_process_zero2_run_releases_its_engine(tmp_path):
-    """After a ZeRO-2 stage=train in this process, DeepSpeed's engine and optimizer are gone: their
-    optimizer state would otherwise hold memory through the stages after it (``stage=all``), and the
-    process group its parameters reference would keep its threads. (ZeRO-3 still leaves its engine:
-    DeepSpeed's own module-level registries hold it.)"""
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_an_in_process_deepspeed_run_releases_its_engine(tmp_path, stage):
+    """After a ZeRO-2 / ZeRO-3 stage=train in this process, DeepSpeed's engine, its optimizer and
+    the (ZeRO-3: partitioned) parameters are gone: the optimizer state would otherwise hold memory
+    through the stages after it (``stage=all``), and the process group the parameters reference
+    would keep its threads."""
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     def alive() -> int:
         gc.collect()
-        return sum(isinstance(o, (DeepSpeedEngine, DeepSpeedZeroOptimizer)) for o in gc.get_objects())
+        kinds = (DeepSpeedEngine, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
+        return sum(
+            isinstance(o, kinds) or (isinstance(o, torch.Tensor) and hasattr(o, "ds_id"))
+            for o in gc.get_objects()
+        )
 
     before = alive()
     root = make_train_workdir(tmp_path)
-    assert run(train_cfg(root, "deepspeed=zero2"))["steps"] == 6
+    assert run(train_cfg(root, f"deepspeed={stage}"))["steps"] == 6
     assert alive() == before
 
 
