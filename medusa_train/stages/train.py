@@ -34,6 +34,7 @@ of ``training.mode`` (``training/recipes.py``), so this file has no mode branche
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import shutil
@@ -154,6 +155,12 @@ def run(cfg: Config) -> dict:
             return {"rank": dist.rank()}
         if trained is not None:  # calibrate with the backbone as trained (LoRA: adapters applied)
             backbone = recipe.decoding_backbone(trained)
+        if ds_config is not None:
+            # The destroyed engine's leftovers (the module that trained, ZeRO-3's partitioned backbone
+            # just replaced, DeepSpeed's process groups on their parameters) are cyclic garbage: until
+            # a gc pass the gloo groups' threads stay, and the interpreter's exit under them can abort
+            # the process after its work is done.
+            gc.collect()
         result.update(head_projection=tc.head_projection, draft_vocab_size=heads.draft_vocab_size)
         if coverage is not None:
             result["draft_vocab_coverage"] = round(coverage, 6)

@@ -141,19 +141,44 @@ def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
             torch.distributed.destroy_process_group()
 
 
-def release_engine(trainer, zero3: bool) -> None:
-    """Destroy the DeepSpeed engine of ``trainer``'s finished run (accelerate's ``free_memory``).
+LINKED_PARAM_ATTRS = (
+    "_hp_mapping",
+    "_dp_group",
+    "_index_in_param_group",
+    "get_full_hp_param",
+    "get_full_hp_grad",
+    "set_full_hp_param",
+    "set_full_hp_grad",
+)
+"""What ZeRO-1/2 sets on each trained parameter (deepspeed ``utils/mixed_precision_linkage.py``): its
+fp32 master fragment and optimizer state, the process group, methods bound to the parameter."""
 
-    Its hooks on the parameters would otherwise keep the engine, the optimizer state and the process
-    group (``_dp_group`` on each parameter, the group's threads) alive after the stage returns: in
-    ``stage=all`` that memory would stay held through export and eval. ZeRO-3 also leaves the engine
-    in two of DeepSpeed's module-level objects (found with gc referrers on deepspeed 0.19.8): the stack
-    of modules in forward (``parameter_offload.FWD_MODULE_STACK``, one entry left after the last
-    forward) and a class-level ``functools.lru_cache`` on ``PartitionedParameterCoordinator`` keyed by
-    the coordinator and the module (``__params_to_release``). Both are emptied here, between runs,
-    when no forward is in flight; the cache only memoizes, so another engine still alive recomputes
-    its entries. Either missing from another DeepSpeed version is skipped, not an error."""
+
+def release_engine(trainer, zero3: bool) -> None:
+    """Destroy the DeepSpeed engine of ``trainer``'s finished run, and what of it the trained
+    parameters and DeepSpeed's module-level objects still hold.
+
+    Without this the engine, the optimizer state and the process group (its gloo threads) outlive
+    the stage: in ``stage=all`` that memory would stay held through export and eval, and a process
+    exiting under live gloo threads can abort after its work is done. Three holders (found with gc
+    referrers on deepspeed 0.19.8):
+
+    - the engine's hooks: accelerate's ``free_memory`` destroys the engine;
+    - ZeRO-1/2: each trained parameter keeps :data:`LINKED_PARAM_ATTRS` (the master fragment and
+      optimizer state, ``_dp_group``, methods bound to the parameter: a reference cycle a gc pass
+      only breaks once the heads are dropped); removed here, the heads live on as plain parameters;
+    - ZeRO-3: the stack of modules in forward (``parameter_offload.FWD_MODULE_STACK``, one entry left
+      after the last forward) and a class-level ``functools.lru_cache`` on
+      ``PartitionedParameterCoordinator`` keyed by the coordinator and the module
+      (``__params_to_release``); both emptied, between runs, when no forward is in flight (the cache
+      only memoizes: another engine still alive recomputes its entries).
+
+    A holder missing from another DeepSpeed version is skipped, not an error."""
+    module = trainer.model  # the module that trained (the engine wraps it)
     trainer.accelerator.free_memory()
+    for param in module.parameters():
+        for name in LINKED_PARAM_ATTRS:
+            param.__dict__.pop(name, None)
     if not zero3:
         return
     from deepspeed.runtime.zero import parameter_offload
