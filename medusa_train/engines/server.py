@@ -374,6 +374,16 @@ _TOKEN_ID_FIELDS = {"logprobs": 1, "return_tokens_as_token_ids": True, "return_t
 """vLLM extras: generated ids as ``choices[0].token_ids`` (newer) or ``logprobs.tokens`` = ``token_id:N``."""
 
 
+_SAMPLE_FIELDS = {"generation_config": json.dumps({"do_sample": True})}
+"""Sent with every sampled request (``temperature > 0``). ``transformers serve`` samples only when
+its generation config says ``do_sample``: it takes the request's temperature and top_p but keeps the
+model's ``do_sample``, so a model whose ``generation_config.json`` does not set it (base models, e.g.
+GPT-2, Llama-3-8B) answered every sampled request greedily. A request's ``generation_config`` (a JSON
+string) is its documented override; the values it leaves unset still come from the model's own
+generation config (repetition penalty, EOS, top-k). vLLM, SGLang and TGI ignore the field (vLLM logs
+it, at debug level in current versions, as a warning per request in older ones)."""
+
+
 def _completion_ids(choice: dict) -> list[int] | None:
     """Generated token ids of a vLLM completions choice, or None when the server gives none."""
     ids = choice.get("token_ids")
@@ -500,7 +510,7 @@ class ServerEngine:
     def _sampling(self, request: GenRequest) -> dict[str, Any]:
         if self.temperature <= 0:
             return {"temperature": 0.0}
-        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p}
+        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, **_SAMPLE_FIELDS}
         if request.seed is not None:  # per record and turn; honoured per request by vLLM, SGLang and TGI
             out["seed"] = request.seed % (1 << 31)
         return out

@@ -196,6 +196,23 @@ def test_greedy_records_equal_inprocess_except_non_canonical_replies(
     print(f"\nserver vs in-process: {equal}/{len(ours)} records equal; counts {counts}")
 
 
+def test_sampled_records_are_sampled(served, word_backbone, prompts, server, tmp_path) -> None:
+    """``distill.temperature > 0`` through `transformers serve`, whose model (like any base model)
+    has no ``do_sample`` in its generation config: the replies are drawn, not the greedy ones (the
+    server used to answer such requests greedily, keeping the model's ``do_sample``)."""
+    sampled = _run(
+        tmp_path, word_backbone, prompts, *_server_overrides(server.url, "distill.temperature=1.0")
+    )
+    assert read_manifest(tmp_path / "distill")["generation"]["temperature"] == 1.0
+    greedy = {r[0]: r for r in _rows(served[0])}
+    drawn = {r[0]: r for r in _rows(tmp_path)}
+    common = drawn.keys() & greedy.keys()
+    assert sampled["records"] and len(common) >= 5
+    # a reply of ~40 nearly equiprobable words drawn at temperature 1 is the greedy one by chance
+    # only: every record of the server's greedy answers would be equal
+    assert sum(drawn[i] != greedy[i] for i in common) >= len(common) // 2
+
+
 def test_complete_server_folder_is_reused_without_contacting_the_server(served, word_backbone, prompts):
     workdir, figures = served
     again = _run(workdir, word_backbone, prompts, *_server_overrides("http://127.0.0.1:9/v1"))
