@@ -343,7 +343,8 @@ class DistillConfig:
     max_new_tokens: int = 256
     """Per assistant turn, tokens, >= 1."""
     temperature: float = 0.0
-    """0 = greedy; > 0 samples (with top_p). Finite, >= 0."""
+    """0 = greedy; > 0 samples (with top_p, and the top-k and min-p the model's generation config sets).
+    Finite, >= 0."""
     top_p: float = 1.0
     """Nucleus sampling mass when temperature > 0, in (0, 1] (1.0 = off)."""
     batch_size: int = run_only(16)

@@ -17,8 +17,9 @@ The model's repetition penalty (``repetition_penalty`` of its generation config,
 Qwen2.5-Instruct) is applied as ``generate`` applies it, over each row's own tokens (its context and
 its reply so far, never another row's or the padding), before the greedy pick or the draw: so
 greedy replies equal ``model.generate(do_sample=False)`` with the model's own generation config, as
-a server's do. The generation config's sampling filters (top-k, min-p) are not applied: a sampled
-reply draws from the distribution ``distill.temperature`` and ``distill.top_p`` shape.
+a server's do. When sampling, the stage also passes the generation config's top-k and min-p, which
+vLLM applies too; the temperature and top-p are ``distill.temperature`` and ``distill.top_p``, which
+a request to a server overrides the model's with as well.
 """
 
 from __future__ import annotations
@@ -41,19 +42,48 @@ def request_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(0 if seed is None else seed)
 
 
+def filtered_sorted(
+    scores: torch.Tensor, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a row of ``scores`` (B, V) is drawn from, sorted by probability.
+
+    ``generate``'s sampling warpers, in its order: temperature, top-k (0 = off), top-p over the
+    top-k renormalised, min-p (a token is kept when its probability is at least ``min_p`` times the
+    top one's, which renormalising does not change). The top token is always kept.
+
+    Returns:
+        ``(mass, order)``, both (B, V): the kept probability mass in descending order (0 where
+        filtered out; not renormalised) and the token ids in that order.
+    """
+    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    if 0 < top_k < sorted_p.shape[-1]:
+        sorted_p[:, top_k:] = 0.0
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)  # top-p reads the top-k renormalised
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_p < 1.0:  # not at 1: a float32 cumsum reaches 1 before the tail and would cut it off
+        keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p  # nucleus; the top token is always kept
+    if min_p > 0:
+        keep &= sorted_p >= min_p * sorted_p[:, :1]
+    return sorted_p * keep, order
+
+
 def sample_rows(
-    scores: torch.Tensor, generators: list[torch.Generator], temperature: float, top_p: float
+    scores: torch.Tensor,
+    generators: list[torch.Generator],
+    temperature: float,
+    top_p: float,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> torch.Tensor:
-    """Draw one token per row of ``scores`` (B, V) with that row's generator (temperature, top-p).
+    """Draw one token per row of ``scores`` (B, V) with that row's generator, from the distribution
+    :func:`filtered_sorted` gives.
 
     Each row consumes exactly one float64 draw from its own generator, so a request's sample does
     not depend on which rows share its batch.
     """
-    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # nucleus; the top token is always kept
-    sorted_p = sorted_p * keep
-    cum = sorted_p.cumsum(-1)  # (B, V)
+    mass, order = filtered_sorted(scores, temperature, top_p, top_k, min_p)
+    cum = mass.cumsum(-1)  # (B, V)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
     pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
@@ -96,13 +126,14 @@ class RecordSampler:
     ``generate``'s greedy step then picks exactly the drawn token (used by the static fallback).
     """
 
-    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float) -> None:
+    def __init__(
+        self, generators: list[torch.Generator], temperature: float, top_p: float, top_k: int, min_p: float
+    ) -> None:
         self.generators = generators
-        self.temperature = temperature
-        self.top_p = top_p
+        self.filters = (temperature, top_p, top_k, min_p)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        token = sample_rows(scores, self.generators, self.temperature, self.top_p).unsqueeze(-1)  # (B, 1)
+        token = sample_rows(scores, self.generators, *self.filters).unsqueeze(-1)  # (B, 1)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token, 0.0)
 
@@ -129,6 +160,8 @@ def generate_batch(
     generators: list[torch.Generator] | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
     repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
     """One static batched ``generate`` call with left padding and KV cache.
@@ -144,6 +177,9 @@ def generate_batch(
         generators: one per row when sampling (temperature > 0); None = greedy.
         temperature: sampling temperature (ignored when greedy).
         top_p: nucleus mass (ignored when greedy).
+        top_k: keep the k most likely tokens, 0 = off (ignored when greedy).
+        min_p: keep tokens at least this fraction of the top one's probability, 0 = off (ignored
+            when greedy).
         repetition_penalty: over each row's own tokens (:class:`RowPenalty`); 1 = off.
 
     Returns:
@@ -165,7 +201,7 @@ def generate_batch(
     if repetition_penalty != 1.0:
         processors.append(RowPenalty(repetition_penalty, [width - len(c) for c in contexts]))
     if generators:
-        processors.append(RecordSampler(generators, temperature, top_p))
+        processors.append(RecordSampler(generators, temperature, top_p, top_k, min_p))
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention_mask.to(model.device),
@@ -319,9 +355,9 @@ class ContinuousBatcher:
 
     Greedy rows equal unbatched ``generate(do_sample=False)`` token for token (a padded forward
     differs from an unpadded one only in the last floating-point bits, as in ``generate``'s own
-    batching); sampled rows draw with their own generator (:func:`sample_rows`).
-    ``repetition_penalty`` (the stage passes the model's) applies over each row's own tokens (see
-    the module docstring); no other generation-config setting does.
+    batching); sampled rows draw with their own generator (:func:`sample_rows`: ``temperature``,
+    ``top_k``, ``top_p``, ``min_p`` as ``generate`` applies them). ``repetition_penalty`` (the stage
+    passes the model's) applies over each row's own tokens (see the module docstring).
 
     Models whose cache layers are not plain ``DynamicLayer`` (sliding-window or hybrid caches, e.g.
     Mistral with ``sliding_window`` set) cannot be edited this way; for them requests run in static
@@ -338,6 +374,8 @@ class ContinuousBatcher:
         max_new_tokens: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         refill_min: int | None = None,
     ) -> None:
@@ -349,6 +387,8 @@ class ContinuousBatcher:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
+        self.min_p = min_p
         self.repetition_penalty = repetition_penalty
         # A quarter of the batch. At batch 16 on the embedded backbone, joining at 1, 2 or 4 free slots
         # gave tokens/s within 3% of each other and 8 was 10% slower; 4 runs 3.5x fewer prefills than
@@ -396,6 +436,8 @@ class ContinuousBatcher:
                 generators=gens,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty,
             )
             follow = [f for r, o in zip(batch, outs, strict=True) if (f := on_done(r, o)) is not None]
@@ -407,7 +449,8 @@ class ContinuousBatcher:
         if penalised:
             logits = penalize(logits, torch.stack([r.seen for r in rows]), self.repetition_penalty)
         if self.temperature > 0:
-            tokens = sample_rows(logits, [r.generator for r in rows], self.temperature, self.top_p)
+            generators = [r.generator for r in rows]
+            tokens = sample_rows(logits, generators, self.temperature, self.top_p, self.top_k, self.min_p)
         else:
             tokens = logits.argmax(dim=-1)
         chosen = tokens.tolist()

@@ -233,12 +233,13 @@ def _load_and_plan(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
     settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
-    penalty = _repetition_penalty(model)
-    if cfg.distill.engine != "server" and penalty != 1.0:
-        # Recorded where it applies only, so folders of models without one keep their settings; a
-        # folder distilled before the engine applied it does not resume into one that does. The
-        # engine applies what is recorded here (_distill_shards).
-        settings["repetition_penalty"] = penalty
+    if cfg.distill.engine != "server":
+        # The generation config's settings the in-process engine applies, as generate and the
+        # servers do (the repetition penalty always, top-k and min-p when sampling). Recorded where
+        # they apply only, so folders of models without them keep their settings; a folder
+        # distilled before the engine applied one does not resume into one that does. The engine
+        # applies what is recorded here (_distill_shards).
+        settings.update(_generation_config_settings(model, sampled=cfg.distill.temperature > 0))
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
         server = _check_server(cfg, renderer, records[0], prompts[0])
@@ -251,10 +252,24 @@ def _load_and_plan(
     return plan, model, renderer
 
 
-def _repetition_penalty(model) -> float:
-    """The repetition penalty of ``model``'s generation config, which the in-process engine applies
-    as ``generate`` and the servers do (1.0: none set)."""
-    return float(getattr(getattr(model, "generation_config", None), "repetition_penalty", None) or 1.0)
+def _generation_config_settings(model, sampled: bool) -> dict:
+    """What of ``model``'s generation config the in-process engine applies, as ``generate`` and the
+    servers do: ``repetition_penalty`` (always) and, when ``sampled``, ``top_k`` and ``min_p`` (vLLM
+    applies them from the generation config too; ``transformers serve`` also ``generate``'s default
+    top-k of 50 where the config sets none). Only values that filter anything are returned."""
+    config = getattr(model, "generation_config", None)
+    out = {}
+    penalty = float(getattr(config, "repetition_penalty", None) or 1.0)
+    if penalty != 1.0:
+        out["repetition_penalty"] = penalty
+    if sampled:
+        top_k = int(getattr(config, "top_k", None) or 0)
+        min_p = float(getattr(config, "min_p", None) or 0.0)
+        if top_k > 0:
+            out["top_k"] = top_k
+        if min_p > 0:
+            out["min_p"] = min_p
+    return out
 
 
 def _records_hash(records: list[Conversation]) -> str:
@@ -530,6 +545,8 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             max_new_tokens=g.max_new_tokens,
             temperature=g.temperature,
             top_p=g.top_p,
+            top_k=plan.settings.get("top_k", 0),
+            min_p=plan.settings.get("min_p", 0.0),
             repetition_penalty=plan.settings.get("repetition_penalty", 1.0),
         )
     before = dict(engine.stats)
@@ -607,9 +624,10 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
             "quantization": plan.quick["quantization"],
             "max_context": max_context,
             "eos_token_ids": plan.eos_ids,
-            "repetition_penalty": "server's"
-            if plan.server is not None
-            else plan.settings.get("repetition_penalty", 1.0),
+            **{
+                key: "server's" if plan.server is not None else plan.settings.get(key, off)
+                for key, off in (("repetition_penalty", 1.0), ("top_k", 0), ("min_p", 0.0))
+            },
         },
         "data": {**plan.quick["data"], "repaired": {k: len(v) for k, v in source.repaired.items()}},
         "counts": {**counts, "skipped": skipped, "records_skipped": sum(skipped.values())},

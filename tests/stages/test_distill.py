@@ -190,6 +190,22 @@ def test_the_backbones_repetition_penalty_applies_as_in_generate(
     assert read_manifest(tmp_path / "distill")["generation"]["repetition_penalty"] == 1.8
 
 
+def test_the_backbones_top_k_applies_when_sampling(tiny_backbone_dir, prompts, tmp_path) -> None:
+    """A generation config's top-k applies to sampled replies (as vLLM and ``generate`` apply it): with
+    top-k 1 every reply drawn at temperature 1.5 is the greedy one. A greedy run does not record it."""
+    backbone = tmp_path / "top1"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    config = json.loads((backbone / "generation_config.json").read_text())
+    (backbone / "generation_config.json").write_text(json.dumps({**config, "top_k": 1}))
+    _run(tmp_path / "greedy", backbone, prompts, "data.num_prompts=4")
+    _run(tmp_path / "sampled", backbone, prompts, "data.num_prompts=4", "distill.temperature=1.5")
+    _run(tmp_path / "plain", tiny_backbone_dir, prompts, "data.num_prompts=4", "distill.temperature=1.5")
+    assert _rows(tmp_path / "sampled") == _rows(tmp_path / "greedy") != _rows(tmp_path / "plain")
+    assert read_manifest(tmp_path / "sampled" / "distill")["generation"]["top_k"] == 1
+    greedy = read_manifest(tmp_path / "greedy" / "distill")
+    assert greedy["generation"]["top_k"] == 0 and "top_k" not in greedy["settings"]
+
+
 def test_resume_with_other_settings_is_refused(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
     shutil.copytree(reference[0] / "distill", tmp_path / "distill")
     with pytest.raises(UserError, match=r"other settings.*distill.max_new_tokens.*distill.overwrite=true"):
