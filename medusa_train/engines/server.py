@@ -374,14 +374,19 @@ _TOKEN_ID_FIELDS = {"logprobs": 1, "return_tokens_as_token_ids": True, "return_t
 """vLLM extras: generated ids as ``choices[0].token_ids`` (newer) or ``logprobs.tokens`` = ``token_id:N``."""
 
 
-_SAMPLE_FIELDS = {"generation_config": json.dumps({"do_sample": True})}
-"""Sent with every sampled request (``temperature > 0``). ``transformers serve`` samples only when
-its generation config says ``do_sample``: it takes the request's temperature and top_p but keeps the
-model's ``do_sample``, so a model whose ``generation_config.json`` does not set it (base models, e.g.
-GPT-2, Llama-3-8B) answered every sampled request greedily. A request's ``generation_config`` (a JSON
-string) is its documented override; the values it leaves unset still come from the model's own
-generation config (repetition penalty, EOS, top-k). vLLM, SGLang and TGI ignore the field (vLLM logs
-it, at debug level in current versions, as a warning per request in older ones)."""
+def sampled_generation_config(top_k: int) -> dict[str, str]:
+    """The ``generation_config`` field sent with every sampled request (``temperature > 0``).
+
+    ``transformers serve`` samples only when its generation config says ``do_sample``: it takes the
+    request's temperature and top_p but keeps the model's ``do_sample``, so a model whose
+    ``generation_config.json`` does not set it (base models, e.g. GPT-2, Llama-3-8B) answered every
+    sampled request greedily. A request's ``generation_config`` (a JSON string) is its override;
+    what it leaves unset still comes from the model's own generation config (repetition penalty, EOS,
+    min-p). ``top_k`` is the model's (0: none), which ``transformers serve`` would otherwise replace
+    by ``generate``'s default of 50 where the config sets none: so it samples from the distribution
+    vLLM and the in-process engine use. vLLM, SGLang and TGI ignore the field (vLLM logs it: at debug
+    level in current versions, as a warning per request in older ones)."""
+    return {"generation_config": json.dumps({"do_sample": True, "top_k": top_k})}
 
 
 def _completion_ids(choice: dict) -> list[int] | None:
@@ -458,6 +463,8 @@ class ServerEngine:
         end_id: EOS appended to a text reply the server ended itself (:func:`reply_end_id`).
         temperature: 0 = greedy.
         top_p: nucleus mass when sampling.
+        top_k: the model's top-k (0: none), for servers that would apply another one when sampling
+            (:func:`sampled_generation_config`).
         concurrency: requests in flight per endpoint.
         down: endpoints already down before any work (``check_server``'s ``down``: url -> reason).
         readmit_after_s: seconds a down endpoint waits before it is probed again.
@@ -477,6 +484,7 @@ class ServerEngine:
         end_id: int,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
         concurrency: int = 8,
         down: dict[str, str] | None = None,
         readmit_after_s: float = 30.0,
@@ -491,6 +499,7 @@ class ServerEngine:
         self.end_id = end_id
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
         self.endpoints = [_Endpoint(u) for u in client.urls]
         for endpoint in self.endpoints:
             if endpoint.url in (down or {}):
@@ -510,7 +519,11 @@ class ServerEngine:
     def _sampling(self, request: GenRequest) -> dict[str, Any]:
         if self.temperature <= 0:
             return {"temperature": 0.0}
-        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, **_SAMPLE_FIELDS}
+        out: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            **sampled_generation_config(self.top_k),
+        }
         if request.seed is not None:  # per record and turn; honoured per request by vLLM, SGLang and TGI
             out["seed"] = request.seed % (1 << 31)
         return out

@@ -243,6 +243,8 @@ def _load_and_plan(
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
         server = _check_server(cfg, renderer, records[0], prompts[0])
+        # the model's top-k, sent to servers that would apply another (ServerEngine's top_k)
+        server["top_k"] = _generation_config_settings(model, sampled=True).get("top_k", 0)
         settings["engine"] = {**quick["engine"], "served": sorted({e["root"] for e in server["endpoints"]})}
     num_shards = -(-len(records) // cfg.distill.shard_size)
     plan = _Plan(
@@ -755,6 +757,7 @@ def _server_engine(plan: _Plan, renderer: ChatRenderer) -> ServerEngine:
         end_id=reply_end_id(renderer.tokenizer, plan.eos_ids),
         temperature=cfg.distill.temperature,
         top_p=cfg.distill.top_p,
+        top_k=plan.server["top_k"],
         concurrency=s.concurrency,
         down=plan.server["down"],
         readmit_after_s=s.readmit_after_s,

@@ -139,6 +139,26 @@ def test_tokens_api_reads_vllm_ids_and_closes_replies_with_eos(scripted, shape) 
     assert all(b["return_tokens_as_token_ids"] and b["stop_token_ids"] == [2] for b in bodies)
 
 
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_sampled_requests_carry_their_seed_and_the_generation_config_override(scripted, top_k) -> None:
+    """A sampled request asks for sampling in ``generation_config`` (``transformers serve`` otherwise
+    keeps a base model's greedy default) with the model's top-k (0: none, not generate's 50); a
+    greedy one sends temperature 0 alone."""
+    answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
+    srv = scripted([answer] * 2)
+    for temperature in (0.8, 0.0):
+        engine = ServerEngine(
+            ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
+            eos_ids=[2], end_id=2, temperature=temperature, top_p=0.9, top_k=top_k, concurrency=1,
+        )  # fmt: skip
+        engine.run([GenRequest(0, [1, 3], seed=(1 << 31) + 7)], lambda r, new: None)
+    sampled, greedy = (body for _, _, body in srv.seen)
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (0.8, 0.9, 7)
+    assert json.loads(sampled["generation_config"]) == {"do_sample": True, "top_k": top_k}
+    assert greedy["temperature"] == 0.0
+    assert not {"top_p", "seed", "generation_config"} & greedy.keys()
+
+
 def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
     """Two endpoints, one request in flight each: both serve, and follow-ups are generated too."""
     answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
