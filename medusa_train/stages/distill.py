@@ -240,6 +240,7 @@ def _load_and_plan(
         # distilled before the engine applied one does not resume into one that does. The engine
         # applies what is recorded here (_distill_shards).
         settings.update(_generation_config_settings(model, sampled=cfg.distill.temperature > 0))
+        _warn_unapplied(model, sampled=cfg.distill.temperature > 0)
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
         server = _check_server(cfg, renderer, records[0], prompts[0])
@@ -272,6 +273,40 @@ def _generation_config_settings(model, sampled: bool) -> dict:
         if min_p > 0:
             out["min_p"] = min_p
     return out
+
+
+_UNAPPLIED = {  # generation-config settings that change generate's replies, and their off values
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+}
+_UNAPPLIED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+
+def _warn_unapplied(model, sampled: bool) -> None:
+    """Warn about settings of ``model``'s generation config that ``generate`` and the servers apply
+    and the in-process engine does not (it applies :func:`_generation_config_settings`): its replies
+    then differ from the model's own ``generate``. Common chat models set none of them."""
+    config = getattr(model, "generation_config", None)
+    checked = {**_UNAPPLIED, **(_UNAPPLIED_SAMPLING if sampled else {})}
+    unapplied = [
+        f"{name}={getattr(config, name)!r}"
+        for name, off in checked.items()
+        if getattr(config, name, None) not in (off, None)
+    ]
+    if unapplied:
+        log.warning(
+            "distill: the model's generation config sets %s, which the in-process engine does not apply "
+            "(generate and the servers do): its replies can differ from the model's own generate",
+            ", ".join(unapplied),
+        )
 
 
 def _records_hash(records: list[Conversation]) -> str:

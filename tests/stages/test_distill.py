@@ -206,6 +206,20 @@ def test_the_backbones_top_k_applies_when_sampling(tiny_backbone_dir, prompts, t
     assert greedy["generation"]["top_k"] == 0 and "top_k" not in greedy["settings"]
 
 
+def test_generation_config_settings_the_engine_does_not_apply_are_named(
+    tiny_backbone_dir, prompts, tmp_path, caplog
+) -> None:
+    backbone = tmp_path / "ngram"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    config = json.loads((backbone / "generation_config.json").read_text())
+    (backbone / "generation_config.json").write_text(json.dumps({**config, "no_repeat_ngram_size": 3}))
+    with caplog.at_level("WARNING", logger="medusa_train.stages.distill"):
+        _run(tmp_path / "plain", tiny_backbone_dir, prompts, "data.num_prompts=2")
+        assert "does not apply" not in caplog.text
+        _run(tmp_path / "ngram", backbone, prompts, "data.num_prompts=2")
+    assert "sets no_repeat_ngram_size=3, which the in-process engine does not apply" in caplog.text
+
+
 def test_resume_with_other_settings_is_refused(reference, tiny_backbone_dir, prompts, tmp_path) -> None:
     shutil.copytree(reference[0] / "distill", tmp_path / "distill")
     with pytest.raises(UserError, match=r"other settings.*distill.max_new_tokens.*distill.overwrite=true"):
