@@ -36,6 +36,23 @@ from medusa_train.decoding.processors import penalize
 from medusa_train.engines.base import GenRequest, OnDone
 from medusa_train.hf_compat import cache_kwargs
 
+UNAPPLIED_SETTINGS = {
+    "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+}
+"""Generation-config settings that change ``generate``'s replies and that this engine does not
+apply, on either path, with their off values (the stage warns about any a model sets)."""
+UNAPPLIED_SAMPLING_SETTINGS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+"""The same for sampling filters (a greedy reply does not depend on them)."""
+
 
 def request_generator(seed: int | None) -> torch.Generator:
     """The CPU generator a request's sampled tokens are drawn with (seed None counts as 0)."""
@@ -193,21 +210,26 @@ def generate_batch(
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
         use_cache=True,
-        # generate fills what a config leaves unset from the model's generation config: its own
-        # penalty would also count the padding, so it is off and RowPenalty applies the model's.
-        repetition_penalty=1.0,
     )
     processors = LogitsProcessorList()
     if repetition_penalty != 1.0:
         processors.append(RowPenalty(repetition_penalty, [width - len(c) for c in contexts]))
     if generators:
         processors.append(RecordSampler(generators, temperature, top_p, top_k, min_p))
-    out = model.generate(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        generation_config=config,
-        logits_processor=processors or None,
-    )  # (B, T + new)
+    # generate fills what a config leaves unset from the model's generation config: with a neutral
+    # one in its place for the call, it applies only the settings above and the processors, as the
+    # continuous path does (generate's own penalty would also count the padding; RowPenalty applies
+    # the model's, and settings the engine does not apply stay unapplied on both paths).
+    own, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        out = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
+            generation_config=config,
+            logits_processor=processors or None,
+        )  # (B, T + new)
+    finally:
+        model.generation_config = own
     eos = set(eos_ids)
     result = []
     for row in out[:, width:].tolist():

@@ -83,7 +83,7 @@ from medusa_train.data.distilled import (
 )
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
-from medusa_train.engines.inprocess import ContinuousBatcher
+from medusa_train.engines.inprocess import UNAPPLIED_SAMPLING_SETTINGS, UNAPPLIED_SETTINGS, ContinuousBatcher
 from medusa_train.engines.server import (
     ServerClient,
     ServerEngine,
@@ -275,27 +275,12 @@ def _generation_config_settings(model, sampled: bool) -> dict:
     return out
 
 
-_UNAPPLIED = {  # generation-config settings that change generate's replies, and their off values
-    "no_repeat_ngram_size": 0,
-    "encoder_repetition_penalty": 1.0,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "min_new_tokens": None,
-    "min_length": 0,
-}
-_UNAPPLIED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
-
-
 def _warn_unapplied(model, sampled: bool) -> None:
     """Warn about settings of ``model``'s generation config that ``generate`` and the servers apply
     and the in-process engine does not (it applies :func:`_generation_config_settings`): its replies
     then differ from the model's own ``generate``. Common chat models set none of them."""
     config = getattr(model, "generation_config", None)
-    checked = {**_UNAPPLIED, **(_UNAPPLIED_SAMPLING if sampled else {})}
+    checked = {**UNAPPLIED_SETTINGS, **(UNAPPLIED_SAMPLING_SETTINGS if sampled else {})}
     unapplied = [
         f"{name}={getattr(config, name)!r}"
         for name, off in checked.items()

@@ -228,3 +228,18 @@ def test_sampled_rows_with_top_k_and_min_p_do_not_depend_on_the_batch() -> None:
     window = _model("mistral-window")  # the static generate batches
     assert _run(window, prompts, eos, 5, **kw) == _run(window, prompts, eos, 1, **kw)
     assert one != _run(model, prompts, eos, 5, temperature=1.0, top_p=1.0)  # the filters changed draws
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral-window"])
+def test_settings_the_engine_does_not_apply_are_unapplied_on_both_paths(arch: str) -> None:
+    """A generation config's ``no_repeat_ngram_size`` (one of ``UNAPPLIED_SETTINGS``) changes
+    ``generate``'s replies; the continuous path and the static fallback (which calls ``generate``)
+    both leave it unapplied, so they agree."""
+    model = _model(arch)
+    prompts = _prompts(6, seed=7)
+    eos = _pick_eos(model, prompts)
+    plain = _run(model, prompts, eos, 3)
+    model.generation_config.no_repeat_ngram_size = 2
+    assert any(new != _reference(model, context, eos) for context, new in plain.values())  # it would bite
+    assert _run(model, prompts, eos, 3) == plain
+    assert "no_repeat_ngram_size" in inprocess.UNAPPLIED_SETTINGS
