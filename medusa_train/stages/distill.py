@@ -258,8 +258,8 @@ def _load_and_plan(
 def _generation_config_settings(model, sampled: bool) -> dict:
     """What of ``model``'s generation config the in-process engine applies, as ``generate`` and the
     servers do: ``repetition_penalty`` (always) and, when ``sampled``, ``top_k`` and ``min_p`` (vLLM
-    applies them from the generation config too; ``transformers serve`` also ``generate``'s default
-    top-k of 50 where the config sets none). Only values that filter anything are returned."""
+    and ``transformers serve`` apply them from the generation config too). Only values that filter
+    anything are returned."""
     config = getattr(model, "generation_config", None)
     out = {}
     penalty = float(getattr(config, "repetition_penalty", None) or 1.0)
