@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
+from medusa_train.decoding.acceptance import warp_probs
 from medusa_train.decoding.processors import penalize
 from medusa_train.engines.base import GenRequest, OnDone
 from medusa_train.hf_compat import cache_kwargs
@@ -59,32 +60,6 @@ def request_generator(seed: int | None) -> torch.Generator:
     return torch.Generator().manual_seed(0 if seed is None else seed)
 
 
-def filtered_sorted(
-    scores: torch.Tensor, temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distribution a row of ``scores`` (B, V) is drawn from, sorted by probability.
-
-    ``generate``'s sampling warpers, in its order: temperature, top-k (0 = off), top-p over the
-    top-k renormalised, min-p (a token is kept when its probability is at least ``min_p`` times the
-    top one's, which renormalising does not change). The top token is always kept.
-
-    Returns:
-        ``(mass, order)``, both (B, V): the kept probability mass in descending order (0 where
-        filtered out; not renormalised) and the token ids in that order.
-    """
-    probs = torch.softmax(scores.float() / temperature, dim=-1)  # (B, V)
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    if 0 < top_k < sorted_p.shape[-1]:
-        sorted_p[:, top_k:] = 0.0
-        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)  # top-p reads the top-k renormalised
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    if top_p < 1.0:  # not at 1: a float32 cumsum reaches 1 before the tail and would cut it off
-        keep &= (sorted_p.cumsum(-1) - sorted_p) < top_p  # nucleus; the top token is always kept
-    if min_p > 0:
-        keep &= sorted_p >= min_p * sorted_p[:, :1]
-    return sorted_p * keep, order
-
-
 def sample_rows(
     scores: torch.Tensor,
     generators: list[torch.Generator],
@@ -94,13 +69,15 @@ def sample_rows(
     min_p: float = 0.0,
 ) -> torch.Tensor:
     """Draw one token per row of ``scores`` (B, V) with that row's generator, from the distribution
-    :func:`filtered_sorted` gives.
+    ``generate``'s warpers leave (:func:`~medusa_train.decoding.acceptance.warp_probs`: temperature,
+    top-k (0 = off), top-p, min-p (0 = off), in its order; the decoders' sampling uses it too).
 
     Each row consumes exactly one float64 draw from its own generator, so a request's sample does
     not depend on which rows share its batch.
     """
-    mass, order = filtered_sorted(scores, temperature, top_p, top_k, min_p)
-    cum = mass.cumsum(-1)  # (B, V)
+    probs = warp_probs(scores, temperature, top_p, top_k, min_p)  # (B, V)
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
+    cum = sorted_p.cumsum(-1)  # (B, V)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
     pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
