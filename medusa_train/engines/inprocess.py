@@ -19,7 +19,8 @@ its reply so far, never another row's or the padding), before the greedy pick or
 greedy replies equal ``model.generate(do_sample=False)`` with the model's own generation config, as
 a server's do. When sampling, the stage also passes the generation config's top-k and min-p, which
 vLLM applies too; the temperature and top-p are ``distill.temperature`` and ``distill.top_p``, which
-a request to a server overrides the model's with as well.
+a request to a server overrides the model's with as well. The other settings a generation config
+may set (:data:`UNAPPLIED_SETTINGS`) are applied on neither path.
 """
 
 from __future__ import annotations
