@@ -82,6 +82,7 @@ def distill_records(
     states = [
         DistilledRecord(c.source_id, list(p), [0] * len(p)) for c, p in zip(records, prompt_ids, strict=True)
     ]
+    answered = [len(p) for p in prompt_ids]  # per record: its tokens up to its last reply
 
     def request(i: int) -> GenRequest:
         st = states[i]
@@ -92,8 +93,9 @@ def distill_records(
     def on_done(req: GenRequest, new: list[int] | None) -> GenRequest | None:
         i = req.key
         st, conv = states[i], records[i]
-        if new is None:  # a text engine could not give this reply exactly: the conversation ends here
-            st.inexact += 1
+        if new is None:  # a text engine could not give this reply exactly: the conversation ends here,
+            st.inexact += 1  # after the last reply (the user turn this one answers is dropped too)
+            del st.input_ids[answered[i] :], st.loss_mask[answered[i] :]
             if on_reply is not None:
                 on_reply(0, True)
             return None
@@ -103,6 +105,7 @@ def distill_records(
         ended = new[-1] if new and new[-1] in eos_ids else None
         st.cut += ended is None
         st.replies.append(tok.decode(new, skip_special_tokens=True))
+        answered[i] = len(st.input_ids)
         follow = None
         if st.turns < len(conv.turns):
             cont = renderer.continuation_ids(conv, st.replies, ended)

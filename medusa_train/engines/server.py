@@ -65,8 +65,9 @@ from medusa_train.errors import UserError
 
 log = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-"""HTTP answers worth another try: timeouts, rate limits, overloaded or restarting servers."""
+RETRY_STATUSES = frozenset({408, 424, 425, 429, 500, 502, 503, 504})
+"""HTTP answers worth another try: timeouts, rate limits, overloaded or restarting servers, and TGI's
+424 (a generation error such as running out of GPU memory in one batch)."""
 
 
 PROBE_STATUSES = frozenset({408, 429, 502, 503, 504})
@@ -202,11 +203,15 @@ class ServerClient:
                 with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as err:
-                detail = _one_line(err.read().decode(errors="replace"))
+                try:
+                    detail = _one_line(err.read().decode(errors="replace"))
+                except (OSError, http.client.HTTPException):  # the connection broke while reading it
+                    detail = "(no readable body)"
                 if err.code not in retry_statuses:
                     raise ServerRefused(url, err.code, detail) from None
                 last, retry_after = f"HTTP {err.code}: {detail}", err.headers.get("Retry-After")
-            except (urllib.error.URLError, OSError, http.client.HTTPException, json.JSONDecodeError) as err:
+            except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
+                # ValueError: an answer that is not JSON, or not even UTF-8 (a proxy's gzip or HTML page)
                 reason = getattr(err, "reason", None) or err
                 last = _one_line(f"{type(err).__name__}: {reason}")
             if attempt < retries and not (stop is not None and stop.is_set()):
@@ -588,13 +593,14 @@ class ServerEngine:
             return _Reply(None, {**counts, "not_round_trip": 1})
         finish = choice.get("finish_reason")
         # `transformers serve` reports "length" whenever the cap is reached, also when the last token
-        # was the EOS (absent from the text): then the server counted one token more than the text has.
-        ended = finish == "stop" or (
-            finish == "length" and generated == len(ids) + 1 and len(ids) + 1 <= self.max_new_tokens
-        )
-        if ended:
+        # was the EOS (absent from the text): then it counted one token more than the text has. A
+        # reply cut at the cap whose text re-tokenises to one token fewer (a non-canonical split:
+        # vLLM, SGLang) looks the same; the record takes the first reading, and the reply is counted
+        # in `token_count_differs` either way, since either reading can be wrong.
+        eos_at_cap = finish == "length" and generated == self.max_new_tokens == len(ids) + 1
+        if finish == "stop" or eos_at_cap:
             ids.append(self.end_id)
-        counts["token_count_differs"] = int(generated is not None and generated != len(ids))
+        counts["token_count_differs"] = int(eos_at_cap or (generated is not None and generated != len(ids)))
         return _Reply(ids, counts)
 
     # -- the loop ---------------------------------------------------------------------------------

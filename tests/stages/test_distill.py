@@ -384,3 +384,43 @@ def test_any_engine_drives_the_loop_to_the_same_records(tiny_backbone_dir) -> No
     )
     assert [r.turns for r in a] == [len(c.turns) for c in convs] and sum(r.turns for r in a) > len(convs)
     assert [(r.input_ids, r.loss_mask, r.cut) for r in a] == [(r.input_ids, r.loss_mask, r.cut) for r in b]
+
+
+class _NoSecondReply(_OneAtATime):
+    """A text engine that cannot give any second reply exactly (``None``, as a server engine answers
+    a reply that does not round-trip through the tokenizer)."""
+
+    def run(self, requests: list[GenRequest], on_done) -> None:
+        answered: set = set()
+
+        def first_only(req: GenRequest, new):
+            if req.key in answered:
+                return on_done(req, None)
+            answered.add(req.key)
+            return on_done(req, new)
+
+        super().run(requests, first_only)
+
+
+def test_a_reply_a_text_engine_cannot_give_ends_the_record_after_the_last_reply(tiny_backbone_dir) -> None:
+    """A second reply that comes back ``None``: the record ends with the first reply, as one whose
+    second turn is dropped for the context limit does (not with the user turn left unanswered)."""
+    model, tok = load_backbone(str(tiny_backbone_dir), dtype="float32", device="cpu")
+    renderer = ChatRenderer(tok)
+    eos_ids = eos_token_ids(model, tok)
+    convs = [Conversation(f"r{i}", ["why is the cat big?", "and the dog?"]) for i in range(2)]
+    prompts = [renderer.prompt_ids(c) for c in convs]
+    full = distill_records(
+        _OneAtATime(model, tok, eos_ids), renderer, convs, prompts, max_context=10_000, eos_ids=eos_ids
+    )
+    cut = distill_records(
+        _NoSecondReply(model, tok, eos_ids), renderer, convs, prompts, max_context=10_000, eos_ids=eos_ids
+    )
+    for whole, r in zip(full, cut, strict=True):
+        first_reply_end = len(r.input_ids)
+        assert (r.turns, r.inexact) == (1, 1) and whole.turns == 2
+        assert r.loss_mask[-1] == 1  # the record ends on a reply token
+        assert (r.input_ids, r.loss_mask) == (
+            whole.input_ids[:first_reply_end],
+            whole.loss_mask[:first_reply_end],
+        )

@@ -19,7 +19,8 @@ from tests.helpers.local_server import LocalServer
 
 
 class Scripted(LocalServer):
-    """Answers requests with ``script`` in order (status, headers, body), recording what came in."""
+    """Answers requests with ``script`` in order (status, headers, body: JSON, or bytes sent as they
+    are), recording what came in."""
 
     def __init__(self, script: list[tuple[int, dict, dict]]) -> None:
         self.script = list(script)
@@ -32,7 +33,7 @@ class Scripted(LocalServer):
                 body = json.loads(self.rfile.read(length)) if length else None
                 owner.seen.append((self.path, dict(self.headers), body))
                 status, headers, payload = owner.script.pop(0) if owner.script else (500, {}, {})
-                data = json.dumps(payload).encode()
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -70,6 +71,16 @@ def test_retries_429_and_5xx_with_exponential_backoff_and_jitter(scripted) -> No
     for i, d in enumerate(delays):  # jitter in [0.5, 1] of min(cap, base * 2**i)
         cap = min(1.5, 0.5 * 2**i)
         assert 0.5 * cap <= d <= cap
+
+
+def test_answers_that_are_not_utf8_and_tgis_424_are_retried(scripted) -> None:
+    """A proxy's gzip page (not even UTF-8) and TGI's 424 (a generation error, e.g. out of memory)
+    are server faults: retried, not a crash or a refusal."""
+    gzip_page = b"\x1f\x8b\x08\x00\xff\xfe not json"
+    srv = scripted([(200, {}, gzip_page), (424, {}, {"error": "CUDA out of memory"}), (200, {}, {"ok": 1})])
+    client = ServerClient([srv.url], max_retries=3, backoff_s=0.0, sleep=lambda _: None)
+    assert client.request(srv.url, "/models") == {"ok": 1}
+    assert client.retries == 2
 
 
 def test_a_4xx_is_not_retried(scripted) -> None:
@@ -157,6 +168,47 @@ def test_sampled_requests_carry_their_seed_and_the_generation_config_override(sc
     assert json.loads(sampled["generation_config"]) == {"do_sample": True, "top_k": top_k}
     assert greedy["temperature"] == 0.0
     assert not {"top_p", "seed", "generation_config"} & greedy.keys()
+
+
+class _WordTok:
+    """Enough of a tokenizer for the chat API: a text of numbers is its ids."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize(
+    ("text", "finish", "generated", "ids", "counted"),
+    [
+        ("5 6", "stop", 3, [5, 6, 2], 0),  # ended: the EOS appended
+        ("5 6 7", "length", 3, [5, 6, 7], 0),  # cut at the cap (3)
+        ("5 6", "length", 3, [5, 6, 2], 1),  # EOS at the cap (transformers serve), or a split one short
+        ("5 6", "length", 2, [5, 6], 0),  # a server that cut early at its own limit: no EOS
+    ],
+)
+def test_chat_replies_end_with_eos_only_when_they_ended(
+    scripted, text, finish, generated, ids, counted
+) -> None:
+    usage = {"completion_tokens": generated, "prompt_tokens": 2}
+    answer = {
+        "model": "m",
+        "usage": usage,
+        "choices": [{"message": {"content": text}, "finish_reason": finish}],
+    }
+    srv = scripted([(200, {}, answer)])
+    engine = ServerEngine(
+        ServerClient([srv.url]), model="m", tokenizer=_WordTok(), api="chat", max_new_tokens=3,
+        eos_ids=[2], end_id=2, concurrency=1,
+    )  # fmt: skip
+    got = {}
+    engine.run(
+        [GenRequest(0, [1, 4], None, [{"role": "user", "content": "4"}])], lambda r, n: got.update({0: n})
+    )
+    assert got[0] == ids
+    assert engine.stats["token_count_differs"] == counted
 
 
 def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
