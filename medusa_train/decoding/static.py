@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .acceptance import warp_probs
-from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, on_device, packed_sdpa, resolve_attention, tree_step
 from .batched import MedusaBatchOutput, PreallocatedLayer, shared_storage
 from .generate import (
     MedusaOutput,
@@ -344,7 +344,7 @@ class StaticDecoder:
                 torch._dynamo.mark_static_address(t)
             self._run = torch.compile(self._step, mode=compile_mode)
         elif capture == "cuda_graph":
-            with _own_rng(dev):
+            with _own_rng(dev), on_device(dev):  # captured on (and replayed from) the model's device
                 self._capture_graph()
 
     def _backend(self):
@@ -604,7 +604,7 @@ class StaticDecoder:
         ]
         active = [n > 0 for n in budgets]
         steps = 0
-        with self._backend():
+        with self._backend(), on_device(self.device):  # the step's kernels and replays launch there
             t0 = _now(self.device)
             for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
                 self._prefill_row(row, ids[row] if row < len(ids) else ids[0])

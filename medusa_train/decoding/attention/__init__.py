@@ -34,6 +34,7 @@ layer's query heads stacked per KV head instead of K/V expanded to every query h
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -339,6 +340,15 @@ def register() -> None:
     AttentionInterface.register(PACKED_SDPA_NAME, hf_packed_sdpa_attention)
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device for the block (a no-op for any other device).
+
+    Triton kernels, the CUDA extension and CUDA-graph capture and replay launch on the current device,
+    not on their tensors': a model on ``cuda:1`` (``model.device=cuda:1``) in a process whose current
+    device is 0 would have its kernels launched on device 0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @contextmanager
 def packed_sdpa(model: torch.nn.Module) -> Iterator[None]:
     """Run the model's forwards inside this block with :func:`hf_packed_sdpa_attention` if the model
@@ -361,7 +371,7 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
     """Run the model's forwards inside this block with tree attention for ``step``.
 
     Switches ``model.config``'s attention implementation to :data:`KERNEL_NAME` and back afterwards
-    (also when the forward raises).
+    (also when the forward raises), with the model's device current (:func:`on_device`).
     """
     register()
     config = model.config
@@ -369,7 +379,8 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
     token = _STEP.set(step)
     config._attn_implementation = KERNEL_NAME
     try:
-        yield
+        with on_device(model.device):
+            yield
     finally:
         config._attn_implementation = previous
         _STEP.reset(token)
@@ -387,6 +398,7 @@ __all__ = [
     "TreeStep",
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
+    "on_device",
     "packed_sdpa",
     "register",
     "resolve_attention",

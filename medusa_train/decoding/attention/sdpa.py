@@ -107,4 +107,7 @@ def packed_gqa_sdpa(
     # (contiguous from an aligned start; a strided view made cuDNN's attention fault on an H100).
     packed = mask[:, :, None].expand(bsz, 1, g, m, width).reshape(bsz, 1, g * m, width)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=packed, dropout_p=dropout, scale=scale)
-    return out.view(bsz, hq, m, d).transpose(1, 2).contiguous()  # (B, M, Hq, D)
+    # SDPA's output is (B, Hkv, g * M, D) in shape, not always in memory: CUDA's efficient and flash
+    # kernels return a transposed (B, g * M, Hkv, D) buffer, which no view of (B, Hq, M, D) reads.
+    # Splitting the rows is a view of any layout; the one copy makes (B, M, Hq, D), head kvh * g + j.
+    return out.unflatten(2, (g, m)).permute(0, 3, 1, 2, 4).reshape(bsz, m, hq, d).contiguous()

@@ -264,6 +264,30 @@ def test_packed_gqa_sdpa_equals_transformers_sdpa_with_expanded_kv(kind, hkv, gr
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("hkv", "group", "m"), [(2, 4, 7), (4, 2, 33)])
+def test_packed_gqa_sdpa_reads_any_layout_sdpa_returns(monkeypatch, hkv, group, m):
+    """CUDA's efficient and flash SDPA kernels return (B, H, L, D) as a transpose of a contiguous
+    (B, L, H, D) buffer: the packed result is the same for that layout (a ``view`` of it fails)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(7)
+    bsz, width, d = 2, 45, 16
+    q = torch.randn(bsz, hkv * group, m, d, generator=gen)
+    k, v = torch.randn(bsz, hkv, width, d, generator=gen), torch.randn(bsz, hkv, width, d, generator=gen)
+    mask = torch.rand(bsz, 1, m, width, generator=gen) > 0.3
+    mask[..., 0] = True
+    expected = packed_gqa_sdpa(q, k, v, mask, 0.3)
+    real = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = real(*args, **kwargs)  # (B, H, L, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, L, H, D) in memory
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    assert not cuda_layout(k, k, v).is_contiguous()
+    assert torch.equal(packed_gqa_sdpa(q, k, v, mask, 0.3), expected)
+
+
 def test_packed_attention_takes_only_masked_short_grouped_calls(monkeypatch):
     """Unmasked calls, head-specific masks, more than PACKED_MAX_QUERIES queries and layers without
     grouped heads go to transformers' SDPA attention."""
