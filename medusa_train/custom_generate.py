@@ -62,7 +62,13 @@ from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_ba
 from medusa_train.decoding.attention import ATTENTION_CHOICES
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
-from medusa_train.decoding.static import StaticDecoder, capacity_for, columns_needed, row_budgets
+from medusa_train.decoding.static import (
+    StaticDecoder,
+    capacity_for,
+    columns_needed,
+    host_synced_rope,
+    row_budgets,
+)
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
@@ -443,16 +449,17 @@ def release(model) -> None:
     vars(model).pop(_STATIC_ATTR, None)
 
 
-def _static_capture(config, device: torch.device) -> tuple[str, str | None]:
+def _static_capture(config, device: torch.device, model) -> tuple[str, str | None]:
     """``(capture, compile_mode)`` of the static decoder, decided as transformers decides whether to
     compile a static-cache ``generate``: not with ``disable_compile``; on a CUDA device the whole step
-    as one CUDA graph (as ``eval.compile`` measures it there, docs/benchmarks.md); elsewhere compiled
-    (``torch.compile`` in the ``compile_config``'s mode) only when the ``compile_config`` compiles on
-    all devices."""
+    as one CUDA graph (as ``eval.compile`` measures it there, docs/benchmarks.md; eager for a model
+    whose RoPE a graph cannot capture: :func:`~medusa_train.decoding.static.host_synced_rope`);
+    elsewhere compiled (``torch.compile`` in the ``compile_config``'s mode) only when the
+    ``compile_config`` compiles on all devices."""
     if config.disable_compile:
         return "eager", None
     if device.type == "cuda":
-        return "cuda_graph", None
+        return ("eager" if host_synced_rope(model) else "cuda_graph"), None
     compile_config = config.compile_config
     if compile_config is not None and getattr(compile_config, "_compile_all_devices", False):
         return "compile", compile_config.mode
@@ -466,7 +473,7 @@ def _static_decoder(
     acceptance, repetition penalty, minimum length) with room for its rows: the one kept from an earlier call, else a
     new one (replacing a smaller one) of :func:`~medusa_train.decoding.static.capacity_for` columns."""
     device = model.get_output_embeddings().weight.device
-    capture, compile_mode = _static_capture(config, device)
+    capture, compile_mode = _static_capture(config, device, model)
     rule = settings["acceptance"]
     rule_settings = {  # what changes the step of each rule (greedy: nothing)
         "typical": ("temperature", "posterior_threshold", "posterior_alpha"),

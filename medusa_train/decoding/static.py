@@ -73,6 +73,19 @@ STATIC_ACCEPTANCE = ("greedy", "typical", "sample")
 SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
 
+def host_synced_rope(model: torch.nn.Module) -> bool:
+    """Whether a rotary embedding of ``model`` recomputes its frequencies from the positions on the
+    host at every forward (transformers' dynamic NTK RoPE, ``rope_type`` "dynamic": ``if seq_len >
+    max_seq_len_cached``). A CUDA graph cannot capture that read (nor replay a decision it made once);
+    ``torch.compile`` and the eager step run it."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else (kind,)
+        if any(isinstance(k, str) and "dynamic" in k for k in kinds):
+            return True
+    return False
+
+
 class _StaticLayer(PreallocatedLayer):
     """One layer of a :class:`StaticKVCache`: ``(B, H, C, D)`` keys/values written where the owner says."""
 
@@ -248,6 +261,11 @@ class StaticDecoder:
             raise ValueError(
                 "the static decoder takes models whose layers all use the same attention (full, or one "
                 "sliding window); this one mixes both: use medusa_generate"
+            )
+        if capture == "cuda_graph" and host_synced_rope(model):
+            raise ValueError(
+                "capture='cuda_graph' cannot capture this model's dynamic RoPE (it recomputes its "
+                "frequencies from the positions on the host every forward): use capture='eager'"
             )
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

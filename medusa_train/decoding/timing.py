@@ -47,7 +47,7 @@ from transformers import CompileConfig
 
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import attention_backends, medusa_generate
-from medusa_train.decoding.static import StaticDecoder, capacity_for
+from medusa_train.decoding.static import StaticDecoder, capacity_for, host_synced_rope
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import EvalConfig
@@ -220,8 +220,11 @@ class TimedDecoders:
 
     @property
     def static_capture(self) -> str:
-        """How the static decoder's step is captured here: a CUDA graph on CUDA, torch.compile elsewhere."""
-        return "cuda_graph" if self.device.type == "cuda" else "compile"
+        """How the static decoder's step is captured here: a CUDA graph on CUDA (eager for a model whose
+        RoPE a graph cannot capture: :func:`host_synced_rope`), torch.compile elsewhere."""
+        if self.device.type != "cuda":
+            return "compile"
+        return "eager" if host_synced_rope(self.model) else "cuda_graph"
 
     def static_decoder(self, capacity: int, batch_size: int = 1) -> StaticDecoder:
         """The :class:`StaticDecoder` of ``capacity`` with ``batch_size`` rows, built (and so captured, on its

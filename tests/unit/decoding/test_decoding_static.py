@@ -17,6 +17,7 @@ from medusa_train.decoding.static import (
     StaticKVCache,
     capacity_for,
     greedy_path,
+    host_synced_rope,
     medusa_generate_static,
     typical_nodes,
     typical_path,
@@ -57,6 +58,29 @@ def test_static_greedy_parity(arch):
                 model, decoders[kind].packed, prompt, max_new_tokens=30, tree=tree
             )  # same steps as the dynamic decoder
             assert out.accepted_lengths == dynamic.accepted_lengths
+
+
+def test_a_dynamic_rope_is_never_captured_as_a_cuda_graph():
+    """Dynamic NTK RoPE decides on the host, every forward, whether to recompute its frequencies: the
+    decoder refuses to capture it as a CUDA graph (which would fail or replay a stale decision), and
+    the automatic choices (eval's, ``generate``'s static cache) run its step eager instead; eager, it
+    equals plain greedy."""
+    from transformers import GenerationConfig
+
+    from medusa_train.custom_generate import _static_capture
+
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    plain = tiny_model("llama")
+    assert host_synced_rope(dynamic) and not host_synced_rope(plain)
+    heads = random_heads(dynamic, seed=1)
+    with pytest.raises(ValueError, match="dynamic RoPE.*capture='eager'"):
+        StaticDecoder(dynamic, heads, MEDUSA_63, capacity=2 * MAX_POS, capture="cuda_graph")
+    cuda = torch.device("cuda")
+    assert _static_capture(GenerationConfig(), cuda, dynamic) == ("eager", None)
+    assert _static_capture(GenerationConfig(), cuda, plain) == ("cuda_graph", None)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    out = StaticDecoder(dynamic, heads, MEDUSA_63, capacity=2 * MAX_POS).generate(prompt, max_new_tokens=20)
+    assert out.tokens.tolist() == plain_greedy(dynamic, prompt, 20)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
