@@ -355,6 +355,9 @@ class StaticDecoder:
             self.num_steps,
         ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         self._static += self.processors.state()
+        if self._kernel_step is not None:  # the kernels' inputs: the past lengths change every step
+            step = self._kernel_step
+            self._static += [step.past_lens, step.starts, step.mask.bits, step.mask.depth]
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
