@@ -442,6 +442,12 @@ class _Endpoint:
     went_down: int = 0
 
 
+FINISHED = frozenset({"stop", "length", None})
+"""The ``finish_reason`` of a reply to keep: ended (``stop``), cut at the cap (``length``), or not said.
+Any other (vLLM's and SGLang's ``abort``, ``content_filter``, ``tool_calls``) leaves a reply the
+model did not finish: it is dropped like a reply that is not token-exact (``unfinished``)."""
+
+
 @dataclass
 class _Reply:
     ids: list[int] | None
@@ -516,7 +522,13 @@ class ServerEngine:
         self._results: SimpleQueue = SimpleQueue()
         """Answers of request and probe threads, of this and earlier ``run`` calls."""
         self._dispatched = 0
-        self.stats = {"replies": 0, "not_round_trip": 0, "token_count_differs": 0, "prompt_tokens_differ": 0}
+        self.stats = {
+            "replies": 0,
+            "not_round_trip": 0,
+            "token_count_differs": 0,
+            "prompt_tokens_differ": 0,
+            "unfinished": 0,
+        }
         """Replies received, and the exactness counts of the module docstring (``api=chat``)."""
 
     # -- requests ---------------------------------------------------------------------------------
@@ -564,6 +576,8 @@ class ServerEngine:
 
     def _tokens_reply(self, url: str, answer: dict) -> _Reply:
         choice = _first_choice(url, answer, None)
+        if choice.get("finish_reason") not in FINISHED:
+            return _Reply(None, {"unfinished": 1})
         try:
             ids = _completion_ids(choice)
         except (TypeError, ValueError, AttributeError):
@@ -589,6 +603,8 @@ class ServerEngine:
         generated, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         counts = {"prompt_tokens_differ": int(prompt is not None and prompt != context_len)}
+        if choice.get("finish_reason") not in FINISHED:
+            return _Reply(None, {**counts, "unfinished": 1})
         if self.tokenizer.decode(ids) != text:
             return _Reply(None, {**counts, "not_round_trip": 1})
         finish = choice.get("finish_reason")

@@ -792,6 +792,7 @@ def _exactness_counts(stats: dict, before: dict, rows) -> dict:
         "replies_dropped_not_round_trip": delta["not_round_trip"],
         "replies_token_count_differs": delta["token_count_differs"],
         "replies_prompt_tokens_differ": delta["prompt_tokens_differ"],
+        "replies_dropped_unfinished": delta["unfinished"],
         "records_dropped_not_token_exact": sum(1 for r in rows if not r.turns),
     }
 

@@ -187,6 +187,7 @@ class _WordTok:
         ("5 6 7", "length", 3, [5, 6, 7], 0),  # cut at the cap (3)
         ("5 6", "length", 3, [5, 6, 2], 1),  # EOS at the cap (transformers serve), or a split one short
         ("5 6", "length", 2, [5, 6], 0),  # a server that cut early at its own limit: no EOS
+        ("5 6", "abort", 2, None, 0),  # a reply the model did not finish: dropped
     ],
 )
 def test_chat_replies_end_with_eos_only_when_they_ended(
@@ -209,6 +210,19 @@ def test_chat_replies_end_with_eos_only_when_they_ended(
     )
     assert got[0] == ids
     assert engine.stats["token_count_differs"] == counted
+    assert engine.stats["unfinished"] == (ids is None)
+
+
+def test_an_unfinished_token_reply_is_dropped(scripted) -> None:
+    answer = {"model": "m", "choices": [{"token_ids": [5, 6], "finish_reason": "abort"}]}
+    srv = scripted([(200, {}, answer)])
+    engine = ServerEngine(
+        ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
+        eos_ids=[2], end_id=2, concurrency=1,
+    )  # fmt: skip
+    got = {}
+    engine.run([GenRequest(0, [1, 3])], lambda r, new: got.update({0: new}))
+    assert got == {0: None} and engine.stats["unfinished"] == 1
 
 
 def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
