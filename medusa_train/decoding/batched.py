@@ -46,6 +46,7 @@ from .attention import TreeMask, TreeStep, resolve_attention, tree_step
 from .generate import (
     MedusaOutput,
     PackedHeads,
+    _check_generators,
     _check_settings,
     _eos_set,
     _forward,
@@ -342,7 +343,8 @@ def medusa_generate_batch(
             :func:`~medusa_train.decoding.medusa_generate`, applied to each row (the penalty over the
             row's own tokens and ``min_length`` counting its own prompt, its padding not included).
         generators: for ``sample``: one generator per row (a row's draws then depend on its
-            generator only), or one generator shared by all rows (draws in row order each step).
+            generator only), or one generator shared by all rows (draws in row order each step); on
+            the model's device.
         pad_token_id: the token placed in left-padding positions (masked; any valid id).
         batch1_fast_path: with one prompt, run :func:`medusa_generate` (its batch-1 fast paths).
         attention: tree attention of the verification forwards, as for
@@ -378,6 +380,8 @@ def medusa_generate_batch(
             raise ValueError(f"got {len(gens)} generators for {bsz} prompts: give one per prompt")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
+    if acceptance == "sample":
+        _check_generators(gens, device)
     backend = resolve_attention(attention, device, context=max(map(len, rows_in)) + max_new_tokens)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads)

@@ -464,6 +464,23 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
     return {int(e) for e in eos_token_id}
 
 
+def _check_generators(generators: Sequence[torch.Generator | None], device: torch.device) -> None:
+    """Each generator given for sampling lives where the draws are made (the model's device).
+
+    Raises:
+        ValueError: one on another device (``torch.multinomial`` would fail there mid-generation).
+    """
+    for gen in generators:
+        if gen is None:
+            continue
+        where = gen.device
+        if where.type != device.type or (device.type == "cuda" and where.index != device.index):
+            raise ValueError(
+                f"a generator on {where} for a model on {device}: make it with "
+                f"torch.Generator(device={str(device)!r}) (draws are made where the logits are)"
+            )
+
+
 def _check_settings(
     model: torch.nn.Module,
     acceptance: str,
@@ -584,6 +601,8 @@ def medusa_generate(
         min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
     )  # fmt: skip
     device = input_ids.device
+    if acceptance == "sample":
+        _check_generators([generator], model.get_output_embeddings().weight.device)
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)

@@ -212,6 +212,20 @@ def test_batched_rows_equal_batch1_with_their_own_generator(acceptance):
         assert [r.tokens.tolist() for r in out.rows] == [plain_greedy(model, p, 20) for p in prompts]
 
 
+def test_a_generator_on_another_device_than_the_model_is_refused_before_any_work():
+    """``torch.multinomial`` on a CUDA model's logits fails with a CPU generator mid-generation: both
+    decoders check their generators first (the check needs no GPU; CPU generators for a CPU model
+    run in the tests above)."""
+    from medusa_train.decoding.generate import _check_generators
+
+    cpu = torch.Generator()
+    with pytest.raises(
+        ValueError, match=r"a generator on cpu for a model on cuda:0: make it with torch.Generator"
+    ):
+        _check_generators([None, cpu], torch.device("cuda", 0))
+    _check_generators([None, cpu], torch.device("cpu"))
+
+
 def test_batched_sampling_distribution_matches_ancestral():
     """Chi-square of the batched sampler's outputs (4 rows, own generators) against the exact joint."""
     vocab, n_tokens = 6, 3
