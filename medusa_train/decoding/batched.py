@@ -178,8 +178,9 @@ class RowKVCache(Cache):
         """Rows ``keep`` (ascending slot indices) become rows ``0 .. len(keep) - 1``, in place."""
         n = keep.numel()
         kv = shared_storage(self)
-        if kv is not None:
-            kv[:, :, :n] = kv.index_select(2, keep)
+        if kv is not None:  # a layer at a time: the gather's copy is one layer's, not the whole cache's
+            for layer_kv in kv:  # (2, B, H, C, D)
+                layer_kv[:, :n] = layer_kv.index_select(1, keep)
             return
         for layer in self.layers:
             layer.keys[:n] = layer.keys.index_select(0, keep)
