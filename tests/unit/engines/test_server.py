@@ -124,6 +124,14 @@ class _Tok:
         return " ".join(map(str, ids))
 
 
+def _engine(*urls: str, tokenizer=None, api: str = "tokens", max_new_tokens: int = 4, **kw) -> ServerEngine:
+    """A ServerEngine of model ``m`` on ``urls``: EOS 2, one request in flight per endpoint."""
+    return ServerEngine(
+        ServerClient(list(urls)), model="m", tokenizer=tokenizer or _Tok(), api=api,
+        max_new_tokens=max_new_tokens, eos_ids=[2], end_id=2, concurrency=1, **kw,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("shape", ["token_ids", "logprobs"])
 def test_tokens_api_reads_vllm_ids_and_closes_replies_with_eos(scripted, shape) -> None:
     def choice(ids: list[int], finish: str) -> dict:
@@ -138,10 +146,7 @@ def test_tokens_api_reads_vllm_ids_and_closes_replies_with_eos(scripted, shape) 
             (200, {}, {"model": "m", "choices": [choice([9, 9, 9], "length")]}),  # cut at the cap
         ]
     )
-    engine = ServerEngine(
-        ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=3,
-        eos_ids=[2], end_id=2, concurrency=1,
-    )  # fmt: skip
+    engine = _engine(srv.url, max_new_tokens=3)
     got = {}
     engine.run([GenRequest(i, [1, 4, i]) for i in range(3)], lambda r, new: got.__setitem__(r.key, new))
     assert got == {0: [5, 6, 2], 1: [7, 8, 2], 2: [9, 9, 9]}
@@ -158,10 +163,7 @@ def test_sampled_requests_carry_their_seed_and_the_generation_config_override(sc
     answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
     srv = scripted([answer] * 2)
     for temperature in (0.8, 0.0):
-        engine = ServerEngine(
-            ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
-            eos_ids=[2], end_id=2, temperature=temperature, top_p=0.9, top_k=top_k, concurrency=1,
-        )  # fmt: skip
+        engine = _engine(srv.url, temperature=temperature, top_p=0.9, top_k=top_k)
         engine.run([GenRequest(0, [1, 3], seed=(1 << 31) + 7)], lambda r, new: None)
     sampled, greedy = (body for _, _, body in srv.seen)
     assert (sampled["temperature"], sampled["top_p"], sampled["seed"]) == (0.8, 0.9, 7)
@@ -200,10 +202,7 @@ def test_chat_replies_end_with_eos_only_when_they_ended(
         "choices": [{"message": {"content": text}, "finish_reason": finish}],
     }
     srv = scripted([(200, {}, answer)])
-    engine = ServerEngine(
-        ServerClient([srv.url]), model="m", tokenizer=_WordTok(), api="chat", max_new_tokens=3,
-        eos_ids=[2], end_id=2, concurrency=1,
-    )  # fmt: skip
+    engine = _engine(srv.url, tokenizer=_WordTok(), api="chat", max_new_tokens=3)
     got = {}
     engine.run(
         [GenRequest(0, [1, 4], None, [{"role": "user", "content": "4"}])], lambda r, n: got.update({0: n})
@@ -216,10 +215,7 @@ def test_chat_replies_end_with_eos_only_when_they_ended(
 def test_an_unfinished_token_reply_is_dropped(scripted) -> None:
     answer = {"model": "m", "choices": [{"token_ids": [5, 6], "finish_reason": "abort"}]}
     srv = scripted([(200, {}, answer)])
-    engine = ServerEngine(
-        ServerClient([srv.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
-        eos_ids=[2], end_id=2, concurrency=1,
-    )  # fmt: skip
+    engine = _engine(srv.url)
     got = {}
     engine.run([GenRequest(0, [1, 3])], lambda r, new: got.update({0: new}))
     assert got == {0: None} and engine.stats["unfinished"] == 1
@@ -229,10 +225,7 @@ def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> No
     """Two endpoints, one request in flight each: both serve, and follow-ups are generated too."""
     answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
     a, b = scripted([answer] * 6), scripted([answer] * 6)
-    engine = ServerEngine(
-        ServerClient([a.url, b.url]), model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
-        eos_ids=[2], end_id=2, concurrency=1,
-    )  # fmt: skip
+    engine = _engine(a.url, b.url)
     done: list[int] = []
 
     def on_done(request, new):
