@@ -601,13 +601,13 @@ class ServerEngine:
             )
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         generated, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         counts = {"prompt_tokens_differ": int(prompt is not None and prompt != context_len)}
-        if choice.get("finish_reason") not in FINISHED:
+        finish = choice.get("finish_reason")
+        if finish not in FINISHED:
             return _Reply(None, {**counts, "unfinished": 1})
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.tokenizer.decode(ids) != text:
             return _Reply(None, {**counts, "not_round_trip": 1})
-        finish = choice.get("finish_reason")
         # `transformers serve` reports "length" whenever the cap is reached, also when the last token
         # was the EOS (absent from the text): then it counted one token more than the text has. A
         # reply cut at the cap whose text re-tokenises to one token fewer (a non-canonical split:
