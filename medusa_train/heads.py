@@ -151,11 +151,15 @@ class MedusaHeads(nn.Module):
             ]
         )
         # token_map: saved with the heads; draft_index: its inverse, full id -> draft index or IGNORE_INDEX.
-        self.register_buffer(TOKEN_MAP, token_map)
+        # Both on the parameters' device: heads built under `with torch.device("cuda")` are whole there
+        # (check_token_map returns a CPU tensor, which index_copy_ on CUDA logits refuses).
         draft_index = None
         if token_map is not None:
-            draft_index = torch.full((vocab_size,), IGNORE_INDEX, dtype=torch.long)
-            draft_index[token_map] = torch.arange(self.draft_vocab_size)
+            device = next(self.parameters()).device  # truncated heads always own a projection
+            token_map = token_map.to(device)
+            draft_index = torch.full((vocab_size,), IGNORE_INDEX, dtype=torch.long, device=device)
+            draft_index[token_map] = torch.arange(self.draft_vocab_size, device=device)
+        self.register_buffer(TOKEN_MAP, token_map)
         self.register_buffer("draft_index", draft_index, persistent=False)
         self._lm_head = _Unregistered()
 

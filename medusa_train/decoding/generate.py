@@ -141,7 +141,8 @@ class PackedHeads:
             self.w2t = (
                 None if shared else heads.projection_weight().detach().transpose(1, 2).contiguous()
             )  # (K, d, V_draft)
-            self.token_map = heads.token_map  # (V_draft,) full-vocabulary ids, or None
+            token_map = heads.token_map  # (V_draft,) full-vocabulary ids, or None
+            self.token_map = None if token_map is None else token_map.to(ref.device)
 
     def _views(self, k: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
         """Per-layer ``(b1 (k, 1, d), w1t (k, d, d))`` and ``w2t (k, d, V)`` views of the first k heads."""

@@ -278,3 +278,31 @@ def test_static_sampling_distribution_on_the_device(capture):
     torch.manual_seed(3)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=20).tokens, first)
     _record(test="static_sampling", capture=capture, fits_the_joint=True, seed_repeats=True)
+
+
+def test_truncated_heads_built_on_the_device():
+    """Heads over a draft vocabulary built under ``with torch.device(DEVICE)`` (as bench_static builds
+    them): both decoders and the captured step map their candidates back on the device, greedy identical
+    to ``generate`` in fp32. On one H100 the captured step once failed here (the token map was left on
+    the CPU)."""
+    from medusa_train.heads import MedusaHeads
+
+    model = _model("llama", torch.float32)
+    vocab, d = model.config.vocab_size, model.config.hidden_size
+    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 2]
+    torch.manual_seed(4)
+    with torch.device(DEVICE):
+        heads = MedusaHeads(d, vocab, num_heads=4, head_projection="truncated", token_map=token_map).eval()
+    capture = "cuda_graph" if DEVICE == "cuda" else "eager"
+    prompts = _prompts(3, seed=11)
+    expected = [_plain(model, p, NEW_TOKENS) for p in prompts]
+    eager = [
+        medusa_generate(model, heads, p[None], max_new_tokens=NEW_TOKENS, tree=MEDUSA_63) for p in prompts
+    ]
+    assert [o.tokens.tolist() for o in eager] == expected
+    batched = medusa_generate_batch(model, heads, prompts, max_new_tokens=NEW_TOKENS, tree=MEDUSA_63)
+    assert [r.tokens.tolist() for r in batched.rows] == expected
+    decoder = StaticDecoder(model, heads, MEDUSA_63, 192, batch_size=3, capture=capture)
+    out = decoder.generate_batch([p[None] for p in prompts], max_new_tokens=NEW_TOKENS)
+    assert [r.tokens.tolist() for r in out.rows] == expected
+    _record(test="truncated_heads_on_device", capture=capture, identical=True)

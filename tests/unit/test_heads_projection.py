@@ -91,6 +91,22 @@ def test_packed_truncated_logits_are_full_vocabulary_with_minus_inf_outside(mode
     torch.testing.assert_close(heads.full_vocab_logits(heads(hidden[None, None]))[:, 0, 0], full)
 
 
+def test_truncated_heads_built_under_a_device_keep_their_token_map_there():
+    # On one H100 the static decoder failed on heads built under `with torch.device("cuda")`: their
+    # token map stayed on the CPU and index_copy_ into CUDA logits refused it. The meta device stands
+    # in for the GPU here: every buffer and the packed map must follow the parameters.
+    token_map = torch.tensor([5, 1, 9])
+    with torch.device("meta"):
+        heads = MedusaHeads(D, VOCAB, num_heads=2, head_projection="truncated", token_map=token_map)
+    assert {t.device.type for t in (*heads.parameters(), heads.token_map, heads.draft_index)} == {"meta"}
+    assert PackedHeads(heads).token_map.device.type == "meta"
+    assert MedusaHeads(D, VOCAB, head_projection="truncated", token_map=token_map).token_map.tolist() == [
+        5,
+        1,
+        9,
+    ]
+
+
 @pytest.mark.parametrize("tree", [MEDUSA_63, chain_tree(4)], ids=["medusa63", "chain4"])
 def test_variants_decode_exactly_like_equivalent_own_heads(model, tree):
     """A truncated head over a permuted full map and a shared head over the lm_head propose the same
