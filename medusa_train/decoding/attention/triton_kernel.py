@@ -15,7 +15,8 @@ combines them (flash-decoding).
 
 Launch configuration (query rows and keys per tile, warps, pipeline stages). On a CUDA device the first
 call of each shape class (:func:`tuning_key`) times every candidate of :func:`candidate_configs` on its
-own inputs and keeps the fastest for the process (:func:`tuned_configs`). A call inside a CUDA-graph
+own inputs, in GPU time (:func:`gpu_ms`) over a few rounds (:func:`fastest`), and keeps the fastest for
+the process (:func:`tuned_configs`). A call inside a CUDA-graph
 capture never times anything: it takes the tuned configuration if its shape class was seen before (the
 static decoder warms its step up before capturing it), else :func:`default_config`; a call traced by
 ``torch.compile`` always takes the default. ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the
@@ -330,12 +331,25 @@ def tuning_enabled() -> bool:
     return os.environ.get("MEDUSA_TRITON_TUNE", "1") != "0"
 
 
+TUNE_SLEEP_CYCLES = 2_000_000
+"""GPU clock cycles (about 1 ms) the tuner's timed calls wait behind, so that the host has queued them
+all before the first one runs and only GPU time is measured."""
+TUNE_ROUNDS = 3
+"""Rounds over all candidates; each candidate keeps its fastest round."""
+
+
 def gpu_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Milliseconds per ``fn()`` on the current CUDA stream: one untimed call (compilation), then
-    ``reps`` calls queued back to back between two events."""
+    """Milliseconds of GPU time per ``fn()`` on the current CUDA stream: one untimed call (compilation),
+    then ``reps`` calls queued behind a sleep kernel, between two events.
+
+    Without the sleep the calls of a small tree (tens of microseconds on the GPU) are timed at the rate
+    the host launches them, the same for every configuration: on one H100 the tuner then kept
+    configurations that took up to 1.5x the default's GPU time (docs/benchmarks.md). GPU time is what a
+    replayed CUDA graph pays, and the launch costs every configuration alike in an eager decoder."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(TUNE_SLEEP_CYCLES)
     start.record()
     for _ in range(reps):
         fn()
@@ -348,21 +362,27 @@ def fastest(
     candidates: list[LaunchConfig],
     launch: Callable[[LaunchConfig], object],
     measure: Callable[[Callable[[], object]], float],
+    rounds: int = TUNE_ROUNDS,
 ) -> tuple[LaunchConfig, dict[LaunchConfig, float]]:
-    """The candidate with the smallest ``measure(lambda: launch(config))``, and every time measured.
-    A candidate that raises (out of shared memory, too many registers) is skipped; if all of them do,
-    the first one's error propagates."""
+    """The candidate with the smallest ``measure(lambda: launch(config))``, and every time measured
+    (each candidate's least over ``rounds`` rounds over all of them, so that a burst of noise in one
+    round decides nothing). A candidate that raises (out of shared memory, too many registers) is
+    skipped from then on; if all of them do, the first one's error propagates."""
     times: dict[LaunchConfig, float] = {}
     first_error: Exception | None = None
-    for config in candidates:
-        try:
-            times[config] = measure(lambda config=config: launch(config))
-        except Exception as err:  # noqa: BLE001 - a configuration this device cannot run
-            log.debug("tree attention config %s skipped: %s", config, err)
-            first_error = first_error or err
-    if not times:
-        assert first_error is not None
-        raise first_error
+    for round_ in range(rounds):
+        for config in candidates if round_ == 0 else list(times):
+            try:
+                t = measure(lambda config=config: launch(config))
+            except Exception as err:  # noqa: BLE001 - a configuration this device cannot run
+                log.debug("tree attention config %s skipped: %s", config, err)
+                first_error = first_error or err
+                times.pop(config, None)
+                continue
+            times[config] = min(t, times.get(config, math.inf))
+        if not times:
+            assert first_error is not None
+            raise first_error
     return min(times, key=times.__getitem__), times
 
 
