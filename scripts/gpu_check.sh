@@ -14,9 +14,11 @@
 # step that would start with under 30 s left is skipped, so the summary is written in time),
 # --only STEP,STEP,... (run only these steps, by the names of the summary's rows; wheels and
 # environment always run), --select EXPR (pytest -k for the gpu tests; default: all of them).
-# Without a demo workdir the demo steps are skipped (and say so). The steps other than step 5's variants
-# (truncated heads, inductor, linear products) took ~8 minutes on one H100 (2026-11-27); those variants
-# may take up to 8 more at their limits; with less device time pass --budget, or --only the steps needed.
+# Without a demo workdir the demo steps are skipped (and say so). On one H100 (2026-11-27) the gpu tests
+# took 215 s, bench_attention 66, the demo's eval 99, each captured-step variant 23-37, bench_linear and
+# bench_sampling 5-11, the stages 13-28 each, bench_decode's attention variants 14-26; the compiled-step
+# variants (bench-static-compile, bench-static-inductor) have not run there (up to 8 minutes at their
+# limits). With less device time pass --budget, or --only the steps needed.
 #
 # What it runs, most important first; a failing step is recorded and the next one runs:
 #   1. wheels: pip install --no-index --no-deps --target the carried wheels (hydra, omegaconf, datasets, ...)
@@ -27,8 +29,9 @@
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
-#      8B shape holds 8,192 positions), with exact sampling in the step, with heads over a 32K-token draft vocabulary, compiled by
-#      inductor with max-autotune; bench_sampling.py: the warping of 64 and 1,024 distributions of 128K
+#      8B shape holds 8,192 positions), with exact sampling in the step, with heads over a 32K-token
+#      draft vocabulary, compiled by inductor (reduce-overhead; then max-autotune with the 32K-token
+#      heads); bench_sampling.py: the warping of 64 and 1,024 distributions of 128K
 #      against transformers' warpers; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
@@ -223,6 +226,17 @@ if [ -f scripts/bench_static.py ]; then
     step bench-static-truncated 120 "captured step, triton, 32K-token heads" "$PY" scripts/bench_static.py \
         "${ARGS[@]}" --attention triton --nodes 1 16 32 64 --hf-static-contexts --parity-captures \
         --json "$SCRATCH/static_truncated.json"
+    # The whole step compiled by inductor without autotuning (its norms, RoPE and activations fused: on
+    # one H100 the captured eager step spent ~3 ms beyond its weight products), own 128K heads, SDPA:
+    # against the CUDA-graph rows of bench-static-sdpa. Cheaper than max-autotune below.
+    ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 --nodes 1 64 --capture compile --compile-mode reduce-overhead)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --capture compile)
+    CPARITY=(--parity-captures compile)  # no gpu test compiles the step on CUDA
+    [ $QUICK = 1 ] && CPARITY=(--parity-captures)
+    step bench-static-compile 180 "compiled step (reduce-overhead), own heads" "$PY" scripts/bench_static.py \
+        "${ARGS[@]}" --hf-static-contexts "${CPARITY[@]}" --json "$SCRATCH/static_compile.json"
+    ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 --head-projection truncated --draft-vocab 32768)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --head-projection truncated --draft-vocab 128)
     step bench-static-inductor 300 "compiled step (max-autotune), 32K-token heads" "$PY" scripts/bench_static.py \
         "${ARGS[@]}" --capture compile --compile-mode max-autotune --inductor-tuning --nodes 1 64 \
         --hf-static-contexts --parity-captures --json "$SCRATCH/static_inductor.json"
