@@ -280,19 +280,24 @@ def test_static_sampling_distribution_on_the_device(capture):
     _record(test="static_sampling", capture=capture, fits_the_joint=True, seed_repeats=True)
 
 
-def test_truncated_heads_built_on_the_device():
-    """Heads over a draft vocabulary built under ``with torch.device(DEVICE)`` (as bench_static builds
-    them): both decoders and the captured step map their candidates back on the device, greedy identical
-    to ``generate`` in fp32. On one H100 the captured step once failed here (the token map was left on
-    the CPU)."""
+@pytest.mark.parametrize("projection", ["truncated", "shared"])
+def test_head_variants_built_on_the_device(projection):
+    """Heads over a draft vocabulary, or sharing the backbone's lm_head, built under
+    ``with torch.device(DEVICE)`` (as bench_static builds them): both eager decoders and the captured
+    step map their candidates on the device, greedy identical to ``generate`` in fp32. On one H100 the
+    captured step once failed with truncated heads (their token map was left on the CPU)."""
     from medusa_train.heads import MedusaHeads
 
     model = _model("llama", torch.float32)
     vocab, d = model.config.vocab_size, model.config.hidden_size
-    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 2]
+    token_map = None
+    if projection == "truncated":
+        token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 2]
     torch.manual_seed(4)
     with torch.device(DEVICE):
-        heads = MedusaHeads(d, vocab, num_heads=4, head_projection="truncated", token_map=token_map).eval()
+        heads = MedusaHeads(d, vocab, num_heads=4, head_projection=projection, token_map=token_map).eval()
+    if projection == "shared":
+        heads.bind_lm_head(model.get_output_embeddings())
     capture = "cuda_graph" if DEVICE == "cuda" else "eager"
     prompts = _prompts(3, seed=11)
     expected = [_plain(model, p, NEW_TOKENS) for p in prompts]
@@ -305,4 +310,4 @@ def test_truncated_heads_built_on_the_device():
     decoder = StaticDecoder(model, heads, MEDUSA_63, 192, batch_size=3, capture=capture)
     out = decoder.generate_batch([p[None] for p in prompts], max_new_tokens=NEW_TOKENS)
     assert [r.tokens.tolist() for r in out.rows] == expected
-    _record(test="truncated_heads_on_device", capture=capture, identical=True)
+    _record(test="head_variants_on_device", projection=projection, capture=capture, identical=True)
