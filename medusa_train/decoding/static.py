@@ -282,7 +282,7 @@ class StaticDecoder:
         self.sdpa_backend = sdpa_backend
         self.capture = capture
         self.attention = resolve_attention(
-            attention, self.device, context=capacity, captured=capture == "cuda_graph", queries=m * batch_size
+            attention, self.device, context=capacity, captured=capture == "cuda_graph"
         )
         if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
             raise ValueError(

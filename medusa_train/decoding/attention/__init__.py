@@ -68,15 +68,10 @@ AUTO_MIN_CONTEXT_CAPTURED = 2048
 only the GPU's time counts: at 2,048 keys the Triton kernel took 0.024 / 0.025 / 0.058 ms of GPU time
 against SDPA's 0.052 / 0.056 / 0.066 ms (16 / 64 / 256 nodes, batch 1), and the captured step of a
 Llama-3-8B-shaped model 9.54 / 12.91 ms (1 / 64 nodes) against 11.07 / 15.52 ms; at 512 keys and batch 1
-the two were level (0.019-0.030 ms). The one shape from 2,048 keys where SDPA was faster: 256 nodes at
-batch 8 (0.346 against 0.265 ms at 2,048 keys)."""
-AUTO_MAX_QUERIES_SHORT = 1024
-"""``auto`` keeps SDPA below :data:`AUTO_MIN_CONTEXT` keys for a call of more tree queries than this
-(tree nodes x rows): a Triton program holds 64 packed query rows and reads the keys for them, so many
-programs read the same keys, which at short contexts costs more than SDPA's one pass. Measured on one
-H100 (GPU time, 2,048 keys): 256 nodes x 8 rows = 2,048 queries, Triton 0.346 ms against SDPA's
-0.265; 64 x 8 = 512, 0.069 against 0.150; 256 x 1, 0.058 against 0.066. From 8,192 keys Triton was
-ahead at 2,048 queries too (0.821 against 0.881 ms). Between 512 and 2,048 queries was not measured."""
+the two were level (0.019-0.030 ms). The most tree queries measured, 256 nodes at batch 8 and 2,048
+keys: the kernel 0.272 ms against 0.320 for the decoders' SDPA path on a grouped-query layer (packed
+SDPA) and 0.263 on a layer without grouped heads, where the static decoder's SDPA also reads the whole
+capacity: no tree size keeps SDPA from 2,048 keys."""
 KERNEL_NAME = "medusa_tree"
 """The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
 PACKED_SDPA_NAME = "medusa_sdpa"
@@ -199,16 +194,13 @@ def resolve_attention(
     device: torch.device,
     context: int | None = None,
     captured: bool = False,
-    queries: int | None = None,
 ) -> str:
     """The implementation a decoder uses for ``attention`` on ``device``: "sdpa", "triton" or "cuda".
 
     ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device when the call's ``context``
     (the most keys a row attends to: prompt + new tokens; None: unknown, taken as long) reaches
     :data:`AUTO_MIN_CONTEXT` (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as
-    a CUDA graph), else ``sdpa`` (always on a CPU); also ``sdpa`` below :data:`AUTO_MIN_CONTEXT`
-    keys when a call holds more than :data:`AUTO_MAX_QUERIES_SHORT` tree ``queries`` (nodes x rows;
-    None: unknown, not counted).
+    a CUDA graph), else ``sdpa`` (always on a CPU).
 
     Raises:
         AttentionBackendError: an unknown choice, or one that cannot run here (the message says why).
@@ -222,9 +214,6 @@ def resolve_attention(
     if attention == "auto":
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
-            return "sdpa"
-        many = queries is not None and queries > AUTO_MAX_QUERIES_SHORT
-        if many and context is not None and context < AUTO_MIN_CONTEXT:
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)

@@ -24,7 +24,6 @@ from transformers import DynamicCache  # noqa: E402
 
 from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
 from medusa_train.decoding.attention import (  # noqa: E402
-    AUTO_MAX_QUERIES_SHORT,
     AUTO_MIN_CONTEXT,
     AUTO_MIN_CONTEXT_CAPTURED,
     KERNEL_NAME,
@@ -435,13 +434,6 @@ def test_auto_takes_the_kernel_only_for_long_contexts_on_cuda():
     assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT_CAPTURED - 1, captured=True) == "sdpa"
     if triton_available():
         assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT_CAPTURED, captured=True) == "triton"
-    # many tree queries per call (nodes x rows): SDPA up to AUTO_MIN_CONTEXT keys, the kernel from there
-    many = dict(captured=True, queries=AUTO_MAX_QUERIES_SHORT + 1)
-    assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT - 1, **many) == "sdpa"
-    if triton_available():
-        assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT, **many) == "triton"
-        few = dict(captured=True, queries=AUTO_MAX_QUERIES_SHORT)
-        assert resolve_attention("auto", cuda, context=AUTO_MIN_CONTEXT_CAPTURED, **few) == "triton"
 
 
 def test_tree_step_switches_the_attention_and_restores_it_on_error():
