@@ -31,7 +31,8 @@
 #      then the captured step with SDPA and with the Triton kernel at 2K and 8K context (8,000: the
 #      8B shape holds 8,192 positions), with exact sampling in the step, with heads over a 32K-token
 #      draft vocabulary, compiled by inductor (reduce-overhead; then max-autotune with the 32K-token
-#      heads); bench_sampling.py: the warping of 64 and 1,024 distributions of 128K
+#      heads); bench_static_profile.py: the step's GPU time by kind of kernel and part of the step;
+#      bench_sampling.py: the warping of 64 and 1,024 distributions of 128K
 #      against transformers' warpers; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
@@ -205,6 +206,15 @@ if [ -f scripts/bench_static.py ]; then
     for a in sdpa triton; do
         step "bench-static-$a" 120 "captured step, attention=$a" "$PY" scripts/bench_static.py "${ARGS[@]}" \
             "${PARITY[@]}" --attention $a --json "$SCRATCH/static_$a.json"
+    done
+    # What the step's GPU time is made of (kernels by kind, by part of the step), run eagerly under the
+    # profiler: the step the captures above replay.
+    ARGS=(--device "$DEVICE" --context 2048 --nodes 1 64)
+    [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --context 64 --nodes 1 4)
+    for a in triton sdpa; do
+        [ $QUICK = 1 ] && [ $a = triton ] && continue  # the interpreter's time says nothing
+        step "profile-static-$a" 90 "the step's kernels by kind and part, attention=$a" "$PY" \
+            scripts/bench_static_profile.py "${ARGS[@]}" --attention $a --json "$SCRATCH/static_profile_$a.json"
     done
     # Exact sampling inside the captured step (warping, top-p's sort over the vocabulary, a draw per node).
     ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 16 --nodes 1 64 --hf-static-contexts)
