@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers.bench import copy_bandwidth, time_queued  # noqa: E402
+from tests.helpers.bench import copy_bandwidth, report, time_queued  # noqa: E402
 
 L2_DEFEAT_BYTES = 256 << 20  # each product cycles through copies of its weight totalling at least this
 
@@ -177,10 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = run(args)
-    print(results["table"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    report(run(args), args.json)
     return 0
 
 

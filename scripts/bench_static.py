@@ -36,7 +36,6 @@ only torch + transformers (no Hydra).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -54,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medusa_train.decoding import MEDUSA_63  # noqa: E402
 from medusa_train.decoding.static import CAPTURES, SDPA_BACKENDS, StaticDecoder  # noqa: E402
 from medusa_train.heads import MedusaHeads  # noqa: E402
-from tests.helpers.bench import copy_bandwidth, sync  # noqa: E402
+from tests.helpers.bench import copy_bandwidth, report, sync  # noqa: E402
 from tests.helpers.models import llama8b_config, random_heads, random_tree, tiny_model  # noqa: E402
 
 NODES = (1, 4, 16, 64)
@@ -450,10 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = run(args)
-    print(results["table"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    report(run(args), args.json)
     return 0
 
 

@@ -24,7 +24,6 @@ transformers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -44,7 +43,7 @@ from bench_static import build, tiny_llama_config  # noqa: E402
 
 from medusa_train.decoding import MEDUSA_63  # noqa: E402
 from medusa_train.decoding.static import StaticDecoder  # noqa: E402
-from tests.helpers.bench import copy_bandwidth  # noqa: E402
+from tests.helpers.bench import copy_bandwidth, report  # noqa: E402
 from tests.helpers.models import llama8b_config  # noqa: E402
 
 STEP, BACKBONE, HEADS = "medusa step", "backbone forward", "heads"
@@ -225,9 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = run(args)
-    print(results["table"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    report(results, args.json)
     return 0 if all("error" not in c for c in results["cases"]) else 1
 
 

@@ -3,13 +3,15 @@
 ``copy_bandwidth`` is the device's device-to-device copy speed, the floor every memory-bound figure is
 compared with; ``time_queued`` is GPU time per call with the launches hidden: the calls are queued
 behind a sleep kernel, so the host has launched them all before the first one starts (what a replayed
-CUDA graph pays).
+CUDA graph pays); ``report`` prints a script's table and writes its JSON.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -51,3 +53,11 @@ def time_queued(fn: Callable[[], object], warmup: int, iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def report(results: dict, json_path: str | None) -> None:
+    """Print a bench script's Markdown table (``results["table"]``) and write ``results`` as JSON to
+    ``json_path`` (None: no file)."""
+    print(results["table"])
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
