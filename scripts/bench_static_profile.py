@@ -218,6 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(not 1 <= n <= len(MEDUSA_63) + 1 for n in args.nodes):
         p.error(f"--nodes must be between 1 and {len(MEDUSA_63) + 1}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; give --device cpu --tiny for a dry run")
     return args
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers.scripts import load_script
 
 
@@ -36,3 +38,11 @@ def test_tiny_cpu_profile_splits_the_step_into_its_parts(tmp_path, capsys):
         profile.kind_of("tree_attn_fwd") == profile.kind_of("pytorch_flash::flash_fwd_kernel") == "attention"
     )
     assert profile.kind_of("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == profile.REST
+
+
+def test_no_cuda_device_is_one_line_and_exit_2(capsys, monkeypatch):
+    profile = load_script("bench_static_profile")
+    monkeypatch.setattr(profile.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        profile.parse_args(["--device", "cuda"])
+    assert exit_.value.code == 2 and "no CUDA device here" in capsys.readouterr().err
