@@ -40,6 +40,11 @@ request gets exactly one reply. After ``readmit_after_s`` a down endpoint is pro
 check instead) and rejoins when it answers. The run stops with one line naming every URL and why it
 is down only when all of them are. A refused request (HTTP 4xx: a bad key, an unknown model, a bad
 request) is the same on every endpoint, so it is no reason to fail over: it stops the run at once.
+A request that fails after the retry budget on an endpoint that answered other requests meanwhile
+is what fails, not the endpoint (a context that crashes the server every time would otherwise take
+every endpoint down in turn, and again on every resume): the endpoint stays up and the request is
+sent again; after :data:`UNDELIVERABLE_AFTER` such failures it is given up, its reply dropped and
+counted (``undeliverable``).
 """
 
 from __future__ import annotations
@@ -442,6 +447,11 @@ class _Endpoint:
     went_down: int = 0
 
 
+UNDELIVERABLE_AFTER = 2
+"""Times a request may fail after the retry budget on an endpoint that answered other requests
+meanwhile (so the endpoint works and the request is what fails: a context that crashes the server)
+before it is given up: its reply is dropped (``undeliverable``) instead of the endpoint going down."""
+
 FINISHED = frozenset({"stop", "length", None})
 """The ``finish_reason`` of a reply to keep: ended (``stop``), cut at the cap (``length``), or not said.
 Any other (vLLM's and SGLang's ``abort``, ``content_filter``, ``tool_calls``) leaves a reply the
@@ -528,8 +538,12 @@ class ServerEngine:
             "token_count_differs": 0,
             "prompt_tokens_differ": 0,
             "unfinished": 0,
+            "undeliverable": 0,
         }
-        """Replies received, and the exactness counts of the module docstring (``api=chat``)."""
+        """Replies received, the exactness counts of the module docstring (``api=chat``), and the
+        requests given up (:data:`UNDELIVERABLE_AFTER`)."""
+        self._charges: dict[int, int] = {}
+        """Failures charged to a request (by ``id``) rather than to its endpoint."""
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -628,7 +642,9 @@ class ServerEngine:
 
         Each request in flight is a daemon thread doing blocking HTTP; results come back through a
         queue, so ``on_done`` runs here. An endpoint whose request fails after the retry budget goes
-        down and its requests go to the others (the module docstring); the run stops (requests still
+        down and its requests go to the others, unless it answered other requests meanwhile: then the
+        request is sent again, and given up after :data:`UNDELIVERABLE_AFTER` such failures
+        (``on_done(request, None)``; the module docstring); the run stops (requests still
         in flight abandoned, not waited for) when every endpoint is down, or at once on a refused
         request (HTTP 4xx) or any other error.
 
@@ -636,8 +652,9 @@ class ServerEngine:
             UserError: every endpoint down (one line naming each URL and why), or a refused request.
         """
         queue = deque(requests)
-        live: dict[int, tuple[_Endpoint, GenRequest, threading.Event]] = {}
-        """Requests in flight by dispatch number; an answer whose number is not here is discarded."""
+        live: dict[int, tuple[_Endpoint, GenRequest, threading.Event, int]] = {}
+        """Requests in flight by dispatch number (with the endpoint's replies when it was sent); an
+        answer whose number is not here is discarded."""
 
         def work(number: int, endpoint: _Endpoint, request: GenRequest, stop: threading.Event) -> None:
             try:
@@ -657,7 +674,7 @@ class ServerEngine:
                 endpoint.in_flight += 1
                 self._dispatched += 1
                 stop = threading.Event()
-                live[self._dispatched] = (endpoint, queue.popleft(), stop)
+                live[self._dispatched] = (endpoint, queue.popleft(), stop, endpoint.replies)
                 threading.Thread(
                     target=work,
                     args=(self._dispatched, endpoint, live[self._dispatched][1], stop),
@@ -673,15 +690,25 @@ class ServerEngine:
             _, number, reply, err = item
             if number not in live:  # abandoned when its endpoint went down: generated elsewhere
                 continue
-            endpoint, request, _ = live.pop(number)
+            endpoint, request, _, replies_then = live.pop(number)
             endpoint.in_flight -= 1
             if isinstance(err, ServerUnavailable):
                 endpoint.failures += 1
+                if endpoint.replies > replies_then:  # it answered others meanwhile: the request fails
+                    if not self._charge(request, endpoint, err.reason):
+                        queue.appendleft(request)  # again while other requests still show who works
+                        continue
+                    self.stats["undeliverable"] += 1
+                    follow = on_done(request, None)
+                    if follow is not None:
+                        queue.appendleft(follow)
+                    continue
                 queue.appendleft(request)
                 self._went_down(endpoint, err.reason, queue, live)
                 continue
             if err is not None:
                 raise err
+            self._charges.pop(id(request), None)
             endpoint.replies += 1
             self.stats["replies"] += 1
             for key, value in reply.counts.items():
@@ -692,12 +719,35 @@ class ServerEngine:
 
     # -- failover ---------------------------------------------------------------------------------
 
+    def _charge(self, request: GenRequest, endpoint: _Endpoint, reason: str) -> bool:
+        """Charge a failure to ``request`` (its endpoint answered other requests while it failed);
+        True when that makes :data:`UNDELIVERABLE_AFTER` and the request is given up."""
+        charges = self._charges[id(request)] = self._charges.get(id(request), 0) + 1
+        if charges < UNDELIVERABLE_AFTER:
+            log.warning(
+                "distill: request %s failed on %s, which answered other requests meanwhile (%s); "
+                "sending it again",
+                request.key,
+                endpoint.url,
+                reason,
+            )
+            return False
+        del self._charges[id(request)]
+        log.warning(
+            "distill: giving up request %s: it failed %d times on endpoints that answered other requests "
+            "(last: %s); its reply is dropped (counted in replies_dropped_undeliverable)",
+            request.key,
+            charges,
+            reason,
+        )
+        return True
+
     def _went_down(self, endpoint: _Endpoint, reason: str, queue: deque, live: dict) -> None:
         """Mark ``endpoint`` down; its requests in flight go back to the front of ``queue``."""
         endpoint.down, endpoint.down_since = reason, time.monotonic()
         endpoint.went_down += 1
-        for number in [n for n, (e, _, _) in live.items() if e is endpoint]:
-            _, request, stop = live.pop(number)
+        for number in [n for n, (e, *_) in live.items() if e is endpoint]:
+            _, request, stop, _ = live.pop(number)
             stop.set()  # no further attempt; an answer still under way is discarded
             endpoint.in_flight -= 1
             endpoint.failures += 1

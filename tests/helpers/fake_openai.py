@@ -64,9 +64,13 @@ class FakeOpenAI(LocalServer):
         dead_after: after this many generation answers, every request has its connection dropped.
         exit_after: after this many generation answers, the whole process exits (``os._exit``).
         delay_s: seconds each generation answer takes (a slower replica).
+        poison: what makes a generation request fail with HTTP 500, every time, after
+            ``poison_delay_s`` (a context that crashes the server): a token id its ``prompt`` holds
+            (``api=tokens``), or text one of its messages holds (``api=chat``).
 
     Attributes:
         answered: generation requests answered with a reply so far.
+        poisoned: generation requests failed for holding ``poison``.
         requests: every request that came in, as ``(method, path)``.
     """
 
@@ -84,11 +88,14 @@ class FakeOpenAI(LocalServer):
         dead_after: int | None = None,
         exit_after: int | None = None,
         delay_s: float = 0.0,
+        poison: int | str | None = None,
+        poison_delay_s: float = 0.0,
     ) -> None:
         self.model, self.root, self.key = model, root or model, key
         self.fail_first, self.fail_status, self.garbage = fail_first, fail_status, garbage
         self.fail_from = fail_from
         self.dead_after, self.exit_after, self.delay_s = dead_after, exit_after, delay_s
+        self.poison, self.poison_delay_s, self.poisoned = poison, poison_delay_s, 0
         self.answered = 0
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
@@ -116,6 +123,8 @@ class FakeOpenAI(LocalServer):
                     return
                 if self.command == "POST" and status == 200 and owner.delay_s:
                     time.sleep(owner.delay_s)
+                if status == 500 and owner.poison_delay_s:
+                    time.sleep(owner.poison_delay_s)
                 self._send(status, payload, headers)
                 self.wfile.flush()
                 if after is not None:
@@ -145,6 +154,14 @@ class FakeOpenAI(LocalServer):
             if body.get("model") != self.model:
                 message = f"The model `{body.get('model')}` does not exist."
                 return 404, {"error": {"message": message, "code": 404}}, None, None
+            texts = [str(m.get("content")) for m in body.get("messages") or []]
+            if (
+                self.poison in (body.get("prompt") or [])
+                if isinstance(self.poison, int)
+                else self.poison is not None and any(self.poison in t for t in texts)
+            ):
+                self.poisoned += 1
+                return 500, {"error": {"message": "CUDA error: device-side assert triggered"}}, None, None
             if self.fail_first > 0 and self.answered >= self.fail_from:
                 self.fail_first -= 1
                 return self.fail_status, {"error": {"message": "slow down"}}, {"Retry-After": "0"}, None

@@ -26,7 +26,7 @@ def _dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
 
 
-def _run(workdir: Path, backbone: Path, prompts: Path, urls: list[str]) -> dict:
+def _run(workdir: Path, backbone: Path, prompts: Path, urls: list[str], *more: str) -> dict:
     return distill.run(
         compose_config(
             [
@@ -35,6 +35,7 @@ def _run(workdir: Path, backbone: Path, prompts: Path, urls: list[str]) -> dict:
                 "distill.max_new_tokens=8", "distill.shard_size=4", "distill.engine=server",
                 f"distill.server.urls=[{','.join(urls)}]", "distill.server.concurrency=2",
                 "distill.server.max_retries=1", "distill.server.backoff_s=0.01", "distill.server.timeout_s=10",
+                *more,
             ]
         )
     )  # fmt: skip
@@ -97,3 +98,30 @@ def test_records_equal_one_healthy_endpoint_run_and_counts_reach_the_manifest(
         assert [e["url"] for e in engine["endpoints"]] == [healthy.url] and counts[failing]["replies"] == 0
     else:
         assert counts[failing]["replies"] <= 4 and counts[failing]["failures"] >= 1
+
+
+def test_a_record_whose_context_crashes_every_server_is_dropped_and_counted(
+    fake, tiny_backbone_dir, tmp_path
+):
+    """One record's first prompt makes every server fail (HTTP 500 after every retry) while they answer
+    the others: that record is dropped (its reply counted as undeliverable), every other record is
+    written as on a healthy server, and no endpoint goes down."""
+    words = "the cat dog sat on a mat tell me a story about why the day is big".split()
+    rows = [{"prompt": [" ".join(words[i % 12 : i % 12 + 4])]} for i in range(16)]
+    # the second record (the first is the servers' check before any work): the others still to come
+    rows[1]["prompt"] = ["xyzzy " + rows[1]["prompt"][0]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    healthy = fake()
+    _run(tmp_path / "healthy", tiny_backbone_dir, prompts, [healthy.url])
+    a, b = (fake(poison="xyzzy", poison_delay_s=0.05, delay_s=0.1) for _ in range(2))
+    # one shard: a request is found to be what fails by the replies its endpoint gives meanwhile
+    figures = _run(tmp_path / "poisoned", tiny_backbone_dir, prompts, [a.url, b.url], "distill.shard_size=16")
+    expected = _rows(tmp_path / "healthy")
+    poisoned_id = expected.pop(1)[0]
+    assert poisoned_id not in {r[0] for r in _rows(tmp_path / "poisoned")}
+    assert _rows(tmp_path / "poisoned") == expected and figures["records"] == 15
+    manifest = read_manifest(tmp_path / "poisoned" / "distill")
+    assert manifest["counts"]["replies_dropped_undeliverable"] == 1
+    assert manifest["counts"]["records_dropped_not_token_exact"] == 1  # left with no reply
+    assert all(c["went_down"] == 0 for c in manifest["engine"]["endpoint_counts"])

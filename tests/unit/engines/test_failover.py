@@ -13,7 +13,7 @@ import socket
 import pytest
 
 from medusa_train.engines.base import GenRequest
-from medusa_train.engines.server import ServerClient, ServerEngine, check_server
+from medusa_train.engines.server import UNDELIVERABLE_AFTER, ServerClient, ServerEngine, check_server
 from medusa_train.errors import UserError
 from tests.helpers.fake_openai import EOS_ID, FakeOpenAI
 
@@ -215,3 +215,48 @@ def test_an_unfit_endpoint_stays_out(fake, reference) -> None:
     engine = _engine([other.url, healthy.url], readmit_after_s=0.0, down={other.url: "down"}, check=check)
     assert _distill(engine) == reference
     assert other.answered == 0 and "serves another model" in _counts(engine)[other.url]["down"]
+
+
+POISON = 77
+"""A token no stand-in reply holds (their ids are below 50): the context that crashes the server."""
+
+
+def _distill_with_poison(engine: ServerEngine, poisoned: int) -> dict:
+    """``_distill`` with conversation ``poisoned``'s first context holding :data:`POISON`."""
+    got: dict = {}
+
+    def on_done(request: GenRequest, new: list[int] | None) -> GenRequest | None:
+        conv, turn = request.key
+        assert (conv, turn) not in got, f"turn {turn} of conversation {conv} answered twice"
+        got[(conv, turn)] = (request.context, new)
+        if new is not None and turn + 1 < TURNS:
+            return GenRequest((conv, turn + 1), [*request.context, *new, 100 + turn])
+        return None
+
+    first = [GenRequest((c, 0), [1, c] + ([POISON] if c == poisoned else [])) for c in range(CONVERSATIONS)]
+    engine.run(first, on_done)
+    return got
+
+
+@pytest.mark.parametrize("endpoints", [1, 2])
+def test_a_request_that_crashes_every_server_is_given_up_not_the_endpoints(
+    fake, reference, caplog, endpoints
+):
+    """A context that makes every server fail (HTTP 500 after every retry) while the same servers
+    answer the other requests: the request is sent again, then given up (its reply dropped and
+    counted); no endpoint goes down and every other conversation is generated as on a healthy server.
+    Before, it took each endpoint down in turn and stopped the run, and again on every resume."""
+    # conversation 0 holds it: every other request still to come shows that the servers work
+    servers = [fake(poison=POISON, poison_delay_s=0.1, delay_s=0.05) for _ in range(endpoints)]
+    engine = _engine([s.url for s in servers], concurrency=2)
+    with caplog.at_level(logging.WARNING, logger="medusa_train.engines.server"):
+        got = _distill_with_poison(engine, poisoned=0)
+    assert got.pop((0, 0)) == ([1, 0, POISON], None)  # its one reply: given up
+    assert got == {k: v for k, v in reference.items() if k[0] != 0}
+    assert engine.stats["undeliverable"] == 1
+    counts = _counts(engine)
+    assert all(c["went_down"] == 0 and c["down"] is None for c in counts.values())
+    assert sum(s.poisoned for s in servers) == UNDELIVERABLE_AFTER * 2  # each try: 2 attempts (1 retry)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("giving up request (0, 0)" in m and "replies_dropped_undeliverable" in m for m in messages)
+    assert not any(" is down " in m for m in messages)
