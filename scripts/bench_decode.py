@@ -347,8 +347,19 @@ def markdown(results: dict) -> str:
         lines.append("")
     dec = results.get("decoder")
     if dec:
-        lines += ["| decoder (random heads) | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in dec.items()]
+        first = next(iter(dec.values()))
+        lines += [
+            f"Medusa decoder, random heads, context {first['context']}, {first['tokens']} tokens in "
+            f"{first['steps']} steps; medians over {len(first['ms_per_step_rounds'])} rounds:",
+            "",
+            "| tree attention | ms per step (min-max) | forward ms per step | outside the forward |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {a} | {r['ms_per_step']:.2f} ({min(r['ms_per_step_rounds']):.2f}-{max(r['ms_per_step_rounds']):.2f}) "
+            f"| {r['forward_ms_per_step']:.2f} | {r['overhead_fraction']:.1%} |"
+            for a, r in dec.items()
+        ]
         lines.append("")
     if "overhead" not in results:
         return "\n".join(lines)
@@ -403,9 +414,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-overhead", action="store_true", help="skip the N-tree-tokens table")
     p.add_argument(
         "--attention",
-        default="sdpa",
+        nargs="+",
+        default=["sdpa"],
         choices=ATTENTION_CHOICES,
-        help="Medusa's tree attention: sdpa (dense float mask), triton, cuda or auto (docs/decoding.md)",
+        help="Medusa's tree attention: sdpa (dense float mask), triton, cuda or auto (docs/decoding.md); "
+        "with --llama8b-shape several, timed in turn over --repeats rounds in one process",
     )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
@@ -415,6 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--model needs --heads")
     if args.embedded_prompts and not args.model:
         p.error("--embedded-prompts needs --model (its tokenizer's chat template)")
+    if len(args.attention) > 1 and not args.llama8b_shape:
+        p.error("several --attention choices are compared with --llama8b-shape only")
     return args
 
 
@@ -431,6 +446,7 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "attention": args.attention,
     }
+    attention = args.attention[0]
     if args.llama8b_shape:
         model, heads = build_random(
             llama8b_config(**(config_overrides or {})), args.num_heads, args.device, dtype
@@ -449,45 +465,59 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
             prompts = read_prompts(args.prompts, model, args.num_prompts, args.prompt_len)
         eos = getattr(model.generation_config, "eos_token_id", None) if args.model else None
         results["generation"] = bench_generation(
-            model, heads, prompts, tree, args.max_new_tokens, eos, args.attention
+            model, heads, prompts, tree, args.max_new_tokens, eos, attention
         )
         if args.batch_sizes:
             results["batches"] = bench_batches(
                 model, heads, prompts, tree, args.max_new_tokens, eos, args.batch_sizes, args.repeats,
-                batch1_fast_path=not args.no_batch1_fast_path, attention=args.attention,
+                batch1_fast_path=not args.no_batch1_fast_path, attention=attention,
             )  # fmt: skip
     if not args.skip_overhead:
         results["overhead"] = bench_overhead(model, heads, contexts, repeats=args.repeats)
     if args.llama8b_shape:
         results["decoder"] = bench_decoder_overhead(
-            model, heads, tree, contexts[0], args.max_new_tokens, args.attention
+            model, heads, tree, contexts[0], args.max_new_tokens, args.attention, args.repeats
         )
     return results
 
 
 def bench_decoder_overhead(
-    model, heads, tree, context_len: int, max_new_tokens: int, attention: str = "sdpa"
+    model, heads, tree, context_len: int, max_new_tokens: int, attentions: list[str], rounds: int = 1
 ) -> dict:
-    """Per-step time of ``medusa_generate`` and the share spent outside the model forward."""
+    """Per-step time of ``medusa_generate`` and the share spent outside the model forward, for each
+    tree attention: ``rounds`` rounds, each timing every attention in turn (a machine that slows down
+    or speeds up mid-run shifts all of them alike), medians over the rounds."""
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context_len), generator=torch.Generator().manual_seed(0)).to(device)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(tree).to(device)
-    medusa_generate(model, packed, prompt, max_new_tokens=4, tree=tree, attention=attention)  # warm-up
-    out = medusa_generate(
-        model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, attention=attention
-    )
-    decode_s = out.total_s - out.prefill_s
-    return {
-        "context": context_len,
-        "tokens": len(out.tokens),
-        "steps": out.num_steps,
-        "tau": out.tau,
-        "ms_per_step": 1e3 * decode_s / max(1, out.num_steps),
-        "forward_ms_per_step": 1e3 * out.forward_s / max(1, out.num_forwards),
-        "overhead_fraction": out.overhead_fraction,
-    }
+    runs: dict[str, list] = {a: [] for a in attentions}
+    for attention in attentions:  # warm-up: kernels compiled and tuned
+        medusa_generate(model, packed, prompt, max_new_tokens=4, tree=tree, attention=attention)
+    for _ in range(max(1, rounds)):
+        for attention in attentions:
+            out = medusa_generate(
+                model, packed, prompt, max_new_tokens=max_new_tokens, tree=tree, attention=attention
+            )
+            runs[attention].append(out)
+    results = {}
+    for attention, outs in runs.items():
+        step_ms = [1e3 * (o.total_s - o.prefill_s) / max(1, o.num_steps) for o in outs]
+        last = outs[-1]
+        results[attention] = {
+            "context": context_len,
+            "tokens": len(last.tokens),
+            "steps": last.num_steps,
+            "tau": last.tau,
+            "ms_per_step": statistics.median(step_ms),
+            "ms_per_step_rounds": step_ms,
+            "forward_ms_per_step": statistics.median(
+                1e3 * o.forward_s / max(1, o.num_forwards) for o in outs
+            ),
+            "overhead_fraction": statistics.median(o.overhead_fraction for o in outs),
+        }
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

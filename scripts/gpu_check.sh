@@ -16,7 +16,7 @@
 # environment always run), --select EXPR (pytest -k for the gpu tests; default: all of them).
 # Without a demo workdir the demo steps are skipped (and say so). On one H100 (2026-11-27) the gpu tests
 # took 215 s, bench_attention 66, the demo's eval 99, each captured-step variant 23-37, bench_linear and
-# bench_sampling 5-11, the stages 13-28 each, bench_decode's attention variants 14-26; the compiled-step
+# bench_sampling 5-11, the stages 13-28 each, bench_decode with one attention 14-26; the compiled-step
 # variants (bench-static-compile, bench-static-inductor) have not run there (up to 8 minutes at their
 # limits). With less device time pass --budget, or --only the steps needed.
 #
@@ -36,7 +36,8 @@
 #      against transformers' warpers; bench_linear.py: the 8B shape's products at 1..256 tokens
 #   6. stages on the demo backbone, small settings: distill (in-process engine), train Medusa-1,
 #      export, custom_generate, train Medusa-2 (LoRA), train Medusa-1 under DeepSpeed ZeRO-2 (one GPU)
-#   7. bench_decode.py --llama8b-shape: the eager decoder, and one Medusa step per tree attention
+#   7. bench_decode.py --llama8b-shape: the eager decoder, and its Medusa step with each tree attention
+#      (the three timed in turn over 5 rounds in one process)
 set -u
 DEVICE=cuda
 DTYPE=
@@ -295,11 +296,11 @@ if [ $QUICK = 1 ]; then
 else
     step bench-decode 150 "Llama-3-8B shape, bf16, random weights" "$PY" scripts/bench_decode.py --llama8b-shape \
         --device cuda --dtype bfloat16 --contexts 512 2048 --repeats 3 --json "$SCRATCH/decode_table.json"
-    for a in sdpa triton cuda; do
-        step "bench-decode-$a" 90 "8B shape, context 2048, attention=$a" "$PY" scripts/bench_decode.py \
-            --llama8b-shape --device cuda --dtype bfloat16 --contexts 2048 --skip-overhead --attention $a \
-            --json "$SCRATCH/decode_$a.json"
-    done
+    # The three tree attentions in one process, timed in turn over 5 rounds (separate processes moved
+    # by more than their differences on one H100).
+    step bench-decode-attention 180 "8B shape, context 2048, sdpa / triton / cuda in rounds" "$PY" \
+        scripts/bench_decode.py --llama8b-shape --device cuda --dtype bfloat16 --contexts 2048 --skip-overhead \
+        --attention sdpa triton cuda --repeats 5 --json "$SCRATCH/decode_attention.json"
     merge_json decode "$OUTDIR/bench_decode.json"
 fi
 {

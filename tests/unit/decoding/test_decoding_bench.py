@@ -47,11 +47,25 @@ def test_llama8b_shape_path_at_tiny_shape(bench):
     assert "generation" not in results
     assert set(results["overhead"]["forward"]) == {"16", "32"}
     assert results["overhead"]["forward"]["32"]["1"]["relative"] == 1.0
-    assert (
-        results["decoder"]["tokens"] == args.max_new_tokens
-        and 0 <= results["decoder"]["overhead_fraction"] < 1
-    )
+    decoder = results["decoder"]["sdpa"]
+    assert decoder["tokens"] == args.max_new_tokens and 0 <= decoder["overhead_fraction"] < 1
     assert "| N tree tokens |" in bench.markdown(results)
+
+
+def test_llama8b_shape_compares_attentions_in_rounds(bench):
+    """Several --attention choices: one model, each timed in every round, medians reported."""
+    argv = ["--llama8b-shape", "--repeats", "3", "--contexts", "16", "--max-new-tokens", "6", "--skip-overhead",
+            "--attention", "sdpa", "auto"]  # fmt: skip
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=300)  # fmt: skip
+    results = bench.run(bench.parse_args(argv), config_overrides=tiny)
+    assert list(results["decoder"]) == ["sdpa", "auto"]
+    for r in results["decoder"].values():
+        assert len(r["ms_per_step_rounds"]) == 3 and min(r["ms_per_step_rounds"]) <= r["ms_per_step"]
+        assert r["tokens"] == 6
+    assert "| auto |" in bench.markdown(results)
+    with pytest.raises(SystemExit):  # several attentions only where the decoder table is made
+        bench.parse_args(["--random", "--attention", "sdpa", "triton"])
 
 
 def test_llama8b_shape_path_bfloat16(bench):
@@ -71,7 +85,7 @@ def test_llama8b_shape_path_bfloat16(bench):
     tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, vocab_size=300)  # fmt: skip
     results = bench.run(args, config_overrides=tiny)
-    assert results["decoder"]["tokens"] == 8
+    assert results["decoder"]["sdpa"]["tokens"] == 8
 
 
 def test_prompts_from_jsonl(bench, tmp_path):
