@@ -163,12 +163,18 @@ def _kernels():
                 if UPCAST:
                     k = k.to(tl.float32)
                 s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-                words = tl.load(
-                    BITS + node[:, None] * num_words + nodes[None, :] // 64,
-                    mask=row_ok[:, None] & n_ok[None, :],
-                    other=0,
-                )  # (BLOCK_M, BLOCK_N) int64
-                bit = (words >> (nodes[None, :] % 64).to(tl.int64)) & 1
+                if BLOCK_N <= 64:
+                    # The tile's columns lie in one 64-bit word of each row's bits (t0 is a multiple
+                    # of BLOCK_N, which divides 64): one load per row, not one per score.
+                    word = tl.load(BITS + node * num_words + t0 // 64, mask=row_ok, other=0)  # (BLOCK_M,)
+                    bit = (word[:, None] >> (nodes[None, :] % 64).to(tl.int64)) & 1
+                else:
+                    words = tl.load(
+                        BITS + node[:, None] * num_words + nodes[None, :] // 64,
+                        mask=row_ok[:, None] & n_ok[None, :],
+                        other=0,
+                    )  # (BLOCK_M, BLOCK_N) int64
+                    bit = (words >> (nodes[None, :] % 64).to(tl.int64)) & 1
                 s = tl.where(bit != 0, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
