@@ -67,6 +67,59 @@ def _kernels():
 
     tl = language
 
+    global _past_tile
+
+    @triton.jit
+    def _past_tile(
+        q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
+        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of past keys ``[n0, n0 + BLOCK_N)`` into the online softmax: ``(m_i, l_i, acc)``.
+        ``BOUNDED``: the tile may pass ``c_hi`` (the last one), so its columns are checked; otherwise
+        every score is finite (without a window) and no mask is built at all."""
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k_ptr = k_base + cols[None, :] * skn + dofs[:, None] * skd  # (BLOCK_D, BLOCK_N)
+        v_ptr = v_base + cols[:, None] * svn + dofs[None, :] * svd  # (BLOCK_N, BLOCK_D)
+        if BOUNDED:
+            col_ok = cols < c_hi
+            k = tl.load(k_ptr, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptr)
+        else:
+            k = tl.load(k_ptr, mask=d_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if BOUNDED or HAS_WINDOW:
+            if BOUNDED:
+                valid = col_ok[None, :]
+                if HAS_WINDOW:
+                    valid = valid & (cols[None, :] >= lo_row[:, None])
+            else:
+                valid = cols[None, :] >= lo_row[:, None]
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every score is
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BOUNDED:
+            v = tl.load(v_ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptr)
+        else:
+            v = tl.load(v_ptr, mask=d_ok[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        else:
+            p = p.to(v_base.dtype.element_ty)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
     @triton.jit
     def tree_attn_fwd(
         Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH,
@@ -112,38 +165,19 @@ def _kernels():
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         k_base = K + b * skb + kvh * skh
         v_base = V + b * svb + kvh * svh
-        # 1. The past: fully visible, bounds (and the sliding window) only, no mask read.
-        for n0 in range(c_lo, c_hi, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < c_hi
-            k = tl.load(
-                k_base + cols[None, :] * skn + dofs[:, None] * skd,
-                mask=col_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )  # (BLOCK_D, BLOCK_N)
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-            valid = col_ok[None, :]
-            if HAS_WINDOW:
-                valid = valid & (cols[None, :] >= lo_row[:, None])
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + cols[:, None] * svn + dofs[None, :] * svd,
-                mask=col_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )  # (BLOCK_N, BLOCK_D)
-            if UPCAST:
-                v = v.to(tl.float32)
-            else:
-                p = p.to(V.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PREC)
-            m_i = m_new
+        # 1. The past: fully visible, no mask read. Whole tiles without bounds checks (nor head-dim
+        #    masks when D is a power of two), then the last, partial tile with them.
+        n_full = c_lo + tl.maximum(c_hi - c_lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(c_lo, n_full, BLOCK_N):
+            m_i, l_i, acc = _past_tile(
+                q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
+                BLOCK_N, HAS_WINDOW, False, D == BLOCK_D, DOT_PREC, UPCAST,
+            )  # fmt: skip
+        if n_full < c_hi:
+            m_i, l_i, acc = _past_tile(
+                q, k_base, v_base, n_full, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd,
+                qk_scale, BLOCK_N, HAS_WINDOW, True, D == BLOCK_D, DOT_PREC, UPCAST,
+            )  # fmt: skip
         # 2. The tree: M columns from past, masked by the ancestor bits (last split only). A node's
         #    ancestors precede it, so the block's rows see no node after its last one: a block of one
         #    head's nodes [n, n + BLOCK_M) reads the first n + BLOCK_M columns of the tree only.

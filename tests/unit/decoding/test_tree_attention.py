@@ -175,6 +175,22 @@ def test_every_launch_config_the_tuner_may_pick_matches_the_reference(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize(("head_dim", "window"), [(80, None), (16, 6), (64, 40)])
+def test_whole_and_partial_past_tiles_match_the_reference(head_dim, window):
+    """Small tiles over long pasts: whole tiles (read without bounds checks; without head-dim masks
+    when the head dim is a power of two; with a window, its per-row bound still applied) and the
+    partial last tile, unsplit and split, against the reference."""
+    tree = random_tree(7, nodes=12)
+    q, k, v, past, start, mask = random_case(14, tree, [70, 33, 5], [0, 9, 2], 1, 2, head_dim, torch.float32)
+    ref = reference(q, k, v, past, start, mask, window)
+    args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, head_dim**-0.5)
+    for config in (LaunchConfig(16, 16, 4, 1), LaunchConfig(32, 32, 4, 1)):
+        for splits in (1, 3):
+            out = triton_tree_attention(*args, window=window, num_splits=splits, config=config)
+            assert_matches(out, ref, torch.float32)
+
+
+@needs_triton
 def test_a_block_reads_the_tree_up_to_its_last_node():
     """Small tiles on a 95-node tree, 2 query heads a KV head: a block of one head's nodes stops at the
     tree tile holding its last node (nodes see only their ancestors, which precede them); a block
