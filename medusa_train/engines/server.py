@@ -43,8 +43,9 @@ request) is the same on every endpoint, so it is no reason to fail over: it stop
 A request that fails after the retry budget on an endpoint that answered other requests meanwhile
 is what fails, not the endpoint (a context that crashes the server every time would otherwise take
 every endpoint down in turn, and again on every resume): the endpoint stays up and the request is
-sent again; after :data:`UNDELIVERABLE_AFTER` such failures it is given up, its reply dropped and
-counted (``undeliverable``).
+sent again; when it fails again on an endpoint that answered others meanwhile or answers a probe
+(``GET /models``) then, it is given up after :data:`UNDELIVERABLE_AFTER` failures in all, its reply
+dropped and counted (``undeliverable``).
 """
 
 from __future__ import annotations
@@ -694,7 +695,11 @@ class ServerEngine:
             endpoint.in_flight -= 1
             if isinstance(err, ServerUnavailable):
                 endpoint.failures += 1
-                if endpoint.replies > replies_then:  # it answered others meanwhile: the request fails
+                # It answered others meanwhile, or (for a request already seen failing on a working
+                # endpoint) it answers a probe now: the request is what fails.
+                if endpoint.replies > replies_then or (
+                    id(request) in self._charges and self._answers(endpoint)
+                ):
                     if not self._charge(request, endpoint, err.reason):
                         queue.appendleft(request)  # again while other requests still show who works
                         continue
@@ -718,6 +723,23 @@ class ServerEngine:
                 queue.appendleft(follow)
 
     # -- failover ---------------------------------------------------------------------------------
+
+    def _answers(self, endpoint: _Endpoint) -> bool:
+        """Whether ``endpoint`` answers one ``GET /models`` now (the re-admission probe's rule; blocks
+        for at most 10 s)."""
+        try:
+            self.client.request(
+                endpoint.url,
+                "/models",
+                retry_statuses=PROBE_STATUSES,
+                max_retries=0,
+                timeout_s=min(self.client.timeout_s, 10.0),
+            )
+        except ServerRefused:  # it answers (some servers do not list models)
+            return True
+        except ServerUnavailable:
+            return False
+        return True
 
     def _charge(self, request: GenRequest, endpoint: _Endpoint, reason: str) -> bool:
         """Charge a failure to ``request`` (its endpoint answered other requests while it failed);

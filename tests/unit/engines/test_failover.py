@@ -260,3 +260,23 @@ def test_a_request_that_crashes_every_server_is_given_up_not_the_endpoints(
     messages = [r.getMessage() for r in caplog.records]
     assert any("giving up request (0, 0)" in m and "replies_dropped_undeliverable" in m for m in messages)
     assert not any(" is down " in m for m in messages)
+
+
+def test_a_crashing_request_is_given_up_when_nothing_else_is_left_to_show_the_server_works(fake) -> None:
+    """The request's second failure comes when no other request is in flight (the end of a shard): it
+    failed once on a working server already, and the server answers a probe now, so it is given up
+    there too instead of taking the only endpoint down and stopping the run."""
+    srv = fake(poison=POISON, poison_delay_s=0.2, delay_s=0.03)
+    engine = _engine([srv.url], concurrency=2)
+    got: dict = {}
+
+    def on_done(request: GenRequest, new: list[int] | None) -> GenRequest | None:
+        got[request.key] = new
+        conv, turn = request.key
+        return GenRequest((conv, turn + 1), [*request.context, *new, 9]) if new and turn < 2 else None
+
+    engine.run([GenRequest((0, 0), [1, 0, POISON]), GenRequest((1, 0), [1, 1])], on_done)
+    assert got[(0, 0)] is None and all(got[(1, t)] for t in range(3))  # conversation 1: 3 turns, 0.09 s
+    assert engine.stats["undeliverable"] == 1 and _counts(engine)[srv.url]["went_down"] == 0
+    assert srv.poisoned == UNDELIVERABLE_AFTER * 2
+    assert ("GET", "/v1/models") in srv.requests  # the probe that found it working
