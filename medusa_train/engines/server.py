@@ -544,7 +544,7 @@ class ServerEngine:
         """Replies received, the exactness counts of the module docstring (``api=chat``), and the
         requests given up (:data:`UNDELIVERABLE_AFTER`)."""
         self._charges: dict[int, int] = {}
-        """Failures charged to a request (by ``id``) rather than to its endpoint."""
+        """Failures charged to a request of the current ``run`` (by ``id``) rather than to its endpoint."""
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -653,6 +653,7 @@ class ServerEngine:
             UserError: every endpoint down (one line naming each URL and why), or a refused request.
         """
         queue = deque(requests)
+        self._charges = {}  # by id(): a request with an entry is queued or in flight, so alive
         live: dict[int, tuple[_Endpoint, GenRequest, threading.Event, int]] = {}
         """Requests in flight by dispatch number (with the endpoint's replies when it was sent); an
         answer whose number is not here is discarded."""
