@@ -725,9 +725,12 @@ class ServerEngine:
 
     # -- failover ---------------------------------------------------------------------------------
 
-    def _answers(self, endpoint: _Endpoint) -> bool:
-        """Whether ``endpoint`` answers one ``GET /models`` now (the re-admission probe's rule; blocks
-        for at most 10 s)."""
+    def _ping(self, endpoint: _Endpoint) -> None:
+        """One ``GET /models`` (one attempt, at most 10 s); returns if ``endpoint`` answers.
+
+        Raises:
+            ServerUnavailable: it does not, or answers "not up yet" (:data:`PROBE_STATUSES`).
+        """
         try:
             self.client.request(
                 endpoint.url,
@@ -736,8 +739,13 @@ class ServerEngine:
                 max_retries=0,
                 timeout_s=min(self.client.timeout_s, 10.0),
             )
-        except ServerRefused:  # it answers (some servers do not list models)
-            return True
+        except ServerRefused:  # it answers (some servers do not list models): it is up
+            pass
+
+    def _answers(self, endpoint: _Endpoint) -> bool:
+        """Whether ``endpoint`` answers :meth:`_ping` now (blocks for at most 10 s)."""
+        try:
+            self._ping(endpoint)
         except ServerUnavailable:
             return False
         return True
@@ -798,16 +806,7 @@ class ServerEngine:
         """Whether ``endpoint`` is back: ``(probe, endpoint, None)`` or ``(..., reason, permanent)``."""
         try:
             if endpoint.checked or self._check is None:
-                try:
-                    self.client.request(
-                        endpoint.url,
-                        "/models",
-                        retry_statuses=PROBE_STATUSES,
-                        max_retries=0,
-                        timeout_s=min(self.client.timeout_s, 10.0),
-                    )
-                except ServerRefused:  # it answers (some servers do not list models): it is up
-                    pass
+                self._ping(endpoint)
             else:
                 self._check(endpoint.url)
             self._results.put(("probe", endpoint, None))
