@@ -1,4 +1,4 @@
-"""GPU timing shared by the bench scripts (torch only).
+"""GPU timing shared by the bench scripts (torch, and the tuner's queued timer).
 
 ``copy_bandwidth`` is the device's device-to-device copy speed, the floor every memory-bound figure is
 compared with; ``time_queued`` is GPU time per call with the launches hidden: the calls are queued
@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from medusa_train.decoding.attention.triton_kernel import gpu_ms
 
 SLEEP_CYCLES = 20_000_000
 """~10 ms of GPU sleep: longer than the host takes to queue the timed calls."""
@@ -41,18 +43,9 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def time_queued(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Milliseconds of GPU time per ``fn()``: ``warmup`` untimed calls, then ``iters`` calls queued
-    behind a sleep kernel between two CUDA events (CUDA only)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)  # the host queues every call below while the GPU sleeps
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    behind a sleep kernel between two CUDA events (CUDA only; the tuner's timing, with a sleep long
+    enough for many calls)."""
+    return gpu_ms(fn, reps=iters, warmup=warmup, sleep_cycles=SLEEP_CYCLES)
 
 
 def report(results: dict, json_path: str | None) -> None:

@@ -378,18 +378,22 @@ TUNE_ROUNDS = 3
 """Rounds over all candidates; each candidate keeps its fastest round."""
 
 
-def gpu_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Milliseconds of GPU time per ``fn()`` on the current CUDA stream: one untimed call (compilation),
-    then ``reps`` calls queued behind a sleep kernel, between two events.
+def gpu_ms(
+    fn: Callable[[], object], reps: int = 10, warmup: int = 1, sleep_cycles: int = TUNE_SLEEP_CYCLES
+) -> float:
+    """Milliseconds of GPU time per ``fn()`` on the current CUDA stream: ``warmup`` untimed calls
+    (compilation), then ``reps`` calls queued behind a sleep kernel of ``sleep_cycles``, between two
+    events (the bench scripts' timing too, with a longer sleep for more calls).
 
     Without the sleep the calls of a small tree (tens of microseconds on the GPU) are timed at the rate
     the host launches them, the same for every configuration: on one H100 the tuner then kept
     configurations that took up to 1.5x the default's GPU time (docs/benchmarks.md). GPU time is what a
     replayed CUDA graph pays, and the launch costs every configuration alike in an eager decoder."""
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(TUNE_SLEEP_CYCLES)
+    torch.cuda._sleep(sleep_cycles)  # the host queues every call below while the GPU sleeps
     start.record()
     for _ in range(reps):
         fn()
