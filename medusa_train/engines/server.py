@@ -643,9 +643,10 @@ class ServerEngine:
 
         Each request in flight is a daemon thread doing blocking HTTP; results come back through a
         queue, so ``on_done`` runs here. An endpoint whose request fails after the retry budget goes
-        down and its requests go to the others, unless it answered other requests meanwhile: then the
-        request is sent again, and given up after :data:`UNDELIVERABLE_AFTER` such failures
-        (``on_done(request, None)``; the module docstring); the run stops (requests still
+        down and its requests go to the others, unless it answered other requests meanwhile (or, for a
+        request that already failed so, answers a probe): then the request is sent again, and given up
+        after :data:`UNDELIVERABLE_AFTER` such failures (``on_done(request, None)``; the module
+        docstring); the run stops (requests still
         in flight abandoned, not waited for) when every endpoint is down, or at once on a refused
         request (HTTP 4xx) or any other error.
 
@@ -751,8 +752,8 @@ class ServerEngine:
         return True
 
     def _charge(self, request: GenRequest, endpoint: _Endpoint, reason: str) -> bool:
-        """Charge a failure to ``request`` (its endpoint answered other requests while it failed);
-        True when that makes :data:`UNDELIVERABLE_AFTER` and the request is given up."""
+        """Charge a failure to ``request`` (its endpoint answered other requests while it failed, or a
+        probe after); True when that makes :data:`UNDELIVERABLE_AFTER` and the request is given up."""
         charges = self._charges[id(request)] = self._charges.get(id(request), 0) + 1
         if charges < UNDELIVERABLE_AFTER:
             log.warning(
@@ -766,7 +767,7 @@ class ServerEngine:
         del self._charges[id(request)]
         log.warning(
             "distill: giving up request %s: it failed %d times on endpoints that answered other requests "
-            "(last: %s); its reply is dropped (counted in replies_dropped_undeliverable)",
+            "or a probe (last: %s); its reply is dropped (counted in replies_dropped_undeliverable)",
             request.key,
             charges,
             reason,
