@@ -10,6 +10,8 @@ this module holds what the Trainer does not do for us:
   what the run left behind (``ACCELERATE_USE_DEEPSPEED`` and the rank variables in the environment,
   transformers' global DeepSpeed config, the 1-process group) so later stages in the same process
   (``stage=all``) and library users get plain ``from_pretrained`` / ``Trainer`` behaviour back.
+  On a CPU it also keeps DeepSpeed from compiling an op training never calls
+  (:func:`skip_inference_shm_op`).
 - :func:`register_gathered`: ZeRO-3 must gather weights a module reads directly (the fused loss
   reads each head's projection weight, Medusa-2's LM loss reads ``lm_head``'s).
 - :func:`gather_zero3`: ZeRO-3 leaves the trained module partitioned; rank 0 gets it whole.
@@ -102,6 +104,7 @@ def deepspeed_process(enabled: bool) -> Iterator[None]:
         yield
         return
     saved = {key: os.environ.get(key) for key in PROCESS_ENV}
+    skip_inference_shm_op()
     own_group = not dist.launched()
     if own_group:
         _single_process_rendezvous()
@@ -109,6 +112,28 @@ def deepspeed_process(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _release(saved, own_group)
+
+
+SHM_OP = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory all-reduce for its CPU accelerator (deepspeed ``ops/op_builder/cpu/comm.py``)."""
+
+
+def skip_inference_shm_op() -> None:
+    """On DeepSpeed's CPU accelerator, mark :data:`SHM_OP` as not buildable here, so that starting the
+    process group does not compile it.
+
+    DeepSpeed's torch communication backend builds that C++ op (JIT, on first use per machine) when it
+    starts, for ``inference_all_reduce`` alone: tensor-parallel inference. Training reduces through
+    ``torch.distributed`` (gloo on a CPU) and never calls it. Building it took 28 s of a 2-core CI
+    machine's first DeepSpeed run and needs a C++ compiler, which a laptop user may not have.
+    ``build_shm_op`` (deepspeed ``comm/torch.py``) skips the op when its entry in
+    ``deepspeed.ops.__compatible_ops__`` is false; that dict is computed once per process and kept, so
+    the entry set here holds for the process. No-op on a GPU accelerator (no such op there)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
 def _single_process_rendezvous() -> None:

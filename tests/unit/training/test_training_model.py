@@ -12,7 +12,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.optim import param_groups
-from medusa_train.training.zero import deepspeed_config
+from medusa_train.training.zero import SHM_OP, deepspeed_config, deepspeed_process
 from tests.helpers.models import tiny_model
 from tests.helpers.training import batch, tiny_llama
 
@@ -152,6 +152,24 @@ def test_deepspeed_config_errors_and_shape():
     assert deepspeed_config(3, dtype=torch.bfloat16, on_cpu=False)["bf16"] == {"enabled": True}
     with pytest.raises(UserError, match="offload"):
         deepspeed_config(3, offload_param=True, on_cpu=True)
+
+
+def test_a_deepspeed_run_on_a_cpu_compiles_no_op(tmp_path, monkeypatch):
+    """DeepSpeed's CPU backend would compile its shared-memory all-reduce (used by tensor-parallel
+    inference only) when its process group starts: 28 s on a 2-core machine, and a C++ compiler."""
+    import importlib
+
+    import deepspeed.ops
+
+    ds_torch = importlib.import_module(
+        "deepspeed.comm.torch"
+    )  # the attribute `torch` of deepspeed.comm is torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, SHM_OP, True)  # as DeepSpeed probes it here
+    with deepspeed_process(True):
+        assert ds_torch.build_shm_op() is None  # what the backend calls when the group starts
+    assert not (tmp_path / "extensions").exists()
 
 
 def test_deepspeed_not_importable_is_a_user_error(monkeypatch):
