@@ -715,9 +715,8 @@ class EvalConfig:
     """Tree attention of Medusa's verification forwards: sdpa (PyTorch's SDPA with a dense float mask;
     grouped-query heads packed, K/V not expanded) | triton | cuda (fused kernels reading the tree's
     ancestor bits, no mask; GPU) | auto
-    (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, 2,048 in a step captured
-    as a CUDA graph, where it measured faster; below 8,192 not for calls of over 1,024 tree nodes x
-    rows; else sdpa, and always on a CPU). See docs/decoding.md."""
+    (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, 2,048 in a step replayed
+    as a CUDA graph, where it measured faster; else sdpa, and always on a CPU). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

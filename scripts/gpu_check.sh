@@ -238,14 +238,15 @@ if [ -f scripts/bench_static.py ]; then
         "${ARGS[@]}" --attention triton --nodes 1 16 32 64 --hf-static-contexts --parity-captures \
         --json "$SCRATCH/static_truncated.json"
     # The whole step compiled by inductor without autotuning (its norms, RoPE and activations fused: on
-    # one H100 the captured eager step spent ~3 ms beyond its weight products), own 128K heads, SDPA:
-    # against the CUDA-graph rows of bench-static-sdpa. Cheaper than max-autotune below.
+    # one H100 the captured eager step spent ~3 ms beyond its weight products), own 128K heads, the
+    # Triton kernel as one custom op: against the CUDA-graph rows of bench-static-triton. Cheaper than
+    # max-autotune below.
     ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 --nodes 1 64 --capture compile --compile-mode reduce-overhead)
     [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --nodes 1 4 --capture compile)
-    CPARITY=(--parity-captures compile)  # no gpu test compiles the step on CUDA
+    CPARITY=(--parity-captures compile)
     [ $QUICK = 1 ] && CPARITY=(--parity-captures)
-    step bench-static-compile 180 "compiled step (reduce-overhead), own heads" "$PY" scripts/bench_static.py \
-        "${ARGS[@]}" --hf-static-contexts "${CPARITY[@]}" --json "$SCRATCH/static_compile.json"
+    step bench-static-compile 180 "compiled step (reduce-overhead), own heads, triton" "$PY" scripts/bench_static.py \
+        "${ARGS[@]}" --attention triton --hf-static-contexts "${CPARITY[@]}" --json "$SCRATCH/static_compile.json"
     ARGS=(--device "$DEVICE" --contexts 2048 --batch-sizes 1 --head-projection truncated --draft-vocab 32768)
     [ $QUICK = 1 ] && ARGS=(--device cpu --tiny --contexts 64 --batch-sizes 1 --head-projection truncated --draft-vocab 128)
     step bench-static-inductor 300 "compiled step (max-autotune), 32K-token heads" "$PY" scripts/bench_static.py \

@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .acceptance import warp_probs
-from .attention import TreeMask, TreeStep, on_device, packed_sdpa, resolve_attention, tree_step
+from .attention import STEP_KWARG, TreeMask, TreeStep, on_device, packed_sdpa, resolve_attention, tree_step
 from .batched import MedusaBatchOutput, PreallocatedLayer, shared_storage
 from .generate import (
     MedusaOutput,
@@ -69,6 +69,9 @@ from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
 CAPTURES = ("eager", "compile", "cuda_graph")
+GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that replay the compiled step as CUDA graphs on CUDA (``attention="auto"``
+then chooses as for ``capture="cuda_graph"``)."""
 STATIC_ACCEPTANCE = ("greedy", "typical", "sample")
 SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
 
@@ -206,8 +209,8 @@ class StaticDecoder:
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
-            threshold, cuda_graph off CUDA, compile with a kernel off CUDA, a model mixing full and
-            sliding-window layers, a flash-attention model, or a capacity too small for the tree.
+            threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers, a
+            flash-attention model, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree does not fit the heads.
     """
@@ -281,14 +284,8 @@ class StaticDecoder:
         self.limit = context_limit(model)
         self.sdpa_backend = sdpa_backend
         self.capture = capture
-        self.attention = resolve_attention(
-            attention, self.device, context=capacity, captured=capture == "cuda_graph"
-        )
-        if capture == "compile" and self.attention != "sdpa" and self.device.type != "cuda":
-            raise ValueError(
-                f"capture='compile' with attention={self.attention} needs a CUDA model (torch.compile "
-                "cannot trace triton's CPU interpreter): use capture='eager' on a CPU"
-            )
+        graphed = capture == "cuda_graph" or (capture == "compile" and compile_mode in GRAPHED_COMPILE_MODES)
+        self.attention = resolve_attention(attention, self.device, context=capacity, captured=graphed)
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).
@@ -323,6 +320,9 @@ class StaticDecoder:
             past = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) column of each row's first node
             starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
             self._kernel_step = TreeStep(past, starts, TreeMask.of(self.tree), self.attention)
+            self._kernel_step.mask.bits_for(self.window)  # built now, not inside a capture or a trace
+        # Handed to the attention layers as a forward argument too, which torch.compile can trace.
+        self._step_kwargs = {} if self._kernel_step is None else {STEP_KWARG: self._kernel_step}
         # State, updated in place by every step.
         with torch.inference_mode():
             self.cache = StaticKVCache(_num_layers(model), capacity, b, dev, shared=capture != "compile")
@@ -357,7 +357,7 @@ class StaticDecoder:
         self._static += self.processors.state()
         if self._kernel_step is not None:  # the kernels' inputs: the past lengths change every step
             step = self._kernel_step
-            self._static += [step.past_lens, step.starts, step.mask.bits, step.mask.depth]
+            self._static += [step.past_lens, step.starts, step.mask.bits_for(self.window), step.mask.depth]
         self._run: Callable[[], None] = self._step
         self._graph = None
         if capture == "compile":
@@ -463,6 +463,7 @@ class StaticDecoder:
             use_cache=True,
             output_hidden_states=True,
             **self._cache_kwargs,
+            **self._step_kwargs,
         )  # the model's own call, as _forward makes it (the cache's name decided once, outside the step)
         logits, hidden = out.logits, out.hidden_states[-1]  # (B, M, V), (B, M, d)
         if self.processors.active:

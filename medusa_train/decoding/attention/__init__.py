@@ -25,6 +25,12 @@ previous implementation is restored when the forward returns. Outside a step the
 transformers' own SDPA attention, but the model builds no mask for it either (causal attention without
 padding only): the name is meant for :func:`tree_step`, not for ``set_attn_implementation``.
 
+Under ``torch.compile`` (the static decoder's ``capture="compile"``) nothing of this breaks the graph: a
+step is also handed to the attention function as the forward's keyword argument :data:`STEP_KWARG`
+(Dynamo cannot read a ``ContextVar``: every layer would break the graph there), and a kernel is called
+as the custom op ``torch.ops.medusa_train.tree_attention`` (:func:`kernel_op`), which the compiler
+keeps as one opaque call instead of tracing the launcher's Python (or, on a CPU, triton's interpreter).
+
 The ``sdpa`` path itself runs its masked forwards (a tree's M nodes, up to
 :data:`~.sdpa.PACKED_MAX_QUERIES` queries) inside :func:`packed_sdpa`, which switches a model on
 transformers' ``sdpa`` to :data:`PACKED_SDPA_NAME`: the same SDPA on the same mask, with a grouped-query
@@ -72,6 +78,10 @@ the two were level (0.019-0.030 ms). The most tree queries measured, 256 nodes a
 keys: the kernel 0.272 ms against 0.320 for the decoders' SDPA path on a grouped-query layer (packed
 SDPA) and 0.263 on a layer without grouped heads, where the static decoder's SDPA also reads the whole
 capacity: no tree size keeps SDPA from 2,048 keys."""
+STEP_KWARG = "medusa_tree_step"
+"""The forward keyword argument a caller may pass its :class:`TreeStep` in (besides :func:`tree_step`):
+transformers hands a forward's extra keyword arguments on to the attention function. Read first; the
+step of :func:`tree_step` is the fallback for a model that does not pass them on."""
 KERNEL_NAME = "medusa_tree"
 """The name the tree-attention function is registered under in transformers' ``AttentionInterface``."""
 PACKED_SDPA_NAME = "medusa_sdpa"
@@ -180,6 +190,8 @@ def tree_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bits = mask.bits_for(window)
     args = (query, key, value, past_lens.to(torch.int32), starts.to(torch.int32), bits, mask.depth, scale)
+    if backend in ("triton", "cuda") and torch.compiler.is_compiling():
+        return kernel_op(*args, window, backend)
     if backend == "triton":
         return triton_tree_attention(*args, window=window)
     if backend == "cuda":
@@ -187,6 +199,33 @@ def tree_attention(
     if backend == "sdpa":
         return sdpa_tree_attention(*args, window=window)
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
+
+
+@torch.library.custom_op("medusa_train::tree_attention", mutates_args=())
+def kernel_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_lens: torch.Tensor,
+    starts: torch.Tensor,
+    bits: torch.Tensor,
+    depth: torch.Tensor,
+    scale: float,
+    window: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """A kernel's call as one custom op (``torch.ops.medusa_train.tree_attention``), for
+    ``torch.compile``: the compiler keeps it whole, and the launcher (tuning, KV splits) runs as in
+    eager mode. Arguments as :func:`~.triton_kernel.triton_tree_attention`; ``backend``: "triton" or
+    "cuda". Eager callers call the kernels directly (a custom op costs a dispatch per call)."""
+    kernel = triton_tree_attention if backend == "triton" else cuda_tree_attention
+    return kernel(query, key, value, past_lens, starts, bits, depth, scale, window=window)
+
+
+@kernel_op.register_fake
+def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, backend):
+    bsz, hq, m, d = query.shape
+    return query.new_empty(bsz, m, hq, d).transpose(1, 2)  # the kernels' layout: (B, M, Hq, D) transposed
 
 
 def resolve_attention(
@@ -271,13 +310,16 @@ def hf_tree_attention(
 ) -> tuple[torch.Tensor, None]:
     """The function registered as :data:`KERNEL_NAME`: transformers' attention-function signature.
 
-    Inside :func:`tree_step`: :func:`tree_attention` with the step's tree (``attention_mask`` is None
-    there: the model builds none). Elsewhere: transformers' SDPA attention on whatever mask it is given.
+    Given a step (the keyword argument :data:`STEP_KWARG`, else the one of :func:`tree_step`):
+    :func:`tree_attention` with the step's tree (``attention_mask`` is None there: the model builds
+    none). Elsewhere: transformers' SDPA attention on whatever mask it is given.
 
     Returns:
         ``(B, M, Hq, D)`` attention output and no weights.
     """
-    step = _STEP.get()
+    step = kwargs.pop(STEP_KWARG, None)
+    if step is None:
+        step = _STEP.get()
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     extra = [k for k in SCORE_MODIFIERS if kwargs.get(k) is not None]
@@ -382,11 +424,13 @@ __all__ = [
     "AUTO_ORDER",
     "KERNEL_NAME",
     "PACKED_SDPA_NAME",
+    "STEP_KWARG",
     "AttentionBackendError",
     "TreeMask",
     "TreeStep",
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
+    "kernel_op",
     "on_device",
     "packed_sdpa",
     "register",

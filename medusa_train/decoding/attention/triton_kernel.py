@@ -19,7 +19,8 @@ own inputs, in GPU time (:func:`gpu_ms`) over a few rounds (:func:`fastest`), an
 the process (:func:`tuned_configs`). A call inside a CUDA-graph
 capture never times anything: it takes the tuned configuration if its shape class was seen before (the
 static decoder warms its step up before capturing it), else :func:`default_config`; a call traced by
-``torch.compile`` always takes the default. ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the
+``torch.compile`` always takes the default (the decoders' compiled steps call the kernel through a custom
+op instead, :func:`medusa_train.decoding.attention.kernel_op`, which runs this launcher at run time). ``MEDUSA_TRITON_TUNE=0`` turns the tuning off (the
 default configuration everywhere). triton's own ``triton.autotune`` is not used because it would time
 candidates inside a capture or a trace. The interpreter always takes the default configuration.
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import medusa_train.decoding.attention as tree_attention_module
+import medusa_train.decoding.static as static_module
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate
 from medusa_train.decoding.acceptance import accept_greedy, accept_typical
 from medusa_train.decoding.static import (
@@ -314,9 +315,6 @@ def test_static_user_errors():
         StaticDecoder(model, heads, MEDUSA_63, 128, capture="cuda_graph")
     with pytest.raises(ValueError, match="attention must be"):
         StaticDecoder(model, heads, MEDUSA_63, 128, attention="flash")
-    if importlib.util.find_spec("triton") is not None:
-        with pytest.raises(ValueError, match="capture='eager' on a CPU"):
-            StaticDecoder(model, heads, MEDUSA_63, 128, capture="compile", attention="triton")
     with pytest.raises(ValueError, match="acceptance must be one of"):
         StaticDecoder(model, heads, MEDUSA_63, 128, acceptance="beam")
     with pytest.raises(ValueError, match="0 < top_p <= 1"):
@@ -362,6 +360,64 @@ def test_static_compiled_typical():
         prompt = torch.randint(1, VOCAB, (1, prompt_len), generator=gen)
         ref = medusa_generate(model, heads, prompt, max_new_tokens=30, tree=random_tree(1), **settings)
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == ref.tokens.tolist()
+
+
+def test_auto_counts_a_step_compiled_into_cuda_graphs_as_captured(monkeypatch):
+    """``attention="auto"`` takes the captured step's threshold for a CUDA graph, and for a step compiled
+    in a mode that replays CUDA graphs; not for an eager or a default-mode compiled step."""
+    seen = []
+
+    def resolve(attention, device, context=None, captured=False):
+        seen.append(captured)
+        return "sdpa"
+
+    monkeypatch.setattr(static_module, "resolve_attention", resolve)
+    model = tiny_model("llama")
+    heads = random_heads(model)
+    for capture, mode in [
+        ("eager", None),
+        ("compile", None),
+        ("compile", "reduce-overhead"),
+        ("compile", "max-autotune"),
+    ]:
+        StaticDecoder(model, heads, random_tree(1), 64, capture=capture, compile_mode=mode, attention="auto")
+    assert seen == [False, False, True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_static_compiled_with_triton_kernel_equals_greedy(monkeypatch):
+    """The step under torch.compile with the Triton kernel (CPU: its interpreter, inside the custom
+    op): one graph, no graph break (the step reaches the attention layers as a forward argument, not
+    through the ContextVar Dynamo cannot read), no recompilation (the windowed ancestor bits are built
+    before the trace), every layer of every step ran the kernel, and the output is plain greedy.
+    Mistral: grouped-query heads and a sliding window of 8 that the 30 tokens cross (~15 s)."""
+    import torch._dynamo.utils
+
+    calls = []
+    kernel = tree_attention_module.triton_tree_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].tolist())  # past_lens (the compiled graph hands over its own tensor)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_model("mistral", seed=3)
+    decoder = StaticDecoder(
+        model, random_heads(model, seed=5), random_tree(1), 2 * MAX_POS, capture="compile", attention="triton"
+    )
+    prompt = torch.randint(1, VOCAB, (1, 11), generator=torch.Generator().manual_seed(21))
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert out.tokens.tolist() == plain_greedy(model, prompt, 30)
+    layers = len(decoder.cache.layers)
+    assert len(calls) == layers * out.num_forwards
+    pasts = [calls[i * layers][0] for i in range(out.num_forwards)]  # each step's tree column
+    assert calls == [[p] for p in pasts for _ in range(layers)]
+    assert pasts[0] == 11 and pasts == sorted(set(pasts))  # the prompt's length, then growing
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -410,16 +466,19 @@ def test_static_with_triton_kernel_equals_greedy(arch, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("attention", ["triton", "cuda"])
-def test_gpu_captured_step_with_kernels_equals_greedy(attention):
-    """The CUDA-graph step with the kernel (fp32 tiny Llama): three rows of different lengths and a
-    second call replaying the same graph each equal their plain greedy."""
+@pytest.mark.parametrize("capture", ["cuda_graph", "compile"])
+def test_gpu_captured_step_with_kernels_equals_greedy(attention, capture):
+    """The CUDA-graph step with the kernel, and the step compiled by inductor with ``reduce-overhead``
+    (its own CUDA graphs; the kernel as the custom op), fp32 tiny Llama: three rows of different
+    lengths and a second call replaying the same graph each equal their plain greedy."""
     model = tiny_model("llama", seed=3, hidden=128, heads=4, kv_heads=2).cuda()
     heads = random_heads(model, seed=5).cuda()
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, VOCAB, (1, n), generator=gen).cuda() for n in (5, 13, 2)]
     refs = [plain_greedy(model, p, 16) for p in prompts]
+    mode = {"compile_mode": "reduce-overhead"} if capture == "compile" else {}
     decoder = StaticDecoder(
-        model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture="cuda_graph", attention=attention
+        model, heads, random_tree(1, nodes=12), 64, batch_size=3, capture=capture, attention=attention, **mode
     )
     for _ in range(2):
         assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
