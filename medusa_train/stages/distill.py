@@ -243,7 +243,8 @@ def _load_and_plan(
         _warn_unapplied(model, sampled=cfg.distill.temperature > 0)
     server = None
     if cfg.distill.engine == "server":  # every endpoint answers and serves the model: before any work
-        server = _check_server(cfg, renderer, records[0], prompts[0])
+        probe = _probe_index(prompts)
+        server = _check_server(cfg, renderer, records[probe], prompts[probe])
         # the model's top-k, sent to servers that would apply another (ServerEngine's top_k)
         server["top_k"] = _generation_config_settings(model, sampled=True).get("top_k", 0)
         settings["engine"] = {**quick["engine"], "served": sorted({e["root"] for e in server["endpoints"]})}
@@ -744,6 +745,14 @@ def _server_client(cfg: Config) -> ServerClient:
     )
 
 
+def _probe_index(prompts: list[list[int]]) -> int:
+    """The record whose first prompt the endpoints' checks send (a one-token request): the shortest,
+    the first of equals. The cheapest request, and not the first record by rule: a context that
+    fails on every server (HTTP 500 after every retry) would otherwise, as the first record, fail
+    every endpoint's check on every run, where in the work it is only dropped (undeliverable)."""
+    return min(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+
 def _check_server(cfg: Config, renderer: ChatRenderer, conv: Conversation, prompt: list[int]) -> dict:
     s = cfg.distill.server
     messages = renderer.messages(conv, [], True)
@@ -762,7 +771,8 @@ def _server_engine(plan: _Plan, renderer: ChatRenderer) -> ServerEngine:
     cfg, s = plan.cfg, plan.cfg.distill.server
     client = _server_client(cfg)
     roots = {e["root"] for e in plan.server["endpoints"]}
-    messages, prompt = renderer.messages(plan.records[0], [], True), plan.prompts[0]
+    probe = _probe_index(plan.prompts)
+    messages, prompt = renderer.messages(plan.records[probe], [], True), plan.prompts[probe]
 
     def check(url: str) -> dict:  # an endpoint down since before any work, before it joins
         return check_endpoint(client, url, plan.server["model"], s.api, messages, prompt, roots=roots)

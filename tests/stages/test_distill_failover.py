@@ -100,16 +100,17 @@ def test_records_equal_one_healthy_endpoint_run_and_counts_reach_the_manifest(
         assert counts[failing]["replies"] <= 4 and counts[failing]["failures"] >= 1
 
 
+@pytest.mark.parametrize("poisoned", [0, 1])
 def test_a_record_whose_context_crashes_every_server_is_dropped_and_counted(
-    fake, tiny_backbone_dir, tmp_path
+    fake, tiny_backbone_dir, tmp_path, poisoned
 ):
     """One record's first prompt makes every server fail (HTTP 500 after every retry) while they answer
     the others: that record is dropped (its reply counted as undeliverable), every other record is
-    written as on a healthy server, and no endpoint goes down."""
+    written as on a healthy server, and no endpoint goes down. The first record too: the servers'
+    check before any work sends the shortest prompt, not the first."""
     words = "the cat dog sat on a mat tell me a story about why the day is big".split()
     rows = [{"prompt": [" ".join(words[i % 12 : i % 12 + 4])]} for i in range(16)]
-    # the second record (the first is the servers' check before any work): the others still to come
-    rows[1]["prompt"] = ["xyzzy " + rows[1]["prompt"][0]]
+    rows[poisoned]["prompt"] = ["xyzzy " + rows[poisoned]["prompt"][0]]  # the others still to come
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     healthy = fake()
@@ -118,7 +119,7 @@ def test_a_record_whose_context_crashes_every_server_is_dropped_and_counted(
     # one shard: a request is found to be what fails by the replies its endpoint gives meanwhile
     figures = _run(tmp_path / "poisoned", tiny_backbone_dir, prompts, [a.url, b.url], "distill.shard_size=16")
     expected = _rows(tmp_path / "healthy")
-    poisoned_id = expected.pop(1)[0]
+    poisoned_id = expected.pop(poisoned)[0]
     assert poisoned_id not in {r[0] for r in _rows(tmp_path / "poisoned")}
     assert _rows(tmp_path / "poisoned") == expected and figures["records"] == 15
     manifest = read_manifest(tmp_path / "poisoned" / "distill")
