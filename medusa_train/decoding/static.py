@@ -73,7 +73,9 @@ GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes that replay the compiled step as CUDA graphs on CUDA (``attention="auto"``
 then chooses as for ``capture="cuda_graph"``)."""
 STATIC_ACCEPTANCE = ("greedy", "typical", "sample")
-SDPA_BACKENDS = ("math", "efficient", "cudnn", "flash")
+SDPA_BACKENDS = ("math", "efficient", "cudnn")
+"""What ``sdpa_backend`` may force. Not flash attention: on CUDA it takes no mask, and every forward of
+this decoder has one (the prompt's, the tree's)."""
 
 
 def host_synced_rope(model: torch.nn.Module) -> bool:
@@ -184,8 +186,9 @@ class StaticDecoder:
             "reduce-overhead" adds CUDA graphs).
         sync_every: steps between the host's reads of the emitted tokens (1: stop exactly; more: fewer
             syncs, up to ``sync_every - 1`` wasted steps at the end).
-        sdpa_backend: None (PyTorch's choice) or one of "math", "efficient", "cudnn", "flash": the
-            scaled-dot-product backend for every forward of this decoder (``torch.nn.attention.sdpa_kernel``).
+        sdpa_backend: None (PyTorch's choice) or one of :data:`SDPA_BACKENDS`: the scaled-dot-product
+            backend of the step's forwards (``torch.nn.attention.sdpa_kernel``); the prefill takes
+            the decoders' usual one (:func:`~medusa_train.decoding.generate.attention_backends`).
         attention: tree attention of the step's forward: "sdpa" (the model's attention with the
             ``(B, 1, M, C)`` mask), "triton" or "cuda" (a kernel of :mod:`medusa_train.decoding.attention`
             reading each row's past and tree, no mask), or "auto" (:func:`resolve_attention` with the
@@ -342,7 +345,7 @@ class StaticDecoder:
                 repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
             )  # fmt: skip
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
-            with self._backend(), _own_rng(dev):
+            with _own_rng(dev):
                 self._prefill_row(0, self._row_ids[None, :1])
         self._static = [
             self.length,
@@ -377,7 +380,6 @@ class StaticDecoder:
             "math": SDPBackend.MATH,
             "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "flash": SDPBackend.FLASH_ATTENTION,
         }
         return sdpa_kernel(names[self.sdpa_backend])
 
@@ -626,7 +628,7 @@ class StaticDecoder:
         ]
         active = [n > 0 for n in budgets]
         steps = 0
-        with self._backend(), on_device(self.device):  # the step's kernels and replays launch there
+        with on_device(self.device):  # the step's kernels and replays launch there
             t0 = _now(self.device)
             for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
                 self._prefill_row(row, ids[row] if row < len(ids) else ids[0])
@@ -634,7 +636,7 @@ class StaticDecoder:
             self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
             while any(active):
-                with self._tree_attention():
+                with self._backend(), self._tree_attention():
                     for _ in range(self.sync_every):
                         self._run()
                 steps += self.sync_every

@@ -362,6 +362,30 @@ def test_static_compiled_typical():
         assert decoder.generate(prompt, max_new_tokens=30).tokens.tolist() == ref.tokens.tolist()
 
 
+def test_sdpa_backend_applies_to_the_step_and_not_the_prefill(monkeypatch):
+    """``sdpa_backend="math"`` forces SDPA's math kernel in the step's forwards only; the prefill keeps
+    the backends the other decoders use (flash allowed); the setting is undone after the call."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, *args, **kwargs):
+        seen.append((query.shape[-2], torch.backends.cuda.flash_sdp_enabled()))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    model = tiny_model("gpt2", seed=1)
+    tree = random_tree(1, nodes=6)
+    decoder = StaticDecoder(model, random_heads(model), tree, 64, sdpa_backend="math")
+    seen.clear()
+    decoder.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=4)
+    prefill = [on for n, on in seen if n == 5]
+    step = [on for n, on in seen if n == len(tree) + 1]  # the root and the chosen nodes
+    assert prefill and all(prefill) and step and not any(step) and len(prefill) + len(step) == len(seen)
+    assert torch.backends.cuda.flash_sdp_enabled()
+    with pytest.raises(ValueError, match="sdpa_backend"):
+        StaticDecoder(model, random_heads(model), tree, 64, sdpa_backend="flash")  # no mask on CUDA
+
+
 def test_auto_counts_a_step_compiled_into_cuda_graphs_as_captured(monkeypatch):
     """``attention="auto"`` takes the captured step's threshold for a CUDA graph, and for a step compiled
     in a mode that replays CUDA graphs; not for an eager or a default-mode compiled step."""
