@@ -363,6 +363,7 @@ class StaticDecoder:
             self._static += [step.past_lens, step.starts, step.mask.bits_for(self.window), step.mask.depth]
         self._run: Callable[[], None] = self._step
         self._graph = None
+        self._captured_weights: tuple[int, ...] = ()
         if capture == "compile":
             for t in self._static:
                 torch._dynamo.mark_static_address(t)
@@ -408,6 +409,25 @@ class StaticDecoder:
         torch.cuda.synchronize(self.device)
         self._graph = graph
         self._run = graph.replay
+        self._captured_weights = weight_addresses(self.model)
+
+    def _recapture_if_moved(self) -> None:
+        """Capture the step again if the model's weights have moved since the capture (a graph replays
+        the addresses it was captured with: after ``model.cpu(); model.cuda()`` or a state dict loaded
+        with ``assign=True`` they hold freed memory, and a replay would read garbage).
+
+        Raises:
+            ValueError: the model is on another device now (the decoder's own state is not).
+        """
+        device = next(self.model.parameters()).device
+        if device != self.device:
+            raise ValueError(
+                f"the model moved from {self.device} to {device}: build a new StaticDecoder there"
+            )
+        if self._graph is None or weight_addresses(self.model) == self._captured_weights:
+            return
+        with _own_rng(self.device), on_device(self.device):
+            self._capture_graph()
 
     def _prefill_mask(self, t: int) -> torch.Tensor:
         """``(1, 1, T, C)`` causal mask of a T-token prompt at columns ``[0, T)`` (windowed if the model is)."""
@@ -628,6 +648,7 @@ class StaticDecoder:
         ]
         active = [n > 0 for n in budgets]
         steps = 0
+        self._recapture_if_moved()
         with on_device(self.device):  # the step's kernels and replays launch there
             t0 = _now(self.device)
             for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
@@ -701,6 +722,11 @@ def greedy_path(
     best = accepted.argmax(dim=1)  # (B,)
     n = accepted.gather(1, best[:, None])[:, 0] + 1  # (B,)
     return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
+
+
+def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where each of the model's parameters and buffers lives now (what a captured CUDA graph reads)."""
+    return tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
 
 
 def _own_rng(device: torch.device) -> contextlib.AbstractContextManager:

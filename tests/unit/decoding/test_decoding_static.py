@@ -386,6 +386,35 @@ def test_sdpa_backend_applies_to_the_step_and_not_the_prefill(monkeypatch):
         StaticDecoder(model, random_heads(model), tree, 64, sdpa_backend="flash")  # no mask on CUDA
 
 
+def test_a_captured_step_is_captured_again_when_the_weights_move():
+    """A CUDA graph replays the addresses it was captured with: once the model's weights have new
+    storage (``model.cpu(); model.cuda()``, a state dict loaded with ``assign=True``) the step is
+    captured again before the call (the capture itself: a gpu test); a model on another device is
+    refused in one line. The capture is stood in for here (CPU)."""
+    model = tiny_model("llama", seed=2)
+    decoder = StaticDecoder(model, random_heads(model, seed=3), random_tree(1), 64)
+    captures = []
+
+    def capture():
+        captures.append(static_module.weight_addresses(model))
+        decoder._captured_weights = captures[-1]
+
+    decoder._capture_graph = capture
+    decoder._graph = "captured"  # as after a capture (the eager step still runs)
+    capture()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = plain_greedy(model, prompt, 6)
+    assert decoder.generate(prompt, max_new_tokens=6).tokens.tolist() == ref and len(captures) == 1
+    for p in model.parameters():
+        p.data = p.data.clone()  # same values, new storage
+    assert decoder.generate(prompt, max_new_tokens=6).tokens.tolist() == ref and len(captures) == 2
+    assert captures[1] != captures[0]
+    assert decoder.generate(prompt, max_new_tokens=6).tokens.tolist() == ref and len(captures) == 2
+    model.to("meta")
+    with pytest.raises(ValueError, match="moved from cpu to meta"):
+        decoder.generate(prompt, max_new_tokens=6)
+
+
 def test_auto_counts_a_step_compiled_into_cuda_graphs_as_captured(monkeypatch):
     """``attention="auto"`` takes the captured step's threshold for a CUDA graph, and for a step compiled
     in a mode that replays CUDA graphs; not for an eager or a default-mode compiled step."""
@@ -506,6 +535,25 @@ def test_gpu_captured_step_with_kernels_equals_greedy(attention, capture):
     )
     for _ in range(2):
         assert [r.tokens.tolist() for r in decoder.generate_batch(prompts, max_new_tokens=16).rows] == refs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_captured_step_after_the_model_moved_away_and_back():
+    """``model.cpu(); model.cuda()`` gives every weight new storage and frees the old (taken here by
+    tensors full of NaN): the kept decoder captures its step again and still equals plain greedy."""
+    model = tiny_model("llama", seed=3, hidden=128, heads=4, kv_heads=2).cuda()
+    heads = random_heads(model, seed=5).cuda()
+    prompt = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4)).cuda()
+    ref = plain_greedy(model, prompt, 16)
+    decoder = StaticDecoder(model, heads, random_tree(1, nodes=12), 64, capture="cuda_graph")
+    assert decoder.generate(prompt, max_new_tokens=16).tokens.tolist() == ref
+    model.cpu()
+    old_blocks = [torch.empty_like(t, device="cuda") for t in (*model.parameters(), *model.buffers())]
+    model.cuda()  # new storage: the freed blocks are held above
+    for t in old_blocks:
+        t.fill_(float("nan") if t.is_floating_point() else 0)
+    assert decoder.generate(prompt, max_new_tokens=16).tokens.tolist() == ref
 
 
 @pytest.mark.gpu
