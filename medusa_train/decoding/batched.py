@@ -307,6 +307,22 @@ def _num_layers(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
+def check_one_device(model: torch.nn.Module, decoder: str) -> None:
+    """Refuse a model whose parameters are spread over several devices (``device_map``): the batched
+    and static decoders keep their row indices and cache columns on one device, and a layer on
+    another would fail on them mid-call.
+
+    Raises:
+        ValueError: one line naming the devices, and what decodes such a model (``medusa_generate``).
+    """
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        raise ValueError(
+            f"{decoder} needs the model on one device, this one is spread over {', '.join(devices)}: "
+            "decode its rows one at a time with medusa_generate"
+        )
+
+
 def medusa_generate_batch(
     model: torch.nn.Module,
     heads: MedusaHeads | PackedHeads,
@@ -357,11 +373,12 @@ def medusa_generate_batch(
 
     Raises:
         ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
-            the wrong length, or a flash-attention model.
+            the wrong length, a flash-attention model, or a model spread over several devices.
         AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree is malformed or deeper than the number of heads.
     """
     t_start = time.perf_counter()
+    check_one_device(model, "medusa_generate_batch")
     rows_in = [_as_prompt(p) for p in prompts]
     if not rows_in:
         raise ValueError("prompts is empty: give at least one prompt")

@@ -54,7 +54,7 @@ from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .acceptance import warp_probs
 from .attention import STEP_KWARG, TreeMask, TreeStep, on_device, packed_sdpa, resolve_attention, tree_step
-from .batched import MedusaBatchOutput, PreallocatedLayer, shared_storage
+from .batched import MedusaBatchOutput, PreallocatedLayer, check_one_device, shared_storage
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -213,7 +213,8 @@ class StaticDecoder:
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
             threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers, a
-            flash-attention model, or a capacity too small for the tree.
+            flash-attention model, a model spread over several devices, or a capacity too small for
+            the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here.
         TreeError: the tree does not fit the heads.
     """
@@ -262,6 +263,7 @@ class StaticDecoder:
             temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
             min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
         )  # fmt: skip
+        check_one_device(model, "StaticDecoder")
         self.window, kind = _sliding_window_kinds(model.config)
         if kind == "mixed":
             raise ValueError(

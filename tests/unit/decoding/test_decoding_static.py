@@ -11,7 +11,7 @@ import torch
 
 import medusa_train.decoding.attention as tree_attention_module
 import medusa_train.decoding.static as static_module
-from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate
+from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch
 from medusa_train.decoding.acceptance import accept_greedy, accept_typical
 from medusa_train.decoding.static import (
     StaticDecoder,
@@ -384,6 +384,18 @@ def test_sdpa_backend_applies_to_the_step_and_not_the_prefill(monkeypatch):
     assert torch.backends.cuda.flash_sdp_enabled()
     with pytest.raises(ValueError, match="sdpa_backend"):
         StaticDecoder(model, random_heads(model), tree, 64, sdpa_backend="flash")  # no mask on CUDA
+
+
+def test_a_model_spread_over_devices_is_refused_by_the_batched_decoders():
+    """The batched and static decoders keep row indices on one device: a model with a layer elsewhere
+    (``device_map``; here the meta device) is refused in one line naming the devices."""
+    model = tiny_model("llama", seed=2)
+    heads = random_heads(model, seed=3)
+    model.model.layers[1].to("meta")
+    with pytest.raises(ValueError, match="spread over cpu, meta: decode its rows one at a time"):
+        medusa_generate_batch(model, heads, [torch.tensor([1, 2, 3])], max_new_tokens=4, tree=random_tree(1))
+    with pytest.raises(ValueError, match="StaticDecoder needs the model on one device"):
+        StaticDecoder(model, heads, random_tree(1), 64)
 
 
 def test_a_captured_step_is_captured_again_when_the_weights_move():
