@@ -28,12 +28,14 @@ SOURCE = Path(__file__).with_name("tree_attention.cu")
 
 WRAPPER = r"""
 #include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 torch::Tensor medusa_tree_attention(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor part,
     torch::Tensor ml, torch::Tensor past, torch::Tensor start, torch::Tensor bits, torch::Tensor depth,
     double scale, int64_t window, int64_t splits) {
+  const c10::cuda::CUDAGuard device_guard(q.device());  // launch on the tensors' device, its stream
   medusa_tree::Params p;
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.out = out.data_ptr();
   p.part = part.data_ptr<float>(); p.ml = ml.data_ptr<float>();
@@ -76,11 +78,12 @@ def cuda_available() -> str | None:
 
 
 @functools.cache
-def _extension():
-    """Compile (or load from torch's extension cache) the kernel once per process."""
+def _extension(capability: tuple[int, int]):
+    """Compile (or load from torch's extension cache) the kernel for devices of compute ``capability``,
+    once per process (a machine mixing GPU generations gets one build per generation)."""
     from torch.utils.cpp_extension import load_inline
 
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = capability
     arch = f"{major}{minor}" + ("a" if major >= 9 else "")
     return load_inline(
         name=f"medusa_tree_attention_sm{arch}",
@@ -144,7 +147,7 @@ def cuda_tree_attention(
         )
     hkv = key.shape[1]
     g = hq // hkv
-    ext = _extension()
+    ext = _extension(torch.cuda.get_device_capability(query.device))
     out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device)  # (B, M, Hq, D)
     fast = tensor_cores(query.dtype, d, query.device)
     choose = kv_splits if fast else _num_splits

@@ -30,6 +30,7 @@ in triton's interpreter when ``TRITON_INTERPRET=1`` is set before triton is impo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -523,14 +524,16 @@ def triton_tree_attention(
                 D=d, BLOCK_D=block_d, BLOCK_M=default.block_m,
             )  # fmt: skip
 
-    if config is None:
-        config = default
-        if device_type == "cuda" and not torch.compiler.is_compiling():
-            key_ = tuning_key(query, key, splits, window)
-            config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
-                key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
-            )
-    launch(config)
+    # triton launches (and the tuner times) on the current CUDA device: make it the tensors'.
+    with torch.cuda.device(query.device) if device_type == "cuda" else contextlib.nullcontext():
+        if config is None:
+            config = default
+            if device_type == "cuda" and not torch.compiler.is_compiling():
+                key_ = tuning_key(query, key, splits, window)
+                config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
+                    key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
+                )
+        launch(config)
     return out
 
 
