@@ -79,16 +79,58 @@ this decoder has one (the prompt's, the tree's)."""
 
 
 def host_synced_rope(model: torch.nn.Module) -> bool:
-    """Whether a rotary embedding of ``model`` recomputes its frequencies from the positions on the
-    host at every forward (transformers' dynamic NTK RoPE, ``rope_type`` "dynamic": ``if seq_len >
-    max_seq_len_cached``). A CUDA graph cannot capture that read (nor replay a decision it made once);
-    ``torch.compile`` and the eager step run it."""
+    """Whether a rotary embedding of ``model`` decides on the host, at every forward, which frequencies
+    to use: transformers' dynamic NTK RoPE (``if seq_len > max_seq_len_cached``) and, in some
+    transformers 5 releases, LongRoPE (``if seq_len > original_max_position_embeddings``, then a new
+    buffer; later releases pick with ``torch.where`` in place). A CUDA graph cannot capture that read
+    (nor replay a decision it made once); ``torch.compile`` and the eager step run it.
+
+    Probed, not read from the config: one forward of each rotary embedding (a module with a
+    ``rope_type``; each layer type's) on two positions, watched for reads of a tensor's value to the
+    host. A rotary embedding the probe cannot call counts as host-synced unless its type is the
+    default one."""
     for module in model.modules():
         kind = getattr(module, "rope_type", None)
-        kinds = kind.values() if isinstance(kind, dict) else (kind,)
-        if any(isinstance(k, str) and "dynamic" in k for k in kinds):
-            return True
+        if kind is None:
+            continue
+        for layer_type in list(kind) if isinstance(kind, dict) else [None]:
+            named = kind[layer_type] if layer_type is not None else kind
+            try:
+                if _reads_host(module, layer_type):
+                    return True
+            except Exception:  # noqa: BLE001 - a signature the probe does not know: judge by the name
+                if named != "default":
+                    return True
     return False
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that read a tensor's value back to the host (``bool(t)``, ``t.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_host(rotary: torch.nn.Module, layer_type: str | None) -> bool:
+    """Whether one forward of ``rotary`` (transformers' ``forward(x, position_ids[, layer_type])``) reads
+    a value to the host. It may update the module's frequencies for the two positions: the model's
+    next forward updates them for its own."""
+    param = next(rotary.parameters(), None)
+    buffer = next(rotary.buffers(), None)
+    device = (param if param is not None else buffer).device
+    x = torch.zeros(1, 1, 1, device=device)
+    positions = torch.arange(2, device=device)[None]
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    spy = _HostReads()
+    with torch.no_grad(), spy:
+        rotary(x, positions, **kwargs)
+    return spy.reads > 0
 
 
 class _StaticLayer(PreallocatedLayer):
@@ -272,8 +314,9 @@ class StaticDecoder:
             )
         if capture == "cuda_graph" and host_synced_rope(model):
             raise ValueError(
-                "capture='cuda_graph' cannot capture this model's dynamic RoPE (it recomputes its "
-                "frequencies from the positions on the host every forward): use capture='eager'"
+                "capture='cuda_graph' cannot capture this model's RoPE (it decides on the host, every "
+                "forward, which frequencies to use: dynamic NTK, or LongRoPE in some transformers "
+                "releases): use capture='eager'"
             )
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

@@ -61,6 +61,39 @@ def test_static_greedy_parity(arch):
             assert out.accepted_lengths == dynamic.accepted_lengths
 
 
+class _Rotary(torch.nn.Module):
+    """A rotary embedding as transformers calls it (``forward(x, position_ids)``); ``host`` decides on
+    the host (``if`` on a tensor) like dynamic NTK RoPE and some releases' LongRoPE."""
+
+    def __init__(self, rope_type: str, host: bool, signature_ok: bool = True) -> None:
+        super().__init__()
+        self.rope_type, self.host, self.signature_ok = rope_type, host, signature_ok
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def forward(self, x, position_ids, *extra):
+        if not self.signature_ok and not extra:
+            raise TypeError("forward() missing 1 required positional argument")
+        if self.host and position_ids.max() + 1 > 16:
+            self.inv_freq = self.inv_freq * 2
+        freqs = position_ids[..., None].float() * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize(
+    ("rotary", "synced"),
+    [
+        (_Rotary("longrope", host=True), True),  # decides on the host, whatever its name
+        (_Rotary("longrope", host=False), False),  # torch.where in place: capturable
+        (_Rotary("yarn", host=False, signature_ok=False), True),  # not probed: judged by its name
+        (_Rotary("default", host=False, signature_ok=False), False),
+    ],
+)
+def test_host_synced_rope_is_probed_by_a_forward(rotary, synced):
+    model = tiny_model("llama")
+    model.model.rotary_emb = rotary
+    assert host_synced_rope(model) is synced
+
+
 def test_a_dynamic_rope_is_never_captured_as_a_cuda_graph():
     """Dynamic NTK RoPE decides on the host, every forward, whether to recompute its frequencies: the
     decoder refuses to capture it as a CUDA graph (which would fail or replay a stale decision), and
@@ -74,7 +107,7 @@ def test_a_dynamic_rope_is_never_captured_as_a_cuda_graph():
     plain = tiny_model("llama")
     assert host_synced_rope(dynamic) and not host_synced_rope(plain)
     heads = random_heads(dynamic, seed=1)
-    with pytest.raises(ValueError, match="dynamic RoPE.*capture='eager'"):
+    with pytest.raises(ValueError, match="RoPE .*dynamic NTK.*capture='eager'"):
         StaticDecoder(dynamic, heads, MEDUSA_63, capacity=2 * MAX_POS, capture="cuda_graph")
     cuda = torch.device("cuda")
     assert _static_capture(GenerationConfig(), cuda, dynamic) == ("eager", None)
