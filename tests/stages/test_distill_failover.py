@@ -115,7 +115,8 @@ def test_a_record_whose_context_crashes_every_server_is_dropped_and_counted(
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     healthy = fake()
     _run(tmp_path / "healthy", tiny_backbone_dir, prompts, [healthy.url])
-    a, b = (fake(poison="xyzzy", poison_delay_s=0.05, delay_s=0.1) for _ in range(2))
+    # each failure takes longer than a reply, so an endpoint has answered another request by then
+    a, b = (fake(poison="xyzzy", poison_delay_s=0.25, delay_s=0.1) for _ in range(2))
     # one shard: a request is found to be what fails by the replies its endpoint gives meanwhile
     figures = _run(tmp_path / "poisoned", tiny_backbone_dir, prompts, [a.url, b.url], "distill.shard_size=16")
     expected = _rows(tmp_path / "healthy")
