@@ -306,7 +306,6 @@ def _num_layers(model: torch.nn.Module) -> int:
     return cfg.num_hidden_layers
 
 
-@torch.inference_mode()
 def check_one_device(model: torch.nn.Module, decoder: str) -> None:
     """Refuse a model whose parameters are spread over several devices (``device_map``): the batched
     and static decoders keep their row indices and cache columns on one device, and a layer on
@@ -323,6 +322,7 @@ def check_one_device(model: torch.nn.Module, decoder: str) -> None:
         )
 
 
+@torch.inference_mode()
 def medusa_generate_batch(
     model: torch.nn.Module,
     heads: MedusaHeads | PackedHeads,
