@@ -46,6 +46,7 @@ from .attention import TreeMask, TreeStep, resolve_attention, tree_step
 from .generate import (
     MedusaOutput,
     PackedHeads,
+    SpanTimer,
     _check_generators,
     _check_settings,
     _eos_set,
@@ -510,6 +511,7 @@ def medusa_generate_batch(
     emitted: list[list[int]] = [[] for _ in range(bsz)]
     steps: list[list[int]] = [[] for _ in range(bsz)]
     node_range = torch.arange(tree.num_nodes, device=device)  # (M,)
+    forwards = SpanTimer(device)
 
     while live:
         n = len(live)
@@ -553,14 +555,12 @@ def medusa_generate_batch(
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
         step = TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend) if kernel else None
-        t0 = _now(device)
         if kernel:
-            with tree_step(model, step):
+            with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens, None, position_ids)
         else:
-            # (n, m, V), (n, m, d)
-            logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
-        result.forward_s += _now(device) - t0
+            with forwards.span():  # (n, m, V), (n, m, d)
+                logits, node_hidden = _forward(model, cache, tree_tokens, mask, position_ids)
         result.num_forwards += 1
         if processors.active:
             logits = processors.node_logits(
@@ -639,6 +639,7 @@ def medusa_generate_batch(
     for b in range(bsz):
         outs[b].tokens = torch.tensor(emitted[b], dtype=torch.long)
         outs[b].accepted_lengths = steps[b]
+    result.forward_s = forwards.seconds()
     result.total_s = time.perf_counter() - t_start
     return result
 

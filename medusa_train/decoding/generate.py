@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,7 +66,8 @@ class MedusaOutput:
             ``"empty"`` (no room for any token).
         prefill_s: seconds in the prefill forward (and the first root's choice).
         forward_s: seconds in verification forwards: the model calls only (masks, position ids,
-            heads and everything else around them count as overhead).
+            heads and everything else around them count as overhead); on CUDA the device's time from
+            each call's first kernel to its last, timed with events (:class:`SpanTimer`).
         total_s: wall-clock seconds of the whole call, argument checks included.
     """
 
@@ -457,6 +458,42 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class SpanTimer:
+    """Seconds a call spends in some of its spans (its verification forwards), without synchronising
+    the device around each: on CUDA a span is a pair of events on the current stream, read once when
+    the call asks for :meth:`seconds` (the device time from the span's start to its end, launch gaps
+    included); elsewhere the host clock.
+
+    Synchronising before and after every forward only to time it kept the host from queueing the
+    forward while the heads' kernels ran, which slows an eager decoder bound by its launches."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_s = 0.0
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host_s += time.perf_counter() - t0
+
+    def seconds(self) -> float:
+        """The spans' total (on CUDA this waits for the last span to end)."""
+        if not self.cuda:
+            return self._host_s
+        if self._events:
+            self._events[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+
+
 def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
     if eos_token_id is None:
         return set()
@@ -691,7 +728,7 @@ def medusa_generate(
 
     tokens: list[int] = []
     lengths: list[int] = []
-    forward_s = 0.0
+    forwards = SpanTimer(device)
     num_forwards = 0
     stop_reason = "context" if stop_at_limit else "max_new_tokens"
     while True:
@@ -731,15 +768,13 @@ def medusa_generate(
             position_ids = (past_len + sub.depth)[None]  # (1, M)
             past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
             step = TreeStep(past, no_pad, tree_mask.prefix(m), backend)
-            t0 = _now(device)
-            with tree_step(model, step):
+            with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:
             mask = inputs.mask(past_len, m)  # (1, 1, M, past + M), contiguous and aligned
             position_ids = inputs.position_ids(past_len, m)  # (1, M), a view
-            t0 = _now(device)
-            logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
-        forward_s += _now(device) - t0
+            with forwards.span():
+                logits, node_hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)
         num_forwards += 1
         logits, node_hidden = logits[0], node_hidden[0]  # (M, V), (M, d)
         if processors.active:
@@ -777,6 +812,6 @@ def medusa_generate(
         num_forwards=num_forwards,
         stop_reason=stop_reason,
         prefill_s=prefill_s,
-        forward_s=forward_s,
+        forward_s=forwards.seconds(),
         total_s=time.perf_counter() - t_start,
     )

@@ -15,7 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers
+import medusa_train.decoding.batched as batched_module
+import medusa_train.decoding.generate as generate_module
+from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, medusa_generate, medusa_generate_batch
 from medusa_train.decoding.timing import (
     BATCH_COMPILED_KEYS,
     BATCH_ROW_FIGURES,
@@ -28,7 +30,7 @@ from medusa_train.decoding.timing import (
     speedup_figures,
 )
 from medusa_train.report import report_markdown, summarise, summary_table, write_plots
-from tests.helpers.models import VOCAB, random_heads, tiny_model
+from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model
 
 TOKENS = 8
 STEP_S = 0.002  # one plain step
@@ -204,3 +206,29 @@ def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatc
     md = report_markdown(full)
     assert "| static Medusa tokens/s |" in md and "| 2 | " in md
     assert write_plots(full, tmp_path)["batch_size"].stat().st_size > 1000
+
+
+def test_decoders_time_their_forwards_without_a_sync_per_forward(monkeypatch):
+    """The eager decoders time each verification forward with a span (CUDA events on a GPU) and
+    synchronise the device only around the prefill, not around every forward (which kept the host
+    from queueing a forward while the heads ran): the host reads (``_now``) stay 2 per call whatever
+    the number of forwards, and the forwards' seconds are still counted."""
+    reads = []
+    now = generate_module._now
+
+    def counted(device):
+        reads.append(device)
+        return now(device)
+
+    monkeypatch.setattr(generate_module, "_now", counted)
+    monkeypatch.setattr(batched_module, "_now", counted)
+    model = tiny_model("llama", seed=1)
+    heads = random_heads(model, seed=2)
+    one = medusa_generate(model, heads, torch.tensor([[4, 5, 6]]), max_new_tokens=12, tree=random_tree(1))
+    assert one.num_forwards >= 6 and len(reads) == 2
+    assert 0 < one.forward_s < one.total_s
+    reads.clear()
+    prompts = [torch.tensor([4, 5, 6]), torch.tensor([7, 8])]
+    batch = medusa_generate_batch(model, heads, prompts, max_new_tokens=12, tree=random_tree(1))
+    assert batch.num_forwards >= 6 and len(reads) == 2
+    assert 0 < batch.forward_s < batch.total_s
