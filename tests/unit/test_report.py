@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import model_card, recommend_speculative_tokens
+from medusa_train.report import alternatives, model_card, recommend_speculative_tokens
 
 
 def _card(
@@ -121,3 +121,29 @@ def test_card_recommends_the_measured_num_speculative_tokens() -> None:
         and "`backbone/`: the base model trained" in card
     )
     assert ModelCard(card).data.to_dict()["base_model"] == "meta-llama/Llama-3.1-8B"
+
+
+def test_static_speedup_over_the_compiled_baseline_is_the_median_over_turns():
+    """``speedup_vs_compiled`` is the median over turns of the static decoder's tokens/s over the
+    compiled baseline's (as the batched rows' figure is); the summed tokens/s ratio is kept beside it."""
+    turns = [
+        (10, 1.0, 0.5, 0.25),
+        (10, 1.0, 0.5, 0.1),
+        (100, 10.0, 10.0, 5.0),
+    ]  # tokens, plain/compiled/static s
+    records = [
+        {
+            "baseline_tokens": n,
+            "baseline_s": plain,
+            "compiled_plain_tokens": n,
+            "compiled_plain_s": compiled,
+            "compiled_plain_identical": True,
+            "static_medusa_tokens": n,
+            "static_medusa_s": static,
+            "static_medusa_identical": True,
+        }  # fmt: skip
+        for n, plain, compiled, static in turns
+    ]
+    static = alternatives(records)["static_medusa"]
+    assert static["speedup_vs_compiled"] == pytest.approx(2.0)  # ratios 2, 5, 2
+    assert static["speedup_vs_compiled_tokens_per_s"] == pytest.approx((120 / 5.35) / (120 / 11.0))
