@@ -232,3 +232,33 @@ def test_decoders_time_their_forwards_without_a_sync_per_forward(monkeypatch):
     batch = medusa_generate_batch(model, heads, prompts, max_new_tokens=12, tree=random_tree(1))
     assert batch.num_forwards >= 6 and len(reads) == 2
     assert 0 < batch.forward_s < batch.total_s
+
+
+def test_a_compiled_baseline_call_that_compiled_is_timed_again(monkeypatch):
+    """A call of the compiled baseline during which torch.compile made a graph (a turn needing a
+    longer static cache than the warm-up reached) is run again and the second call timed; a call that
+    compiled nothing, or a baseline that is not compiled, runs once."""
+    model = tiny_model("llama", seed=1)
+    decode = TimedDecoders(model, PackedHeads(random_heads(model, seed=2)), TreeBuffers.from_choices(MEDUSA_63),
+                           eos=[0], pad_token_id=0)  # fmt: skip
+    calls = []
+    compiling = [True]  # whether the next call compiles
+
+    def generate(**kwargs):
+        calls.append(kwargs.get("cache_implementation"))
+        if compiling[0]:
+            torch._dynamo.utils.counters["stats"]["unique_graphs"] += 1
+            time.sleep(0.3)
+            compiling[0] = kwargs.get("cache_implementation") is None  # the compiled forward: once
+        return torch.cat([kwargs["input_ids"], torch.ones(1, 3, dtype=torch.long)], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    ids = torch.tensor([[5, 6, 7]])
+    out = decode.plain(ids, 3, cache_implementation="static")
+    assert calls == ["static", "static"] and out.seconds < 0.3 and out.tokens == [1, 1, 1]
+    decode.plain(ids, 3, cache_implementation="static")
+    assert len(calls) == 3
+    calls.clear()
+    compiling[0] = True  # something compiles during a call of the uncompiled baseline: run once
+    decode.plain(ids, 3)
+    assert calls == [None]
