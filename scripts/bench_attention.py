@@ -11,7 +11,8 @@ Per shape, the time of one attention call (the masks and the tree description bu
 ``sdpa_float`` SDPA with the dense ``(B, 1, M, W)`` float mask and K/V expanded to the query heads (what
 the decoders' ``attention=sdpa`` path ran through transformers, its K/V expansion left out), ``sdpa_bool``
 the same with a boolean mask, ``flash_nomask`` SDPA without any mask (grouped K/V; a lower bound: it
-ignores the tree), ``sdpa_repeat`` transformers' SDPA attention function on the float mask (its
+ignores the tree; with ragged rows, every row over the one width that gives it as many keys as the
+rows have), ``sdpa_repeat`` transformers' SDPA attention function on the float mask (its
 ``repeat_kv`` copy of K/V timed too), ``sdpa_packed`` the decoders' ``attention=sdpa`` path
 (``packed_gqa_sdpa``: query heads stacked per KV head, nothing expanded), and the
 tree kernels ``triton`` (on a GPU in the launch configuration its tuner picked for the shape, reported as
@@ -135,12 +136,16 @@ def bench_case(
     untuned = default_config((hq // hkv) * m, max(16, triton_next_pow2(d)), dtype, device.type)
     kernel_args = (q, k, v, past, start, mask.bits, mask.depth, d**-0.5)
     layer = GroupedLayer(hq // hkv)
+    # Flash without a mask reads every row's keys up to one width: the width that gives it as many keys
+    # as the ragged rows have (sum of past + M), so that it stays a lower bound on the same work.
+    flash_width = -(-(sum(pasts) + batch * m) // batch)
+    k_flash, v_flash = k[:, :, :flash_width], v[:, :, :flash_width]
     k_rep = k.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, W, D), as transformers' repeat_kv
     v_rep = v.repeat_interleave(hq // hkv, dim=1)
     calls = {
         "sdpa_float": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=float_mask),
         "sdpa_bool": lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=allowed),
-        "flash_nomask": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "flash_nomask": lambda: F.scaled_dot_product_attention(q, k_flash, v_flash, enable_gqa=True),
         "sdpa_repeat": lambda: sdpa_attention_forward(layer, q, k, v, float_mask, scaling=d**-0.5),
         "sdpa_packed": lambda: packed_gqa_sdpa(q, k, v, float_mask, d**-0.5),
         "triton": lambda: tree_attention(q, k, v, past, start, mask, backend="triton"),

@@ -34,6 +34,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,7 +103,11 @@ def profile_case(model, heads, args, nodes: int, device: torch.device) -> dict:
                 torch.cuda.synchronize(device)
     finally:
         del model.forward  # the class's forward again
-    steps = [e for e in prof.events() if e.name == STEP]
+    # On CUDA the profiler also lists each range's copy on the GPU's timeline (no kernels under it):
+    # the steps are the host's ranges, one per step run.
+    steps = [e for e in prof.events() if e.name == STEP and e.device_type == DeviceType.CPU]
+    if len(steps) != out.num_forwards:
+        raise RuntimeError(f"profiled {len(steps)} step ranges for {out.num_forwards} steps run")
     cells: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])  # (part, kind): [us, count]
 
     def own_work(event) -> list[tuple[str, float]]:
