@@ -33,11 +33,12 @@ The protocol (eval's main row, its batch-size table and tree-size sweep, ``scrip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import CompileConfig
 
+from medusa_train.decoding.attention.triton_kernel import tuning_frozen
 from medusa_train.decoding.batched import medusa_generate_batch
 from medusa_train.decoding.generate import attention_backends, medusa_generate
 from medusa_train.decoding.static import StaticDecoder, capacity_for, host_synced_rope
@@ -212,6 +214,18 @@ class TimedDecoders:
         self.attention = attention
         self.device = next(model.parameters()).device
         self._static: dict[tuple[int, int], StaticDecoder] = {}  # (capacity, rows) -> captured decoder
+        self._warming = False
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Calls inside this block may tune the Triton tree-attention kernel for their shapes; the
+        timed calls outside it never do (:func:`~medusa_train.decoding.attention.triton_kernel.tuning_frozen`:
+        a shape no warm-up met takes the kernel's default configuration), so that no tuning run is timed."""
+        saved, self._warming = self._warming, True
+        try:
+            yield
+        finally:
+            self._warming = saved
 
     def compiled_generate_args(self) -> dict:
         """``generate`` arguments of the compiled plain baseline: transformers' static cache, whose forward
@@ -283,9 +297,10 @@ class TimedDecoders:
         once per capacity, on that capacity's longest turn. Without this a compile would land inside a
         timed turn and slow the compiled baseline, inflating Medusa's speed-up over it."""
         if turns:
-            self.plain(*max(turns, key=lambda t: t[0].shape[1] + t[1]), **compiled_args)
-            for ids, budget in self._longest_per_capacity(turns, lambda t: t[0].shape[1]):
-                self.medusa_static(ids, budget)
+            with self.warming_up():
+                self.plain(*max(turns, key=lambda t: t[0].shape[1] + t[1]), **compiled_args)
+                for ids, budget in self._longest_per_capacity(turns, lambda t: t[0].shape[1]):
+                    self.medusa_static(ids, budget)
 
     def warm_up_compiled_batch(
         self, groups: Sequence[tuple[list[torch.Tensor], int]], compiled_args: dict
@@ -294,11 +309,14 @@ class TimedDecoders:
         B): the static-cache ``generate`` on the group needing the longest cache, the static decoder
         with B rows once per capacity, on that capacity's longest group."""
         if groups:
-            self.plain_batch(
-                *max(groups, key=lambda g: max(r.shape[1] for r in g[0]) + g[1]), **compiled_args
-            )
-            for rows, budget in self._longest_per_capacity(groups, lambda g: max(r.shape[1] for r in g[0])):
-                self.medusa_static_batch(rows, budget)
+            with self.warming_up():
+                self.plain_batch(
+                    *max(groups, key=lambda g: max(r.shape[1] for r in g[0]) + g[1]), **compiled_args
+                )
+                for rows, budget in self._longest_per_capacity(
+                    groups, lambda g: max(r.shape[1] for r in g[0])
+                ):
+                    self.medusa_static_batch(rows, budget)
 
     def _longest_per_capacity(
         self, items: Sequence[tuple], prompt_len: Callable[[tuple], int]
@@ -326,7 +344,7 @@ class TimedDecoders:
         under the attention backends the Medusa decoders use, so plain and Medusa run the same kernels."""
         self._sync()
         t0 = time.perf_counter()
-        with attention_backends(self.device):
+        with attention_backends(self.device), contextlib.nullcontext() if self._warming else tuning_frozen():
             out = decode(*args, **kwargs)
         self._sync()
         return out, time.perf_counter() - t0
@@ -486,8 +504,9 @@ def batch_table(
             continue
         groups = [inputs[i : i + bsz] for i in range(0, len(inputs) - bsz + 1, bsz)]
         batches = [([ids for ids, _ in group], min(b for _, b in group)) for group in groups]
-        decode.plain_batch(*batches[0])
-        decode.medusa_batch(*batches[0])
+        with decode.warming_up():
+            decode.plain_batch(*batches[0])
+            decode.medusa_batch(*batches[0])
         if compiled_args is not None:
             decode.warm_up_compiled_batch(batches, compiled_args)
         records, static_records, compiled_records, static_vs_compiled = [], [], [], []

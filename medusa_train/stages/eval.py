@@ -189,12 +189,13 @@ def run(cfg: Config) -> dict:
         ids = render(prompt, [])
         budget = turn_budget(model, ids.shape[1], ecfg.max_new_tokens)
         if budget > 0:
-            decode.plain(ids, budget)
-            decode.medusa(ids, budget)
-            for extra in others.values():
-                decode.plain(ids, budget, **extra)
-            if ecfg.compile:
-                decode.medusa_static(ids, budget)
+            with decode.warming_up():
+                decode.plain(ids, budget)
+                decode.medusa(ids, budget)
+                for extra in others.values():
+                    decode.plain(ids, budget, **extra)
+                if ecfg.compile:
+                    decode.medusa_static(ids, budget)
     if ecfg.compile:  # every first turn's shapes compiled and captured before anything is timed
         firsts = [render(prompt, []) for prompt in prompts]
         budgets = [turn_budget(model, ids.shape[1], ecfg.max_new_tokens) for ids in firsts]
@@ -602,9 +603,10 @@ def sweep(
     if not any(sorted(map(tuple, tree)) == main for _, tree, _ in specs):
         specs.append((len(choices), choices, expected_tau(acc, choices)))
     built = [TreeBuffers.from_choices(tree).to(decode.device) for _, tree, _ in specs]
-    for ids, budget in turns[:WARMUP_TURNS]:  # warm-up: each tree's shapes, untimed
-        for tree in built:
-            decode.medusa(ids, budget, tree=tree)
+    with decode.warming_up():  # each tree's shapes, untimed
+        for ids, budget in turns[:WARMUP_TURNS]:
+            for tree in built:
+                decode.medusa(ids, budget, tree=tree)
     records: list[list[dict]] = [[] for _ in specs]
     for t, (ids, budget) in enumerate(turns):
         calls = [partial(decode.plain, ids, budget)]
@@ -811,9 +813,10 @@ def _decode_turns(
     packed = PackedHeads(heads.to(device=weight.device, dtype=weight.dtype))
     tree = TreeBuffers.from_choices(choices).to(weight.device)
     decode = TimedDecoders(model, packed, tree, eos, pad, attention=attention)
-    for ids, budget in inputs[:WARMUP_TURNS]:  # warm-up, not timed
-        decode.plain(ids, budget)
-        decode.medusa(ids, budget)
+    with decode.warming_up():  # not timed
+        for ids, budget in inputs[:WARMUP_TURNS]:
+            decode.plain(ids, budget)
+            decode.medusa(ids, budget)
     records = []
     for i, (ids, budget) in enumerate(inputs):
         base, med = interleaved(i, [partial(decode.plain, ids, budget), partial(decode.medusa, ids, budget)])

@@ -35,7 +35,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -432,15 +432,30 @@ def fastest(
     return min(times, key=times.__getitem__), times
 
 
+_FROZEN = [False]  # inside tuning_frozen()
+
+
+@contextlib.contextmanager
+def tuning_frozen() -> Iterator[None]:
+    """Inside this block nothing is tuned: a shape class not tuned before takes the default
+    configuration (not kept). For timed regions (stage=eval's timed calls): tuning a new shape class
+    there would time the tuner, not the decoding."""
+    saved, _FROZEN[0] = _FROZEN[0], True
+    try:
+        yield
+    finally:
+        _FROZEN[0] = saved
+
+
 def select_config(
     key: tuple, candidates: list[LaunchConfig], launch: Callable[[LaunchConfig], object], device: torch.device
 ) -> LaunchConfig:
     """The configuration for shape class ``key``: the one tuned before, else the fastest candidate
-    (timed now with :func:`gpu_ms`, and kept), else, inside a capture or a trace or with tuning off,
-    the first candidate (the default)."""
+    (timed now with :func:`gpu_ms`, and kept), else, inside a capture or a trace, with tuning off or
+    inside :func:`tuning_frozen`, the first candidate (the default)."""
     if key in _TUNED:
         return _TUNED[key]
-    if _capturing_or_tracing(device) or not tuning_enabled():
+    if _capturing_or_tracing(device) or not tuning_enabled() or _FROZEN[0]:
         return candidates[0]
     config, times = fastest(candidates, launch, gpu_ms)
     _TUNED[key] = config

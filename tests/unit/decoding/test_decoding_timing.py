@@ -135,6 +135,7 @@ class _RecordingDecoders(TimedDecoders):
     def __init__(self, tree_nodes: int) -> None:
         self.tree = SimpleNamespace(num_nodes=tree_nodes)
         self.calls: list[tuple[str, int, int, dict]] = []
+        self._warming = False
 
     def plain(self, ids, max_new_tokens, **extra):
         self.calls.append(("plain", ids.shape[1], max_new_tokens, extra))
@@ -262,3 +263,18 @@ def test_a_compiled_baseline_call_that_compiled_is_timed_again(monkeypatch):
     compiling[0] = True  # something compiles during a call of the uncompiled baseline: run once
     decode.plain(ids, 3)
     assert calls == [None]
+
+
+def test_timed_calls_never_tune_the_kernel_but_warm_up_calls_may():
+    """stage=eval's timed calls run inside ``tuning_frozen`` (a shape no warm-up met takes the kernel's
+    default configuration: no tuner run is timed); calls inside ``warming_up`` may tune."""
+    from medusa_train.decoding.attention import triton_kernel
+
+    model = tiny_model("llama", seed=1)
+    decode = TimedDecoders(model, PackedHeads(random_heads(model, seed=2)), TreeBuffers.from_choices(MEDUSA_63),
+                           eos=[0], pad_token_id=0)  # fmt: skip
+    frozen = lambda: triton_kernel._FROZEN[0]  # noqa: E731
+    assert decode._timed(frozen)[0] is True
+    with decode.warming_up():
+        assert decode._timed(frozen)[0] is False
+    assert decode._timed(frozen)[0] is True and frozen() is False

@@ -237,6 +237,14 @@ def test_tuner_keeps_the_fastest_config_and_never_times_inside_a_trace(monkeypat
     monkeypatch.setenv("MEDUSA_TRITON_TUNE", "0")
     assert triton_kernel.select_config(("b",), candidates, launch, cpu) == small and len(launched) == timed
     assert ("b",) not in triton_kernel.tuned_configs()
+    monkeypatch.setenv("MEDUSA_TRITON_TUNE", "1")
+    with triton_kernel.tuning_frozen():  # a timed region: the default, nothing timed or kept
+        assert (
+            triton_kernel.select_config(("b",), candidates, launch, cpu) == small and len(launched) == timed
+        )
+        assert triton_kernel.select_config(("a",), candidates, launch, cpu) == large
+    assert ("b",) not in triton_kernel.tuned_configs()
+    assert triton_kernel.select_config(("b",), candidates, launch, cpu) == large and len(launched) > timed
     with pytest.raises(RuntimeError, match="out of resources"):
         triton_kernel.fastest([huge], launch, measure)
 
