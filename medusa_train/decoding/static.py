@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -369,8 +370,10 @@ class StaticDecoder:
             starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
             self._kernel_step = TreeStep(past, starts, TreeMask.of(self.tree), self.attention)
             self._kernel_step.mask.bits_for(self.window)  # built now, not inside a capture or a trace
-        # Handed to the attention layers as a forward argument too, which torch.compile can trace.
-        self._step_kwargs = {} if self._kernel_step is None else {STEP_KWARG: self._kernel_step}
+        # Handed to the attention layers as a forward argument too, which torch.compile can trace (a
+        # forward without **kwargs gets none: its layers read the step of tree_step).
+        passes = self._kernel_step is not None and _takes_extra_kwargs(type(model))
+        self._step_kwargs = {STEP_KWARG: self._kernel_step} if passes else {}
         # State, updated in place by every step.
         with torch.inference_mode():
             self.cache = StaticKVCache(_num_layers(model), capacity, b, dev, shared=capture != "compile")
@@ -767,6 +770,14 @@ def greedy_path(
     best = accepted.argmax(dim=1)  # (B,)
     n = accepted.gather(1, best[:, None])[:, 0] + 1  # (B,)
     return retrieve.index_select(0, best), n  # (B, D + 1), (B,)
+
+
+@functools.cache
+def _takes_extra_kwargs(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``**kwargs`` (transformers' models hand them on to attention)."""
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values()
+    )
 
 
 def weight_addresses(model: torch.nn.Module) -> tuple[int, ...]:

@@ -482,6 +482,35 @@ def test_auto_counts_a_step_compiled_into_cuda_graphs_as_captured(monkeypatch):
     assert seen == [False, False, True, True]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_a_forward_without_extra_keyword_arguments_gets_the_step_from_tree_step():
+    """The step goes to the attention layers as a forward argument only where the forward takes
+    ``**kwargs`` (a model class that declares its arguments would raise on it); such a model's layers
+    read the step of ``tree_step``, and the kernel's decoding still equals plain greedy."""
+    from transformers import LlamaForCausalLM
+
+    class Declared(LlamaForCausalLM):
+        def forward(
+            self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+            use_cache=None, output_hidden_states=None, logits_to_keep=0,
+        ):  # fmt: skip
+            kv = {"cache": cache} if cache is not None else {"past_key_values": past_key_values}
+            return super().forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache, output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep, **kv,
+            )  # fmt: skip
+
+    plain = tiny_model("llama", seed=3)
+    model = Declared(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    heads = random_heads(model, seed=5)
+    prompt = torch.tensor([[3, 9, 4, 7, 1]])
+    decoder = StaticDecoder(model, heads, random_tree(1, nodes=8), 64, attention="triton")
+    assert decoder._step_kwargs == {}
+    assert decoder.generate(prompt, max_new_tokens=10).tokens.tolist() == plain_greedy(plain, prompt, 10)
+    assert StaticDecoder(plain, heads, random_tree(1, nodes=8), 64, attention="triton")._step_kwargs
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_static_compiled_with_triton_kernel_equals_greedy(monkeypatch):
