@@ -56,11 +56,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(spec: str = "auto") -> torch.device:
     """The device ``model.device`` names, checked against this machine.
 
-    ``auto`` -> this process's CUDA device (LOCAL_RANK) if CUDA is available, else CPU.
+    ``auto`` -> this process's CUDA device (LOCAL_RANK) if CUDA is available, else CPU. Under a
+    launcher with several ranks ``cuda`` is this rank's GPU (``cuda:LOCAL_RANK``) too, and another index
+    is refused (every rank would load onto that one GPU).
 
     Raises:
         UserError: an unknown device, or one this machine does not have (CUDA without a GPU or a
-            CUDA build of torch, a GPU index beyond the visible GPUs, MPS off a Mac).
+            CUDA build of torch, a GPU index beyond the visible GPUs, MPS off a Mac), or another
+            rank's GPU under a launcher.
     """
     if spec == "auto":
         if torch.cuda.is_available():
@@ -80,6 +83,16 @@ def resolve_device(spec: str = "auto") -> torch.device:
                 f"model.device={spec} but this machine has {count} GPU(s) (cuda:0 .. cuda:{count - 1}): "
                 "pick one of those, or model.device=cuda"
             )
+        # Under a launcher each rank takes its own GPU: "cuda" means this rank's; a fixed index
+        # would put every rank on one GPU.
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            if device.index is not None and device.index != local:
+                raise UserError(
+                    f"model.device={spec} under a launcher would put every rank on one GPU: use "
+                    f"model.device=cuda (or auto), each rank then takes cuda:LOCAL_RANK (here cuda:{local})"
+                )
+            device = torch.device("cuda", local)
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"model.device={spec} but MPS is not available here: use model.device=cpu (or auto)")
     elif device.type not in ("cpu", "mps"):
@@ -88,12 +101,17 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def resolve_dtype(spec: str, device: str | torch.device) -> str:
-    """``model.dtype`` as loaded on ``device``: ``auto`` is bfloat16 on a CUDA GPU that supports it and
-    float32 elsewhere (a CPU computes bfloat16 slowly and less exactly); other values as given."""
+    """``model.dtype`` as loaded on ``device``: ``auto`` is bfloat16 on a CUDA GPU that computes it
+    natively (compute capability 8, Ampere, or later) and float32 elsewhere (a CPU, or an older GPU,
+    computes bfloat16 slowly, emulated); other values as given."""
     if spec != "auto":
         return spec
     device = torch.device(device)
-    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if device.type != "cuda":
+        return "float32"
+    # Ampere (compute capability 8) and later compute bf16 natively; torch reports older GPUs as
+    # bf16-capable too (emulated: slow), so the capability decides.
+    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float32"
 
 
 def check_backbone_source(name_or_path: str) -> None:

@@ -133,8 +133,8 @@ class ModelConfig:
     embedded: bool = False
     """True only for `model=tiny`: `stage=pretrain` may (re)create the model at `name_or_path`."""
     dtype: str = "float32"
-    """Weights dtype: float32 | bfloat16 | float16 | auto (bfloat16 on a CUDA GPU that supports it,
-    float32 elsewhere; the `model=hf` preset's default)."""
+    """Weights dtype: float32 | bfloat16 | float16 | auto (bfloat16 on a CUDA GPU that computes it natively,
+    compute capability 8 or later; float32 elsewhere; the `model=hf` preset's default)."""
     quantization: str = "none"
     """none | 8bit | 4bit (bitsandbytes; 4bit is nf4). Frozen backbone only, or QLoRA in medusa2."""
     trust_remote_code: bool = False
@@ -142,8 +142,9 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
     device: str = "auto"
-    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps. Distributed launches use the local rank.
-    A device this machine does not have fails before any work."""
+    """auto (cuda if available, else cpu) | cpu | cuda | cuda:N | mps. Under a launcher with several ranks
+    auto and cuda are each rank's GPU (cuda:LOCAL_RANK) and another cuda:N is refused. A device this
+    machine does not have fails before any work."""
 
     def __post_init__(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))

@@ -8,12 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from medusa_train.backbone import (
     backbone_for_heads,
     backbone_identity,
     checkpoint_fingerprint,
     load_backbone,
+    resolve_device,
     resolve_dtype,
 )
 from medusa_train.config import ModelConfig, compose_config
@@ -86,3 +88,37 @@ def test_dtype_auto_is_float32_on_a_cpu_and_the_hf_presets_default() -> None:
     assert resolve_dtype("auto", "cpu") == "float32"  # bfloat16 only on a CUDA GPU that supports it
     assert resolve_dtype("float16", "cpu") == "float16"
     assert compose_config(["model=hf", "model.name_or_path=x"]).model.dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype"), [((7, 0), "float32"), ((7, 5), "float32"), ((8, 0), "bfloat16")]
+)
+def test_dtype_auto_is_bfloat16_only_where_the_gpu_computes_it(monkeypatch, capability, dtype) -> None:
+    """V100/T4 (compute capability 7) report bf16 support (emulated, slow): ``auto`` loads them in fp32."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_dtype("auto", "cuda:0") == dtype
+
+
+def test_cuda_under_a_launcher_is_this_ranks_gpu(monkeypatch) -> None:
+    """With several ranks ``model.device=cuda`` (or auto) is ``cuda:LOCAL_RANK``; another rank's index is
+    refused in one line (every rank would load onto that GPU); one process keeps what it asked for."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (
+        resolve_device("cuda")
+        == resolve_device("auto")
+        == resolve_device("cuda:2")
+        == torch.device("cuda", 2)
+    )
+    with pytest.raises(
+        UserError, match="model.device=cuda:0 under a launcher would put every rank on one GPU"
+    ):
+        resolve_device("cuda:0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_device("cuda:3") == torch.device("cuda", 3) and resolve_device("cuda") == torch.device(
+        "cuda"
+    )
