@@ -389,6 +389,31 @@ def calibrated_with(heads_dir: Path) -> dict | None:
     return settings if isinstance(settings, dict) else None
 
 
+def one_device_per_process(args: TrainingArguments, device: torch.device) -> None:
+    """Keep the Trainer on the stage's one device.
+
+    One process that sees several GPUs makes transformers' Trainer wrap the module in ``DataParallel``,
+    whose copies on the other GPUs would read the frozen backbone (and the heads' targets) left on the
+    first: it is told it has one GPU, as the Trainer tells itself for a model-parallel module. It also
+    moves the module to ``args.device`` (one process: ``cuda:0``; under a launcher: ``cuda:LOCAL_RANK``,
+    as ``model.device`` resolves there), so another ``model.device`` is refused.
+
+    Raises:
+        UserError: ``model.device`` is not the device the Trainer trains on.
+    """
+    if args.n_gpu > 1:
+        args._n_gpu = 1
+    if device.type != "cuda":
+        return  # the Trainer's device is the same kind (DeepSpeed on a CPU names it cpu:0)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device != args.device:
+        raise UserError(
+            f"model.device={device} but stage=train in one process trains on {args.device}: use "
+            f"model.device=cuda, and CUDA_VISIBLE_DEVICES={device.index} to train on that GPU"
+        )
+
+
 def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
     """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
 
@@ -530,6 +555,7 @@ def _train(
             disable_tqdm=False,
             eval_strategy="no",
         )
+        one_device_per_process(args, device)
         if args.process_index == 0:
             atomic_write_json(wd.train / RUN_INFO, info)
 

@@ -85,6 +85,11 @@ def deepspeed_config(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if offload_optimizer:
+        # The optimizer is the Trainer's (its parameter groups carry Medusa-2's learning rates), not
+        # DeepSpeed's CPU Adam, which DeepSpeed otherwise demands with an offloaded optimizer (it
+        # raises at initialisation).
+        config["zero_force_ds_cpu_optimizer"] = False
     if not on_cpu and dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
     elif not on_cpu and dtype == torch.float16:

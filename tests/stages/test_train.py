@@ -394,3 +394,25 @@ def test_sigkill_mid_training_then_same_command_finishes(tmp_path):
     assert config["training_result"]["resumed_from"].endswith("checkpoint-9")
     run(train_cfg(ref_root, steps))
     _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+def test_the_trainer_stays_on_the_stages_one_device():
+    """One process seeing several GPUs: the Trainer is told it has one (no DataParallel, whose copies
+    would read the frozen backbone left on the first GPU); a model.device the Trainer does not train
+    on is refused in one line. (The GPU cases only as arguments here: no GPU.)"""
+    from types import SimpleNamespace
+
+    from medusa_train.stages.train import one_device_per_process
+
+    args = SimpleNamespace(n_gpu=2, device=torch.device("cuda", 0))
+    one_device_per_process(args, torch.device("cuda", 0))
+    assert args._n_gpu == 1
+    with pytest.raises(
+        UserError, match="model.device=cuda:1 but stage=train in one process trains on cuda:0"
+    ):
+        one_device_per_process(
+            SimpleNamespace(n_gpu=1, device=torch.device("cuda", 0)), torch.device("cuda", 1)
+        )
+    cpu = SimpleNamespace(n_gpu=0, device=torch.device("cpu"))
+    one_device_per_process(cpu, torch.device("cpu"))
+    assert not hasattr(cpu, "_n_gpu")

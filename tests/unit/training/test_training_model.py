@@ -152,6 +152,9 @@ def test_deepspeed_config_errors_and_shape():
     assert deepspeed_config(3, dtype=torch.bfloat16, on_cpu=False)["bf16"] == {"enabled": True}
     with pytest.raises(UserError, match="offload"):
         deepspeed_config(3, offload_param=True, on_cpu=True)
+    # an offloaded optimizer is still the Trainer's (DeepSpeed would demand its CPU Adam and raise)
+    offloaded = deepspeed_config(2, offload_optimizer=True, on_cpu=False)
+    assert offloaded["zero_force_ds_cpu_optimizer"] is False and "zero_force_ds_cpu_optimizer" not in cfg
 
 
 def test_a_deepspeed_run_on_a_cpu_compiles_no_op(tmp_path, monkeypatch):
