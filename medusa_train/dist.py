@@ -44,7 +44,11 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
-def init_process_group(timeout: timedelta = timedelta(days=7)) -> bool:
+COLLECTIVE_TIMEOUT = timedelta(days=7)
+"""How long a rank waits at a collective (a barrier while rank 0 generates or builds a cache for hours)."""
+
+
+def init_process_group(timeout: timedelta = COLLECTIVE_TIMEOUT) -> bool:
     """Create the gloo group when several ranks run and none exists; returns whether it was created.
 
     The default timeout is long on purpose: a rank can generate or train for hours before the next

@@ -554,6 +554,7 @@ def _train(
             dataloader_num_workers=0,
             disable_tqdm=False,
             eval_strategy="no",
+            ddp_timeout=int(dist.COLLECTIVE_TIMEOUT.total_seconds()),  # transformers': 30 minutes
         )
         one_device_per_process(args, device)
         if args.process_index == 0:
@@ -653,7 +654,9 @@ def _hidden_cache(
     """The frozen backbone's hidden states of the training split, built once by rank 0 (resumable)
     and stored with the run's settings: checkpoints of another run are refused or wiped with it anyway."""
     cache_settings = settings_of(run=settings, cache_version=HIDDEN_CACHE_VERSION)
-    with args.main_process_first(desc="hidden-state cache"):
+    # Global rank 0 builds it (local=False: on several nodes every other rank waits for it, not only
+    # node 0's), under the Trainer's group, whose timeout is dist's (ddp_timeout): a build takes hours.
+    with args.main_process_first(local=False, desc="hidden-state cache"):
         if args.process_index == 0:
             t0 = time.time()
             records = [train_set[i] for i in range(len(train_set))]
