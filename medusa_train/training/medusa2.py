@@ -13,16 +13,20 @@ the LM loss, the trainable backbone, the heads-only phase.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import TrainerCallback
 
+from medusa_train.backbone import resolve_device, resolve_dtype
 from medusa_train.errors import UserError
 from medusa_train.training.model import KLToOriginal, LMLoss, MedusaTrainingModel, lm_cross_entropy
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import Config, TrainingConfig
+
+log = logging.getLogger(__name__)
 
 
 def check_supported(cfg: Config) -> None:
@@ -49,6 +53,21 @@ def check_supported(cfg: Config) -> None:
         raise UserError(
             "training.backbone_tuning=qlora needs a quantized backbone: model.quantization=4bit (or 8bit)"
         )
+    if tc.backbone_tuning == "full" and not cfg.deepspeed.enabled:
+        # Without DeepSpeed the Trainer's AdamW updates the loaded weights in place: no fp32 master copy.
+        dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+        if dtype == "float16":
+            raise UserError(
+                "training=medusa2 with full tuning cannot train float16 weights in place (the Trainer's loss "
+                "scaling refuses fp16 gradients): use model.dtype=bfloat16 or float32, "
+                "training.backbone_tuning=lora, or deepspeed=zero2 (fp32 master weights)"
+            )
+        if dtype == "bfloat16":
+            log.warning(
+                "training=medusa2 with full tuning updates the bfloat16 weights in place (no fp32 master copy): "
+                "updates below bfloat16's resolution are lost at small learning rates; deepspeed=zero2 keeps "
+                "fp32 master weights, model.dtype=float32 trains in fp32"
+            )
 
 
 class HeadsOnlyCallback(TrainerCallback):

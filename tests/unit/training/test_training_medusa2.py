@@ -111,3 +111,25 @@ def test_lora_target_modules_the_backbone_lacks_are_one_user_error():
         ["training=medusa2", "training.backbone_tuning=lora", "training.lora_target_modules=[q_proj]"]
     ).training
     assert any("lora_" in n for n, _ in trainable_backbone(tc, tiny_llama()).named_parameters())
+
+
+def test_full_tuning_without_deepspeed_in_half_precision(caplog):
+    """Without DeepSpeed the Trainer's AdamW updates the loaded weights in place: float16 is refused
+    (its loss scaling raises on fp16 gradients), bfloat16 warns (no fp32 master copy), LoRA, float32
+    and DeepSpeed pass silently."""
+
+    def cfg(*overrides):
+        return compose_config(["training=medusa2", "model.device=cpu", *overrides])
+
+    with pytest.raises(UserError, match="cannot train float16 weights in place") as err:
+        check_supported(cfg("model.dtype=float16"))
+    assert "\n" not in str(err.value)
+    with caplog.at_level("WARNING"):
+        check_supported(cfg("model.dtype=bfloat16"))
+    assert "no fp32 master copy" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        check_supported(cfg("model.dtype=float32"))
+        check_supported(cfg("model.dtype=float16", "training.backbone_tuning=lora"))
+        check_supported(cfg("model.dtype=bfloat16", "deepspeed=zero2"))
+    assert "master copy" not in caplog.text
