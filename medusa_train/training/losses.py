@@ -560,9 +560,12 @@ def lm_targets(
     return out
 
 
-def _kl_chunk(student_h: torch.Tensor, w_s: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+def _kl_chunk(
+    student_h: torch.Tensor, w_s: torch.Tensor, teacher_h: torch.Tensor, w_t: torch.Tensor
+) -> torch.Tensor:
     s = F.log_softmax((student_h @ w_s.t()).float(), dim=-1)  # (c, V)
-    t = F.log_softmax(teacher_logits.float(), dim=-1)  # (c, V)
+    with torch.no_grad():  # the teacher's logits: made here, so no chunk's outlives its own KL
+        t = F.log_softmax((teacher_h @ w_t.t()).float(), dim=-1)  # (c, V)
     return (t.exp() * (t - s)).sum()
 
 
@@ -576,8 +579,9 @@ def chunked_kl_to_teacher(
     """Mean ``KL(p_teacher || p_student)`` of the next-token distributions over the given rows.
 
     Used by Medusa-2 on self-distilled data: the trainable backbone is kept close to the frozen
-    original. Each chunk's student logits are recomputed in backward (activation checkpointing),
-    so the peak is O(chunk * V).
+    original. Each chunk's student and teacher logits are made inside the checkpointed function and
+    made again in backward (activation checkpointing), so the peak is O(chunk * V): teacher logits
+    handed in from outside would be kept for every chunk until backward, O(N * V).
 
     Args:
         student_hidden: ``(N, d)`` trainable backbone's last hidden state on counted rows.
@@ -592,14 +596,11 @@ def chunked_kl_to_teacher(
     total = student_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_size):
         sl = slice(start, start + chunk_size)
-        with torch.no_grad():
-            t_logits = teacher_hidden[sl] @ teacher_weight.t()  # (c, V)
+        args = (student_hidden[sl], student_weight, teacher_hidden[sl].detach(), teacher_weight.detach())
         if torch.is_grad_enabled():
-            total = total + checkpoint(
-                _kl_chunk, student_hidden[sl], student_weight, t_logits, use_reentrant=False
-            )
+            total = total + checkpoint(_kl_chunk, *args, use_reentrant=False)
         else:
-            total = total + _kl_chunk(student_hidden[sl], student_weight, t_logits)
+            total = total + _kl_chunk(*args)
     return total / max(n, 1)
 
 
