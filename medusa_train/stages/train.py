@@ -155,12 +155,15 @@ def run(cfg: Config) -> dict:
             return {"rank": dist.rank()}
         if trained is not None:  # calibrate with the backbone as trained (LoRA: adapters applied)
             backbone = recipe.decoding_backbone(trained)
-        if ds_config is not None:
-            # The destroyed engine's leftovers (the module that trained, ZeRO-3's partitioned backbone
-            # just replaced, DeepSpeed's process groups on their parameters) are cyclic garbage: until
-            # a gc pass the gloo groups' threads stay, and the interpreter's exit under them can abort
-            # the process after its work is done.
-            gc.collect()
+        # What training left is cyclic garbage until a gc pass: with DeepSpeed the destroyed engine's
+        # leftovers (the module that trained, ZeRO-3's partitioned backbone just replaced, DeepSpeed's
+        # process groups on their parameters: until then the gloo groups' threads stay, and the
+        # interpreter's exit under them can abort the process after its work is done); under mixed
+        # precision the training module (accelerate binds its forward back to it), with a KL
+        # teacher's whole copy of the backbone. Freed before calibration times anything.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         result.update(head_projection=tc.head_projection, draft_vocab_size=heads.draft_vocab_size)
         if coverage is not None:
             result["draft_vocab_coverage"] = round(coverage, 6)

@@ -174,7 +174,8 @@ def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeyp
 
 def test_cached_hidden_states_equal_online(reference, tmp_path, monkeypatch):
     """The cache, built by global rank 0 while every other rank waits (``local=False``: on several
-    nodes too), under the long collective timeout; the heads trained from it equal online training."""
+    nodes too), under the long collective timeout; the heads trained from it equal online training;
+    a gc pass frees what training left before calibration (without DeepSpeed too)."""
     from transformers import TrainingArguments
 
     waits = []
@@ -185,10 +186,15 @@ def test_cached_hidden_states_equal_online(reference, tmp_path, monkeypatch):
         return first(self, local=local, desc=desc)
 
     monkeypatch.setattr(TrainingArguments, "main_process_first", recorded)
+    import medusa_train.stages.train as train_stage
+
+    collected = []
+    monkeypatch.setattr(train_stage.gc, "collect", lambda *a: collected.append(1) or 0)
     ref_root, ref = reference
     root = make_train_workdir(tmp_path)
     result = run(train_cfg(root, "training.cache_hidden_states=true"))
     assert waits == [(False, 7 * 24 * 3600)]
+    assert collected  # what training left is freed before calibration, without DeepSpeed too
     assert (root / "train" / "hidden_cache" / "meta.json").is_file()
     assert result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(root, ref_root, atol=1e-5)
