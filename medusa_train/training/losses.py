@@ -71,8 +71,11 @@ def _stored_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, tor
     grad_feats, grad_weight = ctx.grads
     del ctx.grads
     if bool(grad_out != 1):
-        grad_feats = grad_feats * grad_out.to(grad_feats.dtype) if grad_feats is not None else None
-        grad_weight = grad_weight * grad_out.to(grad_weight.dtype) if grad_weight is not None else None
+        # In fp32, then back to each gradient's dtype: an fp16 loss scale of 65,536 (DeepSpeed's and
+        # the GradScaler's first) is inf in fp16 itself, though the scaled gradients are not.
+        scale = grad_out.float()
+        grad_feats = (grad_feats.float() * scale).to(grad_feats.dtype) if grad_feats is not None else None
+        grad_weight = (grad_weight.float() * scale).to(grad_weight.dtype) if grad_weight is not None else None
     return grad_feats, grad_weight
 
 

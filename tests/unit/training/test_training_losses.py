@@ -12,6 +12,7 @@ from medusa_train.decoding.calibrate import head_topk_accuracy
 from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct, medusa_targets, select_trained_rows
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.losses import (
+    ChunkedLinearCrossEntropy,
     chunked_cross_entropy,
     chunked_kl_to_teacher,
     lambda0_schedule,
@@ -137,3 +138,20 @@ def test_lambda0_schedules(kind):
         assert values[5] > 0.1
     if kind == "sine_r":  # convex: below linear half-way
         assert values[5] < 0.1
+
+
+def test_a_half_precision_loss_scale_does_not_overflow_the_fused_gradients():
+    """fp16 loss scaling starts at 65,536 (DeepSpeed, torch's GradScaler), which is inf in fp16: the
+    fused loss applies the upstream gradient in fp32, so the scaled gradients stay finite (and the
+    fp32 path is unchanged)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 16), torch.randn(512, 16) * 0.02
+    y = torch.randint(0, 512, (256,))
+    grads = {}
+    for dtype in (torch.float32, torch.float16):
+        xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        loss = ChunkedLinearCrossEntropy.apply(xs, ws, y, 64, 1.0)
+        grads[dtype] = torch.autograd.grad(loss * 65536.0, [xs, ws])
+    for half, full in zip(grads[torch.float16], grads[torch.float32], strict=True):
+        assert torch.isfinite(half).all()
+        assert (half.float() - full).norm() / full.norm() < 0.1
