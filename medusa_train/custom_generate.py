@@ -24,7 +24,9 @@ belong to the model, and decodes:
   temperature, top_k, top_p and min_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
   acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
 - a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
-  row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`;
+  row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`, as is each
+  row of a batch in turn on a model spread over devices (``device_map``: the batched decoder needs
+  one device);
 - ``cache_implementation="static"`` (what asks plain ``generate`` for its static cache and, on a GPU,
   its compiled forward): the static-shape decoder, :class:`~medusa_train.decoding.StaticDecoder`, whose
   whole step is captured as one CUDA graph on a CUDA device (``disable_compile=True``: not captured;
@@ -60,7 +62,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from medusa_train import __version__
 from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
 from medusa_train.decoding.attention import ATTENTION_CHOICES
-from medusa_train.decoding.batched import medusa_generate_batch
+from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
 from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
 from medusa_train.decoding.static import (
     StaticDecoder,
@@ -295,6 +297,9 @@ def generate(
             streamer.put(torch.tensor(new_tokens, dtype=torch.long))
 
     if static:
+        check_one_device(
+            model, 'cache_implementation="static"', "generate without it decodes such a model row by row"
+        )
         decoder = _static_decoder(model, loaded, rows, config, settings, medusa_attention)
         out = decoder.generate_batch(
             rows,
@@ -303,11 +308,12 @@ def generate(
             on_tokens=None if stream is None else (lambda row, new_tokens: stream(new_tokens)),
         )
         new = [row.tokens for row in out.rows]
-    elif len(rows) == 1:
+    elif len(rows) == 1 or len(model_devices(model)) > 1:  # the batched decoder needs one device
         new = [
             medusa_generate(
-                model, loaded.packed, rows[0], attention=medusa_attention, on_tokens=stream, **settings
+                model, loaded.packed, row, attention=medusa_attention, on_tokens=stream, **settings
             ).tokens
+            for row in rows
         ]
     else:
         out = medusa_generate_batch(

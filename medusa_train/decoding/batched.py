@@ -307,19 +307,25 @@ def _num_layers(model: torch.nn.Module) -> int:
     return cfg.num_hidden_layers
 
 
-def check_one_device(model: torch.nn.Module, decoder: str) -> None:
+def model_devices(model: torch.nn.Module) -> list[str]:
+    """The devices holding the model's parameters, sorted (several under a ``device_map``)."""
+    return sorted({str(p.device) for p in model.parameters()})
+
+
+def check_one_device(
+    model: torch.nn.Module, decoder: str, remedy: str = "decode its rows one at a time with medusa_generate"
+) -> None:
     """Refuse a model whose parameters are spread over several devices (``device_map``): the batched
     and static decoders keep their row indices and cache columns on one device, and a layer on
     another would fail on them mid-call.
 
     Raises:
-        ValueError: one line naming the devices, and what decodes such a model (``medusa_generate``).
+        ValueError: one line naming the devices, and what decodes such a model (``remedy``).
     """
-    devices = sorted({str(p.device) for p in model.parameters()})
+    devices = model_devices(model)
     if len(devices) > 1:
         raise ValueError(
-            f"{decoder} needs the model on one device, this one is spread over {', '.join(devices)}: "
-            "decode its rows one at a time with medusa_generate"
+            f"{decoder} needs the model on one device, this one is spread over {', '.join(devices)}: {remedy}"
         )
 
 

@@ -327,6 +327,34 @@ def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, to
     release(model)
 
 
+def test_a_batch_on_a_model_spread_over_devices_is_decoded_row_by_row(
+    workdir: Path, model, tok, monkeypatch
+) -> None:
+    """The batched and static decoders need the model on one device. On a model spread over devices
+    (``device_map``; stood in for here: this machine has one device) a batch is decoded one row at a time,
+    identical to plain greedy, and ``cache_implementation="static"`` is refused in one line saying what
+    decodes it."""
+    import medusa_train.custom_generate as custom_generate
+    import medusa_train.decoding.batched as batched
+
+    def spread(_model) -> list[str]:
+        return ["cuda:0", "cuda:1"]
+
+    def batched_decoder(*args, **kwargs):
+        raise AssertionError("the batched decoder was called on a spread model")
+
+    monkeypatch.setattr(custom_generate, "model_devices", spread)
+    monkeypatch.setattr(batched, "model_devices", spread)
+    monkeypatch.setattr(custom_generate, "medusa_generate_batch", batched_decoder)
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    ours = _medusa(model, workdir / "export", **batch, max_new_tokens=20)
+    assert torch.equal(ours, model.generate(**batch, do_sample=False, max_new_tokens=20))
+    with pytest.raises(
+        ValueError, match="spread over cuda:0, cuda:1: generate without it decodes such a model"
+    ):
+        _medusa(model, workdir / "export", **batch, max_new_tokens=4, cache_implementation="static")
+
+
 def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model, tok, tmp_path) -> None:
     one = tok(PROMPTS[0], return_tensors="pt")
     other = tiny_model(hidden=64, vocab=model.config.vocab_size)
