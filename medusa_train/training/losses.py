@@ -21,6 +21,23 @@ then only scales the stored gradients by the incoming scalar. Peak extra memory 
 O(chunk * V + V * d) instead of O(T * V), and the flop count equals the naive version's
 (one logits matmul + two gradient matmuls), so it is not slower.
 
+Precision in fp16: the gradients are made in forward, before the upstream gradient (an fp16 loss
+scale, 65,536 at first under DeepSpeed or torch's GradScaler) is known. The gradient w.r.t. the
+logits, ``softmax - onehot`` divided by the count, has most entries below fp16's smallest normal
+number (6.1e-5): cast to fp16 as it is, they lose their precision or flush to zero, and the
+gradients with them (percents of relative error; figures in docs/training.md). So for fp16 operands
+(:func:`_add_logit_grads`) each row of that gradient is multiplied by its own power of two for the
+features' product, each column by its own for the weight's, the largest that keeps every operand
+and product entry below 2^14; the fp16 products are divided back in fp32 (exact: powers of two)
+and accumulated in fp32 buffers, which stay fp32 until backward has multiplied them by the
+upstream gradient and casts them once: as accurate as fp32 gradients scaled and cast once, up to
+the operands' one extra rounding. The price, fp16 only: the stored ``(N, d)`` and ``(V, d)``
+gradients take twice an fp16 copy's memory from forward to backward, and a chunk a few more
+element-wise passes over its ``(chunk, V)`` block (the scales). bf16 (fp32's exponent range) and
+fp32 keep buffers of their own dtype and no scaling. Computing the gradient products in fp32
+instead is as accurate but needs an fp32 copy of the ``(V, d)`` weight and runs two of the three
+matmuls off the GPU's fp16 tensor cores.
+
 Head projection variants (:mod:`medusa_train.heads`): ``shared`` heads use the backbone's lm_head as
 every head's projection (no gradient for it from the heads' loss, only the residual blocks train);
 ``truncated`` heads project to a draft vocabulary of N tokens, and a target outside that vocabulary
@@ -60,25 +77,93 @@ from torch.utils.checkpoint import checkpoint
 from medusa_train.head_loss import SOFT_LOSSES, is_soft, parse_head_loss
 from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct
 
+# -- the gradients the fused losses make in forward ------------------------------------------------
+_FP16_RANGE = 2.0**14
+"""Bound on every entry of a pre-scaled fp16 gradient product, its operand and its output (fp16's
+largest number is 65,504: a factor 4 of headroom for rounding)."""
 
-# -- fused chunked linear + cross-entropy -----------------------------------------------------------
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a chunked loss keeps an input's gradient in from forward to backward: fp32 for fp16
+    (the loss scale comes later; see the module docstring), the input's own otherwise."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
+def _pow2_scales(bound: torch.Tensor) -> torch.Tensor:
+    """The largest power of two ``s`` with ``s * bound <= _FP16_RANGE``, per entry, in ``[2^-60, 2^60]``
+    (``2^60`` where ``bound`` is 0)."""
+    return torch.exp2(torch.log2(_FP16_RANGE / bound).floor_().clamp_(-60, 60))
+
+
+def _add_logit_grads(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    grad_feats: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    w_max: torch.Tensor | None,
+) -> None:
+    """Back through ``logits = x @ w.T``: ``grad_feats += g @ w`` and ``grad_weight += g.T @ x``.
+
+    Args:
+        g: ``(c, vc)`` fp32 gradient w.r.t. the logits (already weighted by the loss's scale).
+        x: ``(c, d)`` and w: ``(vc, d)``, the logits' operands, both in the matmul dtype.
+        grad_feats: ``(c, d)`` rows of the features' gradient buffer, or None.
+        grad_weight: ``(vc, d)`` rows of the weight's fp32 gradient buffer, or None.
+        w_max: fp16 with grad_feats: ``max(max |weight|, 1)`` over the whole weight (fp32 scalar tensor).
+
+    In fp16 the products run on row- and column-scaled copies of ``g`` (module docstring): with
+    ``s_i = 2^k <= _FP16_RANGE / (|g_i|_1 * w_max)`` every entry of ``s_i g_i`` and of ``s_i g_i @ w``
+    is at most ``_FP16_RANGE`` (w_max >= 1 bounds the first), and alike for the columns with ``x``.
+    """
+    if w.dtype != torch.float16:
+        g = g.to(w.dtype)  # (c, vc)
+        if grad_feats is not None:
+            grad_feats += g @ w  # (c, d)
+        if grad_weight is not None and w.dtype == torch.float32:
+            grad_weight.addmm_(g.t(), x)  # (vc, d) in place: no (vc, d) temporary per chunk
+        elif grad_weight is not None:
+            grad_weight += (g.t() @ x).float()  # (vc, d), fp32 accumulation of bf16 products
+        return
+    h = torch.empty_like(g, dtype=torch.float16)  # (c, vc) the scaled fp16 operand, rows then columns
+    if grad_feats is not None:
+        s = _pow2_scales(torch.linalg.vector_norm(g, 1, dim=1) * w_max)  # (c,)
+        torch.mul(g, s[:, None], out=h)  # rounded once, from fp32
+        grad_feats.addcmul_(h @ w, s.reciprocal_()[:, None])  # (c, d) divided back in fp32
+    if grad_weight is not None:
+        x_max = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).clamp_min_(1)
+        t = _pow2_scales(torch.linalg.vector_norm(g, 1, dim=0) * x_max)  # (vc,)
+        torch.mul(g, t, out=h)
+        grad_weight.addcmul_(h.t() @ x, t.reciprocal_()[:, None])  # (vc, d)
+
+
+def _weight_max(weight: torch.Tensor) -> torch.Tensor | None:
+    """``max(max |weight|, 1)`` as an fp32 scalar tensor for an fp16 weight (:func:`_add_logit_grads`)."""
+    if weight.dtype != torch.float16:
+        return None
+    return torch.linalg.vector_norm(weight, float("inf"), dtype=torch.float32).clamp_min_(1)
+
+
 def _stored_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The (features, weight) gradients a chunked loss's forward computed, scaled by ``grad_out``.
 
     The usual upstream gradient is exactly 1 (the weight lambda_k is applied inside via ``scale``):
-    then the stored gradients are handed over as they are, and the context drops its reference.
+    then gradients kept in their input's dtype are handed over as they are, and the context drops its
+    reference. Otherwise the product is taken in fp32 (an fp16 loss scale of 65,536 is inf in fp16
+    itself, though the scaled gradients are not); fp32 buffers of fp16 inputs are cast once, here.
     """
-    grad_feats, grad_weight = ctx.grads
+    grads = ctx.grads
     del ctx.grads
-    if bool(grad_out != 1):
-        # In fp32, then back to each gradient's dtype: an fp16 loss scale of 65,536 (DeepSpeed's and
-        # the GradScaler's first) is inf in fp16 itself, though the scaled gradients are not.
-        scale = grad_out.float()
-        grad_feats = (grad_feats.float() * scale).to(grad_feats.dtype) if grad_feats is not None else None
-        grad_weight = (grad_weight.float() * scale).to(grad_weight.dtype) if grad_weight is not None else None
-    return grad_feats, grad_weight
+    scale = None if bool(grad_out == 1) else grad_out.float()
+    out = []
+    for grad, dtype in zip(grads, ctx.dtypes, strict=True):
+        if grad is not None and scale is not None:
+            grad = grad.float().mul_(scale)  # a copy, or the buffer no one else holds now
+        out.append(grad.to(dtype) if grad is not None else None)
+    return out[0], out[1]
 
 
+# -- fused chunked linear + cross-entropy -----------------------------------------------------------
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean CE of ``feats @ weight.T`` against ``targets`` without materialising the logits.
 
@@ -103,8 +188,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         valid = targets != IGNORE_INDEX  # (N,)
         count = int(valid.sum())
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_feats = torch.zeros_like(feats) if ctx.needs_input_grad[0] else None
+        grad_feats = (
+            torch.zeros_like(feats, dtype=_grad_dtype(feats.dtype)) if ctx.needs_input_grad[0] else None
+        )
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        w_max = _weight_max(weight) if grad_feats is not None else None
         total = torch.zeros((), dtype=torch.float32, device=feats.device)
         scale = scale / max(count, 1)
         for start in range(0, n, chunk_size):
@@ -125,17 +213,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()  # (c, V), reuses the logits buffer
                 probs[torch.arange(len(y), device=y.device), y_safe] -= 1.0
                 probs *= (ok.float() * scale)[:, None]
-                g = probs.to(weight.dtype)  # (c, V)
-                if grad_feats is not None:
-                    grad_feats[start : start + chunk_size] = g @ weight  # (c, d)
-                if grad_weight is not None and weight.dtype == torch.float32:
-                    grad_weight.addmm_(g.t(), x)  # (V, d) in place: no (V, d) temporary per chunk
-                elif grad_weight is not None:
-                    grad_weight += (g.t() @ x).float()  # (V, d), fp32 accumulation of bf16/fp16 products
+                rows = grad_feats[start : start + chunk_size] if grad_feats is not None else None
+                _add_logit_grads(probs, x, weight, rows, grad_weight, w_max)
             del logits
         # Kept as plain attributes, not save_for_backward: backward hands them over and drops its
         # reference, so autograd can adopt them as .grad without another (V, d) copy.
-        ctx.grads = (grad_feats, grad_weight.to(weight.dtype) if grad_weight is not None else None)
+        ctx.grads = (
+            grad_feats,
+            grad_weight.to(_grad_dtype(weight.dtype)) if grad_weight is not None else None,
+        )
+        ctx.dtypes = (feats.dtype, weight.dtype)
         return total * scale
 
     @staticmethod
@@ -195,8 +282,11 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
         # feats (N, d), weight (V', d), target_feats (N, d), target_weight (V, d), token_map (V',)
         n, v = feats.shape[0], weight.shape[0]
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_feats = torch.zeros_like(feats) if ctx.needs_input_grad[0] else None
+        grad_feats = (
+            torch.zeros_like(feats, dtype=_grad_dtype(feats.dtype)) if ctx.needs_input_grad[0] else None
+        )
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        w_max = _weight_max(weight) if grad_feats is not None else None
         total = torch.zeros((), dtype=torch.float32, device=feats.device)
         scale = scale / max(n, 1)
         spans = [(v0, min(v0 + vocab_chunk_size, v)) for v0 in range(0, v, vocab_chunk_size)]
@@ -205,19 +295,20 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
             if x.dtype != weight.dtype:
                 x = x.to(weight.dtype)
             y = target_feats[start : start + chunk_size].to(target_weight.dtype)  # (c, d)
+            rows = grad_feats[start : start + chunk_size] if grad_feats is not None else None
 
-            def add_grad(v0: int, v1: int, g: torch.Tensor, x=x, start=start) -> None:
-                g = g.mul_(scale).to(weight.dtype)  # (c, vc) d loss / d head logits
-                if grad_feats is not None:
-                    grad_feats[start : start + chunk_size] += g @ weight[v0:v1]  # (c, d)
-                if grad_weight is not None and weight.dtype == torch.float32:
-                    grad_weight[v0:v1].addmm_(g.t(), x)  # (vc, d) in place
-                elif grad_weight is not None:
-                    grad_weight[v0:v1] += (g.t() @ x).float()  # (vc, d), fp32 accumulation
+            def add_grad(v0: int, v1: int, g: torch.Tensor, x=x, rows=rows) -> None:
+                # g (c, vc): d loss / d head logits, unscaled
+                cols = grad_weight[v0:v1] if grad_weight is not None else None
+                _add_logit_grads(g.mul_(scale), x, weight[v0:v1], rows, cols, w_max)
 
             chunk = _SoftChunk(x, y, weight, target_weight, token_map, temperature, spans)
             total += chunk.run(kind, add_grad if needs_grad else None)
-        ctx.grads = (grad_feats, grad_weight.to(weight.dtype) if grad_weight is not None else None)
+        ctx.grads = (
+            grad_feats,
+            grad_weight.to(_grad_dtype(weight.dtype)) if grad_weight is not None else None,
+        )
+        ctx.dtypes = (feats.dtype, weight.dtype)
         return total * scale
 
     @staticmethod

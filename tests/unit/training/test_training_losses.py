@@ -13,12 +13,14 @@ from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct, medusa
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.losses import (
     ChunkedLinearCrossEntropy,
+    ChunkedLinearSoftLoss,
     chunked_cross_entropy,
     chunked_kl_to_teacher,
     lambda0_schedule,
     lm_targets,
     medusa_head_loss,
     naive_medusa_head_loss,
+    naive_soft_loss,
 )
 
 
@@ -155,3 +157,60 @@ def test_a_half_precision_loss_scale_does_not_overflow_the_fused_gradients():
     for half, full in zip(grads[torch.float16], grads[torch.float32], strict=True):
         assert torch.isfinite(half).all()
         assert (half.float() - full).norm() / full.norm() < 0.1
+
+
+def _fused_fp16_loss(kind: str, x, w, targets, target_x, target_w, scale: float) -> torch.Tensor:
+    """One of the two fused Functions on fp16 inputs: 4 row chunks, the soft loss in 2 vocabulary chunks."""
+    if kind == "ce":
+        return ChunkedLinearCrossEntropy.apply(x, w, targets, 16, scale)
+    return ChunkedLinearSoftLoss.apply(x, w, target_x, target_w, None, kind, 1.0, 16, 32, scale)
+
+
+def _fp16_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32 with the values an fp16 matmul rounds to, and the exact gradient."""
+    z = x @ w.t()  # (N, V)
+    return z + ((x.detach() @ w.detach().t()).half().float() - z).detach()
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl", "tv"])
+def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_fp32_ones_cast_once(kind):
+    """The fused losses make their gradients in forward, before the fp16 loss scale (65,536) is known.
+    Unscaled, most entries of the logits' gradient are below fp16's smallest normal number; the
+    gradients must still match an fp32 reference (same fp16-rounded logits, gradients through a plain
+    linear + F.cross_entropy / the soft loss in fp32): one fp16 rounding costs ~2e-4 relative error.
+    ``scale`` (a head's lambda) = 2^-12 stands in for the count x vocabulary of a real batch (4,096
+    rows x 32,000 tokens put the entries near 1e-8), at a 64 x 64 shape."""
+    torch.manual_seed(0)
+    n, v, d, scale, loss_scale = 64, 64, 8, 2.0**-12, 65536.0
+    x, w = torch.randn(n, d).half(), (torch.randn(v, d) * 0.5).half()
+    target_x, target_w = torch.randn(n, d).half(), (torch.randn(v, d) * 0.5).half()
+    targets = torch.randint(0, v, (n,))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = _fused_fp16_loss(kind, xs, ws, targets, target_x, target_w, scale)
+    (loss * loss_scale).backward()
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    logits = _fp16_logits(xr, wr)  # (N, V)
+    if kind == "ce":
+        ref = F.cross_entropy(logits, targets)
+    else:
+        ref = naive_soft_loss(logits, _fp16_logits(target_x.float(), target_w.float()), kind)
+    (ref * scale).backward()
+    for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad)):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        # Here ~3e-4; an fp16 cast of the unscaled gradient: 3.4% (ce), 6% (kl), 47% (tv).
+        assert (got.float() / loss_scale - want).norm() / want.norm() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_only_fp16_keeps_fp32_gradient_buffers_until_backward(dtype):
+    """The stored (N, d) and (V, d) gradients cost fp32 memory for fp16 inputs only (their loss scale
+    comes in backward); fp32 and bf16 keep them in their own dtype."""
+    x, w = (
+        torch.randn(8, 4, dtype=dtype, requires_grad=True),
+        torch.randn(16, 4, dtype=dtype, requires_grad=True),
+    )
+    loss = ChunkedLinearCrossEntropy.apply(x, w, torch.randint(0, 16, (8,)), 4, 1.0)
+    kept = torch.float32 if dtype == torch.float16 else dtype
+    assert [g.dtype for g in loss.grad_fn.grads] == [kept, kept]
+    loss.backward()
+    assert x.grad.dtype == w.grad.dtype == dtype
