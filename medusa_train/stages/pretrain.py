@@ -254,7 +254,12 @@ def _text_documents(path: str | None, heldout_fraction: float) -> tuple[list[str
     file = Path(path or "")
     if not file.is_file():
         raise UserError(f"data.path={path!r} is not a file: give a plain text file for data.format=text")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"data.path={path!r} is not a UTF-8 text file (byte {err.start}): convert it to UTF-8"
+        ) from None
     cut = text.rfind("\n", 0, int(len(text) * (1 - heldout_fraction))) + 1 or int(
         len(text) * (1 - heldout_fraction)
     )

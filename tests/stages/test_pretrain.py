@@ -125,3 +125,13 @@ def test_another_model_at_model_name_or_path_is_not_replaced(tmp_path, tiny_back
     with pytest.raises(UserError, match="holds files stage=pretrain did not write"):
         pretrain.run(cfg)
     assert sorted((f.name, f.read_bytes()) for f in other.iterdir()) == before
+
+
+def test_text_format_not_utf8_is_one_line(tmp_path):
+    """A data=text file in another encoding (Latin-1 here) is a user error, before any training."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café au lait\n".encode("latin-1") * 50)
+    cfg = compose_config([*TINY, f"workdir={tmp_path}", "data=text", f"data.path={path}"])
+    with pytest.raises(UserError, match="is not a UTF-8 text file"):
+        pretrain.run(cfg)
+    assert not (tmp_path / "pretrain").exists()
