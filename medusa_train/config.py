@@ -17,13 +17,13 @@ engines) take plain arguments.
 
 What decides whether a stage skips, resumes or redoes its work (one rule, for every stage): the
 stage's *settings*, a JSON dict that ``workdir.settings_of`` builds from the config groups it hands
-over whole (``data`` and ``distill`` for stage=distill, ``training`` for stage=train, ``tree`` for
-the train stage's calibration) and from its inputs' identities; stored with the output, compared on
-the next run. Every field of those groups counts, a field added later included, unless it is
-declared with :func:`run_only` (it steers how a run goes, not what it produces: ``overwrite``, a
-batch split, a time budget); its class docstring says why. A stage's docstring names the other
-values it adds (``model.dtype``, the backbone's fingerprint, ...). The other groups' fields count
-only where a stage names them.
+over whole (``pretrain`` for stage=pretrain, ``data`` and ``distill`` for stage=distill,
+``training`` for stage=train, ``tree`` for the train stage's calibration) and from its inputs'
+identities; stored with the output, compared on the next run. Every field of those groups counts, a
+field added later included, unless it is declared with :func:`run_only` (it steers how a run goes,
+not what it produces: ``overwrite``, a batch split, a time budget); its class docstring says why. A
+stage's docstring names the other values it adds (``model.dtype``, the backbone's fingerprint, ...).
+The other groups' fields count only where a stage names them.
 """
 
 from __future__ import annotations
@@ -155,7 +155,11 @@ class ModelConfig:
 
 @dataclass
 class PretrainConfig:
-    """`stage=pretrain`: train the embedded tiny Llama (model=tiny only), the backbone of the demo."""
+    """`stage=pretrain`: train the embedded tiny Llama (model=tiny only), the backbone of the demo.
+
+    Part of stage=pretrain's settings (every field but the `run_only` one, `overwrite`; with the global
+    `seed` and the corpus): a complete model made with other settings is refused, not reused.
+    """
 
     vocab_size: int = 2048
     """BPE vocabulary size of the embedded tokenizer; >= 262 (the 256 byte tokens and 6 special tokens)."""
@@ -194,8 +198,9 @@ class PretrainConfig:
     """Embedded corpus size (conversations) used to train tokenizer and model, >= 1."""
     heldout_fraction: float = 0.05
     """Fraction of documents held out to measure perplexity, in (0, 1)."""
-    overwrite: bool = False
-    """Retrain even if `workdir/pretrain` is complete."""
+    overwrite: bool = run_only(False)
+    """Retrain even if `workdir/pretrain` is complete (instead of reusing it, or refusing it when it was
+    made with other settings)."""
 
     def __post_init__(self) -> None:
         _range("pretrain.vocab_size", self.vocab_size, 262)

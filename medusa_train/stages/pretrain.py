@@ -8,14 +8,15 @@ Run as:
     python -m medusa_train stage=pretrain data=text data.path=data/text/harbour.txt
     python -m medusa_train stage=pretrain pretrain.overwrite=true pretrain.max_minutes=10
 
-Steps: (1) the output folder: a complete model is reused (`pretrain.overwrite=true` retrains), a
-folder of files this stage did not write refused; (2) documents: the embedded conversations rendered
-with the chat template (train split; the eval split is held out), or chunks of a plain text file
-(its last `heldout_fraction` held out), and a byte-level BPE tokenizer trained on the training
-documents; (3) the documents tokenised and packed into one token stream per split; (4) AdamW with
-warmup then cosine decay on random windows of `seq_len + 1` tokens, until `max_minutes` or
-`max_steps`; (5) held-out perplexity, bits per byte and next-token accuracy (plus, for the embedded
-corpus, how often greedy decoding reproduces the reference reply exactly); (6) a standard Hugging
+Steps: (1) the output folder: a complete model made with the same settings is reused (one made
+with other settings refused; `pretrain.overwrite=true` retrains), a folder of files this stage did
+not write refused; (2) documents: the embedded conversations rendered with the chat template (train
+split; the eval split is held out), or chunks of a plain text file (its last `heldout_fraction` held
+out), and a byte-level BPE tokenizer trained on the training documents; (3) the documents tokenised
+and packed into one token stream per split; (4) AdamW with warmup then cosine decay on random
+windows of `seq_len + 1` tokens, until `max_minutes` or `max_steps`; (5) held-out perplexity, bits
+per byte and next-token accuracy (plus, for the embedded corpus, how often greedy decoding
+reproduces the reference reply exactly); (6) a standard Hugging
 Face model directory (model, tokenizer, generation config, `train_report.json`) written into a
 temporary folder and renamed into place, so a killed run never leaves a half-written `pretrain/`.
 
@@ -46,9 +47,12 @@ from medusa_train.workdir import (
     PRETRAIN_REPORT,
     Workdir,
     atomic_write_json,
+    describe_diff,
+    file_sha256,
     publish_dir,
     read_json,
     remove_stale,
+    settings_of,
     staging_dir,
 )
 
@@ -89,7 +93,8 @@ def run(cfg: Config) -> dict:
 
     Raises:
         UserError: not the embedded model, a `model.name_or_path` that holds another model (it
-            would be replaced), or an unusable `data.path` for format=text.
+            would be replaced), a complete model made with other settings, or an unusable
+            `data.path` for format=text.
     """
     if not cfg.model.embedded:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
@@ -144,6 +149,7 @@ def run(cfg: Config) -> dict:
         "train_minutes": round(train_seconds / 60, 3),
         "minutes": round((time.time() - start) / 60, 3),
         "device": str(device),
+        "settings": _settings(cfg),
     }
 
     # 6. Publish atomically.
@@ -160,13 +166,30 @@ def run(cfg: Config) -> dict:
     return report
 
 
+def _settings(cfg: Config) -> dict:
+    """What the pretrained model depends on (stored in its report, compared before it is reused):
+    every `pretrain.*` field but the run-only ones, the global `seed`, and the corpus: the embedded
+    one, or the `data=text` file by content (a moved or renamed copy is the same corpus)."""
+    corpus: dict = {"format": "embedded"}
+    if cfg.data.format == "text":
+        path = Path(cfg.data.path or "")
+        corpus = {"format": "text", "sha256": file_sha256(path) if path.is_file() else None}
+    return settings_of(pretrain=cfg.pretrain, seed=cfg.seed, data=corpus)
+
+
+def _settable(name: str) -> bool:
+    """Whether a dotted settings name is a config key (the file's checksum is derived from data.path)."""
+    return name != "data.sha256"
+
+
 def _pretrained(cfg: Config, out_dir: Path) -> dict | None:
     """Step 1: the report of the complete model in `out_dir` (None: pretrain it), after putting back
     the previous model a kill left aside.
 
     Raises:
         UserError: `out_dir` is not the workdir's own folder and holds files this stage did not write
-            (pretraining would replace them).
+            (pretraining would replace them), or it holds a complete model made with other settings
+            (a report written before settings were recorded is reused as it is).
     """
     remove_stale(out_dir)  # a run killed while publishing: the previous model comes back
     if is_complete(out_dir) and not cfg.pretrain.overwrite:
@@ -174,6 +197,13 @@ def _pretrained(cfg: Config, out_dir: Path) -> dict | None:
             out_dir / PRETRAIN_REPORT,
             repair="run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain again",
         )
+        stored, current = report.get("settings"), _settings(cfg)
+        if stored is not None and stored != current:
+            raise UserError(
+                f"{out_dir} holds a model pretrained with other settings: "
+                f"{describe_diff(stored, current, settable=_settable)}: rerun with its settings to use it, "
+                "or pass pretrain.overwrite=true to pretrain again"
+            )
         log.info("embedded model already pretrained at %s (pretrain.overwrite=true retrains)", out_dir)
         return report
     own = out_dir.absolute() == Workdir(Path(cfg.workdir)).pretrain.absolute()  # the workdir's own folder

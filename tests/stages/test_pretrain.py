@@ -85,6 +85,18 @@ def test_skip_if_done_and_overwrite(trained):
     assert pretrain.is_complete(Path(cfg.model.name_or_path))
 
 
+def test_other_settings_are_refused_not_reused(trained):
+    """A complete model made with other settings is not taken for this run's (it would go on to be
+    distilled and trained on as if it had them): refused, naming the setting, and left in place."""
+    cfg, _ = trained
+    weights = Path(cfg.model.name_or_path) / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    other = compose_config([*TINY, f"workdir={Path(cfg.workdir)}", "pretrain.hidden_size=48"])
+    with pytest.raises(UserError, match=r"other settings: pretrain\.hidden_size \(64 -> 48\)"):
+        pretrain.run(other)
+    assert weights.stat().st_mtime_ns == mtime
+
+
 def test_incomplete_dir_is_retrained(tmp_path):
     """A pretrain/ without its report (e.g. copied by hand, half-written) is not trusted."""
     cfg = compose_config([*TINY, f"workdir={tmp_path}", "pretrain.max_steps=2"])
