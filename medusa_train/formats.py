@@ -318,22 +318,31 @@ def detect_layout(path: str | os.PathLike) -> str:
 def load_heads(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> MedusaHeads:
-    """Load heads from a directory of either layout (or an export folder holding ``medusa/``).
+    """Load heads from a directory of either layout (or an export folder holding ``medusa/`` or ``vllm/``).
 
     Args:
-        path: a ``medusa`` or ``vllm`` layout directory, or ``workdir/export`` itself.
+        path: a ``medusa`` or ``vllm`` layout directory, or ``workdir/export`` itself
+            (:func:`layout_dir`).
         device: where to put the heads.
         dtype: cast to this dtype; None keeps the stored one.
 
     Raises:
         HeadsFormatError: not a heads directory, or weights that do not match the config.
     """
-    path = Path(path)
-    if path.is_dir() and not (path / HEADS_CONFIG).exists() and (path / MEDUSA / HEADS_CONFIG).is_file():
-        path = path / MEDUSA
+    path = layout_dir(path)
     heads = load_vllm(path) if detect_layout(path) == VLLM else load_medusa(path)
     heads.eval()
     return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
+
+
+def layout_dir(path: str | os.PathLike) -> Path:
+    """The heads folder of ``path``: ``path`` itself when it holds a config.json, else the layout an
+    export folder holds (its ``medusa/``, else its ``vllm/``: an export of truncated heads has only
+    that one), else ``path`` (which :func:`load_heads` then refuses, saying what is there)."""
+    path = Path(path)
+    if not path.is_dir() or (path / HEADS_CONFIG).exists():
+        return path
+    return next((path / name for name in LAYOUTS if (path / name / HEADS_CONFIG).is_file()), path)
 
 
 def read_heads_config(path: str | os.PathLike) -> dict:

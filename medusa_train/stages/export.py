@@ -52,6 +52,7 @@ from medusa_train.formats import (
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
     VLLM,
+    layout_dir,
     load_heads,
     portable_base_model,
     read_heads_config,
@@ -64,7 +65,6 @@ from medusa_train.transformers4 import add_legacy_config_keys, save_tokenizer
 from medusa_train.workdir import (
     CALIBRATION,
     CHOICES,
-    HEADS_CONFIG,
     MANIFEST,
     MODEL_CARD,
     REPORT_JSON,
@@ -160,9 +160,7 @@ def _source(cfg: Config, wd: Workdir) -> _Source:
     )
     try:
         heads = load_heads(heads_dir)
-        heads_config = read_heads_config(
-            heads_dir if (heads_dir / HEADS_CONFIG).exists() else heads_dir / MEDUSA
-        )
+        heads_config = read_heads_config(layout_dir(heads_dir))
     except HeadsFormatError as err:
         raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
     source_fingerprint = heads_config.get(HEADS_FINGERPRINT) or heads.fingerprint()

@@ -141,6 +141,20 @@ def test_fasterdecoding_pickle_and_export_root(tmp_path: Path) -> None:
     assert torch.equal(_logits(load_heads(tmp_path / "export")), _logits(heads))
 
 
+def test_export_root_with_only_the_vllm_layout(tmp_path: Path) -> None:
+    """An export of truncated heads has vllm/ only (export.formats=[vllm]): workdir/export itself
+    loads it, as eval.heads_dir= and export.heads_dir= name it."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(D, V, K, L, "tiny/base", head_projection="truncated", token_map=torch.arange(3, V, 2))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    save_vllm(heads, tmp_path / "export" / VLLM)
+    back = load_heads(tmp_path / "export")
+    assert back.head_projection == "truncated" and torch.equal(back.token_map, heads.token_map)
+    assert torch.equal(_logits(back), _logits(heads))
+
+
 def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
     with pytest.raises(HeadsFormatError, match="not a directory"):
         load_heads(tmp_path / "nowhere")
