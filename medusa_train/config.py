@@ -883,11 +883,21 @@ def _close_match(message: str, overrides: list[str]) -> str | None:
 
 def _check_added_key(override: str, overrides: list[str]) -> None:
     """``+a.b=v`` / ``++a.b=v`` adds a key; the typed config has no room for one it does not define,
-    and OmegaConf would drop it without a word: refuse it like a misspelt ``a.b=v``."""
+    and OmegaConf would drop it without a word: refuse it like a misspelt ``a.b=v``. So is ``+a=v``
+    where ``a`` is neither a top-level key nor a config group (``+group=option`` adds a group)."""
     key = override.lstrip("+").split("=", 1)[0]
     parts = key.split(".")
-    if not override.startswith("+") or len(parts) < 2:  # `+group=option` adds a config group
+    if not override.startswith("+"):
         return
+    if len(parts) == 1:
+        if key in _field_names([]) or (CONF_DIR / key).is_dir():
+            return
+        hint = _close_match(f"Could not override '{key}'. Key '{key}' not in", overrides)
+        raise ConfigError(
+            f"Key '{key}' is neither a config key nor a config group"
+            + (f": {hint}" if hint else "")
+            + " — see `python -m medusa_train --help`"
+        )
     names = _field_names(parts[:-1])
     if names and parts[-1] not in names:
         hint = _close_match(f"Could not override '{key}'. Key '{parts[-1]}' not in", overrides)

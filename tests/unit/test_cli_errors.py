@@ -414,6 +414,7 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
         ("distill.max_new_token=5", "did you mean distill.max_new_tokens=5?"),
         ("distil.max_new_tokens=5", "did you mean distill.max_new_tokens=5?"),
         ("+distill.max_new_token=5", "did you mean distill.max_new_tokens=5?"),  # OmegaConf would drop it
+        ("+workdri=elsewhere", "did you mean workdir=elsewhere?"),  # dropped too: the run used runs/default
         ("trainin=medusa2", "did you mean training=medusa2?"),
         (
             "data=txt",
