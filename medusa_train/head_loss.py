@@ -17,6 +17,7 @@ A mixture is the weighted sum of its terms.
 
 from __future__ import annotations
 
+import math
 import re
 
 from medusa_train.errors import ConfigError
@@ -47,8 +48,10 @@ def parse_head_loss(spec: str) -> tuple[tuple[str, float], ...]:
             )
         weight = float(match.group(1)) if match.group(1) else 1.0
         name = match.group(2)
-        if weight <= 0:
-            raise ConfigError(f"training.head_loss={spec!r}: the weight of {name} must be > 0")
+        if not 0 < weight < math.inf:  # 1e400 overflows to inf: every loss would be inf or NaN
+            raise ConfigError(
+                f"training.head_loss={spec!r}: the weight of {name} must be a finite number > 0"
+            )
         if name in (n for n, _ in terms):
             raise ConfigError(f"training.head_loss={spec!r}: {name} must be given once (add its weights up)")
         terms.append((name, weight))

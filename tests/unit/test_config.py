@@ -245,6 +245,7 @@ BAD_VALUES = [
     "training.head_loss=mse",
     "training.head_loss=kl+kl",
     "training.head_loss=0ce",
+    "training.head_loss=1e400ce",  # a weight that overflows to inf
     "training.head_loss=kl+",
     "training.lambda_warmup_steps=-1",
     "training.heads_only_steps=-1",
