@@ -767,6 +767,8 @@ class Config:
     def __post_init__(self) -> None:
         _choice("stage", self.stage, STAGES)
         _seed("seed", self.seed)
+        if not self.workdir.strip():
+            raise ConfigError("workdir is empty: name the run's folder, e.g. workdir=runs/my_run")
         if self.stage == "pretrain" and not self.model.embedded:
             raise ConfigError(
                 "stage=pretrain trains the embedded tiny model only: use model=tiny (a real model needs no pretraining)"

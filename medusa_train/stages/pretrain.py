@@ -131,7 +131,7 @@ def run(cfg: Config) -> dict:
             model, tokenizer, docs.heldout[:_EXACT_PROMPTS], device
         )
     report = {
-        "data_format": cfg.data.format,
+        "data_format": "text" if cfg.data.format == "text" else "embedded",  # the corpus it was trained on
         "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "uniform_ppl": float(len(tokenizer)),

@@ -98,14 +98,20 @@ def test_other_settings_are_refused_not_reused(trained):
 
 
 def test_incomplete_dir_is_retrained(tmp_path):
-    """A pretrain/ without its report (e.g. copied by hand, half-written) is not trusted."""
-    cfg = compose_config([*TINY, f"workdir={tmp_path}", "pretrain.max_steps=2"])
+    """A pretrain/ without its report (e.g. copied by hand, half-written) is not trusted. The report
+    names the corpus it was trained on: the embedded one, whatever later stages read (`data=jsonl`)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    cfg = compose_config(
+        [*TINY, f"workdir={tmp_path}", "pretrain.max_steps=2", "data=jsonl", f"data.path={prompts}"]
+    )
     out = Path(cfg.model.name_or_path)
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")
     (tmp_path / ".pretrain.tmp-999999").mkdir()  # left by a killed run
     report = pretrain.run(cfg)
     assert not report.get("skipped") and pretrain.is_complete(out)
+    assert report["data_format"] == "embedded"
     assert not (tmp_path / ".pretrain.tmp-999999").exists()
 
 

@@ -77,6 +77,8 @@ def test_workdir_interpolates_into_backbone_path() -> None:
         (["tree=chain", "tree.chain_depth=6"], "chain_depth"),
         (["stage=pretrain", "model=hf", "model.name_or_path=x"], "model=tiny"),
         (["training=medusa2", "training.cache_hidden_states=true"], "cache_hidden_states"),
+        (["workdir="], "workdir is empty"),  # every stage would write into the current directory
+        (["workdir= "], "workdir is empty"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], needle: str) -> None:
