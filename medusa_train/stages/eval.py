@@ -549,8 +549,10 @@ def head_topk(
 ) -> tuple[list[list[float]] | None, str | None]:
     """Cumulative top-k accuracy ``(K, R)`` of every head and where it came from.
 
-    Read from ``calibration.json`` (written by stage=train) when present, else computed on the
-    held-out distilled records; ``(None, None)`` when neither exists (heads from elsewhere).
+    Read from ``calibration.json`` (written by stage=train) when present, else computed on this
+    workdir's held-out distilled records (also for heads from elsewhere, ``eval.heads_dir``: held-out
+    text of this backbone all the same, but not necessarily what those heads were trained beside);
+    ``(None, None)`` when neither exists.
     """
     for path in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION):
         if path.is_file():
