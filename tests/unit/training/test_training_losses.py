@@ -172,19 +172,28 @@ def _fp16_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return z + ((x.detach() @ w.detach().t()).half().float() - z).detach()
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kind", ["ce", "kl", "tv"])
-def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_fp32_ones_cast_once(kind):
+def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_fp32_ones_cast_once(kind, device):
     """The fused losses make their gradients in forward, before the fp16 loss scale (65,536) is known.
     Unscaled, most entries of the logits' gradient are below fp16's smallest normal number; the
     gradients must still match an fp32 reference (same fp16-rounded logits, gradients through a plain
     linear + F.cross_entropy / the soft loss in fp32): one fp16 rounding costs ~2e-4 relative error.
     ``scale`` (a head's lambda) = 2^-12 stands in for the count x vocabulary of a real batch (4,096
-    rows x 32,000 tokens put the entries near 1e-8), at a 64 x 64 shape."""
+    rows x 32,000 tokens put the entries near 1e-8), at a 64 x 64 shape. On CUDA too (gpu): the
+    mixed-dtype ``mul(out=)`` / ``addcmul_`` and cuBLAS's fp16 products."""
     torch.manual_seed(0)
     n, v, d, scale, loss_scale = 64, 64, 8, 2.0**-12, 65536.0
     x, w = torch.randn(n, d).half(), (torch.randn(v, d) * 0.5).half()
     target_x, target_w = torch.randn(n, d).half(), (torch.randn(v, d) * 0.5).half()
     targets = torch.randint(0, v, (n,))
+    x, w, target_x, target_w, targets = (t.to(device) for t in (x, w, target_x, target_w, targets))
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = _fused_fp16_loss(kind, xs, ws, targets, target_x, target_w, scale)
     (loss * loss_scale).backward()
