@@ -42,7 +42,7 @@ from .acceptance import (
     first_token,
     walk_matches,
 )
-from .attention import TreeMask, TreeStep, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, one_call_per_model, resolve_attention, tree_step
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -329,6 +329,7 @@ def check_one_device(
         )
 
 
+@one_call_per_model
 @torch.inference_mode()
 def medusa_generate_batch(
     model: torch.nn.Module,

@@ -47,7 +47,7 @@ from .acceptance import (
     accept_typical,
     first_token,
 )
-from .attention import TreeMask, TreeStep, packed_sdpa, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, one_call_per_model, packed_sdpa, resolve_attention, tree_step
 from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
@@ -561,6 +561,7 @@ def _check_settings(
         )
 
 
+@one_call_per_model
 @torch.inference_mode()
 def medusa_generate(
     model: torch.nn.Module,

@@ -36,13 +36,21 @@ The ``sdpa`` path itself runs its masked forwards (a tree's M nodes, up to
 transformers' ``sdpa`` to :data:`PACKED_SDPA_NAME`: the same SDPA on the same mask, with a grouped-query
 layer's query heads stacked per KV head instead of K/V expanded to every query head
 (:func:`~.sdpa.packed_gqa_sdpa`); every other call goes to transformers' SDPA attention unchanged.
+
+Both switches change ``model.config``, which every thread using the model reads: a decoder call on a
+model holds that model's lock (:func:`one_call_per_model`) for its whole length, so calls on one model
+from several threads run one after another (each identical to the call alone) and calls on different
+models run side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -380,6 +388,39 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+_CONFIG_LOCKS: dict[int, threading.RLock] = {}  # id(model.config) -> its lock, while the config lives
+_CONFIG_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.RLock:
+    """The re-entrant lock of ``model.config`` (the object :func:`tree_step` and :func:`packed_sdpa`
+    change; a model and a wrapper sharing its config share the lock), made on first use and dropped
+    with the config."""
+    config = model.config
+    with _CONFIG_LOCKS_GUARD:
+        lock = _CONFIG_LOCKS.get(id(config))
+        if lock is None:
+            lock = _CONFIG_LOCKS[id(config)] = threading.RLock()
+            weakref.finalize(config, _CONFIG_LOCKS.pop, id(config), None)
+        return lock
+
+
+def one_call_per_model(decode: Callable) -> Callable:
+    """Run ``decode(model, ...)`` (or a method of an object with a ``model`` attribute) holding the
+    model's lock (:func:`model_lock`): the decoders switch ``model.config._attn_implementation`` around
+    their forwards, and another thread's call on the same model in between would run its own forwards
+    with that implementation (its prefill with no mask, its tree with another call's step). A plain
+    ``model.generate`` in another thread takes no lock and is not covered."""
+
+    @functools.wraps(decode)
+    def locked(first, *args, **kwargs):
+        model = first if isinstance(first, torch.nn.Module) else first.model
+        with model_lock(model):
+            return decode(first, *args, **kwargs)
+
+    return locked
+
+
 @contextmanager
 def packed_sdpa(model: torch.nn.Module) -> Iterator[None]:
     """Run the model's forwards inside this block with :func:`hf_packed_sdpa_attention` if the model
@@ -431,6 +472,8 @@ __all__ = [
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
     "kernel_op",
+    "model_lock",
+    "one_call_per_model",
     "on_device",
     "packed_sdpa",
     "register",

@@ -312,3 +312,59 @@ def test_row_cache_moves_entries_and_rows_of_every_layer(shapes):
             want[rows, :, dst] = before[rows, :, src]
             want[:2] = want[keep].clone()
             assert torch.equal(got, want)
+
+
+def test_calls_on_one_model_from_two_threads_run_one_after_the_other():
+    """The decoders switch ``model.config._attn_implementation`` around their forwards: a second
+    thread's call on the same model must not run its forwards in between (its prefill would run
+    without a mask). While one call is held inside (its ``on_tokens`` blocks), a batched call on the
+    same model runs no forward; one on a copy of the model runs; released, both give what they give
+    alone."""
+    import copy
+    import threading
+
+    model = tiny_model("llama", seed=2)
+    other = copy.deepcopy(model)
+    heads, tree = random_heads(model, seed=3), random_tree(1)
+    prompt, batch = torch.tensor([[5, 6, 7, 8]]), prompts_for(2, seed=4)
+    alone = medusa_generate(model, heads, prompt, max_new_tokens=8, tree=tree).tokens
+    batch_alone = [
+        r.tokens for r in medusa_generate_batch(model, heads, batch, max_new_tokens=8, tree=tree).rows
+    ]
+    inside, release, forwarded = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(_tokens) -> None:
+        inside.set()
+        assert release.wait(30)
+
+    results = {}
+
+    def first() -> None:
+        results["first"] = medusa_generate(
+            model, heads, prompt, max_new_tokens=8, tree=tree, on_tokens=hold
+        ).tokens
+
+    def second(m) -> None:
+        results[id(m)] = [
+            r.tokens for r in medusa_generate_batch(m, heads, batch, max_new_tokens=8, tree=tree).rows
+        ]
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert inside.wait(30)
+    hook = model.register_forward_hook(lambda *_: forwarded.set())
+    try:
+        threads.append(threading.Thread(target=second, args=(model,)))
+        threads[1].start()
+        second(other)  # another model: not held up
+        assert not forwarded.wait(2.0)  # the same model: no forward while the first call is inside
+    finally:
+        release.set()
+        for t in threads:
+            t.join(60)
+        hook.remove()
+    assert torch.equal(results["first"], alone)
+    for got, want in zip(results[id(model)], batch_alone, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(results[id(other)], batch_alone, strict=True):
+        assert torch.equal(got, want)
