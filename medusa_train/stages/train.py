@@ -81,6 +81,9 @@ from medusa_train.training.zero import (
     deepspeed_process,
     gather_zero3,
     is_zero3,
+    load_masters,
+    master_weights,
+    own_dtypes,
     register_gathered,
     release_engine,
 )
@@ -578,6 +581,7 @@ def _train(
             model, callbacks, extra = recipe.training_module(heads, backbone)
         if is_zero3(ds_config):  # the losses read these weights directly: ZeRO-3 gathers them for the module
             register_gathered(model, model.directly_read_weights())
+        dtypes = own_dtypes(model)  # before DeepSpeed's bf16/fp16 casts them (heads, LoRA adapters: fp32)
         tracker = start_tracking(cfg.tracking, wd.root, "train", config={"training": asdict(tc), "run": info})
         budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
         trainer = MedusaTrainer(
@@ -607,13 +611,19 @@ def _train(
             tracker.finish()
         train_seconds = time.time() - t0
         trained, state = recipe.trained_backbone(model), None
-        if is_zero3(ds_config):  # a collective: every rank takes part, rank 0 gets whole weights
-            heads, state = gather_zero3(trainer, heads, with_backbone=trained is not None)
         main = trainer.is_world_process_zero()  # asked before DeepSpeed's process state is released
+        # Collectives below: every rank takes part, rank 0 keeps whole weights. Under bf16/fp16 what is
+        # published comes from DeepSpeed's fp32 master weights, in the dtype each parameter has without
+        # DeepSpeed (empty under fp32: nothing was cast).
+        masters = master_weights(model, dtypes, keep=main) if ds_config is not None else {}
+        if is_zero3(ds_config):
+            heads, state = gather_zero3(trainer, heads, with_backbone=trained is not None, masters=masters)
         if ds_config is not None:
             # Everything below reads plain tensors. (Not needed without DeepSpeed, where nothing
             # stays, and not free: a gc pass, ~0.5 s on a 2-core VM.)
             release_engine(trainer, is_zero3(ds_config))
+            if not is_zero3(ds_config):  # ZeRO-1/2: the heads and adapters that trained, whole
+                load_masters(model, masters)
     if not main:
         return None, None, None
     if state is not None:

@@ -14,6 +14,9 @@ this module holds what the Trainer does not do for us:
   (:func:`skip_inference_shm_op`).
 - :func:`register_gathered`: ZeRO-3 must gather weights a module reads directly (the fused loss
   reads each head's projection weight, Medusa-2's LM loss reads ``lm_head``'s).
+- :func:`master_weights`: under bf16/fp16 the module trains in that precision and DeepSpeed's optimizer
+  holds the fp32 master weights; what is published comes from those (:func:`load_masters`, or the
+  ZeRO-3 gathering), in each parameter's own dtype.
 - :func:`gather_zero3`: ZeRO-3 leaves the trained module partitioned; rank 0 gets it whole.
 - :func:`release_engine`: destroy a finished run's engine, so nothing of it outlives the stage.
 
@@ -232,12 +235,64 @@ def register_gathered(module: torch.nn.Module, weights: Iterable[torch.nn.Parame
         register_external_parameter(module, weight)
 
 
-def gather_zero3(trainer, heads: MedusaHeads, with_backbone: bool) -> tuple[MedusaHeads, dict | None]:
+def own_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
+    """``{name: dtype}`` of the trainable parameters of ``module``, taken before DeepSpeed casts them
+    (:func:`master_weights`)."""
+    return {name: param.dtype for name, param in module.named_parameters() if param.requires_grad}
+
+
+def master_weights(
+    module: torch.nn.Module, dtypes: dict[str, torch.dtype], keep: bool
+) -> dict[str, torch.Tensor]:
+    """DeepSpeed's fp32 master copy of each parameter of ``module`` that its engine casts below its own
+    dtype, in that dtype, by name.
+
+    Under bf16/fp16 the engine casts the whole module to that precision (the heads and LoRA adapters,
+    fp32 without DeepSpeed, too) and keeps the fp32 master weights in its optimizer: the module's
+    parameters, and ZeRO-3's consolidated 16-bit state, are the masters rounded (bf16 keeps 8
+    mantissa bits), the last updates' small steps lost. Parameters whose own dtype is the training
+    dtype (Medusa-2's fully tuned backbone in ``model.dtype``) are those roundings without DeepSpeed
+    too, and are left out; under fp32 nothing is cast and the result is empty.
+
+    A collective (ZeRO-1/2 all-reduce each master, ZeRO-3 all-gathers its partitions): every rank
+    calls it, while the engine lives (before :func:`release_engine`). Only where ``keep`` are the
+    tensors kept (on the parameter's device); elsewhere one parameter at a time is held whole.
+
+    Args:
+        dtypes: :func:`own_dtypes` of ``module`` before training.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    for name, param in module.named_parameters():
+        if name not in dtypes or param.dtype == dtypes[name]:
+            continue
+        full = safe_get_full_fp32_param(param)  # (shape of param) fp32, whole on every rank
+        assert full is not None, f"DeepSpeed holds no master weights for the trained parameter {name}"
+        if keep:
+            masters[name] = full.to(dtypes[name])
+    return masters
+
+
+def load_masters(module: torch.nn.Module, masters: dict[str, torch.Tensor]) -> None:
+    """ZeRO-1/2 (whole parameters): put :func:`master_weights` into ``module`` in place of the rounded
+    parameters, in their own dtype again (called once the engine is released)."""
+    params = dict(module.named_parameters())
+    for name, tensor in masters.items():
+        params[name].grad = None
+        params[name].data = tensor
+
+
+def gather_zero3(
+    trainer, heads: MedusaHeads, with_backbone: bool, masters: dict[str, torch.Tensor]
+) -> tuple[MedusaHeads, dict | None]:
     """ZeRO-3 leaves the training module partitioned across ranks: rebuild whole heads from the
     consolidated state and (``with_backbone``) return the backbone's part of it (its own parameter
-    names). Every rank must call this (a collective); the results are rank 0's, the other ranks get
-    ``(heads, None)`` back."""
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # full tensors on rank 0 only
+    names). ``masters`` (:func:`master_weights`, by the training module's parameter names) replace
+    their 16-bit roundings in that state. Every rank must call this (a collective); the results are
+    rank 0's, the other ranks get ``(heads, None)`` back."""
+    # whole tensors on rank 0 only (16-bit under bf16/fp16)
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     if not trainer.is_world_process_zero():
         return heads, None
     whole = MedusaHeads(
@@ -250,6 +305,7 @@ def gather_zero3(trainer, heads: MedusaHeads, with_backbone: bool) -> tuple[Medu
         token_map=heads.token_map,
     )
     prefix = "module." if any(k.startswith("module.heads.") for k in state) else ""
+    state.update({f"{prefix}{name}": tensor for name, tensor in masters.items()})
     whole.heads.load_state_dict(
         {
             k.removeprefix(f"{prefix}heads.heads."): v.float()

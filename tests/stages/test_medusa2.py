@@ -5,7 +5,8 @@ synthetic distilled records of tests/helpers/train_workdir.py (``x_{t+1} = x_t +
 does not know, so joint training visibly changes it). 6 optimizer steps; the in-memory training
 module is captured from ``Medusa2Recipe.training_module`` to compare against what export and eval load from disk.
 The last tests use the plain tests/helpers/train_workdir.py backbone with tied embeddings (checkpoints, resume;
-DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process).
+DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process),
+and bf16 DeepSpeed runs (untied) whose published weights must be DeepSpeed's fp32 master weights.
 """
 
 from __future__ import annotations
@@ -412,3 +413,68 @@ def test_single_process_zero3_with_everything_partitioned_equals_plain(
         atol=1.0 / min(ref_calibration["count"]),  # one hit: the heads agree to 1e-5, not bit for bit
         rtol=0,
     )
+
+
+FAST_BF16 = ("training.max_steps=3", "training.save_steps=10", "tree.max_nodes=1", "tree.latency_context=4")
+"""3 steps (full tuning: 1 joint step after the heads-only phase), no checkpoint, the smallest tree to
+time: bf16 matmuls are slow on a CPU."""
+
+
+def _bf16_on_cpu(monkeypatch) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """DeepSpeed and the Trainer in bf16 on this CPU, as the stage runs them on a GPU with
+    ``model.dtype=bfloat16`` (on a CPU it keeps mixed precision off). Returns what each trainable
+    parameter was when the engine was released, read through DeepSpeed's own API:
+    ``{name: (fp32 master, dtype of the module's copy)}``, filled during the run."""
+    seen: dict[str, tuple[torch.Tensor, torch.dtype]] = {}
+    config, arguments, release = train.deepspeed_config, train.TrainingArguments, train.release_engine
+
+    def bf16_config(*args, **kwargs):
+        return {**config(*args, **kwargs), "bf16": {"enabled": True}}
+
+    def recording_release(trainer, zero3: bool) -> None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        for name, param in trainer.model.named_parameters():
+            if param.requires_grad:
+                seen[name] = (safe_get_full_fp32_param(param).detach().cpu().clone(), param.dtype)
+        release(trainer, zero3)
+
+    monkeypatch.setattr(train, "deepspeed_config", bf16_config)
+    monkeypatch.setattr(train, "TrainingArguments", lambda *a, **kw: arguments(*a, **{**kw, "bf16": True}))
+    monkeypatch.setattr(train, "release_engine", recording_release)
+    return seen
+
+
+@pytest.mark.parametrize(("tuning", "zero"), [("lora", "zero2"), ("full", "zero3")])
+def test_bf16_deepspeed_publishes_the_fp32_master_weights(tmp_path: Path, monkeypatch, tuning, zero) -> None:
+    """Under bf16 DeepSpeed trains a bf16 copy of the module and keeps fp32 master weights: the heads
+    and a LoRA adapter (fp32 without DeepSpeed) are published as those masters bit for bit, not
+    their bf16 rounding; a fully tuned bf16 backbone stays bf16, the rounding of its masters (as
+    without DeepSpeed, where it trains in place)."""
+    root = make_train_workdir(tmp_path)
+    masters = _bf16_on_cpu(monkeypatch)
+    overrides = ("training=medusa2", *TUNING[tuning], "model.dtype=bfloat16", f"deepspeed={zero}", *FAST_BF16)
+    assert train.run(train_cfg(root, *overrides))["steps"] == 3
+
+    def assert_masters(published: dict[str, torch.Tensor], prefix: str, rename=lambda k: k) -> None:
+        assert published
+        finer = False  # some master is not a bf16 value: its rounding fails the equality below
+        for key, tensor in published.items():
+            master, trained_as = masters[prefix + rename(key)]
+            assert trained_as == torch.bfloat16 and tensor.dtype == torch.float32, key
+            assert torch.equal(tensor, master), key
+            finer = finer or not torch.equal(master.bfloat16().float(), master)
+        assert finer
+
+    heads = load_file(str(root / "heads" / "medusa_lm_head.safetensors"))
+    assert_masters({k: v for k, v in heads.items() if k != "token_map"}, "heads.heads.")
+    backbone = root / "heads" / "backbone"
+    if tuning == "lora":  # peft drops the adapter's name from the saved keys
+        adapter = load_file(str(backbone / "adapter_model.safetensors"))
+        assert_masters(adapter, "backbone.", lambda k: k.replace(".weight", ".default.weight"))
+    else:
+        saved = load_file(str(backbone / "model.safetensors"))
+        for key, tensor in saved.items():
+            master, trained_as = masters[f"backbone.{key}"]
+            assert trained_as == tensor.dtype == torch.bfloat16, key
+            assert torch.equal(tensor, master.bfloat16()), key
