@@ -26,7 +26,8 @@ Steps:
        choose the smallest size within `tree.tolerance` of the best expected tokens/s
        (`decoding/calibrate.py`).
     7. Rank 0: publish workdir/heads atomically: heads, calibration.json, medusa_choices.json
-       (Medusa-2 also the trained backbone, or only its LoRA adapter, in workdir/heads/backbone).
+       (Medusa-2 also the trained backbone, or only its LoRA adapter, in workdir/heads/backbone:
+       staged before step 6, which calibrates on what that folder holds, a LoRA adapter merged).
 
 Medusa-1 and Medusa-2 differ in which parameters train and in the loss; both come from the recipe
 of ``training.mode`` (``training/recipes.py``), so this file has no mode branches.
@@ -156,7 +157,11 @@ def run(cfg: Config) -> dict:
         )
         if not dist.is_main():
             return {"rank": dist.rank()}
-        if trained is not None:  # calibrate with the backbone as trained (LoRA: adapters applied)
+        staged = None
+        if trained is not None:
+            # heads/backbone is written now: the calibration runs on the model it holds, which for
+            # LoRA/QLoRA is the adapter merged into the weights in place (peft cannot save it after).
+            staged = _stage_backbone(wd.heads, trained, tokenizer)
             backbone = recipe.decoding_backbone(trained)
         # What training left is cyclic garbage until a gc pass: with DeepSpeed the destroyed engine's
         # leftovers (the module that trained, ZeRO-3's partitioned backbone just replaced, DeepSpeed's
@@ -173,7 +178,7 @@ def run(cfg: Config) -> dict:
     else:
         if not dist.is_main():
             return {"rank": dist.rank()}
-        result, trained = dict(done), None
+        result, staged = dict(done), None
         heads, backbone = _published_heads(wd.heads, recipe, backbone, device)
     _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
 
@@ -205,8 +210,7 @@ def run(cfg: Config) -> dict:
             calibration,
             heads=heads,
             extra=extra,
-            trained=trained,
-            tokenizer=tokenizer,
+            staged=staged,
         )
     else:
         _publish(wd.heads, calib.choices, calibration, result=result)
@@ -298,23 +302,21 @@ def _publish(
     *,
     heads: MedusaHeads | None = None,
     extra: dict | None = None,
-    trained: PreTrainedModel | None = None,
-    tokenizer: PreTrainedTokenizerBase | None = None,
+    staged: Path | None = None,
     result: dict | None = None,
 ) -> None:
     """Step 7: swap in ``heads_dir`` with renames only (never a half-written heads folder).
 
     Trained ``heads`` are saved with ``extra`` in config.json (FasterDecoding keys + backbone identity
-    + settings + figures), Medusa-2's ``trained`` backbone (LoRA: the adapter only) beside them;
-    recalibrated heads keep their files (hard links) with a new ``result`` in config.json.
+    + settings + figures), into ``staged`` when :func:`_stage_backbone` began the folder with
+    Medusa-2's trained backbone; recalibrated heads keep their files (hard links) with a new
+    ``result`` in config.json.
     """
-    remove_stale(heads_dir)
-    tmp = staging_dir(heads_dir)
+    if staged is None:
+        remove_stale(heads_dir)
+    tmp = staged if staged is not None else staging_dir(heads_dir)
     if heads is not None:
         heads.save_pretrained(tmp, extra_config=extra)
-        if trained is not None:
-            trained.save_pretrained(tmp / TRAINED_BACKBONE)
-            save_tokenizer(tokenizer, tmp / TRAINED_BACKBONE)
     else:
         link_tree(heads_dir, tmp, skip=(HEADS_CONFIG, CALIBRATION, CHOICES))
         meta = read_json(heads_dir / HEADS_CONFIG, repair=_RETRAIN)
@@ -322,6 +324,17 @@ def _publish(
     save_choices(tmp / CHOICES, choices)
     atomic_write_json(tmp / CALIBRATION, calibration)
     publish_dir(tmp, heads_dir)
+
+
+def _stage_backbone(heads_dir: Path, trained: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """Step 7 begun before step 6: a staging folder for ``heads_dir`` holding Medusa-2's trained
+    backbone as published (``save_pretrained``: the whole model, or with LoRA/QLoRA the adapter only)
+    and the tokenizer in ``backbone/``; :func:`_publish` completes and swaps it in."""
+    remove_stale(heads_dir)
+    tmp = staging_dir(heads_dir)
+    trained.save_pretrained(tmp / TRAINED_BACKBONE)
+    save_tokenizer(tokenizer, tmp / TRAINED_BACKBONE)
+    return tmp
 
 
 # -- skip / resume settings -------------------------------------------------------------------------

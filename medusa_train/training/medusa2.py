@@ -7,7 +7,7 @@ warm start of ``heads_only_steps`` steps (the paper's two-stage recipe: the lamb
 starts when joint training does).
 
 The pieces of Medusa-2 its recipe (``training/recipes.py``) assembles: the supported combinations,
-the LM loss, the trainable backbone, the heads-only phase.
+the LM loss, the trainable backbone, the heads-only phase, the LoRA backbone merged after training.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import TrainerCallback
 
-from medusa_train.backbone import resolve_device, resolve_dtype
+from medusa_train.backbone import frozen, resolve_device, resolve_dtype
 from medusa_train.errors import UserError
 from medusa_train.training.model import KLToOriginal, LMLoss, MedusaTrainingModel, lm_cross_entropy
 
@@ -123,3 +123,22 @@ def trainable_backbone(tc: TrainingConfig, backbone: torch.nn.Module) -> torch.n
     else:
         backbone.requires_grad_(True)
     return backbone.train()
+
+
+def merged_backbone(trained: torch.nn.Module, loaded_dtypes: dict[str, torch.dtype]) -> torch.nn.Module:
+    """The LoRA/QLoRA model ``trained`` (a peft model) as a plain causal LM: the adapters merged into
+    the base weights in place (peft's ``merge_and_unload``, ``W + scale * B @ A``; a 4-bit weight is
+    dequantized, added to and quantized again), every base parameter back in its ``loaded_dtypes``
+    entry (QLoRA's ``prepare_model_for_kbit_training`` cast the 16-bit ones to fp32 for training),
+    frozen. The model ``backbone.merge_adapter`` makes of the saved adapter and a freshly loaded base,
+    without a second copy of the base; the adapters are gone afterwards (save them first).
+
+    Args:
+        trained: the peft model that trained.
+        loaded_dtypes: ``{name: dtype}`` of the base's parameters as loaded, before LoRA wrapping.
+    """
+    base = trained.merge_and_unload()
+    for name, param in base.named_parameters():
+        if param.dtype != loaded_dtypes[name]:
+            param.data = param.data.to(loaded_dtypes[name])
+    return frozen(base)

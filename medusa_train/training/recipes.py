@@ -18,8 +18,8 @@ The methods differ in two questions, and a recipe answers both:
 What follows from question 1 is answered by the same object, so stage=train stays one code path:
 ``trains_backbone`` (the backbone loads trainable), ``precision`` (mixed precision only for a
 trainable backbone), ``trained_backbone`` (None, or the module to publish beside the heads in
-``heads/backbone`` and to calibrate with), and the published folder's extra part (``is_published``,
-``published_backbone``).
+``heads/backbone``), ``decoding_backbone`` (the model that folder holds, to calibrate with), and the
+published folder's extra part (``is_published``, ``published_backbone``).
 
 :class:`Medusa1Recipe` and :class:`Medusa2Recipe` implement the interface independently (neither
 derives from the other; Medusa-2's pieces are plain functions in ``training/medusa2.py``). The stage
@@ -81,7 +81,7 @@ class Recipe(Protocol):
         ...
 
     def trained_backbone(self, module: MedusaTrainingModel) -> nn.Module | None:
-        """The backbone as training left it, to publish and calibrate with; None when it did not train."""
+        """The backbone as training left it, to publish; None when it did not train."""
         ...
 
     def rebuild_trained(self, state: dict[str, torch.Tensor], device) -> nn.Module:
@@ -89,7 +89,8 @@ class Recipe(Protocol):
         ...
 
     def decoding_backbone(self, trained: nn.Module) -> nn.Module:
-        """The plain causal LM to decode (and calibrate) with, from :meth:`trained_backbone`'s module."""
+        """The plain causal LM to calibrate with, from :meth:`trained_backbone`'s module: the weights
+        export ships and eval decodes with. Called once ``trained`` is saved (it may be consumed)."""
         ...
 
     def is_published(self, heads_dir: Path) -> bool:
@@ -171,6 +172,8 @@ class Medusa2Recipe:
         self.cfg, self.tc = cfg, cfg.training
         self.head_loss = HeadLoss.from_spec(self.tc.head_loss, self.tc.head_loss_temperature)
         self.head_lr_multiplier = self.tc.head_lr_multiplier  # the heads are new, the backbone trained
+        self.loaded_dtypes: dict[str, torch.dtype] = {}
+        """The backbone's parameter dtypes as loaded (set by :meth:`training_module`; QLoRA casts some)."""
 
     def check(self) -> None:
         """Refuse combinations this implementation does not run (see ``medusa2.check_supported``)."""
@@ -189,6 +192,7 @@ class Medusa2Recipe:
         frozen original is taken before it turns trainable (``medusa2.lm_loss``).
         """
         tc = self.tc
+        self.loaded_dtypes = {name: param.dtype for name, param in backbone.named_parameters()}
         lm_loss = medusa2.lm_loss(tc, backbone)
         trainable = medusa2.trainable_backbone(tc, backbone)
         module = MedusaTrainingModel(
@@ -223,9 +227,14 @@ class Medusa2Recipe:
         return backbone
 
     def decoding_backbone(self, trained: nn.Module) -> nn.Module:
-        """LoRA/QLoRA: the base model with the adapters applied in place (peft's wrapper is not a
-        plain causal LM); full tuning: the trained model."""
-        return trained if self.tc.backbone_tuning == "full" else trained.get_base_model()
+        """Full tuning: the trained model. LoRA/QLoRA: the adapters merged into the base in place, in
+        the dtypes it loaded in (``medusa2.merged_backbone``): what export and eval make of the saved
+        adapter (QLoRA: as eval, over the quantized base; export merges into an unquantized one), not
+        the model with the adapters on the side, whose extra matmuls per layer time otherwise. Consumes
+        ``trained``'s adapters: save it first."""
+        if self.tc.backbone_tuning == "full":
+            return trained
+        return medusa2.merged_backbone(trained, self.loaded_dtypes)
 
     def is_published(self, heads_dir: Path) -> bool:
         """``heads_dir/backbone`` holds the trained model, or (LoRA/QLoRA) its adapter."""

@@ -61,11 +61,17 @@ def _cfg(root: Path, tuning: str, *extra: str):
     return train_cfg(root, "training=medusa2", *TUNING[tuning], *EVAL, *extra)
 
 
+IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])  # (1, 8)
+
+
 @dataclass
 class Medusa2Run:
     root: Path
     tuning: str
     module: torch.nn.Module  # the training module as training left it (backbone + heads, in memory)
+    trained_logits: torch.Tensor  # (1, 8, V) on IDS of the backbone as training left it (LoRA: unmerged)
+    calibrated: torch.nn.Module  # the backbone stage=train calibrated the tree on
+    calibrated_logits: torch.Tensor  # (1, 8, V) its logits on IDS when the calibration began
     logs: dict[int, dict]  # what the Trainer sent to the tracker, by optimizer step (loss logs only)
     report: dict  # stage=eval's report
     generations: list[dict]  # eval/generations.jsonl
@@ -91,16 +97,41 @@ def run(request, tmp_path_factory) -> Medusa2Run:
         if logs and "loss" in logs:
             recorded[state.global_step] = dict(logs)
 
+    decoding = Medusa2Recipe.decoding_backbone
+
+    def capture_trained(self, trained):
+        with torch.no_grad():
+            captured["trained_logits"] = trained.eval()(input_ids=IDS).logits
+        return decoding(self, trained)
+
+    calibrate = train.calibrate
+
+    def capture_calibrate(model, *args, **kwargs):
+        captured["calibrated"] = model
+        with torch.no_grad():
+            captured["calibrated_logits"] = model(input_ids=IDS).logits
+        return calibrate(model, *args, **kwargs)
+
     tuning = request.param
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Medusa2Recipe, "training_module", capture_build)
         mp.setattr(TrackerCallback, "on_log", record_log)
+        mp.setattr(Medusa2Recipe, "decoding_backbone", capture_trained)
+        mp.setattr(train, "calibrate", capture_calibrate)
         train.run(_cfg(root, tuning))
     export.run(_cfg(root, tuning, "stage=export"))
     report = eval_stage.run(_cfg(root, tuning, "stage=eval"))
     lines = (root / "eval" / "generations.jsonl").read_text().splitlines()
     return Medusa2Run(
-        root, tuning, captured["module"].eval(), recorded, report, [json.loads(x) for x in lines]
+        root,
+        tuning,
+        captured["module"].eval(),
+        captured["trained_logits"],
+        captured["calibrated"],
+        captured["calibrated_logits"],
+        recorded,
+        report,
+        [json.loads(x) for x in lines],
     )
 
 
@@ -140,7 +171,8 @@ def test_eval_decodes_with_the_trained_backbone(run: Medusa2Run) -> None:
     report = run.report
     assert report["backbone"] == str(run.root / "heads" / "backbone")
     assert report["greedy_identical"] == 1.0 and len(run.generations) == report["num_prompts"] == 3
-    # Medusa greedy == plain greedy of the backbone as training left it in memory (LoRA: unmerged).
+    # Medusa greedy == plain greedy of the trained backbone in memory (LoRA: merged in place for the
+    # calibration, as eval merges the saved adapter).
     trained = _greedy_texts(run.module.backbone, run)
     assert [g["medusa"] for g in run.generations] == trained == [g["baseline"] for g in run.generations]
     # ... and the original backbone answers otherwise: eval on it would have failed the line above.
@@ -190,19 +222,37 @@ def test_eval_compare_reports_every_set_of_heads_on_the_same_turns_with_its_back
     assert main["kl"] == pytest.approx(kl / total, rel=1e-4) and main["kl"] > 0
 
 
+def test_the_calibration_runs_on_the_backbone_export_ships(run: Medusa2Run) -> None:
+    """The tree is timed and its accuracies measured on the model export ships and eval decodes
+    with: after LoRA training the adapter merged into the weights (no peft layer left, which would
+    add two matmuls per adapted linear layer), with the exported backbone's logits bit for bit;
+    after full tuning the trained model itself."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = run.calibrated
+    assert type(model) is type(_original(run))  # a plain causal LM, not peft's wrapper
+    assert not any(isinstance(m, BaseTunerLayer) for m in model.modules())
+    exported = AutoModelForCausalLM.from_pretrained(run.root / "export" / "backbone").eval()
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=IDS).logits, run.calibrated_logits)
+    if run.tuning == "full":
+        assert model is run.module.backbone
+
+
 def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run) -> None:
     out = run.root / "export"
     exported = AutoModelForCausalLM.from_pretrained(out / "backbone").eval()
-    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
-    want_lm, want_heads = _logits(run.module.backbone, run.module.heads, ids)
+    # the same weights, saved and loaded: bit for bit (LoRA: the adapter merged into the weights, in
+    # memory by the calibration as by export)
+    want_lm, want_heads = _logits(run.module.backbone, run.module.heads, IDS)
     for layout in ("medusa", "vllm"):
-        got_lm, got_heads = _logits(exported, load_heads(out / layout), ids)
-        if run.tuning == "full":  # the same weights, saved and loaded: bit for bit
-            assert torch.equal(got_lm, want_lm) and torch.equal(got_heads, want_heads)
-        else:  # LoRA merged into the weights (W + s B A) vs applied on the side: rounding only
-            torch.testing.assert_close(got_lm, want_lm, atol=1e-5, rtol=0)
-            torch.testing.assert_close(got_heads, want_heads, atol=1e-5, rtol=0)
-    original_lm, _ = _logits(_original(run), run.module.heads, ids)
+        got_lm, got_heads = _logits(exported, load_heads(out / layout), IDS)
+        assert torch.equal(got_lm, want_lm) and torch.equal(got_heads, want_heads)
+    if run.tuning == "full":
+        assert torch.equal(want_lm, run.trained_logits)
+    else:  # merged (W + s B A) vs the adapters applied on the side, as trained: rounding only
+        torch.testing.assert_close(want_lm, run.trained_logits, atol=1e-5, rtol=0)
+    original_lm, _ = _logits(_original(run), run.module.heads, IDS)
     assert (original_lm - want_lm).abs().max() > 1e-2  # training changed the backbone
     assert not (out / "backbone" / "adapter_config.json").exists()  # a plain model, LoRA merged
     # transformers 4.x consumers read RoPE and dtype from top-level keys (tests/unit/test_formats.py)
@@ -220,11 +270,11 @@ def test_export_ships_the_trained_backbone_with_identical_logits(run: Medusa2Run
     assert f"{run.root / 'base_model'} " not in loading and f'"{run.root / "base_model"}"' not in loading
     # model.generate(custom_generate=<export>) decodes over the shipped backbone (greedy: plain generate's
     # tokens) and refuses the backbone training started from
-    out_ids = exported.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=12)
-    assert torch.equal(out_ids, exported.generate(ids, do_sample=False, max_new_tokens=12))
+    out_ids = exported.generate(IDS, custom_generate=str(out), trust_remote_code=True, max_new_tokens=12)
+    assert torch.equal(out_ids, exported.generate(IDS, do_sample=False, max_new_tokens=12))
     original = AutoModelForCausalLM.from_pretrained(run.root / "base_model").eval()
     with pytest.raises(ValueError, match="go with .*export/backbone"):
-        original.generate(ids, custom_generate=str(out), trust_remote_code=True, max_new_tokens=4)
+        original.generate(IDS, custom_generate=str(out), trust_remote_code=True, max_new_tokens=4)
 
 
 def test_heads_folder_holds_the_full_model_or_the_adapter_only(run: Medusa2Run) -> None:
@@ -293,16 +343,10 @@ def test_changed_tree_settings_recalibrate_with_the_trained_backbone(run: Medusa
     assert result["skipped"] and result["recalibrated"] and result["tree_size"] <= 2
     after = json.loads((copy / "heads" / "calibration.json").read_text())
     assert after["settings"]["tree_max_nodes"] == 2 and before["settings"]["tree_max_nodes"] == 6
-    # Accuracy measured again on the same records: equal only if the trained backbone was used
-    # (LoRA: merged now, applied on the side during training: allow one hit of rounding per entry).
+    # Accuracy measured again on the same records: equal only if the trained backbone was used (LoRA:
+    # the saved adapter merged into the loaded base, the same weights as the in-place merge after training).
     assert after["count"] == before["count"]
-    tol = 0.0 if run.tuning == "full" else 1.0 / min(before["count"])
-    torch.testing.assert_close(
-        torch.tensor(after["head_topk_accuracy"]),
-        torch.tensor(before["head_topk_accuracy"]),
-        atol=tol,
-        rtol=0,
-    )
+    assert after["head_topk_accuracy"] == before["head_topk_accuracy"]
     assert {p: p.read_bytes() for p in (copy / "heads").rglob("*.safetensors")} == weights
 
 
