@@ -49,8 +49,107 @@ class Accepted:
     tokens: list[int] = field(default_factory=list)
 
 
+_NUCLEUS_RANKS = (64, 128, 256, 512, 1024)
+"""How many of the highest scores top-p without a top-k may rank with ``topk`` before it sorts the
+vocabulary: the first, then for the rows left undecided the least one that could hold their nucleus."""
+_NUCLEUS_SLACK = 1e-4
+"""How far past ``top_p`` the mass of the ranked scores must reach for the cutoff found among them to be
+the vocabulary's: the mass ahead of every later token is at least theirs up to the rounding of sums of
+at most 1, a few units in the last place of float32 (~6e-8 each), far below this."""
+
+
+def _nucleus_cutoff(
+    ranked: torch.Tensor, lse: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lowest of ``ranked`` that top-p keeps, the mass of all of them and that of the last.
+
+    Args:
+        ranked: ``(..., R)`` the R highest scores of each row in decreasing order.
+        lse: ``(..., 1)`` the log-normaliser of the scores over the whole row.
+        top_p: in (0, 1).
+
+    Returns:
+        ``(..., 1)`` the cutoff, ``(...)`` the mass of the R scores and ``(...)`` the R-th's.
+    """
+    mass = (ranked - lse).exp()  # (..., R) each one's probability
+    total = mass.cumsum(dim=-1)  # (..., R)
+    ahead = total - mass  # mass ranked before each
+    keep = ahead < top_p
+    keep[..., 0] = True  # at least the most likely token
+    cutoff = ranked.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    return cutoff, total[..., -1], mass[..., -1]
+
+
+def _nucleus_cutoff_searched(scores: torch.Tensor, lse: torch.Tensor, top_p: float) -> torch.Tensor:
+    """:func:`_nucleus_cutoff` over the sorted vocabulary, from the highest scores alone where they hold
+    enough mass.
+
+    Each round ranks the R highest scores of the rows still undecided with ``topk`` (R from
+    :data:`_NUCLEUS_RANKS`); a row whose R scores hold at least ``top_p`` plus
+    :data:`_NUCLEUS_SLACK` keeps none beyond them, so its cutoff is the one found among them. The
+    masses and their running sum are the same numbers the sorted vocabulary gives at its first R
+    places (an elementwise ``exp``; a prefix sum in order), so the cutoff is bit for bit the sort's.
+    No later token holds more than the R-th, so a row short of the mass by d needs at least d over
+    the R-th's mass more ranks: the next round ranks that many, and a row needing more than the
+    last of :data:`_NUCLEUS_RANKS` (a flat distribution after one round) sorts the vocabulary
+    (those bounds only choose the work: any choice gives the same cutoff). Waits on the device a few
+    times a round.
+
+    Args:
+        scores: ``(..., V)``.
+        lse: ``(..., 1)`` ``scores.logsumexp(-1)``.
+        top_p: in (0, 1).
+
+    Returns:
+        ``(..., 1)`` the cutoff.
+    """
+    vocab = scores.shape[-1]
+    flat, flat_lse = scores.reshape(-1, vocab), lse.reshape(-1, 1)  # (N, V), (N, 1)
+    cutoff = torch.empty_like(flat_lse)  # (N, 1)
+    enough = top_p + _NUCLEUS_SLACK
+    rows = list(range(len(flat)))  # the rows searched
+    to_sort = []  # rows whose nucleus reaches past the ranks searched
+    rank = _NUCLEUS_RANKS[0]
+    while rows and rank < vocab:
+        index = torch.tensor(rows, device=flat.device)  # (n,)
+        part, part_lse = (flat, flat_lse) if len(rows) == len(flat) else (flat[index], flat_lse[index])
+        ranked = part.topk(rank, dim=-1).values  # (n, R)
+        found_cutoff, held, least = _nucleus_cutoff(ranked, part_lse, top_p)  # (n, 1), (n,), (n,)
+        found, wanted = [], {}  # the rows decided; the others' least rank within reach
+        for i, (mass, last) in enumerate(zip(*torch.stack((held, least)).tolist(), strict=True)):
+            ranks = rank + (enough - mass) / last if last > 0 else math.inf  # no later one holds more
+            if mass >= enough:
+                found.append(i)
+            elif ranks <= _NUCLEUS_RANKS[-1]:
+                wanted[i] = ranks
+            else:  # NaN too
+                to_sort.append(rows[i])
+        if len(found) == len(flat):
+            return found_cutoff.reshape(lse.shape)
+        if found:
+            at = torch.tensor(found, device=flat.device)  # (f,)
+            cutoff[index[at]] = found_cutoff[at]
+        rows = [rows[i] for i in wanted]
+        rank = next((r for r in _NUCLEUS_RANKS if r > rank and r >= max(wanted.values(), default=0)), vocab)
+    rows = sorted(to_sort + rows)
+    if len(rows) == len(flat):
+        ranked = flat.sort(dim=-1, descending=True).values  # (N, V)
+        return _nucleus_cutoff(ranked, flat_lse, top_p)[0].reshape(lse.shape)
+    if rows:
+        index = torch.tensor(rows, device=flat.device)  # (n,)
+        ranked = flat[index].sort(dim=-1, descending=True).values  # (n, V)
+        cutoff[index] = _nucleus_cutoff(ranked, flat_lse[index], top_p)[0]
+    return cutoff.reshape(lse.shape)
+
+
 def warp_probs(
-    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    *,
+    host_sync: bool = True,
 ) -> torch.Tensor:
     """Temperature, then top-k, then nucleus (top-p), then min-p filtering, as ``generate(do_sample=True)``
     applies them (its warpers, in that order).
@@ -60,7 +159,9 @@ def warp_probs(
     below it is at most ``1 - top_p``), and then every token scoring as high as the lowest one kept.
     With a top-k the ranking needs only the k scores ``topk`` already returned: no sort over the
     vocabulary, the most of the cost at a 128K vocabulary (Llama-3-Instruct's generation config sets
-    top-p 0.9 and ``generate`` adds its default top-k of 50).
+    top-p 0.9 and ``generate`` adds its default top-k of 50). Without one, ``host_sync`` ranks only the
+    highest 64 to 1,024 scores of a row where they hold the nucleus (:func:`_nucleus_cutoff_searched`,
+    the same cutoff bit for bit), else sorts the vocabulary; without ``host_sync`` it sorts.
 
     Args:
         logits: ``(..., V)``.
@@ -69,6 +170,8 @@ def warp_probs(
         top_k: keep the k highest scores (and any tied with the k-th); 0: no top-k.
         min_p: in [0, 1]; keep the tokens whose probability is at least ``min_p`` times the most
             likely one's (after the filters above); 0: none.
+        host_sync: whether top-p without a top-k may wait on the device to choose how many scores to
+            rank; False (a captured CUDA graph, ``torch.compile``): it sorts the vocabulary.
 
     Returns:
         ``(..., V)`` float32 probabilities.
@@ -79,13 +182,13 @@ def warp_probs(
         ranked = scores.topk(top_k, dim=-1).values  # (..., k)
         scores = scores.masked_fill(scores < ranked[..., -1:], float("-inf"))
     if top_p < 1.0:
-        if ranked is None:
-            ranked = scores.sort(dim=-1, descending=True).values  # (..., V)
-        mass = (ranked - scores.logsumexp(dim=-1, keepdim=True)).exp()  # (..., R) each one's probability
-        ahead = mass.cumsum(dim=-1) - mass  # mass ranked before each
-        keep = ahead < top_p
-        keep[..., 0] = True  # at least the most likely token
-        cutoff = ranked.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)  # (..., 1)
+        lse = scores.logsumexp(dim=-1, keepdim=True)  # (..., 1)
+        if ranked is not None:
+            cutoff = _nucleus_cutoff(ranked, lse, top_p)[0]  # (..., 1)
+        elif host_sync:
+            cutoff = _nucleus_cutoff_searched(scores, lse, top_p)
+        else:
+            cutoff = _nucleus_cutoff(scores.sort(dim=-1, descending=True).values, lse, top_p)[0]
         scores = scores.masked_fill(scores < cutoff, float("-inf"))
     if min_p > 0.0:
         probs = scores.softmax(dim=-1)

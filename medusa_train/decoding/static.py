@@ -350,8 +350,14 @@ class StaticDecoder:
         # argmax, or a draw), and the path accepted against it.
         self._predict: Callable[[torch.Tensor], torch.Tensor] = _argmax
         if acceptance == "sample" and temperature > 0:
+            # On a CPU the eager step may read the device (free there) to rank fewer scores for top-p.
             self._predict = functools.partial(
-                draw_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
+                draw_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                host_sync=capture == "eager" and self.device.type == "cpu",
             )
         self._accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
         self._accept = self._accept_greedy
@@ -800,10 +806,17 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def draw_tokens(
-    logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    host_sync: bool = False,
 ) -> torch.Tensor:
     """One token per position drawn from its distribution warped as ``generate(do_sample=True)`` warps
-    it (:func:`~medusa_train.decoding.acceptance.warp_probs`), as tensor operations with no host sync.
+    it (:func:`~medusa_train.decoding.acceptance.warp_probs`), as tensor operations with no host sync
+    unless ``host_sync``.
 
     The exponential race: with ``E_i`` i.i.d. Exp(1), ``argmax_i p_i / E_i`` is token i with probability
     ``p_i`` (each ``E_i / p_i`` is the first arrival of a Poisson clock of rate ``p_i``); a token of
@@ -818,11 +831,13 @@ def draw_tokens(
         top_p: in (0, 1].
         top_k: >= 0 (0: none).
         min_p: in [0, 1] (0: none).
+        host_sync: let top-p without a top-k read the device to rank fewer scores than the vocabulary
+            (the same probabilities; ``warp_probs``'s ``host_sync``).
 
     Returns:
         ``(...)`` long token ids.
     """
-    probs = warp_probs(logits, temperature, top_p, top_k, min_p)  # (..., V) float32
+    probs = warp_probs(logits, temperature, top_p, top_k, min_p, host_sync=host_sync)  # (..., V) float32
     race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(dim=-1)
 

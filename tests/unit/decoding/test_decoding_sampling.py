@@ -78,6 +78,85 @@ def test_warp_probs_ranks_once_with_a_top_k(monkeypatch):
     assert not calls  # the nucleus ranked the top-k's scores, not the vocabulary
 
 
+def _sorted_nucleus_warp(logits, temperature, top_p, top_k=0, min_p=0.0):
+    """The nucleus rule over the sorted vocabulary, as written without the search of the highest scores."""
+    scores = logits.float() / temperature
+    ranked = None
+    if 0 < top_k < scores.shape[-1]:
+        ranked = scores.topk(top_k, dim=-1).values
+        scores = scores.masked_fill(scores < ranked[..., -1:], float("-inf"))
+    if top_p < 1.0:
+        if ranked is None:
+            ranked = scores.sort(dim=-1, descending=True).values
+        mass = (ranked - scores.logsumexp(dim=-1, keepdim=True)).exp()
+        ahead = mass.cumsum(dim=-1) - mass
+        keep = ahead < top_p
+        keep[..., 0] = True
+        cutoff = ranked.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+        scores = scores.masked_fill(scores < cutoff, float("-inf"))
+    if min_p > 0.0:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def _nucleus_cases(vocab: int) -> dict[str, torch.Tensor]:
+    """Logits whose nucleus lies among the highest scores, far down the ranking, or across a tie."""
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.randn(6, vocab, generator=gen) * 6
+    flat = torch.randn(6, vocab, generator=gen) * 0.05
+    tied = torch.randint(-3, 4, (6, vocab), generator=gen).float() * 2  # a few levels, thousands each
+    plateau = torch.zeros(3, vocab)  # 200 tokens tied on top: the first ranks cut through the tie
+    plateau[:, torch.randperm(vocab, generator=gen)[:200]] = torch.tensor([[8.0], [12.0], [20.0]])
+    masked = peaked.clone()
+    masked[:, : vocab // 2] = float("-inf")  # processors' -inf (min_new_tokens' EOS)
+    return {
+        "peaked": peaked,
+        "flat": flat,
+        "mixed": torch.stack((peaked, flat), dim=1).reshape(2, 6, vocab),  # (2, 6, V): both per batch
+        "tied": tied,
+        "plateau": plateau,
+        "masked": masked,
+        "one row": flat[0] + peaked[0],  # (V,)
+    }
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999, 0.99995, 1 - 2**-24])
+def test_warp_probs_top_p_equals_the_sorted_rule_bit_for_bit(top_p):
+    for vocab in (3000, 32000):
+        for name, logits in _nucleus_cases(vocab).items():
+            for temperature, min_p in ((1.0, 0.0), (0.6, 0.0), (1.5, 0.05)):
+                expected = _sorted_nucleus_warp(logits, temperature, top_p, min_p=min_p)
+                probs = warp_probs(logits, temperature, top_p, min_p=min_p)
+                assert torch.equal(probs.view(torch.int32), expected.view(torch.int32)), (vocab, name)
+                unsynced = warp_probs(logits, temperature, top_p, min_p=min_p, host_sync=False)
+                assert torch.equal(unsynced.view(torch.int32), expected.view(torch.int32)), (vocab, name)
+
+
+def test_warp_probs_top_p_ranks_the_highest_scores_and_sorts_only_the_rows_they_leave_open(monkeypatch):
+    vocab = 5000
+    peaked = torch.randn(4, vocab) * 6  # the top 64 hold nearly all the mass
+    plateau = torch.zeros(vocab)
+    plateau[:300] = 10.0  # 300 tied tokens hold ~99.9%: after the top 64, at least 150 for top-p 0.5
+    flat = torch.randn(vocab) * 0.05  # the top 64 hold ~1.3%: at least ~2,000 more, past the search
+    logits = torch.cat((peaked, plateau[None], flat[None]))  # (6, V)
+    expected = _sorted_nucleus_warp(logits, 1.0, 0.5)
+    calls = []
+    sort, topk = torch.Tensor.sort, torch.Tensor.topk
+    monkeypatch.setattr(
+        torch.Tensor, "sort", lambda x, *a, **k: calls.append(("sort", len(x))) or sort(x, *a, **k)
+    )
+    monkeypatch.setattr(
+        torch.Tensor, "topk", lambda x, r, *a, **k: calls.append((r, len(x))) or topk(x, r, *a, **k)
+    )
+    assert torch.equal(warp_probs(logits, 1.0, 0.5).view(torch.int32), expected.view(torch.int32))
+    assert calls == [(64, 6), (256, 1), ("sort", 1)]  # the plateau's second round; the flat row sorted
+    calls.clear()
+    assert torch.equal(warp_probs(logits[:4], 1.0, 0.5), expected[:4])
+    assert calls == [(64, 4)]
+    assert (expected[4, :300] > 0).all() and (expected[4, 300:] == 0).all()  # the whole tie
+
+
 def test_accept_sample_descends_on_matching_draws():
     tree = TreeBuffers.from_choices([[0], [1], [0, 0]])  # nodes: root, (0,), (1,), (0, 0)
     tokens = torch.tensor([7, 3, 4, 5])
