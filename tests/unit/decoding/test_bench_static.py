@@ -141,7 +141,7 @@ def test_bench_sampling_times_every_setting_against_transformers(tmp_path, capsy
     out = tmp_path / "sampling.json"
     assert bench.main(["--rows", "3", "--vocab", "300", "--repeats", "1", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
-    settings = [(r["temperature"], r["top_p"], r["top_k"]) for r in results["results"]]
-    assert settings == [(0.6, 0.9, 50), (0.6, 0.9, 0), (1.0, 1.0, 50)]
+    settings = [(r["spread"], r["temperature"], r["top_p"], r["top_k"]) for r in results["results"]]
+    assert settings == [(4.0, 0.6, 0.9, 50), (4.0, 0.6, 0.9, 0), (0.5, 0.6, 0.9, 0), (4.0, 1.0, 1.0, 50)]
     assert all(ms > 0 for r in results["results"] for ms in r["ms"].values())
-    assert "| rows | temperature |" in capsys.readouterr().out
+    assert "| rows | spread | temperature |" in capsys.readouterr().out
