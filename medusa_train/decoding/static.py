@@ -54,7 +54,17 @@ from transformers.cache_utils import Cache
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .acceptance import warp_probs
-from .attention import STEP_KWARG, TreeMask, TreeStep, on_device, packed_sdpa, resolve_attention, tree_step
+from .attention import (
+    STEP_KWARG,
+    TreeMask,
+    TreeStep,
+    model_lock,
+    on_device,
+    one_call_per_model,
+    packed_sdpa,
+    resolve_attention,
+    tree_step,
+)
 from .batched import MedusaBatchOutput, PreallocatedLayer, check_one_device, shared_storage
 from .generate import (
     MedusaOutput,
@@ -399,7 +409,7 @@ class StaticDecoder:
                 repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens, min_length=min_length,
             )  # fmt: skip
             # 1. Allocate the cache with a one-token forward (its tensors must exist before a capture).
-            with _own_rng(dev):
+            with model_lock(model), _own_rng(dev):  # another thread's call on the model: after it
                 self._prefill_row(0, self._row_ids[None, :1])
         self._static = [
             self.length,
@@ -423,7 +433,8 @@ class StaticDecoder:
                 torch._dynamo.mark_static_address(t)
             self._run = torch.compile(self._step, mode=compile_mode)
         elif capture == "cuda_graph":
-            with _own_rng(dev), on_device(dev):  # captured on (and replayed from) the model's device
+            # captured on (and replayed from) the model's device
+            with model_lock(model), _own_rng(dev), on_device(dev):
                 self._capture_graph()
 
     def _backend(self):
@@ -652,6 +663,7 @@ class StaticDecoder:
         row.prefill_s, row.total_s = out.prefill_s, out.total_s
         return row
 
+    @one_call_per_model  # its buffers, and the model's attention switch
     @torch.inference_mode()
     def generate_batch(
         self,

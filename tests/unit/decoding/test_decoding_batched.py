@@ -314,23 +314,32 @@ def test_row_cache_moves_entries_and_rows_of_every_layer(shapes):
             assert torch.equal(got, want)
 
 
-def test_calls_on_one_model_from_two_threads_run_one_after_the_other():
+@pytest.mark.parametrize("second_decoder", ["batched", "static"])
+def test_calls_on_one_model_from_two_threads_run_one_after_the_other(second_decoder):
     """The decoders switch ``model.config._attn_implementation`` around their forwards: a second
     thread's call on the same model must not run its forwards in between (its prefill would run
-    without a mask). While one call is held inside (its ``on_tokens`` blocks), a batched call on the
-    same model runs no forward; one on a copy of the model runs; released, both give what they give
-    alone."""
+    without a mask). While one call is held inside (its ``on_tokens`` blocks), a batched or static
+    decoder's call on the same model runs no forward; one on a copy of the model runs; released, both
+    give what they give alone."""
     import copy
     import threading
+
+    from medusa_train.decoding import StaticDecoder
 
     model = tiny_model("llama", seed=2)
     other = copy.deepcopy(model)
     heads, tree = random_heads(model, seed=3), random_tree(1)
     prompt, batch = torch.tensor([[5, 6, 7, 8]]), prompts_for(2, seed=4)
+
+    def decode(m) -> list[torch.Tensor]:
+        if second_decoder == "batched":
+            out = medusa_generate_batch(m, heads, batch, max_new_tokens=8, tree=tree)
+        else:
+            out = StaticDecoder(m, heads, tree, 64, batch_size=2).generate_batch(batch, max_new_tokens=8)
+        return [r.tokens for r in out.rows]
+
     alone = medusa_generate(model, heads, prompt, max_new_tokens=8, tree=tree).tokens
-    batch_alone = [
-        r.tokens for r in medusa_generate_batch(model, heads, batch, max_new_tokens=8, tree=tree).rows
-    ]
+    batch_alone = decode(model)
     inside, release, forwarded = threading.Event(), threading.Event(), threading.Event()
 
     def hold(_tokens) -> None:
@@ -345,9 +354,7 @@ def test_calls_on_one_model_from_two_threads_run_one_after_the_other():
         ).tokens
 
     def second(m) -> None:
-        results[id(m)] = [
-            r.tokens for r in medusa_generate_batch(m, heads, batch, max_new_tokens=8, tree=tree).rows
-        ]
+        results[id(m)] = decode(m)
 
     threads = [threading.Thread(target=first)]
     threads[0].start()
