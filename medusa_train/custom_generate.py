@@ -61,7 +61,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
 from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
-from medusa_train.decoding.attention import ATTENTION_CHOICES
+from medusa_train.decoding.attention import ATTENTION_CHOICES, one_call_per_model
 from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
 from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
 from medusa_train.decoding.static import (
@@ -180,6 +180,7 @@ _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(d
 _WARNED: set[str] = set()  # warnings already given in this process
 
 
+@one_call_per_model  # the heads, tree and static decoders kept on the model, and its decoders' switches
 def generate(
     model,
     inputs: torch.Tensor | None = None,
