@@ -107,8 +107,9 @@ class ReadResult:
     def num_skipped(self) -> int:
         return sum(len(v) for v in self.skipped.values())
 
-    def warning_text(self) -> str | None:
-        """One line summarising skipped and repaired records, or None when the source was clean."""
+    def warning_text(self, strict_option: str | None = "data.strict") -> str | None:
+        """One line summarising skipped and repaired records, or None when the source was clean; it
+        ends naming ``strict_option`` (the setting that makes them errors), if the reader has one."""
         if not self.skipped and not self.repaired:
             return None
         parts = []
@@ -118,11 +119,14 @@ class ReadResult:
                     ", ..." if len(lines) > _SHOW_LINES else ""
                 )
                 parts.append(f"{label} {len(lines)} ({reason}; lines {shown})")
-        return f"{self.source}: " + "; ".join(parts) + " — data.strict=true makes these errors"
+        hint = f" — {strict_option}=true makes these errors" if strict_option else ""
+        return f"{self.source}: " + "; ".join(parts) + hint
 
-    def log_warning(self, logger: logging.Logger | None = None) -> None:
+    def log_warning(
+        self, logger: logging.Logger | None = None, strict_option: str | None = "data.strict"
+    ) -> None:
         """Emit :meth:`warning_text` as ONE warning (nothing when the source was clean)."""
-        text = self.warning_text()
+        text = self.warning_text(strict_option)
         if text:
             (logger or log).warning(text)
 

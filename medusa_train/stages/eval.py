@@ -457,7 +457,7 @@ def load_eval_prompts(ecfg: EvalConfig) -> list[Conversation]:
             max_records=ecfg.num_prompts,
             options=("eval.prompts", "eval.prompt_key"),
         )
-        result.log_warning(log)
+        result.log_warning(log, strict_option=None)  # eval skips bad prompts, no setting refuses them
         prompts = [r for r in result.records if r.turns]
     prompts = prompts[: ecfg.num_prompts]
     if not prompts:

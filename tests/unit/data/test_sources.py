@@ -98,6 +98,8 @@ def test_bad_lines_are_skipped_with_one_warning_or_raise_in_strict_mode(tmp_path
         res.log_warning()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "malformed JSON; lines 2" in warnings[0].getMessage()
+    assert warnings[0].getMessage().endswith("data.strict=true makes these errors")
+    assert "strict" not in res.warning_text(strict_option=None)  # eval's prompts: no such setting
     with pytest.raises(UserError, match=r"bad.jsonl:2: malformed JSON"):
         read_records("sharegpt", path, strict=True)
 
