@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WORKDIR ?= runs/default
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (auto: one per CPU core; 0: one process). On CI's 2 cores two
+# workers took 12 min 18 s where one process took 16 min 26 s (docs/benchmarks.md, "Test suite").
+TEST_WORKERS ?= auto
 LOCK := requirements/lock.txt
 # `make lock` keeps torch and triton as locked unless given TORCH=x.y.z TRITON=a.b.c (TRITON: the version
 # torch x.y.z's Linux wheel on PyPI requires; the CPU build requires none, so it is pinned by hand).
@@ -44,8 +47,8 @@ lock:  ## refresh requirements/lock.txt: the newest versions pyproject admits, i
 demo: install  ## the whole pipeline on the embedded tiny backbone (CPU, offline)
 	$(BIN)/python -m medusa_train stage=all workdir=$(WORKDIR)
 
-test: install  ## run the test suite (pytest's "no tests collected", exit 5, is not a failure)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+test: install  ## run the test suite on TEST_WORKERS processes (pytest's "no tests collected", exit 5, is not a failure)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 eval: install  ## tree decoding vs plain greedy on held-out prompts (after `make demo`)
 	$(BIN)/python -m medusa_train stage=eval workdir=$(WORKDIR)
