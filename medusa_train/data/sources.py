@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,10 @@ USER_ROLES = ("human", "user")
 ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "bing", "model")
 SYSTEM_ROLES = ("system",)
 _SHOW_LINES = 5  # line numbers listed per reason in the warning
+_JSONL_LINE_END = re.compile(r"\r\n|[\n\r\v\f\x1c\x1d\x1e]")
+"""Where a JSONL line ends: the line breaks of ``str.splitlines`` that JSON forbids inside a string.
+Not U+0085, U+2028 and U+2029, which a JSON string may hold as they are (``json.dumps`` with
+``ensure_ascii=False`` writes them so): ``splitlines`` would cut such a record into two malformed lines."""
 
 
 @dataclass
@@ -268,7 +273,7 @@ def _iter_json_records(files: list[Path], root: Path) -> Iterator[tuple[str, int
             for i, item in enumerate(items, start=1):
                 yield f"{name}:{i}", i, item
             continue
-        for i, line in enumerate(text.splitlines(), start=1):
+        for i, line in enumerate(_JSONL_LINE_END.split(text), start=1):
             if not line.strip():
                 continue
             try:

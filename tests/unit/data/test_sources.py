@@ -227,3 +227,18 @@ def test_hostile_json_is_a_bad_record_not_a_crash(tmp_path: Path) -> None:
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(UserError, match="nests too deeply"):
         read_records("sharegpt", tmp_path / "deep.json")
+
+
+def test_jsonl_strings_holding_unicode_line_separators_are_one_record(tmp_path: Path) -> None:
+    """U+2028, U+2029 and U+0085 are valid as they are inside a JSON string (``ensure_ascii=False``
+    writes them so, and scraped chat text holds them): the record is read whole, and the line numbers
+    of the records after it are the file's."""
+    path = tmp_path / "seps.jsonl"
+    rows = [{"prompt": "one\u2028two"}, {"prompt": ["a\u2029b", "c\x85d"]}, {"prompt": "plain"}]
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    result = read_records("jsonl", path, strict=True)
+    assert [(r.source_id, r.turns) for r in result.records] == [
+        ("seps.jsonl:1", ["one\u2028two"]),
+        ("seps.jsonl:2", ["a\u2029b", "c\x85d"]),
+        ("seps.jsonl:3", ["plain"]),
+    ]
