@@ -74,14 +74,16 @@ def sample_rows(
     top-k (0 = off), top-p, min-p (0 = off), in its order; the decoders' sampling uses it too).
 
     Each row consumes exactly one float64 draw from its own generator, so a request's sample does
-    not depend on which rows share its batch.
+    not depend on which rows share its batch. A draw that rounds up to the whole mass in float32
+    (about one in 2**24) takes the last token with any probability, never one the filters removed.
     """
     probs = warp_probs(scores, temperature, top_p, top_k, min_p)  # (B, V)
     sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
     cum = sorted_p.cumsum(-1)  # (B, V)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
-    pos = torch.searchsorted(cum, u, right=True).clamp(max=cum.shape[-1] - 1)  # (B, 1)
+    last = (sorted_p > 0).sum(-1, keepdim=True) - 1  # (B, 1): the last token with any probability
+    pos = torch.minimum(torch.searchsorted(cum, u, right=True), last)  # (B, 1)
     return order.gather(-1, pos).squeeze(-1)  # (B,)
 
 

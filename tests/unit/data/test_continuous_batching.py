@@ -191,6 +191,15 @@ def test_draws_come_from_the_filtered_distribution(top_k, min_p) -> None:
     assert all(len(set(row)) == allowed.shape[-1] for row in draws.T.tolist())
 
 
+def test_a_draw_at_the_top_of_the_mass_never_lands_on_a_filtered_token(monkeypatch) -> None:
+    """A float64 draw within 2**-25 of 1 rounds to 1.0 in float32, i.e. to the whole mass: it takes the
+    last token the filters kept, not the least likely one of those they removed."""
+    scores = torch.tensor([[3.0, 2.0, 1.0, -5.0, -6.0]])  # (1, V)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1 - 2**-30, dtype=torch.float64))
+    assert inprocess.sample_rows(scores, [torch.Generator()], 1.0, 1.0, top_k=2).tolist() == [1]
+    assert inprocess.sample_rows(scores, [torch.Generator()], 1.0, 0.5).tolist() == [0]
+
+
 def test_sampled_rows_with_top_k_and_min_p_do_not_depend_on_the_batch() -> None:
     model = _model("llama")
     prompts = _prompts(9, seed=6)
