@@ -12,8 +12,9 @@ tokens:
 
 The continuation is found by rendering the conversation with a sentinel in place of the last reply
 and taking the text after it; when the reply ended with an EOS whose text starts that continuation
-(``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``), that text is dropped since the generated EOS token
-already closes the turn. A reply cut by ``max_new_tokens`` gets no EOS in its masked span; the
+(``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``; after whitespace in Llama-2's ``' ' + eos_token``),
+that text is dropped, with the whitespace before it, since the generated EOS token already closes
+the turn. A reply cut by ``max_new_tokens`` gets no EOS in its masked span; the
 template's end-of-turn text follows unmasked when another turn comes.
 """
 
@@ -93,6 +94,7 @@ class ChatRenderer:
         suffix = text[at + len(_SENTINEL) :]
         if eos_id is not None:
             eos_text = self.tokenizer.decode([eos_id])
-            if eos_text and suffix.startswith(eos_text):
-                suffix = suffix[len(eos_text) :]
+            head = suffix.lstrip()  # Llama-2's template closes a reply with ' ' + eos_token
+            if eos_text and head.startswith(eos_text):
+                suffix = head[len(eos_text) :]
         return self._encode(suffix)
