@@ -20,6 +20,8 @@ template's end-of-turn text follows unmasked when another turn comes.
 
 from __future__ import annotations
 
+from jinja2.exceptions import TemplateError
+
 from medusa_train.data.sources import Conversation
 from medusa_train.errors import UserError
 
@@ -59,15 +61,22 @@ class ChatRenderer:
             msgs.append({"role": "user", "content": conv.turns[len(replies)]})
         return msgs
 
-    def _render(self, msgs: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    def _render(self, conv: Conversation, msgs: list[dict[str, str]]) -> str:
+        """The chat template applied to ``msgs`` (of ``conv``); one it refuses is the user's error."""
+        try:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except TemplateError as err:  # raise_exception in the template (Gemma: no system role), bad syntax
+            raise UserError(
+                f"record {conv.source_id}: the chat template of {self.tokenizer.name_or_path} refuses it "
+                f"({err}): use data the template accepts or another model"
+            ) from None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, conv: Conversation) -> list[int]:
         """Tokens of the first turn's prompt, as the chat template renders it (generation prompt included)."""
-        return self._encode(self._render(self.messages(conv, [], True)))
+        return self._encode(self._render(conv, self.messages(conv, [], True)))
 
     def turn_prompt_ids(self, conv: Conversation, replies: list[str]) -> list[int]:
         """Tokens of turn ``len(replies)``'s prompt after the earlier turns and ``replies``, rendered whole.
@@ -75,7 +84,7 @@ class ChatRenderer:
         What ``stage=eval`` feeds both decoders: the chat template applied to the full history at once
         (a model's own earlier answers as text), generation prompt included.
         """
-        return self._encode(self._render(self.messages(conv, replies, True)))
+        return self._encode(self._render(conv, self.messages(conv, replies, True)))
 
     def continuation_ids(self, conv: Conversation, replies: list[str], eos_id: int | None) -> list[int]:
         """Tokens between the end of reply ``len(replies) - 1`` and the generation of the next turn.
@@ -85,7 +94,7 @@ class ChatRenderer:
             replies: decoded replies so far (the last one is replaced by a sentinel when rendering).
             eos_id: the EOS token that ended the last reply, or None when it was cut by max_new_tokens.
         """
-        text = self._render(self.messages(conv, [*replies[:-1], _SENTINEL], True))
+        text = self._render(conv, self.messages(conv, [*replies[:-1], _SENTINEL], True))
         at = text.rfind(_SENTINEL)
         if at < 0:
             raise UserError(

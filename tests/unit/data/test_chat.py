@@ -7,6 +7,7 @@ import pytest
 from medusa_train.data.chat import ChatRenderer
 from medusa_train.data.sources import Conversation
 from medusa_train.data.tokenizer import train_tokenizer
+from medusa_train.errors import UserError
 
 LLAMA2_STYLE = (
     "{% for message in messages %}"
@@ -35,3 +36,24 @@ def test_a_reply_ended_by_eos_is_followed_by_the_next_turn_only(template: str) -
     ended = renderer.continuation_ids(conv, ["it is"], tok.eos_token_id)
     assert tok.decode(cut) == closing
     assert tok.decode(ended) == closing.lstrip().removeprefix(tok.eos_token)  # the next turn's text only
+
+
+REFUSES_SYSTEM = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""Gemma's rule: no system message."""
+
+
+def test_a_conversation_the_template_refuses_is_one_line_naming_the_record() -> None:
+    tok = train_tokenizer(["why is the cat on the mat?", "tell me more about the dog."] * 20, 300)
+    tok.chat_template = REFUSES_SYSTEM
+    renderer = ChatRenderer(tok)
+    assert renderer.prompt_ids(Conversation("data.jsonl:6", ["why?"]))
+    with pytest.raises(
+        UserError, match=r"^record data.jsonl:7: the chat template .* \(System role not supported\)"
+    ):
+        renderer.prompt_ids(Conversation("data.jsonl:7", ["why?"], system="Be brief."))
