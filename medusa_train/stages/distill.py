@@ -13,7 +13,8 @@ Run as:
 
 Steps (every rank):
     1. read the source (``data=``): a missing file or bad format fails here, before any model loads;
-    2. if ``workdir/distill`` is already complete with the same settings, return its figures;
+    2. if ``workdir/distill`` is already complete with the same settings, return its figures
+       (``distill.overwrite=true``: decided in step 4, after the backbone loads);
     3. load the frozen backbone, render every first prompt with the chat template, apply the
        long-prompt rule (``data.max_prompt_tokens``, ``data.long_prompts``);
     4. rank 0 checks ``distill/progress.json`` (same backbone fingerprint, tokenizer, generation
@@ -137,7 +138,7 @@ def run(cfg: Config) -> dict:
     quick = _quick_settings(cfg, source)
 
     # 2. Already complete with these settings?
-    manifest = _complete_manifest(out, quick)
+    manifest = _complete_manifest(out, quick, cfg.distill.overwrite)
     if manifest is not None:
         return _figures(manifest, generated_now=0, resumed=True)
 
@@ -191,15 +192,17 @@ def _read_source(cfg: Config) -> ReadResult:
     return source
 
 
-def _complete_manifest(out: Path, quick: dict) -> dict | None:
+def _complete_manifest(out: Path, quick: dict, overwrite: bool) -> dict | None:
     """Step 2: the manifest of ``out`` when it is complete with these settings (None: work to do).
 
     Rank 0 first deletes the temp files of writes a kill interrupted; no rank writes before the
-    broadcast of step 4.
+    broadcast of step 4. With ``overwrite`` always None: the quick settings cannot see every
+    setting (a Hub id's weights under the same name, the tokenizer), and overwrite must redo a
+    folder whose settings differ in any; step 4 reuses one that is complete with all of them.
     """
     if dist.is_main():
         remove_stale(out)
-    manifest = complete_manifest(out, quick)
+    manifest = None if overwrite else complete_manifest(out, quick)
     if manifest is not None and dist.is_main():
         log.info(
             "distill: %s is complete with these settings (%d records); nothing to do",
@@ -452,7 +455,7 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
         quick check only missed it, e.g. a manifest of an older version), else None.
     """
     manifest = _readable_manifest(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
+    if out.exists() and any(out.iterdir()):
         progress = read_progress(out)
         previous = progress.get("settings") if isinstance(progress, dict) else None
         if previous is None and manifest is not None:
@@ -468,15 +471,12 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
                 write_manifest(out, {**manifest, "quick_settings": quick})
             return manifest
         if comparable(previous) != comparable(settings) and (previous is not None or has_output(out)):
-            raise UserError(
-                f"{out} holds distilled data made with other settings ({_difference(previous, settings)}): "
-                "run with the old values to keep and finish it, pass distill.overwrite=true to discard it, "
-                "or use another workdir="
-            )
-    elif overwrite and out.exists() and any(out.iterdir()):
-        progress = read_progress(out)
-        previous = progress.get("settings") if isinstance(progress, dict) else None
-        if comparable(previous) != comparable(settings) and (previous is not None or has_output(out)):
+            if not overwrite:
+                raise UserError(
+                    f"{out} holds distilled data made with other settings ({_difference(previous, settings)}): "
+                    "run with the old values to keep and finish it, pass distill.overwrite=true to discard it, "
+                    "or use another workdir="
+                )
             log.warning("distill.overwrite=true: clearing %s (%s)", out, _difference(previous, settings))
             shutil.rmtree(out)
     removed = start_run(out, {"settings": settings, "quick_settings": quick, "num_shards": num_shards})

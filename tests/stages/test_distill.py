@@ -240,6 +240,24 @@ def test_resume_with_other_settings_is_refused(reference, tiny_backbone_dir, pro
     assert figures["records"] == 10 and all(sum(m) <= 5 * 3 for _, _, m in _rows(tmp_path))
 
 
+def test_overwrite_redoes_a_complete_folder_whose_weights_changed_under_the_same_name(
+    reference, tiny_backbone_dir, prompts, tmp_path, monkeypatch
+) -> None:
+    """The check before the model loads compares a Hub id by name and revision; its weights can change
+    under them (stage=train then refuses the data and names distill.overwrite=true). Overwrite redoes
+    that folder; one complete with every setting the same it reuses as it is."""
+    shutil.copytree(reference[0] / "distill", tmp_path / "distill")
+    manifest = tmp_path / "distill" / "manifest.json"
+    before = manifest.read_bytes()
+    assert _run(tmp_path, tiny_backbone_dir, prompts, "distill.overwrite=true")["already_complete"]
+    assert manifest.read_bytes() == before
+    real = distill.backbone_identity
+    monkeypatch.setattr(distill, "backbone_identity", lambda *a: {**real(*a), "fingerprint": "0" * 16})
+    figures = _run(tmp_path, tiny_backbone_dir, prompts, "distill.overwrite=true")
+    assert not figures["already_complete"] and figures["tokens_generated_now"] == figures["tokens_generated"]
+    assert read_manifest(tmp_path / "distill")["backbone"]["fingerprint"] == "0" * 16
+
+
 def test_sampling_is_seeded_per_record(tiny_backbone_dir, prompts, tmp_path) -> None:
     a = _run(tmp_path / "a", tiny_backbone_dir, prompts, "distill.temperature=1.5", "distill.batch_size=1")
     b = _run(
