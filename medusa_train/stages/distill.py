@@ -318,6 +318,25 @@ def _backbone_files_signature(name_or_path: str) -> str | None:
     return h.hexdigest()[:16]
 
 
+_SETTINGS_FILE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
+"""The files of a model directory that :func:`_backbone_settings_files` reads: tokenizer, chat template,
+generation config (and the model config, code), never the weights."""
+
+
+def _backbone_settings_files(name_or_path: str) -> str | None:
+    """The content of a local model directory's tokenizer, chat template and generation config files
+    (every top-level file with a :data:`_SETTINGS_FILE_SUFFIXES` suffix), as 16 hex digits; None for a
+    hub id. They change the records, and the weights' fingerprint covers only config.json and the weights."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _SETTINGS_FILE_SUFFIXES):
+        content = f.read_bytes()
+        h.update(f"{f.name}:{len(content)}:".encode() + content)
+    return h.hexdigest()[:16]
+
+
 def _quick_settings(cfg: Config, source: ReadResult) -> dict:
     """What can be checked without loading the model (decides the early return of a complete folder)."""
     distill = settings_of(distill=cfg.distill)["distill"]
@@ -335,6 +354,9 @@ def _quick_settings(cfg: Config, source: ReadResult) -> dict:
         "revision": cfg.model.revision,
         "files": _backbone_files_signature(cfg.model.name_or_path),  # recorded, not compared
         "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
+        "settings_files": _backbone_settings_files(
+            cfg.model.name_or_path
+        ),  # its tokenizer, generation config
     }
     served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
     quick = settings_of(

@@ -258,6 +258,29 @@ def test_overwrite_redoes_a_complete_folder_whose_weights_changed_under_the_same
     assert read_manifest(tmp_path / "distill")["backbone"]["fingerprint"] == "0" * 16
 
 
+def test_a_complete_folder_is_refused_after_the_backbones_template_or_generation_config_changed(
+    reference, tiny_backbone_dir, prompts, tmp_path
+) -> None:
+    """The chat template and the generation config live beside the weights, outside their fingerprint:
+    an edit of either is another setting for a complete folder too (refused, not reused unseen)."""
+    backbone = tmp_path / "backbone"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    shutil.copytree(reference[0] / "distill", tmp_path / "distill")
+    assert _run(tmp_path, backbone, prompts)["already_complete"]  # a copied backbone is the same one
+    template = next(
+        p for p in (backbone / "chat_template.jinja", backbone / "tokenizer_config.json") if p.exists()
+    )
+    original = template.read_text()
+    template.write_text(original.replace("<|assistant|>", "<|assistant|> "))
+    with pytest.raises(UserError, match=r"other settings.*chat_template"):
+        _run(tmp_path, backbone, prompts)
+    template.write_text(original)
+    config = json.loads((backbone / "generation_config.json").read_text())
+    (backbone / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.3}))
+    with pytest.raises(UserError, match=r"other settings.*repetition_penalty"):
+        _run(tmp_path, backbone, prompts)
+
+
 def test_sampling_is_seeded_per_record(tiny_backbone_dir, prompts, tmp_path) -> None:
     a = _run(tmp_path / "a", tiny_backbone_dir, prompts, "distill.temperature=1.5", "distill.batch_size=1")
     b = _run(
