@@ -112,6 +112,7 @@ def trainable_backbone(tc: TrainingConfig, backbone: torch.nn.Module) -> torch.n
             )
         if tc.backbone_tuning == "qlora":
             backbone = prepare_model_for_kbit_training(backbone, use_gradient_checkpointing=False)
+            _loads_own_checkpoints(backbone)
         lora = LoraConfig(
             r=tc.lora_r,
             lora_alpha=tc.lora_alpha,
@@ -123,6 +124,27 @@ def trainable_backbone(tc: TrainingConfig, backbone: torch.nn.Module) -> torch.n
     else:
         backbone.requires_grad_(True)
     return backbone.train()
+
+
+def _loads_own_checkpoints(backbone: torch.nn.Module) -> None:
+    """Let ``backbone``'s 4-bit layers load a state dict they saved themselves, strictly.
+
+    A 4-bit layer (bitsandbytes ``Linear4bit``) saves its quantization statistics beside its packed
+    weight, as ``weight.absmax``, ``weight.quant_map``, ... (``QuantState.as_dict``), but its
+    ``load_state_dict`` knows no such keys: a strict load of the training module's own checkpoint --
+    how DeepSpeed resumes (``load_module_strict``) -- stops at them as unexpected. They are the frozen
+    base's statistics, which the layer already holds as the base checkpoint loaded (the stage resumes
+    only the same backbone, quantized the same way), so they are dropped on load.
+    """
+    from bitsandbytes.nn import Linear4bit
+
+    def drop_quant_state(module, state_dict, prefix, *args) -> None:
+        for key in [k for k in state_dict if k.startswith(f"{prefix}weight.")]:
+            del state_dict[key]
+
+    for module in backbone.modules():
+        if isinstance(module, Linear4bit):
+            module.register_load_state_dict_pre_hook(drop_quant_state)
 
 
 def merged_backbone(trained: torch.nn.Module, loaded_dtypes: dict[str, torch.dtype]) -> torch.nn.Module:

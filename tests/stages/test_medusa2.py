@@ -6,11 +6,14 @@ does not know, so joint training visibly changes it). 6 optimizer steps; the in-
 module is captured from ``Medusa2Recipe.training_module`` to compare against what export and eval load from disk.
 The last tests use the plain tests/helpers/train_workdir.py backbone with tied embeddings (checkpoints, resume;
 DeepSpeed ZeRO-2 with 2 ranks and ZeRO-3 with every parameter partitioned against one plain process),
-and bf16 DeepSpeed runs (untied) whose published weights must be DeepSpeed's fp32 master weights.
+and bf16 DeepSpeed runs (untied) whose published weights must be DeepSpeed's fp32 master weights;
+QLoRA (bitsandbytes 4-bit / 8-bit) under DeepSpeed over a wider untied backbone (4-bit CPU blocks
+span 64 values).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -457,6 +460,45 @@ def test_single_process_zero3_with_everything_partitioned_equals_plain(
         atol=1.0 / min(ref_calibration["count"]),  # one hit: the heads agree to 1e-5, not bit for bit
         rtol=0,
     )
+
+
+QLORA = ("training.backbone_tuning=qlora", "training.lm_loss=kl", "training.lambda_warmup=constant")
+"""QLoRA as LoRA is tested (KL to the adapter-disabled model), over ``model.quantization`` (4bit|8bit)."""
+
+
+@pytest.fixture(scope="module")
+def plain_qlora(tmp_path_factory) -> Path:
+    """The workdir of a 4-bit QLoRA run without DeepSpeed (batch 2 x 2 accumulation steps)."""
+    pytest.importorskip("bitsandbytes")
+    root = make_train_workdir(tmp_path_factory.mktemp("plain_qlora"), hidden=64, kv_heads=4)
+    overrides = (*QLORA, "model.quantization=4bit", *PER_RANK, "training.gradient_accumulation_steps=2")
+    train.run(train_cfg(root, "training=medusa2", *overrides))
+    return root
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_qlora_deepspeed_run_killed_and_resumed_equals_plain(
+    plain_qlora, tmp_path: Path, monkeypatch, zero: str
+) -> None:
+    """4-bit QLoRA under DeepSpeed (ZeRO-3 with every parameter, the packed 4-bit weights too,
+    partitioned), killed at step 4: it resumes from checkpoint-3 (DeepSpeed loads the module's
+    checkpoint strictly, bitsandbytes' saved quantization statistics included) and publishes the
+    heads and adapter of the uninterrupted run without DeepSpeed."""
+    root = make_train_workdir(tmp_path, hidden=64, kv_heads=4)
+    overrides = (
+        "training=medusa2",
+        *QLORA,
+        "model.quantization=4bit",
+        *PER_RANK,
+        "training.gradient_accumulation_steps=2",
+    )
+    partitioned = zero3_partitioning_everything(monkeypatch) if zero == "zero3" else contextlib.nullcontext()
+    with partitioned:
+        cfg = train_cfg(root, *overrides, f"deepspeed={zero}")
+        run_killed_at_step(cfg, monkeypatch, step=4)
+        result = train.run(cfg)
+    assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6
+    _assert_same_training(root, plain_qlora, "qlora")
 
 
 FAST_BF16 = ("training.max_steps=3", "training.save_steps=10", "tree.max_nodes=1", "tree.latency_context=4")
