@@ -32,12 +32,8 @@ log = logging.getLogger(__name__)
 def check_supported(cfg: Config) -> None:
     """Fail before any heavy work on combinations this implementation does not run."""
     tc = cfg.training
-    if (
-        cfg.deepspeed.enabled
-        and cfg.deepspeed.zero_stage == 3
-        and tc.lm_loss == "kl"
-        and tc.backbone_tuning == "full"
-    ):
+    zero3 = cfg.deepspeed.enabled and cfg.deepspeed.zero_stage == 3
+    if zero3 and tc.lm_loss == "kl" and tc.backbone_tuning == "full":
         raise UserError(
             "training=medusa2 with lm_loss=kl and full tuning keeps a whole frozen copy of the backbone on every "
             "rank, which ZeRO-3 does not shard: use deepspeed=zero2, backbone_tuning=lora, or training.lm_loss=ce"
@@ -52,6 +48,14 @@ def check_supported(cfg: Config) -> None:
     if tc.backbone_tuning == "qlora" and cfg.model.quantization == "none":
         raise UserError(
             "training.backbone_tuning=qlora needs a quantized backbone: model.quantization=4bit (or 8bit)"
+        )
+    if zero3 and tc.backbone_tuning == "qlora" and cfg.model.quantization == "8bit":
+        # ZeRO-3 partitions the int8 weights, but each bitsandbytes 8-bit layer keeps the whole weight
+        # in its matmul state and computes with that: every rank holds it whole beside its partition.
+        raise UserError(
+            "training.backbone_tuning=qlora with model.quantization=8bit cannot shard the backbone under "
+            "deepspeed=zero3 (bitsandbytes keeps each 8-bit weight whole on every rank): use deepspeed=zero2, "
+            "or model.quantization=4bit"
         )
     if tc.backbone_tuning == "full" and not cfg.deepspeed.enabled:
         # Without DeepSpeed the Trainer's AdamW updates the loaded weights in place: no fp32 master copy.

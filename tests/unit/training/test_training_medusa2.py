@@ -98,6 +98,29 @@ def test_zero3_with_a_kl_teacher_copy_is_refused_and_the_rest_allowed():
     check_supported(compose_config(["training=medusa2", "deepspeed=zero2"]))
 
 
+def test_zero3_is_refused_for_8bit_qlora_and_allowed_for_4bit():
+    """ZeRO-3 cannot shard an 8-bit backbone (each bitsandbytes 8-bit layer keeps its whole weight
+    in its matmul state): one line naming what to use; 4-bit QLoRA under ZeRO-3 and 8-bit under
+    ZeRO-2 or without DeepSpeed run."""
+
+    def cfg(quantization, deepspeed):
+        return compose_config(
+            [
+                "training=medusa2",
+                "training.backbone_tuning=qlora",
+                f"model.quantization={quantization}",
+                f"deepspeed={deepspeed}",
+            ]
+        )
+
+    with pytest.raises(UserError, match="use deepspeed=zero2, or model.quantization=4bit") as err:
+        check_supported(cfg("8bit", "zero3"))
+    assert "\n" not in str(err.value)
+    check_supported(cfg("4bit", "zero3"))
+    check_supported(cfg("8bit", "zero2"))
+    check_supported(cfg("8bit", "none"))
+
+
 def test_lora_target_modules_the_backbone_lacks_are_one_user_error():
     """peft's NoMatchingPeftModuleError becomes one UserError line that lists the linear layers."""
     tc = compose_config(
