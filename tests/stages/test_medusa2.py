@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from medusa_train.backbone import load_backbone, load_tokenizer
+from medusa_train.backbone import load_backbone, load_tokenizer, load_trained_backbone
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.formats import load_heads
@@ -464,6 +464,7 @@ def test_single_process_zero3_with_everything_partitioned_equals_plain(
 
 QLORA = ("training.backbone_tuning=qlora", "training.lm_loss=kl", "training.lambda_warmup=constant")
 """QLoRA as LoRA is tested (KL to the adapter-disabled model), over ``model.quantization`` (4bit|8bit)."""
+IDS_64 = torch.tensor([[5, 17, 3, 40, 42, 7, 60, 11]])  # (1, 8): tokens of the 64-token vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -531,16 +532,50 @@ def _bf16_on_cpu(monkeypatch) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
     return seen
 
 
-@pytest.mark.parametrize(("tuning", "zero"), [("lora", "zero2"), ("full", "zero3")])
-def test_bf16_deepspeed_publishes_the_fp32_master_weights(tmp_path: Path, monkeypatch, tuning, zero) -> None:
+@pytest.mark.parametrize(
+    ("tuning", "zero", "quantization"),
+    [
+        ("lora", "zero2", "none"),
+        ("full", "zero3", "none"),
+        ("qlora", "zero2", "8bit"),
+        ("qlora", "zero3", "4bit"),
+    ],
+)
+def test_bf16_deepspeed_publishes_the_fp32_master_weights(
+    tmp_path: Path, monkeypatch, tuning, zero, quantization
+) -> None:
     """Under bf16 DeepSpeed trains a bf16 copy of the module and keeps fp32 master weights: the heads
-    and a LoRA adapter (fp32 without DeepSpeed) are published as those masters bit for bit, not
+    and a LoRA/QLoRA adapter (fp32 without DeepSpeed) are published as those masters bit for bit, not
     their bf16 rounding; a fully tuned bf16 backbone stays bf16, the rounding of its masters (as
-    without DeepSpeed, where it trains in place)."""
-    root = make_train_workdir(tmp_path)
+    without DeepSpeed, where it trains in place). QLoRA: DeepSpeed leaves the 8-bit / 4-bit weights
+    alone and casts the fp32 norms and embeddings (bf16 as loaded) back to bf16 losslessly, so the
+    model the tree is calibrated on is the published adapter merged into a freshly loaded base (what
+    eval decodes with), bit for bit."""
+    if quantization != "none":
+        pytest.importorskip("bitsandbytes")
+    quantized = {"hidden": 64, "kv_heads": 4} if quantization != "none" else {}  # 4-bit CPU blocks: 64 values
+    root = make_train_workdir(tmp_path, **quantized)
     masters = _bf16_on_cpu(monkeypatch)
-    overrides = ("training=medusa2", *TUNING[tuning], "model.dtype=bfloat16", f"deepspeed={zero}", *FAST_BF16)
-    assert train.run(train_cfg(root, *overrides))["steps"] == 3
+    calibrated: dict[str, torch.Tensor] = {}
+    calibrate = train.calibrate
+
+    def capture_calibrate(model, *args, **kwargs):
+        with torch.no_grad():
+            calibrated["logits"] = model(input_ids=IDS_64).logits
+        return calibrate(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "calibrate", capture_calibrate)
+    tuned = QLORA if tuning == "qlora" else TUNING[tuning]
+    overrides = (
+        "training=medusa2",
+        *tuned,
+        f"model.quantization={quantization}",
+        "model.dtype=bfloat16",
+        f"deepspeed={zero}",
+        *FAST_BF16,
+    )
+    cfg = train_cfg(root, *overrides)
+    assert train.run(cfg)["steps"] == 3
 
     def assert_masters(published: dict[str, torch.Tensor], prefix: str, rename=lambda k: k) -> None:
         assert published
@@ -555,9 +590,12 @@ def test_bf16_deepspeed_publishes_the_fp32_master_weights(tmp_path: Path, monkey
     heads = load_file(str(root / "heads" / "medusa_lm_head.safetensors"))
     assert_masters({k: v for k, v in heads.items() if k != "token_map"}, "heads.heads.")
     backbone = root / "heads" / "backbone"
-    if tuning == "lora":  # peft drops the adapter's name from the saved keys
+    if tuning in ("lora", "qlora"):  # peft drops the adapter's name from the saved keys
         adapter = load_file(str(backbone / "adapter_model.safetensors"))
         assert_masters(adapter, "backbone.", lambda k: k.replace(".weight", ".default.weight"))
+        fresh = load_trained_backbone(cfg.model, backbone, torch.device("cpu"))
+        with torch.no_grad():
+            assert torch.equal(calibrated["logits"], fresh(input_ids=IDS_64).logits)
     else:
         saved = load_file(str(backbone / "model.safetensors"))
         for key, tensor in saved.items():
