@@ -193,6 +193,8 @@ def load_backbone(
     except OSError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+    except ValueError as err:  # what transformers raises for a checkpoint it cannot load as a causal LM
+        raise UserError(_unloadable(name_or_path, err)) from None
     except SafetensorError as err:  # a truncated or damaged weights file
         raise DamagedArtefactError(
             f"the weights of backbone {name_or_path!r} are damaged ({err}): {_repair_backbone(name_or_path)}"
@@ -204,6 +206,24 @@ def load_backbone(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _unloadable(name_or_path: str, err: ValueError) -> str:
+    """The one line for a checkpoint transformers refuses: custom code without
+    ``model.trust_remote_code``, a model that is no causal LM (T5, an encoder), an architecture this
+    transformers does not know."""
+    if "trust_remote_code" in str(err):
+        return (
+            f"backbone {name_or_path!r} runs its own code (its repository's modeling files): read them, "
+            "then set model.trust_remote_code=true to load it"
+        )
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    hint = (
+        " (model.name_or_path must be a decoder-only language model, one AutoModelForCausalLM loads)"
+        if "AutoModelForCausalLM" in first
+        else ""
+    )
+    return f"could not load backbone {name_or_path!r}: {first}{hint}"
 
 
 def _repair_backbone(name_or_path: str) -> str:

@@ -50,6 +50,28 @@ def test_missing_local_backbone_names_the_stage(tmp_path: Path) -> None:
         load_backbone(str(tmp_path / "empty"))
 
 
+def test_a_checkpoint_transformers_will_not_load_as_a_causal_lm_is_one_line(tmp_path: Path) -> None:
+    """An encoder-decoder, an unknown architecture and custom code without model.trust_remote_code are
+    a UserError (one line, exit 2), not transformers' ValueError traceback."""
+    from transformers import T5Config
+
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=64).save_pretrained(tmp_path / "t5")
+    with pytest.raises(
+        UserError, match="Unrecognized configuration class .*T5Config.*must be a decoder-only"
+    ):
+        load_backbone(str(tmp_path / "t5"))
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    with pytest.raises(UserError, match="could not load backbone .*model type `no_such_architecture`"):
+        load_backbone(str(tmp_path / "new"))
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}
+    (remote / "config.json").write_text(json.dumps({"model_type": "x_custom", "auto_map": auto_map}))
+    with pytest.raises(UserError, match="set model.trust_remote_code=true"):
+        load_backbone(str(remote))
+
+
 def test_backbone_for_heads_follows_the_recorded_base(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
