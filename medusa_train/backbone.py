@@ -21,11 +21,13 @@ too and ships it next to the heads as ``backbone/`` (the full model, or a LoRA a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -187,18 +189,9 @@ def load_backbone(
                 bnb_4bit_compute_dtype=compute,
             )
         kwargs["device_map"] = {"": str(device)}
-    try:
+    with loading(name_or_path):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
         tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-    except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
-    except ValueError as err:  # what transformers raises for a checkpoint it cannot load as a causal LM
-        raise UserError(_unloadable(name_or_path, err)) from None
-    except SafetensorError as err:  # a truncated or damaged weights file
-        raise DamagedArtefactError(
-            f"the weights of backbone {name_or_path!r} are damaged ({err}): {_repair_backbone(name_or_path)}"
-        ) from None
     if quantization == "none":
         model.to(device)
     if not trainable:
@@ -206,6 +199,29 @@ def load_backbone(
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def loading(name_or_path: str) -> Iterator[None]:
+    """Around transformers' loads of the backbone ``name_or_path`` (its model, config or tokenizer):
+    what they raise for a checkpoint that cannot be had becomes one line.
+
+    Raises:
+        UserError: no such checkpoint here or on the Hub (offline, a misspelt id), or one that is no
+            causal LM, of an unknown architecture, or with custom code without ``model.trust_remote_code``.
+        DamagedArtefactError: a truncated or damaged weights file.
+    """
+    try:
+        yield
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+    except ValueError as err:  # what transformers raises for a checkpoint it cannot load as a causal LM
+        raise UserError(_unloadable(name_or_path, err)) from None
+    except SafetensorError as err:
+        raise DamagedArtefactError(
+            f"the weights of backbone {name_or_path!r} are damaged ({err}): {_repair_backbone(name_or_path)}"
+        ) from None
 
 
 def _unloadable(name_or_path: str, err: ValueError) -> str:

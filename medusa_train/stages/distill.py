@@ -60,6 +60,7 @@ from medusa_train.backbone import (
     checkpoint_fingerprint,
     load_configured_backbone,
     load_tokenizer,
+    loading,
     local_fingerprint,
     resolve_device,
     resolve_dtype,
@@ -730,14 +731,15 @@ def _served_backbone(cfg: Config):
             "data.long_prompts=truncate cannot be sent as chat messages: use data.long_prompts=skip, "
             "or distill.server.api=tokens (vLLM)"
         )
-    config = AutoConfig.from_pretrained(
-        m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
-    )
-    try:
-        generation = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
-    except OSError:  # no generation_config.json: the model config's EOS
-        generation = GenerationConfig.from_model_config(config)
-    tokenizer = load_tokenizer(m.name_or_path, trust_remote_code=m.trust_remote_code, revision=m.revision)
+    with loading(m.name_or_path):
+        config = AutoConfig.from_pretrained(
+            m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
+        try:
+            generation = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
+        except OSError:  # no generation_config.json: the model config's EOS
+            generation = GenerationConfig.from_model_config(config)
+        tokenizer = load_tokenizer(m.name_or_path, trust_remote_code=m.trust_remote_code, revision=m.revision)
     fingerprint = checkpoint_fingerprint(m.name_or_path, m.revision)
     if fingerprint is None:
         raise UserError(

@@ -440,6 +440,23 @@ def test_wrong_backbone_path_with_model_hf_does_not_ask_for_model_hf(
     assert f"model.name_or_path={missing}: no such directory here" in line and "pass model=hf" not in line
 
 
+@pytest.mark.parametrize(
+    "engine", [[], ["distill.engine=server", "distill.server.urls=[http://127.0.0.1:9/v1]"]]
+)
+def test_backbone_with_custom_code_asks_for_trust_remote_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: list[str]
+) -> None:
+    """A model repository with its own modeling code, loaded without model.trust_remote_code: one line
+    naming the option, in process and for a served backbone (whose config and tokenizer are read here)."""
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}
+    (remote / "config.json").write_text(json.dumps({"model_type": "x_custom", "auto_map": auto_map}))
+    argv = [f"workdir={tmp_path / 'wd'}", "stage=distill", "model=hf", f"model.name_or_path={remote}"]
+    assert main([*argv, *engine, "tracking=disabled"]) == 2
+    assert "set model.trust_remote_code=true" in _error_line(capsys)
+
+
 def _eval_prompts(workdir: Path, tmp_path: Path, capsys, *overrides: str) -> str:
     out = tmp_path / "wd"
     if not out.exists():
