@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class Tracker:
-    """A thin wandb run: ``log(dict, step)``, ``summary(dict)``, ``finish()``; no-op when disabled."""
+    """A thin wandb run: ``log(dict, step)``, ``summary(dict)``, ``finish()``; no-op when disabled.
+
+    Used as a context manager (``with tracker:``) it finishes the run on the way out, as failed when
+    an exception (a crash, Ctrl-C) leaves the block: wandb itself would only learn of it at interpreter
+    exit, after the run was already closed as finished.
+    """
 
     def __init__(self, run: Any | None) -> None:
         self._run = run
@@ -46,10 +51,17 @@ class Tracker:
 
             self._run.log({key: wandb.Image(str(path))})
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
+        """Close the run: ``failed`` marks it failed in wandb (exit code 1), else finished. Once only."""
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=1 if failed else 0)
             self._run = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.finish(failed=kind is not None)
 
 
 def start_tracking(

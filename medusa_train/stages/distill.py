@@ -161,6 +161,9 @@ def run(cfg: Config) -> dict:
         # 6. One manifest, written by rank 0 once every shard is on disk.
         figures = _publish_manifest(plan, renderer.tokenizer, all_stats)
         tracker.summary({f"distill/{k}": v for k, v in figures.items() if isinstance(v, int | float)})
+    except BaseException:
+        tracker.finish(failed=True)
+        raise
     finally:
         tracker.finish()
         dist.destroy_process_group(created_group)

@@ -614,14 +614,13 @@ def _train(
         if last:
             log.info("resuming from %s", last)
         t0 = time.time()
-        try:
-            out = trainer.train(resume_from_checkpoint=last)
-        except pickle.UnpicklingError:
-            if not last:
-                raise
-            raise refused_pickle(Path(last)) from None
-        finally:
-            tracker.finish()
+        with tracker:  # closed here, as failed if training raised
+            try:
+                out = trainer.train(resume_from_checkpoint=last)
+            except pickle.UnpicklingError:
+                if not last:
+                    raise
+                raise refused_pickle(Path(last)) from None
         train_seconds = time.time() - t0
         trained, state = recipe.trained_backbone(model), None
         main = trainer.is_world_process_zero()  # asked before DeepSpeed's process state is released
