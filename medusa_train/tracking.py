@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from medusa_train import dist
+from medusa_train.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import TrackingConfig
@@ -67,7 +68,12 @@ class Tracker:
 def start_tracking(
     tracking_cfg: TrackingConfig, workdir: str | os.PathLike, stage: str, config: dict | None = None
 ) -> Tracker:
-    """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0)."""
+    """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0).
+
+    Raises:
+        UserError: wandb refused to start the run (online without ``wandb login``, no network to the
+            server, a project name it does not take).
+    """
     if tracking_cfg.mode == "disabled" or not dist.is_main():
         return Tracker(None)
     import wandb
@@ -75,15 +81,22 @@ def start_tracking(
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(
-        project=tracking_cfg.project,
-        entity=tracking_cfg.entity,
-        name=tracking_cfg.run_name or f"{stage}-{root.resolve().name}",
-        group=root.resolve().name,
-        job_type=stage,
-        mode=tracking_cfg.mode,
-        dir=str(root),
-        config=config,
-        reinit="finish_previous",
-    )
+    try:
+        run = wandb.init(
+            project=tracking_cfg.project,
+            entity=tracking_cfg.entity,
+            name=tracking_cfg.run_name or f"{stage}-{root.resolve().name}",
+            group=root.resolve().name,
+            job_type=stage,
+            mode=tracking_cfg.mode,
+            dir=str(root),
+            config=config,
+            reinit="finish_previous",
+        )
+    except wandb.errors.Error as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"tracking.mode={tracking_cfg.mode}: wandb could not start a run ({first}); "
+            "tracking=offline writes it under the workdir for `wandb sync` later, tracking=disabled logs nothing"
+        ) from None
     return Tracker(run)

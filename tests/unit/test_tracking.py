@@ -74,3 +74,18 @@ def test_failed_distill_marks_its_run_failed(
     with pytest.raises(RuntimeError, match="crashed"):
         run_distill(tmp_path / "wd", tiny_backbone_dir, prompts, "tracking.mode=offline")
     assert len(runs) == 1 and runs[0].closed == [1]
+
+
+def test_online_without_a_wandb_login_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb's own refusal (no API key: `wandb login` never ran) is a UserError naming the way out."""
+    from medusa_train.config import compose_config
+    from medusa_train.errors import UserError
+    from medusa_train.tracking import start_tracking
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: never logged in
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = compose_config([f"workdir={tmp_path / 'wd'}", "tracking=online"])
+    with pytest.raises(UserError, match=r"tracking.mode=online: wandb could not start a run \(No API key"):
+        start_tracking(cfg.tracking, cfg.workdir, "train")
