@@ -126,7 +126,7 @@ from medusa_train.workdir import (
 )
 
 if TYPE_CHECKING:  # annotations only: bench scripts import this stage where Hydra is not installed
-    from medusa_train.config import Config, EvalConfig
+    from medusa_train.config import Config, EvalConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def run(cfg: Config) -> dict:
     )
     check_heads_match(heads, model, heads_dir, backbone)
     if not trained:  # a trained Medusa-2 backbone is the heads' own
-        warn_if_other_backbone(heads_dir, model, cfg.model.name_or_path)
+        warn_if_other_backbone(heads_dir, model, cfg.model)
     lm_weight = model.get_output_embeddings().weight
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
     stored_tree_size = len(choices)  # the tree shipped with the heads (the model card names that one)
@@ -417,14 +417,20 @@ def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
         raise UserError(f"heads at {heads_dir} do not fit backbone {backbone}: {err}") from None
 
 
-def warn_if_other_backbone(heads_dir: Path, model, name_or_path: str) -> None:
-    """Warn when stage=train recorded a different backbone fingerprint (same shapes, other weights)."""
+def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> None:
+    """Warn when stage=train recorded a different backbone fingerprint (same shapes, other weights).
+
+    ``model`` is ``model.name_or_path`` at ``model.revision``, fingerprinted as stage=train did: a Hub
+    id's files are those of that revision's snapshot (a pinned commit is read from the cache without
+    asking the Hub), not of whatever its main branch points to.
+    """
     try:
         recorded = read_heads_config(heads_dir).get("backbone")
     except HeadsFormatError:
         return
     if isinstance(recorded, dict) and recorded.get("fingerprint"):
-        current = backbone_identity(model, name_or_path)["fingerprint"]
+        name_or_path = model_cfg.name_or_path
+        current = backbone_identity(model, name_or_path, model_cfg.revision)["fingerprint"]
         if current != recorded["fingerprint"]:
             log.warning(
                 "heads at %s were trained on backbone %s (fingerprint %s), evaluating on %s (%s): "

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import statistics
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from medusa_train.backbone import local_fingerprint
+from medusa_train.config import ModelConfig
 from medusa_train.errors import ConfigError, UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import recommend_speculative_tokens, summary_table
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
+from tests.helpers.models import build_tiny_backbone
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 
 REPORT_KEYS = {
@@ -245,3 +251,37 @@ def test_previous_report_is_kept_and_demo_prompts_are_named(evaluated: tuple[Pat
     assert not (previous / "previous").exists()
     assert report["prompts_note"].startswith("the prompts are the embedded demo's held-out conversations")
     assert "eval.prompts=mtbench|jsonl" in summary_table(report)
+
+
+def test_the_backbone_check_fingerprints_the_pinned_revision(
+    tmp_path: Path, tiny_backbone_dir: Path, monkeypatch, caplog
+) -> None:
+    """Heads trained on a Hub id at a pinned commit and evaluated at that commit are on their own
+    backbone, though the id's main branch has moved on to other weights: no warning. Evaluated at
+    main, they are not (warned)."""
+    pinned, main = "a" * 40, "b" * 40
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    shutil.copytree(tiny_backbone_dir, repo / "snapshots" / pinned)
+    build_tiny_backbone(repo / "snapshots" / main, seed=1)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(main)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
+    model = LlamaForCausalLM.from_pretrained(tiny_backbone_dir)
+    heads = MedusaHeads(32, model.get_output_embeddings().weight.shape[0], 2, 1)
+    trained_on = {
+        "name_or_path": "acme/tiny",
+        "fingerprint": local_fingerprint(str(repo / "snapshots" / pinned)),
+    }
+    heads.save_pretrained(tmp_path / "heads", extra_config={"backbone": trained_on})
+    with caplog.at_level(logging.WARNING, logger=eval_stage.__name__):
+        eval_stage.warn_if_other_backbone(
+            tmp_path / "heads", model, ModelConfig("acme/tiny", revision=pinned)
+        )
+        assert not caplog.records
+        eval_stage.warn_if_other_backbone(tmp_path / "heads", model, ModelConfig("acme/tiny"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"heads at {tmp_path / 'heads'} were trained on backbone acme/tiny (fingerprint "
+        f"{trained_on['fingerprint']}), evaluating on acme/tiny ({local_fingerprint(str(repo / 'snapshots' / main))}): "
+        "outputs stay exact, but tau will be lower"
+    ]
