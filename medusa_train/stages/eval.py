@@ -92,6 +92,7 @@ from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import load_heads, read_heads_config
+from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,
@@ -105,7 +106,7 @@ from medusa_train.report import (
     write_model_card,
     write_plots,
 )
-from medusa_train.tracking import start_tracking
+from medusa_train.tracking import Tracker, start_tracking
 from medusa_train.workdir import (
     CALIBRATION,
     GENERATIONS,
@@ -144,13 +145,32 @@ def run(cfg: Config) -> dict:
     if not is_main():
         return {"skipped": "not the main process"}
     ecfg = cfg.eval
-    # 1. Backbone, heads, tree.
+    # 1. Heads, tree, prompts and device (a mistake in any fails in a second), then the wandb run: one
+    # wandb refuses (tracking=online without `wandb login`) fails here, before the backbone loads and
+    # the turns decode; closed as failed if anything after raises.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
-    prompts = load_eval_prompts(ecfg)  # before the backbone: a bad eval.path fails in a second
+    prompts = load_eval_prompts(ecfg)
     device = resolve_device(cfg.model.device)
+    with start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg)) as tracker:
+        return _evaluate(cfg, wd, tracker, heads_dir, heads, fingerprint, choices, prompts, device)
+
+
+def _evaluate(
+    cfg: Config,
+    wd: Workdir,
+    tracker: Tracker,
+    heads_dir: Path,
+    heads: MedusaHeads,
+    fingerprint: str,
+    choices: list[list[int]],
+    prompts: list[Conversation],
+    device: torch.device,
+) -> dict:
+    """Steps 1 (the backbone) to 10 of the module docstring, on what :func:`run` read and checked."""
+    ecfg = cfg.eval
     model, tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
     log.info(
         "eval: backbone %s%s", backbone, " (trained with the heads: training=medusa2)" if trained else ""
@@ -340,7 +360,6 @@ def run(cfg: Config) -> dict:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    tracker = start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg))
     tracker.summary(
         {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     )

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from medusa_train.errors import UserError
 from medusa_train.stages import distill
+from medusa_train.stages import eval as eval_stage
 from medusa_train.tracking import Tracker
 from tests.helpers.distill import run_distill, write_prompts
+from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 from tests.helpers.train_workdir import make_train_workdir, run_killed_at_step, train_cfg
 
 
@@ -23,13 +26,18 @@ class _Run:
 
     def __init__(self) -> None:
         self.summary: dict = {}
+        self.logged: list[dict] = []
         self.closed: list[int | None] = []
 
-    def log(self, *_, **__) -> None:
-        pass
+    def log(self, metrics: dict, *_, **__) -> None:
+        self.logged.append(metrics)
 
     def finish(self, exit_code: int | None = None) -> None:
         self.closed.append(exit_code)
+
+
+class _WandbError(Exception):
+    """Stands in for ``wandb.errors.Error``, what ``wandb.init`` raises for a run it refuses."""
 
 
 @pytest.fixture
@@ -41,7 +49,8 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[_Run]:
         opened.append(_Run())
         return opened[-1]
 
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    wandb = types.SimpleNamespace(init=init, Image=str, errors=types.SimpleNamespace(Error=_WandbError))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
     return opened
 
 
@@ -89,3 +98,60 @@ def test_online_without_a_wandb_login_is_one_line(tmp_path: Path, monkeypatch: p
     cfg = compose_config([f"workdir={tmp_path / 'wd'}", "tracking=online"])
     with pytest.raises(UserError, match=r"tracking.mode=online: wandb could not start a run \(No API key"):
         start_tracking(cfg.tracking, cfg.workdir, "train")
+
+
+QUICK_EVAL = [
+    "stage=eval",
+    "tracking.mode=offline",
+    "eval.num_prompts=1",
+    "eval.max_new_tokens=8",
+    "eval.acceptance_extra=false",
+    "eval.sweep_tree_sizes=[]",
+    "eval.batch_sizes=[1]",
+]
+
+
+def test_eval_that_wandb_refuses_fails_before_the_backbone_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[_Run]
+) -> None:
+    """A run wandb will not start is the one-line error before the evaluation's work, not after it."""
+
+    def refuses(**_) -> _Run:
+        raise _WandbError("No API key configured. Use `wandb login` to log in.")
+
+    def loads(*_, **__):
+        raise AssertionError("the backbone loaded before wandb started the run")
+
+    monkeypatch.setattr(sys.modules["wandb"], "init", refuses)
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", loads)
+    with pytest.raises(UserError, match="tracking.mode=offline: wandb could not start a run"):
+        eval_stage.run(tiny_cfg(make_workdir(tmp_path / "wd"), *QUICK_EVAL))
+
+
+def test_eval_run_holds_its_figures_or_is_closed_as_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[_Run]
+) -> None:
+    """The run opens before the evaluation: a crash in it closes the run as failed; a completed one
+    gets the report's figures, the alternatives, the batch table and the plots, then closes finished."""
+    workdir = make_workdir(tmp_path / "wd")
+
+    def crashes(*_, **__):
+        raise RuntimeError("a decoder that crashed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(eval_stage, "TimedDecoders", crashes)
+        with pytest.raises(RuntimeError, match="crashed"):
+            eval_stage.run(tiny_cfg(workdir, *QUICK_EVAL))
+    assert len(runs) == 1 and runs[0].closed == [1]
+    report = eval_stage.run(tiny_cfg(workdir, *QUICK_EVAL))
+    run = runs[1]
+    assert run.closed == [0] and run.summary["tau"] == report["tau"]
+    assert (
+        run.summary["prompt_lookup/tokens_per_s"] == report["alternatives"]["prompt_lookup"]["tokens_per_s"]
+    )
+    assert [row for row in run.logged if any(k.startswith("batch/") for k in row)] == [
+        {f"batch/{k}": v for k, v in row.items()} for row in report["batch_sizes"]
+    ]
+    assert {key for row in run.logged for key in row if key.startswith("eval/")} == {
+        f"eval/{path.stem}" for path in (workdir / "eval" / "plots").glob("*.png")
+    }
