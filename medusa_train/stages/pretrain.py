@@ -8,6 +8,9 @@ Run as:
     python -m medusa_train stage=pretrain data=text data.path=data/text/harbour.txt
     python -m medusa_train stage=pretrain pretrain.overwrite=true pretrain.max_minutes=10
 
+One process only: a launch of several (torchrun, the deepspeed launcher) is refused before any work,
+stage=all with model=tiny included, as every rank would pretrain and publish the same folder.
+
 Steps: (1) the output folder: a complete model made with the same settings is reused (one made
 with other settings refused; `pretrain.overwrite=true` retrains), a folder of files this stage did
 not write refused; (2) documents: the embedded conversations rendered with the chat template (train
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from medusa_train import dist
 from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
 from medusa_train.data.tokenizer import train_tokenizer
@@ -92,12 +96,19 @@ def run(cfg: Config) -> dict:
         `skipped: True` when an existing complete model was reused.
 
     Raises:
-        UserError: not the embedded model, a `model.name_or_path` that holds another model (it
-            would be replaced), a complete model made with other settings, or an unusable
-            `data.path` for format=text.
+        UserError: not the embedded model, a launch of several processes (each would pretrain and
+            publish the same folder), a `model.name_or_path` that holds another model (it would be
+            replaced), a complete model made with other settings, or an unusable `data.path` for
+            format=text.
     """
     if not cfg.model.embedded:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
+    if dist.world_size() > 1:
+        raise UserError(
+            f"stage=pretrain (also stage=all's first step with model=tiny) runs in one process, not the "
+            f"{dist.world_size()} of this launch: run `python -m medusa_train stage=pretrain` without "
+            "torchrun or the deepspeed launcher, then launch the stages after it one by one"
+        )
     bc = cfg.pretrain
     out_dir = Path(cfg.model.name_or_path)
 

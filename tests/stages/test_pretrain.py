@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from medusa_train import __main__ as cli
 from medusa_train.config import compose_config
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
@@ -152,4 +153,22 @@ def test_text_format_not_utf8_is_one_line(tmp_path):
     cfg = compose_config([*TINY, f"workdir={tmp_path}", "data=text", f"data.path={path}"])
     with pytest.raises(UserError, match="is not a UTF-8 text file"):
         pretrain.run(cfg)
+    assert not (tmp_path / "pretrain").exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_launch_of_several_processes_is_refused_before_any_work(tmp_path, monkeypatch, capsys, rank):
+    """Under torchrun every rank would pretrain and publish workdir/pretrain at once: stage=pretrain,
+    and stage=all with model=tiny, are one line and exit 2 on every rank, and nothing is written."""
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "2" if key == "WORLD_SIZE" else rank)
+    for stage in ("pretrain", "all"):
+        assert cli.main([f"stage={stage}", "debug=fast", "tracking=disabled", f"workdir={tmp_path}"]) == 2
+        err = capsys.readouterr().err  # log lines aside: one error line, no traceback
+        assert "Traceback" not in err and err.count("error: ") == 1, err
+        line = err.split("error: ", 1)[1].split("\n", 1)[0]
+        assert line.startswith(
+            "stage=pretrain (also stage=all's first step with model=tiny) runs in one process"
+        )
+        assert "not the 2 of this launch" in line
     assert not (tmp_path / "pretrain").exists()
