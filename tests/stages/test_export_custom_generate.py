@@ -300,6 +300,48 @@ def test_a_streamer_gets_the_prompt_then_each_steps_tokens(workdir: Path, model,
     release(model)
 
 
+def test_calls_on_one_model_from_two_threads_run_one_after_the_other(workdir: Path, model, tok) -> None:
+    """A call keeps its heads, tree and static decoders on the model and switches the model's attention
+    around its forwards: while a first call is held inside (its streamer blocks), a second call on the
+    same model from another thread runs no forward; one on another model runs; released, all three give
+    what one call gives alone."""
+    import threading
+
+    one = tok(PROMPTS[0], return_tensors="pt")
+    alone = _medusa(model, workdir / "export", **one, max_new_tokens=8)
+    other = AutoModelForCausalLM.from_pretrained(workdir / "base_model").eval()
+    inside, let_go, forwarded = threading.Event(), threading.Event(), threading.Event()
+
+    class Hold(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            inside.set()
+            assert let_go.wait(30)
+
+        def end(self) -> None:
+            pass
+
+    results = {}
+
+    def call(name: str, m, **extra) -> None:
+        results[name] = _medusa(m, workdir / "export", **one, max_new_tokens=8, **extra)
+
+    first = threading.Thread(target=call, args=("first", model), kwargs={"streamer": Hold()})
+    second = threading.Thread(target=call, args=("second", model))
+    first.start()
+    assert inside.wait(30)
+    hook = model.register_forward_hook(lambda *_: forwarded.set())
+    try:
+        second.start()
+        call("other", other)  # another model: not held up
+        assert not forwarded.wait(2.0)  # the same model: no forward while the first call is inside
+    finally:
+        let_go.set()
+        first.join(60)
+        second.join(60)
+        hook.remove()
+    assert all(torch.equal(results[name], alone) for name in ("first", "second", "other"))
+
+
 def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, tok, monkeypatch) -> None:
     one = tok(PROMPTS[0], return_tensors="pt")
     plain = model.generate(**one, do_sample=False, max_new_tokens=16)
