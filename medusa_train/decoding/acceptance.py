@@ -92,8 +92,12 @@ def _nucleus_cutoff_searched(scores: torch.Tensor, lse: torch.Tensor, top_p: flo
     No later token holds more than the R-th, so a row short of the mass by d needs at least d over
     the R-th's mass more ranks: the next round ranks that many, and a row needing more than the
     last of :data:`_NUCLEUS_RANKS` (a flat distribution after one round) sorts the vocabulary
-    (those bounds only choose the work: any choice gives the same cutoff). Waits on the device a few
-    times a round.
+    (those bounds only choose the work: any choice gives the same cutoff).
+
+    A round decides its rows with masks on the device, in float64 (``enough`` and the bound on the
+    ranks not rounded to float32), and waits on it once, to read how many rows it found, how many are
+    left and the most ranks one of them needs; the rows left are gathered by ``nonzero_static`` of
+    that size, which does not wait again (a boolean index would).
 
     Args:
         scores: ``(..., V)``.
@@ -105,38 +109,33 @@ def _nucleus_cutoff_searched(scores: torch.Tensor, lse: torch.Tensor, top_p: flo
     """
     vocab = scores.shape[-1]
     flat, flat_lse = scores.reshape(-1, vocab), lse.reshape(-1, 1)  # (N, V), (N, 1)
-    cutoff = torch.empty_like(flat_lse)  # (N, 1)
+    cutoff = torch.full_like(flat_lse, math.nan)  # (N, 1) NaN: not found among the ranked scores
     enough = top_p + _NUCLEUS_SLACK
-    rows = list(range(len(flat)))  # the rows searched
-    to_sort = []  # rows whose nucleus reaches past the ranks searched
+    rows = torch.arange(len(flat), device=flat.device)  # (n,) the rows searched
+    left, settled = len(flat), 0  # len(rows), the rows found so far
     rank = _NUCLEUS_RANKS[0]
-    while rows and rank < vocab:
-        index = torch.tensor(rows, device=flat.device)  # (n,)
-        part, part_lse = (flat, flat_lse) if len(rows) == len(flat) else (flat[index], flat_lse[index])
+    while left and rank < vocab:
+        part, part_lse = (flat, flat_lse) if left == len(flat) else (flat[rows], flat_lse[rows])
         ranked = part.topk(rank, dim=-1).values  # (n, R)
         found_cutoff, held, least = _nucleus_cutoff(ranked, part_lse, top_p)  # (n, 1), (n,), (n,)
-        found, wanted = [], {}  # the rows decided; the others' least rank within reach
-        for i, (mass, last) in enumerate(zip(*torch.stack((held, least)).tolist(), strict=True)):
-            ranks = rank + (enough - mass) / last if last > 0 else math.inf  # no later one holds more
-            if mass >= enough:
-                found.append(i)
-            elif ranks <= _NUCLEUS_RANKS[-1]:
-                wanted[i] = ranks
-            else:  # NaN too
-                to_sort.append(rows[i])
-        if len(found) == len(flat):
+        short = enough - held.double()  # (n,)
+        found = short <= 0  # (n,) held >= enough
+        ranks = rank + short / least  # (n,) no later one holds more; inf or NaN where least is 0 or NaN
+        wanted = ~found & (ranks <= _NUCLEUS_RANKS[-1])  # (n,) the others sort the vocabulary
+        read = torch.stack((found.sum(), wanted.sum(), ranks.where(wanted, 0).amax()))  # (3,) float64
+        found_here, left, most = read.tolist()  # the round's one wait
+        if found_here == len(flat):
             return found_cutoff.reshape(lse.shape)
-        if found:
-            at = torch.tensor(found, device=flat.device)  # (f,)
-            cutoff[index[at]] = found_cutoff[at]
-        rows = [rows[i] for i in wanted]
-        rank = next((r for r in _NUCLEUS_RANKS if r > rank and r >= max(wanted.values(), default=0)), vocab)
-    rows = sorted(to_sort + rows)
-    if len(rows) == len(flat):
+        cutoff[rows] = found_cutoff.where(found[:, None], math.nan)  # a found cutoff is a score, not NaN
+        settled += int(found_here)
+        rows = rows[wanted.nonzero_static(size=int(left))[:, 0]]  # (n',) in order
+        rank = next((r for r in _NUCLEUS_RANKS if r > rank and r >= most), vocab)
+    sorting = len(flat) - settled
+    if sorting == len(flat):
         ranked = flat.sort(dim=-1, descending=True).values  # (N, V)
         return _nucleus_cutoff(ranked, flat_lse, top_p)[0].reshape(lse.shape)
-    if rows:
-        index = torch.tensor(rows, device=flat.device)  # (n,)
+    if sorting:
+        index = cutoff[:, 0].isnan().nonzero_static(size=sorting)[:, 0]  # (n,)
         ranked = flat[index].sort(dim=-1, descending=True).values  # (n, V)
         cutoff[index] = _nucleus_cutoff(ranked, flat_lse[index], top_p)[0]
     return cutoff.reshape(lse.shape)
