@@ -434,11 +434,13 @@ def one_device_per_process(args: TrainingArguments, device: torch.device) -> Non
 
 
 def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
-    """Refuse to resume checkpoints of another backbone / other settings (or wipe them with overwrite).
+    """Refuse to resume checkpoints of another backbone / other settings / another ``deepspeed=`` (or
+    wipe them with overwrite).
 
-    ``info`` is this run's ``run.json`` (``settings``: :func:`train_settings`, ``backbone``: its identity). The
-    backbone counts by content (its fingerprint), not by where it lies, so a moved or copied workdir
-    resumes.
+    ``info`` is this run's ``run.json`` (``settings``: :func:`train_settings`, ``backbone``: its identity,
+    ``deepspeed``: :func:`_checkpoint_format`). The backbone counts by content (its fingerprint), not by
+    where it lies, so a moved or copied workdir resumes. ``deepspeed`` is no setting (the trained heads
+    are the same either way) but decides how checkpoints hold the optimizer state.
     """
     path = train_dir / RUN_INFO
     if train_dir.exists() and overwrite and dist.is_main():
@@ -450,18 +452,30 @@ def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
         )
         same_settings = old.get("settings") == info["settings"]
         same_backbone = identity_content(old.get("backbone")) == identity_content(info["backbone"])
-        if not (same_settings and same_backbone):
+        same_format = old.get("deepspeed") == info["deepspeed"]
+        if not (same_settings and same_backbone and same_format):
             if not same_settings:
                 what = describe_diff(old.get("settings"), info["settings"])
-            else:
+            elif not same_backbone:
                 what = describe_diff(
                     identity_content(old.get("backbone")), identity_content(info["backbone"])
                 )
                 what = "the backbone: " + what
+            else:
+                what = describe_diff({"deepspeed": old.get("deepspeed")}, {"deepspeed": info["deepspeed"]})
             raise UserError(
                 f"{train_dir} holds checkpoints of another run (differs in {what}): run with the old values to "
                 "resume them, pass training.overwrite=true to discard them, or use another workdir="
             )
+
+
+def _checkpoint_format(cfg: Config) -> str:
+    """``none``, ``zero2``, ...: the ``deepspeed=`` preset, which decides how a checkpoint holds the
+    optimizer state. The Trainer's own checkpoints hold it in ``optimizer.pt``; DeepSpeed's in its
+    ``global_stepN/`` files, partitioned per ZeRO stage. Resumed without DeepSpeed, a DeepSpeed
+    checkpoint (which has no ``optimizer.pt``) restarts Adam's moments without a word; the other way
+    round, or across ZeRO stages, the load fails deep inside the Trainer or DeepSpeed."""
+    return f"zero{cfg.deepspeed.zero_stage}" if cfg.deepspeed.enabled else "none"
 
 
 # -- training ---------------------------------------------------------------------------------------
@@ -541,7 +555,7 @@ def _train(
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
     heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
-    info = {"settings": settings, "backbone": identity}
+    info = {"settings": settings, "backbone": identity, "deepspeed": _checkpoint_format(cfg)}
     _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from medusa_train.errors import UserError
 from medusa_train.formats import load_heads
 from medusa_train.stages import train
 from medusa_train.workdir import HEADS_WEIGHTS
@@ -111,3 +112,24 @@ def test_bf16_lora_zero2_run_killed_and_resumed_equals_uninterrupted(tmp_path: P
         assert got.keys() == want.keys() and all(t.dtype == torch.float32 for t in got.values())
         for key, tensor in want.items():
             torch.testing.assert_close(got[key], tensor, atol=1e-5, rtol=1e-5, msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize(("first", "then"), [("zero2", "none"), ("zero3", "zero2")])
+def test_resuming_with_another_deepspeed_is_refused(
+    tmp_path: Path, monkeypatch, first: str, then: str
+) -> None:
+    """DeepSpeed's checkpoints hold the optimizer state in its own files, laid out per ZeRO stage.
+    Resumed without DeepSpeed the Trainer finds no optimizer.pt and would go on with fresh Adam
+    moments, to other heads, without a word; across ZeRO stages DeepSpeed's load fails with a bare
+    AssertionError. Refused before training, naming ``deepspeed`` and both values; the checkpoints
+    are kept."""
+    root = make_train_workdir(tmp_path)
+    with _partitioned(first, monkeypatch):
+        run_killed_at_step(train_cfg(root, f"deepspeed={first}"), monkeypatch, step=4)
+    with (
+        _partitioned(then, monkeypatch),
+        pytest.raises(UserError, match=rf"differs in deepspeed \({first} -> {then}\)"),
+    ):
+        train.run(train_cfg(root, f"deepspeed={then}"))
+    assert (root / "train" / "checkpoint-3" / "trainer_state.json").is_file()
+    assert not (root / "heads").exists()
