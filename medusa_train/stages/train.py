@@ -452,7 +452,8 @@ def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
         )
         same_settings = old.get("settings") == info["settings"]
         same_backbone = identity_content(old.get("backbone")) == identity_content(info["backbone"])
-        same_format = old.get("deepspeed") == info["deepspeed"]
+        # A run.json written before the preset was recorded resumes as it did then (nothing to compare).
+        same_format = "deepspeed" not in old or old["deepspeed"] == info["deepspeed"]
         if not (same_settings and same_backbone and same_format):
             if not same_settings:
                 what = describe_diff(old.get("settings"), info["settings"])

@@ -12,6 +12,7 @@ an uninterrupted bf16 run. 4-bit QLoRA is tested the same way in test_medusa2.py
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -133,3 +134,17 @@ def test_resuming_with_another_deepspeed_is_refused(
         train.run(train_cfg(root, f"deepspeed={then}"))
     assert (root / "train" / "checkpoint-3" / "trainer_state.json").is_file()
     assert not (root / "heads").exists()
+
+
+def test_a_run_json_from_before_the_preset_was_recorded_resumes(tmp_path: Path, monkeypatch) -> None:
+    """A run.json written before ``deepspeed`` was recorded in it has nothing to compare: its
+    checkpoints resume as they did then, and the file records the preset from then on."""
+    root = make_train_workdir(tmp_path)
+    run_killed_at_step(train_cfg(root), monkeypatch, step=4)
+    info_path = root / "train" / "run.json"
+    info = json.loads(info_path.read_text())
+    del info["deepspeed"]
+    info_path.write_text(json.dumps(info))
+    result = train.run(train_cfg(root))
+    assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6
+    assert json.loads(info_path.read_text())["deepspeed"] == "none"
