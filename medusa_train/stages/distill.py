@@ -358,9 +358,8 @@ def _quick_settings(cfg: Config, source: ReadResult) -> dict:
         "revision": cfg.model.revision,
         "files": _backbone_files_signature(cfg.model.name_or_path),  # recorded, not compared
         "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
-        "settings_files": _backbone_settings_files(
-            cfg.model.name_or_path
-        ),  # its tokenizer, generation config
+        # A local checkpoint's tokenizer, chat template and generation config, by content.
+        "settings_files": _backbone_settings_files(cfg.model.name_or_path),
     }
     served = cfg.distill.engine == "server"  # then the servers' own dtype and quantization apply
     quick = settings_of(
