@@ -718,8 +718,12 @@ class StaticDecoder:
         with on_device(self.device):  # the step's kernels and replays launch there
             t0 = _now(self.device)
             for row in range(self.batch_size):  # rows without a prompt decode a copy of the first one
-                self._prefill_row(row, ids[row] if row < len(ids) else ids[0])
-                self.budget[row] = budgets[row] if row < len(ids) else budgets[0]
+                src = row if row < len(ids) else 0
+                # A row with no room emits nothing, but its slot still steps: its prompt's first token
+                # stands in for it (a prompt past the model's positions cannot be prefilled: GPT-2's
+                # learned positions end there).
+                self._prefill_row(row, ids[src] if budgets[src] > 0 else ids[src][:, :1])
+                self.budget[row] = budgets[src]
             self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
             while any(active):

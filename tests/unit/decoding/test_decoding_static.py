@@ -138,6 +138,23 @@ def test_static_stops_at_eos_and_context(arch):
     assert len(full.tokens) == 0 and full.stop_reason == "empty"
 
 
+def test_a_prompt_past_the_models_positions_is_empty_and_its_batch_mates_decode():
+    """GPT-2's positions end at MAX_POS: a longer prompt gets no tokens ("empty", as from the dynamic
+    decoders) and is never prefilled there; the row decoded beside it is its own plain greedy."""
+    model = tiny_model("gpt2", seed=11)
+    heads = random_heads(model, seed=4)
+    gen = torch.Generator().manual_seed(7)
+    too_long = torch.randint(1, VOCAB, (1, MAX_POS + 3), generator=gen)
+    short = torch.randint(1, VOCAB, (1, 6), generator=gen)
+    decoder = StaticDecoder(model, heads, chain_tree(4), capacity=2 * MAX_POS, batch_size=2)
+    alone = decoder.generate(too_long, max_new_tokens=10)
+    assert len(alone.tokens) == 0 and alone.stop_reason == "empty" and alone.accepted_lengths == []
+    out = decoder.generate_batch([too_long, short], max_new_tokens=10)
+    assert len(out.rows[0].tokens) == 0 and out.rows[0].stop_reason == "empty"
+    assert out.rows[1].tokens.tolist() == plain_greedy(model, short, 10)
+    assert out.rows[1].stop_reason == "max_new_tokens"
+
+
 class RowOracleHeads(OracleHeads):
     """:class:`OracleHeads` for decoders that ask for the heads of several rows at once."""
 
