@@ -383,7 +383,7 @@ def medusa_generate_batch(
         ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
             the wrong length, a flash-attention model, or a model spread over several devices.
         AttentionBackendError: ``attention`` names a kernel that cannot run here.
-        TreeError: the tree is malformed or deeper than the number of heads.
+        TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()
     check_one_device(model, "medusa_generate_batch")
@@ -410,7 +410,7 @@ def medusa_generate_batch(
         _check_generators(gens, device)
     backend = resolve_attention(attention, device, context=max(map(len, rows_in)) + max_new_tokens)
     tree = as_tree(tree).to(device)
-    tree.check_heads(heads.num_heads)
+    tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
     rule = dict(
         acceptance=acceptance,

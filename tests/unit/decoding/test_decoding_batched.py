@@ -12,6 +12,7 @@ from medusa_train.decoding import (
     MEDUSA_63,
     PackedHeads,
     TreeBuffers,
+    TreeError,
     chain_tree,
     medusa_generate,
     medusa_generate_batch,
@@ -286,6 +287,14 @@ def test_batched_user_errors():
         medusa_generate_batch(
             model, heads, [torch.ones(2, 3, dtype=torch.long)], max_new_tokens=4, tree=chain_tree(2)
         )
+    calls = []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    try:  # a rank the vocabulary cannot give: refused before the prefill, as by medusa_generate
+        with pytest.raises(TreeError, match=f"rank {VOCAB} but the heads give only {VOCAB}"):
+            medusa_generate_batch(model, heads, [[1, 2], [3]], max_new_tokens=4, tree=[[VOCAB]])
+    finally:
+        hook.remove()
+    assert calls == []
 
 
 @pytest.mark.parametrize("shapes", [[(2, 4)] * 3, [(2, 4), (1, 4), (2, 4)]], ids=["uniform", "mixed"])
