@@ -346,7 +346,7 @@ def medusa_generate_batch(
     posterior_alpha: float = 0.3,
     eos_token_id: int | Sequence[int] | None = None,
     generators: torch.Generator | Sequence[torch.Generator | None] | None = None,
-    pad_token_id: int = 0,
+    pad_token_id: int | None = 0,
     batch1_fast_path: bool = True,
     attention: str = "sdpa",
     repetition_penalty: float = 1.0,
@@ -370,7 +370,8 @@ def medusa_generate_batch(
         generators: for ``sample``: one generator per row (a row's draws then depend on its
             generator only), or one generator shared by all rows (draws in row order each step); on
             the model's device.
-        pad_token_id: the token placed in left-padding positions (masked; any valid id).
+        pad_token_id: the token placed in left-padding positions (masked; any valid id; None: 0, for a
+            tokenizer without a pad token).
         batch1_fast_path: with one prompt, run :func:`medusa_generate` (its batch-1 fast paths).
         attention: tree attention of the verification forwards, as for
             :func:`~medusa_train.decoding.medusa_generate` ("sdpa", "triton", "cuda" or "auto"); a
@@ -471,7 +472,7 @@ def medusa_generate_batch(
     #    (a padding row sees itself only), per-row position ids from 0 at the first real token.
     n = len(live)
     pads = [t_max - lengths[b] for b in live]
-    ids = torch.full((n, t_max), pad_token_id, dtype=torch.long)
+    ids = torch.full((n, t_max), 0 if pad_token_id is None else pad_token_id, dtype=torch.long)
     for i, b in enumerate(live):
         ids[i, pads[i] :] = torch.tensor(rows_in[b])
     ids = ids.to(device)  # (n, T)

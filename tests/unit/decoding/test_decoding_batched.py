@@ -297,6 +297,15 @@ def test_batched_user_errors():
     assert calls == []
 
 
+def test_no_pad_token_pads_with_any_id():
+    """``pad_token_id=None`` (a tokenizer without a pad token): the padding is masked, so any id does."""
+    model = tiny_model("llama", seed=3)
+    heads = random_heads(model, seed=5)
+    prompts = prompts_for(3, seed=6)
+    out = medusa_generate_batch(model, heads, prompts, max_new_tokens=8, tree=MEDUSA_63, pad_token_id=None)
+    assert [r.tokens.tolist() for r in out.rows] == [plain_greedy(model, p, 8) for p in prompts]
+
+
 @pytest.mark.parametrize("shapes", [[(2, 4)] * 3, [(2, 4), (1, 4), (2, 4)]], ids=["uniform", "mixed"])
 def test_row_cache_moves_entries_and_rows_of_every_layer(shapes):
     """Layers of one shape share one tensor (a move is one op for the model), a layer of another shape
