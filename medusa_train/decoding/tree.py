@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +187,9 @@ class TreeBuffers:
 
 _BUILT: dict[tuple[tuple[int, ...], ...], TreeBuffers] = {}  # recent lists of paths -> their buffers
 _BUILT_MAX = 16
+# Decoder calls on one model are serialised by that model's lock, but calls on two models may run in
+# two threads at once: the eviction below (read the oldest key, then pop it) must not interleave.
+_BUILT_LOCK = threading.Lock()
 
 
 def as_tree(tree: TreeBuffers | Sequence[Sequence[int]]) -> TreeBuffers:
@@ -203,13 +207,15 @@ def as_tree(tree: TreeBuffers | Sequence[Sequence[int]]) -> TreeBuffers:
         isinstance(p, (list, tuple)) and all(type(i) is int for i in p) for p in tree
     ):
         key = tuple(tuple(p) for p in tree)
-        if key in _BUILT:
-            return _BUILT[key]
+        with _BUILT_LOCK:
+            if key in _BUILT:
+                return _BUILT[key]
     built = TreeBuffers.from_choices(tree)
     if key is not None:
-        if len(_BUILT) >= _BUILT_MAX:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = built
+        with _BUILT_LOCK:
+            while len(_BUILT) >= _BUILT_MAX:
+                _BUILT.pop(next(iter(_BUILT)))
+            _BUILT[key] = built
     return built
 
 
