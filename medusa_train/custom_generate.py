@@ -24,7 +24,8 @@ belong to the model, and decodes:
   temperature, top_k, top_p and min_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
   acceptance at ``temperature`` (``medusa_posterior_threshold``, ``medusa_posterior_alpha``);
 - a batch (B > 1, left padding) through :func:`~medusa_train.decoding.medusa_generate_batch`, each
-  row without its padding; B = 1 through :func:`~medusa_train.decoding.medusa_generate`, as is each
+  row without its padding (without an ``attention_mask``, the one ``generate`` infers: every
+  ``pad_token_id`` of the prompt masked, unless it is an EOS token); B = 1 through :func:`~medusa_train.decoding.medusa_generate`, as is each
   row of a batch in turn on a model spread over devices (``device_map``: the batched decoder needs
   one device);
 - ``cache_implementation="static"`` (what asks plain ``generate`` for its static cache and, on a GPU,
@@ -269,6 +270,8 @@ def generate(
         max_new = config.max_length - (0 if default_length else width)
     loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
 
+    if attention_mask is None:  # as generate: its padding masked when the prompt holds pad_token_id
+        attention_mask = _inferred_mask(input_ids, config.pad_token_id, eos)
     device = model.get_output_embeddings().weight.device
     rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
     settings = dict(
@@ -595,6 +598,16 @@ def _as_list(eos) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+def _inferred_mask(input_ids: torch.Tensor, pad_token_id: int | None, eos: list[int]) -> torch.Tensor | None:
+    """The ``(B, T)`` attention mask ``generate`` infers for a call without one
+    (``_prepare_attention_mask_for_generation``): 0 on every ``pad_token_id`` when the prompt holds it
+    and it is no EOS token; None (every token counts) otherwise."""
+    if input_ids.ndim != 2 or pad_token_id is None or int(pad_token_id) in eos:
+        return None
+    padding = input_ids == int(pad_token_id)  # (B, T)
+    return (~padding).long() if bool(padding.any()) else None
+
+
 def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Each row of a left-padded ``(B, T)`` batch without its padding, as ``(1, T_i)``.
 
@@ -611,8 +624,9 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
     for i, n in enumerate(lengths):
         if n == 0 or not bool(mask[i, input_ids.shape[1] - n :].all()):
             raise ValueError(
-                "Medusa decoding takes left-padded batches with at least one token per row: "
-                "set tokenizer.padding_side = 'left'"
+                "Medusa decoding takes left-padded batches with at least one token per row (without an "
+                "attention_mask, every pad_token_id counts as padding, as in generate): "
+                "set tokenizer.padding_side = 'left' and pass the tokenizer's attention_mask"
             )
         rows.append(input_ids[i : i + 1, input_ids.shape[1] - n :])  # (1, n)
     return rows

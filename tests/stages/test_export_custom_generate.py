@@ -77,6 +77,19 @@ def test_greedy_equals_plain_generate_for_a_prompt_and_a_batch(workdir: Path, mo
     assert torch.equal(_medusa(model, workdir / "export", **one), model.generate(**one, do_sample=False))
 
 
+def test_a_batch_without_its_attention_mask_is_masked_as_generate_masks_it(workdir: Path, model, tok) -> None:
+    """Without an attention_mask, generate masks every pad_token_id of the prompt (when it is no EOS
+    token): the padding of a left-padded batch is not decoded as prompt tokens."""
+    ids = tok(PROMPTS, return_tensors="pt", padding=True)["input_ids"]
+    assert (ids[0] == tok.pad_token_id).any() and tok.pad_token_id != tok.eos_token_id
+    plain = model.generate(ids, do_sample=False, max_new_tokens=20)
+    for extra in ({}, {"cache_implementation": "static"}):
+        assert torch.equal(
+            _medusa(model, workdir / "export", input_ids=ids, max_new_tokens=20, **extra), plain
+        )
+    release(model)
+
+
 def test_a_moved_export_is_found_from_the_custom_generate_argument(
     workdir: Path, model, tok, tmp_path
 ) -> None:
