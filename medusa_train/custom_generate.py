@@ -18,7 +18,9 @@ belong to the model, and decodes:
   ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and ``min_new_tokens`` / ``min_length`` (on
   every node's logits, as generate's processors apply them: :mod:`medusa_train.decoding.processors`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
   ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
-  then ``end()``);
+  then ``end()``); a setting that changes ``generate``'s output and that Medusa decoding does not
+  apply (``no_repeat_ngram_size``, ``bad_words_ids``, ``stop_strings``, ... :data:`_UNAPPLIED_SETTINGS`),
+  from the call or from ``model.generation_config``, is a ``ValueError`` naming the value that turns it off;
 - ``do_sample=False``: greedy acceptance, output identical to plain greedy ``generate``;
   ``do_sample=True``: exact sampling (the distribution of ``generate(do_sample=True)`` with the same
   temperature, top_k, top_p and min_p, warped in generate's order); ``medusa_acceptance="typical"``: Medusa's typical
@@ -87,7 +89,7 @@ MIN_TRANSFORMERS = "5.17"
 ACCEPTANCE = ("greedy", "typical", "sample")
 """``medusa_acceptance`` values; None picks greedy or sample from ``do_sample``."""
 
-_IGNORED_SETTINGS = {  # generate settings that change outputs and that Medusa decoding does not apply
+_UNAPPLIED_SETTINGS = {  # generate settings that change outputs, that Medusa decoding does not apply: refused
     "encoder_repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "bad_words_ids": None,
@@ -231,7 +233,8 @@ def generate(
     Raises:
         ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
-            right padding, an unknown ``medusa_acceptance`` or ``medusa_attention``); an attention
+            a setting it does not apply such as ``bad_words_ids``, right padding, an unknown
+            ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here.
     """
     source = _find_export(model, medusa_heads, export_dir)
@@ -239,6 +242,7 @@ def generate(
     if refused:
         raise ValueError(f"Medusa decoding does not take {', '.join(refused)}: call generate without them")
     kwargs.pop("synced_gpus", None)
+    kwargs.pop("tokenizer", None)  # generate reads it for stop_strings only, which are refused
     streamer = kwargs.pop("streamer", None)
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = kwargs.pop("attention_mask", None)
@@ -565,21 +569,32 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
 
 # -- arguments ------------------------------------------------------------------------------------
 def _acceptance(config, requested: str | None) -> str:
-    """The acceptance rule of the call, with a warning for settings it does not apply."""
+    """The acceptance rule of the call.
+
+    Raises:
+        ValueError: beam search, several sequences per prompt, an unknown rule, or a setting that
+            changes generate's output and that Medusa decoding does not apply (:data:`_UNAPPLIED_SETTINGS`).
+    """
     if int(config.num_beams or 1) > 1 or int(config.num_return_sequences or 1) > 1:
         raise ValueError(
             "Medusa decoding makes one sequence per prompt: use num_beams=1, num_return_sequences=1"
         )
     if requested is not None and requested not in ACCEPTANCE:
         raise ValueError(f"medusa_acceptance must be one of {ACCEPTANCE}, got {requested!r}")
-    rule = requested or ("sample" if config.do_sample else "greedy")
-    ignored = [
-        f"{name}={getattr(config, name)!r}"
-        for name, default in _IGNORED_SETTINGS.items()
+    unapplied = [
+        (name, default)
+        for name, default in _UNAPPLIED_SETTINGS.items()
         if getattr(config, name, default) not in (default, None)
     ]
-    _warn_once(ignored, "Medusa decoding does not apply {}")
-    return rule
+    if unapplied:  # from the call or from the model's generation_config: their default overrides either
+        raise ValueError(
+            "Medusa decoding does not apply "
+            + ", ".join(f"{name}={getattr(config, name)!r}" for name, _ in unapplied)
+            + ": pass "
+            + ", ".join(f"{name}={default!r}" for name, default in unapplied)
+            + " to decode without (plain generate applies them)"
+        )
+    return requested or ("sample" if config.do_sample else "greedy")
 
 
 def _warn_once(items: list[str], template: str) -> None:

@@ -161,9 +161,10 @@ def _rows_match_their_own_generate(model, tok, export: Path, max_new_tokens: int
             assert row[: len(ref)] == ref and all(t == tok.pad_token_id for t in row[len(ref) :]), (i, extra)
 
 
-def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplog) -> None:
-    """The repetition penalty and the minimum length as generate applies them; settings that Medusa
-    decoding does not apply, and outputs it does not return, named in a warning."""
+def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplog, monkeypatch) -> None:
+    """The repetition penalty and the minimum length as generate applies them; settings that change the
+    output and that Medusa decoding does not apply refused (from the call or the model's generation
+    config), outputs it does not return named in a warning."""
     one = tok(PROMPTS[0], return_tensors="pt")
     plain = model.generate(**one, do_sample=False, max_new_tokens=30, repetition_penalty=1.3)
     assert not torch.equal(plain, model.generate(**one, do_sample=False, max_new_tokens=30))
@@ -178,10 +179,19 @@ def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplo
     # a minimum length: the row whose reply is EOS at once writes 6 tokens first, as its generate does
     assert model.generate(**tok(PROMPTS[1], return_tensors="pt"), max_new_tokens=4)[0, -1] == tok.eos_token_id
     _rows_match_their_own_generate(model, tok, workdir / "export", 12, min_new_tokens=6)
-    # a setting Medusa decoding does not apply is named in a warning
-    with caplog.at_level(logging.WARNING):
-        _medusa(model, workdir / "export", **one, max_new_tokens=4, no_repeat_ngram_size=7)
-    assert "Medusa decoding does not apply no_repeat_ngram_size=7" in caplog.text
+    # a setting that changes the output and that Medusa decoding does not apply is refused, naming the
+    # value that turns it off
+    with pytest.raises(ValueError, match=r"not apply bad_words_ids=\[\[5\]\]: pass bad_words_ids=None"):
+        _medusa(model, workdir / "export", **one, max_new_tokens=4, bad_words_ids=[[5]])
+    with pytest.raises(ValueError, match=r"not apply stop_strings=\['x'\]: pass stop_strings=None"):
+        _medusa(model, workdir / "export", **one, max_new_tokens=4, stop_strings=["x"], tokenizer=tok)
+    with monkeypatch.context() as patched:  # set by the model's generation config: its default overrides it
+        patched.setattr(model.generation_config, "no_repeat_ngram_size", 7)
+        with pytest.raises(ValueError, match="not apply no_repeat_ngram_size=7: pass no_repeat_ngram_size=0"):
+            _medusa(model, workdir / "export", **one, max_new_tokens=4)
+        off = dict(max_new_tokens=8, no_repeat_ngram_size=0)
+        out = _medusa(model, workdir / "export", **one, **off)
+        assert torch.equal(out, model.generate(**one, do_sample=False, **off))
     with caplog.at_level(logging.WARNING):  # outputs besides the sequences: named, left None
         out = _medusa(
             model,
