@@ -322,15 +322,15 @@ class MedusaHeads(nn.Module):
         return logits.reshape(k, *lead, self.draft_vocab_size)
 
     def fingerprint(self) -> str:
-        """``sha256:<16 hex>`` of the heads' tensors (names, dtypes, shapes, bytes): the heads' identity.
+        """``sha256:<16 hex>`` of the heads' tensors (names, dtypes, shapes, bytes; truncated heads' token
+        map included, which decides the tokens they draft): the heads' identity.
 
         Stage=eval records it with its figures and stage=export with its copy, so a model card states
         a tau only for the heads it was measured on. A cast (``export.dtype``) gives other bytes, so
         another fingerprint.
         """
         h = hashlib.sha256()
-        for name, tensor in sorted(self.heads.state_dict().items()):
-            t = tensor.detach().to("cpu").contiguous()
+        for name, t in sorted(self.state_tensors().items()):
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return f"sha256:{h.hexdigest()[:16]}"

@@ -303,6 +303,21 @@ def test_truncated_heads_round_trip_our_layout_and_vllm(tmp_path: Path, model):
         save_medusa(heads, tmp_path / "medusa")
 
 
+def test_the_fingerprint_tells_token_maps_apart(tmp_path: Path, model):
+    """Truncated heads with the same tensors but another token map draft other tokens: other heads, so
+    another fingerprint (a model card states an eval's tau only for heads of the fingerprint it
+    measured); the fingerprint survives both layouts' round trip."""
+    first = _truncated_from(random_heads(model, num_heads=2, seed=11), torch.arange(40))
+    flipped = torch.arange(40).flip(0)  # the same projection rows for other token ids
+    second = MedusaHeads(D, VOCAB, 2, 1, head_projection="truncated", token_map=flipped)
+    second.heads.load_state_dict(first.heads.state_dict())
+    assert first.fingerprint() != second.fingerprint()
+    save_vllm(second, tmp_path / "vllm")
+    assert load_heads(tmp_path / "vllm").fingerprint() == second.fingerprint()
+    second.save_pretrained(tmp_path / "ours")
+    assert MedusaHeads.from_pretrained(tmp_path / "ours").fingerprint() == second.fingerprint()
+
+
 def test_shared_heads_files(tmp_path: Path, model):
     heads = _shared_from(random_heads(model, num_heads=3, seed=10), model)
     save_medusa(heads, tmp_path / "medusa")
