@@ -9,8 +9,9 @@ and calls the function with every argument ``generate`` got (``input_ids``, ``at
 
 ``stage=export`` writes that folder into the export (:func:`write_custom_generate`): a small
 ``generate.py`` that calls :func:`generate` here, and ``requirements.txt``. :func:`generate` finds the
-export (the ``custom_generate`` value ``generate`` was called with; else the folder the export was
-written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model, checks they
+export (the ``custom_generate`` value ``generate`` was called with, a Hub id fetched with the call's
+``revision``, ``token``, ``local_files_only``, ``cache_dir`` and ``force_download`` as its
+``generate.py`` was; else the folder the export was written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model, checks they
 belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
@@ -113,6 +114,10 @@ _UNAPPLIED_SETTINGS = {  # generate settings that change outputs, that Medusa de
 }
 _NOT_RETURNED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 """``generate`` outputs besides the sequences that a ``return_dict_in_generate`` call may ask for."""
+_HUB_ARGUMENTS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
+"""``generate`` arguments transformers loads a Hub ``custom_generate`` with (``load_custom_generate``):
+the heads and the tree are downloaded with them too (the same revision as ``generate.py``); a local
+folder has no use for them."""
 _REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding loop
     "logits_processor",
     "stopping_criteria",
@@ -237,7 +242,8 @@ def generate(
             ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here.
     """
-    source = _find_export(model, medusa_heads, export_dir)
+    hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
+    source = _find_export(model, medusa_heads, export_dir, hub)
     refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]
     if refused:
         raise ValueError(f"Medusa decoding does not take {', '.join(refused)}: call generate without them")
@@ -346,15 +352,20 @@ def generate(
 
 
 # -- where the export is --------------------------------------------------------------------------
-def _find_export(model, medusa_heads: str | os.PathLike | None, export_dir: str | None) -> Path:
+def _find_export(
+    model, medusa_heads: str | os.PathLike | None, export_dir: str | None, hub: dict | None = None
+) -> Path:
     """The folder to read heads and tree from: ``medusa_heads``, else the ``custom_generate`` value
     ``model.generate`` was called with (a local folder, or a Hub repository downloaded to the Hub
-    cache), else ``export_dir`` (where stage=export wrote it)."""
+    cache with ``hub``, the call's :data:`_HUB_ARGUMENTS`), else ``export_dir`` (where stage=export
+    wrote it)."""
     if medusa_heads is not None:
         return _existing(Path(medusa_heads), "medusa_heads")
     called_with = _custom_generate_argument(model)
     if called_with is not None:
-        return Path(called_with) if Path(called_with).is_dir() else _hub_snapshot(called_with)
+        if Path(called_with).is_dir():
+            return Path(called_with)
+        return _hub_snapshot(called_with, tuple(sorted((hub or {}).items())))
     if export_dir is not None and Path(export_dir).is_dir():
         return Path(export_dir)
     raise ValueError(
@@ -381,11 +392,12 @@ def _custom_generate_argument(model) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _hub_snapshot(repo_id: str) -> Path:
-    """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache."""
+def _hub_snapshot(repo_id: str, hub: tuple[tuple[str, object], ...] = ()) -> Path:
+    """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache with the
+    ``(name, value)`` pairs of ``hub`` (``revision``, ``token``, ...: :data:`_HUB_ARGUMENTS`)."""
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES]))
+    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES], **dict(hub)))
 
 
 def _existing(path: Path, what: str) -> Path:

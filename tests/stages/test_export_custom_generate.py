@@ -109,6 +109,38 @@ def test_a_moved_export_is_found_from_the_custom_generate_argument(
     assert torch.equal(out, plain)
 
 
+def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
+    workdir: Path, model, tok, monkeypatch
+) -> None:
+    """custom_generate=<Hub id>: transformers loads generate.py with the call's revision, token,
+    local_files_only, ... and passes them on; the heads and the tree are fetched with them too (the same
+    revision as the code). Stood in for without a network: the export on disk is the repository."""
+    import huggingface_hub
+
+    import medusa_train.custom_generate as custom_generate
+
+    model = copy.deepcopy(model)  # its load_custom_generate replaced: the module-scoped model stays as it was
+    code = model.load_custom_generate(str(workdir / "export"), trust_remote_code=True)
+    monkeypatch.setattr(model, "load_custom_generate", lambda repo, **kwargs: code)
+    fetched = []
+
+    def snapshot_download(repo_id: str, **kwargs) -> str:
+        fetched.append((repo_id, kwargs))
+        return str(workdir / "export")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    custom_generate._hub_snapshot.cache_clear()
+    one = tok(PROMPTS[0], return_tensors="pt")
+    hub = dict(revision="v1", token="hf_test", local_files_only=True)
+    out = model.generate(
+        **one, max_new_tokens=8, custom_generate="acme/medusa-export", trust_remote_code=True, **hub
+    )
+    assert torch.equal(out, model.generate(**one, do_sample=False, max_new_tokens=8))
+    ((repo_id, kwargs),) = fetched
+    assert repo_id == "acme/medusa-export" and {name: kwargs.get(name) for name in hub} == hub
+    custom_generate._hub_snapshot.cache_clear()
+
+
 def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: Path, model, tok) -> None:
     one = tok(PROMPTS[0], return_tensors="pt")
     width = one["input_ids"].shape[1]
