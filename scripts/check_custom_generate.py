@@ -9,9 +9,11 @@ Run as:
     # no export at hand: a tiny random Llama + random heads exported to a temporary folder (CPU dry run)
     python scripts/check_custom_generate.py --tiny --device cpu
 
-An export without ``custom_generate/`` is checked on a temporary copy
-with that folder written in. The four prompts are user turns in the tokenizer's chat template where
-it has one (the text heads of a chat model are trained on), plain text with ``--raw-prompts``.
+An export without ``custom_generate/`` is checked on a temporary copy with that folder written in.
+The temporary folder (that copy, the ``--tiny`` export, a distribution record) is removed when the
+script ends, whether the cases passed, failed or raised: the output names no path inside it. The four
+prompts are user turns in the tokenizer's chat template where it has one (the text heads of a chat
+model are trained on), plain text with ``--raw-prompts``.
 
 Cases, each caught and reported on its own (one failing case does not hide the others):
 ``greedy`` (each prompt alone: identical to plain greedy ``generate``), ``batch`` (the prompts as one
@@ -82,7 +84,7 @@ def ensure_distribution_record(tmp: Path) -> str | None:
         )
         sys.path.append(str(record.parent))
         importlib.invalidate_caches()
-        return f"medusa_train is not pip-installed here: a distribution record was written to {record.parent}"
+        return "medusa_train is not pip-installed here: a temporary distribution record was put on sys.path"
 
 
 def tiny_export(tmp: Path) -> tuple[Path, Path]:
@@ -145,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --export DIR or --tiny")
 
     tmp = Path(tempfile.mkdtemp(prefix="check_custom_generate_"))
+    try:
+        return check(args, tmp)
+    finally:  # nothing is left behind in the temporary directory, nor on sys.path for a caller in-process
+        sys.path[:] = [entry for entry in sys.path if not Path(entry).is_relative_to(tmp)]
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check(args: argparse.Namespace, tmp: Path) -> int:
+    """The cases of the module docstring for the parsed ``args``, with ``tmp`` as scratch space (its
+    caller removes it); returns the exit code."""
     results: dict = {"device": args.device, "dtype": args.dtype, "torch": torch.__version__}
     results["transformers"] = __import__("transformers").__version__
     note = ensure_distribution_record(tmp)
@@ -154,18 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         export, base = tiny_export(tmp)
         base = str(base)
+        results.update(export="--tiny (temporary)", base="--tiny (temporary)")
     else:
         export, base = args.export.resolve(), base_of(args.export.resolve(), args.model)
+        results.update(export=str(export), base=base)
         if not (export / FOLDER / "generate.py").is_file():  # an export without the folder: check a copy
             copy = tmp / "export"
             shutil.copytree(export, copy, ignore=shutil.ignore_patterns(TRAINED_BACKBONE))
             if (export / TRAINED_BACKBONE).is_dir():
                 (copy / TRAINED_BACKBONE).symlink_to(export / TRAINED_BACKBONE)
             write_custom_generate(copy, copy)
-            results["note_export"] = f"{export} has no {FOLDER}/: checked a copy with it written in ({copy})"
+            results["note_export"] = (
+                f"{export} has no {FOLDER}/: checked a temporary copy with it written in (removed at the end)"
+            )
             print(results["note_export"], flush=True)
             export = copy
-    results.update(export=str(export), base=base)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     model = (
         AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="sdpa").to(device).eval()

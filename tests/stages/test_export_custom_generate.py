@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -556,3 +557,41 @@ def test_check_script_passes_on_the_export(workdir: Path, tmp_path: Path, monkey
     assert "distribution record" in script.ensure_distribution_record(tmp_path)
     record = next((tmp_path / "site").glob("medusa_train-*.dist-info"))
     assert importlib.metadata.Distribution.at(record).version == "0.1.0"
+
+
+@pytest.mark.parametrize("outcome", ["tiny", "copy", "raised"])
+def test_check_script_leaves_no_temporary_folder(outcome: str, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The script's temporary folder (the --tiny export; the copy of an export without custom_generate/)
+    is removed whether the cases ran or one raised, and the output names no path inside it. The cases
+    themselves are left out (the test above runs them)."""
+    script = load_script("check_custom_generate")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def run_case(results: dict, name: str, case) -> None:
+        if outcome == "raised":
+            raise RuntimeError("injected")
+        results[name] = {"ok": True}
+
+    monkeypatch.setattr(script, "run_case", run_case)
+    out = tmp_path / "check.json"
+    argv = ["--device", "cpu", "--max-new-tokens", "2", "--json", str(out)]
+    if outcome == "copy":
+        export, base = script.tiny_export(tmp_path / "src")
+        shutil.rmtree(export / FOLDER)
+        argv += ["--export", str(export), "--model", str(base)]
+    else:
+        argv.append("--tiny")
+    if outcome == "raised":
+        with pytest.raises(RuntimeError, match="injected"):
+            script.main(argv)
+    else:
+        assert script.main(argv) == 0
+        results = json.loads(out.read_text())
+        assert str(scratch) not in json.dumps(results)
+        if outcome == "copy":
+            assert results["export"] == str(export) and "temporary copy" in results["note_export"]
+    assert list(scratch.iterdir()) == []
+    assert str(scratch) not in capsys.readouterr().out
+    assert not any(Path(entry).is_relative_to(scratch) for entry in sys.path)
