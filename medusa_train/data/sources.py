@@ -17,7 +17,7 @@ Formats:
                strings for several user turns).
     text       a plain text file: prompts are consecutive chunks of about ``text_prompt_chars``
                characters, cut at line boundaries (a chunk closes at the first line end at or past
-               the size; blank chunks are dropped).
+               the size; blank chunks are dropped). Lines end at ``"\\n"`` only (:func:`text_lines`).
     hub        any ``datasets.load_dataset(name, subset, split=...)`` dataset (or a directory written
                by ``Dataset.save_to_disk``), each row read as ``hub_format``.
     embedded   the embedded prompt set (``medusa_train.data.embedded.embedded_prompts``).
@@ -285,12 +285,25 @@ def _iter_json_records(files: list[Path], root: Path) -> Iterator[tuple[str, int
             yield f"{name}:{i}", i, record
 
 
+def text_lines(text: str) -> list[str]:
+    r"""The lines of a ``data=text`` file, each with its ``"\n"`` (the last one may have none).
+
+    A line ends at ``"\n"`` only: the file is read with universal newlines, so ``"\r\n"`` and a lone
+    ``"\r"`` arrive as ``"\n"``; form feeds, vertical tabs, ``\x1c``-``\x1e``, U+0085, U+2028 and
+    U+2029, which ``str.splitlines`` would also cut at, stay inside their line (a page break or a
+    paragraph separator is part of the text, and a source id's line number counts line ends only).
+    ``stage=pretrain`` reads the same file with the same lines.
+    """
+    lines = text.split("\n")
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+
+
 def _text_chunks(text: str, size: int) -> Iterator[tuple[int, str]]:
     """Consecutive chunks of about ``size`` characters cut at line ends: ``(first line number, chunk)``."""
     chunk: list[str] = []
     length = 0
     start = 1
-    for i, line in enumerate(text.splitlines(keepends=True), start=1):
+    for i, line in enumerate(text_lines(text), start=1):
         if not chunk:
             start = i
         chunk.append(line)

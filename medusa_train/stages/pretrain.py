@@ -44,6 +44,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_train import dist
 from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
+from medusa_train.data.sources import text_lines
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
 from medusa_train.transformers4 import add_legacy_config_keys, save_tokenizer
@@ -318,7 +319,7 @@ def _text_documents(path: str | None, heldout_fraction: float) -> tuple[list[str
         return out
 
     train_docs = chunks(train_text)
-    return train_docs, chunks(heldout_text), train_text.splitlines(keepends=True)
+    return train_docs, chunks(heldout_text), text_lines(train_text)
 
 
 def _pack(tokenizer, docs: list[str]) -> torch.Tensor:

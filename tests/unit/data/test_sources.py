@@ -10,6 +10,7 @@ import pytest
 
 from medusa_train.data.sources import Conversation, read_records
 from medusa_train.errors import UserError
+from medusa_train.stages import pretrain
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -145,6 +146,36 @@ def test_text_chunks_at_line_boundaries(tmp_path: Path) -> None:
     assert "\n".join(chunks) == "\n".join(lines)  # nothing lost, cut only at line ends
     assert all(len(c) >= 59 for c in chunks[:-1]) and all(c.count("\n") <= 2 for c in chunks)
     assert [r.source_id for r in res.records][:2] == ["t.txt:1", "t.txt:4"]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_text_records_of_an_ordinary_file(tmp_path: Path, newline: str) -> None:
+    """The records and line numbers of a text file, whichever line end it uses."""
+    path = tmp_path / "t.txt"
+    text = "alpha beta\ngamma\n\ndelta epsilon zeta\neta\n"
+    path.write_bytes(text.replace("\n", newline).encode())
+    res = read_records("text", path, text_prompt_chars=12)
+    assert [(r.source_id, r.turns) for r in res.records] == [
+        ("t.txt:1", ["alpha beta\ngamma"]),
+        ("t.txt:3", ["\ndelta epsilon zeta"]),
+        ("t.txt:5", ["eta"]),
+    ]
+
+
+def test_text_lines_end_at_line_feeds_only(tmp_path: Path) -> None:
+    """A form feed, vertical tab, information separator, U+0085, U+2028 or U+2029 inside a line of a
+    text file stays there (``str.splitlines`` would cut at each): the line numbers after it are the
+    file's, and stage=pretrain trains its tokenizer on the same lines."""
+    path = tmp_path / "t.txt"
+    path.write_bytes("page one\fstill one\r\nsep\u2028same\x85line\vtoo\x1cx\u2029y\nlast\n".encode())
+    res = read_records("text", path, text_prompt_chars=1)
+    assert [(r.source_id, r.turns) for r in res.records] == [
+        ("t.txt:1", ["page one\fstill one"]),
+        ("t.txt:2", ["sep\u2028same\x85line\vtoo\x1cx\u2029y"]),
+        ("t.txt:3", ["last"]),
+    ]
+    *_, tokenizer_texts = pretrain._text_documents(str(path), heldout_fraction=0.05)
+    assert tokenizer_texts == ["page one\fstill one\n", "sep\u2028same\x85line\vtoo\x1cx\u2029y\n"]
 
 
 def test_directory_of_files(tmp_path: Path) -> None:
