@@ -94,16 +94,29 @@ class ChatRenderer:
             replies: decoded replies so far (the last one is replaced by a sentinel when rendering).
             eos_id: the EOS token that ended the last reply, or None when it was cut by max_new_tokens.
         """
-        text = self._render(conv, self.messages(conv, [*replies[:-1], _SENTINEL], True))
-        at = text.rfind(_SENTINEL)
-        if at < 0:
-            raise UserError(
-                "the chat template drops earlier assistant turns: multi-turn distillation is impossible"
-            )
-        suffix = text[at + len(_SENTINEL) :]
+        suffix = self._closing(conv, replies)
         if eos_id is not None:
             eos_text = self.tokenizer.decode([eos_id])
             head = suffix.lstrip()  # Llama-2's template closes a reply with ' ' + eos_token
             if eos_text and head.startswith(eos_text):
                 suffix = head[len(eos_text) :]
         return self._encode(suffix)
+
+    def spaced_eos(self, conv: Conversation, eos_ids: list[int]) -> bool:
+        """Whether the template closes the first reply of ``conv`` (which has a second user turn) with
+        whitespace before the text of one of ``eos_ids``, as Llama-2's ``' ' + eos_token`` does: the
+        whitespace :meth:`continuation_ids` drops with that text after a reply the EOS ended."""
+        suffix = self._closing(conv, [""])
+        head = suffix.lstrip()
+        texts = (self.tokenizer.decode([eos_id]) for eos_id in eos_ids)
+        return head != suffix and any(text and head.startswith(text) for text in texts)
+
+    def _closing(self, conv: Conversation, replies: list[str]) -> str:
+        """The template's text after reply ``len(replies) - 1`` up to the next turn's generation prompt."""
+        text = self._render(conv, self.messages(conv, [*replies[:-1], _SENTINEL], True))
+        at = text.rfind(_SENTINEL)
+        if at < 0:
+            raise UserError(
+                "the chat template drops earlier assistant turns: multi-turn distillation is impossible"
+            )
+        return text[at + len(_SENTINEL) :]

@@ -33,7 +33,10 @@ Settings compared (skip in step 2, resume in step 4): :func:`medusa_train.workdi
 ``cfg.distill`` and ``cfg.data`` (every field but their ``run_only`` ones), the backbone (source and
 files before it loads, weights fingerprint after), dtype, quantization, tokenizer and the records
 read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
-and ``data.eval_fraction`` belongs to stage=train.
+and ``data.eval_fraction`` belongs to stage=train. A chat template that puts whitespace before EOS
+after a reply (Llama-2), with data that has a later turn, adds ``spaced_eos`` (its contexts drop that
+whitespace with the EOS text): a folder recorded without it is refused while unfinished (resuming
+would mix two renderings) and kept as it is once complete.
 
 Context limits: the first prompt may hold at most ``min(data.max_prompt_tokens,
 max_position_embeddings - distill.max_new_tokens)`` tokens (longer ones are skipped with a count, or
@@ -240,6 +243,14 @@ def _load_and_plan(
             f"every prompt is longer than {max_context} tokens: raise data.max_prompt_tokens or use data.long_prompts=truncate"
         )
     settings = _full_settings(quick, identity, tokenizer, eos_ids, max_context, prompts)
+    later = next((conv for conv in records if len(conv.turns) > 1), None)
+    if later is not None and renderer.spaced_eos(later, eos_ids):
+        # The contexts of later turns drop the whitespace the template puts before EOS with the EOS
+        # text (ChatRenderer.continuation_ids). Recorded where that applies only, so the folders of
+        # other templates and of single-turn data keep their settings; a folder of this template and
+        # data without it holds EOS, space, EOS there: unfinished, it does not resume into a mix of
+        # both; complete, it is kept as it is (_complete_settings).
+        settings[_SPACED_EOS] = "dropped"
     if cfg.distill.engine != "server":
         # The generation config's settings the in-process engine applies, as generate and the
         # servers do (the repetition penalty always, top-k and min-p when sampling). Recorded where
@@ -487,7 +498,8 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
             previous = manifest.get("settings")
         if (
             manifest is not None
-            and comparable(manifest.get("settings")) == comparable(settings)
+            and comparable(manifest.get("settings"))
+            == comparable(settings if overwrite else _complete_settings(settings, manifest))
             and manifest.get("num_shards") == num_shards
             and not verify_shards(out, manifest)
         ):
@@ -508,6 +520,22 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
     for path in removed:
         log.warning("distill: %s was damaged: generating it again", path)
     return None
+
+
+_SPACED_EOS = "spaced_eos"
+"""The settings entry of a template that puts whitespace before EOS after a reply, for data with a
+later turn (:meth:`~medusa_train.data.chat.ChatRenderer.spaced_eos`)."""
+
+
+def _complete_settings(settings: dict, manifest: dict) -> dict:
+    """``settings`` as the complete folder of ``manifest`` is compared with them: without
+    :data:`_SPACED_EOS` where its settings lack it. Its later turns' contexts then hold the whitespace
+    before the template's EOS (EOS, space, EOS), every record alike: whole data the heads can train on,
+    reused as it is (``distill.overwrite=true`` redoes it); an unfinished folder is refused instead,
+    since resuming it would mix both kinds of records."""
+    if isinstance(manifest.get("settings"), dict) and _SPACED_EOS not in manifest["settings"]:
+        return {key: value for key, value in settings.items() if key != _SPACED_EOS}
+    return settings
 
 
 def _readable_manifest(out: Path) -> dict | None:
@@ -547,6 +575,11 @@ def _difference(previous: dict | None, current: dict) -> str:
         text = "a different backbone: " + text
     elif "engine.served" in differing:
         text = "another served model: " + text
+    elif _SPACED_EOS in differing:
+        text = (
+            "later turns' contexts that keep the whitespace before the template's EOS (EOS, space, EOS): "
+            + text
+        )
     return text
 
 

@@ -43,6 +43,92 @@ def reference(
     return workdir, _run(workdir, tiny_backbone_dir, prompts)
 
 
+LLAMA2_STYLE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+"""Llama-2-chat's shape: a space between the reply and its end-of-turn token."""
+
+
+@pytest.fixture(scope="module")
+def spaced_reference(
+    tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path
+) -> tuple[Path, Path, Path]:
+    """The tiny backbone with :data:`LLAMA2_STYLE` as its chat template, four prompts of one to three
+    turns and a workdir distilled from them with it."""
+    root = tmp_path_factory.mktemp("spaced")
+    prompts = _write_prompts(root / "prompts.jsonl", n=4)
+    backbone = root / "backbone"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    _, tok = load_backbone(str(tiny_backbone_dir))
+    tok.chat_template = LLAMA2_STYLE
+    tok.save_pretrained(backbone)
+    _run(root / "workdir", backbone, prompts)
+    return root / "workdir", backbone, prompts
+
+
+def _drop_spaced_eos(distill_dir: Path) -> None:
+    """Make ``distill_dir`` a folder whose settings do not record ``spaced_eos`` (progress and manifest)."""
+    for name in ("progress.json", "manifest.json"):
+        path = distill_dir / name
+        if path.exists():
+            content = json.loads(path.read_text())
+            content["settings"].pop("spaced_eos", None)
+            path.write_text(json.dumps(content))
+
+
+def test_a_template_with_a_space_before_eos_is_recorded_for_multi_turn_data_only(
+    spaced_reference, reference, tmp_path
+) -> None:
+    """Later turns' contexts drop the space Llama-2's template puts before EOS: recorded in the settings
+    where it applies, not for another template nor for single-turn data (their settings are unchanged)."""
+    workdir, backbone, _ = spaced_reference
+    assert read_manifest(workdir / "distill")["settings"]["spaced_eos"] == "dropped"
+    assert (
+        "spaced_eos" not in read_manifest(reference[0] / "distill")["settings"]
+    )  # EOS right after the reply
+    single = tmp_path / "single.jsonl"
+    single.write_text('{"prompt": "why is the cat big?"}\n{"prompt": ["tell me a story"]}\n')
+    _run(tmp_path, backbone, single)
+    assert "spaced_eos" not in read_manifest(tmp_path / "distill")["settings"]
+
+
+def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
+    spaced_reference, tmp_path
+) -> None:
+    """A folder of that template and multi-turn data whose settings lack the entry holds EOS, space, EOS
+    in later turns' contexts: unfinished, resuming would mix both renderings (refused, naming
+    distill.overwrite=true); complete, its records are whole and kept, before and after the model loads."""
+    workdir, backbone, prompts = spaced_reference
+    unfinished = tmp_path / "unfinished" / "distill"
+    shutil.copytree(workdir / "distill", unfinished)
+    (unfinished / "manifest.json").unlink()
+    shard_files(unfinished)[-1].unlink()
+    _drop_spaced_eos(unfinished)
+    with pytest.raises(
+        UserError, match=r"whitespace before the template's EOS.*spaced_eos.*distill.overwrite=true"
+    ):
+        _run(unfinished.parent, backbone, prompts)
+    assert not _run(unfinished.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
+    assert _rows(unfinished.parent) == _rows(workdir)
+
+    complete = tmp_path / "complete" / "distill"
+    shutil.copytree(workdir / "distill", complete)
+    _drop_spaced_eos(complete)
+    assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check before the model loads
+    manifest = json.loads((complete / "manifest.json").read_text())
+    del manifest["quick_settings"]["backbone_source"][
+        "settings_files"
+    ]  # an older manifest: that check misses
+    (complete / "manifest.json").write_text(json.dumps(manifest))
+    assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check after it
+    assert "settings_files" in read_manifest(complete)["quick_settings"]["backbone_source"]
+    assert not _run(complete.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
+    assert read_manifest(complete)["settings"]["spaced_eos"] == "dropped"
+
+
 def test_greedy_turns_equal_generate_and_mask_is_exact(
     reference, tiny_backbone_dir: Path, prompts: Path
 ) -> None:

@@ -38,6 +38,17 @@ def test_a_reply_ended_by_eos_is_followed_by_the_next_turn_only(template: str) -
     assert tok.decode(ended) == closing.lstrip().removeprefix(tok.eos_token)  # the next turn's text only
 
 
+@pytest.mark.parametrize("template", ["own", "llama2"])
+def test_spaced_eos_is_true_for_a_template_with_whitespace_before_its_eos_only(template: str) -> None:
+    """What distill records in its settings: whether the whitespace before EOS is dropped with it."""
+    tok = train_tokenizer(["why is the cat on the mat?", "tell me more about the dog."] * 20, 300)
+    if template == "llama2":
+        tok.chat_template = LLAMA2_STYLE
+    conv = Conversation("r", ["why is the cat big?", "and the dog?"], system=None)
+    assert ChatRenderer(tok).spaced_eos(conv, [tok.eos_token_id]) is (template == "llama2")
+    assert not ChatRenderer(tok).spaced_eos(conv, [tok.bos_token_id])  # not the text the reply closes with
+
+
 REFUSES_SYSTEM = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
