@@ -58,6 +58,13 @@ the vocabulary's: the mass ahead of every later token is at least theirs up to t
 at most 1, a few units in the last place of float32 (~6e-8 each), far below this."""
 
 
+_SORTING_DEVICES = ("mps",)
+"""Device types where top-p without a top-k sorts the vocabulary even with ``host_sync``: MPS has no
+float64, which :func:`_nucleus_cutoff_searched` decides its rows in, and its ``nonzero_static`` and the
+search's bit-identity with the sort (a prefix sum over the R highest scores equal to the sort's first
+R) are unchecked there. The sort is the rule itself: the same probabilities, only slower."""
+
+
 def _nucleus_cutoff(
     ranked: torch.Tensor, lse: torch.Tensor, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,7 +167,8 @@ def warp_probs(
     vocabulary, the most of the cost at a 128K vocabulary (Llama-3-Instruct's generation config sets
     top-p 0.9 and ``generate`` adds its default top-k of 50). Without one, ``host_sync`` ranks only the
     highest 64 to 1,024 scores of a row where they hold the nucleus (:func:`_nucleus_cutoff_searched`,
-    the same cutoff bit for bit), else sorts the vocabulary; without ``host_sync`` it sorts.
+    the same cutoff bit for bit), else sorts the vocabulary; without ``host_sync``, and on MPS (no
+    float64: :data:`_SORTING_DEVICES`), it sorts.
 
     Args:
         logits: ``(..., V)``.
@@ -170,7 +178,7 @@ def warp_probs(
         min_p: in [0, 1]; keep the tokens whose probability is at least ``min_p`` times the most
             likely one's (after the filters above); 0: none.
         host_sync: whether top-p without a top-k may wait on the device to choose how many scores to
-            rank; False (a captured CUDA graph, ``torch.compile``): it sorts the vocabulary.
+            rank (not on MPS); False (a captured CUDA graph, ``torch.compile``): it sorts the vocabulary.
 
     Returns:
         ``(..., V)`` float32 probabilities.
@@ -184,7 +192,7 @@ def warp_probs(
         lse = scores.logsumexp(dim=-1, keepdim=True)  # (..., 1)
         if ranked is not None:
             cutoff = _nucleus_cutoff(ranked, lse, top_p)[0]  # (..., 1)
-        elif host_sync:
+        elif host_sync and scores.device.type not in _SORTING_DEVICES:
             cutoff = _nucleus_cutoff_searched(scores, lse, top_p)
         else:
             cutoff = _nucleus_cutoff(scores.sort(dim=-1, descending=True).values, lse, top_p)[0]

@@ -19,6 +19,7 @@ from medusa_train.decoding import (
     PackedHeads,
     TreeBuffers,
     accept_sample,
+    acceptance,
     medusa_generate,
     medusa_generate_batch,
     warp_probs,
@@ -131,6 +132,25 @@ def test_warp_probs_top_p_equals_the_sorted_rule_bit_for_bit(top_p):
                 assert torch.equal(probs.view(torch.int32), expected.view(torch.int32)), (vocab, name)
                 unsynced = warp_probs(logits, temperature, top_p, min_p=min_p, host_sync=False)
                 assert torch.equal(unsynced.view(torch.int32), expected.view(torch.int32)), (vocab, name)
+
+
+def test_warp_probs_top_p_sorts_on_a_device_without_float64(monkeypatch):
+    """MPS has no float64, in which the search of the highest scores decides its rows: there top-p
+    without a top-k sorts the vocabulary, host_sync or not, to the same probabilities bit for bit.
+    Simulated on the CPU: its device type counted as such a device, float64 refused as MPS refuses it."""
+    monkeypatch.setattr(acceptance, "_SORTING_DEVICES", ("cpu",))
+
+    def no_float64(*args, **kwargs):
+        raise TypeError(
+            "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64"
+        )
+
+    monkeypatch.setattr(torch.Tensor, "double", no_float64)
+    for name, logits in _nucleus_cases(3000).items():
+        for temperature, top_p, min_p in ((1.0, 0.9, 0.0), (0.6, 0.3, 0.0), (1.5, 0.999, 0.05)):
+            expected = _sorted_nucleus_warp(logits, temperature, top_p, min_p=min_p)
+            probs = warp_probs(logits, temperature, top_p, min_p=min_p)
+            assert torch.equal(probs.view(torch.int32), expected.view(torch.int32)), name
 
 
 def test_warp_probs_top_p_ranks_the_highest_scores_and_sorts_only_the_rows_they_leave_open(monkeypatch):
