@@ -297,7 +297,7 @@ def _text_documents(path: str | None, heldout_fraction: float) -> tuple[list[str
     if not file.is_file():
         raise UserError(f"data.path={path!r} is not a file: give a plain text file for data.format=text")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark dropped, as the prompt reader does
     except UnicodeDecodeError as err:
         raise UserError(
             f"data.path={path!r} is not a UTF-8 text file (byte {err.start}): convert it to UTF-8"

@@ -146,6 +146,15 @@ def test_another_model_at_model_name_or_path_is_not_replaced(tmp_path, tiny_back
     assert sorted((f.name, f.read_bytes()) for f in other.iterdir()) == before
 
 
+def test_text_format_drops_a_byte_order_mark(tmp_path):
+    """A data=text file saved with a UTF-8 byte-order mark (Windows editors): pretrain's documents and
+    tokenizer lines hold no U+FEFF, as the prompts distill reads from the same file do not."""
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(f"line {i} of the text\n" for i in range(400)).encode())
+    train, heldout, lines = pretrain._text_documents(str(path), 0.1)
+    assert train[0].startswith("line 0 ") and not any("\ufeff" in t for t in [*train, *heldout, *lines])
+
+
 def test_text_format_not_utf8_is_one_line(tmp_path):
     """A data=text file in another encoding (Latin-1 here) is a user error, before any training."""
     path = tmp_path / "latin1.txt"
