@@ -15,7 +15,8 @@ export (the ``custom_generate`` value ``generate`` was called with, a Hub id fet
 belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
-  over transformers' defaults): ``max_new_tokens`` (or ``max_length``), ``do_sample``, ``temperature``,
+  over transformers' defaults): ``max_new_tokens`` (or ``max_length``: one that leaves the prompt no
+  room is a ``ValueError``, as in ``generate``), ``do_sample``, ``temperature``,
   ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and ``min_new_tokens`` / ``min_length`` (on
   every node's logits, as generate's processors apply them: :mod:`medusa_train.decoding.processors`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
   ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
@@ -238,7 +239,8 @@ def generate(
     Raises:
         ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
-            a setting it does not apply such as ``bad_words_ids``, right padding, an unknown
+            a setting it does not apply such as ``bad_words_ids``, right padding, a ``max_length``
+            that leaves the prompt no room, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here.
     """
@@ -278,6 +280,7 @@ def generate(
         max_new = config.max_new_tokens
     else:
         max_new = config.max_length - (0 if default_length else width)
+        _check_room(width, config.max_length, default_length, context_limit(model))
     loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
 
     if attention_mask is None:  # as generate: its padding masked when the prompt holds pad_token_id
@@ -607,6 +610,24 @@ def _acceptance(config, requested: str | None) -> str:
             + " to decode without (plain generate applies them)"
         )
     return requested or ("sample" if config.do_sample else "greedy")
+
+
+def _check_room(width: int, max_length: int, default_length: bool, limit: int | None) -> None:
+    """Refuse, as ``generate`` does (``_validate_generated_length``), a prompt of ``width`` columns that
+    leaves no room under the call's ``max_length`` (the default one: ``max_length`` new tokens, within the
+    model's ``limit`` positions).
+
+    Raises:
+        ValueError: the prompt is as long as ``max_length`` or longer.
+    """
+    total = max_length + width if default_length else max_length
+    if default_length and limit is not None:
+        total = min(total, limit)
+    if width >= total:
+        raise ValueError(
+            f"Input length of input_ids is {width}, but `max_length` is set to {total}, so there is no room "
+            "for new tokens (plain generate refuses it too): increase max_length or, better, set max_new_tokens"
+        )
 
 
 def _warn_once(items: list[str], template: str) -> None:

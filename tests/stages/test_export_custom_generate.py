@@ -78,6 +78,32 @@ def test_greedy_equals_plain_generate_for_a_prompt_and_a_batch(workdir: Path, mo
     assert torch.equal(_medusa(model, workdir / "export", **one), model.generate(**one, do_sample=False))
 
 
+def test_a_max_length_that_leaves_no_room_is_refused_as_generate_refuses_it(
+    workdir: Path, model, tok
+) -> None:
+    """max_length at or below the prompt's length (or, by default, a prompt that fills the model's
+    positions) is a ValueError in plain generate: the same, not the prompt returned alone."""
+    one = tok(PROMPTS[0], return_tensors="pt")
+    width = one["input_ids"].shape[1]
+    full = {"input_ids": one["input_ids"].repeat(1, 256 // width + 1)[:, :256]}  # the model's 256 positions
+    for inputs, extra, length in (
+        (one, {"max_length": width}, width),
+        (one, {"max_length": 2}, 2),
+        (full, {}, 256),
+    ):
+        wide = inputs["input_ids"].shape[1]
+        message = rf"Input length of input_ids is {wide}, but `max_length` is set to {length}"
+        with pytest.raises(ValueError, match=message):
+            model.generate(**inputs, do_sample=False, **extra)
+        for static in ({}, {"cache_implementation": "static"}):
+            with pytest.raises(ValueError, match=message):
+                _medusa(model, workdir / "export", **inputs, **extra, **static)
+    one_more = {"max_length": width + 1}
+    assert torch.equal(
+        _medusa(model, workdir / "export", **one, **one_more), model.generate(**one, **one_more)
+    )
+
+
 def test_a_batch_without_its_attention_mask_is_masked_as_generate_masks_it(workdir: Path, model, tok) -> None:
     """Without an attention_mask, generate masks every pad_token_id of the prompt (when it is no EOS
     token): the padding of a left-padded batch is not decoded as prompt tokens."""
