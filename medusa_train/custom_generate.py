@@ -11,7 +11,8 @@ and calls the function with every argument ``generate`` got (``input_ids``, ``at
 ``generate.py`` that calls :func:`generate` here, and ``requirements.txt``. :func:`generate` finds the
 export (the ``custom_generate`` value ``generate`` was called with, a Hub id fetched with the call's
 ``revision``, ``token``, ``local_files_only``, ``cache_dir`` and ``force_download`` as its
-``generate.py`` was; else the folder the export was written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model, checks they
+``generate.py`` was; else the folder the export was written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model
+(again when their files change: an export written again into the same folder), checks they
 belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
@@ -178,14 +179,15 @@ def requirements_txt() -> str:
 @dataclass
 class _Loaded:
     """An export's heads packed for one model, and its tree on the model's device; ``key``: what they
-    were loaded from and for (export folder, tree, check, the model's device and dtype)."""
+    were loaded from and for (export folder, its files' :func:`_stamp`, tree, check, the model's device
+    and dtype)."""
 
     packed: PackedHeads
     tree: TreeBuffers
     key: tuple
 
 
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dir, choices): _Loaded}
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {_Loaded.key: _Loaded}
 _WARNED: set[str] = set()  # warnings already given in this process
 
 
@@ -412,15 +414,17 @@ def _existing(path: Path, what: str) -> Path:
 # -- heads and tree, once per model ---------------------------------------------------------------
 def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: bool) -> _Loaded:
     """The export's heads (checked against ``model``, on its device and dtype) and tree, cached per model
-    and per device and dtype of the model (moved or cast, it gets heads, and static decoders, to match)."""
+    and per device and dtype of the model (moved or cast, it gets heads, and static decoders, to match)
+    and per state of the export's files (exported again into the same folder, it is read again)."""
     per_model = _LOADED.setdefault(model, {})
     weight = model.get_output_embeddings().weight
-    key = (str(source.resolve()), json.dumps(choices), check_base, str(weight.device), weight.dtype)
+    heads_dir = _heads_dir(source)
+    folder, stamp = str(source.resolve()), _stamp(source, heads_dir)
+    key = (folder, stamp, json.dumps(choices), check_base, str(weight.device), weight.dtype)
     if key in per_model:
         return per_model[key]
-    for stale in [k for k in per_model if k[3:] != key[3:]]:  # heads for where the model was before
-        del per_model[stale]
-    heads_dir = _heads_dir(source)
+    for stale in [k for k in per_model if k[-2:] != key[-2:] or (k[0] == folder and k[1] != stamp)]:
+        del per_model[stale]  # heads for where the model was before, or of the folder's earlier export
     try:
         # Building the modules draws initial weights (then overwritten): from a fork, not the caller's
         # generator, so a seed set before the first call repeats that call's draws.
@@ -449,6 +453,19 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
     loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key)
     per_model[key] = loaded
     return loaded
+
+
+def _stamp(source: Path, heads_dir: Path) -> tuple:
+    """``(path, size, mtime_ns, inode)`` of the heads folder's files and of the tree files: what changes
+    when an export is written again into the same folder (stage=export writes new files and renames
+    them into place), without reading the weights."""
+    files = sorted(p for p in heads_dir.iterdir() if p.is_file()) if heads_dir.is_dir() else []
+    files += [p for p in (source / CHOICES, heads_dir.parent / CHOICES) if p.is_file()]
+    stamp = []
+    for path in dict.fromkeys(files):
+        stat = path.stat()
+        stamp.append((str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return tuple(stamp)
 
 
 # -- the static-shape decoder, kept on the model ----------------------------------------------------
@@ -524,7 +541,8 @@ def _static_decoder(
     lens = [r.shape[1] for r in rows]
     need = columns_needed(lens, row_budgets(lens, settings["max_new_tokens"], limit), nodes)
     decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
-    for stale in [k for k in decoders if k[0][3:] != loaded.key[3:]]:  # built before the model moved
+    live = _LOADED.get(model, {})
+    for stale in [k for k in decoders if k[0] not in live]:  # heads dropped: the model moved, a new export
         del decoders[stale]
     decoder = decoders.pop(key, None)  # put back last: the dict runs from least to most recently used
     if decoder is None or decoder.capacity < need:

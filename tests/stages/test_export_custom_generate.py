@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
@@ -27,7 +28,10 @@ import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.backbone import local_fingerprint
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
 from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
+from medusa_train.decoding.generate import PackedHeads
+from medusa_train.formats import load_heads
 from medusa_train.stages import export
+from medusa_train.workdir import HEADS_WEIGHTS
 from tests.helpers.models import tiny_model
 from tests.helpers.scripts import load_script
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
@@ -134,6 +138,46 @@ def test_a_moved_export_is_found_from_the_custom_generate_argument(
     # medusa_heads= names the heads explicitly (an export or a layout folder)
     out = _medusa(model, moved, **one, max_new_tokens=12, medusa_heads=str(workdir / "export" / "vllm"))
     assert torch.equal(out, plain)
+
+
+def test_an_export_written_again_into_the_same_folder_is_read_again(
+    workdir: Path, model, tok, tmp_path, monkeypatch
+) -> None:
+    """A notebook's loop (train, export, generate, train again, export again into the same folder,
+    generate): the second call decodes with the new heads and the new tree, not those the first call
+    loaded, and the static decoder built for the first export is dropped."""
+    import medusa_train.custom_generate as custom_generate
+
+    model = copy.deepcopy(model)  # its own static decoders: the module-scoped model stays as it was
+    root = tmp_path / "workdir"
+    shutil.copytree(workdir, root, ignore=shutil.ignore_patterns("export"))
+    export.run(tiny_cfg(root, "stage=export"))
+    used = []  # (packed heads, tree) of each decode
+    decode = custom_generate.medusa_generate
+
+    def spy(model, packed, row, **kwargs):
+        used.append((packed, kwargs["tree"]))
+        return decode(model, packed, row, **kwargs)
+
+    monkeypatch.setattr(custom_generate, "medusa_generate", spy)
+    one = tok(PROMPTS[0], return_tensors="pt")
+    plain = model.generate(**one, do_sample=False, max_new_tokens=12)
+    for extra in ({}, {"cache_implementation": "static"}):
+        assert torch.equal(_medusa(model, root / "export", **one, max_new_tokens=12, **extra), plain)
+    (first_static,) = vars(model)[STATIC_ATTR].values()
+    weights = root / "heads" / HEADS_WEIGHTS  # trained again: other weights
+    state = load_file(weights)
+    state = {name: t * 1.5 if name.endswith("linear.weight") else t for name, t in state.items()}
+    save_file(state, str(weights), metadata={"format": "pt"})
+    export.run(tiny_cfg(root, "stage=export", "tree=chain", "tree.chain_depth=2"))
+    for extra in ({}, {"cache_implementation": "static"}):
+        assert torch.equal(_medusa(model, root / "export", **one, max_new_tokens=12, **extra), plain)
+    (static,) = vars(model)[STATIC_ATTR].values()
+    assert static is not first_static and static.tree.num_nodes == 3
+    (first, first_tree), (second, second_tree) = used
+    new = PackedHeads(load_heads(root / "export"))
+    assert torch.equal(second.w1t, new.w1t) and not torch.equal(first.w1t, new.w1t)
+    assert (first_tree.num_nodes, second_tree.num_nodes) == (6, 3)  # the tree exported with them
 
 
 def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
