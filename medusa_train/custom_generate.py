@@ -293,8 +293,8 @@ def generate(
         max_new_tokens=max(0, max_new),
         tree=loaded.tree,
         acceptance=rule,
-        temperature=float(config.temperature),
-        top_p=float(config.top_p),
+        temperature=1.0 if config.temperature is None else float(config.temperature),  # None: no warper
+        top_p=1.0 if config.top_p is None else float(config.top_p),
         top_k=int(config.top_k or 0),
         min_p=float(config.min_p or 0.0),
         repetition_penalty=float(config.repetition_penalty or 1.0),

@@ -7,6 +7,7 @@ belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import json
 import logging
@@ -246,6 +247,28 @@ def test_sampling_and_typical_acceptance_run_from_the_usual_arguments(workdir: P
     release(model)
     out = _medusa(model, workdir / "export", **one, max_new_tokens=5, return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.generate(**one, do_sample=False, max_new_tokens=5))
+
+
+def test_sampling_settings_given_as_none_are_off_as_in_generate(
+    workdir: Path, model, tok, monkeypatch
+) -> None:
+    """temperature=None, top_p=None, top_k=None passed to generate override the model's generation config
+    and turn that warper off (generate adds no processor for a None): the draws of temperature 1, top_p 1,
+    top_k 0."""
+    one = tok(PROMPTS[0], return_tensors="pt")
+    monkeypatch.setattr(model.generation_config, "temperature", 0.5)
+    monkeypatch.setattr(model.generation_config, "top_p", 0.8)
+    off, unset = dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=None, top_p=None, top_k=None)
+
+    def draw(decode, **settings) -> torch.Tensor:
+        torch.manual_seed(0)
+        return decode(**one, max_new_tokens=12, do_sample=True, **settings)
+
+    assert torch.equal(draw(model.generate, **unset), draw(model.generate, **off))  # what generate does
+    for extra in ({}, {"cache_implementation": "static"}):
+        medusa = functools.partial(_medusa, model, workdir / "export", **extra)
+        assert torch.equal(draw(medusa, **unset), draw(medusa, **off)), extra
+    release(model)
 
 
 def _rows_match_their_own_generate(model, tok, export: Path, max_new_tokens: int, **settings) -> None:
