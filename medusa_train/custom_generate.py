@@ -267,6 +267,8 @@ def generate(
     )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     model_kwargs.pop("use_cache", None)
+    for name in ("output_attentions", "output_hidden_states"):  # for the forwards: outputs not returned
+        model_kwargs.pop(name, None)  # (named in a warning with return_dict_in_generate, as output_scores)
     if model_kwargs:
         raise ValueError(
             f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"

@@ -328,6 +328,16 @@ def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplo
             output_scores=True,
         )
     assert out.scores is None and "returns the sequences only, not output_scores=True" in caplog.text
+    # attentions and hidden states, like scores: the sequences of plain generate, those fields named
+    more = dict(output_attentions=True, output_hidden_states=True)
+    out = _medusa(model, workdir / "export", **one, max_new_tokens=4, **more)
+    assert torch.equal(out, model.generate(**one, do_sample=False, max_new_tokens=4))
+    with caplog.at_level(logging.WARNING):
+        out = _medusa(
+            model, workdir / "export", **one, max_new_tokens=4, return_dict_in_generate=True, **more
+        )
+    assert out.attentions is None and out.hidden_states is None
+    assert "not output_attentions=True, output_hidden_states=True: those fields are None" in caplog.text
 
 
 def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir: Path, model, tok) -> None:
