@@ -37,7 +37,7 @@ from ..head_targets import (
 )
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
-from .generate import context_limit, verify_forward
+from .generate import attention_backends, context_limit, verify_forward
 from .tree import TreeBuffers
 
 
@@ -226,7 +226,11 @@ def measure_forward_latency(
     """Time one verification forward of N tree tokens on top of a KV cache of ``context_len`` tokens.
 
     The N tokens form a chain-shaped tree (the mask's shape does not change the cost of a dense
-    attention kernel); the cache is cropped back after every forward. The sizes are timed in rounds,
+    attention kernel); the cache is cropped back after every forward. The forwards run under the
+    decoders' attention backends (:func:`~medusa_train.decoding.generate.attention_backends`: on
+    CUDA, SDPA without cuDNN), so the curve is that of the kernel the tree steps run on, not of the
+    one PyTorch picks by default (cuDNN for a masked bf16 call on Hopper, whose cost grows otherwise
+    with N: docs/benchmarks.md, ``--sdpa``). The sizes are timed in rounds,
     each round timing every size once (ascending, then descending in the next round), so a machine
     that slows down or speeds up while it measures shifts every size alike instead of the sizes timed
     last (``scripts/bench_calibration.py`` compares the picks of both orders; docs/benchmarks.md).
@@ -254,9 +258,6 @@ def measure_forward_latency(
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)  # (1, C)
-    cache = DynamicCache()
-    if context_len:
-        model(input_ids=context, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     trees = {n: TreeBuffers.from_choices([[0] * d for d in range(1, n)]).to(device) for n in sizes}
     tokens = {n: torch.randint(0, vocab, (n,), generator=gen).to(device) for n in sizes}  # (N,) each
     rounds = range(warmup + repeats)
@@ -265,16 +266,20 @@ def measure_forward_latency(
     else:
         schedule = [(r, n) for n in sizes for r in rounds]
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r, n in schedule:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        verify_forward(model, cache, tokens[n], trees[n], context_len)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if r >= warmup:
-            times[n].append(time.perf_counter() - t0)
-        cache.crop(-n)
+    cache = DynamicCache()
+    with attention_backends(device):
+        if context_len:
+            model(input_ids=context, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+        for r, n in schedule:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            verify_forward(model, cache, tokens[n], trees[n], context_len)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+            cache.crop(-n)
     results = {n: {"seconds": statistics.median(times[n])} for n in sizes}
     base = results[1]["seconds"]
     for n in results:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -90,6 +92,44 @@ def test_latency_is_timed_in_rounds_over_every_size(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(calibrate_module, "verify_forward", spy)
     measure_forward_latency(tiny_model("llama"), [2, 4], context_len=8, warmup=1, repeats=2)
     assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4]
+
+
+def test_latency_is_timed_on_the_decoders_attention_backends(monkeypatch: pytest.MonkeyPatch):
+    """Every forward (the context's prefill and each timed one) runs under ``attention_backends`` of
+    the model's device, as the decoders' calls do: on CUDA the default would time cuDNN's kernel, not
+    the one the tree steps run on."""
+    inside: list[bool] = []
+    entered: list[torch.device] = []
+    active = [False]
+
+    @contextlib.contextmanager
+    def backends(device):
+        entered.append(device)
+        active[0] = True
+        try:
+            yield
+        finally:
+            active[0] = False
+
+    real = calibrate_module.verify_forward
+
+    def spy(model, cache, tokens, tree, past_len):
+        inside.append(active[0])
+        return real(model, cache, tokens, tree, past_len)
+
+    model = tiny_model("llama")
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        inside.append(active[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_module, "attention_backends", backends, raising=False)
+    monkeypatch.setattr(calibrate_module, "verify_forward", spy)
+    monkeypatch.setattr(model, "forward", forward)
+    measure_forward_latency(model, [2], context_len=8, warmup=1, repeats=1)
+    assert entered == [torch.device("cpu")]
+    assert len(inside) == 1 + 2 * 2 * 2 and all(inside)  # prefill; 2 rounds x 2 sizes, each seen twice
 
 
 def test_measure_forward_latency_and_head_accuracy():
