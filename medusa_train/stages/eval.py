@@ -310,7 +310,9 @@ def _evaluate(
     report["head_top5"] = [round(a, 4) for a in top5] if top5 else None
 
     # 7. Tau and speed-up against tree size (calibrated trees grown from the head accuracies).
-    report["sweep"] = sweep(decode, topk, inputs, ecfg, choices) if topk and ecfg.sweep_tree_sizes else []
+    report["sweep"] = (
+        sweep(decode, topk, inputs, ecfg, choices, cfg.tree.topk) if topk and ecfg.sweep_tree_sizes else []
+    )
     report.update(tau_check(report, topk, choices))
 
     # 7b. vLLM's view: greedy tau of the top-1 chain of the first n heads, n = 1..K, same turns.
@@ -608,16 +610,21 @@ def sweep(
     inputs: list[tuple[torch.Tensor, int]],
     ecfg,
     choices: list[list[int]],
+    ranks: int,
 ) -> list[dict]:
     """Tau and speed-up of calibrated trees of ``eval.sweep_tree_sizes`` nodes and of the evaluated
     tree (``choices``, its row marked ``main``) on the first ``eval.sweep_prompts`` turns of the main run.
+
+    The trees are grown as the calibration grows them, from the first ``ranks`` (``tree.topk``)
+    candidates of each head, so a calibrated tree of a swept size is that row's tree; the evaluated
+    tree's expected tau counts every rank of ``topk`` (a pinned tree may use more).
 
     The timing protocol of :mod:`medusa_train.decoding.timing`: every tree warmed up on the first
     turns, then per turn plain greedy and every tree back to back in an order that rotates from turn
     to turn; each row's speed-up is the median over turns of its tokens/s over that turn's plain tokens/s.
     """
-    acc = per_rank_accuracy(torch.tensor(topk))
-    trees, expected = grow_tree(acc, max(ecfg.sweep_tree_sizes))
+    acc = per_rank_accuracy(torch.tensor(topk))  # (K, R)
+    trees, expected = grow_tree(acc[:, :ranks], max(ecfg.sweep_tree_sizes))
     sizes = sorted({int(s) for s in ecfg.sweep_tree_sizes if 0 < int(s) <= len(trees)})
     if len(sizes) < len(set(ecfg.sweep_tree_sizes)):
         log.warning(

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from huggingface_hub import constants
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_train.backbone import local_fingerprint
 from medusa_train.config import ModelConfig
+from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
+from medusa_train.decoding.timing import Decoded
 from medusa_train.errors import ConfigError, UserError
 from medusa_train.formats import save_vllm
 from medusa_train.heads import MedusaHeads
@@ -21,7 +26,7 @@ from medusa_train.report import recommend_speculative_tokens, summary_table
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
 from tests.helpers.models import build_tiny_backbone
-from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+from tests.helpers.tiny_workdir import TOPK, make_workdir, tiny_cfg
 
 REPORT_KEYS = {
     "tau", "speedup", "tokens_per_s_baseline", "tokens_per_s_medusa", "greedy_identical", "head_top1",
@@ -108,6 +113,43 @@ def test_alternatives_and_batch_sizes(evaluated: tuple[Path, dict]) -> None:
     md = (workdir / "eval" / "report.md").read_text()
     assert "## Batch size" in md and "| 3 | 3 |" in md and "| prompt lookup (10 tokens) |" in md
     assert (workdir / "eval" / "plots" / "batch_size.png").stat().st_size > 1000
+
+
+class _TreeRecorder:
+    """What :func:`eval_stage.sweep` needs of ``TimedDecoders``, decoding nothing: every Medusa call
+    records the paths of its tree."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.trees: list[list[tuple[int, ...]]] = []
+
+    @contextlib.contextmanager
+    def warming_up(self):
+        yield
+
+    def plain(self, ids: torch.Tensor, budget: int) -> Decoded:
+        return Decoded([0] * budget, 1.0)
+
+    def medusa(self, ids: torch.Tensor, budget: int, tree) -> Decoded:
+        self.trees.append(sorted(tree.choices))
+        return Decoded([0] * budget, 0.5, [2] * (budget // 2), 0.0, budget // 2)
+
+
+def test_the_sweep_grows_its_trees_from_the_calibrations_ranks() -> None:
+    """With tree.topk=2 the calibration grows trees from each head's first two candidates; the sweep's
+    calibrated tree of a size is that tree (here the evaluated one: one row, marked main), not one
+    with third candidates in it."""
+    ranks = 2
+    trees, taus = grow_tree(per_rank_accuracy(torch.tensor(TOPK)[:, :ranks]), 8)
+    calibrated = trees[-1]
+    decode = _TreeRecorder()
+    ecfg = SimpleNamespace(sweep_tree_sizes=[8], sweep_prompts=1)
+    rows = eval_stage.sweep(decode, TOPK, [(torch.zeros(1, 3, dtype=torch.long), 4)], ecfg, calibrated, ranks)
+    assert [(row["tree_size"], row["main"]) for row in rows] == [(8, True)]
+    assert rows[0]["expected_tau"] == pytest.approx(taus[-1], abs=1e-4)
+    assert all(max(path) < ranks for tree in decode.trees for path in tree)
+    assert sorted(map(tuple, calibrated)) in decode.trees
 
 
 def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> None:
