@@ -16,7 +16,8 @@ The protocol (eval's main row, its batch-size table and tree-size sweep, ``scrip
    untimed, so kernels, the allocator and (on a GPU) attention plans are ready for the shapes the
    timed turns use.
 2. Interleaving: per turn, the decoders run back to back in an order that rotates from turn to turn
-   (:func:`interleaved`; plain first on even turns, Medusa first on odd ones), each call timed whole
+   (:func:`interleaved`: turn t starts with the (t mod n)-th of n decoders; plain and Medusa alone
+   alternate, plain first on even turns), each call timed whole
    with the device synchronised at both ends; a burst of load on a shared host then hits one turn of
    each decoder, not a block of one decoder's turns.
 3. Figures (:func:`speedup_figures`): the speed-up of every turn (its Medusa tokens/s over its plain
