@@ -11,7 +11,12 @@ Which positions count: the prediction head k makes at position t is a prediction
 ``t+k+1``; it is trained iff ``loss_mask[t+k+1] == 1`` (the target is a token the backbone
 generated) and ``t+k+1`` lies inside the (unpadded) sequence (:func:`medusa_train.head_targets.medusa_targets`,
 the one definition the held-out accuracy of decoding/calibrate.py shares). Each head's CE is the
-mean over its counted positions in the batch; a head with no counted position contributes 0.
+mean over its counted positions in the batch; a head with no counted position contributes 0. Under
+gradient accumulation the batch is the optimizer step's: each micro-batch's summed loss is divided by
+the step's count (``denominator``, counted over every micro-batch and rank by the trainer), so the
+micro-batches add up to the per-token mean of the whole step, as one micro-batch of its size would
+give, rather than a mean of the micro-batches' means (which weighs a token of a short micro-batch
+more than one of a long one).
 
 Memory: a naive implementation materialises ``(K, B, T, V)`` logits plus their softmax and
 gradient. :class:`ChunkedLinearCrossEntropy` instead walks over ``chunk_size`` rows at a time,
@@ -169,7 +174,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     Forward computes, chunk by chunk, the loss and (if gradients are needed) the gradients w.r.t.
     ``feats`` and ``weight``; backward scales them by the incoming gradient. Rows whose target is
-    ``IGNORE_INDEX`` contribute nothing. Returns the mean over counted rows (0 if none).
+    ``IGNORE_INDEX`` contribute nothing. Returns the mean over counted rows (0 if none), or their sum
+    divided by ``denominator`` when given.
     Backward runs once per forward (no ``retain_graph`` double backward): it hands its stored
     gradients over.
     """
@@ -182,6 +188,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         chunk_size: int,
         scale: float = 1.0,
+        denominator: float | None = None,
     ):
         # feats (N, d), weight (V, d), targets (N,)
         n = feats.shape[0]
@@ -194,7 +201,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         w_max = _weight_max(weight) if grad_feats is not None else None
         total = torch.zeros((), dtype=torch.float32, device=feats.device)
-        scale = scale / max(count, 1)
+        scale = scale / max(count if denominator is None else denominator, 1)
         for start in range(0, n, chunk_size):
             x = feats[start : start + chunk_size]  # (c, d)
             y = targets[start : start + chunk_size]  # (c,)
@@ -227,7 +234,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return (*_stored_grads(ctx, grad_out), None, None, None)
+        return (*_stored_grads(ctx, grad_out), None, None, None, None)
 
 
 def chunked_cross_entropy(
@@ -236,6 +243,7 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     chunk_size: int = 1024,
     scale: float = 1.0,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``feats @ weight.T`` over rows whose target is not ``IGNORE_INDEX``.
 
@@ -246,13 +254,15 @@ def chunked_cross_entropy(
         chunk_size: rows per chunk; peak extra memory ~ ``chunk_size * V`` floats.
         scale: multiply the loss by this (e.g. lambda_k) inside the fused op, so the upstream
             gradient is 1 and the stored gradients are handed over without a copy.
+        denominator: divide the summed CE by this instead of by the counted rows (gradient
+            accumulation: the counted rows of the whole optimizer step).
 
     Returns:
         ``scale`` * scalar loss (0 when no row counts), differentiable w.r.t. ``feats`` and ``weight``.
     """
     if not torch.is_grad_enabled():  # evaluation: skip the gradient work inside forward
         feats, weight = feats.detach(), weight.detach()
-    return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale)
+    return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale, denominator)
 
 
 # -- fused chunked linear + soft-label loss ---------------------------------------------------------
@@ -278,6 +288,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
         chunk_size: int,
         vocab_chunk_size: int,
         scale: float,
+        denominator: float | None = None,
     ):
         # feats (N, d), weight (V', d), target_feats (N, d), target_weight (V, d), token_map (V',)
         n, v = feats.shape[0], weight.shape[0]
@@ -288,7 +299,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         w_max = _weight_max(weight) if grad_feats is not None else None
         total = torch.zeros((), dtype=torch.float32, device=feats.device)
-        scale = scale / max(n, 1)
+        scale = scale / max(n if denominator is None else denominator, 1)
         spans = [(v0, min(v0 + vocab_chunk_size, v)) for v0 in range(0, v, vocab_chunk_size)]
         for start in range(0, n, chunk_size):
             x = feats[start : start + chunk_size]  # (c, d)
@@ -313,7 +324,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return (*_stored_grads(ctx, grad_out), None, None, None, None, None, None, None, None)
+        return (*_stored_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None)
 
 
 class _SoftChunk:
@@ -395,6 +406,7 @@ def chunked_soft_loss(
     chunk_size: int = 1024,
     vocab_chunk_size: int = 32768,
     scale: float = 1.0,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """Mean soft-label loss of the head ``feats @ weight.T`` against the backbone's distribution.
 
@@ -410,6 +422,8 @@ def chunked_soft_loss(
         chunk_size: rows per chunk; vocab_chunk_size: vocabulary entries per chunk. Peak extra memory
             ~ a few ``chunk_size * vocab_chunk_size`` floats.
         scale: multiply the loss by this (lambda_k) inside the fused op.
+        denominator: divide the summed loss by this instead of by N (gradient accumulation: the
+            counted rows of the whole optimizer step).
 
     Returns:
         ``scale`` * scalar mean over the N rows (0 when N == 0), differentiable w.r.t. ``feats`` and ``weight``.
@@ -431,6 +445,7 @@ def chunked_soft_loss(
         chunk_size,
         vocab_chunk_size,
         scale,
+        denominator,
     )
 
 
@@ -501,6 +516,29 @@ class SoftTargets:
     lm_head: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """What each loss term is divided by under gradient accumulation: the rows it counts over the
+    whole optimizer step (every micro-batch, every rank), so that the micro-batches' losses add up to
+    the step's per-token mean (module docstring).
+
+    Attributes:
+        ce: per head (K), the targets its CE counts (truncated heads: those in the draft vocabulary).
+        soft: per head (K), the rows its soft terms count (every target).
+        lm: the rows the LM loss counts (Medusa-2; 0 without one).
+    """
+
+    ce: tuple[float, ...]
+    soft: tuple[float, ...]
+    lm: float
+
+    @classmethod
+    def from_tensor(cls, counts: torch.Tensor, num_heads: int) -> StepCounts:
+        """From the ``(2K + 1,)`` layout ``[ce (K), soft (K), lm]`` the trainer sums and all-reduces."""
+        values = [float(c) for c in counts.tolist()]
+        return cls(tuple(values[:num_heads]), tuple(values[num_heads : 2 * num_heads]), values[2 * num_heads])
+
+
 @dataclass
 class HeadLossOutput:
     """Result of :func:`medusa_head_loss`.
@@ -542,6 +580,7 @@ def medusa_head_loss(
     *,
     head_loss: HeadLoss = CE_LOSS,
     soft: SoftTargets | None = None,
+    step_counts: StepCounts | None = None,
 ) -> HeadLossOutput:
     """Medusa-1 loss of ``heads`` (a :class:`medusa_train.heads.MedusaHeads`) on selected rows.
 
@@ -556,6 +595,9 @@ def medusa_head_loss(
         head_loss: the terms (``ce`` and/or soft ``kl``, ``tv``) and the target temperature.
         soft: the backbone's hidden states the soft terms compare with (required when
             ``head_loss.soft``).
+        step_counts: each term's counted rows over the optimizer step (gradient accumulation): the
+            loss is then this micro-batch's share of the step's per-token mean; None: the mean over
+            this batch. ``HeadLossOutput.ce`` is this batch's mean either way.
 
     Returns:
         :class:`HeadLossOutput`.
@@ -572,11 +614,17 @@ def medusa_head_loss(
         y = targets[:, k]  # (N,) full-vocabulary ids
         y_draft = heads.draft_targets(y)  # (N,) draft indices; outside a truncated map: not counted
         head_k = hidden.new_zeros((), dtype=torch.float32)
+        mean_k = hidden.new_zeros((), dtype=torch.float32)  # this batch's mean (logged) of head k's loss
         for name, weight in head_loss.terms:
             if name == "ce":
-                term = chunked_cross_entropy(feats[k], proj, y_draft, chunk_size, scale=weights[k] * weight)
+                rows = int((y_draft != IGNORE_INDEX).sum())
+                denominator = step_counts.ce[k] if step_counts is not None else None
+                term = chunked_cross_entropy(
+                    feats[k], proj, y_draft, chunk_size, scale=weights[k] * weight, denominator=denominator
+                )
             else:
                 x, target_h = _soft_rows(soft, k, feats[k])  # (n, d), (n, d)
+                rows, denominator = x.shape[0], step_counts.soft[k] if step_counts is not None else None
                 term = chunked_soft_loss(
                     x,
                     proj,
@@ -588,10 +636,13 @@ def medusa_head_loss(
                     chunk_size=chunk_size,
                     vocab_chunk_size=head_loss.vocab_chunk_size,
                     scale=weights[k] * weight,
+                    denominator=denominator,
                 )
             head_k = head_k + term  # lambda_k * weight * term
+            share = 1.0 if denominator is None else max(denominator, 1) / max(rows, 1)  # sum / rows
+            mean_k = mean_k + term.detach() * share
         loss = loss + head_k
-        ce.append(head_k.detach() / weights[k])
+        ce.append(mean_k / weights[k])
         count.append((y != IGNORE_INDEX).sum())
         if with_metrics:
             hits = chunked_topk_correct(feats[k].detach(), proj.detach(), y_draft, 5, chunk_size)
@@ -669,6 +720,7 @@ def chunked_kl_to_teacher(
     teacher_hidden: torch.Tensor,
     teacher_weight: torch.Tensor,
     chunk_size: int = 1024,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """Mean ``KL(p_teacher || p_student)`` of the next-token distributions over the given rows.
 
@@ -682,6 +734,8 @@ def chunked_kl_to_teacher(
         student_weight: ``(V, d)`` its lm_head.
         teacher_hidden: ``(N, d)`` frozen original's last hidden state (no grad).
         teacher_weight: ``(V, d)`` frozen original's lm_head.
+        denominator: divide the summed KL by this instead of by N (gradient accumulation: the rows
+            of the whole optimizer step).
 
     Returns:
         Scalar mean KL (0 when N == 0).
@@ -695,7 +749,7 @@ def chunked_kl_to_teacher(
             total = total + checkpoint(_kl_chunk, *args, use_reentrant=False)
         else:
             total = total + _kl_chunk(*args)
-    return total / max(n, 1)
+    return total / max(n if denominator is None else denominator, 1)
 
 
 def lambda0_schedule(step: int, final: float, warmup_steps: int, kind: str) -> float:

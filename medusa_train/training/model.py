@@ -45,6 +45,7 @@ from medusa_train.training.losses import (
     CE_LOSS,
     HeadLoss,
     SoftTargets,
+    StepCounts,
     chunked_cross_entropy,
     chunked_kl_to_teacher,
     lm_targets,
@@ -73,6 +74,9 @@ class LMRows:
     """``(B, T)``, 0 on padding."""
     selected_by: torch.Tensor
     """``(B, T, C)`` the targets ``rows`` were selected by (selects the same rows again)."""
+    denominator: float | None = None
+    """What the summed loss is divided by: the LM rows of the whole optimizer step (gradient
+    accumulation; :class:`StepCounts`), or None: this batch's counted rows."""
 
 
 class LMLoss(Protocol):
@@ -86,7 +90,9 @@ class LMLoss(Protocol):
 def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> torch.Tensor:
     """``L_LM`` = CE of the backbone's next-token prediction on the data (an :class:`LMLoss`)."""
     lm_head = backbone.get_output_embeddings().weight  # (V, d)
-    return chunked_cross_entropy(batch.rows.to(lm_head.dtype), lm_head, batch.targets, chunk_size)
+    return chunked_cross_entropy(
+        batch.rows.to(lm_head.dtype), lm_head, batch.targets, chunk_size, denominator=batch.denominator
+    )
 
 
 class KLToOriginal:
@@ -114,7 +120,9 @@ class KLToOriginal:
                 t_h = last_hidden_state(teacher, batch.input_ids, batch.attention_mask)  # (B, T, d)
                 t_w = teacher.get_output_embeddings().weight  # (V, d)
             t_rows, _ = select_trained_rows(t_h, batch.selected_by)  # (N, d), same rows as the student
-        return chunked_kl_to_teacher(rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, chunk_size)
+        return chunked_kl_to_teacher(
+            rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, chunk_size, batch.denominator
+        )
 
 
 class MedusaTrainingModel(nn.Module):
@@ -136,8 +144,18 @@ class MedusaTrainingModel(nn.Module):
             hidden-state cache (held unregistered); with a backbone its own lm_head is read.
 
     ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
-    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and with ``lm_loss`` ``lm_loss``.
+    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and with ``lm_loss`` ``lm_loss``
+    (this batch's mean, detached).
+
+    Gradient accumulation: the trainer counts every loss term's rows over the whole optimizer step
+    (:meth:`loss_counts` of each micro-batch, summed over them and over ranks) and hands the sums to
+    ``forward`` (``step_counts``): each micro-batch's loss is then its share of the step's per-token
+    mean, and the shares add up to what one micro-batch of the step's size gives.
     """
+
+    accepts_loss_kwargs = True
+    """Tells the Hugging Face Trainer that the loss is normalised over the optimizer step already
+    (``step_counts``), so it must not divide it by the accumulation steps again."""
 
     def __init__(
         self,
@@ -212,6 +230,7 @@ class MedusaTrainingModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         sources: torch.Tensor | None = None,
+        step_counts: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Loss of one batch.
 
@@ -223,11 +242,14 @@ class MedusaTrainingModel(nn.Module):
             targets: ``(N, K)`` their head targets (with ``hidden_states``).
             sources: ``(N, K)`` rows of ``hidden_states`` holding each head's soft-target state
                 (with ``hidden_states`` and a soft head loss; ``IGNORE_INDEX`` = not counted).
+            step_counts: ``(2K + 1,)`` the summed :meth:`loss_counts` of the optimizer step's
+                micro-batches (all ranks), or None: each term is this batch's mean.
 
         Returns:
             Dict described in the class docstring.
         """
         k = self.heads.num_heads
+        counts = StepCounts.from_tensor(step_counts, k) if step_counts is not None else None
         soft = None
         if hidden_states is not None:
             rows, row_targets = hidden_states, targets  # (N, d), (N, K)
@@ -273,6 +295,7 @@ class MedusaTrainingModel(nn.Module):
             self.with_metrics,
             head_loss=self.head_loss,
             soft=soft,
+            step_counts=counts,
         )
         result = {
             "loss": out.loss,
@@ -282,8 +305,37 @@ class MedusaTrainingModel(nn.Module):
             "head_top5": out.top5,
         }
         if self.lm_loss is not None and not self.heads_only:
-            batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, selected_by=tgt)
+            denominator = counts.lm if counts is not None else None
+            batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, tgt, denominator)
             lm = self.lm_loss(self.backbone, batch, self.chunk_size)
-            result["lm_loss"] = lm.detach()
+            share = 1.0
+            if denominator is not None:  # the step's share -> this batch's mean, for the logs
+                share = max(denominator, 1) / max(int((lm_rows_targets != IGNORE_INDEX).sum()), 1)
+            result["lm_loss"] = lm.detach() * share
             result["loss"] = lm + self.lambda0 * out.loss
         return result
+
+    def loss_counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rows each loss term counts in ``batch`` (the collated inputs of :meth:`forward`).
+
+        Returns:
+            ``(2K + 1,)`` float: per head the targets its CE counts (truncated heads: those in the draft
+            vocabulary), per head the rows its soft terms count, the rows the LM loss counts (0 without
+            one); the layout of :class:`StepCounts`.
+        """
+        k = self.heads.num_heads
+        lm = None
+        if "targets" in batch:  # rows of the hidden-state cache
+            targets = batch["targets"]  # (N, K)
+        else:
+            ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+            attention_mask = batch.get("attention_mask")
+            if attention_mask is None:
+                attention_mask = torch.ones_like(ids)
+            targets = medusa_targets(ids, loss_mask, attention_mask, k).reshape(-1, k)  # (B*T, K)
+            if self.lm_loss is not None:
+                lm = lm_targets(ids, loss_mask, attention_mask)  # (B, T)
+        ce = (self.heads.draft_targets(targets) != IGNORE_INDEX).sum(dim=0)  # (K,)
+        soft = (targets != IGNORE_INDEX).sum(dim=0)  # (K,)
+        lm_rows = (lm != IGNORE_INDEX).sum() if lm is not None else soft.new_zeros(())
+        return torch.cat([ce, soft, lm_rows[None]]).float()

@@ -106,8 +106,30 @@ class MedusaTrainer(Trainer):
         state = self.model.state_dict() if state_dict is None else state_dict
         super()._save(output_dir, state_dict=unshared(state))
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The optimizer step's micro-batches and what each loss term of the step is divided by: its
+        counted rows over all of them and over every rank (:meth:`MedusaTrainingModel.loss_counts`).
+
+        With these the micro-batches' losses add up to the step's per-token mean: the same gradient
+        whether the step's records come as one micro-batch or as several (``per_device_batch_size`` x
+        ``gradient_accumulation_steps`` x processes are run-only settings), where the Trainer's own
+        normalisation (each micro-batch's mean divided by the accumulation steps) weighs a token of a
+        micro-batch with few targets more than one of a micro-batch with many.
+        """
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:
+            return batches, None
+        counts = sum(self.model.loss_counts(batch) for batch in batches)  # (2K + 1,)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.to(self.args.device)
+            torch.distributed.all_reduce(counts)  # every rank fetches its step's batches here
+        return batches, counts.cpu()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs)
+        outputs = model(**inputs, step_counts=num_items_in_batch)
+        if num_items_in_batch is not None and self.accelerator.num_processes > 1:
+            # The counts are the global step's, but DDP and DeepSpeed average the ranks' gradients.
+            outputs["loss"] = outputs["loss"] * self.accelerator.num_processes
         if model.training:
             stats = torch.stack(
                 [

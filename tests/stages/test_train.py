@@ -200,6 +200,20 @@ def test_cached_hidden_states_equal_online(reference, tmp_path, monkeypatch):
     _assert_heads_close(root, ref_root, atol=1e-5)
 
 
+def test_gradient_accumulation_trains_the_heads_of_one_big_batch(reference, tmp_path):
+    """2 records x 2 accumulation steps train the heads of 4 records x 1 (the global batch is the
+    setting; the split is run-only): the records have different lengths, so the micro-batches hold
+    different numbers of targets and a mean of their means would weigh those tokens unequally."""
+    ref_root, ref = reference
+    root = make_train_workdir(tmp_path)
+    result = run(
+        train_cfg(root, "training.per_device_batch_size=2", "training.gradient_accumulation_steps=2")
+    )
+    assert result["steps"] == ref["steps"] == 6
+    assert result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
+    _assert_heads_close(root, ref_root, atol=1e-5)
+
+
 def test_soft_head_loss_trains_from_the_cache(tmp_path):
     """head_loss=kl from the hidden-state cache: the heads' KL to the backbone's distribution falls."""
     root = make_train_workdir(tmp_path)
@@ -262,7 +276,7 @@ def test_cli_offload_on_cpu_is_one_line_exit_2(tmp_path, capsys):
 def test_two_process_zero2_equals_one_process(tmp_path, launcher):
     """2 ranks x batch 2 (ZeRO-2) == 1 process x batch 2 x 2 accumulation steps: same global batch."""
     one = make_train_workdir(tmp_path / "one")
-    run(train_cfg(one, "training.per_device_batch_size=2", "training.gradient_accumulation_steps=2"))
+    ref = run(train_cfg(one, "training.per_device_batch_size=2", "training.gradient_accumulation_steps=2"))
     two = tmp_path / "two"
     two.mkdir()
     make_train_workdir(two)
@@ -294,7 +308,7 @@ def test_two_process_zero2_equals_one_process(tmp_path, launcher):
         ]
     launch(cmd)
     result = json.loads((two / "heads" / "config.json").read_text())["training_result"]
-    assert result["steps"] == 6
+    assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(two, one, atol=1e-5)
 
 

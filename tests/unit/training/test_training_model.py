@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -10,7 +12,8 @@ from medusa_train.errors import UserError
 from medusa_train.head_targets import last_hidden_state, medusa_targets, select_trained_rows
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
-from medusa_train.training.model import MedusaTrainingModel
+from medusa_train.training.losses import HeadLoss
+from medusa_train.training.model import KLToOriginal, MedusaTrainingModel
 from medusa_train.training.optim import param_groups
 from medusa_train.training.zero import SHM_OP, deepspeed_config, deepspeed_process
 from tests.helpers.models import tiny_model
@@ -86,6 +89,59 @@ def test_golden_losses():
         opt.step()
         opt.zero_grad()
     assert losses == pytest.approx(GOLDEN, abs=1e-4), losses
+
+
+def _accumulation_model(variant: str) -> MedusaTrainingModel:
+    """Medusa-1 truncated heads with a CE + KL mixture (two denominators per head), or Medusa-2 with
+    the KL to the frozen original as its LM loss (a third)."""
+    backbone = tiny_llama()
+    torch.manual_seed(0)
+    if variant == "medusa1":
+        token_map = torch.arange(2, 64, 3)  # a third of the vocabulary: the CE counts fewer targets
+        heads = MedusaHeads(32, 64, 3, 1, head_projection="truncated", token_map=token_map)
+        heads.init_from_lm_head(backbone.get_output_embeddings().weight)
+        return MedusaTrainingModel(heads, backbone, chunk_size=8, head_loss=HeadLoss.from_spec("kl+0.5ce"))
+    heads = MedusaHeads(32, 64, 3, 1)
+    heads.init_from_lm_head(backbone.get_output_embeddings().weight)
+    teacher = copy.deepcopy(backbone)
+    with torch.no_grad():  # a student that already moved away from the original: the KL is not 0
+        for p in backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    backbone.requires_grad_(True)
+    return MedusaTrainingModel(
+        heads, backbone, backbone_trainable=True, lm_loss=KLToOriginal(teacher), lambda0=0.5, chunk_size=8
+    )
+
+
+@pytest.mark.parametrize("variant", ["medusa1", "medusa2"])
+def test_micro_batches_add_up_to_the_whole_batch(variant):
+    """Gradient accumulation: micro-batches with different numbers of targets, each divided by the
+    step's counts (the trainer's ``step_counts``), give the loss and gradients of one batch holding
+    them all (a mean of the micro-batches' means weighs their tokens unequally); the logged per-head
+    mean stays each micro-batch's own."""
+    model = _accumulation_model(variant).train()
+    whole = batch(seed=5, b=4)  # lengths 14, 11, 8, 5: head 1 has 11 targets, then 8, 5 and 2
+    parts = [{key: value[i:j] for key, value in whole.items()} for i, j in ((0, 1), (1, 4))]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    out = model(**whole)
+    out["loss"].backward()
+    want = [p.grad.clone() for p in params]
+    model.zero_grad()
+    counts = sum(model.loss_counts(part) for part in parts)
+    assert torch.equal(counts, model.loss_counts(whole))
+    loss = 0.0
+    for part in parts:
+        step = model(**part, step_counts=counts)
+        step["loss"].backward()
+        loss += step["loss"].item()
+        with torch.no_grad():
+            alone = model(**part)
+        for key in ("head_ce", "lm_loss") if variant == "medusa2" else ("head_ce",):
+            torch.testing.assert_close(step[key], alone[key], atol=1e-6, rtol=1e-5)
+    assert loss == pytest.approx(out["loss"].item(), rel=1e-5)
+    for p, w in zip(params, want, strict=True):
+        torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-4)
 
 
 def test_hidden_cache_rows_equal_online(tmp_path):
