@@ -27,6 +27,7 @@ A trainable backbone (optionally LoRA-wrapped) is a registered submodule. With a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,6 +96,18 @@ def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> tor
     )
 
 
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode inside the block; every submodule's own mode back afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 class KLToOriginal:
     """``L_LM`` = KL from the frozen original's next-token distribution to the backbone's (an
     :class:`LMLoss`; the paper's choice on self-distilled data).
@@ -102,7 +115,9 @@ class KLToOriginal:
     Args:
         teacher: the original, frozen here and held outside the training module (full tuning: a
             copy taken before the backbone turns trainable), or None: the backbone itself with its
-            LoRA adapters disabled.
+            LoRA adapters disabled, in eval mode for that forward (the original is a fixed function,
+            as the frozen copy is: with the backbone's dropout on, its distribution would be a random
+            draw, and the KL of the original to itself not 0).
     """
 
     def __init__(self, teacher: nn.Module | None = None) -> None:
@@ -113,10 +128,12 @@ class KLToOriginal:
         rows = batch.rows.to(lm_head.dtype)  # (N, d)
         keep_lm = batch.targets != IGNORE_INDEX  # (N,)
         with torch.no_grad():
-            teacher, ctx = self.teacher, contextlib.nullcontext()
-            if teacher is None:  # LoRA: the original is the same model with adapters off
-                teacher, ctx = backbone, backbone.disable_adapter()
-            with ctx:
+            teacher = self.teacher
+            with contextlib.ExitStack() as original:
+                if teacher is None:  # LoRA: the original is the same model with adapters off, no dropout
+                    teacher = backbone
+                    original.enter_context(backbone.disable_adapter())
+                    original.enter_context(_eval_mode(backbone))
                 t_h = last_hidden_state(teacher, batch.input_ids, batch.attention_mask)  # (B, T, d)
                 t_w = teacher.get_output_embeddings().weight  # (V, d)
             t_rows, _ = select_trained_rows(t_h, batch.selected_by)  # (N, d), same rows as the student

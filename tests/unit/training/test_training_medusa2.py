@@ -53,6 +53,31 @@ def test_medusa2_trains_backbone_and_heads(lm_loss, lora):
         assert all("lora_" in n for n, p in model.backbone.named_parameters() if p.requires_grad)
 
 
+def test_the_lora_original_is_the_backbone_without_its_adapters_and_without_dropout():
+    """``lm_loss=kl`` with LoRA: the original is the trained model with its adapters disabled, and a
+    fixed function like the full-tuning teacher (a frozen copy): with the backbone's dropout on in
+    that forward, the KL of the original to itself was not 0. The training mode comes back after."""
+    from peft import LoraConfig, get_peft_model
+
+    from medusa_train.head_targets import last_hidden_state, select_trained_rows
+    from medusa_train.training.losses import lm_targets
+    from medusa_train.training.model import LMRows
+    from tests.helpers.models import tiny_model
+
+    backbone = tiny_model("llama", vocab=64, attention_dropout=0.3)
+    lora = get_peft_model(backbone, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    b = batch()
+    ids, attn = b["input_ids"], b["attention_mask"]
+    with torch.no_grad():  # the adapters start as zero: the LoRA model is the original
+        h = last_hidden_state(lora.eval(), ids, attn)  # (B, T, d)
+    lora.train()
+    selected_by = lm_targets(ids, b["loss_mask"], attn)[..., None]  # (B, T, 1)
+    rows, targets = select_trained_rows(h, selected_by)
+    kl = KLToOriginal()(lora, LMRows(rows, targets[:, 0], ids, attn, selected_by), chunk_size=8)
+    assert kl.item() == pytest.approx(0.0, abs=1e-7)
+    assert all(m.training for m in lora.modules())
+
+
 def test_heads_only_phase_gives_backbone_no_gradient():
     model = _model("ce")
     model.heads_only = True
