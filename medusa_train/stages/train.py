@@ -658,14 +658,18 @@ def _train(
         # copy, now that from_pretrained no longer partitions what it loads.
         trained = recipe.rebuild_trained(state, device)
 
-    hist = trainer.head_history
+    hist = trainer.head_history  # the last entry: the last step (a stop by the time budget too)
     final = hist[-1] if hist else {}
+
+    def last_logged(key: str) -> float | None:  # top-k: the last step that counted them
+        return next((h[key] for h in reversed(hist) if key in h), None)
+
     result = {
         "mode": tc.mode,
         "steps": trainer.state.global_step,
         "final_loss": round(float(final.get("loss", out.training_loss)), 5),
-        "train_top1": [final.get(f"head{k + 1}/top1") for k in range(tc.num_heads)],
-        "train_top5": [final.get(f"head{k + 1}/top5") for k in range(tc.num_heads)],
+        "train_top1": [last_logged(f"head{k + 1}/top1") for k in range(tc.num_heads)],
+        "train_top5": [last_logged(f"head{k + 1}/top5") for k in range(tc.num_heads)],
         "train_seconds": round(train_seconds, 1),
         "stopped_by_time_budget": bool(budget and budget.stopped_early),
         "resumed_from": last,

@@ -157,11 +157,12 @@ class MedusaTrainer(Trainer):
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(sums)
             heads, lm = sums[: 5 * k_heads].view(5, k_heads), sums[5 * k_heads :]
-            count, metric_count = heads[1].clamp_min(1), heads[4].clamp_min(1)
+            count, metric_count = heads[1].clamp_min(1), heads[4]
             for k in range(k_heads):
                 logs[f"head{k + 1}/loss"] = round(float(heads[0, k] / count[k]), 5)
-                logs[f"head{k + 1}/top1"] = round(float(heads[2, k] / metric_count[k]), 5)
-                logs[f"head{k + 1}/top5"] = round(float(heads[3, k] / metric_count[k]), 5)
+                if metric_count[k] > 0:  # no top-k counted since the last log (a stop by the time budget)
+                    logs[f"head{k + 1}/top1"] = round(float(heads[2, k] / metric_count[k]), 5)
+                    logs[f"head{k + 1}/top5"] = round(float(heads[3, k] / metric_count[k]), 5)
             if lm[1] > 0:  # Medusa-2 joint steps since the last log: the LM loss and the heads' weight
                 logs["lm_loss"] = round(float(lm[0] / lm[1]), 5)
                 logs["lambda0"] = round(float(self.model.lambda0), 5)
@@ -259,7 +260,9 @@ class MetricsScheduleCallback(TrainerCallback):
     """Top-1/top-5 cost one more logits pass: count them only on the steps that get logged.
 
     The logged loss averages every micro-batch since the last log; top-1/top-5 come from the
-    logging step's own batch(es).
+    logging step's own batch(es). The last step is logged too (the Trainer logs only multiples of
+    ``logging_steps``): the final loss and top-k of ``training_result`` are those of the end of
+    training, not of the last multiple before it.
     """
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
@@ -267,6 +270,11 @@ class MetricsScheduleCallback(TrainerCallback):
             step = state.global_step + 1  # the step about to run
             on = step % args.logging_steps == 0 or step == 1 or step == state.max_steps
             getattr(model, "module", model).with_metrics = on
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+        return control
 
 
 class TrackerCallback(TrainerCallback):
@@ -287,7 +295,7 @@ class TrackerCallback(TrainerCallback):
 
 
 class TimeBudgetCallback(TrainerCallback):
-    """Stops training cleanly (with a checkpoint) once ``max_minutes`` of optimisation have passed."""
+    """Stops training cleanly (with a checkpoint and a log) once ``max_minutes`` of optimisation have passed."""
 
     def __init__(self, max_minutes: float) -> None:
         self.max_seconds = max_minutes * 60
@@ -307,6 +315,7 @@ class TimeBudgetCallback(TrainerCallback):
             self.stopped_early = True
             control.should_training_stop = True
             control.should_save = True
+            control.should_log = True  # the figures of the last step (and those since the last log)
         return control
 
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -212,6 +213,40 @@ def test_gradient_accumulation_trains_the_heads_of_one_big_batch(reference, tmp_
     assert result["steps"] == ref["steps"] == 6
     assert result["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
     _assert_heads_close(root, ref_root, atol=1e-5)
+
+
+@pytest.mark.parametrize("ending", ["max_steps", "time_budget"])
+def test_the_result_reports_the_last_step(tmp_path, monkeypatch, ending):
+    """``final_loss`` and the per-head figures are those of the last step, when it is no multiple of
+    ``logging_steps`` (2): 5 steps, or a stop by the time budget after step 3 (a fake clock, 60 s a
+    step). Step 3 counted no top-k (not a logging step): its log has none, and ``train_top1`` is the
+    last that was counted (step 2's), not 0."""
+    import medusa_train.training.trainer as trainer_module
+
+    logged = {}
+    log = MedusaTrainer.log
+
+    def recorded(self, logs, start_time=None):
+        log(self, logs, start_time)  # adds the per-head figures to ``logs``
+        if "loss" in logs:
+            logged[self.state.global_step] = dict(logs)
+
+    monkeypatch.setattr(MedusaTrainer, "log", recorded)
+    overrides = ["training.max_steps=5", "training.save_steps=100"]
+    if ending == "time_budget":
+        clock = iter(range(0, 6000, 60))
+        monkeypatch.setattr(trainer_module, "time", SimpleNamespace(time=lambda: float(next(clock))))
+        overrides = ["training.max_minutes=2.5", "training.save_steps=100"]
+    root = make_train_workdir(tmp_path)
+    result = run(train_cfg(root, *overrides, "tree.max_nodes=2"))
+    last = 5 if ending == "max_steps" else 3
+    assert result["steps"] == last and result["stopped_by_time_budget"] == (ending == "time_budget")
+    assert sorted(logged) == [2, 4, 5] if ending == "max_steps" else [2, 3]
+    assert result["final_loss"] == round(logged[last]["loss"], 5)
+    counted = last if ending == "max_steps" else 2
+    assert "head1/top1" in logged[counted] and ("head1/top1" in logged[last]) == (counted == last)
+    assert result["train_top1"] == [logged[counted][f"head{k}/top1"] for k in (1, 2, 3)]
+    assert result["train_top5"] == [logged[counted][f"head{k}/top5"] for k in (1, 2, 3)]
 
 
 def test_soft_head_loss_trains_from_the_cache(tmp_path):
