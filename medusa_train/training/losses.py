@@ -617,7 +617,7 @@ def medusa_head_loss(
         mean_k = hidden.new_zeros((), dtype=torch.float32)  # this batch's mean (logged) of head k's loss
         for name, weight in head_loss.terms:
             if name == "ce":
-                rows = int((y_draft != IGNORE_INDEX).sum())
+                rows = (y_draft != IGNORE_INDEX).sum()  # a tensor: read only with step counts
                 denominator = step_counts.ce[k] if step_counts is not None else None
                 term = chunked_cross_entropy(
                     feats[k], proj, y_draft, chunk_size, scale=weights[k] * weight, denominator=denominator
@@ -639,7 +639,7 @@ def medusa_head_loss(
                     denominator=denominator,
                 )
             head_k = head_k + term  # lambda_k * weight * term
-            share = 1.0 if denominator is None else max(denominator, 1) / max(rows, 1)  # sum / rows
+            share = 1.0 if denominator is None else max(denominator, 1) / max(int(rows), 1)  # sum / rows
             mean_k = mean_k + term.detach() * share
         loss = loss + head_k
         ce.append(mean_k / weights[k])
