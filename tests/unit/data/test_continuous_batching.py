@@ -22,14 +22,6 @@ VOCAB = 96
 MAX_NEW = 9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(arch: str) -> torch.nn.Module:
     if arch == "gpt2":
         return tiny_model("gpt2", vocab=VOCAB, max_pos=128, bos_token_id=1, eos_token_id=1)
