@@ -27,6 +27,7 @@ only holds references to activations computed anyway; the prefill keeps one posi
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -494,12 +495,16 @@ class SpanTimer:
         return sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
 
 
-def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
+def _eos_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> set[int]:
+    """The EOS ids as a set, from what generate accepts: an int (numpy's included), a list, a tensor."""
     if eos_token_id is None:
         return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(e) for e in eos_token_id}
+    if isinstance(eos_token_id, torch.Tensor):  # 0-d or 1-d, as generation configs may hold them
+        return {int(e) for e in eos_token_id.reshape(-1).tolist()}
+    try:
+        return {operator.index(eos_token_id)}  # int, numpy integer
+    except TypeError:
+        return {int(e) for e in eos_token_id}
 
 
 def _check_generators(generators: Sequence[torch.Generator | None], device: torch.device) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,6 +107,26 @@ def test_greedy_stops_at_eos(arch):
             )
             assert out.tokens.tolist() == expected
             assert out.stop_reason == "eos" and sum(out.accepted_lengths) == len(expected)
+
+
+def test_eos_given_as_a_tensor_or_a_numpy_int_stops_as_an_int_does():
+    """eos_token_id as a 0-d / 1-d tensor or a numpy integer (what generation configs and user code
+    hold) stops where the same id as an int stops (a 0-d tensor or numpy int was refused)."""
+    model = tiny_model("llama", seed=11)
+    heads = random_heads(model, seed=4)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(6))
+    eos = plain_greedy(model, prompt, 40).tolist()[3]
+
+    def run(eos_token_id):
+        out = medusa_generate(
+            model, heads, prompt, max_new_tokens=40, tree=MEDUSA_63, eos_token_id=eos_token_id
+        )
+        return out.tokens.tolist(), out.stop_reason
+
+    expected = run(eos)
+    assert expected[1] == "eos"
+    for given in (torch.tensor(eos), torch.tensor([VOCAB + 5, eos]), np.int64(eos)):
+        assert run(given) == expected, given
 
 
 class OracleHeads(PackedHeads):
