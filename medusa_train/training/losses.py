@@ -617,14 +617,13 @@ def medusa_head_loss(
         mean_k = hidden.new_zeros((), dtype=torch.float32)  # this batch's mean (logged) of head k's loss
         for name, weight in head_loss.terms:
             if name == "ce":
-                rows = (y_draft != IGNORE_INDEX).sum()  # a tensor: read only with step counts
                 denominator = step_counts.ce[k] if step_counts is not None else None
                 term = chunked_cross_entropy(
                     feats[k], proj, y_draft, chunk_size, scale=weights[k] * weight, denominator=denominator
                 )
             else:
                 x, target_h = _soft_rows(soft, k, feats[k])  # (n, d), (n, d)
-                rows, denominator = x.shape[0], step_counts.soft[k] if step_counts is not None else None
+                denominator = step_counts.soft[k] if step_counts is not None else None
                 term = chunked_soft_loss(
                     x,
                     proj,
@@ -639,8 +638,11 @@ def medusa_head_loss(
                     denominator=denominator,
                 )
             head_k = head_k + term  # lambda_k * weight * term
-            share = 1.0 if denominator is None else max(denominator, 1) / max(int(rows), 1)  # sum / rows
-            mean_k = mean_k + term.detach() * share
+            if denominator is None:
+                mean_k = mean_k + term.detach()
+            else:  # the step's share -> this batch's mean (sum / its rows), as a tensor: no host read
+                rows = (y_draft != IGNORE_INDEX).sum().clamp_min(1) if name == "ce" else max(x.shape[0], 1)
+                mean_k = mean_k + term.detach() * max(denominator, 1) / rows
         loss = loss + head_k
         ce.append(mean_k / weights[k])
         count.append((y != IGNORE_INDEX).sum())

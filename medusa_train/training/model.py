@@ -325,10 +325,10 @@ class MedusaTrainingModel(nn.Module):
             denominator = counts.lm if counts is not None else None
             batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, tgt, denominator)
             lm = self.lm_loss(self.backbone, batch, self.chunk_size)
-            share = 1.0
-            if denominator is not None:  # the step's share -> this batch's mean, for the logs
-                share = max(denominator, 1) / max(int((lm_rows_targets != IGNORE_INDEX).sum()), 1)
-            result["lm_loss"] = lm.detach() * share
+            result["lm_loss"] = lm.detach()
+            if denominator is not None:  # the step's share -> this batch's mean, for the logs (no host read)
+                rows = (lm_rows_targets != IGNORE_INDEX).sum().clamp_min(1)
+                result["lm_loss"] = result["lm_loss"] * max(denominator, 1) / rows
             result["loss"] = lm + self.lambda0 * out.loss
         return result
 
