@@ -16,8 +16,8 @@ export (the ``custom_generate`` value ``generate`` was called with, a Hub id fet
 belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
-  over transformers' defaults): ``max_new_tokens`` (or ``max_length``: one that leaves the prompt no
-  room is a ``ValueError``, as in ``generate``), ``do_sample``, ``temperature``,
+  over transformers' defaults): ``max_new_tokens`` (or ``max_length``, counted against the padded
+  batch's width for every row; one that leaves the prompt no room is a ``ValueError``, as in ``generate``), ``do_sample``, ``temperature``,
   ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and ``min_new_tokens`` / ``min_length`` (on
   every node's logits, as generate's processors apply them: :mod:`medusa_train.decoding.processors`), ``eos_token_id``, ``pad_token_id``, ``return_dict_in_generate``,
   ``streamer`` (one prompt: it gets the prompt, then each step's accepted tokens as they are decided,
@@ -280,11 +280,7 @@ def generate(
     eos = _as_list(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
-    if config.max_new_tokens is not None:
-        max_new = config.max_new_tokens
-    else:
-        max_new = config.max_length - (0 if default_length else width)
-        _check_room(width, config.max_length, default_length, context_limit(model))
+    max_new = _max_new_tokens(config, width, default_length, context_limit(model))
     loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
 
     if attention_mask is None:  # as generate: its padding masked when the prompt holds pad_token_id
@@ -632,15 +628,19 @@ def _acceptance(config, requested: str | None) -> str:
     return requested or ("sample" if config.do_sample else "greedy")
 
 
-def _check_room(width: int, max_length: int, default_length: bool, limit: int | None) -> None:
-    """Refuse, as ``generate`` does (``_validate_generated_length``), a prompt of ``width`` columns that
-    leaves no room under the call's ``max_length`` (the default one: ``max_length`` new tokens, within the
-    model's ``limit`` positions).
+def _max_new_tokens(config, width: int, default_length: bool, limit: int | None) -> int:
+    """The new tokens of every row of a ``(B, width)`` prompt, as ``generate`` counts them
+    (``_prepare_generated_length``): ``max_new_tokens``, else ``max_length`` less the padded ``width``
+    (the default ``max_length``: that many new tokens, the whole within the model's ``limit`` positions),
+    the same for a short row of a left-padded batch as for the longest.
 
     Raises:
-        ValueError: the prompt is as long as ``max_length`` or longer.
+        ValueError: as ``generate`` (``_validate_generated_length``), a prompt as long as ``max_length``
+            or longer.
     """
-    total = max_length + width if default_length else max_length
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    total = config.max_length + width if default_length else config.max_length
     if default_length and limit is not None:
         total = min(total, limit)
     if width >= total:
@@ -648,6 +648,7 @@ def _check_room(width: int, max_length: int, default_length: bool, limit: int | 
             f"Input length of input_ids is {width}, but `max_length` is set to {total}, so there is no room "
             "for new tokens (plain generate refuses it too): increase max_length or, better, set max_new_tokens"
         )
+    return total - width
 
 
 def _warn_once(items: list[str], template: str) -> None:

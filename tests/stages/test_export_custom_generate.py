@@ -109,6 +109,23 @@ def test_a_max_length_that_leaves_no_room_is_refused_as_generate_refuses_it(
     )
 
 
+def test_max_length_counts_the_padded_width_for_every_row_as_in_generate(workdir: Path, model, tok) -> None:
+    """generate counts max_length against the batch's padded width, the default one (20 new tokens
+    within the model's 256 positions) too: a short row of a left-padded batch near the positions'
+    end gets as few new tokens as the longest row, not as many as its own length leaves room for."""
+    ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
+    long = ids.repeat(1, 245 // ids.shape[1] + 1)[:, :245]  # 11 positions left: fewer than 20
+    short = torch.cat([torch.full((1, 10), tok.pad_token_id), long[:, -235:]], dim=1)
+    batch = {"input_ids": torch.cat([long, short]), "attention_mask": torch.ones(2, 245, dtype=torch.long)}
+    batch["attention_mask"][1, :10] = 0
+    for extra in ({}, {"max_length": 250}):
+        plain = model.generate(**batch, do_sample=False, **extra)
+        for static in ({}, {"cache_implementation": "static"}):
+            ours = _medusa(model, workdir / "export", **batch, **extra, **static)
+            assert torch.equal(ours, plain), (extra, static)
+    release(model)
+
+
 def test_a_batch_without_its_attention_mask_is_masked_as_generate_masks_it(workdir: Path, model, tok) -> None:
     """Without an attention_mask, generate masks every pad_token_id of the prompt (when it is no EOS
     token): the padding of a left-padded batch is not decoded as prompt tokens."""
