@@ -41,7 +41,7 @@ belong to the model, and decodes:
   default generator). The decoder, its KV cache and its capture are
   kept on the model for the next call of the same kind (same rows, tree, acceptance, attention), at
   most :data:`MAX_STATIC_DECODERS` kinds, the least recently used dropped first (:func:`release`
-  frees them all);
+  frees them all, and the heads);
 - ``medusa_attention``: the tree attention of the verification forwards ("auto" by default, "sdpa",
   "triton" or "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`);
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
@@ -488,8 +488,10 @@ class _StaticDecoders(dict):
 
 
 def release(model) -> None:
-    """Free the static decoders (KV caches, captured graphs) that ``generate`` with
-    ``cache_implementation="static"`` kept on ``model``; the next such call builds them again."""
+    """Free what ``generate`` keeps for ``model``: the heads packed on its device and the tree, and the
+    static decoders (KV caches, captured graphs) of ``cache_implementation="static"`` calls; the next
+    call loads and builds them again."""
+    _LOADED.pop(model, None)
     vars(model).pop(_STATIC_ATTR, None)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import importlib.metadata
 import json
 import logging
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -438,6 +440,25 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     model.to(torch.float32)
     release(model)
     assert STATIC_ATTR not in vars(model)
+
+
+def test_release_frees_the_heads_and_the_static_decoders_kept_for_the_model(
+    workdir: Path, model, tok
+) -> None:
+    """release(model) drops everything generate keeps for the model (the packed heads and the static
+    decoders with their KV caches): nothing of it stays alive; the next call loads them again."""
+    model = copy.deepcopy(model)  # its own heads and decoders: the module-scoped model stays as it was
+    one = tok(PROMPTS[0], return_tensors="pt")
+    plain = model.generate(**one, do_sample=False, max_new_tokens=8)
+    _medusa(model, workdir / "export", **one, max_new_tokens=8)
+    _medusa(model, workdir / "export", **one, max_new_tokens=8, cache_implementation="static")
+    (decoder,) = vars(model)[STATIC_ATTR].values()
+    kept = [weakref.ref(decoder), weakref.ref(decoder.packed.w1t)]
+    del decoder
+    release(model)
+    gc.collect()
+    assert [ref() for ref in kept] == [None, None]
+    assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8), plain)
 
 
 class Collect(BaseStreamer):
