@@ -69,7 +69,7 @@ from medusa_train import __version__
 from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
 from medusa_train.decoding.attention import ATTENTION_CHOICES, one_call_per_model
 from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
-from medusa_train.decoding.generate import PackedHeads, context_limit, medusa_generate
+from medusa_train.decoding.generate import PackedHeads, context_limit, eos_ids, medusa_generate
 from medusa_train.decoding.static import (
     StaticDecoder,
     capacity_for,
@@ -277,7 +277,7 @@ def generate(
     if medusa_attention not in ATTENTION_CHOICES:
         raise ValueError(f"medusa_attention must be one of {ATTENTION_CHOICES}, got {medusa_attention!r}")
     static = config.cache_implementation == "static"
-    eos = _as_list(config.eos_token_id)
+    eos = eos_ids(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
     max_new = _max_new_tokens(config, width, default_length, context_limit(model))
@@ -659,14 +659,6 @@ def _warn_once(items: list[str], template: str) -> None:
     if items and message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)
-
-
-def _as_list(eos) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):
-        return [int(e) for e in eos.reshape(-1).tolist()]
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
 def _inferred_mask(input_ids: torch.Tensor, pad_token_id: int | None, eos: list[int]) -> torch.Tensor | None:

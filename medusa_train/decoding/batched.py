@@ -49,12 +49,12 @@ from .generate import (
     SpanTimer,
     _check_generators,
     _check_settings,
-    _eos_set,
     _forward,
     _mask_slab,
     _now,
     _sliding_window_kinds,
     context_limit,
+    eos_ids,
     medusa_generate,
 )
 from .processors import RowProcessors
@@ -439,7 +439,7 @@ def medusa_generate_batch(
             rows=[one], num_forwards=one.num_forwards, total_s=time.perf_counter() - t_start, **timing
         )
 
-    eos = _eos_set(eos_token_id)
+    eos = set(eos_ids(eos_token_id))
     limit = context_limit(model)
     lengths = [len(r) for r in rows_in]
     budgets = [max_new_tokens if limit is None else min(max_new_tokens, limit - t) for t in lengths]

@@ -495,16 +495,17 @@ class SpanTimer:
         return sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
 
 
-def _eos_set(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> set[int]:
-    """The EOS ids as a set, from what generate accepts: an int (numpy's included), a list, a tensor."""
+def eos_ids(eos_token_id: int | Sequence[int] | torch.Tensor | None) -> list[int]:
+    """The EOS ids in the order given (the first is generate's padding when it has no ``pad_token_id``),
+    from what generate accepts: None, an int (numpy's included), a list, a 0-d or 1-d tensor."""
     if eos_token_id is None:
-        return set()
+        return []
     if isinstance(eos_token_id, torch.Tensor):  # 0-d or 1-d, as generation configs may hold them
-        return {int(e) for e in eos_token_id.reshape(-1).tolist()}
+        return [int(e) for e in eos_token_id.reshape(-1).tolist()]
     try:
-        return {operator.index(eos_token_id)}  # int, numpy integer
+        return [operator.index(eos_token_id)]  # int, numpy integer
     except TypeError:
-        return {int(e) for e in eos_token_id}
+        return [int(e) for e in eos_token_id]
 
 
 def _check_generators(generators: Sequence[torch.Generator | None], device: torch.device) -> None:
@@ -650,7 +651,7 @@ def medusa_generate(
     tree = as_tree(tree).to(device)
     tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
-    eos = _eos_set(eos_token_id)
+    eos = set(eos_ids(eos_token_id))
 
     prompt_len = input_ids.shape[1]
     limit = context_limit(model)

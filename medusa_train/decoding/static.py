@@ -70,11 +70,11 @@ from .generate import (
     MedusaOutput,
     PackedHeads,
     _check_settings,
-    _eos_set,
     _forward,
     _now,
     _sliding_window_kinds,
     context_limit,
+    eos_ids,
 )
 from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
@@ -706,7 +706,7 @@ class StaticDecoder:
                 f"prompt + max_new_tokens + tree ({self.tree.num_nodes} nodes) need capacity {need}; this "
                 f"StaticDecoder has {self.capacity}: build one with capacity >= {need}"
             )
-        eos = _eos_set(eos_token_id)
+        eos = set(eos_ids(eos_token_id))
         self.processors.set_eos(sorted(eos))  # the call's EOS ids, for the minimum length inside the step
         tokens: list[list[int]] = [[] for _ in ids]
         reasons = [

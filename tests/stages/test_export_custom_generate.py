@@ -20,6 +20,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -357,6 +358,20 @@ def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplo
         )
     assert out.attentions is None and out.hidden_states is None
     assert "not output_attentions=True, output_hidden_states=True: those fields are None" in caplog.text
+
+
+def test_eos_given_in_any_form_generate_takes_stops_as_in_generate(workdir: Path, model, tok) -> None:
+    """eos_token_id as an int, a list, a 0-d or 1-d tensor or a numpy integer: what generate accepts,
+    the same output as generate's (a numpy integer was a TypeError)."""
+    one = tok(PROMPTS[0], return_tensors="pt")
+    eos = int(model.generate(**one, do_sample=False, max_new_tokens=8)[0, one["input_ids"].shape[1] + 3])
+    plain = model.generate(**one, do_sample=False, max_new_tokens=30, eos_token_id=eos)
+    assert plain.shape[1] == one["input_ids"].shape[1] + 4  # stopped at that token
+    for given in (eos, [eos], torch.tensor(eos), torch.tensor([tok.eos_token_id, eos]), np.int64(eos)):
+        for extra in ({}, {"cache_implementation": "static"}):
+            ours = _medusa(model, workdir / "export", **one, max_new_tokens=30, eos_token_id=given, **extra)
+            assert torch.equal(ours, plain), (given, extra)
+    release(model)
 
 
 def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir: Path, model, tok) -> None:
