@@ -10,10 +10,10 @@ and calls the function with every argument ``generate`` got (``input_ids``, ``at
 ``stage=export`` writes that folder into the export (:func:`write_custom_generate`): a small
 ``generate.py`` that calls :func:`generate` here, and ``requirements.txt``. :func:`generate` finds the
 export (the ``custom_generate`` value ``generate`` was called with, a Hub id fetched with the call's
-``revision``, ``token``, ``local_files_only``, ``cache_dir`` and ``force_download`` as its
-``generate.py`` was; else the folder the export was written to; ``medusa_heads=`` overrides both), loads its heads and tree once per model
-(again when their files change: an export written again into the same folder), checks they
-belong to the model, and decodes:
+``revision``, ``token``, ``local_files_only``, ``cache_dir``, ``force_download``, ``proxies`` and
+``repo_type`` as its ``generate.py`` was; else the folder the export was written to; ``medusa_heads=``
+overrides both), loads its heads and tree once per model (again when their files change: an export
+written again into the same folder), checks they belong to the model, and decodes:
 
 - settings as plain ``generate`` resolves them (the call's arguments over ``model.generation_config``
   over transformers' defaults): ``max_new_tokens`` (or ``max_length``, counted against the padded
@@ -116,10 +116,18 @@ _UNAPPLIED_SETTINGS = {  # generate settings that change outputs, that Medusa de
 }
 _NOT_RETURNED = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 """``generate`` outputs besides the sequences that a ``return_dict_in_generate`` call may ask for."""
-_HUB_ARGUMENTS = ("revision", "token", "cache_dir", "local_files_only", "force_download")
-"""``generate`` arguments transformers loads a Hub ``custom_generate`` with (``load_custom_generate``):
-the heads and the tree are downloaded with them too (the same revision as ``generate.py``); a local
-folder has no use for them."""
+_HUB_ARGUMENTS = (
+    "revision",
+    "token",
+    "cache_dir",
+    "local_files_only",
+    "force_download",
+    "proxies",
+    "repo_type",
+)
+"""``generate`` arguments transformers loads a Hub ``custom_generate`` with (``load_custom_generate``
+hands them to ``get_cached_module_file``): the heads and the tree are downloaded with them too (the
+same revision as ``generate.py``); a local folder has no use for them."""
 _REFUSED_ARGUMENTS = (  # generate() arguments that need the standard decoding loop
     "logits_processor",
     "stopping_criteria",
@@ -368,7 +376,11 @@ def _find_export(
     if called_with is not None:
         if Path(called_with).is_dir():
             return Path(called_with)
-        return _hub_snapshot(called_with, tuple(sorted((hub or {}).items())))
+        # the cache's key: proxies (a dict) as its pairs
+        pairs = [
+            (name, tuple(sorted(v.items())) if isinstance(v, dict) else v) for name, v in (hub or {}).items()
+        ]
+        return _hub_snapshot(called_with, tuple(sorted(pairs)))
     if export_dir is not None and Path(export_dir).is_dir():
         return Path(export_dir)
     raise ValueError(
@@ -397,10 +409,12 @@ def _custom_generate_argument(model) -> str | None:
 @functools.lru_cache(maxsize=8)
 def _hub_snapshot(repo_id: str, hub: tuple[tuple[str, object], ...] = ()) -> Path:
     """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache with the
-    ``(name, value)`` pairs of ``hub`` (``revision``, ``token``, ...: :data:`_HUB_ARGUMENTS`)."""
+    ``(name, value)`` pairs of ``hub`` (``revision``, ``token``, ...: :data:`_HUB_ARGUMENTS`; ``proxies``
+    as its ``(key, value)`` pairs)."""
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES], **dict(hub)))
+    kwargs = {name: dict(v) if name == "proxies" and v is not None else v for name, v in hub}
+    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES], **kwargs))
 
 
 def _existing(path: Path, what: str) -> Path:

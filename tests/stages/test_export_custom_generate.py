@@ -205,15 +205,22 @@ def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
     workdir: Path, model, tok, monkeypatch
 ) -> None:
     """custom_generate=<Hub id>: transformers loads generate.py with the call's revision, token,
-    local_files_only, ... and passes them on; the heads and the tree are fetched with them too (the same
-    revision as the code). Stood in for without a network: the export on disk is the repository."""
+    local_files_only, proxies, repo_type, ... and passes them on; the heads and the tree are fetched with
+    them too (the same revision as the code); a local export takes them and has no use for them. Stood
+    in for without a network: the export on disk is the repository."""
     import huggingface_hub
 
     import medusa_train.custom_generate as custom_generate
 
     model = copy.deepcopy(model)  # its load_custom_generate replaced: the module-scoped model stays as it was
     code = model.load_custom_generate(str(workdir / "export"), trust_remote_code=True)
-    monkeypatch.setattr(model, "load_custom_generate", lambda repo, **kwargs: code)
+    loaded = []
+
+    def load_custom_generate(repo: str, **kwargs):
+        loaded.append(kwargs)
+        return code
+
+    monkeypatch.setattr(model, "load_custom_generate", load_custom_generate)
     fetched = []
 
     def snapshot_download(repo_id: str, **kwargs) -> str:
@@ -223,13 +230,23 @@ def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     custom_generate._hub_snapshot.cache_clear()
     one = tok(PROMPTS[0], return_tensors="pt")
-    hub = dict(revision="v1", token="hf_test", local_files_only=True)
+    hub = dict(
+        revision="v1",
+        token="hf_test",
+        local_files_only=True,
+        proxies={"https": "http://proxy.example:3128"},
+        repo_type="model",
+    )
+    plain = model.generate(**one, do_sample=False, max_new_tokens=8)
     out = model.generate(
         **one, max_new_tokens=8, custom_generate="acme/medusa-export", trust_remote_code=True, **hub
     )
-    assert torch.equal(out, model.generate(**one, do_sample=False, max_new_tokens=8))
+    assert torch.equal(out, plain)
     ((repo_id, kwargs),) = fetched
     assert repo_id == "acme/medusa-export" and {name: kwargs.get(name) for name in hub} == hub
+    assert {name: loaded[0].get(name) for name in hub} == hub  # as transformers loaded generate.py
+    assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8, **hub), plain)
+    assert len(fetched) == 1  # a local export: nothing fetched
     custom_generate._hub_snapshot.cache_clear()
 
 
