@@ -277,6 +277,8 @@ def generate(
     model_kwargs.pop("use_cache", None)
     for name in ("output_attentions", "output_hidden_states"):  # for the forwards: outputs not returned
         model_kwargs.pop(name, None)  # (named in a warning with return_dict_in_generate, as output_scores)
+    # as in generate (_validate_model_kwargs), a model argument given as None is no argument
+    model_kwargs = {name: value for name, value in model_kwargs.items() if value is not None}
     if model_kwargs:
         raise ValueError(
             f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"

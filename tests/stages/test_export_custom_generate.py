@@ -377,6 +377,18 @@ def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplo
     assert "not output_attentions=True, output_hidden_states=True: those fields are None" in caplog.text
 
 
+def test_model_arguments_given_as_none_are_no_arguments_as_in_generate(workdir: Path, model, tok) -> None:
+    """generate takes model arguments given as None (past_key_values=None, ...) as not given: so does
+    Medusa decoding; one with a value is still refused, naming it."""
+    one = tok(PROMPTS[0], return_tensors="pt")
+    none = dict(past_key_values=None, position_ids=None, token_type_ids=None)
+    plain = model.generate(**one, do_sample=False, max_new_tokens=8, **none)
+    assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8, **none), plain)
+    with pytest.raises(ValueError, match=r"input_ids and attention_mask only, not \['position_ids'\]"):
+        positions = torch.arange(one["input_ids"].shape[1])[None]  # (1, T)
+        _medusa(model, workdir / "export", **one, max_new_tokens=8, position_ids=positions)
+
+
 def test_eos_given_in_any_form_generate_takes_stops_as_in_generate(workdir: Path, model, tok) -> None:
     """eos_token_id as an int, a list, a 0-d or 1-d tensor or a numpy integer: what generate accepts,
     the same output as generate's (a numpy integer was a TypeError)."""
