@@ -382,6 +382,8 @@ def _find_export(
         pairs = [
             (name, tuple(sorted(v.items())) if isinstance(v, dict) else v) for name, v in (hub or {}).items()
         ]
+        if (hub or {}).get("force_download"):  # a forced download is never answered from the cache
+            return _hub_snapshot.__wrapped__(called_with, tuple(sorted(pairs)))
         return _hub_snapshot(called_with, tuple(sorted(pairs)))
     if export_dir is not None and Path(export_dir).is_dir():
         return Path(export_dir)

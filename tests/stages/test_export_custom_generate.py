@@ -247,6 +247,9 @@ def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
     assert {name: loaded[0].get(name) for name in hub} == hub  # as transformers loaded generate.py
     assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8, **hub), plain)
     assert len(fetched) == 1  # a local export: nothing fetched
+    for _ in range(2):  # force_download: fetched on every call, as transformers fetches generate.py again
+        model.generate(**one, max_new_tokens=2, custom_generate="acme/medusa-export", force_download=True)
+    assert len(fetched) == 3 and fetched[-1][1]["force_download"] is True
     custom_generate._hub_snapshot.cache_clear()
 
 
