@@ -81,7 +81,8 @@ def sample_rows(
     sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
     cum = sorted_p.cumsum(-1)  # (B, V)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    u = (u.to(cum.device, cum.dtype) * cum[:, -1]).unsqueeze(-1)  # (B, 1)
+    u = u.to(cum.dtype).to(cum.device)  # (B,) cast on the CPU first: MPS has no float64
+    u = (u * cum[:, -1]).unsqueeze(-1)  # (B, 1)
     last = (sorted_p > 0).sum(-1, keepdim=True) - 1  # (B, 1): the last token with any probability
     pos = torch.minimum(torch.searchsorted(cum, u, right=True), last)  # (B, 1)
     return order.gather(-1, pos).squeeze(-1)  # (B,)

@@ -217,3 +217,25 @@ def test_settings_the_engine_does_not_apply_are_unapplied_on_both_paths(arch: st
     assert any(new != _reference(model, context, eos) for context, new in plain.values())  # it would bite
     assert _run(model, prompts, eos, 3) == plain
     assert "no_repeat_ngram_size" in inprocess.UNAPPLIED_SETTINGS
+
+
+def test_the_float64_draws_are_cast_on_the_cpu_before_they_move_to_the_scores_device() -> None:
+    """MPS has no float64: the draws become float32 while still on the CPU, and only then move (a
+    single ``.to(device, dtype)`` leaves the order to the backend's copy)."""
+    from torch.overrides import TorchFunctionMode
+
+    moved: list[torch.dtype] = []
+
+    class RecordMoves(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and (
+                "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])
+            ):
+                moved.append(args[0].dtype)
+            return func(*args, **kwargs)
+
+    scores = torch.randn(3, 20)  # (B, V)
+    with RecordMoves():
+        inprocess.sample_rows(scores, [torch.Generator().manual_seed(i) for i in range(3)], 0.9, 0.95)
+    assert moved and torch.float64 not in moved
