@@ -15,9 +15,11 @@ Two request kinds (``api``):
   SGLang, TGI, ``transformers serve``). The reply is re-tokenised with our tokenizer; the record's
   tokens are those ids plus the turn's EOS when the server reports ``finish_reason="stop"``. That is
   also exactly what the server sees of its own reply in the next turn, since it re-renders the
-  conversation from text. Exactness is checked three ways and counted (``stats``):
+  conversation from text. Exactness is checked four ways and counted (``stats``):
   ``not_round_trip`` (our re-tokenisation does not decode back to the server's text: the reply is
   dropped and the conversation ends before it, see :func:`~medusa_train.data.regenerate.distill_records`),
+  ``split_by_server`` (the server parsed part of the reply out of its text, :data:`PARSED_APART`: a
+  reasoning parser's ``<think>`` block, tool calls; the text is not the reply: dropped the same way),
   ``token_count_differs`` (the server's ``usage.completion_tokens`` differs from the re-tokenised
   count: the model generated a non-canonical split of the same text, e.g. ``th|e`` for ``the``,
   which the record cannot know; the text is kept) and ``prompt_tokens_differ`` (the server's
@@ -453,6 +455,11 @@ UNDELIVERABLE_AFTER = 2
 meanwhile (so the endpoint works and the request is what fails: a context that crashes the server)
 before it is given up: its reply is dropped (``undeliverable``) instead of the endpoint going down."""
 
+PARSED_APART = ("reasoning_content", "reasoning", "thinking", "tool_calls")
+"""Fields of a chat reply's ``message`` that hold part of what the model generated, parsed out of
+``content`` by the server (vLLM and SGLang with a reasoning parser; ``transformers serve`` parses
+Qwen-family replies always): a reply with any of them is not its text (``split_by_server``)."""
+
 FINISHED = frozenset({"stop", "length", None})
 """The ``finish_reason`` of a reply to keep: ended (``stop``), cut at the cap (``length``), or not said.
 Any other (vLLM's and SGLang's ``abort``, ``content_filter``, ``tool_calls``) leaves a reply the
@@ -539,6 +546,7 @@ class ServerEngine:
             "token_count_differs": 0,
             "prompt_tokens_differ": 0,
             "unfinished": 0,
+            "split_by_server": 0,
             "undeliverable": 0,
         }
         """Replies received, the exactness counts of the module docstring (``api=chat``), and the
@@ -609,7 +617,8 @@ class ServerEngine:
 
     def _chat_reply(self, url: str, answer: dict, context_len: int) -> _Reply:
         choice = _first_choice(url, answer, "message")
-        text = choice["message"].get("content") or ""
+        message = choice["message"]
+        text = message.get("content") or ""
         if not isinstance(text, str):
             raise ServerUnavailable(
                 url, f"server {url} sent a reply that is not text ({type(text).__name__})"
@@ -620,6 +629,8 @@ class ServerEngine:
         finish = choice.get("finish_reason")
         if finish not in FINISHED:
             return _Reply(None, {**counts, "unfinished": 1})
+        if any(message.get(key) for key in PARSED_APART):
+            return _Reply(None, {**counts, "split_by_server": 1})
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.tokenizer.decode(ids) != text:
             return _Reply(None, {**counts, "not_round_trip": 1})
@@ -720,6 +731,15 @@ class ServerEngine:
             self.stats["replies"] += 1
             for key, value in reply.counts.items():
                 self.stats[key] += value
+            if reply.counts.get("split_by_server") and self.stats["split_by_server"] == 1:
+                log.warning(
+                    "distill: %s returns part of a reply apart from its text (%s: a reasoning or "
+                    "tool-call parser); such replies are dropped (replies_dropped_split_by_server): use a "
+                    "server started without that parser (vLLM, SGLang: no --reasoning-parser), or "
+                    "distill.server.api=tokens (vLLM)",
+                    endpoint.url,
+                    "/".join(PARSED_APART),
+                )
             follow = on_done(request, reply.ids)
             if follow is not None:
                 queue.appendleft(follow)

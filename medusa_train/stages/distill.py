@@ -862,6 +862,7 @@ def _exactness_counts(stats: dict, before: dict, rows) -> dict:
         "replies_token_count_differs": delta["token_count_differs"],
         "replies_prompt_tokens_differ": delta["prompt_tokens_differ"],
         "replies_dropped_unfinished": delta["unfinished"],
+        "replies_dropped_split_by_server": delta["split_by_server"],
         "replies_dropped_undeliverable": delta["undeliverable"],
         "records_dropped_not_token_exact": sum(1 for r in rows if not r.turns),
     }

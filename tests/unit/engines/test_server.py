@@ -235,3 +235,45 @@ def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> No
     engine.run([GenRequest(i, [1, i]) for i in range(4)], on_done)
     assert sorted(done) == [0, 1, 2, 3, 100, 101]
     assert len(a.seen) >= 1 and len(b.seen) >= 1 and len(a.seen) + len(b.seen) == 6  # the first two: one each
+
+
+@pytest.mark.parametrize(
+    "apart",
+    [
+        {"reasoning_content": "hm"},  # vLLM/SGLang with a reasoning parser, transformers serve (Qwen)
+        {"reasoning": "hm"},  # newer vLLM
+        {"tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ],
+)
+def test_a_chat_reply_the_server_parsed_apart_is_dropped(scripted, apart, caplog) -> None:
+    """A server with a reasoning (or tool-call) parser returns only part of what the model generated
+    as ``content``: the rest of the reply (``<think>...</think>``) is not in the text, so the
+    re-tokenised text is not the model's reply. It is dropped and counted, with one warning."""
+    usage = {"completion_tokens": 9, "prompt_tokens": 2}
+    split = {"message": {"content": "5 6", **apart}, "finish_reason": "stop"}
+    # vLLM's message always holds these fields: empty, the reply is whole
+    whole = {
+        "message": {"content": "5 6", "reasoning_content": None, "tool_calls": []},
+        "finish_reason": "stop",
+    }
+    srv = scripted([(200, {}, {"model": "m", "usage": usage, "choices": [c]}) for c in (split, split, whole)])
+    engine = _engine(srv.url, tokenizer=_WordTok(), api="chat", max_new_tokens=3)
+    got = {}
+    with caplog.at_level("WARNING", logger="medusa_train.engines.server"):
+        engine.run(
+            [GenRequest(i, [1, 4], None, [{"role": "user", "content": "4"}]) for i in range(3)],
+            lambda r, n: got.update({r.key: n}),
+        )
+    assert got == {0: None, 1: None, 2: [5, 6, 2]}
+    assert engine.stats["split_by_server"] == 2
+    warnings = [r.getMessage() for r in caplog.records if "apart" in r.getMessage()]
+    assert len(warnings) == 1 and srv.url in warnings[0]
+
+
+def test_every_count_of_a_dropped_or_flagged_reply_reaches_the_shard_counts() -> None:
+    """stage=distill writes each of the engine's counts (but ``replies``) into the shard's counts."""
+    from medusa_train.stages.distill import _exactness_counts
+
+    stats = {key: 1 for key in _engine("http://127.0.0.1:9/v1").stats}
+    counts = _exactness_counts(stats, {}, [])
+    assert sum(counts.values()) == len(stats) - 1  # records_dropped_not_token_exact: 0 of no rows
