@@ -127,7 +127,8 @@ class ServerClient:
         sleep: the sleep function (tests replace it).
 
     Raises:
-        UserError: ``api_key_env`` names a variable that is not set.
+        UserError: ``api_key_env`` names a variable that is not set, or holds what no header carries
+            (whitespace around the key is dropped).
     """
 
     def __init__(
@@ -152,11 +153,18 @@ class ServerClient:
         """Retries made so far (all endpoints)."""
         self._key: str | None = None
         if api_key_env:
-            key = os.environ.get(api_key_env)
+            # A key read from a file (a mounted secret) often ends in a newline, which no header carries
+            key = (os.environ.get(api_key_env) or "").strip()
             if not key:
                 raise UserError(
                     f"distill.server.api_key_env={api_key_env} but the environment variable {api_key_env} "
                     "is not set: export it (the key is read from there, never from the config)"
+                )
+            if not (key.isascii() and key.isprintable()):  # http.client would refuse it, quoting it
+                raise UserError(
+                    f"the environment variable {api_key_env} (distill.server.api_key_env) holds characters "
+                    "an HTTP header cannot carry (a line break, a control or non-ASCII character): set it "
+                    "to the key alone"
                 )
             self._key = key
         self._lock = threading.Lock()

@@ -277,3 +277,21 @@ def test_every_count_of_a_dropped_or_flagged_reply_reaches_the_shard_counts() ->
     stats = {key: 1 for key in _engine("http://127.0.0.1:9/v1").stats}
     counts = _exactness_counts(stats, {}, [])
     assert sum(counts.values()) == len(stats) - 1  # records_dropped_not_token_exact: 0 of no rows
+
+
+def test_a_key_with_a_trailing_newline_is_sent_without_it_and_a_bad_key_is_refused_unseen(
+    scripted, monkeypatch
+) -> None:
+    """A key read from a file (a Kubernetes secret) often ends in a newline, which no header carries:
+    the request failed every retry as a server fault, its one line quoting the key. Whitespace around
+    the key is dropped; a key a header cannot carry is refused before any request, without its value."""
+    monkeypatch.setenv("MEDUSA_UNIT_KEY", "sk-unit-secret\n")
+    srv = scripted([(200, {}, {"ok": 1})])
+    client = ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY", max_retries=0)
+    assert client.request(srv.url, "/models") == {"ok": 1}
+    assert srv.seen[0][1]["Authorization"] == "Bearer sk-unit-secret"
+    for bad in ("sk-unit\nsecret", "sk-unit-s\u00e9cret"):
+        monkeypatch.setenv("MEDUSA_UNIT_KEY", bad)
+        with pytest.raises(UserError, match="MEDUSA_UNIT_KEY") as err:
+            ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY")
+        assert "\n" not in str(err.value) and "sk-unit" not in str(err.value)
