@@ -83,7 +83,7 @@ def summarise(records: list[dict], num_prompts: int) -> dict:
         "first_difference": {
             "turns": len(firsts),
             "min": firsts[0],
-            "median": firsts[len(firsts) // 2],
+            "median": statistics.median(firsts),  # of an even count: the mean of the middle two
             "max": firsts[-1],
         }
         if firsts
