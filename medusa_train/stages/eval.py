@@ -107,6 +107,7 @@ from medusa_train.report import (
     write_plots,
 )
 from medusa_train.tracking import Tracker, start_tracking
+from medusa_train.training.records import Records, usable_indices
 from medusa_train.workdir import (
     CALIBRATION,
     GENERATIONS,
@@ -577,9 +578,10 @@ def head_topk(
     """Cumulative top-k accuracy ``(K, R)`` of every head and where it came from.
 
     Read from ``calibration.json`` (written by stage=train) when present, else computed on this
-    workdir's held-out distilled records (also for heads from elsewhere, ``eval.heads_dir``: held-out
-    text of this backbone all the same, but not necessarily what those heads were trained beside);
-    ``(None, None)`` when neither exists.
+    workdir's held-out distilled records truncated to ``training.max_seq_len``, as the calibration
+    reads them (also for heads from elsewhere, ``eval.heads_dir``: held-out text of this backbone all
+    the same, but not necessarily what those heads were trained beside); ``(None, None)`` when neither
+    exists.
     """
     for path in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION):
         if path.is_file():
@@ -591,11 +593,14 @@ def head_topk(
                 return topk, str(path)
     if not (wd.distill / MANIFEST).is_file():
         return None, None
-    _, held = split_heldout(load_distilled(wd.distill), cfg.data.eval_fraction)
+    _, held_ds = split_heldout(load_distilled(wd.distill), cfg.data.eval_fraction)
+    # Truncated as training and its calibration read them: a head never trained past max_seq_len.
+    max_len = cfg.training.max_seq_len
+    held = Records(held_ds, usable_indices(held_ds, max_len), max_len)
     if len(held) == 0:
         return None, None
     device = next(model.parameters()).device
-    rows = held.select(range(min(HEADS_ACC_RECORDS, len(held))))
+    rows = [held[i] for i in range(min(HEADS_ACC_RECORDS, len(held)))]
     batches = (
         (torch.tensor([r["input_ids"]], device=device), torch.tensor([r["loss_mask"]], device=device).bool())
         for r in rows

@@ -152,6 +152,36 @@ def test_the_sweep_grows_its_trees_from_the_calibrations_ranks() -> None:
     assert sorted(map(tuple, calibrated)) in decode.trees
 
 
+def test_head_accuracy_without_calibration_scores_truncated_records_as_training_did(tmp_path: Path) -> None:
+    """No calibration.json: the heads are scored on held-out records truncated to training.max_seq_len
+    (the window they were trained and calibrated on; positions past it were never trained), not on whole
+    records."""
+    from medusa_train.data.distilled import load_distilled, split_heldout
+    from medusa_train.decoding.calibrate import compute_head_accuracy
+    from medusa_train.workdir import Workdir
+    from tests.helpers.train_workdir import make_train_workdir, train_cfg
+
+    root = make_train_workdir(tmp_path / "wd")  # records of 12 to 40 tokens
+    max_len = 14
+    cfg = train_cfg(root, f"training.max_seq_len={max_len}")
+    model = LlamaForCausalLM.from_pretrained(root / "base_model").eval()
+    torch.manual_seed(0)
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, 3, 1)
+    heads.init_from_lm_head(model.get_output_embeddings().weight)
+
+    topk, source = eval_stage.head_topk(root / "heads", Workdir(root), cfg, model, heads)
+
+    _, held = split_heldout(load_distilled(root / "distill"), cfg.data.eval_fraction)
+    assert len(held) > 0 and max(len(r["input_ids"]) for r in held) > max_len
+    batches = [
+        (torch.tensor([r["input_ids"][:max_len]]), torch.tensor([r["loss_mask"][:max_len]]).bool())
+        for r in held
+    ]
+    want = compute_head_accuracy(model, heads, batches, max_k=10)  # (K, 10)
+    assert source.endswith(f"(held-out, {len(held)} records)")
+    torch.testing.assert_close(torch.tensor(topk), want)
+
+
 def test_outputs_table_plots_and_model_card(evaluated: tuple[Path, dict]) -> None:
     workdir, report = evaluated
     out = workdir / "eval"
