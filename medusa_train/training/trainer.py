@@ -260,16 +260,18 @@ class MetricsScheduleCallback(TrainerCallback):
     """Top-1/top-5 cost one more logits pass: count them only on the steps that get logged.
 
     The logged loss averages every micro-batch since the last log; top-1/top-5 come from the
-    logging step's own batch(es). The last step is logged too (the Trainer logs only multiples of
-    ``logging_steps``): the final loss and top-k of ``training_result`` are those of the end of
-    training, not of the last multiple before it.
+    logging step's own micro-batches (a step counted but not logged would be pooled into the next
+    log). The last step is logged too (the Trainer logs only multiples of ``logging_steps``): the
+    final loss and top-k of ``training_result`` are those of the end of training, not of the last
+    multiple before it.
     """
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if model is not None:
             step = state.global_step + 1  # the step about to run
-            on = step % args.logging_steps == 0 or step == 1 or step == state.max_steps
-            getattr(model, "module", model).with_metrics = on
+            # The Trainer logs on its state's logging_steps: after a resume, the checkpoint's.
+            logged = step % state.logging_steps == 0 or (step == 1 and args.logging_first_step)
+            getattr(model, "module", model).with_metrics = logged or step == state.max_steps
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= state.max_steps:
