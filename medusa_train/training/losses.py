@@ -549,6 +549,11 @@ class HeadLossOutput:
         count: ``(K,)`` counted targets per head.
         top1: ``(K,)`` correct top-1 predictions per head (counts, not rates).
         top5: ``(K,)`` correct top-5 predictions per head.
+        sums: ``(2, K)`` detached: per head, its CE term summed over the rows it counts, and its soft
+            terms summed over theirs, each times its weight in ``head_loss`` (not lambda_k).
+        rows: ``(2, K)`` the rows those sums count: the CE's (truncated heads: targets in the draft
+            vocabulary), the soft terms' (every target). ``ce = sums[0] / rows[0] + sums[1] / rows[1]``;
+            summed over several batches they give those batches' per-token mean (the trainer's logs).
     """
 
     loss: torch.Tensor
@@ -556,6 +561,8 @@ class HeadLossOutput:
     count: torch.Tensor
     top1: torch.Tensor
     top5: torch.Tensor
+    sums: torch.Tensor
+    rows: torch.Tensor
 
 
 def head_weights(num_heads: int, decay: float) -> list[float]:
@@ -597,7 +604,7 @@ def medusa_head_loss(
             ``head_loss.soft``).
         step_counts: each term's counted rows over the optimizer step (gradient accumulation): the
             loss is then this micro-batch's share of the step's per-token mean; None: the mean over
-            this batch. ``HeadLossOutput.ce`` is this batch's mean either way.
+            this batch. ``HeadLossOutput.ce``, ``sums`` and ``rows`` are this batch's either way.
 
     Returns:
         :class:`HeadLossOutput`.
@@ -608,14 +615,17 @@ def medusa_head_loss(
     feats = heads.hidden(hidden)  # (K, N, d)
     weights = head_weights(num_heads, decay)
     loss = hidden.new_zeros((), dtype=torch.float32)
-    ce, count, top1, top5 = [], [], [], []
+    ce, count, top1, top5, sums, rows = [], [], [], [], [], []
     for k in range(num_heads):
         proj = heads.head_weight(k)  # (V_draft, d): own, the shared lm_head, or the truncated rows
         y = targets[:, k]  # (N,) full-vocabulary ids
         y_draft = heads.draft_targets(y)  # (N,) draft indices; outside a truncated map: not counted
         head_k = hidden.new_zeros((), dtype=torch.float32)
-        mean_k = hidden.new_zeros((), dtype=torch.float32)  # this batch's mean (logged) of head k's loss
+        # Per kind of term, the rows it counts here and its summed loss (logged): tensors, no host read.
+        rows_k = torch.stack([(y_draft != IGNORE_INDEX).sum(), (y != IGNORE_INDEX).sum()])  # (2,) CE, soft
+        sums_k = hidden.new_zeros(2, dtype=torch.float32)  # (2,) CE, soft
         for name, weight in head_loss.terms:
+            kind = 0 if name == "ce" else 1  # row of sums_k / rows_k
             if name == "ce":
                 denominator = step_counts.ce[k] if step_counts is not None else None
                 term = chunked_cross_entropy(
@@ -637,14 +647,13 @@ def medusa_head_loss(
                     scale=weights[k] * weight,
                     denominator=denominator,
                 )
-            head_k = head_k + term  # lambda_k * weight * term
-            if denominator is None:
-                mean_k = mean_k + term.detach()
-            else:  # the step's share -> this batch's mean (sum / its rows), as a tensor: no host read
-                rows = (y_draft != IGNORE_INDEX).sum().clamp_min(1) if name == "ce" else max(x.shape[0], 1)
-                mean_k = mean_k + term.detach() * max(denominator, 1) / rows
+            head_k = head_k + term  # lambda_k * weight * sum / (the step's rows, else this batch's)
+            divided_by = rows_k[kind].clamp_min(1) if denominator is None else max(denominator, 1)
+            sums_k[kind] += term.detach() * divided_by / weights[k]
         loss = loss + head_k
-        ce.append(mean_k / weights[k])
+        ce.append((sums_k / rows_k.clamp_min(1)).sum())
+        sums.append(sums_k)
+        rows.append(rows_k)
         count.append((y != IGNORE_INDEX).sum())
         if with_metrics:
             hits = chunked_topk_correct(feats[k].detach(), proj.detach(), y_draft, 5, chunk_size)
@@ -657,6 +666,8 @@ def medusa_head_loss(
         count=torch.stack(count),
         top1=torch.stack(top1) if with_metrics else zeros,
         top5=torch.stack(top5) if with_metrics else zeros,
+        sums=torch.stack(sums, dim=1),
+        rows=torch.stack(rows, dim=1),
     )
 
 

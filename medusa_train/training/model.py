@@ -161,8 +161,11 @@ class MedusaTrainingModel(nn.Module):
             hidden-state cache (held unregistered); with a backbone its own lm_head is read.
 
     ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
-    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), and with ``lm_loss`` ``lm_loss``
-    (this batch's mean, detached).
+    ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), with ``lm_loss`` ``lm_loss``
+    (this batch's mean, detached), and ``loss_sums`` / ``loss_rows`` (each ``(2K + 1,)``, detached, in
+    :meth:`loss_counts`' layout): every loss term summed over this batch's rows it counts (the head
+    terms times their weight in ``head_loss``; the LM loss 0 when not trained) and those rows, which
+    summed over batches give the per-token means the trainer logs.
 
     Gradient accumulation: the trainer counts every loss term's rows over the whole optimizer step
     (:meth:`loss_counts` of each micro-batch, summed over them and over ranks) and hands the sums to
@@ -321,15 +324,18 @@ class MedusaTrainingModel(nn.Module):
             "head_top1": out.top1,
             "head_top5": out.top5,
         }
+        lm_sum, lm_rows = out.sums.new_zeros(()), out.rows.new_zeros(())
         if self.lm_loss is not None and not self.heads_only:
             denominator = counts.lm if counts is not None else None
             batch = LMRows(rows, lm_rows_targets, input_ids, attention_mask, tgt, denominator)
             lm = self.lm_loss(self.backbone, batch, self.chunk_size)
-            result["lm_loss"] = lm.detach()
-            if denominator is not None:  # the step's share -> this batch's mean, for the logs (no host read)
-                rows = (lm_rows_targets != IGNORE_INDEX).sum().clamp_min(1)
-                result["lm_loss"] = result["lm_loss"] * max(denominator, 1) / rows
+            # lm = its sum / (the step's rows, else this batch's): the sum back, as a tensor (no host read)
+            lm_rows = (lm_rows_targets != IGNORE_INDEX).sum()
+            lm_sum = lm.detach() * (lm_rows.clamp_min(1) if denominator is None else max(denominator, 1))
+            result["lm_loss"] = lm_sum / lm_rows.clamp_min(1)
             result["loss"] = lm + self.lambda0 * out.loss
+        result["loss_sums"] = torch.cat([out.sums.flatten(), lm_sum[None]])  # (2K + 1,)
+        result["loss_rows"] = torch.cat([out.rows.flatten(), lm_rows[None]])  # (2K + 1,)
         return result
 
     def loss_counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

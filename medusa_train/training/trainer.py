@@ -1,10 +1,12 @@
 """Hugging Face ``Trainer`` pieces for Medusa: data collation, metrics, checkpoints, callbacks.
 
 The stage (``medusa_train/stages/train.py``) assembles these; nothing here reads the Hydra config.
-Per-head loss / top-1 / top-5 are accumulated over every micro-batch between two logging steps,
-summed across processes, and added to the Trainer's logs (``head{k}/loss``, ``head{k}/top1``,
-``head{k}/top5``; Medusa-2 also ``lm_loss`` and ``lambda0``), which go to wandb through
-``TrackerCallback`` (our tracker, explicit mode).
+Per-head loss / top-1 / top-5 are summed over the micro-batches between two logging steps and across
+processes, and added to the Trainer's logs (``head{k}/loss``, ``head{k}/top1``, ``head{k}/top5``;
+Medusa-2 also ``lm_loss`` and ``lambda0``), which go to wandb through ``TrackerCallback`` (our tracker,
+explicit mode). A logged loss is each of its terms' per-token mean over those micro-batches (the terms
+of the optimised loss are normalised per token too); top-1/top-5 are counted on the logging step only
+(:class:`MetricsScheduleCallback`).
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ class MedusaTrainer(Trainer):
     def __init__(self, *args, head_lr_multiplier: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.head_lr_multiplier = head_lr_multiplier
-        self._sums: torch.Tensor | None = None  # (5, K): ce*count, count, top1, top5, rows with top-k counted
-        self._lm_sums: torch.Tensor | None = None  # (2,): medusa2 LM loss summed, micro-batches counted
+        # Summed since the last log, (7K + 3,): every loss term summed over its rows and those rows (each
+        # (2K + 1,), MedusaTrainingModel.forward's loss_sums / loss_rows), top-1 and top-5 hits, the
+        # targets of the micro-batches that counted them (each (K,)), the Medusa-2 joint micro-batches.
+        self._sums: torch.Tensor | None = None
         self.head_history: list[dict] = []
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -131,43 +135,43 @@ class MedusaTrainer(Trainer):
             # The counts are the global step's, but DDP and DeepSpeed average the ranks' gradients.
             outputs["loss"] = outputs["loss"] * self.accelerator.num_processes
         if model.training:
-            stats = torch.stack(
+            metrics_on = float(model_metrics_on(model))
+            stats = torch.cat(
                 [
-                    outputs["head_ce"].float() * outputs["head_count"].float(),
-                    outputs["head_count"].float(),
+                    outputs["loss_sums"].float(),
+                    outputs["loss_rows"].float(),
                     outputs["head_top1"].float(),
                     outputs["head_top5"].float(),
-                    outputs["head_count"].float() * float(model_metrics_on(model)),
+                    outputs["head_count"].float() * metrics_on,
+                    outputs["loss_sums"].new_full((1,), float("lm_loss" in outputs)),
                 ]
-            ).detach()  # (5, K)
+            ).detach()  # (7K + 3,)
             self._sums = stats if self._sums is None else self._sums + stats
-            lm = torch.zeros(2, device=stats.device)  # (2,); stays zero in Medusa-1 and heads-only steps
-            if "lm_loss" in outputs:
-                lm[0], lm[1] = outputs["lm_loss"].float(), 1.0
-            self._lm_sums = lm if self._lm_sums is None else self._lm_sums + lm
         return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every rank reaches a logging step together (the Trainer gathers the loss there too),
         # so the all-reduce below cannot deadlock.
         if "loss" in logs and self._sums is not None:
-            k_heads = self._sums.shape[1]
-            # One all-reduce for the head figures and the LM loss: (5 * K + 2,).
-            sums = torch.cat([self._sums.flatten(), self._lm_sums]).to(self.args.device)
+            sums = self._sums.to(self.args.device)  # one all-reduce for every figure
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.all_reduce(sums)
-            heads, lm = sums[: 5 * k_heads].view(5, k_heads), sums[5 * k_heads :]
-            count, metric_count = heads[1].clamp_min(1), heads[4]
+            k_heads = (sums.numel() - 3) // 7
+            n = 2 * k_heads + 1
+            loss_sums, loss_rows, top1, top5, metric_count, joint = sums.split([n, n, *[k_heads] * 3, 1])
+            # Each term's per-token mean over the micro-batches since the last log (every rank's): the
+            # optimised loss divides each term by its own rows too.
+            means = loss_sums / loss_rows.clamp_min(1)  # (2K + 1,): CE per head, soft terms per head, LM
             for k in range(k_heads):
-                logs[f"head{k + 1}/loss"] = round(float(heads[0, k] / count[k]), 5)
+                logs[f"head{k + 1}/loss"] = round(float(means[k] + means[k_heads + k]), 5)
                 if metric_count[k] > 0:  # no top-k counted since the last log (a stop by the time budget)
-                    logs[f"head{k + 1}/top1"] = round(float(heads[2, k] / metric_count[k]), 5)
-                    logs[f"head{k + 1}/top5"] = round(float(heads[3, k] / metric_count[k]), 5)
-            if lm[1] > 0:  # Medusa-2 joint steps since the last log: the LM loss and the heads' weight
-                logs["lm_loss"] = round(float(lm[0] / lm[1]), 5)
+                    logs[f"head{k + 1}/top1"] = round(float(top1[k] / metric_count[k]), 5)
+                    logs[f"head{k + 1}/top5"] = round(float(top5[k] / metric_count[k]), 5)
+            if joint > 0:  # Medusa-2 joint steps since the last log: the LM loss and the heads' weight
+                logs["lm_loss"] = round(float(means[2 * k_heads]), 5)
                 logs["lambda0"] = round(float(self.model.lambda0), 5)
             self.head_history.append({"step": self.state.global_step, **logs})
-            self._sums = self._lm_sums = None
+            self._sums = None
         super().log(logs, start_time)
 
 
@@ -259,11 +263,10 @@ def refused_pickle(checkpoint: Path) -> DamagedArtefactError:
 class MetricsScheduleCallback(TrainerCallback):
     """Top-1/top-5 cost one more logits pass: count them only on the steps that get logged.
 
-    The logged loss averages every micro-batch since the last log; top-1/top-5 come from the
-    logging step's own micro-batches (a step counted but not logged would be pooled into the next
-    log). The last step is logged too (the Trainer logs only multiples of ``logging_steps``): the
-    final loss and top-k of ``training_result`` are those of the end of training, not of the last
-    multiple before it.
+    The logged losses cover every micro-batch since the last log; top-1/top-5 the logging step's own
+    micro-batches (a step counted but not logged would be pooled into the next log). The last step is
+    logged too (the Trainer logs only multiples of ``logging_steps``): the final loss and top-k of
+    ``training_result`` are those of the end of training, not of the last multiple before it.
     """
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
