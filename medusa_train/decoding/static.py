@@ -29,8 +29,9 @@ the same ``(B, H, C, D)`` cache through the tree's ancestor bits, with the rows'
 int32 device tensor updated in place by the step, so a replay reads the current lengths and the
 kernel's grid depends only on shapes. The prefill runs the model's own attention either way.
 
-What syncs. The host reads the rows' numbers of emitted tokens (and their new tokens, to look for EOS)
-once every ``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
+What syncs. The host reads the rows' numbers of emitted tokens (and their new tokens, to look for EOS;
+sampling: and where a row's draws met NaN probabilities, to raise as ``generate`` does) once every
+``sync_every`` steps; nothing else leaves the device. The prefill runs eagerly.
 
 Greedy output equals plain greedy ``generate`` (on the tiny test models exactly; on other models up
 to the float rounding of a different attention width, as for :func:`medusa_generate`); typical output
@@ -358,8 +359,11 @@ class StaticDecoder:
         # The acceptance rule of the step, chosen once (typical at temperature 0, or without candidates,
         # is greedy; so is sampling at temperature 0): what each node predicts for its successor (the
         # argmax, or a draw), and the path accepted against it.
-        self._predict: Callable[[torch.Tensor], torch.Tensor] = _argmax
-        if acceptance == "sample" and temperature > 0:
+        # _predict returns the tokens and, for draws, whether each had a distribution to draw from.
+        self._predict: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] = _argmax
+        self._draws = acceptance == "sample" and temperature > 0
+        self.temperature = temperature
+        if self._draws:
             # On a CPU the eager step may read the device (free there) to rank fewer scores for top-p.
             self._predict = functools.partial(
                 draw_tokens,
@@ -400,6 +404,9 @@ class StaticDecoder:
             self.hidden = torch.zeros(b, hidden_size, dtype=self.dtype, device=dev)  # (B, d)
             self.out_tokens = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) emitted
             self.num_out = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
+            # (B,) each row's first new-token index drawn from NaN probabilities (capacity: none); the
+            # host raises once it keeps such a token, as generate's multinomial raises on drawing it.
+            self.bad_from = torch.full((b,), capacity, dtype=torch.long, device=dev)
             self.budget = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) tokens each row may emit
             self.step_lengths = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) n per step
             self.num_steps = torch.zeros(1, dtype=torch.long, device=dev)  # (1,)
@@ -417,6 +424,7 @@ class StaticDecoder:
             self.hidden,
             self.out_tokens,
             self.num_out,
+            self.bad_from,
             self.budget,
             self.step_lengths,
             self.num_steps,
@@ -557,7 +565,11 @@ class StaticDecoder:
             logits = self.processors.node_logits(logits, slice(None), tree_tokens, tree.depth, self.num_out)
         # 3. Acceptance (greedy, sampling or typical): the longest accepted prefix of a root-to-leaf row
         #    of the tree is the path; the next root is the argmax (sampling: the draw) at its last node.
-        pred = self._predict(logits)  # (B, M) argmax, or a draw
+        pred, drawn = self._predict(logits)  # (B, M) argmax, or a draw; (B, M) bool or None
+        if drawn is not None:  # a row's draws on NaN: its tokens after this step's root are void
+            failed = ~drawn.all(dim=1)  # (B,)
+            void = torch.minimum(self.bad_from, self.num_out + 1)  # (B,)
+            self.bad_from.copy_(torch.where(failed, void, self.bad_from))
         path, n = self._accept(tree_tokens, logits, pred)  # (B, D + 1), (B,)
         last = path.gather(1, (n - 1)[:, None])[:, 0]  # (B,)
         path_tokens = tree_tokens.gather(1, path)  # (B, D + 1)
@@ -623,7 +635,9 @@ class StaticDecoder:
         if self.processors.active:
             self.processors.start_row(row, input_ids[0])
             last = self.processors.prompt_logits(last[None], [row])[0]
-        self.root[row] = self._predict(last)  # the argmax, or a draw
+        root, drawn = self._predict(last)  # the argmax, or a draw
+        self.root[row] = root
+        self.bad_from[row] = self.capacity if drawn is None else torch.where(drawn, self.capacity, 0)
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
         self.num_out[row] = 0
@@ -732,7 +746,10 @@ class StaticDecoder:
                         self._run()
                 steps += self.sync_every
                 # The host's one read per sync_every steps: each active row's new tokens.
-                counts = self.num_out[: len(ids)].tolist()
+                if self._draws:  # with the marks of draws on NaN, in the same read
+                    counts, bad_from = torch.stack((self.num_out, self.bad_from))[:, : len(ids)].tolist()
+                else:
+                    counts, bad_from = self.num_out[: len(ids)].tolist(), None
                 lo = min(len(tokens[r]) for r in range(len(ids)) if active[r])
                 hi = max(min(counts[r], budgets[r]) for r in range(len(ids)) if active[r])
                 chunk = self.out_tokens[: len(ids), lo:hi].tolist()
@@ -742,6 +759,13 @@ class StaticDecoder:
                     new = chunk[r][len(tokens[r]) - lo : min(counts[r], budgets[r]) - lo]
                     cut = next((i + 1 for i, tok in enumerate(new) if tok in eos), None) if eos else None
                     new = new if cut is None else new[:cut]
+                    if bad_from is not None and len(tokens[r]) + len(new) > bad_from[r]:
+                        raise RuntimeError(
+                            f"row {r}'s sampling distribution holds NaN probabilities (its logits over the "
+                            f"temperature {self.temperature} pass float32's range, or are not finite); "
+                            "generate's torch.multinomial refuses it, as the other decoders do: use a "
+                            "larger temperature (0: greedy)"
+                        )
                     tokens[r].extend(new)
                     if on_tokens is not None and new:
                         on_tokens(r, new)
@@ -817,8 +841,8 @@ def _own_rng(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.random.fork_rng(devices=[])
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return logits.argmax(dim=-1), None
 
 
 def draw_tokens(
@@ -851,11 +875,14 @@ def draw_tokens(
             (the same probabilities; ``warp_probs``'s ``host_sync``).
 
     Returns:
-        ``(...)`` long token ids.
+        ``(...)`` long token ids and ``(...)`` bool, False where the warped probabilities hold NaN (the
+        logits over the temperature overflowed float32, or were not finite): no distribution to draw
+        from, where ``torch.multinomial`` (what ``generate`` draws with) raises; the token is void.
     """
     probs = warp_probs(logits, temperature, top_p, top_k, min_p, host_sync=host_sync)  # (..., V) float32
     race = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
+    best, tokens = (probs / race).max(dim=-1)  # NaN propagates to the max: one pass for both
+    return tokens, ~best.isnan()
 
 
 def typical_nodes(tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor]:

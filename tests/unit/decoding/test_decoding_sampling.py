@@ -353,3 +353,48 @@ def test_min_p_of_one_keeps_the_most_likely_token_in_every_decoder():
     assert [r.tokens.tolist() for r in static.generate_batch(prompts, max_new_tokens=20).rows] == greedy
     with pytest.raises(ValueError, match="min_p must be in"):
         medusa_generate(model, heads, prompts[0], max_new_tokens=4, tree=MEDUSA_63, min_p=1.5)
+
+
+def test_a_temperature_too_low_to_sample_raises_in_every_decoder_as_in_generate():
+    """At temperature 1e-40 the logits over the temperature pass float32's range: the probabilities are
+    NaN, and generate's multinomial raises. So does every decoder (the static one at its sync: its draws
+    run on the device, where a NaN draw is token 0)."""
+    model = tiny_model("llama", seed=2)
+    heads = random_heads(model, seed=3)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        model.generate(prompt, do_sample=True, temperature=1e-40, max_new_tokens=5, pad_token_id=0)
+    rule = dict(acceptance="sample", temperature=1e-40)
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        medusa_generate(model, heads, prompt, max_new_tokens=5, tree=MEDUSA_63, **rule)
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        medusa_generate_batch(model, heads, [prompt], max_new_tokens=5, tree=MEDUSA_63, **rule)
+    static = StaticDecoder(model, heads, MEDUSA_63, 128, batch_size=2, sync_every=2, **rule)
+    with pytest.raises(RuntimeError, match="NaN probabilities"):
+        static.generate_batch([prompt, prompt[:, :2]], max_new_tokens=5)
+    # one token: the prompt's draw alone
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        medusa_generate(model, heads, prompt, max_new_tokens=1, tree=MEDUSA_63, **rule)
+    with pytest.raises(RuntimeError, match="NaN probabilities"):
+        static.generate(prompt, max_new_tokens=1)
+
+
+def test_the_static_decoder_raises_where_a_kept_token_was_drawn_from_nan():
+    """Logits that turn NaN in the tree steps only (the prompt's are finite): a call that keeps a token
+    drawn there raises, as medusa_generate does; one that ends on the first token (an EOS, or a budget
+    of 1) keeps only the prompt's draw, and returns it as medusa_generate does."""
+    model = tiny_model("llama", seed=2)
+    heads = random_heads(model, seed=3)
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out * math.nan if out.shape[-2] > 1 else out)
+    rule = dict(acceptance="sample", temperature=0.8, top_k=1)  # top-1: the draws are the argmax
+    first = medusa_generate(model, heads, prompt, max_new_tokens=1, tree=MEDUSA_63, **rule).tokens.tolist()
+    static = StaticDecoder(model, heads, MEDUSA_63, 128, **rule)
+    assert static.generate(prompt, max_new_tokens=1).tokens.tolist() == first
+    ends = dict(max_new_tokens=5, eos_token_id=first[0])
+    assert medusa_generate(model, heads, prompt, tree=MEDUSA_63, **ends, **rule).tokens.tolist() == first
+    assert static.generate(prompt, **ends).tokens.tolist() == first
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        medusa_generate(model, heads, prompt, max_new_tokens=5, tree=MEDUSA_63, **rule)
+    with pytest.raises(RuntimeError, match="NaN probabilities"):
+        static.generate(prompt, max_new_tokens=5)
