@@ -986,8 +986,9 @@ def row_budgets(prompt_lens: Sequence[int], max_new_tokens: int, limit: int | No
 
 def columns_needed(prompt_lens: Sequence[int], budgets: Sequence[int], num_nodes: int) -> int:
     """KV columns the most demanding row needs: its prompt, its budget (:func:`row_budgets`) and a tree
-    of ``num_nodes`` nodes."""
-    return max(t + max(0, n) + num_nodes for t, n in zip(prompt_lens, budgets, strict=True))
+    of ``num_nodes`` nodes; a row with no budget holds one token of its prompt (what the decoder
+    prefills for it) and a tree."""
+    return max((t + n if n > 0 else 1) + num_nodes for t, n in zip(prompt_lens, budgets, strict=True))
 
 
 def capacity_for(need: int, limit: int | None = None) -> int:

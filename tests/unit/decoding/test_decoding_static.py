@@ -17,6 +17,7 @@ from medusa_train.decoding.static import (
     StaticDecoder,
     StaticKVCache,
     capacity_for,
+    columns_needed,
     greedy_path,
     host_synced_rope,
     medusa_generate_static,
@@ -727,3 +728,23 @@ def test_on_tokens_gets_each_steps_accepted_tokens():
     decoder = StaticDecoder(model, RowOracleHeads(model, full), chain_tree(4), 64)
     out = decoder.generate(prompt, max_new_tokens=21, on_tokens=static.append)
     assert static == eager and out.tokens.tolist() == ref[:21]
+
+
+def test_a_row_with_no_budget_needs_no_room_for_its_prompt():
+    """A row that emits nothing (a prompt past the model's positions, or max_new_tokens=0) is prefilled
+    with one token of its prompt: a decoder with room for that and the other rows serves the call, as
+    the dynamic decoders do, instead of asking for room for the whole prompt."""
+    model = tiny_model("gpt2", seed=11)
+    heads = random_heads(model, seed=4)
+    gen = torch.Generator().manual_seed(7)
+    too_long = torch.randint(1, VOCAB, (1, MAX_POS + 3), generator=gen)
+    short = torch.randint(1, VOCAB, (1, 6), generator=gen)
+    decoder = StaticDecoder(model, heads, chain_tree(4), capacity=32, batch_size=2)
+    out = decoder.generate_batch([too_long, short], max_new_tokens=10)
+    assert len(out.rows[0].tokens) == 0 and out.rows[0].stop_reason == "empty"
+    assert out.rows[1].tokens.tolist() == plain_greedy(model, short, 10)
+    nothing = decoder.generate(too_long[:, :40], max_new_tokens=0)
+    assert len(nothing.tokens) == 0 and nothing.stop_reason == "empty"
+    assert columns_needed([MAX_POS + 3, 6], [-3, 10], 5) == 6 + 10 + 5
+    with pytest.raises(ValueError, match="capacity 33"):  # a row that decodes still needs its prompt
+        decoder.generate(too_long[:, :18], max_new_tokens=10)
