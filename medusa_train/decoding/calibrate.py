@@ -166,6 +166,10 @@ def grow_tree(
 ) -> tuple[list[list[list[int]]], list[float]]:
     """Medusa's greedy tree construction.
 
+    Growth stops at the first node of path probability 0 (every node left then has 0): such a node
+    never adds to the expected accepted length and costs its verification, so no tree of the result
+    holds one, except the 1-node tree when even the first node has 0 (a calibration needs a tree).
+
     Args:
         acc: ``(K, R)`` per-rank accuracies ``a[k][i]`` (see :func:`per_rank_accuracy`): probability
             that head k's rank-i candidate is the right token.
@@ -175,7 +179,7 @@ def grow_tree(
         ``(trees, expected_tau)``: ``trees[n - 1]`` is the n-node tree (a list of paths, in the order
         they were added, so each tree extends the previous one) and ``expected_tau[n - 1]`` its
         expected tokens per step (expected accepted length + 1). Fewer than ``max_nodes`` entries if
-        the K x R tree is exhausted first.
+        the nodes of nonzero probability (at most the K x R tree) run out first.
     """
     a = torch.as_tensor(acc, dtype=torch.float64).tolist()
     num_heads, ranks = len(a), len(a[0]) if a else 0
@@ -189,6 +193,8 @@ def grow_tree(
     taus: list[float] = []
     expected = 1.0
     while frontier and len(chosen) < max_nodes:
+        if frontier[0][0] == 0 and chosen:  # the most likely node left has probability 0
+            break
         neg_p, depth, path = heapq.heappop(frontier)
         chosen.append(list(path))
         expected += -neg_p
@@ -385,9 +391,11 @@ def calibrate_tree(
         tolerance: as :func:`choose_tree`.
 
     Returns:
-        ``{"choices", "table", "latency", "context_len", "best"}``: the chosen tree's paths, the
-        table of :func:`choose_tree`, :func:`measure_forward_latency`'s timings, the context length
-        used, and the table row of the chosen size.
+        ``{"choices", "table", "latency", "context_len", "best", "grown_nodes", "calibrated_for"}``:
+        the chosen tree's paths, the table of :func:`choose_tree`, :func:`measure_forward_latency`'s
+        timings, the context length used, the table row of the chosen size, the largest tree grown
+        (``max_nodes``, or fewer where the heads' accuracies give no more nodes of nonzero
+        probability: :func:`grow_tree`) and :func:`device_label`.
     """
     per_rank = per_rank_accuracy(topk_acc[:, :topk])  # (K, topk)
     trees, taus = grow_tree(per_rank, max_nodes)
@@ -405,6 +413,7 @@ def calibrate_tree(
         "latency": latency,
         "context_len": context_len,
         "best": best,
+        "grown_nodes": n_max,
         "calibrated_for": device_label(model),
     }
 
@@ -452,11 +461,13 @@ class Calibration:
 
     def to_json(self) -> dict:
         """The measured part of ``calibration.json``: ``count``, ``head_topk_accuracy``, ``tree``
-        (table, context_len, best) and ``latency``."""
+        (table, context_len, best, grown_nodes, calibrated_for) and ``latency``."""
         return {
             "count": self.count.tolist(),
             "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in self.acc],
-            "tree": {k: self.tree[k] for k in ("table", "context_len", "best", "calibrated_for")},
+            "tree": {
+                k: self.tree[k] for k in ("table", "context_len", "best", "grown_nodes", "calibrated_for")
+            },
             "latency": {str(n): v for n, v in self.tree["latency"].items()},
         }
 

@@ -49,6 +49,30 @@ def test_grow_tree_top1_heads_give_chain():
     assert taus[-1] == pytest.approx(1 + 0.9 + 0.72 + 0.504)
 
 
+def test_grow_tree_stops_where_the_nodes_left_have_probability_0():
+    """Heads never right past rank 0: the 2-node chain holds every bit of the expected tau; a node of
+    probability 0 would only cost its verification. Heads never right at all: the 1-node tree."""
+    trees, taus = grow_tree([[0.6, 0.0, 0.0], [0.5, 0.0, 0.0]], max_nodes=5)
+    assert trees == [[[0]], [[0], [0, 0]]] and taus == pytest.approx([1.6, 1.9])
+    assert grow_tree([[0.0, 0.0], [0.5, 0.5]], max_nodes=5) == ([[[0]]], [1.0])
+
+
+def test_calibrate_tree_grows_no_useless_node_even_where_a_larger_tree_times_faster(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Timing noise that makes a larger forward look cheaper cannot choose a tree with nodes of
+    probability 0; the result says how far the tree grew."""
+
+    def noisy(model, sizes, context_len, **kwargs):
+        return {n: {"seconds": 1.0 - 0.01 * n} for n in sorted(set(sizes) | {1})}
+
+    monkeypatch.setattr(calibrate_module, "measure_forward_latency", noisy)
+    cum = torch.tensor([[0.6, 0.6, 0.6], [0.5, 0.5, 0.5]])  # every hit at rank 0
+    result = calibrate_module.calibrate_tree(tiny_model("llama"), cum, max_nodes=6, topk=3, context_len=8)
+    assert result["choices"] == [[0], [0, 0]] and result["grown_nodes"] == 2
+    assert [row["nodes"] for row in result["table"]] == [1, 2]
+
+
 def test_grow_tree_tau_monotone_on_real_shape():
     torch.manual_seed(0)
     cum = torch.sort(torch.rand(4, 10), dim=1).values * torch.tensor([[0.95], [0.85], [0.75], [0.65]])
@@ -192,7 +216,6 @@ def test_calibrate_measures_and_chooses_a_tree():
     TreeBuffers.from_choices(cal.choices)
     saved = cal.to_json()
     assert saved["count"] == cal.count.tolist() == [20, 18, 16]
-    assert {"table", "context_len", "best", "calibrated_for"} == set(saved["tree"]) and "1" in saved[
-        "latency"
-    ]
+    assert {"table", "context_len", "best", "grown_nodes", "calibrated_for"} == set(saved["tree"])
+    assert saved["tree"]["grown_nodes"] == len(saved["tree"]["table"]) and "1" in saved["latency"]
     assert saved["tree"]["calibrated_for"] == {"device": device_label(model)["device"], "dtype": "float32"}
