@@ -294,8 +294,9 @@ class DistillServerConfig:
     `transformers serve`); null = `model.name_or_path`. Checked against `/v1/models` before any work."""
     api_key_env: str | None = None
     """NAME of the environment variable holding the API key (sent as `Authorization: Bearer`); the
-    key itself is never stored in configs, manifests or logs. null = no key. A named variable that is
-    not set fails before any work."""
+    key itself is never stored in configs, manifests or logs. null = no key. Whitespace around the
+    key (a mounted secret's trailing newline) is dropped; a named variable that is not set or blank,
+    or a key with characters no HTTP header carries, fails before any work, without quoting it."""
     api: str = "chat"
     """chat: `/v1/chat/completions` with the conversation as messages; the server applies the chat
     template and returns text, which is re-tokenised (every server). tokens: `/v1/completions` with our
@@ -306,9 +307,10 @@ class DistillServerConfig:
     timeout_s: float = 600.0
     """Seconds one request may take (connect + generate) before it is retried."""
     max_retries: int = 6
-    """Retries of a request after a connection error, a timeout, HTTP 429 or 5xx, with exponential
-    backoff and jitter; after that its endpoint is marked down and its requests go to the other URLs
-    (failover); when every URL is down the run stops with one line naming each (finished shards kept)."""
+    """Retries of a request after a connection error, a timeout, HTTP 408/424/425/429/500/502/503/504
+    or an answer that is not JSON, with exponential backoff and jitter; after that its endpoint is
+    marked down and its requests go to the other URLs (failover); when every URL is down the run stops
+    with one line naming each (finished shards kept)."""
     backoff_s: float = 1.0
     """First retry delay, seconds; doubled per retry (x0.5-1.0 jitter), capped at `backoff_max_s`."""
     backoff_max_s: float = 60.0
