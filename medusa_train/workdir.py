@@ -10,8 +10,9 @@ workdir/
   train/      trainer checkpoints (resumable) + run.json; hidden_cache/ (training.cache_hidden_states)
   heads/      config.json  medusa_lm_head.safetensors  calibration.json  medusa_choices.json
               (+ backbone/ after training=medusa2: the trained backbone, or its LoRA adapter)
-  export/     medusa/  vllm/  medusa_choices.json  README.md  (+ backbone/ after medusa2, LoRA merged)
-  eval/       report.json  report.md  generations.jsonl  plots/*.png
+  export/     medusa/  vllm/  medusa_choices.json  calibration.json  custom_generate/  README.md
+              (+ backbone/ after medusa2, LoRA merged)
+  eval/       report.json  report.md  generations.jsonl  plots/*.png  (+ previous/: the run before)
 ```
 
 This module is a leaf (standard library + :mod:`medusa_train.errors` only): the heads, the data
