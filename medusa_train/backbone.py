@@ -316,11 +316,13 @@ def backbone_identity(model, name_or_path: str, revision: str | None = None) -> 
     fingerprint = _files_fingerprint(source) if source is not None else None
     if fingerprint is None:
         fingerprint = _tensors_fingerprint(model)
+    lm_head = model.get_output_embeddings().weight
     return {
         "name_or_path": str(name_or_path),
         "architecture": (model.config.architectures or [type(model).__name__])[0],
         "hidden_size": int(model.config.hidden_size),
-        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        # a ZeRO-3 partition (a backbone loaded partitioned) is an empty tensor; ds_shape is its whole shape
+        "vocab_size": int(getattr(lm_head, "ds_shape", lm_head.shape)[0]),
         "fingerprint": fingerprint,
     }
 

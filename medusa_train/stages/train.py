@@ -12,7 +12,8 @@ resumes from the last checkpoint in workdir/train; a finished run with the same 
 
 Steps:
     1. Read the distilled data's manifest (workdir/distill); check the recipe's settings and DeepSpeed.
-    2. Load the backbone; the distilled data must have been made by it.
+    2. Load the backbone (ZeRO-3 with a backbone that trains: partitioned as it loads, no rank
+       holding it whole); the distilled data must have been made by it.
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
        (unless overwrite); if only the calibration's settings differ (`tree.max_nodes`, `tree.topk`,
        `tree.latency_context`, `tree.tolerance`, `training.calibration_max_records`), calibrate the
@@ -35,6 +36,7 @@ of ``training.mode`` (``training/recipes.py``), so this file has no mode branche
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import pickle
@@ -78,13 +80,16 @@ from medusa_train.training.trainer import (
     row_collator,
 )
 from medusa_train.training.zero import (
+    cast_unpartitioned,
     deepspeed_config,
     deepspeed_process,
     gather_zero3,
+    gathered,
     is_zero3,
     load_masters,
     master_weights,
     own_dtypes,
+    partitioned_loading,
     register_gathered,
     release_engine,
 )
@@ -130,33 +135,52 @@ def run(cfg: Config) -> dict:
     device = resolve_device(cfg.model.device)
     recipe.check()
     ds_config = _deepspeed(cfg, recipe, device)
+    # ZeRO-3 partitions a backbone that trains as it loads; Medusa-1's frozen backbone runs outside the
+    # engine and stays whole, as does a quantized one (transformers loads it whole).
+    partitioned = is_zero3(ds_config) and recipe.trains_backbone and cfg.model.quantization == "none"
 
-    # 2. Backbone; the distilled data must come from it.
-    backbone, tokenizer = load_configured_backbone(cfg.model, device, trainable=recipe.trains_backbone)
-    identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
-    check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
-
-    # 3. Skip finished heads, or re-run only their calibration.
-    settings, calib_settings = train_settings(cfg, identity, manifest), calibration_settings(cfg)
-    done, calibrated = _published(wd, settings, calib_settings, recipe, tc.overwrite)
-    if calibrated:
-        return {**done, "skipped": True}
-
-    # 4. Data: the training split and the records the calibration measures on.
-    data = training_data(
-        load_distilled(wd.distill), cfg.data.eval_fraction, tc.max_seq_len, tc.calibration_max_records
-    )
-    token_map, coverage = None, None
-    if tc.head_projection == "truncated" and done is None:
-        token_map, coverage = draft_vocabulary(data.train, identity["vocab_size"], tc.draft_vocab_size)
-
-    # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
-    if done is None:
-        result, heads, trained = _train(
-            cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
+    # Steps 2-5 in one DeepSpeed process state (nothing without DeepSpeed): a partitioned load
+    # needs its process group.
+    with deepspeed_process(ds_config is not None):
+        # 2. Backbone (partitioned: each rank holds its part only); the distilled data must come from it.
+        loading = (
+            partitioned_loading(ds_config, tc.per_device_batch_size, tc.gradient_accumulation_steps, device)
+            if partitioned
+            else contextlib.nullcontext()
         )
-        if not dist.is_main():
-            return {"rank": dist.rank()}
+        with loading:
+            backbone, tokenizer = load_configured_backbone(
+                cfg.model, device, trainable=recipe.trains_backbone
+            )
+        identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
+        check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
+
+        # 3. Skip finished heads, or re-run only their calibration.
+        settings, calib_settings = train_settings(cfg, identity, manifest), calibration_settings(cfg)
+        done, calibrated = _published(wd, settings, calib_settings, recipe, tc.overwrite)
+        if calibrated:
+            return {**done, "skipped": True}
+
+        # 4. Data: the training split and the records the calibration measures on.
+        data = training_data(
+            load_distilled(wd.distill), cfg.data.eval_fraction, tc.max_seq_len, tc.calibration_max_records
+        )
+        token_map, coverage = None, None
+        if tc.head_projection == "truncated" and done is None:
+            token_map, coverage = draft_vocabulary(data.train, identity["vocab_size"], tc.draft_vocab_size)
+
+        # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
+        if done is None:
+            result, heads, trained, state = _train(
+                cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
+            )
+    if not dist.is_main():
+        return {"rank": dist.rank()}
+    if done is None:
+        if state is not None:
+            # ZeRO-3 left the module that trained partitioned: its consolidated weights go into a fresh
+            # copy, loaded whole now that the DeepSpeed process state is released.
+            trained = recipe.rebuild_trained(state, device)
         staged = None
         if trained is not None:
             # heads/backbone is written now: the calibration runs on the model it holds, which for
@@ -176,9 +200,9 @@ def run(cfg: Config) -> dict:
         if coverage is not None:
             result["draft_vocab_coverage"] = round(coverage, 6)
     else:
-        if not dist.is_main():
-            return {"rank": dist.rank()}
         result, staged = dict(done), None
+        if partitioned:  # each rank loaded a part of the base: the calibration needs it whole
+            backbone, _ = load_configured_backbone(cfg.model, device, trainable=recipe.trains_backbone)
         heads, backbone = _published_heads(wd.heads, recipe, backbone, device)
     _attach(heads, backbone, cfg)  # shared heads: the lm_head of the backbone they decode with
 
@@ -545,118 +569,121 @@ def _train(
     ds_config: dict | None,
     device: torch.device,
     token_map: torch.Tensor | None,
-) -> tuple[dict | None, MedusaHeads | None, PreTrainedModel | None]:
-    """Step 5: heads, the resume check, the training module, the Trainer run (all ranks).
+) -> tuple[dict | None, MedusaHeads | None, PreTrainedModel | None, dict[str, torch.Tensor] | None]:
+    """Step 5: heads, the resume check, the training module, the Trainer run (all ranks), inside the
+    stage's :func:`deepspeed_process`.
 
     Returns:
-        ``(figures, trained heads, trained backbone or None)`` on rank 0, ``(None, None, None)``
-        elsewhere. The trained backbone (Medusa-2) is the module that trained (a peft model with
-        LoRA/QLoRA); after ZeRO-3 a fresh copy of it holding the consolidated weights.
+        ``(figures, trained heads, trained backbone, ZeRO-3 backbone state)`` on rank 0, four Nones
+        elsewhere. The trained backbone (Medusa-2; None for Medusa-1) is the module that trained (a
+        peft model with LoRA/QLoRA); after ZeRO-3 it is left partitioned, None here, and the state
+        holds its consolidated weights instead (by its own parameter names), for
+        ``Recipe.rebuild_trained`` once the DeepSpeed process state is released.
     """
     tc, wd = cfg.training, Workdir(Path(cfg.workdir))
     on_cpu = device.type == "cpu"
-    heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
+    # A backbone loaded partitioned (ZeRO-3, Medusa-2): the heads are checked against and copied from
+    # its lm_head whole.
+    with gathered(backbone.get_output_embeddings().weight):
+        heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
     info = {"settings": settings, "backbone": identity, "deepspeed": _checkpoint_format(cfg)}
     _check_resume(wd.train, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
-    with deepspeed_process(ds_config is not None):
-        precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
-        args = TrainingArguments(
-            output_dir=str(wd.train),
-            per_device_train_batch_size=tc.per_device_batch_size,
-            gradient_accumulation_steps=tc.gradient_accumulation_steps,
-            learning_rate=tc.lr,
-            weight_decay=tc.weight_decay,
-            warmup_steps=tc.warmup_ratio,  # a float < 1 is a ratio of the total steps
-            lr_scheduler_type=tc.lr_scheduler,
-            num_train_epochs=tc.num_epochs,
-            max_steps=tc.max_steps,
-            logging_steps=tc.logging_steps,
-            save_steps=tc.save_steps,
-            save_total_limit=tc.save_total_limit,
-            save_only_model=False,
-            seed=tc.seed,
-            use_cpu=on_cpu,
-            ddp_backend="gloo" if on_cpu and dist.world_size() > 1 else None,
-            deepspeed=ds_config,
-            bf16=not on_cpu and precision == torch.bfloat16,
-            fp16=not on_cpu and precision == torch.float16,
-            report_to="none",  # our TrackerCallback logs to wandb with an explicit mode (see trainer.py)
-            run_name=cfg.tracking.run_name or f"train-{wd.root.resolve().name}",
-            remove_unused_columns=False,
-            dataloader_num_workers=0,
-            disable_tqdm=False,
-            eval_strategy="no",
-            ddp_timeout=int(dist.COLLECTIVE_TIMEOUT.total_seconds()),  # transformers': 30 minutes
-        )
-        one_device_per_process(args, device)
-        if args.process_index == 0:
-            atomic_write_json(wd.train / RUN_INFO, info)
+    precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])
+    args = TrainingArguments(
+        output_dir=str(wd.train),
+        per_device_train_batch_size=tc.per_device_batch_size,
+        gradient_accumulation_steps=tc.gradient_accumulation_steps,
+        learning_rate=tc.lr,
+        weight_decay=tc.weight_decay,
+        warmup_steps=tc.warmup_ratio,  # a float < 1 is a ratio of the total steps
+        lr_scheduler_type=tc.lr_scheduler,
+        num_train_epochs=tc.num_epochs,
+        max_steps=tc.max_steps,
+        logging_steps=tc.logging_steps,
+        save_steps=tc.save_steps,
+        save_total_limit=tc.save_total_limit,
+        save_only_model=False,
+        seed=tc.seed,
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu and dist.world_size() > 1 else None,
+        deepspeed=ds_config,
+        bf16=not on_cpu and precision == torch.bfloat16,
+        fp16=not on_cpu and precision == torch.float16,
+        report_to="none",  # our TrackerCallback logs to wandb with an explicit mode (see trainer.py)
+        run_name=cfg.tracking.run_name or f"train-{wd.root.resolve().name}",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+        eval_strategy="no",
+        ddp_timeout=int(dist.COLLECTIVE_TIMEOUT.total_seconds()),  # transformers': 30 minutes
+    )
+    one_device_per_process(args, device)
+    if args.process_index == 0:
+        atomic_write_json(wd.train / RUN_INFO, info)
 
-        # The data the module reads: tokens (online), or the frozen backbone's stored hidden states.
-        if tc.cache_hidden_states:  # Medusa-1 only (the config refuses it otherwise)
-            dataset, collator = (
-                _hidden_cache(
-                    args, backbone, train_set, wd.train / HIDDEN_CACHE, settings, tc, recipe.head_loss.soft
-                ),
-                row_collator,
-            )
-            lm_head = backbone.get_output_embeddings().weight  # (V, d): the soft losses' targets
-            model, callbacks, extra = recipe.training_module(heads, None, lm_head=lm_head)
-        else:
-            dataset, collator = train_set, PadCollator(tokenizer.pad_token_id or 0)
-            model, callbacks, extra = recipe.training_module(heads, backbone)
-        if is_zero3(ds_config):  # the losses read these weights directly: ZeRO-3 gathers them for the module
-            register_gathered(model, model.directly_read_weights())
-        dtypes = own_dtypes(model)  # before DeepSpeed's bf16/fp16 casts them (heads, LoRA adapters: fp32)
-        tracker = start_tracking(cfg.tracking, wd.root, "train", config={"training": asdict(tc), "run": info})
-        budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
-        trainer = MedusaTrainer(
-            model=model,
-            args=args,
-            train_dataset=dataset,
-            data_collator=collator,
-            callbacks=[
-                *callbacks,
-                MetricsScheduleCallback(),
-                TrackerCallback(tracker),
-                *([budget] if budget else []),
-            ],
-            head_lr_multiplier=recipe.head_lr_multiplier,
+    # The data the module reads: tokens (online), or the frozen backbone's stored hidden states.
+    if tc.cache_hidden_states:  # Medusa-1 only (the config refuses it otherwise)
+        dataset, collator = (
+            _hidden_cache(
+                args, backbone, train_set, wd.train / HIDDEN_CACHE, settings, tc, recipe.head_loss.soft
+            ),
+            row_collator,
         )
-        last = last_complete_checkpoint(wd.train, remove_incomplete=args.process_index == 0)
-        if last:
-            log.info("resuming from %s", last)
-        t0 = time.time()
-        with tracker:  # closed here, as failed if training raised
-            try:
-                out = trainer.train(resume_from_checkpoint=last)
-            except pickle.UnpicklingError:
-                if not last:
-                    raise
-                raise refused_pickle(Path(last)) from None
-        train_seconds = time.time() - t0
-        trained, state = recipe.trained_backbone(model), None
-        main = trainer.is_world_process_zero()  # asked before DeepSpeed's process state is released
-        # Collectives below: every rank takes part, rank 0 keeps whole weights. Under bf16/fp16 what is
-        # published comes from DeepSpeed's fp32 master weights, in the dtype each parameter has without
-        # DeepSpeed (empty under fp32: nothing was cast).
-        masters = master_weights(model, dtypes, keep=main) if ds_config is not None else {}
-        if is_zero3(ds_config):
-            heads, state = gather_zero3(trainer, heads, with_backbone=trained is not None, masters=masters)
-        if ds_config is not None:
-            # Everything below reads plain tensors. (Not needed without DeepSpeed, where nothing
-            # stays, and not free: a gc pass, ~0.5 s on a 2-core VM.)
-            release_engine(trainer, is_zero3(ds_config))
-            if not is_zero3(ds_config):  # ZeRO-1/2: the heads and adapters that trained, whole
-                load_masters(model, masters)
+        lm_head = backbone.get_output_embeddings().weight  # (V, d): the soft losses' targets
+        model, callbacks, extra = recipe.training_module(heads, None, lm_head=lm_head)
+    else:
+        dataset, collator = train_set, PadCollator(tokenizer.pad_token_id or 0)
+        model, callbacks, extra = recipe.training_module(heads, backbone)
+    if is_zero3(ds_config):  # the losses read these weights directly: ZeRO-3 gathers them for the module
+        register_gathered(model, model.directly_read_weights())
+    dtypes = own_dtypes(model)  # before DeepSpeed's bf16/fp16 casts them (heads, LoRA adapters: fp32)
+    if is_zero3(ds_config):  # beside a backbone loaded partitioned, the engine casts nothing itself
+        cast_unpartitioned(model, ds_config)
+    tracker = start_tracking(cfg.tracking, wd.root, "train", config={"training": asdict(tc), "run": info})
+    budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
+    trainer = MedusaTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=collator,
+        callbacks=[
+            *callbacks,
+            MetricsScheduleCallback(),
+            TrackerCallback(tracker),
+            *([budget] if budget else []),
+        ],
+        head_lr_multiplier=recipe.head_lr_multiplier,
+    )
+    last = last_complete_checkpoint(wd.train, remove_incomplete=args.process_index == 0)
+    if last:
+        log.info("resuming from %s", last)
+    t0 = time.time()
+    with tracker:  # closed here, as failed if training raised
+        try:
+            out = trainer.train(resume_from_checkpoint=last)
+        except pickle.UnpicklingError:
+            if not last:
+                raise
+            raise refused_pickle(Path(last)) from None
+    train_seconds = time.time() - t0
+    trained, state = recipe.trained_backbone(model), None
+    main = trainer.is_world_process_zero()  # asked before DeepSpeed's process state is released
+    # Collectives below: every rank takes part, rank 0 keeps whole weights. Under bf16/fp16 what is
+    # published comes from DeepSpeed's fp32 master weights, in the dtype each parameter has without
+    # DeepSpeed (empty under fp32: nothing was cast).
+    masters = master_weights(model, dtypes, keep=main) if ds_config is not None else {}
+    if is_zero3(ds_config):
+        heads, state = gather_zero3(trainer, heads, with_backbone=trained is not None, masters=masters)
+    if ds_config is not None:
+        # Everything below reads plain tensors. (Not needed without DeepSpeed, where nothing
+        # stays, and not free: a gc pass, ~0.5 s on a 2-core VM.)
+        release_engine(trainer, is_zero3(ds_config))
+        if not is_zero3(ds_config):  # ZeRO-1/2: the heads and adapters that trained, whole
+            load_masters(model, masters)
     if not main:
-        return None, None, None
-    if state is not None:
-        # ZeRO-3 left the module that trained partitioned: load its consolidated weights into a fresh
-        # copy, now that from_pretrained no longer partitions what it loads.
-        trained = recipe.rebuild_trained(state, device)
+        return None, None, None, None
 
     hist = trainer.head_history  # the last entry: the last step (a stop by the time budget too)
     final = hist[-1] if hist else {}
@@ -683,7 +710,7 @@ def _train(
         tokens *= max(trainer.state.global_step - done_before, 0) / max(trainer.state.global_step, 1)
     result["tokens_per_s"] = round(tokens / max(out.metrics.get("train_runtime", train_seconds), 1e-9), 1)
     result.update(extra)
-    return result, heads, trained
+    return result, heads, None if state is not None else trained, state
 
 
 def _hidden_cache(

@@ -43,6 +43,7 @@ from medusa_train.training import medusa2
 from medusa_train.training.losses import HeadLoss
 from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.trainer import Lambda0Callback
+from medusa_train.training.zero import whole_numel
 from medusa_train.workdir import TRAINED_BACKBONE
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
@@ -210,7 +211,7 @@ class Medusa2Recipe:
         ]
         if tc.heads_only_steps > 0:
             callbacks.append(medusa2.HeadsOnlyCallback(module, tc.heads_only_steps))
-        n_trainable = sum(p.numel() for p in trainable.parameters() if p.requires_grad)
+        n_trainable = sum(whole_numel(p) for p in trainable.parameters() if p.requires_grad)
         return module, callbacks, {"backbone_trainable_params": n_trainable}
 
     def trained_backbone(self, module: MedusaTrainingModel) -> nn.Module:

@@ -12,6 +12,9 @@ this module holds what the Trainer does not do for us:
   (``stage=all``) and library users get plain ``from_pretrained`` / ``Trainer`` behaviour back.
   On a CPU it also keeps DeepSpeed from compiling an op training never calls
   (:func:`skip_inference_shm_op`).
+- :func:`partitioned_loading`: under ZeRO-3 a backbone that trains is built partitioned as it loads
+  (``deepspeed.zero.Init``): no rank holds it whole; :func:`gathered` and :func:`whole_numel` read
+  such a partition whole, :func:`cast_unpartitioned` casts what joins it as the engine would.
 - :func:`register_gathered`: ZeRO-3 must gather weights a module reads directly (the fused loss
   reads each head's projection weight, Medusa-2's LM loss reads ``lm_head``'s).
 - :func:`master_weights`: under bf16/fp16 the module trains in that precision and DeepSpeed's optimizer
@@ -32,7 +35,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from accelerate.state import AcceleratorState
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
 from medusa_train import dist
 from medusa_train.errors import UserError
@@ -172,6 +175,87 @@ def _release(saved_env: dict[str, str | None], own_group: bool) -> None:
             deepspeed.comm.destroy_process_group()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def partitioned_loading(
+    ds_config: dict, micro_batch_size: int, accumulation_steps: int, device: torch.device
+) -> Iterator[None]:
+    """ZeRO-3: ``from_pretrained`` inside builds the model under ``deepspeed.zero.Init``, each parameter
+    partitioned across the ranks as it is created and filled from the checkpoint one module at a
+    time, so no rank holds the whole model (loaded first and partitioned by the engine, every rank
+    would hold it whole: a backbone that does not fit one device could not train).
+
+    Inside a :func:`deepspeed_process`. transformers builds under ``zero.Init`` while a
+    ``HfDeepSpeedConfig`` is alive (the Trainer's own, from ``TrainingArguments(deepspeed=...)``,
+    exists only later); its parser demands the batch sizes the Trainer fills in for ``"auto"``,
+    filled here the same way. The process group is started here as the Trainer would start it (its
+    timeout :data:`dist.COLLECTIVE_TIMEOUT`, this rank's GPU current), not by ``zero.Init`` with
+    DeepSpeed's defaults. A quantized model is loaded whole by transformers whatever this says.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    config = {key: value for key, value in ds_config.items() if value != "auto"}
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=accumulation_steps,
+        train_batch_size=micro_batch_size * accumulation_steps * dist.world_size(),
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(
+        get_accelerator().communication_backend_name(),
+        auto_mpi_discovery=False,
+        timeout=dist.COLLECTIVE_TIMEOUT,
+    )
+    hf_config = HfDeepSpeedConfig(config)  # transformers holds a weak reference: kept alive here
+    try:
+        yield
+    finally:
+        del hf_config
+        unset_hf_deepspeed_config()
+
+
+def cast_unpartitioned(module: torch.nn.Module, ds_config: dict) -> None:
+    """The parameters of ``module`` that are no ZeRO-3 partitions, in ``ds_config``'s bf16/fp16 (under
+    fp32, and when no parameter is partitioned, nothing changes).
+
+    DeepSpeed casts the module it is handed to that precision only when none of its parameters is
+    partitioned yet; one holding a backbone loaded partitioned (:func:`partitioned_loading`, already
+    in that precision) it takes as it is, so the parameters made since (the heads, LoRA adapters:
+    fp32) would stay fp32 beside 16-bit ones, which ZeRO-3's optimizer refuses (an AssertionError:
+    it packs them into one 16-bit buffer). Cast here as the engine casts a whole module; take
+    :func:`own_dtypes` first.
+    """
+    precisions = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = next((d for key, d in precisions.items() if ds_config.get(key, {}).get("enabled")), None)
+    params = list(module.parameters())
+    if dtype is None or not any(is_partition(p) for p in params):
+        return
+    for param in params:
+        if not is_partition(param) and param.is_floating_point():
+            param.data = param.data.to(dtype)
+
+
+def is_partition(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is a ZeRO-3 parameter (``ds_id``: DeepSpeed's mark of one)."""
+    return hasattr(param, "ds_id")
+
+
+def gathered(param: torch.nn.Parameter) -> contextlib.AbstractContextManager:
+    """``param`` whole inside, on every rank (read-only): a ZeRO-3 partition is gathered (a
+    collective), any other parameter is as it is."""
+    if not is_partition(param):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(param)
+
+
+def whole_numel(param: torch.nn.Parameter) -> int:
+    """How many elements ``param`` has whole (a ZeRO-3 partition's own ``numel()`` is 0)."""
+    return getattr(param, "ds_numel", param.numel())
 
 
 LINKED_PARAM_ATTRS = (

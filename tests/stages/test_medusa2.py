@@ -441,14 +441,17 @@ def test_two_process_equals_one_process(plain, tmp_path: Path, deepspeed: str) -
 def test_single_process_zero3_with_everything_partitioned_equals_plain(
     plain, tmp_path: Path, monkeypatch
 ) -> None:
-    """ZeRO-3 shards the backbone too: the LM loss still reads the whole lm_head, and heads/backbone
-    holds the consolidated trained weights; the calibration after training uses them as well."""
+    """ZeRO-3 shards the backbone too, from its load on: the LM loss still reads the whole lm_head,
+    and heads/backbone holds the consolidated trained weights; the calibration after training uses
+    them as well."""
     tuning, ref, ref_result = plain
     root = make_train_workdir(tmp_path, tie=True)
     overrides = ("training=medusa2", *TUNING[tuning], *PER_RANK, "training.gradient_accumulation_steps=2")
     with zero3_partitioning_everything(monkeypatch):
         result = train.run(train_cfg(root, *overrides, "deepspeed=zero3"))
     assert result["steps"] == 6 and result["final_loss"] == pytest.approx(ref_result["final_loss"], abs=1e-4)
+    # counted whole, not as the (empty) partitions the backbone loads as
+    assert result["backbone_trainable_params"] == ref_result["backbone_trainable_params"]
     _assert_same_training(root, ref, tuning)
     calibration, ref_calibration = (
         json.loads((r / "heads" / "calibration.json").read_text()) for r in (root, ref)
@@ -460,6 +463,47 @@ def test_single_process_zero3_with_everything_partitioned_equals_plain(
         atol=1.0 / min(ref_calibration["count"]),  # one hit: the heads agree to 1e-5, not bit for bit
         rtol=0,
     )
+    # Recalibrated (other tree settings) under ZeRO-3 too: on the whole trained backbone, not on the
+    # partitioned base the stage loads first (a LoRA adapter cannot merge into that).
+    with zero3_partitioning_everything(monkeypatch):
+        again = train.run(train_cfg(root, *overrides, "deepspeed=zero3", "tree.max_nodes=4"))
+    assert again["recalibrated"] and again["heldout_top1"] == result["heldout_top1"]
+
+
+class _Loaded(Exception):
+    """Stops stage=train right after its backbone loaded."""
+
+
+@pytest.mark.parametrize(("mode", "partitioned"), [("medusa2", True), ("medusa1", False)])
+def test_zero3_loads_a_backbone_that_trains_partitioned(
+    tmp_path: Path, monkeypatch, mode: str, partitioned: bool
+) -> None:
+    """Under ZeRO-3 Medusa-2's backbone is built partitioned as it loads (transformers' ``zero.Init``),
+    so no rank holds the whole model: right after loading, every parameter is an empty partition of
+    its whole size, holding the checkpoint's values once gathered. Medusa-1's frozen backbone runs
+    outside the engine and loads whole. (The run is stopped there: the tests above train from such a
+    load under ZeRO-3.)"""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    root = make_train_workdir(tmp_path, tie=True)
+    want = AutoModelForCausalLM.from_pretrained(root / "base_model").state_dict()
+    load, seen = train.load_configured_backbone, {}
+
+    def stop_after_loading(*args, **kwargs):
+        model, _ = load(*args, **kwargs)
+        params = dict(model.named_parameters())
+        seen["numel"] = {name: (p.numel(), getattr(p, "ds_numel", p.numel())) for name, p in params.items()}
+        with GatheredParameters(list(params.values())):
+            seen["state"] = {name: p.detach().clone() for name, p in params.items()}
+        raise _Loaded
+
+    monkeypatch.setattr(train, "load_configured_backbone", stop_after_loading)
+    with zero3_partitioning_everything(monkeypatch), pytest.raises(_Loaded):
+        train.run(train_cfg(root, f"training={mode}", "deepspeed=zero3"))
+    for name, (held, whole) in seen["numel"].items():
+        assert whole == want[name].numel() and held == (0 if partitioned else whole), name
+    for name, tensor in seen["state"].items():
+        assert torch.equal(tensor, want[name]), name
 
 
 QLORA = ("training.backbone_tuning=qlora", "training.lm_loss=kl", "training.lambda_warmup=constant")
