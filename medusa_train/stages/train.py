@@ -81,6 +81,7 @@ from medusa_train.training.trainer import (
 )
 from medusa_train.training.zero import (
     cast_unpartitioned,
+    check_checkpoint_ranks,
     deepspeed_config,
     deepspeed_process,
     gather_zero3,
@@ -658,6 +659,7 @@ def _train(
     )
     last = last_complete_checkpoint(wd.train, remove_incomplete=args.process_index == 0)
     if last:
+        check_checkpoint_ranks(Path(last))  # before DeepSpeed stops at it inside the Trainer
         log.info("resuming from %s", last)
     t0 = time.time()
     with tracker:  # closed here, as failed if training raised

@@ -21,6 +21,7 @@ this module holds what the Trainer does not do for us:
   holds the fp32 master weights; what is published comes from those (:func:`load_masters`, or the
   ZeRO-3 gathering), in each parameter's own dtype.
 - :func:`gather_zero3`: ZeRO-3 leaves the trained module partitioned; rank 0 gets it whole.
+- :func:`check_checkpoint_ranks`: a DeepSpeed checkpoint resumes only on as many ranks as wrote it.
 - :func:`release_engine`: destroy a finished run's engine, so nothing of it outlives the stage.
 
 Nothing here reads the Hydra config; ranks come from :mod:`medusa_train.dist`.
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 from accelerate.state import AcceleratorState
@@ -256,6 +259,39 @@ def gathered(param: torch.nn.Parameter) -> contextlib.AbstractContextManager:
 def whole_numel(param: torch.nn.Parameter) -> int:
     """How many elements ``param`` has whole (a ZeRO-3 partition's own ``numel()`` is 0)."""
     return getattr(param, "ds_numel", param.numel())
+
+
+OPTIMIZER_STATE_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+"""One rank's part of ZeRO's optimizer state in a DeepSpeed checkpoint (``global_stepN/``), by its
+data-parallel rank (deepspeed ``runtime/engine.py: _get_zero_ckpt_name``)."""
+
+
+def check_checkpoint_ranks(checkpoint: Path) -> None:
+    """Refuse to resume the Trainer checkpoint ``checkpoint`` of a DeepSpeed run written by another
+    number of ranks than this launch has (:func:`dist.world_size`); nothing for a checkpoint
+    without DeepSpeed's files.
+
+    ZeRO (every stage) saves its optimizer state partitioned, one file per rank (ZeRO-3 the module's
+    parameters too), and DeepSpeed loads it only on as many ranks: on another count it stops deep
+    in the Trainer's resume ("Automatic adjustment of ZeRO's optimizer state partitioning with a new
+    world size is not currently supported"). DeepSpeed's universal checkpoints, converted offline,
+    would load on any count, but the Trainer does not resume them.
+
+    Raises:
+        UserError: another number of ranks wrote it; says what resumes it.
+    """
+    ranks = {
+        match.group(1)
+        for path in checkpoint.glob("global_step*/*.pt")
+        if (match := OPTIMIZER_STATE_FILE.fullmatch(path.name))
+    }
+    here = dist.world_size()
+    if ranks and len(ranks) != here:
+        raise UserError(
+            f"{checkpoint} was written by {len(ranks)} DeepSpeed rank(s) and this launch has {here}: ZeRO "
+            f"resumes its partitioned optimizer state only on as many; run with {len(ranks)} process(es) "
+            "to resume it, or pass training.overwrite=true to start again"
+        )
 
 
 LINKED_PARAM_ATTRS = (

@@ -347,6 +347,29 @@ def test_two_process_zero2_equals_one_process(tmp_path, launcher):
     _assert_heads_close(two, one, atol=1e-5)
 
 
+@pytest.mark.distributed
+def test_a_deepspeed_checkpoint_of_two_ranks_resumed_in_one_process_is_one_line_exit_2(tmp_path, capsys):
+    """ZeRO saves its optimizer state one file per rank, and DeepSpeed loads it only on as many ranks
+    (on another count it stops inside the Trainer's resume, a ZeRORuntimeException and its
+    traceback): 2 ranks' checkpoint resumed in 1 process with the same global batch is refused
+    before training, in one line naming both counts (no traceback), exit 2; the checkpoint is kept."""
+    root = make_train_workdir(tmp_path)
+    per_rank = ("stage=train", "deepspeed=zero2", "training.per_device_batch_size=2", "training.max_steps=3")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    launch(
+        [torchrun, "--nproc_per_node", "2", "--master_port", "29637", "-m", "medusa_train"]
+        + train_overrides(root, *per_rank)
+    )
+    shutil.rmtree(root / "heads")  # as a launch stopped after its checkpoint leaves the workdir
+    capsys.readouterr()
+    code = main(train_overrides(root, *per_rank, "training.gradient_accumulation_steps=2"))
+    err = capsys.readouterr().err  # the error's line last (the backbone's loading bar before it)
+    assert code == 2 and "Traceback" not in err, err
+    assert "by 2 DeepSpeed rank(s) and this launch has 1" in err.strip().splitlines()[-1]
+    assert (root / "train" / "checkpoint-3" / "trainer_state.json").is_file()
+    assert not (root / "heads").exists()
+
+
 def test_single_process_zero3_with_partitioned_heads_equals_plain(reference, tmp_path, monkeypatch):
     """No launcher needed; heads really partitioned (persistence threshold 0), gathered at the end."""
     ref_root, ref = reference
