@@ -45,7 +45,8 @@ Head projection variants (:mod:`medusa_train.heads`), as vLLM's ``Medusa.load_we
   TGI's ``MedusaHeadV2`` serves with the base model's lm_head (one block per head only).
 - ``truncated``: vLLM ``truncated_vocab_size: N`` (< ``vocab_size``), ``lm_heads.{h}.weight`` (N, d) and a
   ``token_map`` (N,) int64 tensor (draft index -> token id). The medusa layout has no token map in any
-  of its loaders: :func:`save_medusa` refuses such heads.
+  of its loaders: :func:`save_medusa` refuses such heads; :func:`save_vllm` refuses N = V (vLLM ignores
+  the token map unless N < V).
 
 Torch + safetensors only (no Hydra): the decoder and the GPU image use this module.
 """
@@ -88,6 +89,13 @@ MEDUSA_CONFIG_KEYS = (
 )
 """The medusa layout's config.json keys (TGI reads the first three, FasterDecoding the first three via its
 ``MedusaConfig``, TensorRT-LLM's converter the first two)."""
+WHOLE_VOCABULARY_MAP = (
+    "heads with a draft vocabulary of all {vocab} tokens have no serving layout: vLLM reads a token_map only "
+    "when truncated_vocab_size < vocab_size (it would ignore theirs), the FasterDecoding/TGI/TensorRT-LLM "
+    "layout none; train them with training.head_projection=own (the same heads without a map) or a smaller "
+    "training.draft_vocab_size"
+)
+"""Why truncated heads with N = V tokens are refused (vLLM would read their rows in full-vocabulary order)."""
 MEDUSA_FORBIDDEN_KEYS = ("architectures", "model_type")
 """Keys the medusa layout's config.json must not have: with ``architectures`` TGI's ``SpeculativeHead``
 takes the folder for another speculator and serves without Medusa; with ``model_type`` TGI's router no
@@ -201,7 +209,14 @@ def vllm_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
 
 
 def save_vllm(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
-    """Write the vLLM ``MedusaModel`` layout (``config.json`` + ``model.safetensors``)."""
+    """Write the vLLM ``MedusaModel`` layout (``config.json`` + ``model.safetensors``).
+
+    Raises:
+        HeadsFormatError: truncated heads whose draft vocabulary is the whole vocabulary (vLLM reads a
+            token map only when ``truncated_vocab_size < vocab_size``).
+    """
+    if heads.head_projection == "truncated" and heads.draft_vocab_size == heads.vocab_size:
+        raise HeadsFormatError(WHOLE_VOCABULARY_MAP.format(vocab=heads.vocab_size))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = vllm_state_dict(heads)

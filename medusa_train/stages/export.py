@@ -52,6 +52,7 @@ from medusa_train.formats import (
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
     VLLM,
+    WHOLE_VOCABULARY_MAP,
     layout_dir,
     load_heads,
     portable_base_model,
@@ -165,6 +166,8 @@ def _source(cfg: Config, wd: Workdir) -> _Source:
         raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
     source_fingerprint = heads_config.get(HEADS_FINGERPRINT) or heads.fingerprint()
     fingerprints = {source_fingerprint, heads.fingerprint()}
+    if heads.head_projection == "truncated" and heads.draft_vocab_size == heads.vocab_size:
+        raise UserError(f"cannot export {heads_dir}: " + WHOLE_VOCABULARY_MAP.format(vocab=heads.vocab_size))
     if heads.head_projection == "truncated" and MEDUSA in cfg.export.formats:
         raise UserError(
             f"{heads_dir} holds heads with a truncated draft vocabulary ({heads.draft_vocab_size} tokens): the "

@@ -118,6 +118,29 @@ def test_export_errors_name_the_fix(tmp_path: Path, workdir: Path) -> None:
         )
 
 
+def test_export_refuses_truncated_heads_over_the_whole_vocabulary(tmp_path: Path) -> None:
+    """Truncated heads with a draft vocabulary of all V tokens have no layout (vLLM ignores a token map
+    unless truncated_vocab_size < vocab_size): a user error before any work, not an ExportError that
+    blames the disk."""
+    root = make_workdir(tmp_path / "wd")
+    own = load_heads(root / "heads")
+    heads = MedusaHeads(
+        own.hidden_size,
+        own.vocab_size,
+        own.num_heads,
+        own.num_layers,
+        own.base_model_name_or_path,
+        head_projection="truncated",
+        token_map=torch.arange(own.vocab_size),
+    )
+    heads.heads.load_state_dict(own.heads.state_dict())
+    heads.save_pretrained(root / "heads")
+    with pytest.raises(UserError, match=f"all {own.vocab_size} tokens") as err:
+        export.run(tiny_cfg(root, "stage=export", "export.formats=[vllm]"))
+    assert "\n" not in str(err.value)
+    assert not (root / "export").exists() and not [p for p in root.iterdir() if p.name.startswith(".export")]
+
+
 def _flip_last_bytes(path: Path) -> None:
     """Damage the last tensor's data in a safetensors file (its header stays valid)."""
     data = bytearray(path.read_bytes())

@@ -303,6 +303,16 @@ def test_truncated_heads_round_trip_our_layout_and_vllm(tmp_path: Path, model):
         save_medusa(heads, tmp_path / "medusa")
 
 
+def test_vllm_refuses_a_token_map_of_the_whole_vocabulary(tmp_path: Path, model):
+    """vLLM keeps a token_map only when truncated_vocab_size < vocab_size: with N = V it would read the
+    rows of a permuted map as full-vocabulary rows, so such heads are refused, not written."""
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))
+    heads = _truncated_from(random_heads(model, num_heads=2, seed=12), perm)
+    with pytest.raises(HeadsFormatError, match=f"all {VOCAB} tokens.*training.head_projection=own"):
+        save_vllm(heads, tmp_path / "vllm")
+    assert not (tmp_path / "vllm" / VLLM_WEIGHTS_NAME).exists()
+
+
 def test_the_fingerprint_tells_token_maps_apart(tmp_path: Path, model):
     """Truncated heads with the same tensors but another token map draft other tokens: other heads, so
     another fingerprint (a model card states an eval's tau only for heads of the fingerprint it
