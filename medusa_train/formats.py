@@ -247,9 +247,14 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
     try:
         num_heads, num_layers = int(config["num_heads"]), int(config["num_hidden_layers"])
         hidden_size, vocab_size = int(config["hidden_size"]), int(config["vocab_size"])
+        truncated = int(config.get("truncated_vocab_size") or vocab_size)
     except KeyError as err:
         raise HeadsFormatError(f"{directory / HEADS_CONFIG} lacks {err.args[0]}") from None
-    truncated = int(config.get("truncated_vocab_size") or vocab_size)
+    except (TypeError, ValueError):  # null, a string, a list: a damaged or foreign config
+        raise HeadsFormatError(
+            f"{directory / HEADS_CONFIG} has a non-integer num_heads, num_hidden_layers, hidden_size, "
+            "vocab_size or truncated_vocab_size"
+        ) from None
     token_map = state.pop(TOKEN_MAP, None)
     shared = bool(config.get("original_lm_head", False))
     if truncated > vocab_size or (truncated < vocab_size) != (token_map is not None):

@@ -406,17 +406,21 @@ class MedusaHeads(nn.Module):
         ref = state.get(block_key if kind == SHARED else proj_key)
         if ref is None:
             raise HeadsFormatError(f"{where}: weights lack '{block_key if kind == SHARED else proj_key}'")
-        hidden_size = int(config.get("hidden_size", ref.shape[-1]))
         vocab_size = config.get("vocab_size")
         if vocab_size is None and kind == SHARED:
             raise HeadsFormatError(f"{where}: shared heads need vocab_size in their config")
+        try:
+            hidden_size = int(config.get("hidden_size", ref.shape[-1]))
+            vocab_size = int(vocab_size if vocab_size is not None else ref.shape[0])
+        except (TypeError, ValueError):
+            raise HeadsFormatError(f"{where}: config has a non-integer hidden_size/vocab_size") from None
         token_map = state.get(TOKEN_MAP)
         if kind == TRUNCATED and token_map is None:
             raise HeadsFormatError(f"{where}: truncated heads without a '{TOKEN_MAP}' tensor")
         try:
             heads = cls(
                 hidden_size=hidden_size,
-                vocab_size=int(vocab_size if vocab_size is not None else ref.shape[0]),
+                vocab_size=vocab_size,
                 num_heads=num_heads,
                 num_layers=num_layers,
                 base_model_name_or_path=config.get("base_model_name_or_path"),

@@ -192,6 +192,23 @@ def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
             load_heads(damaged)
 
 
+@pytest.mark.parametrize("value", ["two", [3]])
+@pytest.mark.parametrize(
+    ("layout", "key"),
+    [(MEDUSA, "hidden_size"), (MEDUSA, "vocab_size"), (VLLM, "num_heads"), (VLLM, "truncated_vocab_size")],
+)
+def test_a_config_value_that_is_no_integer_is_a_heads_format_error(
+    tmp_path: Path, layout: str, key: str, value: object
+) -> None:
+    """A damaged or foreign config.json (a string or a list where a size goes) is one clear
+    HeadsFormatError, which the stages turn into one line and exit 2, not a TypeError traceback."""
+    (save_medusa if layout == MEDUSA else save_vllm)(_random_heads(), tmp_path)
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
+    (tmp_path / HEADS_CONFIG).write_text(json.dumps({**config, key: value}))
+    with pytest.raises(HeadsFormatError, match=f"{HEADS_CONFIG}.* non-integer|non-integer .*{key}"):
+        load_heads(tmp_path)
+
+
 # -- what each consumer's loader reads (docs/pipeline.md, "What each engine's loader reads") -------------
 # Written from reading the loaders (no engine is installed here); the sources and commits are cited in
 # docs/pipeline.md. A change to our layout that breaks one of these breaks that engine.
