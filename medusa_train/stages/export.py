@@ -175,10 +175,21 @@ def _source(cfg: Config, wd: Workdir) -> _Source:
         )
     if heads.head_projection == "shared":  # vLLM's layout carries the lm_head they share: the backbone's
         _bind_backbone_lm_head(cfg, heads, heads_dir)
+    # NaN/inf weights read back unequal to themselves: caught here, the read-back would blame the disk.
+    if bad := _non_finite(heads):
+        raise UserError(
+            f"cannot export {heads_dir}: {', '.join(bad[:4])} hold NaN or inf (training diverged): train the "
+            "heads again, e.g. with a lower training.lr"
+        )
     if cfg.export.dtype != "auto":
         heads = heads.to(DTYPES[cfg.export.dtype])
         if heads.head_projection == "shared":
             heads.bind_lm_head(heads.head_weight(0).to(DTYPES[cfg.export.dtype]))
+        if bad := _non_finite(heads):
+            raise UserError(
+                f"cannot export {heads_dir} as export.dtype={cfg.export.dtype}: {', '.join(bad[:4])} exceed its "
+                "range (inf after the cast): use export.dtype=bfloat16, float32 or auto"
+            )
         fingerprints.add(heads.fingerprint())
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
     extra = {k: v for k, v in heads_config.items() if k not in MEDUSA_CONFIG_KEYS}
@@ -195,6 +206,14 @@ def _source(cfg: Config, wd: Workdir) -> _Source:
         except HeadsFormatError as err:
             raise UserError(f"cannot export: {err}") from None
     return _Source(heads_dir, heads, heads_config, fingerprints, extra, choices, shipped)
+
+
+def _non_finite(heads: MedusaHeads) -> list[str]:
+    """Names of the heads' weights (and a shared head's lm_head) that hold NaN or inf."""
+    weights = dict(heads.heads.named_parameters())
+    if heads.head_projection == "shared":
+        weights["lm_head"] = heads.head_weight(0)
+    return [name for name, w in weights.items() if not bool(torch.isfinite(w).all())]
 
 
 def _write_layouts(cfg: Config, source: _Source, tmp: Path, export_dir: Path) -> dict[str, bool]:

@@ -141,6 +141,29 @@ def test_export_refuses_truncated_heads_over_the_whole_vocabulary(tmp_path: Path
     assert not (root / "export").exists() and not [p for p in root.iterdir() if p.name.startswith(".export")]
 
 
+@pytest.mark.parametrize(
+    ("value", "overrides", "match"),
+    [
+        (float("nan"), (), "hold NaN or inf .*training.lr"),
+        (1e6, ("export.dtype=float16",), "export.dtype=float16: 1.0.linear.weight exceed its range"),
+    ],
+    ids=["nan", "float16-overflow"],
+)
+def test_export_refuses_weights_that_are_not_finite(
+    tmp_path: Path, value: float, overrides: tuple[str, ...], match: str
+) -> None:
+    """NaN weights (diverged training) or a cast past float16's range would read back unequal to
+    themselves: one line that names the weights and the fix, not an ExportError that blames the disk."""
+    root = make_workdir(tmp_path / "wd")
+    heads = load_heads(root / "heads")
+    with torch.no_grad():
+        heads.blocks(1)[0].linear.weight[0, 0] = value
+    heads.save_pretrained(root / "heads")
+    with pytest.raises(UserError, match=match):
+        export.run(tiny_cfg(root, "stage=export", *overrides))
+    assert not (root / "export").exists() and not [p for p in root.iterdir() if p.name.startswith(".export")]
+
+
 def _flip_last_bytes(path: Path) -> None:
     """Damage the last tensor's data in a safetensors file (its header stays valid)."""
     data = bytearray(path.read_bytes())
