@@ -835,30 +835,65 @@ def _usage(
         ]
     if MEDUSA not in formats:
         return out
+    # Shared heads have no projection of their own: TGI's MedusaHeadV2 (one block per head) and
+    # FasterDecoding's legacy MedusaModel project with the base model's lm_head; TensorRT-LLM's converter
+    # and FasterDecoding's MedusaModel read a projection per head (docs/pipeline.md).
+    shared = heads.head_projection == "shared"
+    tgi_serves = not shared or layers == 1
+    serve_instead = ", ".join(
+        (["TGI"] if tgi_serves else []) + ["vLLM"] + ([] if shared else ["TensorRT-LLM"])
+    )
     out += [
         "**TGI** (`medusa/`). TGI sees `medusa_num_heads` in `medusa/config.json`, serves the model named by "
         f"`base_model_name_or_path` and reads `medusa_lm_head.safetensors`; `--speculate` may be at most {k} "
         "(the default). Do not add an `architectures` key to `medusa/config.json`: TGI then serves without "
         "Medusa, without an error. The chat template comes from the model folder, which has none: pass the "
-        "base model's `tokenizer_config.json` (a local file) for `/v1/chat/completions`.",
+        "base model's `tokenizer_config.json` (a local file) for `/v1/chat/completions`."
+        + (
+            ""
+            if not shared
+            else " These heads have no projection of their own: TGI serves them with `MedusaHeadV2`, which "
+            "projects with the base model's lm_head."
+            if tgi_serves
+            else f" These heads have no projection of their own, and TGI's `MedusaHeadV2`, which serves such "
+            f"heads, takes one residual block per head: TGI refuses these {layers}-block heads."
+        ),
         "",
-        "```bash",
-        f"text-generation-launcher --model-id {ex}/medusa"
-        + ("" if is_hub_id(base) else f" --tokenizer-config-path {base}/tokenizer_config.json"),
-        "```",
-        "",
-        "**TensorRT-LLM** (`medusa/`, TensorRT-LLM's `examples/medusa`). Pass `--num_medusa_heads`: the "
-        "converter's default (4) wins over `medusa/config.json`; `--max_medusa_token_len` (default 63) "
-        f"must cover the tree's {tree_size} nodes."
-        + (" The converter reads `medusa_lm_head.pt` when it is there (the same tensors)." if pickle else ""),
-        "",
-        "```bash",
-        f"python convert_checkpoint.py --model_dir {base} --medusa_model_dir {ex}/medusa --num_medusa_heads {k} "
-        f"--max_medusa_token_len {max(63, tree_size)} --output_dir ckpt",
-        "trtllm-build --checkpoint_dir ckpt --speculative_decoding_mode medusa --output_dir engine",
-        f'python ../run.py --engine_dir engine --medusa_choices="$(cat {ex}/medusa_choices.json)" --temperature 1.0 ...',
-        "```",
-        "",
+    ]
+    if tgi_serves:
+        out += [
+            "```bash",
+            f"text-generation-launcher --model-id {ex}/medusa"
+            + ("" if is_hub_id(base) else f" --tokenizer-config-path {base}/tokenizer_config.json"),
+            "```",
+            "",
+        ]
+    if shared:
+        out += [
+            "**TensorRT-LLM** (`medusa/`). Its converter reads a vocabulary projection per head "
+            "(`{h}.{L}.weight`), which these heads do not have: it cannot convert them.",
+            "",
+        ]
+    else:
+        out += [
+            "**TensorRT-LLM** (`medusa/`, TensorRT-LLM's `examples/medusa`). Pass `--num_medusa_heads`: the "
+            "converter's default (4) wins over `medusa/config.json`; `--max_medusa_token_len` (default 63) "
+            f"must cover the tree's {tree_size} nodes."
+            + (
+                " The converter reads `medusa_lm_head.pt` when it is there (the same tensors)."
+                if pickle
+                else ""
+            ),
+            "",
+            "```bash",
+            f"python convert_checkpoint.py --model_dir {base} --medusa_model_dir {ex}/medusa --num_medusa_heads {k} "
+            f"--max_medusa_token_len {max(63, tree_size)} --output_dir ckpt",
+            "trtllm-build --checkpoint_dir ckpt --speculative_decoding_mode medusa --output_dir engine",
+            f'python ../run.py --engine_dir engine --medusa_choices="$(cat {ex}/medusa_choices.json)" --temperature 1.0 ...',
+            "```",
+            "",
+        ]
+    out += [
         "**FasterDecoding Medusa** (`medusa/`). "
         + (
             "Its loader opens only `medusa_lm_head.pt`, which this export has (`export.write_pickle=true`): "
@@ -868,32 +903,46 @@ def _usage(
             "`python -m medusa_train stage=export export.write_pickle=true` (it writes that file, a pickle: "
             "loading it can run code)."
         )
+        + (
+            " These heads have no projection of their own: load them with "
+            "`medusa.model.medusa_model_legacy.MedusaModel`, which projects every head with the base model's "
+            "lm_head (`medusa.model.medusa_model.MedusaModel` builds a projection per head and, loading "
+            "non-strictly, leaves each one random without a word)."
+            if shared
+            else ""
+        )
         + " Its traps:",
         "",
-        "- it builds 5 heads whatever `medusa_num_heads` says and loads the weights non-strictly, without a word: "
-        + (
-            f"here {'head 5 stays' if k == 4 else f'heads {k + 1}..5 stay'} random. Always pass "
-            f"`medusa_choices` from `medusa_choices.json` (depth <= {k}); its default trees reach depth 5 "
-            "and would draft from a random head (greedy output is unchanged, fewer tokens are accepted)."
-            if k < 5
-            else f"here {'head 6 is' if k == 6 else f'heads 6..{k} are'} dropped; use trees of depth <= 5."
-            if k > 5
-            else "with 5 heads, as here, every head loads."
-        ),
     ]
+    if not shared:  # the legacy MedusaModel builds as many heads as medusa_num_heads says
+        out.append(
+            "- it builds 5 heads whatever `medusa_num_heads` says and loads the weights non-strictly, without a "
+            "word: "
+            + (
+                f"here {'head 5 stays' if k == 4 else f'heads {k + 1}..5 stay'} random. Always pass "
+                f"`medusa_choices` from `medusa_choices.json` (depth <= {k}); its default trees reach depth 5 "
+                "and would draft from a random head (greedy output is unchanged, fewer tokens are accepted)."
+                if k < 5
+                else f"here {'head 6 is' if k == 6 else f'heads 6..{k} are'} dropped; use trees of depth <= 5."
+                if k > 5
+                else "with 5 heads, as here, every head loads."
+            )
+        )
     if layers > 1:
         out.append(
             f"- its heads repeat one residual block {layers} times (the last block's weights serve every "
-            "block), so these heads compute something else there: serve them with TGI, vLLM, TensorRT-LLM or "
+            f"block), so these heads compute something else there: serve them with {serve_instead} or "
             "medusa_train instead."
         )
     out += [
-        "- it supports Llama and Mistral base models only.",
+        "- it supports Llama base models only."
+        if shared
+        else "- it supports Llama and Mistral base models only.",
         "",
         "```python",
         "import json",
         "import torch",
-        "from medusa.model.medusa_model import MedusaModel",
+        f"from medusa.model.{'medusa_model_legacy' if shared else 'medusa_model'} import MedusaModel",
         "",
         f'model = MedusaModel.from_pretrained("{ex}/medusa", torch_dtype=torch.float16, device_map="auto")',
         f'choices = json.load(open("{ex}/medusa_choices.json"))',

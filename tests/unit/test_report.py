@@ -14,9 +14,13 @@ from medusa_train.report import alternatives, model_card, recommend_speculative_
 
 
 def _card(
-    num_heads: int, num_layers: int = 1, base: str = "meta-llama/Llama-3.1-8B", pickle: bool = False
+    num_heads: int,
+    num_layers: int = 1,
+    base: str = "meta-llama/Llama-3.1-8B",
+    pickle: bool = False,
+    head_projection: str = "own",
 ) -> str:
-    heads = MedusaHeads(16, 40, num_heads, num_layers, base_model_name_or_path=base)
+    heads = MedusaHeads(16, 40, num_heads, num_layers, base, head_projection=head_projection)
     return model_card(
         heads=heads,
         heads_config={},
@@ -58,6 +62,22 @@ def test_card_says_what_base_model_name_or_path_is_and_how_to_get_the_pickle() -
     assert "which this export has" in local and "reads `medusa_lm_head.pt` when it is there" in local
     assert 'MedusaModel.from_pretrained("/srv/run/export/medusa"' in local
     assert "repeat one residual block" not in local and "repeat one residual block 2 times" in _card(4, 2)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_card_sends_shared_heads_only_to_loaders_that_use_the_base_lm_head(num_layers: int) -> None:
+    """Shared heads store no projection: FasterDecoding's MedusaModel would leave its per-head projections
+    random without a word (its legacy MedusaModel uses the base lm_head), TensorRT-LLM's converter needs
+    them, and TGI's MedusaHeadV2 takes one block per head."""
+    card = _card(4, num_layers, pickle=True, head_projection="shared")
+    assert "from medusa.model.medusa_model_legacy import MedusaModel" in card
+    assert "from medusa.model.medusa_model import" not in card and "stay random" not in card
+    assert "convert_checkpoint.py" not in card and "it cannot convert them" in card
+    assert ("text-generation-launcher" in card) == (num_layers == 1)
+    assert ("TGI refuses these 2-block heads" in card) == (num_layers == 2)
+    assert ("serve them with vLLM or medusa_train instead" in card) == (num_layers == 2)
+    own = _card(4, num_layers, pickle=True)
+    assert "from medusa.model.medusa_model import MedusaModel" in own and "convert_checkpoint.py" in own
 
 
 def _chain(*taus: float) -> list[dict]:
