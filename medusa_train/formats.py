@@ -229,8 +229,8 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
     """Read a vLLM ``MedusaModel`` directory back into :class:`MedusaHeads`.
 
     Reads every ``*.safetensors`` file of the directory (as vLLM does), drops a ``medusa_heads.``
-    prefix (as vLLM's loader does), fills missing block biases with zeros when ``medusa_fc_bias`` is
-    false, returns shared heads bound to ``lm_heads.0`` when ``original_lm_head`` is true, and truncated
+    prefix (as vLLM's loader does), reads the block biases as zeros when ``medusa_fc_bias`` is false
+    (vLLM's blocks then have none and it skips stored ones), returns shared heads bound to ``lm_heads.0`` when ``original_lm_head`` is true, and truncated
     heads with the ``token_map`` when ``truncated_vocab_size < vocab_size``.
 
     Raises:
@@ -281,12 +281,16 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
         raise HeadsFormatError(
             f"{directory}: token_map has {heads.draft_vocab_size} ids, truncated_vocab_size says {truncated}"
         )
+    fc_bias = bool(config.get("medusa_fc_bias", False))
+    skipped: list[str] = []
     ours: dict[str, torch.Tensor] = {}
     for h in range(num_heads):
         for layer in range(num_layers):
             prefix = f"blocks.{h}.layers.{layer}"
             bias = state.pop(f"{prefix}.bias", None)
-            if bias is None and not config.get("medusa_fc_bias", False):
+            if not fc_bias:
+                if bias is not None:
+                    skipped.append(f"{prefix}.bias")
                 bias = torch.zeros(hidden_size, dtype=state.get(f"{prefix}.weight", torch.empty(0)).dtype)
             ours[f"{h}.{layer}.linear.weight"] = _pop(state, f"{prefix}.weight", directory)
             ours[f"{h}.{layer}.linear.bias"] = _require(bias, f"{prefix}.bias", directory)
@@ -304,6 +308,13 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
             f"{directory}: unexpected weights {sorted(state)[:4]} for {num_heads} heads x {num_layers} layers"
         )
     heads.load_checked(ours, directory)
+    if skipped:
+        log.warning(
+            "%s: medusa_fc_bias is not true, so the block biases stored there (%s) are read as zeros, as vLLM "
+            "builds and loads these heads",
+            directory,
+            ", ".join(skipped[:2] + (["..."] if len(skipped) > 2 else [])),
+        )
     return heads
 
 

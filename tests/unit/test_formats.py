@@ -130,6 +130,29 @@ def test_vllm_prefixed_names_and_shared_lm_head(tmp_path: Path) -> None:
     assert torch.equal(_logits(load_heads(tmp_path)), _logits(heads))
 
 
+@pytest.mark.parametrize("fc_bias", [False, None], ids=["false", "absent"])
+def test_vllm_without_medusa_fc_bias_reads_stored_biases_as_zeros(
+    tmp_path: Path, fc_bias: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM builds its blocks with ``bias=medusa_fc_bias`` (default false) and skips weights it has no
+    parameter for: biases stored beside such a config are not used, so our reading (what eval measures)
+    must not use them either."""
+    heads = _random_heads()
+    save_vllm(heads, tmp_path)
+    config = {k: v for k, v in vllm_config(heads).items() if k != "medusa_fc_bias"}
+    if fc_bias is not None:
+        config["medusa_fc_bias"] = fc_bias
+    (tmp_path / HEADS_CONFIG).write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="medusa_train.formats"):
+        back = load_heads(tmp_path)
+    assert "read as zeros" in caplog.text
+    with torch.no_grad():
+        for h in range(K):
+            for block in heads.blocks(h):
+                block.linear.bias.zero_()  # what vLLM computes with
+    assert torch.equal(_logits(back), _logits(heads))
+
+
 def test_fasterdecoding_pickle_and_export_root(tmp_path: Path) -> None:
     heads = _random_heads()
     legacy = tmp_path / "legacy"
