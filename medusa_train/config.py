@@ -33,6 +33,7 @@ import difflib
 import math
 import re
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,27 @@ class DataConfig:
         _range("data.eval_fraction", self.eval_fraction, 0, 1, high_open=True)
 
 
+def _server_url_problem(url: str) -> str | None:
+    """Why ``url`` is no base URL the client can send to, or None (the client takes a malformed one for a
+    server that does not answer, and retries it for the whole budget)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as err:  # an unclosed IPv6 bracket, a port that is no number 0-65535
+        return f"{err} (give http(s)://host:port/..., the port a number 1-65535)"
+    if parts.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not (url.isascii() and url.isprintable()) or " " in url:
+        return "it holds a space, a control or a non-ASCII character"
+    if not parts.hostname:
+        return "it has no host"
+    if port == 0:
+        return "its port must be a number 1-65535"
+    if parts.query or parts.fragment:
+        return "it has a query or fragment (?, #): give the base URL, e.g. http://host:8000/v1"
+    return None
+
+
 @dataclass
 class DistillServerConfig:
     """`distill.engine=server`: OpenAI-compatible endpoints (vLLM, SGLang, TGI, `transformers serve`)."""
@@ -322,13 +344,14 @@ class DistillServerConfig:
     def __post_init__(self) -> None:
         _choice("distill.server.api", self.api, ("chat", "tokens"))
         for url in self.urls:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"distill.server.urls: {url!r} must start with http:// or https://")
-            if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+            if "@" in url.split("://", 1)[-1].split("/", 1)[0]:  # first: no message may quote it
                 raise ConfigError(
                     "distill.server.urls must not hold credentials: put the key in an environment "
                     "variable and name it in distill.server.api_key_env"
                 )
+            problem = _server_url_problem(url)
+            if problem:
+                raise ConfigError(f"distill.server.urls: {url!r} is not a server URL: {problem}")
         _range("distill.server.concurrency", self.concurrency, 1, 4096)
         _range("distill.server.timeout_s", self.timeout_s, 0, low_open=True)
         _range("distill.server.max_retries", self.max_retries, 0, 100)

@@ -387,3 +387,44 @@ def test_good_edge_values_pass() -> None:
         ]
     )
     assert cfg.data.max_records is None and cfg.training.max_seq_len == 6
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://h:80a/v1", "port"),
+        ("http://h:99999/v1", "port"),
+        ("http://h:0/v1", "port"),
+        ("h:8000/v1", "http:// or https://"),
+        ("ftp://h:8000/v1", "http:// or https://"),
+        ("http:///v1", "host"),
+        ("http://:8000/v1", "host"),
+        ("http://[::1/v1", "host"),
+        ("http://h :8000/v1", "space"),
+        ("http://h:8000/v1?key=1", "query"),
+        ("http://user:pw@h:8000/v1", "credentials"),
+    ],
+)
+def test_a_malformed_server_url_is_one_config_error_naming_it(url: str, why: str) -> None:
+    """A URL the client cannot send to (a port that is no number, no host, another scheme) failed each
+    attempt as a server fault, one line only after the whole retry budget; refused up front instead."""
+    from medusa_train.config import DistillServerConfig
+
+    with pytest.raises(ConfigError) as err:
+        DistillServerConfig(urls=["http://gpu0:8000/v1", url])
+    message = str(err.value)
+    assert "distill.server.urls" in message and why in message and "\n" not in message, message
+    if "@" not in url:
+        assert repr(url) in message
+
+
+def test_well_formed_server_urls_pass() -> None:
+    from medusa_train.config import DistillServerConfig
+
+    urls = [
+        "http://gpu0:8000/v1",
+        "https://api.example.com/v1/",
+        "http://[::1]:30000/v1",
+        "http://10.0.0.2/v1",
+    ]
+    assert DistillServerConfig(urls=urls).urls == urls
