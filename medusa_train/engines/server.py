@@ -270,10 +270,7 @@ def check_endpoint(
     """
     listed: list[dict] = []
     try:
-        answer = client.request(url, "/models", retry_statuses=PROBE_STATUSES)
-        listed = (
-            [m for m in answer.get("data", []) if isinstance(m, dict)] if isinstance(answer, dict) else []
-        )
+        listed = _listing(url, client.request(url, "/models", retry_statuses=PROBE_STATUSES))
     except ServerRefused as err:
         if err.status in (401, 403):
             raise UserError(
@@ -302,7 +299,7 @@ def check_endpoint(
     if api == "tokens":
         try:
             body = {**probe, "prompt": probe_ids, **_TOKEN_ID_FIELDS}
-            ids = _completion_ids(_first_choice(url, client.request(url, "/completions", body), None))
+            ids = _completion_ids(url, _first_choice(url, client.request(url, "/completions", body), None))
         except ServerRefused as err:
             raise UserError(
                 f"server {url} does not take a token-id prompt (HTTP {err.status}: "
@@ -391,6 +388,26 @@ def _first_choice(url: str, answer: Any, kind: str | None) -> dict:
     return choice
 
 
+def _listing(url: str, answer: Any) -> list[dict]:
+    """The models of a ``GET /models`` answer: ``data``, a list of objects with a string ``id``; none
+    where the answer is an object without ``data`` (then the probe alone decides).
+
+    Raises:
+        ServerUnavailable: any other shape (no OpenAI-compatible server answers so).
+    """
+    if isinstance(answer, dict) and "data" not in answer:
+        return []
+    listed = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(listed, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("id"), str) for m in listed
+    ):
+        shape = _one_line(json.dumps(answer)[:120], 120)
+        raise ServerUnavailable(
+            url, f"server {url} sent a /models answer that is no list of models ({shape})"
+        )
+    return listed
+
+
 _TOKEN_ID_FIELDS = {"logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
 """vLLM extras: generated ids as ``choices[0].token_ids`` (newer) or ``logprobs.tokens`` = ``token_id:N``."""
 
@@ -410,14 +427,21 @@ def sampled_generation_config(top_k: int) -> dict[str, str]:
     return {"generation_config": json.dumps({"do_sample": True, "top_k": top_k})}
 
 
-def _completion_ids(choice: dict) -> list[int] | None:
-    """Generated token ids of a vLLM completions choice, or None when the server gives none."""
-    ids = choice.get("token_ids")
-    if isinstance(ids, list):
-        return [int(i) for i in ids]
-    tokens = (choice.get("logprobs") or {}).get("tokens")
-    if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-        return [int(t.split(":", 1)[1]) for t in tokens]
+def _completion_ids(url: str, choice: dict) -> list[int] | None:
+    """Generated token ids of a vLLM completions choice, or None when the server gives none.
+
+    Raises:
+        ServerUnavailable: ids that are not integers (no OpenAI-compatible server sends them).
+    """
+    try:
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            return [int(i) for i in ids]
+        tokens = (choice.get("logprobs") or {}).get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            return [int(t.split(":", 1)[1]) for t in tokens]
+    except (TypeError, ValueError, AttributeError):
+        raise ServerUnavailable(url, f"server {url} sent token ids that are not integers") from None
     return None
 
 
@@ -609,10 +633,7 @@ class ServerEngine:
         choice = _first_choice(url, answer, None)
         if choice.get("finish_reason") not in FINISHED:
             return _Reply(None, {"unfinished": 1})
-        try:
-            ids = _completion_ids(choice)
-        except (TypeError, ValueError, AttributeError):
-            raise ServerUnavailable(url, f"server {url} sent token ids that are not integers") from None
+        ids = _completion_ids(url, choice)
         if ids is None:
             raise UserError(f"server {url} returned no token ids: use distill.server.api=chat")
         eos = set(self.eos_ids)

@@ -13,7 +13,13 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from medusa_train.engines.base import GenRequest
-from medusa_train.engines.server import ServerClient, ServerEngine, ServerRefused
+from medusa_train.engines.server import (
+    ServerClient,
+    ServerEngine,
+    ServerRefused,
+    ServerUnavailable,
+    check_endpoint,
+)
 from medusa_train.errors import UserError
 from tests.helpers.local_server import LocalServer
 
@@ -295,3 +301,74 @@ def test_a_key_with_a_trailing_newline_is_sent_without_it_and_a_bad_key_is_refus
         with pytest.raises(UserError, match="MEDUSA_UNIT_KEY") as err:
             ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY")
         assert "\n" not in str(err.value) and "sk-unit" not in str(err.value)
+
+
+class _FakeClient:
+    """Answers ``request(url, path, ...)`` from ``answers`` by path (an exception instance is raised)."""
+
+    def __init__(self, answers: dict) -> None:
+        self.answers = answers
+
+    def request(self, url, path, body=None, **kw):
+        answer = self.answers[path]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+_CHAT_OK = {"model": "m", "choices": [{"message": {"content": "x"}, "finish_reason": "length"}]}
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [
+        {"data": None},
+        {"data": 5},
+        {"data": "m"},
+        {"data": {"id": "m"}},
+        [{"id": "m"}],
+        "m",
+        {"data": [{"root": "m"}]},  # an entry without an id
+        {"data": [{"id": ["m"]}]},
+        {"data": ["m"]},
+    ],
+)
+def test_a_malformed_models_listing_is_one_line_naming_the_url(listing) -> None:
+    """Every /models answer in a shape no OpenAI-compatible server sends is the error the check raises
+    for other answers in no OpenAI shape (``{"data": null}`` raised TypeError)."""
+    url = "http://gpu0:8000/v1"
+    client = _FakeClient({"/models": listing, "/chat/completions": _CHAT_OK})
+    with pytest.raises(ServerUnavailable) as err:
+        check_endpoint(client, url, "m", "chat", [{"role": "user", "content": "hi"}], [1])
+    assert err.value.url == url and "/models" in err.value.reason and "\n" not in str(err.value)
+
+
+def test_a_models_answer_without_a_listing_leaves_it_to_the_probe() -> None:
+    """A server that answers /models with one model object (no ``data``) is checked by the probe."""
+    client = _FakeClient({"/models": {"id": "m", "object": "model"}, "/chat/completions": _CHAT_OK})
+    got = check_endpoint(client, "http://gpu0:8000/v1", "m", "chat", [{"role": "user", "content": "hi"}], [1])
+    assert got == {"url": "http://gpu0:8000/v1", "model_id": "m", "root": "m"}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"token_ids": ["a"], "finish_reason": "length"},
+        {"token_ids": [None], "finish_reason": "length"},
+        {"logprobs": ["token_id:5"], "finish_reason": "length"},
+        {"logprobs": {"tokens": ["token_id:x"]}, "finish_reason": "length"},
+    ],
+)
+def test_token_ids_that_are_not_integers_are_one_line_in_the_check_and_the_run(scripted, choice) -> None:
+    """The api=tokens probe raised the ValueError/TypeError/AttributeError of the bad ids."""
+    url = "http://gpu0:8000/v1"
+    listing = {"data": [{"id": "m"}]}
+    answer = {"model": "m", "choices": [choice]}
+    client = _FakeClient({"/models": listing, "/chat/completions": _CHAT_OK, "/completions": answer})
+    with pytest.raises(ServerUnavailable, match="token ids that are not integers") as err:
+        check_endpoint(client, url, "m", "tokens", [{"role": "user", "content": "hi"}], [1])
+    assert err.value.url == url
+    srv = scripted([(200, {}, answer)])
+    engine = _engine(srv.url)
+    with pytest.raises(UserError, match="token ids that are not integers"):
+        engine.run([GenRequest(0, [1, 3])], lambda r, new: None)
