@@ -31,7 +31,8 @@ Two request kinds (``api``):
 HTTP is the standard library (``urllib``, one thread per request in flight): retries with
 exponential backoff and jitter on connection errors, timeouts, HTTP 408/429/5xx (``Retry-After``
 honoured), unparsable answers. The API key is read from the environment variable named by the caller
-and sent as ``Authorization: Bearer``; it is never returned, logged or stored.
+and sent as ``Authorization: Bearer``; it is never returned, logged or stored, and server text quoted in
+a message or a log has it replaced (:meth:`ServerClient.quote`: a proxy may echo the header).
 
 Failover between endpoints (a fleet of replicas, one of which restarts): an endpoint whose request
 still fails after the retry budget (:class:`ServerUnavailable`), or that answers in a shape no
@@ -169,6 +170,16 @@ class ServerClient:
             self._key = key
         self._lock = threading.Lock()
 
+    def quote(self, text: str, limit: int = 200) -> str:
+        """``text`` from a server as one line of at most ``limit`` characters, for a message or a log,
+        with the API key (also as JSON escapes it) replaced by ``<key>``: a proxy may echo the
+        ``Authorization`` header. Every quote of server text goes through here."""
+        text = str(text)
+        if self._key:
+            for form in {self._key, json.dumps(self._key)[1:-1]}:
+                text = text.replace(form, "<key>")
+        return _one_line(text, limit)
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self._key:
@@ -220,7 +231,7 @@ class ServerClient:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as err:
                 try:
-                    detail = _one_line(err.read().decode(errors="replace"))
+                    detail = self.quote(err.read().decode(errors="replace"))
                 except (OSError, http.client.HTTPException):  # the connection broke while reading it
                     detail = "(no readable body)"
                 if err.code not in retry_statuses:
@@ -229,7 +240,7 @@ class ServerClient:
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
                 # ValueError: an answer that is not JSON, or not even UTF-8 (a proxy's gzip or HTML page)
                 reason = getattr(err, "reason", None) or err
-                last = _one_line(f"{type(err).__name__}: {reason}")
+                last = self.quote(f"{type(err).__name__}: {reason}")  # a status line the server sent
             if attempt < retries and not (stop is not None and stop.is_set()):
                 with self._lock:
                     self.retries += 1
@@ -270,7 +281,7 @@ def check_endpoint(
     """
     listed: list[dict] = []
     try:
-        listed = _listing(url, client.request(url, "/models", retry_statuses=PROBE_STATUSES))
+        listed = _listing(client, url, client.request(url, "/models", retry_statuses=PROBE_STATUSES))
     except ServerRefused as err:
         if err.status in (401, 403):
             raise UserError(
@@ -290,16 +301,17 @@ def check_endpoint(
             raise UserError(
                 f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
             ) from None
-        names = ", ".join(str(m.get("id")) for m in listed) or "none listed"
+        names = client.quote(", ".join(m["id"] for m in listed) or "none listed")
         raise UserError(
             f"server {url} does not take model {model!r} (it lists: {names}): set distill.server.model "
             f"[HTTP {err.status}: {_one_line(err.detail, 120)}]"
         ) from None
-    _first_choice(url, answer, "message")
+    _first_choice(client, url, answer, "message")
     if api == "tokens":
         try:
             body = {**probe, "prompt": probe_ids, **_TOKEN_ID_FIELDS}
-            ids = _completion_ids(url, _first_choice(url, client.request(url, "/completions", body), None))
+            answer = client.request(url, "/completions", body)
+            ids = _completion_ids(url, _first_choice(client, url, answer, None))
         except ServerRefused as err:
             raise UserError(
                 f"server {url} does not take a token-id prompt (HTTP {err.status}: "
@@ -313,9 +325,8 @@ def check_endpoint(
     served = str(answer.get("model", model))
     root = str((entry or {}).get("root") or (entry or {}).get("id") or served)
     if roots is not None and root not in roots:
-        raise UserError(
-            f"server {url} serves {root}, the other distill.server.urls {', '.join(sorted(roots))}: use one model"
-        )
+        others = client.quote(f"{root}, the other distill.server.urls {', '.join(sorted(roots))}")
+        raise UserError(f"server {url} serves {others}: use one model")
     return {"url": url, "model_id": served, "root": root}
 
 
@@ -354,9 +365,8 @@ def check_server(
         )
     roots = {e["root"] for e in endpoints}
     if len(roots) > 1:
-        raise UserError(
-            f"distill.server.urls serve different models ({', '.join(sorted(roots))}): use one model"
-        )
+        served = client.quote(", ".join(sorted(roots)))
+        raise UserError(f"distill.server.urls serve different models ({served}): use one model")
     return {"model": model, "api": api, "endpoints": endpoints, "down": down}
 
 
@@ -372,7 +382,7 @@ def all_down_error(down: dict[str, str]) -> UserError:
     )
 
 
-def _first_choice(url: str, answer: Any, kind: str | None) -> dict:
+def _first_choice(client: ServerClient, url: str, answer: Any, kind: str | None) -> dict:
     """``answer["choices"][0]`` (with a ``message`` object where ``kind="message"``).
 
     Raises:
@@ -381,14 +391,14 @@ def _first_choice(url: str, answer: Any, kind: str | None) -> dict:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices else None
     if not isinstance(choice, dict) or (kind is not None and not isinstance(choice.get(kind), dict)):
-        shape = _one_line(json.dumps(answer)[:120], 120)
+        shape = client.quote(json.dumps(answer), 120)
         raise ServerUnavailable(
             url, f"server {url} sent an answer without choices[0]{'.' + kind if kind else ''} ({shape})"
         )
     return choice
 
 
-def _listing(url: str, answer: Any) -> list[dict]:
+def _listing(client: ServerClient, url: str, answer: Any) -> list[dict]:
     """The models of a ``GET /models`` answer: ``data``, a list of objects with a string ``id``; none
     where the answer is an object without ``data`` (then the probe alone decides).
 
@@ -401,7 +411,7 @@ def _listing(url: str, answer: Any) -> list[dict]:
     if not isinstance(listed, list) or not all(
         isinstance(m, dict) and isinstance(m.get("id"), str) for m in listed
     ):
-        shape = _one_line(json.dumps(answer)[:120], 120)
+        shape = client.quote(json.dumps(answer), 120)
         raise ServerUnavailable(
             url, f"server {url} sent a /models answer that is no list of models ({shape})"
         )
@@ -630,7 +640,7 @@ class ServerEngine:
             ) from None
 
     def _tokens_reply(self, url: str, answer: dict) -> _Reply:
-        choice = _first_choice(url, answer, None)
+        choice = _first_choice(self.client, url, answer, None)
         if choice.get("finish_reason") not in FINISHED:
             return _Reply(None, {"unfinished": 1})
         ids = _completion_ids(url, choice)
@@ -645,7 +655,7 @@ class ServerEngine:
         return _Reply(ids[: self.max_new_tokens])
 
     def _chat_reply(self, url: str, answer: dict, context_len: int) -> _Reply:
-        choice = _first_choice(url, answer, "message")
+        choice = _first_choice(self.client, url, answer, "message")
         message = choice["message"]
         text = message.get("content") or ""
         if not isinstance(text, str):
@@ -863,9 +873,9 @@ class ServerEngine:
         except ServerUnavailable as err:
             self._results.put(("probe", endpoint, (err.reason, False)))
         except UserError as err:  # up, but unfit (another model, refuses the key): not probed again
-            self._results.put(("probe", endpoint, (_one_line(str(err)), True)))
+            self._results.put(("probe", endpoint, (self.client.quote(str(err)), True)))
         except Exception as err:  # noqa: BLE001 - whatever it is, the endpoint stays down
-            self._results.put(("probe", endpoint, (_one_line(f"{endpoint.url}: {err!r}"), False)))
+            self._results.put(("probe", endpoint, (self.client.quote(f"{endpoint.url}: {err!r}"), False)))
 
     def _probed(self, endpoint: _Endpoint, failed: tuple[str, bool] | None) -> None:
         endpoint.probing = False

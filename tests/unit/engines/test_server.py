@@ -303,10 +303,11 @@ def test_a_key_with_a_trailing_newline_is_sent_without_it_and_a_bad_key_is_refus
         assert "\n" not in str(err.value) and "sk-unit" not in str(err.value)
 
 
-class _FakeClient:
+class _FakeClient(ServerClient):
     """Answers ``request(url, path, ...)`` from ``answers`` by path (an exception instance is raised)."""
 
     def __init__(self, answers: dict) -> None:
+        super().__init__(["http://gpu0:8000/v1"])
         self.answers = answers
 
     def request(self, url, path, body=None, **kw):
@@ -372,3 +373,75 @@ def test_token_ids_that_are_not_integers_are_one_line_in_the_check_and_the_run(s
     engine = _engine(srv.url)
     with pytest.raises(UserError, match="token ids that are not integers"):
         engine.run([GenRequest(0, [1, 3])], lambda r, new: None)
+
+
+@pytest.mark.parametrize("key", ["sk-unit-secret", 'sk-unit"secret\\'])
+def test_server_text_quoted_in_errors_and_logs_never_holds_the_key(
+    scripted, monkeypatch, caplog, key
+) -> None:
+    """A proxy may echo the Authorization header in what it answers; every quote of server text (an
+    error body, the shape of an answer, the models a listing names) leaves the key out, also where the
+    server escaped it as JSON."""
+    monkeypatch.setenv("MEDUSA_UNIT_KEY", key)
+    echo = {"error": f"got headers: Authorization: Bearer {key}"}
+    probe = [{"role": "user", "content": "hi"}]
+    srv = scripted(
+        [
+            (401, {}, echo),  # a refusal: ServerRefused's detail
+            (503, {}, echo),  # a retryable answer: the last failure of ServerUnavailable
+            (200, {}, {"data": echo}),  # a listing in no OpenAI shape
+            (200, {}, {"data": [{"id": key}]}),  # a listing naming the key; then a refused probe
+            (404, {}, echo),
+            (200, {}, {"data": []}),  # an answer without choices
+            (200, {}, echo),
+            (500, {}, echo),  # the run's request: its endpoint goes down, the run stops
+        ]
+    )
+    client = ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY", max_retries=0)
+    errors = []
+    for call in (
+        lambda: client.request(srv.url, "/models"),
+        lambda: client.request(srv.url, "/models"),
+        lambda: check_endpoint(client, srv.url, "m", "chat", probe, [1]),
+        lambda: check_endpoint(client, srv.url, "m", "chat", probe, [1]),
+        lambda: check_endpoint(client, srv.url, "m", "chat", probe, [1]),
+    ):
+        with pytest.raises(Exception) as err:  # noqa: PT011 - each its own kind; none may quote the key
+            call()
+        errors.append(err.value)
+    engine = ServerEngine(client, model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4, eos_ids=[2],
+                          end_id=2, concurrency=1)  # fmt: skip
+    with caplog.at_level("WARNING", logger="medusa_train.engines.server"):
+        with pytest.raises(UserError) as err:
+            engine.run([GenRequest(0, [1, 3])], lambda r, new: None)
+    errors.append(err.value)
+    assert [type(e).__name__ for e in errors] == ["ServerRefused"] + ["ServerUnavailable"] * 2 + [
+        "UserError"
+    ] + ["ServerUnavailable"] * 2
+    assert all(srv.url in str(e) for e in errors)
+    quoted = [str(e) for e in errors] + [getattr(e, "detail", "") for e in errors] + [caplog.text]
+    quoted += [str(engine.endpoint_counts())]
+    escaped = json.dumps(key)[1:-1]
+    assert not any(key in text or escaped in text for text in quoted), quoted
+    assert "Bearer" in str(errors[0])  # the rest of the text stays
+
+
+def test_a_status_line_echoing_the_key_is_quoted_without_it(monkeypatch) -> None:
+    """What a broken proxy sends instead of a status line is quoted in the last failure, without the key."""
+    monkeypatch.setenv("MEDUSA_UNIT_KEY", "sk-unit-secret")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.wfile.write(f"HTTP/1.1 bad {self.headers['Authorization']}\r\n\r\n".encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = LocalServer(Handler)
+    try:
+        client = ServerClient([srv.url], api_key_env="MEDUSA_UNIT_KEY", max_retries=0)
+        with pytest.raises(ServerUnavailable) as err:
+            client.request(srv.url, "/models")
+    finally:
+        srv.close()
+    assert "BadStatusLine: HTTP/1.1 bad Bearer <key>" in str(err.value)
