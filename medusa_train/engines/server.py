@@ -170,6 +170,11 @@ class ServerClient:
             self._key = key
         self._lock = threading.Lock()
 
+    @property
+    def has_key(self) -> bool:
+        """Whether requests carry an API key."""
+        return self._key is not None
+
     def quote(self, text: str, limit: int = 200) -> str:
         """``text`` from a server as one line of at most ``limit`` characters, for a message or a log,
         with the API key (also as JSON escapes it) replaced by ``<key>``: a proxy may echo the
@@ -252,6 +257,20 @@ class ServerClient:
         )
 
 
+def _key_error(client: ServerClient, err: ServerRefused) -> UserError:
+    """The one line for HTTP 401/403: the server wants a key and none is sent, or refuses the one sent."""
+    what = f"HTTP {err.status}: {_one_line(err.detail, 120)}"
+    if client.has_key:
+        return UserError(
+            f"server {err.url} refused the API key ({what}): check that distill.server.api_key_env names "
+            "the variable holding the key it takes"
+        )
+    return UserError(
+        f"server {err.url} needs an API key ({what}): export it in an environment variable and name "
+        "that in distill.server.api_key_env"
+    )
+
+
 def check_endpoint(
     client: ServerClient,
     url: str,
@@ -284,9 +303,7 @@ def check_endpoint(
         listed = _listing(client, url, client.request(url, "/models", retry_statuses=PROBE_STATUSES))
     except ServerRefused as err:
         if err.status in (401, 403):
-            raise UserError(
-                f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
-            ) from None
+            raise _key_error(client, err) from None
         if err.status == 404:
             raise UserError(
                 f"no OpenAI-compatible API at {url} (GET {url}/models: HTTP 404): the URL must end in /v1"
@@ -298,9 +315,7 @@ def check_endpoint(
         answer = client.request(url, "/chat/completions", {**probe, "messages": probe_messages})
     except ServerRefused as err:
         if err.status in (401, 403):
-            raise UserError(
-                f"server {url} refused the API key (HTTP {err.status}): check distill.server.api_key_env"
-            ) from None
+            raise _key_error(client, err) from None
         names = client.quote(", ".join(m["id"] for m in listed) or "none listed")
         raise UserError(
             f"server {url} does not take model {model!r} (it lists: {names}): set distill.server.model "
@@ -313,6 +328,8 @@ def check_endpoint(
             answer = client.request(url, "/completions", body)
             ids = _completion_ids(url, _first_choice(client, url, answer, None))
         except ServerRefused as err:
+            if err.status in (401, 403):
+                raise _key_error(client, err) from None
             raise UserError(
                 f"server {url} does not take a token-id prompt (HTTP {err.status}: "
                 f"{_one_line(err.detail, 120)}): api=tokens is for vLLM; use distill.server.api=chat"
@@ -635,6 +652,8 @@ class ServerEngine:
         try:
             return self.client.request(url, path, body, stop=stop)
         except ServerRefused as err:
+            if err.status in (401, 403):
+                raise _key_error(self.client, err) from None
             raise UserError(
                 f"server {url} refused a request (HTTP {err.status}: {_one_line(err.detail)})"
             ) from None

@@ -306,8 +306,8 @@ def test_a_key_with_a_trailing_newline_is_sent_without_it_and_a_bad_key_is_refus
 class _FakeClient(ServerClient):
     """Answers ``request(url, path, ...)`` from ``answers`` by path (an exception instance is raised)."""
 
-    def __init__(self, answers: dict) -> None:
-        super().__init__(["http://gpu0:8000/v1"])
+    def __init__(self, answers: dict, api_key_env: str | None = None) -> None:
+        super().__init__(["http://gpu0:8000/v1"], api_key_env=api_key_env)
         self.answers = answers
 
     def request(self, url, path, body=None, **kw):
@@ -445,3 +445,29 @@ def test_a_status_line_echoing_the_key_is_quoted_without_it(monkeypatch) -> None
     finally:
         srv.close()
     assert "BadStatusLine: HTTP/1.1 bad Bearer <key>" in str(err.value)
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("path", ["/models", "/chat/completions", "/completions"])
+def test_a_refused_key_says_so_naming_the_option_wherever_it_is_refused(
+    monkeypatch, keyed, status, path
+) -> None:
+    """HTTP 401/403 to any request of the check or the run says the key is missing (no
+    distill.server.api_key_env) or refused: it read "refused the API key" without a key, "does not
+    take a token-id prompt" from the api=tokens probe and "refused a request" in the run."""
+    monkeypatch.setenv("MEDUSA_UNIT_KEY", "sk-unit-secret")
+    url = "http://gpu0:8000/v1"
+    tokens_ok = {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]}
+    answers = {"/models": {"data": [{"id": "m"}]}, "/chat/completions": _CHAT_OK, "/completions": tokens_ok}
+    answers[path] = ServerRefused(url, status, "invalid API key")
+    client = _FakeClient(answers, api_key_env="MEDUSA_UNIT_KEY" if keyed else None)
+    expected = "refused the API key" if keyed else "needs an API key"
+    with pytest.raises(UserError, match=f"server {url} {expected}.*distill.server.api_key_env") as err:
+        check_endpoint(client, url, "m", "tokens", [{"role": "user", "content": "hi"}], [1])
+    assert f"HTTP {status}" in str(err.value) and "\n" not in str(err.value)
+    if path == "/completions":
+        engine = ServerEngine(client, model="m", tokenizer=_Tok(), api="tokens", max_new_tokens=4,
+                              eos_ids=[2], end_id=2, concurrency=1)  # fmt: skip
+        with pytest.raises(UserError, match=f"server {url} {expected}.*distill.server.api_key_env"):
+            engine.run([GenRequest(0, [1, 3])], lambda r, new: None)
