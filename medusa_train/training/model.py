@@ -98,14 +98,27 @@ def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> tor
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode inside the block; every submodule's own mode back afterwards."""
+    """``module`` in eval mode inside the block, but for bitsandbytes' 4-bit linear layers (no dropout
+    there: their mode only decides whether they repack); every submodule's own mode back afterwards."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
+    for m, mode in modes:
+        if _repacks_in_eval(m):
+            m.training = mode
     try:
         yield
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def _repacks_in_eval(module: nn.Module) -> bool:
+    """bitsandbytes' ``Linear4bit``: its first eval-mode forward without gradients on a CPU with
+    AVX512-BF16 repacks its weight in place for another kernel, which ZeRO-3's checkpoint save then
+    fails to unpack from the partitioned (empty) weight; in training mode it computes the same."""
+    return type(module).__module__.startswith("bitsandbytes.") and hasattr(
+        module, "support_avx512bf16_for_cpu"
+    )
 
 
 class KLToOriginal:

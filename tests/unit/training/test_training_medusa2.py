@@ -78,6 +78,55 @@ def test_the_lora_original_is_the_backbone_without_its_adapters_and_without_drop
     assert all(m.training for m in lora.modules())
 
 
+def test_the_qlora_original_keeps_the_4bit_layers_in_training_mode(tmp_path):
+    """QLoRA ``lm_loss=kl``: the original's forward is in eval mode (no dropout) but for bitsandbytes'
+    4-bit linear layers, which in eval mode on a CPU with AVX512-BF16 repack their weight in place (a
+    ZeRO-3 checkpoint save then fails on the partitioned weight); they hold no dropout."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from medusa_train.head_targets import last_hidden_state, select_trained_rows
+    from medusa_train.training.losses import lm_targets
+    from medusa_train.training.model import LMRows
+    from tests.helpers.models import tiny_model
+
+    tiny_model("llama", vocab=64, hidden=64, kv_heads=4, attention_dropout=0.3).save_pretrained(tmp_path)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+        device_map={"": "cpu"},
+    )
+    lora = get_peft_model(quantized, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    lora.train()
+    seen: dict[str, set[bool]] = {"4bit": set(), "attention": set()}
+
+    def record(module, args):
+        kind = "4bit" if type(module).__name__ == "Linear4bit" else "attention"
+        seen[kind].add(module.training)
+
+    for name, m in lora.named_modules():
+        if name.endswith("self_attn") or (
+            type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
+        ):
+            m.register_forward_pre_hook(record)
+    b = batch()
+    ids, attn = b["input_ids"], b["attention_mask"]
+    with torch.no_grad():
+        h = last_hidden_state(lora, ids, attn)  # (B, T, d)
+    seen = {"4bit": set(), "attention": set()}  # the original's forward only, below
+    selected_by = lm_targets(ids, b["loss_mask"], attn)[..., None]  # (B, T, 1)
+    rows, targets = select_trained_rows(h, selected_by)
+    KLToOriginal()(lora, LMRows(rows, targets[:, 0], ids, attn, selected_by), chunk_size=8)
+    assert seen == {"4bit": {True}, "attention": {False}}
+    assert all(m.training for m in lora.modules())
+    assert not any(
+        getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+        for m in lora.modules()
+        if type(m).__name__ == "Linear4bit"
+    )
+
+
 def test_heads_only_phase_gives_backbone_no_gradient():
     model = _model("ce")
     model.heads_only = True
