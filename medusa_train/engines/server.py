@@ -29,10 +29,11 @@ Two request kinds (``api``):
   ``return_tokens_as_token_ids``, whose tokens read ``token_id:N``). Token-exact; vLLM only.
 
 HTTP is the standard library (``urllib``, one thread per request in flight): retries with
-exponential backoff and jitter on connection errors, timeouts, HTTP 408/429/5xx (``Retry-After``
-honoured), unparsable answers. The API key is read from the environment variable named by the caller
-and sent as ``Authorization: Bearer``; it is never returned, logged or stored, and server text quoted in
-a message or a log has it replaced (:meth:`ServerClient.quote`: a proxy may echo the header).
+exponential backoff and jitter on connection errors, timeouts, HTTP 408/424/425/429/500/502/503/504
+(:data:`RETRY_STATUSES`; ``Retry-After`` honoured), unparsable answers. The API key is read from the
+environment variable named by the caller and sent as ``Authorization: Bearer``; it is never returned,
+logged or stored, and server text quoted in a message or a log has it replaced
+(:meth:`ServerClient.quote`: a proxy may echo the header).
 
 Failover between endpoints (a fleet of replicas, one of which restarts): an endpoint whose request
 still fails after the retry budget (:class:`ServerUnavailable`), or that answers in a shape no
@@ -41,8 +42,9 @@ OpenAI-compatible server uses, is marked down with the reason; its requests in f
 request gets exactly one reply. After ``readmit_after_s`` a down endpoint is probed with one
 ``GET /models`` (an endpoint that was already down before any work gets :func:`check_endpoint`'s full
 check instead) and rejoins when it answers. The run stops with one line naming every URL and why it
-is down only when all of them are. A refused request (HTTP 4xx: a bad key, an unknown model, a bad
-request) is the same on every endpoint, so it is no reason to fail over: it stops the run at once.
+is down only when all of them are. A refused request (any other HTTP error: a 4xx such as a bad key,
+an unknown model, a bad request, or a 501/505) is the same on every endpoint, so it is no reason to
+fail over: it stops the run at once.
 A request that fails after the retry budget on an endpoint that answered other requests meanwhile
 is what fails, not the endpoint (a context that crashes the server every time would otherwise take
 every endpoint down in turn, and again on every resume): the endpoint stays up and the request is
@@ -85,7 +87,8 @@ yet"; any other answer means the server is up (a listing's other 4xx/500 is no r
 
 
 class ServerRefused(Exception):
-    """A non-retryable HTTP answer (4xx): the request itself is wrong for this server."""
+    """A non-retryable HTTP error (not in :data:`RETRY_STATUSES`: a 4xx, 501, 505, ...): the request itself
+    is wrong for this server."""
 
     def __init__(self, url: str, status: int, detail: str) -> None:
         super().__init__(f"{url}: HTTP {status}: {detail}")
