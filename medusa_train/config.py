@@ -733,9 +733,10 @@ class EvalConfig:
     transformers' assisted generation, measured on every turn next to plain greedy; null = skip."""
     fit_tree: bool = True
     """tree=calibrated: when the stored calibration (calibration.json) was measured on another device or
-    dtype than this run's, calibrate the tree again here from its stored head accuracies and a latency
-    curve measured now (seconds), so a tree tuned on a CPU is not used on a GPU; false keeps the stored
-    tree. Pinned trees (tree=medusa63|chain|custom) are never changed."""
+    dtype than this run's, or with another tree attention than `eval.attention` takes here, calibrate the
+    tree again here from its stored head accuracies and a latency curve measured now (seconds), so a tree
+    tuned on a CPU is not used on a GPU; false keeps the stored tree (with a warning). Pinned trees
+    (tree=medusa63|chain|custom) are never changed."""
     compile: bool = False
     """Also measure the compiled decoders on every turn: plain greedy with transformers' static cache and
     compiled forward (`cache_implementation="static"`), and Medusa's static-shape decoder (its whole step
@@ -747,7 +748,11 @@ class EvalConfig:
     grouped-query heads packed, K/V not expanded) | triton | cuda (fused kernels reading the tree's
     ancestor bits, no mask; GPU) | auto
     (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, 2,048 in a step replayed
-    as a CUDA graph, where it measured faster; else sdpa, and always on a CPU). See docs/decoding.md."""
+    as a CUDA graph, where it measured faster; else sdpa, and always on a CPU). stage=train's tree
+    calibration times its tree forwards with it too (auto: as a call of `tree.latency_context` keys), so
+    the tree is chosen for the attention that decodes it; calibration.json records the one timed. Not a
+    calibration setting, like the device: a change after training is fitted by eval (`eval.fit_tree`).
+    See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

@@ -187,26 +187,32 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 # -- report.md --------------------------------------------------------------------------------------
+def _machine(label: dict) -> str:
+    """ "<device> (<dtype>[, <attention> attention])" of a calibration's ``calibrated_for``."""
+    attention = f", {label['attention']} attention" if "attention" in label else ""
+    return f"{label['device']} ({label['dtype']}{attention})"
+
+
 def _calibrated_for(report: dict) -> str:
-    """ ", calibrated for <device> (<dtype>) [in this run]" for a calibrated tree, else ""."""
+    """ ", calibrated for <device> (<dtype>, <attention> attention) [in this run]" for a calibrated
+    tree, else ""."""
     fit = report.get("tree_fit") or {}
     if report.get("tree") != "calibrated":
         return ""
     label = fit.get("calibrated_for")
-    where = "an unrecorded device" if not label else f"{label['device']} ({label['dtype']})"
+    where = "an unrecorded device" if not label else _machine(label)
     return f", calibrated for {where}" + (" in this run" if fit.get("recalibrated") else "")
 
 
 def _tree_device(calibration: dict | None, report: dict | None) -> str:
     """Where the shipped tree was calibrated, and the tree eval fitted to its own device if it differs."""
     label = ((calibration or {}).get("tree") or {}).get("calibrated_for")
-    text = f", calibrated for {label['device']} ({label['dtype']})" if label else ""
+    text = f", calibrated for {_machine(label)}" if label else ""
     fit = (report or {}).get("tree_fit") or {}
     if fit.get("recalibrated"):
-        dev = fit["calibrated_for"]
         text += (
-            f"; on {dev['device']} ({dev['dtype']}) eval calibrated a {len(fit.get('choices') or [])}-node tree "
-            "for that device (the figures above; its paths: `tree_fit.choices` in eval/report.json)"
+            f"; on {_machine(fit['calibrated_for'])} eval calibrated a {len(fit.get('choices') or [])}-node "
+            "tree for that device (the figures above; its paths: `tree_fit.choices` in eval/report.json)"
         )
     return text
 

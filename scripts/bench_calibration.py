@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
                     by_tolerance[name][t].append(pick_size(tree["table"], t))
                 curves[name].append({n: round(v["seconds"] * 1e3, 3) for n, v in tree["latency"].items()})
     return {
-        "machine": device_label(model),
+        "machine": device_label(model, "sdpa"),  # calibrate_tree times SDPA by default
         "trials": args.trials,
         "stored_pick": stored["tree"]["best"]["nodes"],
         "picks": picks,

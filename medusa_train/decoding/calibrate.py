@@ -6,8 +6,8 @@ probability that head k's rank-i candidate is correct, a tree's expected accepte
 over its nodes of the product of ``a`` along the node's path; grow the tree greedily by adding the
 frontier node with the largest path probability. The node count is then chosen to maximise expected
 tokens per second, ``tau(N) / latency(N + 1)``, using the forward latency measured on this machine
-(or, with a tolerance, the smallest count within that fraction of the maximum: timing noise does not
-choose on a flat curve).
+with the tree attention the tree is decoded with (or, with a tolerance, the smallest count within
+that fraction of the maximum: timing noise does not choose on a flat curve).
 
 Pipeline: :func:`head_topk_counts` (or :func:`head_topk_accuracy` on logits you already have)
 -> :func:`per_rank_accuracy` -> :func:`grow_tree` -> :func:`measure_forward_latency` ->
@@ -37,6 +37,7 @@ from ..head_targets import (
 )
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
+from .attention import one_call_per_model, resolve_attention
 from .generate import attention_backends, context_limit, verify_forward
 from .tree import TreeBuffers
 
@@ -218,12 +219,26 @@ def expected_tau(acc: torch.Tensor | Sequence[Sequence[float]], choices: Sequenc
     return total
 
 
+def timed_attention(attention: str, device: torch.device, context_len: int) -> str:
+    """The tree attention a calibration at ``context_len`` cached tokens times for the decoders'
+    ``attention`` choice ("sdpa", "triton", "cuda" or "auto"): the implementation a decoder call of that
+    many keys resolves it to (:func:`~medusa_train.decoding.attention.resolve_attention`; ``auto`` is
+    "sdpa" on a CPU and below :data:`~medusa_train.decoding.attention.AUTO_MIN_CONTEXT` keys).
+
+    Raises:
+        AttentionBackendError: a choice that cannot run on ``device``.
+    """
+    return resolve_attention(attention, device, context=context_len)
+
+
 @torch.inference_mode()
+@one_call_per_model
 def measure_forward_latency(
     model: torch.nn.Module,
     sizes: Sequence[int],
     context_len: int,
     *,
+    attention: str = "sdpa",
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,
@@ -232,11 +247,17 @@ def measure_forward_latency(
     """Time one verification forward of N tree tokens on top of a KV cache of ``context_len`` tokens.
 
     The N tokens form a chain-shaped tree (the mask's shape does not change the cost of a dense
-    attention kernel); the cache is cropped back after every forward. The forwards run under the
-    decoders' attention backends (:func:`~medusa_train.decoding.generate.attention_backends`: on
-    CUDA, SDPA without cuDNN), so the curve is that of the kernel the tree steps run on, not of the
-    one PyTorch picks by default (cuDNN for a masked bf16 call on Hopper, whose cost grows otherwise
-    with N: docs/benchmarks.md, ``--sdpa``). The sizes are timed in rounds,
+    attention kernel; the tree kernels read as many words of ancestor bits per node whatever the
+    shape); the cache is cropped back after every forward. Each forward runs the tree attention the
+    decoders run for ``attention`` (:func:`timed_attention`): the dense mask on SDPA, or a kernel
+    inside :func:`~medusa_train.decoding.attention.tree_step`, whose cost grows differently with N
+    from SDPA's (:data:`~medusa_train.decoding.attention.AUTO_MIN_CONTEXT`), so a curve timed on the
+    one chooses the tree for the other; the model's lock is held as in a decoder call (the kernel's
+    step switches ``model.config``'s attention). The forwards run under the decoders' attention
+    backends (:func:`~medusa_train.decoding.generate.attention_backends`: on CUDA, SDPA without
+    cuDNN), so the curve is that of the kernel the tree steps run on, not of the one PyTorch picks by
+    default (cuDNN for a masked bf16 call on Hopper, whose cost grows otherwise with N:
+    docs/benchmarks.md, ``--sdpa``). The sizes are timed in rounds,
     each round timing every size once (ascending, then descending in the next round), so a machine
     that slows down or speeds up while it measures shifts every size alike instead of the sizes timed
     last (``scripts/bench_calibration.py`` compares the picks of both orders; docs/benchmarks.md).
@@ -245,6 +266,7 @@ def measure_forward_latency(
         model: the backbone.
         sizes: token counts N to time (tree nodes + 1).
         context_len: tokens in the cache.
+        attention: the decoders' tree attention, "sdpa", "triton", "cuda" or "auto".
         warmup: untimed rounds.
         repeats: timed rounds; the median of each size is reported.
         seed: for the random context tokens.
@@ -253,6 +275,9 @@ def measure_forward_latency(
 
     Returns:
         ``{N: {"seconds": median, "relative": median / median at N = 1}}``. N = 1 is always timed.
+
+    Raises:
+        AttentionBackendError: ``attention`` cannot run on the model's device.
     """
     limit = context_limit(model)
     sizes = sorted(set(sizes) | {1})
@@ -261,6 +286,7 @@ def measure_forward_latency(
             f"context_len {context_len} + {max(sizes)} tree tokens exceeds the model's {limit} positions"
         )
     device = next(model.parameters()).device
+    backend = timed_attention(attention, device, context_len)
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)  # (1, C)
@@ -280,7 +306,7 @@ def measure_forward_latency(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            verify_forward(model, cache, tokens[n], trees[n], context_len)
+            verify_forward(model, cache, tokens[n], trees[n], context_len, backend)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if r >= warmup:
@@ -376,6 +402,7 @@ def calibrate_tree(
     topk: int,
     context_len: int,
     *,
+    attention: str = "sdpa",
     interleave: bool = True,
     tolerance: float = 0.0,
 ) -> dict:
@@ -387,6 +414,9 @@ def calibrate_tree(
         max_nodes: largest tree considered.
         topk: candidates per head considered.
         context_len: KV-cache length of the timed forwards (lowered to fit the model's positions).
+        attention: the tree attention the tree will be decoded with ("sdpa", "triton", "cuda" or
+            "auto"; the stages pass ``eval.attention``): the forwards are timed with it
+            (:func:`measure_forward_latency`).
         interleave: as :func:`measure_forward_latency`.
         tolerance: as :func:`choose_tree`.
 
@@ -395,7 +425,11 @@ def calibrate_tree(
         the chosen tree's paths, the table of :func:`choose_tree`, :func:`measure_forward_latency`'s
         timings, the context length used, the table row of the chosen size, the largest tree grown
         (``max_nodes``, or fewer where the heads' accuracies give no more nodes of nonzero
-        probability: :func:`grow_tree`) and :func:`device_label`.
+        probability: :func:`grow_tree`) and :func:`device_label` with the attention timed
+        (:func:`timed_attention`).
+
+    Raises:
+        AttentionBackendError: ``attention`` cannot run on the model's device.
     """
     per_rank = per_rank_accuracy(topk_acc[:, :topk])  # (K, topk)
     trees, taus = grow_tree(per_rank, max_nodes)
@@ -404,7 +438,8 @@ def calibrate_tree(
     limit = context_limit(model)
     if limit is not None:
         context_len = max(0, min(context_len, limit - max(sizes)))
-    latency = measure_forward_latency(model, sizes, context_len, interleave=interleave)
+    backend = timed_attention(attention, next(model.parameters()).device, context_len)
+    latency = measure_forward_latency(model, sizes, context_len, attention=backend, interleave=interleave)
     choices, table = choose_tree(trees, taus, latency, tolerance)
     best = next(row for row in table if row["nodes"] == len(choices))
     return {
@@ -414,22 +449,24 @@ def calibrate_tree(
         "context_len": context_len,
         "best": best,
         "grown_nodes": n_max,
-        "calibrated_for": device_label(model),
+        "calibrated_for": device_label(model, backend),
     }
 
 
-def device_label(model: torch.nn.Module) -> dict[str, str]:
-    """What a tree's latency curve depends on: ``{"device": <GPU name, or "cpu: <CPU model>">, "dtype"}``.
+def device_label(model: torch.nn.Module, attention: str) -> dict[str, str]:
+    """What a tree's latency curve depends on: ``{"device": <GPU name, or "cpu: <CPU model>">, "dtype",
+    "attention"}``, ``attention`` the tree attention timed, resolved ("sdpa", "triton" or "cuda").
 
     A tree calibrated on one device is re-calibrated for another (the latency curve of a GPU is flat
-    where a CPU's climbs), so this is stored with the calibration and compared at decode time.
+    where a CPU's climbs), and for another tree attention (a kernel's cost grows differently with the
+    tree from SDPA's), so this is stored with the calibration and compared at decode time.
     """
     param = next(model.parameters())
     if param.device.type == "cuda":
         name = torch.cuda.get_device_name(param.device)
     else:
         name = f"{param.device.type}: {_cpu_model()}"
-    return {"device": name, "dtype": str(param.dtype).removeprefix("torch.")}
+    return {"device": name, "dtype": str(param.dtype).removeprefix("torch."), "attention": attention}
 
 
 def _cpu_model() -> str:
@@ -483,6 +520,7 @@ def calibrate(
     chunk_size: int = 1024,
     max_k: int = 10,
     tolerance: float = 0.0,
+    attention: str = "sdpa",
 ) -> Calibration:
     """Held-out accuracy of ``heads`` -> the tree with the best expected tokens/s on this machine.
 
@@ -490,7 +528,7 @@ def calibrate(
         model: the backbone (eval mode: no dropout while measuring).
         heads: the trained heads.
         batches: held-out batches, as :func:`head_topk_counts` takes them.
-        max_nodes, topk, context_len, tolerance: as :func:`calibrate_tree`.
+        max_nodes, topk, context_len, tolerance, attention: as :func:`calibrate_tree`.
         chunk_size: rows per chunk of logits.
         max_k: length of the top-k table.
 
@@ -499,5 +537,5 @@ def calibrate(
     """
     hits, count = head_topk_counts(model, heads, batches, max_k, chunk_size)
     acc = hits.float() / count.clamp(min=1)[:, None].float()  # (K, max_k)
-    tree = calibrate_tree(model, acc, max_nodes, topk, context_len, tolerance=tolerance)
+    tree = calibrate_tree(model, acc, max_nodes, topk, context_len, attention=attention, tolerance=tolerance)
     return Calibration(tree["choices"], acc, count, tree)

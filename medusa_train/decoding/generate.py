@@ -368,21 +368,31 @@ def verify_forward(
     tree_tokens: torch.Tensor,
     tree: TreeBuffers,
     past_len: int,
+    backend: str = "sdpa",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tree-attention forward through the model's own ``forward``; appends M entries to ``cache``.
+    """One tree-attention forward through the model's own ``forward``, as the decoders' step 5 runs it;
+    appends M entries to ``cache``.
 
     Args:
         tree_tokens: ``(M,)`` token of every node.
         tree: buffers on the model's device.
         past_len: tokens already in ``cache``.
+        backend: the tree attention, resolved (:func:`~.attention.resolve_attention`): "sdpa" (the
+            dense float mask) or a kernel, "triton" or "cuda" (:func:`~.attention.tree_step`, no mask).
 
     Returns:
         logits ``(M, V)`` and last hidden states ``(M, d)``.
     """
-    dtype = next(model.parameters()).dtype
-    mask = tree_attention_mask(model, tree, past_len, dtype)
     position_ids = (past_len + tree.depth)[None]  # (1, M)
-    logits, hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, V), (1, M, d)
+    if backend == "sdpa":
+        mask = tree_attention_mask(model, tree, past_len, next(model.parameters()).dtype)
+        logits, hidden = _forward(model, cache, tree_tokens[None], mask, position_ids)  # (1, M, V), (1, M, d)
+    else:
+        device = tree_tokens.device
+        past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
+        no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
+        with tree_step(model, TreeStep(past, no_pad, TreeMask.of(tree), backend)):
+            logits, hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
     return logits[0], hidden[0]  # (M, V), (M, d)
 
 

@@ -78,6 +78,7 @@ from medusa_train.decoding.calibrate import (
     expected_tau,
     grow_tree,
     per_rank_accuracy,
+    timed_attention,
 )
 from medusa_train.decoding.generate import context_limit
 from medusa_train.decoding.timing import (
@@ -522,22 +523,37 @@ def fit_tree_to_device(
     cfg: Config, heads_dir: Path, model, choices: list[list[int]]
 ) -> tuple[list[list[int]], dict]:
     """The tree for this run's device: with ``tree=calibrated``, the stored tree if calibration.json says
-    it was calibrated on this device and dtype, else one calibrated here from the stored head accuracies
-    and a latency curve measured now (``eval.fit_tree=false`` keeps the stored tree).
+    it was calibrated on this device and dtype with the tree attention ``eval.attention`` takes at the
+    stored curve's context (:func:`~medusa_train.decoding.calibrate.timed_attention`), else one
+    calibrated here from the stored head accuracies and a latency curve measured now with
+    ``eval.attention`` (``eval.fit_tree=false`` keeps the stored tree).
 
     Returns:
         The tree's paths and ``{"device", "calibrated_for", "recalibrated", ...}`` for the report.
     """
-    here = device_label(model)
+    stored: dict = {}
+    if cfg.tree.name == "calibrated":
+        path = next(
+            (p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()), None
+        )
+        stored = read_json(path, repair=_RECALIBRATE) if path else {}
+    stored_tree = stored.get("tree") or {}
+    context = stored_tree.get("context_len", cfg.tree.latency_context)
+    here = device_label(model, timed_attention(cfg.eval.attention, next(model.parameters()).device, context))
     info: dict = {"device": here, "calibrated_for": None, "recalibrated": False}
     if cfg.tree.name != "calibrated":
         info["pinned"] = cfg.tree.name
         return choices, info
-    path = next((p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()), None)
-    stored = read_json(path, repair=_RECALIBRATE) if path else {}
-    info["calibrated_for"] = (stored.get("tree") or {}).get("calibrated_for")
+    info["calibrated_for"] = stored_tree.get("calibrated_for")
     topk = calibration_topk(stored) if stored else None
-    if not cfg.eval.fit_tree or not topk or info["calibrated_for"] == here:
+    if not topk or info["calibrated_for"] == here:
+        return choices, info
+    if not cfg.eval.fit_tree:
+        log.warning(
+            "eval: the tree was calibrated for %s and this run decodes on %s: eval.fit_tree=false keeps it",
+            _describe_device(info["calibrated_for"]),
+            _describe_device(here),
+        )
         return choices, info
     log.info(
         "eval: the tree was calibrated for %s, this run is on %s: calibrating it again here",
@@ -551,12 +567,13 @@ def fit_tree_to_device(
         cfg.tree.max_nodes,
         min(cfg.tree.topk, acc.shape[1]),
         cfg.tree.latency_context,
+        attention=cfg.eval.attention,
         tolerance=cfg.tree.tolerance,
     )
     info.update(
         recalibrated=True,
         previous=info["calibrated_for"],
-        calibrated_for=here,
+        calibrated_for=result["calibrated_for"],
         previous_size=len(choices),
         expected_tau=round(result["best"]["expected_tau"], 4),
         latency_context=result["context_len"],
@@ -566,7 +583,10 @@ def fit_tree_to_device(
 
 
 def _describe_device(label: dict | None) -> str:
-    return "an unrecorded device" if not label else f"{label['device']} ({label['dtype']})"
+    if not label:
+        return "an unrecorded device"
+    attention = f", {label['attention']} attention" if "attention" in label else ""
+    return f"{label['device']} ({label['dtype']}{attention})"
 
 
 _RECALIBRATE = "run `python -m medusa_train stage=train` (same settings) to calibrate again"

@@ -11,7 +11,8 @@ Run as:
 resumes from the last checkpoint in workdir/train; a finished run with the same settings is skipped.
 
 Steps:
-    1. Read the distilled data's manifest (workdir/distill); check the recipe's settings and DeepSpeed.
+    1. Read the distilled data's manifest (workdir/distill); check the recipe's settings, DeepSpeed and
+       that `eval.attention` runs here (step 6 times with it).
     2. Load the backbone (ZeRO-3 with a backbone that trains: partitioned as it loads, no rank
        holding it whole); the distilled data must have been made by it.
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
@@ -23,9 +24,9 @@ Steps:
        `training.draft_vocab_size` most frequent target tokens of the training split.
     5. Train with the Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to
        workdir/train and resuming from its last checkpoint automatically (all ranks).
-    6. Rank 0: held-out top-1..10 accuracy per head; grow trees, time tree forwards on this machine,
-       choose the smallest size within `tree.tolerance` of the best expected tokens/s
-       (`decoding/calibrate.py`).
+    6. Rank 0: held-out top-1..10 accuracy per head; grow trees, time tree forwards on this machine
+       with the tree attention eval decodes with (`eval.attention`), choose the smallest size within
+       `tree.tolerance` of the best expected tokens/s (`decoding/calibrate.py`).
     7. Rank 0: publish workdir/heads atomically: heads, calibration.json, medusa_choices.json
        (Medusa-2 also the trained backbone, or only its LoRA adapter, in workdir/heads/backbone:
        staged before step 6, which calibrates on what that folder holds, a LoRA adapter merged).
@@ -60,7 +61,8 @@ from medusa_train.backbone import (
 )
 from medusa_train.config import Config, TrainingConfig
 from medusa_train.data.distilled import check_made_by, data_key, load_distilled, read_manifest
-from medusa_train.decoding.calibrate import Calibration, calibrate
+from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attention
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.heads import MedusaHeads
@@ -136,6 +138,7 @@ def run(cfg: Config) -> dict:
     device = resolve_device(cfg.model.device)
     recipe.check()
     ds_config = _deepspeed(cfg, recipe, device)
+    _check_attention(cfg, device)
     # ZeRO-3 partitions a backbone that trains as it loads; Medusa-1's frozen backbone runs outside the
     # engine and stays whole, as does a quantized one (transformers loads it whole).
     partitioned = is_zero3(ds_config) and recipe.trains_backbone and cfg.model.quantization == "none"
@@ -299,11 +302,23 @@ def _published_heads(
     return heads, recipe.published_backbone(heads_dir, backbone, device)
 
 
+def _check_attention(cfg: Config, device: torch.device) -> None:
+    """Step 1: ``eval.attention`` runs on ``device`` (step 6 times the tree forwards with it)."""
+    try:
+        timed_attention(cfg.eval.attention, device, cfg.tree.latency_context)
+    except AttentionBackendError as err:
+        raise AttentionBackendError(
+            f"eval.attention={cfg.eval.attention}: {err} (the tree calibration after training times its "
+            "forwards with it)"
+        ) from None
+
+
 def _calibrate(
     cfg: Config, backbone: PreTrainedModel, heads: MedusaHeads, records: list[dict]
 ) -> Calibration:
-    """Step 6: measure the heads on ``records`` and choose the tree (``decoding/calibrate.py``). A
-    trained backbone was left in training mode: no dropout (LoRA's included) while measuring."""
+    """Step 6: measure the heads on ``records`` and choose the tree (``decoding/calibrate.py``), its
+    forwards timed with the tree attention eval decodes with (``eval.attention``). A trained backbone
+    was left in training mode: no dropout (LoRA's included) while measuring."""
     heads.eval()
     backbone.eval()
     collate, size = PadCollator(0), cfg.training.per_device_batch_size
@@ -317,6 +332,7 @@ def _calibrate(
         context_len=cfg.tree.latency_context,
         chunk_size=cfg.training.loss_chunk_size,
         tolerance=cfg.tree.tolerance,
+        attention=cfg.eval.attention,
     )
 
 

@@ -43,7 +43,7 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
     }
     heads.save_pretrained(root / "heads", extra_config=extra)
     if calibration:  # calibrated for this machine, as stage=train records it
-        calibrated = {"head_topk_accuracy": TOPK, "tree": {"calibrated_for": device_label(model)}}
+        calibrated = {"head_topk_accuracy": TOPK, "tree": {"calibrated_for": device_label(model, "sdpa")}}
         (root / "heads" / "calibration.json").write_text(json.dumps(calibrated))
     if choices:
         (root / "heads" / "medusa_choices.json").write_text(json.dumps(CHOICES))

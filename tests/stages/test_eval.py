@@ -17,6 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_train.backbone import local_fingerprint
 from medusa_train.config import ModelConfig
+from medusa_train.decoding import attention as attention_module
+from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.timing import Decoded
 from medusa_train.errors import ConfigError, UserError
@@ -293,6 +295,49 @@ def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path)
         )
     )
     assert not kept["tree_fit"]["recalibrated"] and kept["tree_size"] == 5
+
+
+def test_a_tree_timed_with_another_attention_is_calibrated_again(tmp_path: Path, caplog, monkeypatch) -> None:
+    """The latency curve depends on the tree attention timed: a stored tree timed with another one than
+    eval.attention takes here is calibrated again with eval.attention (eval.fit_tree=false keeps it,
+    with a warning); one timed with it is kept. Triton here: the kernel's entry with the SDPA reference
+    for its body (triton taken as installed, its interpreter as on)."""
+    workdir = make_workdir(tmp_path / "wd")
+    heads_dir = workdir / "heads"
+    calibration = heads_dir / "calibration.json"
+    stored = json.loads(calibration.read_text())
+    assert stored["tree"]["calibrated_for"]["attention"] == "sdpa"
+    model = LlamaForCausalLM.from_pretrained(workdir / "base_model")
+    choices = json.loads((heads_dir / "medusa_choices.json").read_text())
+    kept, fit = eval_stage.fit_tree_to_device(tiny_cfg(workdir, "stage=eval"), heads_dir, model, choices)
+    assert not fit["recalibrated"] and kept == choices
+    stored["tree"]["calibrated_for"]["attention"] = "triton"
+    calibration.write_text(json.dumps(stored))
+    for attention in ("sdpa", "auto"):  # auto takes SDPA on a CPU
+        cfg = tiny_cfg(workdir, "stage=eval", f"eval.attention={attention}")
+        _, fit = eval_stage.fit_tree_to_device(cfg, heads_dir, model, choices)
+        assert fit["recalibrated"] and fit["previous"]["attention"] == "triton"
+        assert fit["calibrated_for"] == fit["device"] and fit["device"]["attention"] == "sdpa"
+    cfg = tiny_cfg(workdir, "stage=eval", "eval.fit_tree=false")
+    with caplog.at_level(logging.WARNING, logger=eval_stage.log.name):
+        kept, fit = eval_stage.fit_tree_to_device(cfg, heads_dir, model, choices)
+    assert not fit["recalibrated"] and kept == choices
+    assert "triton attention" in caplog.text and "eval.fit_tree=false keeps it" in caplog.text
+    nodes: list[int] = []
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(
+        attention_module,
+        "triton_tree_attention",
+        lambda query, *args, **kwargs: (
+            nodes.append(query.shape[2]) or sdpa_tree_attention(query, *args, **kwargs)
+        ),
+    )
+    stored["tree"]["calibrated_for"]["attention"] = "sdpa"
+    calibration.write_text(json.dumps(stored))
+    cfg = tiny_cfg(workdir, "stage=eval", "eval.attention=triton")
+    _, fit = eval_stage.fit_tree_to_device(cfg, heads_dir, model, choices)
+    assert fit["recalibrated"] and fit["calibrated_for"]["attention"] == "triton" and nodes
 
 
 @pytest.mark.slow

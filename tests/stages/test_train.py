@@ -19,6 +19,9 @@ from safetensors.torch import load_file
 from medusa_train.__main__ import main
 from medusa_train.backbone import load_configured_backbone
 from medusa_train.data.distilled import load_distilled, split_heldout
+from medusa_train.decoding import attention as attention_module
+from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import compute_head_accuracy
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
@@ -155,6 +158,40 @@ def test_changed_calibration_settings_rerun_only_the_calibration(reference, tmp_
     )
     assert result["recalibrated"] and result["tree_size"] == 1
     assert json.loads((heads / "calibration.json").read_text())["settings"]["tree_tolerance"] == 0.999999
+
+
+def test_the_calibration_times_the_tree_attention_eval_decodes_with(reference, tmp_path, monkeypatch):
+    """eval.attention=triton: the calibration's timed tree forwards run the Triton kernel's entry (the
+    SDPA reference stands in for its body; triton taken as installed, its interpreter as on) and
+    calibration.json records it; the default's records SDPA. An attention that cannot run here is
+    refused before any work, naming eval.attention."""
+    ref_root, _ = reference
+    assert _calibrated_for(ref_root)["attention"] == "sdpa"
+    root = tmp_path / "wd"
+    shutil.copytree(ref_root, root)
+    nodes: list[int] = []
+
+    def kernel(query, *args, **kwargs):
+        nodes.append(query.shape[2])  # (B, Hq, M, D)
+        return sdpa_tree_attention(query, *args, **kwargs)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the heads were retrained")
+
+    monkeypatch.setattr(MedusaTrainer, "train", no_training)
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(attention_module, "triton_tree_attention", kernel)
+    result = run(train_cfg(root, "tree.max_nodes=3", "eval.attention=triton"))  # recalibrates only
+    assert result["recalibrated"] and _calibrated_for(root)["attention"] == "triton"
+    timed = {int(n) for n in json.loads((root / "heads" / "calibration.json").read_text())["latency"]}
+    assert set(nodes) == timed
+    with pytest.raises(AttentionBackendError, match="eval.attention=cuda.*CUDA device"):
+        run(train_cfg(root, "eval.attention=cuda"))
+
+
+def _calibrated_for(root: Path) -> dict:
+    return json.loads((root / "heads" / "calibration.json").read_text())["tree"]["calibrated_for"]
 
 
 @pytest.mark.parametrize("cache", ["false", "true"])

@@ -1,13 +1,24 @@
-"""Tree calibration: head accuracy, Medusa's greedy tree growth, latency-aware tree choice."""
+"""Tree calibration: head accuracy, Medusa's greedy tree growth, latency-aware tree choice.
+
+On a CPU the Triton kernel runs in triton's interpreter (``TRITON_INTERPRET=1``, set here before triton
+is first imported, as in test_tree_attention.py).
+"""
 
 from __future__ import annotations
 
-import contextlib
+import os
 
-import pytest
 import torch
 
-from medusa_train.decoding import (
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+from medusa_train.decoding import (  # noqa: E402
     TreeBuffers,
     choose_tree,
     compute_head_accuracy,
@@ -17,9 +28,16 @@ from medusa_train.decoding import (
     measure_forward_latency,
     per_rank_accuracy,
 )
-from medusa_train.decoding import calibrate as calibrate_module
-from medusa_train.decoding.calibrate import calibrate, device_label, head_topk_counts, pick_size
-from tests.helpers.models import VOCAB, random_heads, tiny_model
+from medusa_train.decoding import attention as attention_module  # noqa: E402
+from medusa_train.decoding import calibrate as calibrate_module  # noqa: E402
+from medusa_train.decoding.calibrate import (  # noqa: E402
+    calibrate,
+    calibrate_tree,
+    device_label,
+    head_topk_counts,
+    pick_size,
+)
+from tests.helpers.models import VOCAB, random_heads, tiny_model  # noqa: E402
 
 
 def test_head_topk_accuracy_by_hand():
@@ -109,9 +127,9 @@ def test_latency_is_timed_in_rounds_over_every_size(monkeypatch: pytest.MonkeyPa
     order: list[int] = []
     real = calibrate_module.verify_forward
 
-    def spy(model, cache, tokens, tree, past_len):
+    def spy(model, cache, tokens, tree, past_len, backend):
         order.append(tokens.numel())
-        return real(model, cache, tokens, tree, past_len)
+        return real(model, cache, tokens, tree, past_len, backend)
 
     monkeypatch.setattr(calibrate_module, "verify_forward", spy)
     measure_forward_latency(tiny_model("llama"), [2, 4], context_len=8, warmup=1, repeats=2)
@@ -137,9 +155,9 @@ def test_latency_is_timed_on_the_decoders_attention_backends(monkeypatch: pytest
 
     real = calibrate_module.verify_forward
 
-    def spy(model, cache, tokens, tree, past_len):
+    def spy(model, cache, tokens, tree, past_len, backend):
         inside.append(active[0])
-        return real(model, cache, tokens, tree, past_len)
+        return real(model, cache, tokens, tree, past_len, backend)
 
     model = tiny_model("llama")
     real_forward = model.forward
@@ -154,6 +172,36 @@ def test_latency_is_timed_on_the_decoders_attention_backends(monkeypatch: pytest
     measure_forward_latency(model, [2], context_len=8, warmup=1, repeats=1)
     assert entered == [torch.device("cpu")]
     assert len(inside) == 1 + 2 * 2 * 2 and all(inside)  # prefill; 2 rounds x 2 sizes, each seen twice
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernel on CPU tensors: the interpreter")
+def test_latency_is_timed_with_the_decoders_tree_attention(monkeypatch: pytest.MonkeyPatch):
+    """attention=triton: every timed forward runs the Triton kernel, in every layer on the forward's N
+    nodes (the context's prefill does not), and the calibration records it; the default and ``auto`` on a
+    CPU time SDPA with the dense mask, the decoders' choice there, and record that."""
+    calls: list[int] = []
+    real = attention_module.triton_tree_attention
+
+    def kernel(query, *args, **kwargs):
+        calls.append(query.shape[2])  # (B, Hq, M, D): the forward's tree nodes
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "triton_tree_attention", kernel)
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    measure_forward_latency(model, [2, 4], context_len=8, attention="triton", warmup=1, repeats=1)
+    assert calls == [n for n in (1, 2, 4, 4, 2, 1) for _ in range(layers)]  # two rounds, both directions
+    acc = torch.tensor([[0.5, 0.7], [0.3, 0.5]])  # (K, R) cumulative top-k
+    calls.clear()
+    tree = calibrate_tree(model, acc, max_nodes=1, topk=2, context_len=8, attention="triton")
+    assert tree["calibrated_for"]["attention"] == "triton"
+    assert sorted(set(calls)) == sorted(tree["latency"]) == [1, 2]
+    calls.clear()
+    for attention in ("sdpa", "auto"):
+        tree = calibrate_tree(model, acc, max_nodes=1, topk=2, context_len=8, attention=attention)
+        assert tree["calibrated_for"]["attention"] == "sdpa"
+    assert calls == []
 
 
 def test_measure_forward_latency_and_head_accuracy():
@@ -218,4 +266,5 @@ def test_calibrate_measures_and_chooses_a_tree():
     assert saved["count"] == cal.count.tolist() == [20, 18, 16]
     assert {"table", "context_len", "best", "grown_nodes", "calibrated_for"} == set(saved["tree"])
     assert saved["tree"]["grown_nodes"] == len(saved["tree"]["table"]) and "1" in saved["latency"]
-    assert saved["tree"]["calibrated_for"] == {"device": device_label(model)["device"], "dtype": "float32"}
+    label = {"device": device_label(model, "sdpa")["device"], "dtype": "float32", "attention": "sdpa"}
+    assert saved["tree"]["calibrated_for"] == label  # the default: SDPA with the dense mask

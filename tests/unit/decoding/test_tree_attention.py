@@ -22,7 +22,13 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from medusa_train.decoding import TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch  # noqa: E402
+from medusa_train.decoding import (  # noqa: E402
+    TreeBuffers,
+    chain_tree,
+    medusa_generate,
+    medusa_generate_batch,
+    verify_forward,
+)
 from medusa_train.decoding.attention import (  # noqa: E402
     AUTO_MIN_CONTEXT,
     AUTO_MIN_CONTEXT_CAPTURED,
@@ -487,6 +493,27 @@ def test_tree_step_switches_the_attention_and_restores_it_on_error():
     with pytest.raises(RuntimeError, match="boom"), tree_step(model, step):
         raise RuntimeError("boom")
     assert model.config._attn_implementation == "sdpa"
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_verify_forward_through_the_kernel_equals_the_dense_mask(arch):
+    """``verify_forward`` (the forward calibration times) with the kernel gives the dense-mask forward's
+    logits and hidden states for a branching tree (mistral: window 8, crossed by the context), each
+    appending the tree to the cache."""
+    model = tiny_model(arch, seed=2).to(DEVICE)
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=7)).to(DEVICE)
+    prompt = torch.randint(1, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    outs = []
+    for backend in ("sdpa", "triton"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 11, backend))
+        assert cache.get_seq_length() == 11 + tree.num_nodes
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # a wrong mask or position: ~1e-1
 
 
 def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
