@@ -545,6 +545,9 @@ def fit_tree_to_device(
         info["pinned"] = cfg.tree.name
         return choices, info
     info["calibrated_for"] = stored_tree.get("calibrated_for")
+    if info["calibrated_for"] and "attention" not in info["calibrated_for"]:
+        # written before calibration.json recorded the attention: every curve then was timed on SDPA
+        info["calibrated_for"] = {**info["calibrated_for"], "attention": "sdpa"}
     topk = calibration_topk(stored) if stored else None
     if not topk or info["calibrated_for"] == here:
         return choices, info

@@ -311,6 +311,10 @@ def test_a_tree_timed_with_another_attention_is_calibrated_again(tmp_path: Path,
     choices = json.loads((heads_dir / "medusa_choices.json").read_text())
     kept, fit = eval_stage.fit_tree_to_device(tiny_cfg(workdir, "stage=eval"), heads_dir, model, choices)
     assert not fit["recalibrated"] and kept == choices
+    del stored["tree"]["calibrated_for"]["attention"]  # a calibration.json of before: timed on SDPA
+    calibration.write_text(json.dumps(stored))
+    kept, fit = eval_stage.fit_tree_to_device(tiny_cfg(workdir, "stage=eval"), heads_dir, model, choices)
+    assert not fit["recalibrated"] and kept == choices
     stored["tree"]["calibrated_for"]["attention"] = "triton"
     calibration.write_text(json.dumps(stored))
     for attention in ("sdpa", "auto"):  # auto takes SDPA on a CPU
