@@ -418,6 +418,20 @@ def _first_choice(client: ServerClient, url: str, answer: Any, kind: str | None)
     return choice
 
 
+def _finish_reason(client: ServerClient, url: str, choice: dict) -> str | None:
+    """``choice["finish_reason"]``: a string, or None where the server says none.
+
+    Raises:
+        ServerUnavailable: any other value (a list, an object, a number: no OpenAI-compatible server
+            sends one).
+    """
+    finish = choice.get("finish_reason")
+    if finish is not None and not isinstance(finish, str):
+        shape = client.quote(json.dumps(finish), 120)
+        raise ServerUnavailable(url, f"server {url} sent a finish_reason that is no string ({shape})")
+    return finish
+
+
 def _listing(client: ServerClient, url: str, answer: Any) -> list[dict]:
     """The models of a ``GET /models`` answer: ``data``, a list of objects with a string ``id``; none
     where the answer is an object without ``data`` (then the probe alone decides).
@@ -663,7 +677,8 @@ class ServerEngine:
 
     def _tokens_reply(self, url: str, answer: dict) -> _Reply:
         choice = _first_choice(self.client, url, answer, None)
-        if choice.get("finish_reason") not in FINISHED:
+        finish = _finish_reason(self.client, url, choice)
+        if finish not in FINISHED:
             return _Reply(None, {"unfinished": 1})
         ids = _completion_ids(url, choice)
         if ids is None:
@@ -672,7 +687,7 @@ class ServerEngine:
         end = next((i + 1 for i, t in enumerate(ids) if t in eos), None)
         if end is not None:
             ids = ids[:end]
-        elif choice.get("finish_reason") == "stop":  # stopped on EOS without listing it
+        elif finish == "stop":  # stopped on EOS without listing it
             ids.append(self.end_id)
         return _Reply(ids[: self.max_new_tokens])
 
@@ -687,7 +702,7 @@ class ServerEngine:
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         generated, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
         counts = {"prompt_tokens_differ": int(prompt is not None and prompt != context_len)}
-        finish = choice.get("finish_reason")
+        finish = _finish_reason(self.client, url, choice)
         if finish not in FINISHED:
             return _Reply(None, {**counts, "unfinished": 1})
         if any(message.get(key) for key in PARSED_APART):

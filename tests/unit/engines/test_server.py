@@ -227,6 +227,20 @@ def test_an_unfinished_token_reply_is_dropped(scripted) -> None:
     assert got == {0: None} and engine.stats["unfinished"] == 1
 
 
+@pytest.mark.parametrize("api", ["tokens", "chat"])
+@pytest.mark.parametrize("finish", [["stop"], {"type": "stop"}, 1])
+def test_a_finish_reason_that_is_no_string_is_one_line_naming_the_url(scripted, api, finish) -> None:
+    """A list or an object as finish_reason raised TypeError (unhashable) mid-run: it is the
+    ServerUnavailable of other answers in no OpenAI shape, as is a number."""
+    choice = {"token_ids": [5, 2]} if api == "tokens" else {"message": {"content": "5"}}
+    srv = scripted([(200, {}, {"model": "m", "choices": [{**choice, "finish_reason": finish}]})])
+    engine = _engine(srv.url, tokenizer=_WordTok(), api=api)
+    request = GenRequest(0, [1, 4], None, [{"role": "user", "content": "4"}])
+    with pytest.raises(ServerUnavailable, match="finish_reason that is no string") as err:
+        engine.run([request], lambda r, new: None)
+    assert err.value.url == srv.url and "\n" not in str(err.value)
+
+
 def test_requests_spread_over_endpoints_within_their_concurrency(scripted) -> None:
     """Two endpoints, one request in flight each: both serve, and follow-ups are generated too."""
     answer = (200, {}, {"model": "m", "choices": [{"token_ids": [5, 2], "finish_reason": "stop"}]})
