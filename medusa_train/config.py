@@ -612,7 +612,7 @@ class TreeConfig:
     choices: list[Any] | None = run_only(None)
     """tree=custom: list of index paths, e.g. [[0], [0, 0], [1]]: each a non-empty list of ranks >= 0, every
     path's parent in the list too, at most training.num_heads deep; a rank must be below the heads'
-    vocabulary size (checked when the heads are loaded)."""
+    vocabulary size, draft_vocab_size for truncated heads (checked when the heads are loaded)."""
     chain_depth: int = run_only(4)
     """tree=chain: number of nodes, 1 .. training.num_heads."""
     max_nodes: int = 64

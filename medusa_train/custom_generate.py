@@ -463,7 +463,7 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
     try:
         choices = load_choices(choices_path) if choices is None else choices
         tree = TreeBuffers.from_choices(choices)
-        tree.check_heads(heads.num_heads, heads.vocab_size)
+        tree.check_heads(heads.num_heads, heads.draft_vocab_size)
     except TreeError as err:
         raise ValueError(f"bad Medusa tree: {err}") from None
     loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key)

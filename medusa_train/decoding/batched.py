@@ -53,6 +53,7 @@ from .generate import (
     _mask_slab,
     _now,
     _sliding_window_kinds,
+    check_tree_fits,
     context_limit,
     eos_ids,
     medusa_generate,
@@ -411,7 +412,7 @@ def medusa_generate_batch(
         _check_generators(gens, device)
     backend = resolve_attention(attention, device, context=max(map(len, rows_in)) + max_new_tokens)
     tree = as_tree(tree).to(device)
-    tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
+    check_tree_fits(tree, heads, model)  # depth <= K, ranks < N
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
     rule = dict(
         acceptance=acceptance,

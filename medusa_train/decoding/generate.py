@@ -120,6 +120,8 @@ class PackedHeads:
         self.num_heads = heads.num_heads
         self.num_layers = heads.num_layers
         self.vocab_size = heads.vocab_size
+        # N, the tokens each head proposes (V unless truncated): what a tree's ranks must stay below.
+        self.draft_vocab_size = heads.draft_vocab_size
         with torch.no_grad():
             blocks = [
                 [heads.blocks(k)[i].linear for i in range(heads.num_layers)] for k in range(heads.num_heads)
@@ -206,6 +208,14 @@ class PackedHeads:
     @property
     def dtype(self) -> torch.dtype:
         return self.b1.dtype
+
+
+def check_tree_fits(tree: TreeBuffers, heads: MedusaHeads | PackedHeads, model: torch.nn.Module) -> None:
+    """Raise :class:`~medusa_train.decoding.tree.TreeError` if ``tree`` is deeper than ``heads`` or asks
+    for a rank they cannot propose: ranks below their draft vocabulary (N of truncated heads, whose
+    full-vocabulary logits are ``-inf`` elsewhere) and below the model's vocabulary."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    tree.check_heads(heads.num_heads, min(heads.draft_vocab_size, vocab))
 
 
 def context_limit(model: torch.nn.Module) -> int | None:
@@ -659,7 +669,7 @@ def medusa_generate(
     if acceptance == "sample":
         _check_generators([generator], model.get_output_embeddings().weight.device)
     tree = as_tree(tree).to(device)
-    tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])  # depth, ranks < V
+    check_tree_fits(tree, heads, model)  # depth <= K, ranks < N
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
     eos = set(eos_ids(eos_token_id))
 

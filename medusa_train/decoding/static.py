@@ -74,6 +74,7 @@ from .generate import (
     _forward,
     _now,
     _sliding_window_kinds,
+    check_tree_fits,
     context_limit,
     eos_ids,
 )
@@ -335,7 +336,7 @@ class StaticDecoder:
         if capture == "cuda_graph" and self.device.type != "cuda":
             raise ValueError(f"capture='cuda_graph' needs a CUDA model, this one is on {self.device}")
         self.tree = as_tree(tree).to(self.device)
-        self.tree.check_heads(heads.num_heads, model.get_output_embeddings().weight.shape[0])
+        check_tree_fits(self.tree, heads, model)  # depth <= K, ranks < N
         m = self.tree.num_nodes
         if capacity < m + 2:
             raise ValueError(f"capacity {capacity} cannot hold a prompt, a token and the {m}-node tree")

@@ -138,8 +138,8 @@ class TreeBuffers:
 
         Args:
             num_heads: K; the tree may be at most K deep.
-            vocab_size: V of the heads, when known; a rank must be below it (a head gives at most V
-                candidates).
+            vocab_size: the tokens one head can propose, when known: its draft vocabulary (N of
+                truncated heads, V of the others); a rank must be below it.
         """
         if self.max_depth > num_heads:
             deepest = next(p for p in self.choices if len(p) == self.max_depth)
@@ -306,7 +306,8 @@ def tree_for_heads(tree_cfg: TreeConfig, heads_dir: Path, heads: MedusaHeads) ->
     Args:
         tree_cfg: the ``tree`` settings (``name``, ``chain_depth``, ``choices``; the config's tree group).
         heads_dir: the heads' folder (where a calibrated tree is looked for).
-        heads: the heads the tree will run with (its depth and ranks are checked against them).
+        heads: the heads the tree will run with (its depth and ranks are checked against them: ranks
+            below their draft vocabulary, the N tokens of truncated heads).
 
     Raises:
         UserError: as :func:`resolve_tree`.
@@ -315,7 +316,7 @@ def tree_for_heads(tree_cfg: TreeConfig, heads_dir: Path, heads: MedusaHeads) ->
         tree_cfg.name,
         heads_dir,
         heads.num_heads,
-        vocab_size=heads.vocab_size,
+        vocab_size=heads.draft_vocab_size,
         chain_depth=tree_cfg.chain_depth,
         choices=tree_cfg.choices or (),
     )

@@ -15,17 +15,22 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from medusa_train.config import TreeConfig
+from medusa_train.custom_generate import generate as custom_generate
 from medusa_train.decoding import (
     MEDUSA_63,
     PackedHeads,
+    StaticDecoder,
     TreeBuffers,
+    TreeError,
     chain_tree,
     medusa_generate,
     medusa_generate_batch,
 )
 from medusa_train.decoding.calibrate import head_topk_counts
+from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.draft_vocab import check_token_map, draft_token_map
-from medusa_train.errors import HeadsFormatError
+from medusa_train.errors import HeadsFormatError, UserError
 from medusa_train.formats import (
     VLLM_WEIGHTS_NAME,
     load_heads,
@@ -181,6 +186,33 @@ def test_batched_decoder_maps_candidates_too(model):
             assert out.rows[b].tokens.tolist() == ref.tolist(), (name, b)
         assert outs["truncated"].rows[b].accepted_lengths == outs["own"].rows[b].accepted_lengths
         assert outs["shared"].rows[b].accepted_lengths == outs["own"].rows[b].accepted_lengths
+
+
+def test_a_tree_ranked_past_a_truncated_draft_vocabulary_is_refused_before_any_work(tmp_path: Path, model):
+    """Truncated heads propose N tokens (their logits are -inf elsewhere): a rank >= N is refused by the
+    stages' tree check and by every decoder in one line, not checked against V and then decoded with
+    nodes that are never a draft."""
+    heads = _truncated_from(random_heads(model, seed=2), torch.arange(8) * 3)  # N = 8 < V
+    fits, past = [[0], [7], [7, 0]], [[0], [8]]
+    assert tree_for_heads(TreeConfig(name="custom", choices=fits), tmp_path, heads) == fits
+    with pytest.raises(UserError, match=r"asks for rank 8 but the heads give only 8 candidates") as err:
+        tree_for_heads(TreeConfig(name="custom", choices=past), tmp_path, heads)
+    assert "\n" not in str(err.value)
+    prompt = torch.tensor([[3, 17, 9]])
+    for h in (heads, PackedHeads(heads)):
+        assert len(medusa_generate(model, h, prompt, max_new_tokens=4, tree=fits).tokens) == 4
+        with pytest.raises(TreeError, match="rank 8 but the heads give only 8"):
+            medusa_generate(model, h, prompt, max_new_tokens=4, tree=past)
+        with pytest.raises(TreeError, match="rank 8 but the heads give only 8"):
+            medusa_generate_batch(model, h, [prompt[0], prompt[0, 1:]], max_new_tokens=4, tree=past)
+        with pytest.raises(TreeError, match="rank 8 but the heads give only 8"):
+            StaticDecoder(model, h, past, capacity=32)
+    heads.save_pretrained(tmp_path / "heads")
+    with pytest.raises(ValueError, match="bad Medusa tree: .*rank 8 but the heads give only 8"):
+        custom_generate(
+            model, input_ids=prompt, max_new_tokens=4, medusa_heads=tmp_path / "heads", medusa_choices=past,
+            medusa_check_base=False,
+        )  # fmt: skip
 
 
 def test_shared_packed_heads_hold_no_copy_of_the_lm_head(model):

@@ -81,7 +81,7 @@ class OracleRows(PackedHeads):
     """
 
     def __init__(self, model, fulls: list[torch.Tensor], num_heads: int = 4, rank: int = 0) -> None:
-        self.num_heads = num_heads
+        self.num_heads, self.draft_vocab_size = num_heads, VOCAB
         self.rank = rank
         self.fulls = fulls
         with torch.no_grad():

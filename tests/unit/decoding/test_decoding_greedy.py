@@ -136,7 +136,7 @@ class OracleHeads(PackedHeads):
     """
 
     def __init__(self, model, full_ids: torch.Tensor, num_heads: int = 4, rank: int = 0) -> None:
-        self.num_heads = num_heads
+        self.num_heads, self.draft_vocab_size = num_heads, VOCAB
         self.full = full_ids[0]
         self.rank = rank
         with torch.no_grad():

@@ -216,7 +216,7 @@ class FixedHeads(PackedHeads):
     """Heads whose top-3 at every depth are fixed tokens (drafts the sampler must correct)."""
 
     def __init__(self, num_heads: int = 2) -> None:
-        self.num_heads = num_heads
+        self.num_heads, self.draft_vocab_size = num_heads, 6  # the tokens they rank
 
     def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         ranks = torch.tensor([[3.0, 2.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 3.0, 2.0, 0.0]])
