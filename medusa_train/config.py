@@ -435,8 +435,9 @@ class TrainingConfig:
     the N = draft_vocab_size most frequent target tokens of the distilled training split, saved as
     token_map; candidates are mapped back to full-vocabulary ids when decoding). See docs/training.md."""
     draft_vocab_size: int | None = None
-    """head_projection=truncated: N, tokens in the draft vocabulary (1..V, the backbone's vocabulary
-    size; checked when the backbone is loaded). Must be unset for own and shared."""
+    """head_projection=truncated: N, tokens in the draft vocabulary, 1..V-1 (V: the backbone's vocabulary
+    size, checked before training; all V tokens are head_projection=own). Must be unset for own and
+    shared."""
     decay: float = 0.8
     """Head-loss weights lambda_k = decay^(k-1), decay in (0, 1]."""
     head_loss: str = "ce"
@@ -831,6 +832,19 @@ class Config:
             raise ConfigError(
                 "training.head_projection=truncated heads have no FasterDecoding/TGI layout (no token map "
                 "there): pass export.formats=[vllm]"
+            )
+        if (
+            self.stage == "all"
+            and self.model.embedded
+            and self.training.head_projection == "truncated"
+            and self.training.draft_vocab_size >= self.pretrain.vocab_size
+        ):
+            # The embedded tokenizer this run trains has at most pretrain.vocab_size tokens.
+            raise ConfigError(
+                f"training.draft_vocab_size={self.training.draft_vocab_size} is not below the embedded "
+                f"backbone's vocabulary (pretrain.vocab_size={self.pretrain.vocab_size} tokens at most): truncated "
+                "heads need fewer tokens (vLLM reads their token map only then): choose fewer, or train "
+                "full-vocabulary heads with training.head_projection=own and training.draft_vocab_size unset"
             )
 
 

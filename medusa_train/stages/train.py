@@ -11,8 +11,9 @@ Run as:
 resumes from the last checkpoint in workdir/train; a finished run with the same settings is skipped.
 
 Steps:
-    1. Read the distilled data's manifest (workdir/distill); check the recipe's settings, DeepSpeed and
-       that `eval.attention` runs here (step 6 times with it).
+    1. Read the distilled data's manifest (workdir/distill); check the recipe's settings, DeepSpeed,
+       that `eval.attention` runs here (step 6 times with it) and that a truncated draft vocabulary is
+       smaller than the backbone's the manifest names.
     2. Load the backbone (ZeRO-3 with a backbone that trains: partitioned as it loads, no rank
        holding it whole); the distilled data must have been made by it.
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
@@ -70,7 +71,7 @@ from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.recipes import Recipe, recipe_for
-from medusa_train.training.records import Records, draft_vocabulary, training_data
+from medusa_train.training.records import Records, check_draft_vocab_size, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
     MedusaTrainer,
     MetricsScheduleCallback,
@@ -134,6 +135,10 @@ def run(cfg: Config) -> dict:
     # 1. Inputs exist; the recipe's settings and DeepSpeed can run (before any heavy work).
     require(wd.distill, "distilled data", "distill")
     manifest = read_manifest(wd.distill)
+    distilled_vocab = manifest["backbone"].get("vocab_size")
+    if tc.head_projection == "truncated" and isinstance(distilled_vocab, int):
+        # The distilled data names its backbone's vocabulary: N >= V is refused before any load.
+        check_draft_vocab_size(tc.draft_vocab_size, distilled_vocab)
     check_backbone_source(cfg.model.name_or_path)
     device = resolve_device(cfg.model.device)
     recipe.check()
@@ -158,6 +163,8 @@ def run(cfg: Config) -> dict:
             )
         identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
         check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
+        if tc.head_projection == "truncated":  # a manifest without the vocabulary: checked on the loaded one
+            check_draft_vocab_size(tc.draft_vocab_size, identity["vocab_size"])
 
         # 3. Skip finished heads, or re-run only their calibration.
         settings, calib_settings = train_settings(cfg, identity, manifest), calibration_settings(cfg)

@@ -99,18 +99,32 @@ def target_counts(records: Records, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
+def check_draft_vocab_size(size: int, vocab_size: int) -> None:
+    """Refuse a draft vocabulary of ``size`` tokens that is not smaller than the backbone's
+    ``vocab_size``: truncated heads over the whole vocabulary have no serving layout (vLLM reads a
+    token map only when ``truncated_vocab_size < vocab_size``), so export would refuse them.
+
+    Raises:
+        UserError: ``size >= vocab_size`` (one line saying what to set instead).
+    """
+    if size >= vocab_size:
+        what = "the backbone's whole" if size == vocab_size else "larger than the backbone's"
+        raise UserError(
+            f"training.draft_vocab_size={size} is {what} vocabulary ({vocab_size} tokens): "
+            f"truncated heads need fewer tokens (vLLM reads their token map only then): pick at most "
+            f"{vocab_size - 1}, or train full-vocabulary heads with training.head_projection=own and "
+            "training.draft_vocab_size unset"
+        )
+
+
 def draft_vocabulary(train: Records, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
     """``(token_map (size,), coverage)``: the ``size`` most frequent head targets of ``train`` and
     the fraction of the targets they cover (``training.head_projection=truncated``).
 
     Raises:
-        UserError: ``size`` is larger than the backbone's vocabulary.
+        UserError: ``size`` is not smaller than the backbone's vocabulary (:func:`check_draft_vocab_size`).
     """
-    if size > vocab_size:
-        raise UserError(
-            f"training.draft_vocab_size={size} is larger than the backbone's vocabulary "
-            f"({vocab_size} tokens): pick at most {vocab_size}"
-        )
+    check_draft_vocab_size(size, vocab_size)
     token_map, coverage = draft_token_map(target_counts(train, vocab_size), size)
     log.info(
         "draft vocabulary: the %d most frequent target tokens cover %.2f%% of the training targets",

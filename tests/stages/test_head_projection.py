@@ -197,6 +197,39 @@ def test_impossible_settings_are_one_line_exit_2(tmp_path: Path, capsys):
             compose_config(overrides)
 
 
+def test_a_draft_vocabulary_of_the_whole_vocabulary_is_refused_before_any_work(
+    tmp_path: Path, capsys, monkeypatch
+):
+    """Truncated heads over all V tokens have no serving layout (export refuses them): stage=train
+    refuses N >= V in one line before loading the backbone (the distilled data's manifest names V), or,
+    with a manifest that does not, once it is loaded and before any data is read."""
+    from medusa_train.stages import train as train_stage
+
+    root = make_train_workdir(tmp_path)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started")
+
+    overrides = ["stage=train", "training.head_projection=truncated"]
+    with monkeypatch.context() as m:
+        m.setattr(train_stage, "load_configured_backbone", no_work)
+        for size, what in [(VOCAB, "the backbone's whole"), (VOCAB + 1, "larger than the backbone's")]:
+            capsys.readouterr()
+            assert main(train_overrides(root, *overrides, f"training.draft_vocab_size={size}")) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert (
+                len(err) == 1 and f"draft_vocab_size={size} is {what} vocabulary ({VOCAB} tokens)" in err[0]
+            )
+            assert f"at most {VOCAB - 1}" in err[0] and "training.head_projection=own" in err[0]
+    manifest = json.loads((root / "distill" / "manifest.json").read_text())
+    del manifest["backbone"]["vocab_size"]
+    (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(train_stage, "training_data", no_work)
+    with pytest.raises(UserError, match=f"is the backbone's whole vocabulary \\({VOCAB} tokens\\)"):
+        run(train_cfg(root, *overrides, f"training.draft_vocab_size={VOCAB}"))
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
 def test_shared_over_a_backbone_without_lm_head_is_a_user_error(tmp_path: Path, monkeypatch):
     from medusa_train.stages import train as train_stage
 

@@ -89,6 +89,21 @@ def test_bad_config_names_the_key(overrides: list[str], needle: str) -> None:
     assert "\n" not in message
 
 
+def test_stage_all_refuses_a_draft_vocabulary_the_embedded_tokenizer_cannot_exceed() -> None:
+    """stage=all model=tiny trains a tokenizer of at most pretrain.vocab_size tokens: truncated heads over
+    that many (the whole vocabulary, which export refuses) are refused before pretraining and distilling."""
+    truncated = ["stage=all", "export.formats=[vllm]", "training.head_projection=truncated"]
+    for size in (300, 301):
+        with pytest.raises(ConfigError, match=rf"draft_vocab_size={size} is not below .*=300.*=own") as err:
+            compose_config([*truncated, "pretrain.vocab_size=300", f"training.draft_vocab_size={size}"])
+        assert "\n" not in str(err.value)
+    assert compose_config([*truncated, "pretrain.vocab_size=300", "training.draft_vocab_size=299"])
+    # stage=train takes the model pretrain/ holds, whatever pretrain.vocab_size says now: checked there.
+    assert compose_config(
+        ["stage=train", *truncated[1:], "pretrain.vocab_size=300", "training.draft_vocab_size=300"]
+    )
+
+
 def test_cli_bad_input_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["stage=nope"], ["training.num_heads=abc"], ["stage=train", "training.lr=abc"]):
         assert main(argv) == 2

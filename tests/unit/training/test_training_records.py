@@ -69,7 +69,10 @@ def test_no_usable_record_and_a_draft_vocabulary_too_large_are_user_errors():
     with pytest.raises(UserError, match="no training data"):
         training_data(_ds(ROWS[1:2]), eval_fraction=0.0, max_len=5, calibration_max_records=4)
     records = Records(_ds(ROWS), [0, 2], 5)
-    with pytest.raises(UserError, match="draft_vocab_size=11"):
+    with pytest.raises(UserError, match="draft_vocab_size=11 is larger than the backbone's vocabulary"):
         draft_vocabulary(records, vocab_size=10, size=11)
+    # All V tokens: no serving layout (vLLM reads a token map only when N < V), so refused too.
+    with pytest.raises(UserError, match=r"draft_vocab_size=10 is the backbone's whole .*at most 9.*=own"):
+        draft_vocabulary(records, vocab_size=10, size=10)
     token_map, coverage = draft_vocabulary(records, vocab_size=10, size=5)
     assert token_map.tolist() == [3, 4, 5, 8, 9] and coverage == 1.0
