@@ -10,12 +10,14 @@ each order picked how often at tolerance 0, the best expected tokens/s (``--json
 trial's latency curve). The accuracy table and settings are those stored in the heads'
 ``calibration.json``, so only the timing differs between trials. For each ``--tolerances`` value it
 also reports the picks of ``pick_size`` on the same trials' tables: the smallest tree within that
-fraction of the best expected tokens/s (``tree.tolerance``).
+fraction of the best expected tokens/s (``tree.tolerance``). ``--attention`` is the tree attention
+the forwards are timed with (the stage times ``eval.attention``); default SDPA.
 
 Run as:
     python scripts/bench_calibration.py --backbone runs/default/pretrain --heads runs/default/heads
     python scripts/bench_calibration.py --backbone ... --heads ... --trials 16 --json calibration.json
     python scripts/bench_calibration.py --backbone ... --heads ... --tolerances 0 0.02 0.05
+    python scripts/bench_calibration.py --backbone ... --heads ... --device cuda --attention triton
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from medusa_train.decoding.attention import ATTENTION_CHOICES  # noqa: E402
+
 ORDERS = {"rounds": True, "one size after the other": False}
 """Name of each timing order -> ``interleave`` of ``measure_forward_latency``."""
 
@@ -41,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=8, help="calibrations per timing order (>= 1)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=ATTENTION_CHOICES,
+        help="tree attention the forwards are timed with, as the calibration takes eval.attention "
+        "(auto: resolved as a decoder call of the stored latency context's keys)",
+    )
     p.add_argument(
         "--tolerances",
         type=float,
@@ -59,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict:
     from medusa_train.backbone import load_backbone
-    from medusa_train.decoding.calibrate import calibrate_tree, device_label, pick_size
+    from medusa_train.decoding.calibrate import calibrate_tree, pick_size
 
     calibration_file = Path(args.heads) / "calibration.json"
     if not calibration_file.is_file():
@@ -83,6 +94,7 @@ def run(args: argparse.Namespace) -> dict:
                     settings["tree_max_nodes"],
                     settings["tree_topk"],
                     settings["tree_latency_context"],
+                    attention=args.attention,
                     interleave=interleave,
                 )
                 picks[name].append(len(tree["choices"]))
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
                     by_tolerance[name][t].append(pick_size(tree["table"], t))
                 curves[name].append({n: round(v["seconds"] * 1e3, 3) for n, v in tree["latency"].items()})
     return {
-        "machine": device_label(model, "sdpa"),  # calibrate_tree times SDPA by default
+        "machine": tree["calibrated_for"],  # device, dtype and the tree attention timed
         "trials": args.trials,
         "stored_pick": stored["tree"]["best"]["nodes"],
         "picks": picks,
@@ -118,8 +130,10 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
+    machine = result["machine"]
     print(
-        f"{result['machine']['device']} ({result['machine']['dtype']}), {result['trials']} trials per order"
+        f"{machine['device']} ({machine['dtype']}, {machine['attention']} attention), "
+        f"{result['trials']} trials per order"
     )
     print(table(result))
     if args.json:

@@ -15,7 +15,8 @@ Run as:
 
 Reports wall-clock tokens/s of plain greedy ``generate`` and greedy ``medusa_generate`` on the same
 prompts (same machine, same run), the speed-up, tau (tokens per step), the forward cost of N tree
-tokens relative to 1, and the decoder's own overhead (time outside the model forward). With
+tokens relative to 1 (with the ``--attention`` the decoders run), and the decoder's own overhead (time
+outside the model forward). With
 ``--batch-sizes``: for each batch size B, plain batched ``generate`` (left padding) against
 ``medusa_generate_batch`` on the same prompts in groups of B, repeats interleaved. Needs only
 torch + transformers (no Hydra).
@@ -46,6 +47,7 @@ from medusa_train.decoding import (  # noqa: E402
     medusa_generate,
     medusa_generate_batch,
 )
+from medusa_train.decoding.calibrate import timed_attention  # noqa: E402
 from medusa_train.decoding.generate import attention_backends  # noqa: E402
 from medusa_train.decoding.timing import (  # noqa: E402
     WARMUP_TURNS,
@@ -303,14 +305,25 @@ def bench_generation(
     }
 
 
-def bench_overhead(model, heads, context_lens, sizes=TREE_SIZES, repeats: int = 5) -> dict:
-    """Forward cost of N tree tokens relative to 1 at each context length, plus head cost per step."""
+def bench_overhead(
+    model, heads, context_lens, sizes=TREE_SIZES, repeats: int = 5, attentions=("sdpa",)
+) -> dict:
+    """Forward cost of N tree tokens relative to 1 at each context length, for each tree attention,
+    plus head cost per step.
+
+    Each forward runs the tree attention the decoders run for that choice at that context
+    (``measure_forward_latency``: ``auto`` resolved as a decoder call of that many keys, a kernel inside
+    ``tree_step``); ``timed`` holds the implementation each was resolved to.
+    """
     packed = PackedHeads(heads)
     device = next(model.parameters()).device
-    result: dict = {"forward": {}}
-    for ctx in context_lens:
-        lat = measure_forward_latency(model, sizes, ctx, warmup=2, repeats=repeats)
-        result["forward"][str(ctx)] = {str(n): v for n, v in lat.items()}
+    result: dict = {"forward": {}, "timed": {}}
+    for attention in attentions:
+        result["forward"][attention], result["timed"][attention] = {}, {}
+        for ctx in context_lens:
+            lat = measure_forward_latency(model, sizes, ctx, attention=attention, warmup=2, repeats=repeats)
+            result["forward"][attention][str(ctx)] = {str(n): v for n, v in lat.items()}
+            result["timed"][attention][str(ctx)] = timed_attention(attention, device, ctx)
     hidden = torch.randn(heads.hidden_size, device=device, dtype=packed.dtype)
     times = []
     for r in range(2 + repeats):
@@ -363,13 +376,18 @@ def markdown(results: dict) -> str:
         lines.append("")
     if "overhead" not in results:
         return "\n".join(lines)
-    fwd = results["overhead"]["forward"]
-    ctxs = list(fwd)
-    sizes = list(next(iter(fwd.values())))
-    lines += ["| N tree tokens | " + " | ".join(f"ctx {c}: ms (x N=1)" for c in ctxs) + " |"]
-    lines += ["|---" * (len(ctxs) + 1) + "|"]
+    fwd, timed = results["overhead"]["forward"], results["overhead"]["timed"]
+    columns = [(a, c) for a in fwd for c in fwd[a]]  # (attention, context)
+    sizes = list(fwd[columns[0][0]][columns[0][1]])
+
+    def header(a: str, c: str) -> str:
+        used = timed[a][c]
+        return f"{a}{f' ({used})' if used != a else ''}, ctx {c}: ms (x N=1)"
+
+    lines += ["| N tree tokens | " + " | ".join(header(a, c) for a, c in columns) + " |"]
+    lines += ["|---" * (len(columns) + 1) + "|"]
     for n in sizes:
-        cells = [f"{fwd[c][n]['seconds'] * 1e3:.2f} ({fwd[c][n]['relative']:.2f}x)" for c in ctxs]
+        cells = [f"{fwd[a][c][n]['seconds'] * 1e3:.2f} ({fwd[a][c][n]['relative']:.2f}x)" for a, c in columns]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append(
         f"\nheads (all K, one batched product) + top-10: {results['overhead']['heads_topk_s'] * 1e3:.3f} ms"
@@ -417,8 +435,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["sdpa"],
         choices=ATTENTION_CHOICES,
-        help="Medusa's tree attention: sdpa (dense float mask), triton, cuda or auto (docs/decoding.md); "
-        "with --llama8b-shape several, timed in turn over --repeats rounds in one process",
+        help="Medusa's tree attention: sdpa (dense float mask), triton, cuda or auto (docs/decoding.md), "
+        "in the decoders and the N-tree-tokens table; with --llama8b-shape several, the decoders timed in "
+        "turn over --repeats rounds in one process, the table one column per attention and context",
     )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
@@ -473,7 +492,9 @@ def run(args: argparse.Namespace, config_overrides: dict | None = None) -> dict:
                 batch1_fast_path=not args.no_batch1_fast_path, attention=attention,
             )  # fmt: skip
     if not args.skip_overhead:
-        results["overhead"] = bench_overhead(model, heads, contexts, repeats=args.repeats)
+        results["overhead"] = bench_overhead(
+            model, heads, contexts, repeats=args.repeats, attentions=args.attention
+        )
     if args.llama8b_shape:
         results["decoder"] = bench_decoder_overhead(
             model, heads, tree, contexts[0], args.max_new_tokens, args.attention, args.repeats

@@ -49,3 +49,30 @@ def test_heads_without_a_calibration_are_refused_in_one_line(tiny_backbone_dir: 
         bench.main(["--backbone", str(tiny_backbone_dir), "--heads", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main(["--backbone", str(tiny_backbone_dir), "--heads", str(tmp_path), "--trials", "0"])
+
+
+def test_forwards_are_timed_with_the_attention_named(
+    tiny_backbone_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """--attention: every calibration times its forwards with that tree attention, as the stage times
+    eval.attention, and the result names it; SDPA by default."""
+    from medusa_train.decoding import attention as attention_module
+    from medusa_train.decoding import calibrate as calibrate_module
+    from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
+
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(attention_module, "triton_tree_attention", sdpa_tree_attention)  # fast stand-in
+    timed: list[str] = []  # the backend of each timed forward
+    verify_forward = calibrate_module.verify_forward
+    monkeypatch.setattr(
+        calibrate_module, "verify_forward", lambda *args: timed.append(args[-1]) or verify_forward(*args)
+    )
+    bench = load_script("bench_calibration")
+    heads = _heads_dir(tmp_path)
+    argv = ["--backbone", str(tiny_backbone_dir), "--heads", str(heads), "--trials", "1"]
+    result = bench.run(bench.parse_args([*argv, "--attention", "triton"]))
+    assert timed and set(timed) == {"triton"} and result["machine"]["attention"] == "triton"
+    timed.clear()
+    result = bench.run(bench.parse_args(argv))
+    assert timed and set(timed) == {"sdpa"} and result["machine"]["attention"] == "sdpa"

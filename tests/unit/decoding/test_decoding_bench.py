@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.helpers.scripts import load_script
 
@@ -26,6 +27,8 @@ def test_random_run_reports_everything(bench, tmp_path, capsys):
         "12",
         "--repeats",
         "1",
+        "--attention",
+        "auto",
         "--json",
         str(out),
     ]
@@ -35,7 +38,8 @@ def test_random_run_reports_everything(bench, tmp_path, capsys):
     assert gen["greedy_mismatches"] == 0 and gen["tau"] >= 1 and gen["speedup"] > 0
     assert 0 <= gen["overhead_fraction"] < 1
     assert gen["forward_ms"] > 0 and gen["overhead_ms"] >= 0
-    assert set(results["overhead"]["forward"]["8"]) == {"1", "4", "8", "16", "32", "64"}
+    assert set(results["overhead"]["forward"]["auto"]["8"]) == {"1", "4", "8", "16", "32", "64"}
+    assert results["overhead"]["timed"] == {"auto": {"8": "sdpa"}}  # the decoders' auto on a CPU
     assert "| N tree tokens |" in capsys.readouterr().out
 
 
@@ -45,8 +49,8 @@ def test_llama8b_shape_path_at_tiny_shape(bench):
                 intermediate_size=64, vocab_size=300)  # fmt: skip
     results = bench.run(args, config_overrides=tiny)
     assert "generation" not in results
-    assert set(results["overhead"]["forward"]) == {"16", "32"}
-    assert results["overhead"]["forward"]["32"]["1"]["relative"] == 1.0
+    assert set(results["overhead"]["forward"]["sdpa"]) == {"16", "32"}
+    assert results["overhead"]["forward"]["sdpa"]["32"]["1"]["relative"] == 1.0
     decoder = results["decoder"]["sdpa"]
     assert decoder["tokens"] == args.max_new_tokens and 0 <= decoder["overhead_fraction"] < 1
     assert "| N tree tokens |" in bench.markdown(results)
@@ -66,6 +70,40 @@ def test_llama8b_shape_compares_attentions_in_rounds(bench):
     assert "| auto |" in bench.markdown(results)
     with pytest.raises(SystemExit):  # several attentions only where the decoder table is made
         bench.parse_args(["--random", "--attention", "sdpa", "triton"])
+
+
+def test_overhead_table_times_the_chosen_tree_attention(bench, monkeypatch):
+    """The N-tree-tokens table times each --attention as the decoders run it (a kernel inside
+    tree_step, auto resolved at the context: SDPA on a CPU), one column per attention and context."""
+    from medusa_train.decoding import attention as attention_module
+    from medusa_train.decoding import calibrate as calibrate_module
+    from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
+
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel_calls: list[int] = []  # tree nodes of each Triton call; SDPA stands in for the interpreter
+    monkeypatch.setattr(
+        attention_module,
+        "triton_tree_attention",
+        lambda query, *args, **kwargs: (
+            kernel_calls.append(query.shape[2]) or sdpa_tree_attention(query, *args, **kwargs)
+        ),
+    )
+    timed: list[str] = []  # the backend of each forward the table times
+    verify_forward = calibrate_module.verify_forward
+    monkeypatch.setattr(
+        calibrate_module, "verify_forward", lambda *args: timed.append(args[-1]) or verify_forward(*args)
+    )
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=300)  # fmt: skip
+    model, heads = bench.build_random(bench.llama8b_config(**tiny), 4, "cpu", torch.float32)
+    result = bench.bench_overhead(model, heads, [16], sizes=(1, 4), repeats=1, attentions=["triton", "auto"])
+    assert timed == ["triton"] * 6 + ["sdpa"] * 6  # 2 warm-up rounds + 1 timed, 2 sizes, each attention
+    assert sorted(set(kernel_calls)) == [1, 4]
+    assert result["timed"] == {"triton": {"16": "triton"}, "auto": {"16": "sdpa"}}
+    assert set(result["forward"]["triton"]["16"]) == {"1", "4"}
+    table = bench.markdown({"overhead": result})
+    assert "triton, ctx 16: ms (x N=1)" in table and "auto (sdpa), ctx 16: ms (x N=1)" in table
 
 
 def test_llama8b_shape_path_bfloat16(bench):
