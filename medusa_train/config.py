@@ -750,10 +750,12 @@ class EvalConfig:
     ancestor bits, no mask; GPU) | auto
     (the Triton kernel on a GPU for prompts + new tokens of 8,192 or more, 2,048 in a step replayed
     as a CUDA graph, where it measured faster; else sdpa, and always on a CPU). stage=train's tree
-    calibration times its tree forwards with it too (auto: as a call of `tree.latency_context` keys), so
-    the tree is chosen for the attention that decodes it; calibration.json records the one timed. Not a
-    calibration setting, like the device: a change after training is fitted by eval (`eval.fit_tree`).
-    See docs/decoding.md."""
+    calibration times its tree forwards with it too (auto: as an eager decoder's call of
+    `tree.latency_context` keys), so the tree is chosen for the attention that decodes it;
+    calibration.json records the one timed. Not a calibration setting, like the device: a change after
+    training is fitted by eval (`eval.fit_tree`). With `eval.compile`, the static decoder resolves auto
+    at its capacity with the captured threshold and may run the kernel on a tree timed on SDPA
+    (report.json names its attention). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))

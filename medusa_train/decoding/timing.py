@@ -215,6 +215,10 @@ class TimedDecoders:
         self.attention = attention
         self.device = next(model.parameters()).device
         self._static: dict[tuple[int, int], StaticDecoder] = {}  # (capacity, rows) -> captured decoder
+        self.static_attention: dict[int, str] = {}
+        """The tree attention each capacity's static decoder resolved ``attention`` to (``auto``: at its
+        capacity, with the threshold of a captured step), for the report: it may differ from the
+        eager decoders' and the calibration's."""
         self._warming = False
 
     @contextlib.contextmanager
@@ -261,6 +265,7 @@ class TimedDecoders:
                 capture=self.static_capture,
                 attention=self.attention,
             )
+            self.static_attention[capacity] = self._static[key].attention
         return self._static[key]
 
     def release_static(self, batch_size: int) -> None:

@@ -330,9 +330,12 @@ def _evaluate(
         report["alternatives"]["assisted"]["setting"] = ecfg.assistant_model
     if ecfg.compile:
         report["alternatives"]["compiled_plain"]["setting"] = "cache_implementation=static"
-        vs = report["alternatives"]["static_medusa"]["speedup_vs_compiled"]
-        report["alternatives"]["static_medusa"]["setting"] = (
-            f"{decode.static_capture}; {vs:.2f}x compiled plain"
+        static = report["alternatives"]["static_medusa"]
+        # auto resolves at each static capacity with a captured step's threshold: possibly not the
+        # attention the tree was calibrated with (the eager decoders' at tree.latency_context)
+        static["attention"] = {str(c): a for c, a in sorted(decode.static_attention.items())}
+        static["setting"] = static_setting(
+            decode.static_capture, decode.static_attention, static["speedup_vs_compiled"]
         )
     report["batch_sizes"] = batch_table(
         decode, inputs, ecfg.batch_sizes, report, others["compiled_plain"] if ecfg.compile else None
@@ -583,6 +586,22 @@ def fit_tree_to_device(
         choices=result["choices"],
     )
     return result["choices"], info
+
+
+def static_setting(capture: str, attention: dict[int, str], vs_compiled: float) -> str:
+    """The static decoder's row setting in the alternatives: its capture, the tree attention of its
+    decoders (``{capacity: attention}``; per capacity where they differ) and its speed-up over the
+    compiled plain baseline."""
+    caps_of: dict[str, list[int]] = {}
+    for capacity, name in sorted(attention.items()):
+        caps_of.setdefault(name, []).append(capacity)
+    if len(caps_of) == 1:
+        used = f"{next(iter(caps_of))} attention"
+    else:
+        used = ", ".join(
+            f"{name} attention at {'/'.join(map(str, caps))} columns" for name, caps in caps_of.items()
+        )
+    return f"{capture}, {used}; {vs_compiled:.2f}x compiled plain"
 
 
 def _describe_device(label: dict | None) -> str:

@@ -356,8 +356,20 @@ def test_compile_reports_both_baselines(evaluated: tuple[Path, dict]) -> None:
     alt = report["alternatives"]
     assert alt["compiled_plain"]["identical"] == 1.0 and alt["static_medusa"]["identical"] == 1.0
     assert alt["static_medusa"]["speedup_vs_compiled"] > 0
-    assert alt["static_medusa"]["setting"].startswith("compile; ")
+    assert alt["static_medusa"]["setting"].startswith("compile, sdpa attention; ")
+    assert alt["static_medusa"]["attention"] and set(alt["static_medusa"]["attention"].values()) == {"sdpa"}
     assert "| Medusa, static shapes captured (" in (workdir / "eval" / "report.md").read_text()
+
+
+def test_the_static_rows_setting_names_the_attention_of_its_decoders() -> None:
+    """The static decoder's alternatives row names the tree attention it ran: one name, or each with
+    its capacities where auto took a kernel at some capacities only (a captured step from 2,048 keys)."""
+    assert eval_stage.static_setting("cuda_graph", {512: "sdpa"}, 1.234) == (
+        "cuda_graph, sdpa attention; 1.23x compiled plain"
+    )
+    assert eval_stage.static_setting("cuda_graph", {4096: "triton", 512: "sdpa", 2048: "triton"}, 2.0) == (
+        "cuda_graph, sdpa attention at 512 columns, triton attention at 2048/4096 columns; 2.00x compiled plain"
+    )
 
 
 def test_previous_report_is_kept_and_demo_prompts_are_named(evaluated: tuple[Path, dict]) -> None:

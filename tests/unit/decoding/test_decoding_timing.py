@@ -166,6 +166,25 @@ def test_compiled_warm_up_covers_every_shape_of_the_timed_turns() -> None:
     assert {cap for cap, _, _ in static} == wanted
 
 
+def test_the_static_decoders_attention_is_recorded_per_capacity(monkeypatch) -> None:
+    """eval.compile's static decoders resolve the tree attention themselves (auto: at their capacity,
+    with a captured step's threshold), possibly not as the eager decoders and the calibration do: each
+    capacity's is kept for the report (auto: SDPA on a CPU; a kernel named is that kernel)."""
+    from medusa_train.decoding import attention as attention_module
+
+    monkeypatch.setattr(TimedDecoders, "static_capture", "eager")
+    monkeypatch.setattr(attention_module, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_model("llama", seed=1)
+    tree = TreeBuffers.from_choices(MEDUSA_63)
+    packed = PackedHeads(random_heads(model, seed=2))
+    for attention, expected in (("auto", "sdpa"), ("triton", "triton")):
+        decode = TimedDecoders(model, packed, tree, eos=[0], pad_token_id=0, attention=attention)
+        decode.static_decoder(256)
+        decode.static_decoder(512, batch_size=2)
+        assert decode.static_attention == {256: expected, 512: expected}
+
+
 def test_batch_table_with_compile_adds_the_static_decoder_with_b_rows(monkeypatch, tmp_path) -> None:
     """eval.compile in the batch-size table: the static decoder with B rows (captured eagerly here) and
     the static-cache ``generate`` with B rows decode the same groups as plain batched ``generate``,
