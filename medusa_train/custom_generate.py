@@ -42,8 +42,10 @@ written again into the same folder), checks they belong to the model, and decode
   kept on the model for the next call of the same kind (same rows, tree, acceptance, attention), at
   most :data:`MAX_STATIC_DECODERS` kinds, the least recently used dropped first (:func:`release`
   frees them all, and the heads);
-- ``medusa_attention``: the tree attention of the verification forwards ("auto" by default, "sdpa",
-  "triton" or "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`);
+- ``medusa_attention``: the tree attention of the verification forwards ("auto", "sdpa", "triton" or
+  "cuda", :func:`~medusa_train.decoding.attention.resolve_attention`); by default the one the export's
+  tree was calibrated with where ``auto`` would take another at the calibration's context
+  (:func:`_calibrated_attention`), else "auto";
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
   rows that stopped early padded with ``pad_token_id`` (a ``GenerateDecoderOnlyOutput`` with only
   ``sequences`` when ``return_dict_in_generate``).
@@ -67,7 +69,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
 from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
-from medusa_train.decoding.attention import ATTENTION_CHOICES, one_call_per_model
+from medusa_train.decoding.attention import (
+    ATTENTION_CHOICES,
+    AttentionBackendError,
+    one_call_per_model,
+    resolve_attention,
+)
 from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
 from medusa_train.decoding.generate import PackedHeads, context_limit, eos_ids, medusa_generate
 from medusa_train.decoding.static import (
@@ -80,7 +87,7 @@ from medusa_train.decoding.static import (
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
-from medusa_train.workdir import CHOICES, atomic_write_text
+from medusa_train.workdir import CALIBRATION, CHOICES, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +151,9 @@ Written by `python -m medusa_train stage=export`. It needs torch, transformers a
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
 Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
 repetition_penalty, min_new_tokens, eos_token_id, a left-padded batch with its attention_mask,
-cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical", medusa_attention="sdpa"|"triton"|"cuda" (default
-"auto"), medusa_choices=<paths>.
+cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical",
+medusa_attention="auto"|"sdpa"|"triton"|"cuda" (default: the one the tree was calibrated with where auto
+would take another), medusa_choices=<paths>.
 See medusa_train.custom_generate.
 """
 
@@ -188,11 +196,13 @@ def requirements_txt() -> str:
 class _Loaded:
     """An export's heads packed for one model, and its tree on the model's device; ``key``: what they
     were loaded from and for (export folder, its files' :func:`_stamp`, tree, check, the model's device
-    and dtype)."""
+    and dtype); ``calibrated``: the tree attention the tree was calibrated with and the context it was
+    timed at (:func:`_calibration_of`), None when not known."""
 
     packed: PackedHeads
     tree: TreeBuffers
     key: tuple
+    calibrated: tuple[str, int] | None = None
 
 
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {_Loaded.key: _Loaded}
@@ -211,7 +221,7 @@ def generate(
     medusa_acceptance: str | None = None,
     medusa_posterior_threshold: float = 0.09,
     medusa_posterior_alpha: float = 0.3,
-    medusa_attention: str = "auto",
+    medusa_attention: str | None = None,
     medusa_check_base: bool = True,
     **kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
@@ -232,7 +242,8 @@ def generate(
         medusa_attention: tree attention of the verification forwards: "auto" (the tree-attention
             kernel on a CUDA device from the lengths where it measured faster than SDPA, else SDPA;
             always SDPA on a CPU), "sdpa" (the model's attention with a dense mask), "triton" or
-            "cuda" (that kernel, no mask built).
+            "cuda" (that kernel, no mask built); None: the export's tree's
+            (:func:`_calibrated_attention`).
         medusa_check_base: False decodes over a base model whose checkpoint files differ from the
             one the heads were trained on (outputs stay exact, fewer drafts are accepted).
         **kwargs: ``generate``'s other arguments (``input_ids``, ``attention_mask``, generation
@@ -284,7 +295,7 @@ def generate(
             f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"
         )
     rule = _acceptance(config, medusa_acceptance)
-    if medusa_attention not in ATTENTION_CHOICES:
+    if medusa_attention is not None and medusa_attention not in ATTENTION_CHOICES:
         raise ValueError(f"medusa_attention must be one of {ATTENTION_CHOICES}, got {medusa_attention!r}")
     static = config.cache_implementation == "static"
     eos = eos_ids(config.eos_token_id)
@@ -297,6 +308,7 @@ def generate(
         attention_mask = _inferred_mask(input_ids, config.pad_token_id, eos)
     device = model.get_output_embeddings().weight.device
     rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
+    attention = _calibrated_attention(loaded, device) if medusa_attention is None else medusa_attention
     settings = dict(
         max_new_tokens=max(0, max_new),
         tree=loaded.tree,
@@ -327,7 +339,7 @@ def generate(
         check_one_device(
             model, 'cache_implementation="static"', "generate without it decodes such a model row by row"
         )
-        decoder = _static_decoder(model, loaded, rows, config, settings, medusa_attention)
+        decoder = _static_decoder(model, loaded, rows, config, settings, attention)
         out = decoder.generate_batch(
             rows,
             max_new_tokens=settings["max_new_tokens"],
@@ -338,13 +350,13 @@ def generate(
     elif len(rows) == 1 or len(model_devices(model)) > 1:  # the batched decoder needs one device
         new = [
             medusa_generate(
-                model, loaded.packed, row, attention=medusa_attention, on_tokens=stream, **settings
+                model, loaded.packed, row, attention=attention, on_tokens=stream, **settings
             ).tokens
             for row in rows
         ]
     else:
         out = medusa_generate_batch(
-            model, loaded.packed, rows, pad_token_id=pad, attention=medusa_attention, **settings
+            model, loaded.packed, rows, pad_token_id=pad, attention=attention, **settings
         )
         new = [row.tokens for row in out.rows]
     # The prompt as given, then each row's new tokens, right-padded like plain generate's finished rows.
@@ -412,13 +424,17 @@ def _custom_generate_argument(model) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _hub_snapshot(repo_id: str, hub: tuple[tuple[str, object], ...] = ()) -> Path:
-    """The heads, layouts and tree of a Hub repository, downloaded once into the Hub cache with the
-    ``(name, value)`` pairs of ``hub`` (``revision``, ``token``, ...: :data:`_HUB_ARGUMENTS`; ``proxies``
-    as its ``(key, value)`` pairs)."""
+    """The heads, layouts, tree and calibration of a Hub repository, downloaded once into the Hub cache
+    with the ``(name, value)`` pairs of ``hub`` (``revision``, ``token``, ...: :data:`_HUB_ARGUMENTS`;
+    ``proxies`` as its ``(key, value)`` pairs)."""
     from huggingface_hub import snapshot_download
 
     kwargs = {name: dict(v) if name == "proxies" and v is not None else v for name, v in hub}
-    return Path(snapshot_download(repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES], **kwargs))
+    return Path(
+        snapshot_download(
+            repo_id, allow_patterns=[f"{MEDUSA}/*", f"{VLLM}/*", CHOICES, CALIBRATION], **kwargs
+        )
+    )
 
 
 def _existing(path: Path, what: str) -> Path:
@@ -460,28 +476,79 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
     choices_path = next((p for p in (source / CHOICES, heads_dir.parent / CHOICES) if p.is_file()), None)
     if choices is None and choices_path is None:
         raise ValueError(f"{source} has no {CHOICES}: pass medusa_choices=<list of paths>")
+    from_file = choices is None
     try:
         choices = load_choices(choices_path) if choices is None else choices
         tree = TreeBuffers.from_choices(choices)
         tree.check_heads(heads.num_heads, heads.draft_vocab_size)
     except TreeError as err:
         raise ValueError(f"bad Medusa tree: {err}") from None
-    loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key)
+    calibrated = _calibration_of(choices_path, len(choices)) if from_file else None
+    loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key, calibrated)
     per_model[key] = loaded
     return loaded
 
 
 def _stamp(source: Path, heads_dir: Path) -> tuple:
-    """``(path, size, mtime_ns, inode)`` of the heads folder's files and of the tree files: what changes
-    when an export is written again into the same folder (stage=export writes new files and renames
-    them into place), without reading the weights."""
+    """``(path, size, mtime_ns, inode)`` of the heads folder's files and of the tree and calibration
+    files: what changes when an export is written again into the same folder (stage=export writes new
+    files and renames them into place), without reading the weights."""
     files = sorted(p for p in heads_dir.iterdir() if p.is_file()) if heads_dir.is_dir() else []
-    files += [p for p in (source / CHOICES, heads_dir.parent / CHOICES) if p.is_file()]
+    trees = [source / CHOICES, heads_dir.parent / CHOICES]
+    files += [p for p in (*trees, *(t.parent / CALIBRATION for t in trees)) if p.is_file()]
     stamp = []
     for path in dict.fromkeys(files):
         stat = path.stat()
         stamp.append((str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino))
     return tuple(stamp)
+
+
+def _calibration_of(choices_path: Path, nodes: int) -> tuple[str, int] | None:
+    """``(attention, context_len)`` of the calibration.json beside the tree file: the tree attention
+    (resolved: "sdpa", "triton" or "cuda") its latency curve was timed with and the cached tokens it
+    was timed at, when it chose a tree of ``nodes`` nodes (one of another size is not the tree it chose:
+    an export of a pinned tree ships the calibration of the heads' own); None without one, or one that
+    does not say."""
+    path = choices_path.parent / CALIBRATION
+    if not path.is_file():
+        return None
+    try:
+        tree = json.loads(path.read_text()).get("tree") or {}
+        attention, context = tree["calibrated_for"]["attention"], tree["context_len"]
+        best = tree["best"]["nodes"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if attention not in ("sdpa", "triton", "cuda") or not isinstance(context, int) or best != nodes:
+        return None
+    return attention, context
+
+
+def _calibrated_attention(loaded: _Loaded, device: torch.device) -> str:
+    """The default ``medusa_attention``: "auto", unless ``auto`` would decode the export's tree, at the
+    context its latency curve was timed at, with another tree attention than the one timed (a tree
+    calibrated with ``eval.attention=triton`` or ``cuda``, or with SDPA at 8,192 keys or more): then the
+    one timed, for which the tree was chosen; a kernel only on a CUDA device where it runs (a CPU:
+    SDPA; one it cannot run there is named in a warning)."""
+    if loaded.calibrated is None:
+        return "auto"
+    attention, context = loaded.calibrated
+    if resolve_attention("auto", device, context=context) == attention:
+        return "auto"
+    if attention == "sdpa":
+        return "sdpa"
+    if device.type != "cuda":
+        return "auto"
+    try:
+        return resolve_attention(attention, device)
+    except AttentionBackendError as err:
+        message = (
+            f"the Medusa tree was calibrated with the {attention} tree attention, but {err}: it is decoded "
+            "with medusa_attention='auto'"
+        )
+        if message not in _WARNED:
+            _WARNED.add(message)
+            log.warning(message)
+        return "auto"
 
 
 # -- the static-shape decoder, kept on the model ----------------------------------------------------

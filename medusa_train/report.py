@@ -786,7 +786,8 @@ def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) ->
         'lengths apply as in `generate`; `medusa_acceptance="typical"` uses Medusa\'s typical acceptance; '
         "a left-padded batch works. "
         '`cache_implementation="static"` runs the static-shape tree decoder (its step captured as one CUDA graph on a GPU); '
-        'the tree-attention kernels verify the tree where they measured faster (`medusa_attention="auto"`).',
+        "the tree is verified with the tree attention it was calibrated with where that differs from "
+        '`medusa_attention="auto"` (the tree-attention kernels where they measured faster), else with auto.',
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",

@@ -244,6 +244,7 @@ def test_a_hub_export_is_fetched_with_the_arguments_its_code_was_loaded_with(
     assert torch.equal(out, plain)
     ((repo_id, kwargs),) = fetched
     assert repo_id == "acme/medusa-export" and {name: kwargs.get(name) for name in hub} == hub
+    assert "calibration.json" in kwargs["allow_patterns"]  # the tree's attention is decided from it
     assert {name: loaded[0].get(name) for name in hub} == hub  # as transformers loaded generate.py
     assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8, **hub), plain)
     assert len(fetched) == 1  # a local export: nothing fetched
@@ -611,6 +612,134 @@ def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, to
     ):
         _medusa(model, workdir / "export", **one, max_new_tokens=4, medusa_attention="flash")
     release(model)
+
+
+def _calibrated_export(
+    workdir: Path, root: Path, attention: str, context: int, nodes: int | None = None
+) -> Path:
+    """A copy of the export whose calibration.json says its tree (of ``nodes`` nodes; None: the
+    export's tree's) was timed with ``attention`` at ``context`` cached tokens on a GPU."""
+    export_dir = root / "export"
+    shutil.copytree(workdir / "export", export_dir)
+    if nodes is None:
+        nodes = len(json.loads((export_dir / "medusa_choices.json").read_text()))
+    label = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "attention": attention}
+    calibration = {"tree": {"calibrated_for": label, "context_len": context, "best": {"nodes": nodes}}}
+    (export_dir / "calibration.json").write_text(json.dumps(calibration))
+    return export_dir
+
+
+def test_the_default_attention_is_the_one_the_exported_tree_was_calibrated_with(
+    workdir: Path, model, tok, tmp_path, monkeypatch
+) -> None:
+    """medusa_attention unset: the export's calibration.json is read with its tree, and every decoder
+    (one row, a batch, the static one) decodes with the attention decided from it; on a CPU that is
+    auto (SDPA), also for a tree timed with the Triton kernel (triton's interpreter runs here, but a
+    kernel is the default on a CUDA device only)."""
+    import medusa_train.custom_generate as custom_generate
+
+    export_dir = _calibrated_export(workdir, tmp_path, "triton", 256)
+    decide = custom_generate._calibrated_attention
+    decided: list[tuple] = []  # (what the tree was calibrated with, what the default was on this CPU)
+    stand_in = {"attention": "auto"}  # what the decision answers (a GPU's answer, to see it used)
+
+    def recording(loaded, device):
+        decided.append((loaded.calibrated, decide(loaded, device)))
+        return stand_in["attention"]
+
+    monkeypatch.setattr(custom_generate, "_calibrated_attention", recording)
+    calls: list[int] = []
+    kernel = tree_attention_module.triton_tree_attention
+    monkeypatch.setattr(
+        tree_attention_module, "triton_tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    one = tok(PROMPTS[0], return_tensors="pt")
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    for inputs, extra in ((one, {}), (batch, {}), (one, {"cache_implementation": "static"})):
+        plain = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+        for answer in ("auto", "triton"):
+            stand_in["attention"] = answer
+            calls.clear()
+            assert torch.equal(_medusa(model, export_dir, **inputs, max_new_tokens=8, **extra), plain)
+            assert decided[-1] == (("triton", 256), "auto")
+            assert bool(calls) == (answer == "triton"), (answer, extra)
+    decided.clear()
+    _medusa(model, export_dir, **one, max_new_tokens=4, medusa_attention="sdpa")  # named: no default
+    assert decided == []
+    # a tree given in the call is not the one calibrated, though of the calibrated tree's size
+    nodes = len(json.loads((export_dir / "medusa_choices.json").read_text()))
+    _medusa(model, export_dir, **one, max_new_tokens=4, medusa_choices=[[rank] for rank in range(nodes)])
+    assert decided[-1] == (None, "auto")
+    release(model)
+
+
+def test_a_calibration_of_another_tree_decides_nothing(
+    workdir: Path, model, tok, tmp_path, monkeypatch
+) -> None:
+    """An export of a pinned tree ships the calibration of the heads' own tree: a calibration.json
+    whose chosen tree has another size than the export's tree, or a damaged one, decides nothing (the
+    default is auto); one written again into the export is read again."""
+    import medusa_train.custom_generate as custom_generate
+
+    seen: list = []
+    decide = custom_generate._calibrated_attention
+    monkeypatch.setattr(
+        custom_generate,
+        "_calibrated_attention",
+        lambda loaded, device: seen.append(loaded.calibrated) or decide(loaded, device),
+    )
+    one = tok(PROMPTS[0], return_tensors="pt")
+    nodes = len(json.loads((workdir / "export" / "medusa_choices.json").read_text()))
+    _medusa(
+        model, _calibrated_export(workdir, tmp_path / "a", "triton", 256, nodes + 1), **one, max_new_tokens=4
+    )
+    broken = _calibrated_export(workdir, tmp_path / "b", "triton", 256)
+    calibration = (broken / "calibration.json").read_text()
+    (broken / "calibration.json").write_text("not json")
+    _medusa(model, broken, **one, max_new_tokens=4)
+    assert seen == [None, None]
+    (broken / "calibration.json").write_text(calibration)  # written again: read again
+    _medusa(model, broken, **one, max_new_tokens=4)
+    assert seen[-1] == ("triton", 256)
+    release(model)
+
+
+@pytest.mark.parametrize(
+    ("calibrated", "device", "expected"),
+    [
+        (("triton", 256), "cuda", "triton"),  # auto takes SDPA below 8,192 keys: the kernel timed
+        (("sdpa", 256), "cuda", "auto"),  # auto takes SDPA there too (and the kernel on long calls)
+        (("sdpa", 8192), "cuda", "sdpa"),  # auto would take the kernel at the context timed on SDPA
+        (("triton", 8192), "cuda", "auto"),
+        (("cuda", 256), "cuda", "auto"),  # the CUDA kernel cannot be built here: a warning, auto
+        (("triton", 256), "cpu", "auto"),  # a kernel by default on a GPU only (not in the interpreter)
+        (("sdpa", 256), "cpu", "auto"),
+        (None, "cuda", "auto"),
+    ],
+)
+def test_the_calibrated_attention_where_auto_would_take_another(
+    calibrated, device, expected, monkeypatch, caplog
+) -> None:
+    import medusa_train.custom_generate as custom_generate
+
+    monkeypatch.setattr(tree_attention_module, "triton_available", lambda: True)
+    monkeypatch.setattr(tree_attention_module, "cuda_available", lambda: "no CUDA device")
+    loaded = custom_generate._Loaded(packed=None, tree=None, key=(), calibrated=calibrated)
+    with caplog.at_level(logging.WARNING, logger="medusa_train.custom_generate"):
+        assert custom_generate._calibrated_attention(loaded, torch.device(device)) == expected
+    if calibrated == ("cuda", 256):
+        assert (
+            "calibrated with the cuda tree attention, but attention=cuda cannot run here: no CUDA device"
+            in caplog.text
+        )
+
+
+def test_a_calibrated_triton_tree_without_triton_is_decoded_with_auto(monkeypatch) -> None:
+    import medusa_train.custom_generate as custom_generate
+
+    monkeypatch.setattr(tree_attention_module, "triton_available", lambda: False)
+    loaded = custom_generate._Loaded(packed=None, tree=None, key=(), calibrated=("triton", 256))
+    assert custom_generate._calibrated_attention(loaded, torch.device("cuda")) == "auto"
 
 
 def test_a_batch_on_a_model_spread_over_devices_is_decoded_row_by_row(
