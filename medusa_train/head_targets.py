@@ -3,12 +3,16 @@
 One definition of the targets (head k at position t predicts token t+k+1), shared by the training
 loss (``training/losses.py``), the hidden-state cache (``training/hidden_cache.py``) and the held-out
 accuracy that calibrates the tree (``decoding/calibrate.py``); the backbone's last hidden state the
-heads read; and the top-k correctness count both training metrics and calibration use.
+heads read; what the backbone's forward does to ``lm_head`` of it before its logits (:class:`LogitMap`:
+the soft targets and Medusa-2's LM losses are the distribution that forward gives); and the top-k
+correctness count both training metrics and calibration use.
 
 Torch only (no Hydra, no training code): decoding imports it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -100,6 +104,60 @@ def last_hidden_state(
     base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
     decoder = base.get_decoder()
     return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+@dataclass(frozen=True)
+class LogitMap:
+    """What a backbone's forward does to ``z = lm_head(h)`` before it returns its logits:
+    ``softcap * tanh(scale * z / softcap)``, or ``scale * z`` without a softcap.
+
+    The backbone's next-token distribution is ``softmax(map(z))``; ``z`` alone is it only for the
+    identity. Top-k and argmax are the same either way (the map is increasing), a softmax is not.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """``map(z)`` of float logits ``z`` (``(..., V)``); ``z`` itself for the identity."""
+        if self.softcap is not None:
+            return torch.tanh(z * (self.scale / self.softcap)) * self.softcap
+        return z * self.scale if self.scale != 1.0 else z
+
+    def with_slope_(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """``(map(z), d map / d z)``, the first written into ``z`` (float logits ``(..., V)``); the
+        slope is a tensor like ``z`` under a softcap, else the number ``scale``."""
+        if self.softcap is None:
+            return (z.mul_(self.scale) if self.scale != 1.0 else z), self.scale
+        t = z.mul_(self.scale / self.softcap).tanh_()  # (..., V)
+        slope = (1.0 - t * t) * self.scale  # (..., V)
+        return t.mul_(self.softcap), slope
+
+
+def logit_map(model: nn.Module) -> LogitMap:
+    """What ``model``'s forward does to ``lm_head(h)``, from its config: the final softcap of the Gemma
+    family (``final_logit_softcapping``), Cohere's ``* logit_scale``, Granite's and MiniCPM3's
+    ``/ logits_scaling`` and HyperCLOVA X's ``* logits_scaling``; the identity for other models.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft model around one).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    config = base.config.get_text_config()
+    kind = str(getattr(config, "model_type", ""))
+    scale = 1.0
+    if kind.startswith("cohere") and getattr(config, "logit_scale", None) is not None:
+        scale = float(config.logit_scale)
+    elif (kind.startswith("granite") or kind == "minicpm3") and getattr(config, "logits_scaling", None):
+        scale = 1.0 / float(config.logits_scaling)
+    elif kind == "hyperclovax" and getattr(config, "logits_scaling", None) is not None:
+        scale = float(config.logits_scaling)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LogitMap(scale, float(softcap) if softcap else None)
 
 
 @torch.no_grad()

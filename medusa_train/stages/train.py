@@ -66,6 +66,7 @@ from medusa_train.decoding.attention import AttentionBackendError
 from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attention
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
+from medusa_train.head_targets import logit_map
 from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
@@ -656,7 +657,9 @@ def _train(
             row_collator,
         )
         lm_head = backbone.get_output_embeddings().weight  # (V, d): the soft losses' targets
-        model, callbacks, extra = recipe.training_module(heads, None, lm_head=lm_head)
+        model, callbacks, extra = recipe.training_module(
+            heads, None, lm_head=lm_head, logit_map=logit_map(backbone)
+        )
     else:
         dataset, collator = train_set, PadCollator(tokenizer.pad_token_id or 0)
         model, callbacks, extra = recipe.training_module(heads, backbone)

@@ -54,8 +54,10 @@ accuracies compare across variants.
 
 Soft-label head losses (``training.head_loss=kl|tv|<mixture>``, grammar in
 :mod:`medusa_train.head_loss`): head k's prediction at position t is compared with the backbone's own
-next-token distribution at position ``t+k``, ``p = softmax(lm_head(h_{t+k}) / T)`` -- the distribution
-of exactly the token ``t+k+1`` that the hard label is a sample of (same positions counted). ``kl`` is
+next-token distribution at position ``t+k``, ``p = softmax(map(lm_head(h_{t+k})) / T)`` -- the
+distribution of exactly the token ``t+k+1`` that the hard label is a sample of (same positions
+counted); ``map`` is what the backbone's forward does to ``lm_head(h)`` before its logits (a softcap or
+a scale: :class:`medusa_train.head_targets.LogitMap`, which the LM losses read their logits through too). ``kl`` is
 ``KL(p || q)``, ``tv`` is ``0.5 * sum |p - q|``, q the head's softmax. Shared heads compare over the
 full vocabulary; truncated heads compare with p renormalised on their draft vocabulary (p restricted
 to ``token_map`` and divided by its mass there), so a head is never asked for a token it cannot
@@ -80,7 +82,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from medusa_train.head_loss import SOFT_LOSSES, is_soft, parse_head_loss
-from medusa_train.head_targets import IGNORE_INDEX, chunked_topk_correct
+from medusa_train.head_targets import IGNORE_INDEX, LogitMap, chunked_topk_correct
 
 # -- the gradients the fused losses make in forward ------------------------------------------------
 _FP16_RANGE = 2.0**14
@@ -175,7 +177,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     Forward computes, chunk by chunk, the loss and (if gradients are needed) the gradients w.r.t.
     ``feats`` and ``weight``; backward scales them by the incoming gradient. Rows whose target is
     ``IGNORE_INDEX`` contribute nothing. Returns the mean over counted rows (0 if none), or their sum
-    divided by ``denominator`` when given.
+    divided by ``denominator`` when given. With a ``logit_map`` the logits are ``logit_map(feats @ weight.T)``.
     Backward runs once per forward (no ``retain_graph`` double backward): it hands its stored
     gradients over.
     """
@@ -189,6 +191,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         scale: float = 1.0,
         denominator: float | None = None,
+        logit_map: LogitMap | None = None,
     ):
         # feats (N, d), weight (V, d), targets (N,)
         n = feats.shape[0]
@@ -210,7 +213,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 continue
             if x.dtype != weight.dtype:  # fp32 heads over a bf16 lm_head (shared heads): no (V, d) copy
                 x = x.to(weight.dtype)
-            logits = (x @ weight.t()).float()  # (c, V)
+            logits, slope = (x @ weight.t()).float(), 1.0  # (c, V)
+            if logit_map is not None:
+                logits, slope = logit_map.with_slope_(logits)  # slope: d logits / d (x @ weight.T)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             y_safe = y.clamp_min(0)
             target_logit = logits.gather(1, y_safe[:, None]).squeeze(1)  # (c,)
@@ -220,6 +225,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()  # (c, V), reuses the logits buffer
                 probs[torch.arange(len(y), device=y.device), y_safe] -= 1.0
                 probs *= (ok.float() * scale)[:, None]
+                if not isinstance(slope, float) or slope != 1.0:
+                    probs *= slope
                 rows = grad_feats[start : start + chunk_size] if grad_feats is not None else None
                 _add_logit_grads(probs, x, weight, rows, grad_weight, w_max)
             del logits
@@ -234,7 +241,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return (*_stored_grads(ctx, grad_out), None, None, None, None)
+        return (*_stored_grads(ctx, grad_out), None, None, None, None, None)
 
 
 def chunked_cross_entropy(
@@ -244,6 +251,7 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     scale: float = 1.0,
     denominator: float | None = None,
+    logit_map: LogitMap | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``feats @ weight.T`` over rows whose target is not ``IGNORE_INDEX``.
 
@@ -256,13 +264,17 @@ def chunked_cross_entropy(
             gradient is 1 and the stored gradients are handed over without a copy.
         denominator: divide the summed CE by this instead of by the counted rows (gradient
             accumulation: the counted rows of the whole optimizer step).
+        logit_map: what the backbone's forward does to ``feats @ weight.T`` (the LM loss of a backbone
+            whose logits are capped or scaled: :func:`medusa_train.head_targets.logit_map`); None: nothing.
 
     Returns:
         ``scale`` * scalar loss (0 when no row counts), differentiable w.r.t. ``feats`` and ``weight``.
     """
     if not torch.is_grad_enabled():  # evaluation: skip the gradient work inside forward
         feats, weight = feats.detach(), weight.detach()
-    return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale, denominator)
+    if logit_map is not None and logit_map.is_identity:
+        logit_map = None
+    return ChunkedLinearCrossEntropy.apply(feats, weight, targets, chunk_size, scale, denominator, logit_map)
 
 
 # -- fused chunked linear + soft-label loss ---------------------------------------------------------
@@ -270,7 +282,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
     """Mean ``kl`` or ``tv`` of ``softmax(feats @ weight.T)`` against the backbone's distribution,
     chunked over rows and vocabulary, without materialising either ``(N, V)`` logits tensor.
 
-    The target of row i is ``p_i = softmax(target_feats[i] @ target_weight[token_map].T / temperature)``
+    The target of row i is ``p_i = softmax(target_map(target_feats[i] @ target_weight[token_map].T) / temperature)``
     (``token_map`` None: every row of ``target_weight``). Gradients w.r.t. ``feats`` and ``weight`` are
     computed in forward, as in :class:`ChunkedLinearCrossEntropy`; the target gets none.
     """
@@ -289,6 +301,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
         vocab_chunk_size: int,
         scale: float,
         denominator: float | None = None,
+        target_map: LogitMap | None = None,
     ):
         # feats (N, d), weight (V', d), target_feats (N, d), target_weight (V, d), token_map (V',)
         n, v = feats.shape[0], weight.shape[0]
@@ -313,7 +326,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
                 cols = grad_weight[v0:v1] if grad_weight is not None else None
                 _add_logit_grads(g.mul_(scale), x, weight[v0:v1], rows, cols, w_max)
 
-            chunk = _SoftChunk(x, y, weight, target_weight, token_map, temperature, spans)
+            chunk = _SoftChunk(x, y, weight, target_weight, token_map, temperature, spans, target_map)
             total += chunk.run(kind, add_grad if needs_grad else None)
         ctx.grads = (
             grad_feats,
@@ -324,7 +337,7 @@ class ChunkedLinearSoftLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return (*_stored_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None)
+        return (*_stored_grads(ctx, grad_out), None, None, None, None, None, None, None, None, None, None)
 
 
 class _SoftChunk:
@@ -333,12 +346,16 @@ class _SoftChunk:
 
     Args:
         x: ``(c, d)`` head features; y: ``(c, d)`` target hidden states; weight: ``(V', d)``;
-        target_weight: ``(V, d)``; token_map: ``(V',)`` or None; spans: vocabulary chunks ``[(v0, v1)]``.
+        target_weight: ``(V, d)``; token_map: ``(V',)`` or None; spans: vocabulary chunks ``[(v0, v1)]``;
+        target_map: applied to the target logits before the temperature, or None.
     """
 
-    def __init__(self, x, y, weight, target_weight, token_map, temperature: float, spans) -> None:
+    def __init__(
+        self, x, y, weight, target_weight, token_map, temperature: float, spans, target_map=None
+    ) -> None:
         self.x, self.y, self.weight, self.target_weight = x, y, weight, target_weight
         self.token_map, self.temperature, self.spans = token_map, temperature, spans
+        self.target_map = target_map
         self.lse_z = x.new_full((x.shape[0],), float("-inf"), dtype=torch.float32)  # (c,)
         self.lse_u = self.lse_z.clone()  # (c,)
         self.kept = None  # one vocabulary chunk: its logits, reused by every later pass
@@ -356,7 +373,10 @@ class _SoftChunk:
             self.target_weight[v0:v1] if self.token_map is None else self.target_weight[self.token_map[v0:v1]]
         )
         z = (self.x @ self.weight[v0:v1].t()).float()  # (c, vc) head logits
-        u = (self.y @ tw.t()).float() / self.temperature  # (c, vc) target logits
+        u = (self.y @ tw.t()).float()  # (c, vc) target logits
+        if self.target_map is not None:
+            u = self.target_map(u)
+        u = u / self.temperature
         return z, u
 
     def _probs(self, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,6 +427,7 @@ def chunked_soft_loss(
     vocab_chunk_size: int = 32768,
     scale: float = 1.0,
     denominator: float | None = None,
+    target_map: LogitMap | None = None,
 ) -> torch.Tensor:
     """Mean soft-label loss of the head ``feats @ weight.T`` against the backbone's distribution.
 
@@ -424,6 +445,8 @@ def chunked_soft_loss(
         scale: multiply the loss by this (lambda_k) inside the fused op.
         denominator: divide the summed loss by this instead of by N (gradient accumulation: the
             counted rows of the whole optimizer step).
+        target_map: what the backbone's forward does to ``target_feats @ target_weight.T`` before its
+            logits (:func:`medusa_train.head_targets.logit_map`), applied before the temperature; None: nothing.
 
     Returns:
         ``scale`` * scalar mean over the N rows (0 when N == 0), differentiable w.r.t. ``feats`` and ``weight``.
@@ -446,6 +469,7 @@ def chunked_soft_loss(
         vocab_chunk_size,
         scale,
         denominator,
+        None if target_map is None or target_map.is_identity else target_map,
     )
 
 
@@ -509,11 +533,14 @@ class SoftTargets:
             loss row i at position t (:func:`medusa_train.head_targets.soft_target_sources`), ``IGNORE_INDEX``
             where head k does not train at row i.
         lm_head: ``(V, d)`` the backbone's lm_head weight.
+        logit_map: what the backbone's forward does to ``lm_head(h)`` before its logits
+            (:func:`medusa_train.head_targets.logit_map`): the target is ``softmax(logit_map(lm_head(h)) / T)``.
     """
 
     hidden: torch.Tensor
     sources: torch.Tensor
     lm_head: torch.Tensor
+    logit_map: LogitMap = LogitMap()
 
 
 @dataclass(frozen=True)
@@ -646,6 +673,7 @@ def medusa_head_loss(
                     vocab_chunk_size=head_loss.vocab_chunk_size,
                     scale=weights[k] * weight,
                     denominator=denominator,
+                    target_map=soft.logit_map,
                 )
             head_k = head_k + term  # lambda_k * weight * sum / (the step's rows, else this batch's)
             divided_by = rows_k[kind].clamp_min(1) if denominator is None else max(denominator, 1)
@@ -696,7 +724,7 @@ def naive_medusa_head_loss(
             src = soft.sources[:, k]  # (N,)
             keep = src != IGNORE_INDEX
             lm = soft.lm_head if heads.token_map is None else soft.lm_head[heads.token_map]  # (V_draft, d)
-            target_logits = soft.hidden[src[keep]].float() @ lm.float().t()  # (n, V_draft)
+            target_logits = soft.logit_map(soft.hidden[src[keep]].float() @ lm.float().t())  # (n, V_draft)
             loss = loss + w * weight * naive_soft_loss(
                 logits[k][keep], target_logits, name, head_loss.temperature
             )
@@ -719,11 +747,15 @@ def lm_targets(
 
 
 def _kl_chunk(
-    student_h: torch.Tensor, w_s: torch.Tensor, teacher_h: torch.Tensor, w_t: torch.Tensor
+    student_h: torch.Tensor,
+    w_s: torch.Tensor,
+    teacher_h: torch.Tensor,
+    w_t: torch.Tensor,
+    logit_map: LogitMap,
 ) -> torch.Tensor:
-    s = F.log_softmax((student_h @ w_s.t()).float(), dim=-1)  # (c, V)
+    s = F.log_softmax(logit_map((student_h @ w_s.t()).float()), dim=-1)  # (c, V)
     with torch.no_grad():  # the teacher's logits: made here, so no chunk's outlives its own KL
-        t = F.log_softmax((teacher_h @ w_t.t()).float(), dim=-1)  # (c, V)
+        t = F.log_softmax(logit_map((teacher_h @ w_t.t()).float()), dim=-1)  # (c, V)
     return (t.exp() * (t - s)).sum()
 
 
@@ -734,6 +766,7 @@ def chunked_kl_to_teacher(
     teacher_weight: torch.Tensor,
     chunk_size: int = 1024,
     denominator: float | None = None,
+    logit_map: LogitMap | None = None,
 ) -> torch.Tensor:
     """Mean ``KL(p_teacher || p_student)`` of the next-token distributions over the given rows.
 
@@ -749,15 +782,24 @@ def chunked_kl_to_teacher(
         teacher_weight: ``(V, d)`` frozen original's lm_head.
         denominator: divide the summed KL by this instead of by N (gradient accumulation: the rows
             of the whole optimizer step).
+        logit_map: what the backbone's forward does to ``lm_head(h)`` before its logits (student and
+            original alike: :func:`medusa_train.head_targets.logit_map`); None: nothing.
 
     Returns:
         Scalar mean KL (0 when N == 0).
     """
+    logit_map = logit_map if logit_map is not None else LogitMap()
     n = student_hidden.shape[0]
     total = student_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_size):
         sl = slice(start, start + chunk_size)
-        args = (student_hidden[sl], student_weight, teacher_hidden[sl].detach(), teacher_weight.detach())
+        args = (
+            student_hidden[sl],
+            student_weight,
+            teacher_hidden[sl].detach(),
+            teacher_weight.detach(),
+            logit_map,
+        )
         if torch.is_grad_enabled():
             total = total + checkpoint(_kl_chunk, *args, use_reentrant=False)
         else:

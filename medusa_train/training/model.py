@@ -15,8 +15,11 @@ has no backbone at all and takes ``hidden_states``/``targets`` rows directly (an
 loss, ``sources`` into those rows plus the frozen lm_head given at construction).
 
 Soft head losses (``head_loss`` with ``kl``/``tv``): head k at position t compares with
-``softmax(lm_head(h_{t+k}) / T)`` (:func:`medusa_train.head_targets.soft_target_sources`), read from the
-same forward's hidden states, detached; with a trainable backbone that is the backbone as it trains.
+``softmax(map(lm_head(h_{t+k})) / T)`` (:func:`medusa_train.head_targets.soft_target_sources`), read from
+the same forward's hidden states, detached; with a trainable backbone that is the backbone as it trains.
+``map`` is what the backbone's forward does to ``lm_head(h)`` before its logits (Gemma-2's softcap,
+Cohere's and Granite's scales: :func:`medusa_train.head_targets.logit_map`), so the target is the
+distribution the backbone decodes from; the LM losses read their logits through it too.
 
 A trainable backbone (optionally LoRA-wrapped) is a registered submodule. With an ``lm_loss``
 (:func:`lm_cross_entropy`, or :class:`KLToOriginal`: KL to the frozen original) the loss is
@@ -37,7 +40,9 @@ from torch import nn
 from medusa_train.backbone import frozen
 from medusa_train.head_targets import (
     IGNORE_INDEX,
+    LogitMap,
     last_hidden_state,
+    logit_map,
     medusa_targets,
     select_trained_rows,
     soft_target_sources,
@@ -92,7 +97,12 @@ def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> tor
     """``L_LM`` = CE of the backbone's next-token prediction on the data (an :class:`LMLoss`)."""
     lm_head = backbone.get_output_embeddings().weight  # (V, d)
     return chunked_cross_entropy(
-        batch.rows.to(lm_head.dtype), lm_head, batch.targets, chunk_size, denominator=batch.denominator
+        batch.rows.to(lm_head.dtype),
+        lm_head,
+        batch.targets,
+        chunk_size,
+        denominator=batch.denominator,
+        logit_map=logit_map(backbone),
     )
 
 
@@ -151,7 +161,13 @@ class KLToOriginal:
                 t_w = teacher.get_output_embeddings().weight  # (V, d)
             t_rows, _ = select_trained_rows(t_h, batch.selected_by)  # (N, d), same rows as the student
         return chunked_kl_to_teacher(
-            rows[keep_lm], lm_head, t_rows[keep_lm].to(rows.dtype), t_w, chunk_size, batch.denominator
+            rows[keep_lm],
+            lm_head,
+            t_rows[keep_lm].to(rows.dtype),
+            t_w,
+            chunk_size,
+            batch.denominator,
+            logit_map(backbone),  # the original's: the same architecture
         )
 
 
@@ -172,6 +188,8 @@ class MedusaTrainingModel(nn.Module):
         head_loss: the heads' loss terms and target temperature (:class:`HeadLoss`; default CE).
         lm_head: ``(V, d)`` the frozen backbone's lm_head weight, for a soft head loss trained from the
             hidden-state cache (held unregistered); with a backbone its own lm_head is read.
+        logit_map: with ``lm_head``: what the backbone's forward does to ``lm_head(h)`` before its logits
+            (:func:`medusa_train.head_targets.logit_map` of the backbone); with a backbone it is read from it.
 
     ``forward`` returns a dict: ``loss`` (scalar), ``head_ce`` / ``head_count`` / ``head_top1`` /
     ``head_top5`` (each ``(K,)``, detached; top-k are hit counts), with ``lm_loss`` ``lm_loss``
@@ -203,6 +221,7 @@ class MedusaTrainingModel(nn.Module):
         with_metrics: bool = True,
         head_loss: HeadLoss = CE_LOSS,
         lm_head: torch.Tensor | None = None,
+        logit_map: LogitMap | None = None,
     ) -> None:
         super().__init__()
         if backbone_trainable and backbone is None:
@@ -220,6 +239,7 @@ class MedusaTrainingModel(nn.Module):
         self.with_metrics = with_metrics
         self.head_loss = head_loss
         self._lm_head = _Frozen(lm_head.detach() if lm_head is not None else None)
+        self._logit_map = logit_map if logit_map is not None else LogitMap()
         self.heads_only = False
         """Two-stage Medusa-2: True while only the heads train (backbone forward without gradient, no LM loss)."""
         if backbone_trainable:
@@ -292,7 +312,7 @@ class MedusaTrainingModel(nn.Module):
                     raise ValueError(
                         "a soft head loss from cached rows needs their sources (a cache built soft)"
                     )
-                soft = SoftTargets(hidden_states, sources, self._lm_head.module)
+                soft = SoftTargets(hidden_states, sources, self._lm_head.module, self._logit_map)
         else:
             if attention_mask is None:
                 attention_mask = torch.ones_like(input_ids)
@@ -313,7 +333,9 @@ class MedusaTrainingModel(nn.Module):
                 all_targets, row_sources = all_targets[:, :-k], all_targets[:, -k:]  # ..., (N, K)
                 tgt = tgt[..., :-k]
                 lm_head = backbone.get_output_embeddings().weight.detach()  # (V, d)
-                soft = SoftTargets(h.detach().reshape(-1, h.shape[-1]), row_sources, lm_head)
+                soft = SoftTargets(
+                    h.detach().reshape(-1, h.shape[-1]), row_sources, lm_head, logit_map(backbone)
+                )
             if self.lm_loss is not None:
                 lm_rows_targets, row_targets = all_targets[:, 0], all_targets[:, 1:]  # (N,), (N, K)
             else:

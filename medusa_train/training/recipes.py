@@ -48,6 +48,7 @@ from medusa_train.workdir import TRAINED_BACKBONE
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import Config
+    from medusa_train.head_targets import LogitMap
 
 
 class Recipe(Protocol):
@@ -69,7 +70,11 @@ class Recipe(Protocol):
         ...
 
     def training_module(
-        self, heads: MedusaHeads, backbone: nn.Module | None, lm_head: torch.Tensor | None = None
+        self,
+        heads: MedusaHeads,
+        backbone: nn.Module | None,
+        lm_head: torch.Tensor | None = None,
+        logit_map: LogitMap | None = None,
     ) -> tuple[MedusaTrainingModel, list[TrainerCallback], dict]:
         """The module the Trainer optimises, its callbacks and extra result fields.
 
@@ -78,6 +83,8 @@ class Recipe(Protocol):
             backbone: the loaded backbone, or None when training from the hidden-state cache.
             lm_head: ``(V, d)`` the frozen backbone's lm_head weight, when training from the cache
                 (a soft head loss reads the backbone's distribution through it).
+            logit_map: with ``lm_head``: what the backbone's forward does to ``lm_head(h)``
+                (:func:`medusa_train.head_targets.logit_map`).
         """
         ...
 
@@ -125,7 +132,11 @@ class Medusa1Recipe:
         return torch.float32
 
     def training_module(
-        self, heads: MedusaHeads, backbone: nn.Module | None, lm_head: torch.Tensor | None = None
+        self,
+        heads: MedusaHeads,
+        backbone: nn.Module | None,
+        lm_head: torch.Tensor | None = None,
+        logit_map: LogitMap | None = None,
     ) -> tuple[MedusaTrainingModel, list[TrainerCallback], dict]:
         """The heads' loss on the frozen backbone's (or the cache's) hidden states; no callbacks."""
         module = MedusaTrainingModel(
@@ -136,6 +147,7 @@ class Medusa1Recipe:
             chunk_size=self.tc.loss_chunk_size,
             head_loss=self.head_loss,
             lm_head=lm_head if backbone is None else None,
+            logit_map=logit_map if backbone is None else None,
         )
         return module, [], {}
 
@@ -185,7 +197,11 @@ class Medusa2Recipe:
         return model_dtype
 
     def training_module(
-        self, heads: MedusaHeads, backbone: nn.Module | None, lm_head: torch.Tensor | None = None
+        self,
+        heads: MedusaHeads,
+        backbone: nn.Module | None,
+        lm_head: torch.Tensor | None = None,
+        logit_map: LogitMap | None = None,
     ) -> tuple[MedusaTrainingModel, list[TrainerCallback], dict]:
         """``L_LM + lambda_0(t) * L_heads``; the lambda_0 warm-up (and heads-only phase) as callbacks.
 

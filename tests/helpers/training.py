@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import transformers
 from transformers import LlamaForCausalLM
 
 from medusa_train.training.trainer import PadCollator
@@ -25,3 +26,36 @@ def batch(seed: int = 0, b: int = 3, t: int = 14) -> dict[str, torch.Tensor]:
         ids = torch.randint(2, VOCAB, (n,), generator=g).tolist()
         records.append({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (n - 3)})
     return PadCollator(0)(records)
+
+
+LOGIT_STEP_ARCHS = ("gemma2", "cohere", "granite")
+"""Architectures whose forward changes ``lm_head(h)`` before its logits (``tiny_logit_step_model``)."""
+
+
+def tiny_logit_step_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A random 2-layer, 32-wide model over 64 tokens (pad 0, EOS 1) of ``arch``, whose forward changes
+    ``lm_head(h)``: Gemma-2 caps the logits, Cohere multiplies them, Granite divides them. The constants
+    are sized to this model's logits (~0.3), so the step changes its distribution (real models' constants,
+    a cap of 30 or a factor of 1/16, act on logits of tens); in eval mode."""
+    shape = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=1,
+    )
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**shape, head_dim=8, final_logit_softcapping=0.2)
+    elif arch == "cohere":
+        config = transformers.CohereConfig(**shape, logit_scale=4.0)
+    elif arch == "granite":
+        config = transformers.GraniteConfig(**shape, logits_scaling=0.25)
+    else:
+        raise ValueError(f"unknown arch {arch!r}: one of {', '.join(LOGIT_STEP_ARCHS)}")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -8,14 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from medusa_train.config import compose_config
 from medusa_train.errors import UserError
+from medusa_train.head_targets import IGNORE_INDEX, last_hidden_state, select_trained_rows
 from medusa_train.heads import MedusaHeads
+from medusa_train.training.losses import lm_targets
 from medusa_train.training.medusa2 import HeadsOnlyCallback, check_supported, trainable_backbone
-from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, lm_cross_entropy
+from medusa_train.training.model import KLToOriginal, LMRows, MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.optim import FreezableAdamW, param_groups
-from tests.helpers.training import batch, tiny_llama
+from tests.helpers.training import LOGIT_STEP_ARCHS, batch, tiny_llama, tiny_logit_step_model
 
 
 def _model(lm_loss: str, lora: bool = False) -> MedusaTrainingModel:
@@ -51,6 +54,42 @@ def test_medusa2_trains_backbone_and_heads(lm_loss, lora):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.heads.parameters())
     if lora:
         assert all("lora_" in n for n, p in model.backbone.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("arch", ["llama", *LOGIT_STEP_ARCHS])
+def test_the_lm_losses_compare_the_distribution_the_backbone_forward_gives(arch):
+    """CE on the data and KL to the original, in value and gradient, are those of the logits the
+    backbone's forward returns, also where it changes ``lm_head(h)`` (Gemma-2's softcap, Cohere's and
+    Granite's scales): what the trained backbone decodes with."""
+    teacher = tiny_llama() if arch == "llama" else tiny_logit_step_model(arch)
+    backbone = copy.deepcopy(teacher).requires_grad_(True)
+    with torch.no_grad():  # a student a few steps away from the original: KL > 0
+        for p in backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    b = batch()
+    ids, attn = b["input_ids"], b["attention_mask"]
+    selected_by = lm_targets(ids, b["loss_mask"], attn)[..., None]  # (B, T, 1)
+    rows, targets = select_trained_rows(last_hidden_state(backbone, ids, attn), selected_by)
+    lm_rows = LMRows(rows, targets[:, 0], ids, attn, selected_by)
+    keep = selected_by[..., 0] != IGNORE_INDEX  # (B, T)
+    logits = backbone(input_ids=ids, attention_mask=attn).logits[keep].float()  # (N, V)
+    with torch.no_grad():
+        original = teacher(input_ids=ids, attention_mask=attn).logits[keep].float()  # (N, V)
+    ce_ref = F.cross_entropy(logits, selected_by[..., 0][keep])
+    kl_ref = F.kl_div(
+        F.log_softmax(logits, -1), F.log_softmax(original, -1), log_target=True, reduction="batchmean"
+    )
+    params = [p for p in backbone.parameters() if p.requires_grad]
+    for loss, ref in (
+        (lm_cross_entropy(backbone, lm_rows, 8), ce_ref),
+        (KLToOriginal(teacher)(backbone, lm_rows, 8), kl_ref),
+    ):
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        ref_grads = torch.autograd.grad(ref, params, retain_graph=True, allow_unused=True)
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+        for g, r in zip(grads, ref_grads, strict=True):
+            if r is not None:
+                torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
 
 
 def test_the_lora_original_is_the_backbone_without_its_adapters_and_without_dropout():

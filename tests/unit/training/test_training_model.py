@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from medusa_train.errors import UserError
-from medusa_train.head_targets import last_hidden_state, medusa_targets, select_trained_rows
+from medusa_train.head_targets import last_hidden_state, logit_map, medusa_targets, select_trained_rows
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.losses import HeadLoss
@@ -43,6 +43,38 @@ def test_last_hidden_state_is_what_lm_head_reads(arch):
         h = last_hidden_state(model, b["input_ids"], b["attention_mask"])
     torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h, out.hidden_states[-1])
+
+
+_LOGIT_STEPS = {  # a config class and the step its forward takes after lm_head, sized to tiny logits
+    "llama": ("LlamaConfig", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 0.2}),
+    "cohere": ("CohereConfig", {"logit_scale": 4.0}),
+    "cohere2": ("Cohere2Config", {"logit_scale": 4.0}),
+    "granite": ("GraniteConfig", {"logits_scaling": 0.25}),
+    "granitemoe": ("GraniteMoeConfig", {"logits_scaling": 0.25}),
+    "minicpm3": ("MiniCPM3Config", {"num_key_value_heads": 4, "dim_model_base": 128}),
+    "hyperclovax": ("HyperCLOVAXConfig", {"logits_scaling": 4.0}),
+}
+
+
+@pytest.mark.parametrize("arch", list(_LOGIT_STEPS))
+def test_logit_map_of_lm_head_is_the_logits_of_the_backbone_forward(arch):
+    """What the soft targets and the LM losses read as the backbone's logits: its forward's, also where
+    that forward caps or scales ``lm_head(h)``; the map changes them there (not the identity)."""
+    import transformers
+
+    name, step = _LOGIT_STEPS[arch]
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    ids = dict(vocab_size=64, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    config = getattr(transformers, name)(**shape, **ids, **{"num_key_value_heads": 2, **step})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    b = batch()
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        z = model.get_output_embeddings()(last_hidden_state(model, b["input_ids"], b["attention_mask"]))
+    torch.testing.assert_close(logit_map(model)(z), logits, atol=1e-5, rtol=1e-5)
+    assert logit_map(model).is_identity is (arch == "llama")
 
 
 def test_medusa1_state_dict_and_parameters_are_heads_only():

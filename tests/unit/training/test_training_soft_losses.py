@@ -13,7 +13,7 @@ import torch
 
 from medusa_train.errors import ConfigError
 from medusa_train.head_loss import parse_head_loss
-from medusa_train.head_targets import IGNORE_INDEX, medusa_targets, soft_target_sources
+from medusa_train.head_targets import IGNORE_INDEX, logit_map, medusa_targets, soft_target_sources
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import build_hidden_cache
 from medusa_train.training.losses import (
@@ -25,7 +25,7 @@ from medusa_train.training.losses import (
 )
 from medusa_train.training.model import MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.trainer import row_collator
-from tests.helpers.training import VOCAB, batch, tiny_llama
+from tests.helpers.training import LOGIT_STEP_ARCHS, VOCAB, batch, tiny_llama, tiny_logit_step_model
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -198,8 +198,8 @@ def _reference_model_loss(model: MedusaTrainingModel, b: dict, temperature: floa
     return total
 
 
-def _model(head_loss: HeadLoss, cached: bool = False) -> MedusaTrainingModel:
-    backbone = tiny_llama()
+def _model(head_loss: HeadLoss, cached: bool = False, arch: str = "llama") -> MedusaTrainingModel:
+    backbone = tiny_llama() if arch == "llama" else tiny_logit_step_model(arch)
     torch.manual_seed(5)
     heads = MedusaHeads(32, VOCAB, 3, 1)
     heads.init_from_lm_head(backbone.get_output_embeddings().weight)
@@ -208,12 +208,17 @@ def _model(head_loss: HeadLoss, cached: bool = False) -> MedusaTrainingModel:
             p.add_(0.05 * torch.randn_like(p))
     if cached:
         lm_head = backbone.get_output_embeddings().weight
-        return MedusaTrainingModel(heads, None, chunk_size=8, head_loss=head_loss, lm_head=lm_head)
+        return MedusaTrainingModel(
+            heads, None, chunk_size=8, head_loss=head_loss, lm_head=lm_head, logit_map=logit_map(backbone)
+        )
     return MedusaTrainingModel(heads, backbone, chunk_size=8, head_loss=head_loss)
 
 
-def test_model_online_loss_is_the_backbone_distribution_at_t_plus_k():
-    model = _model(HeadLoss.from_spec("kl", 0.7))
+@pytest.mark.parametrize("arch", ["llama", *LOGIT_STEP_ARCHS])
+def test_model_online_loss_is_the_backbone_distribution_at_t_plus_k(arch):
+    """The target is the distribution the backbone's forward gives, also where that forward changes
+    ``lm_head(h)`` (Gemma-2's softcap, Cohere's and Granite's scales): the reference reads its logits."""
+    model = _model(HeadLoss.from_spec("kl", 0.7), arch=arch)
     b = batch()
     torch.testing.assert_close(model(**b)["loss"], _reference_model_loss(model, b, 0.7), **TOL)
 
@@ -238,6 +243,22 @@ def test_model_from_hidden_cache_equals_online(tmp_path, spec):
     torch.testing.assert_close(got["loss"], want["loss"], **TOL)
     torch.testing.assert_close(got["head_ce"], want["head_ce"], **TOL)
     assert torch.equal(got["head_count"], want["head_count"])
+
+
+@pytest.mark.parametrize("arch", LOGIT_STEP_ARCHS)
+def test_model_from_hidden_cache_reads_the_backbone_distribution_too(tmp_path, arch):
+    online = _model(HeadLoss.from_spec("kl", 0.7), arch=arch)
+    cached = _model(HeadLoss.from_spec("kl", 0.7), cached=True, arch=arch)
+    b = batch()
+    records = [
+        {"input_ids": ids[: int(n)].tolist(), "loss_mask": mask[: int(n)].tolist()}
+        for ids, mask, n in zip(b["input_ids"], b["loss_mask"], b["attention_mask"].sum(1), strict=True)
+    ]
+    cache = build_hidden_cache(
+        online.frozen_backbone, records, tmp_path / "c", 3, {"v": 1}, batch_size=2, soft=True
+    )
+    got = cached(**row_collator([cache[i] for i in range(len(cache))]))["loss"]
+    torch.testing.assert_close(got, _reference_model_loss(online, b, 0.7), **TOL)
 
 
 def test_medusa2_heads_see_the_same_soft_loss_and_train():
