@@ -27,7 +27,10 @@ def medusa_targets(
     """Per-head targets of every position, ``IGNORE_INDEX`` where the prediction is not trained.
 
     Head k (1-based) at position t predicts token ``t+k+1``; that prediction counts iff
-    ``loss_mask[t+k+1] == 1`` (a token the backbone generated) and ``t+k+1`` is a real position.
+    ``loss_mask[t+k+1] == 1`` (a token the backbone generated), ``t+k+1`` is a real position and no
+    generated span ends within ``t .. t+k`` (a generated token followed by one that is not): Medusa
+    asks head k for the token after ``t+1 .. t+k`` of the same reply, never for a later reply's token
+    across the end of this one and the user turn after it.
 
     Args:
         input_ids: ``(B, T)``.
@@ -36,17 +39,22 @@ def medusa_targets(
         num_heads: K.
 
     Returns:
-        ``(B, T, K)`` long: ``[b, t, k-1] = input_ids[b, t+k+1]`` when ``loss_mask[b, t+k+1] == 1`` and
-        that position is real (not padding, inside T), else ``IGNORE_INDEX``.
+        ``(B, T, K)`` long: ``[b, t, k-1] = input_ids[b, t+k+1]`` when ``loss_mask[b, t+k+1] == 1``,
+        that position is real (not padding, inside T) and no generated span ends in ``t .. t+k``, else
+        ``IGNORE_INDEX``.
     """
     b, t = input_ids.shape
     valid = (loss_mask.bool() & attention_mask.bool()).to(input_ids.device)  # (B, T)
+    ends = valid[:, :-1] & ~valid[:, 1:]  # (B, T-1): j is generated, j+1 is not
+    # before[:, j] = generated spans ending at positions < j; those ending in t..t+k: before[t+k+1] - before[t]
+    before = torch.nn.functional.pad(ends.long().cumsum(dim=1), (1, 0))  # (B, T)
     targets = torch.full((b, t, num_heads), IGNORE_INDEX, dtype=torch.long, device=input_ids.device)
     for k in range(1, num_heads + 1):
         shift = k + 1
         if shift >= t:
             break
-        tgt = torch.where(valid[:, shift:], input_ids[:, shift:], IGNORE_INDEX)  # (B, T-shift)
+        same_turn = before[:, shift:t] == before[:, : t - shift]  # (B, T-shift)
+        tgt = torch.where(valid[:, shift:] & same_turn, input_ids[:, shift:], IGNORE_INDEX)  # (B, T-shift)
         targets[:, : t - shift, k - 1] = tgt
     return targets
 

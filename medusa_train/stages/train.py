@@ -122,8 +122,9 @@ from medusa_train.workdir import (
 
 log = logging.getLogger(__name__)
 
-HIDDEN_CACHE_VERSION = 2
-"""Layout version of the hidden-state cache, part of its settings (2: the whole :func:`train_settings`)."""
+HIDDEN_CACHE_VERSION = 3
+"""Layout version of the hidden-state cache, part of its settings (2: the whole :func:`train_settings`;
+3: its stored targets end with each reply, so a cache of version 2 is built again)."""
 
 
 # -- the stage --------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ Medusa-1 loss::
 
 Which positions count: the prediction head k makes at position t is a prediction of token
 ``t+k+1``; it is trained iff ``loss_mask[t+k+1] == 1`` (the target is a token the backbone
-generated) and ``t+k+1`` lies inside the (unpadded) sequence (:func:`medusa_train.head_targets.medusa_targets`,
-the one definition the held-out accuracy of decoding/calibrate.py shares). Each head's CE is the
+generated), ``t+k+1`` lies inside the (unpadded) sequence and no reply ends within ``t .. t+k``
+(:func:`medusa_train.head_targets.medusa_targets`, the one definition the held-out accuracy of
+decoding/calibrate.py shares). Each head's CE is the
 mean over its counted positions in the batch; a head with no counted position contributes 0. Under
 gradient accumulation the batch is the optimizer step's: each micro-batch's summed loss is divided by
 the step's count (``denominator``, counted over every micro-batch and rank by the trainer), so the

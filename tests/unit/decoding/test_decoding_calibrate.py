@@ -226,8 +226,9 @@ def test_measure_forward_latency_and_head_accuracy():
 
 
 def test_head_accuracy_scores_the_training_targets_on_padded_masked_batches():
-    """One accuracy: head k at t is scored on token t+k+1 where it is loss-masked and real
-    (``head_targets.medusa_targets``, the training loss's targets); right padding changes nothing."""
+    """One accuracy: head k at t is scored on token t+k+1 where it is loss-masked, real and no reply
+    ends within t..t+k (``head_targets.medusa_targets``, the training loss's targets); right padding
+    changes nothing."""
     model = tiny_model("llama")
     heads = random_heads(model, num_heads=3)
     gen = torch.Generator().manual_seed(1)
@@ -242,16 +243,24 @@ def test_head_accuracy_scores_the_training_targets_on_padded_masked_batches():
     }
     hits_padded, count_padded = head_topk_counts(model, heads, [padded], max_k=10)
     assert torch.equal(hits, hits_padded) and torch.equal(count, count_padded)
-    # By hand for head k (0-based): position t scored on token t + k + 2 when its mask is 1.
+    # By hand for head k (0-based): position t scored on token t + k + 2 when its mask is 1 and no
+    # masked token in t .. t + k + 1 is followed by an unmasked one.
     with torch.no_grad():
         logits = [heads(model(i[None], output_hidden_states=True).hidden_states[-1])[:, 0] for i in ids]
+
+    def scored(m: torch.Tensor, shift: int) -> torch.Tensor:  # (T - shift,) bool
+        ends = [bool(m[j] and not m[j + 1]) for j in range(len(m) - 1)]
+        return torch.tensor(
+            [bool(m[t + shift]) and not any(ends[t : t + shift]) for t in range(len(m) - shift)]
+        )
+
     for k in range(3):
         shift = k + 2
         top1 = sum(
-            int(((lg[k, :-shift].argmax(-1) == i[shift:]) & m[shift:].bool()).sum())
+            int(((lg[k, :-shift].argmax(-1) == i[shift:]) & scored(m, shift)).sum())
             for lg, i, m in zip(logits, ids, masks, strict=True)
         )
-        assert count[k] == sum(int(m[shift:].sum()) for m in masks) and hits[k, 0] == top1
+        assert count[k] == sum(int(scored(m, shift).sum()) for m in masks) and hits[k, 0] == top1
 
 
 def test_calibrate_measures_and_chooses_a_tree():

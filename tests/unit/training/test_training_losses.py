@@ -93,6 +93,29 @@ def test_medusa_targets_positions():
     assert lm_targets(ids, mask, attn)[0].tolist() == [-100, -100, 13, 14, 15, -100, -100, -100]
 
 
+def test_medusa_targets_never_span_the_end_of_a_generated_turn():
+    """Head k at t is scored on token t+k+1 as the continuation of t+1..t+k, as Medusa decodes: never
+    across the end of a reply into a later one (tokens after the reply's end that are not generated, a
+    user turn among them, come before the target). By hand, K = 3, a two-token user turn between two
+    replies (P: prompt, G: generated, E: the EOS ending a reply, U: the next turn's template text)."""
+    #                   P   P   P   G   G   E  U   U   G   G   E
+    ids = torch.tensor([[10, 11, 12, 20, 21, 1, 30, 31, 40, 41, 1]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]])
+    tgt = medusa_targets(ids, mask, torch.ones_like(ids), 3)  # (1, 11, 3)
+    x = IGNORE_INDEX
+    assert tgt[0, :, 0].tolist() == [x, 20, 21, 1, x, x, 40, 41, 1, x, x]
+    assert tgt[0, :, 1].tolist() == [20, 21, 1, x, x, x, 41, 1, x, x, x]  # t=5 (E): 40 is past the user turn
+    assert tgt[0, :, 2].tolist() == [21, 1, x, x, x, x, 1, x, x, x, x]  # t=4, 5: 40, 41 past it
+    # Padding right after a reply (a batch's shorter record) and a turn cut without EOS end alike.
+    padded = medusa_targets(
+        torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1),
+        torch.cat([mask, torch.ones(1, 3, dtype=torch.long)], 1),
+        torch.cat([torch.ones_like(ids), torch.zeros(1, 3, dtype=torch.long)], 1),
+        3,
+    )
+    assert torch.equal(padded[:, :11], tgt) and bool((padded[:, 11:] == x).all())
+
+
 def test_topk_counts_match_calibrate():
     torch.manual_seed(1)
     feats, weight = torch.randn(40, 8), torch.randn(30, 8)
