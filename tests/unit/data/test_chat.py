@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from medusa_train.data.chat import ChatRenderer
+from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
@@ -68,3 +69,49 @@ def test_a_conversation_the_template_refuses_is_one_line_naming_the_record() -> 
         UserError, match=r"^record data.jsonl:7: the chat template .* \(System role not supported\)"
     ):
         renderer.prompt_ids(Conversation("data.jsonl:7", ["why?"], system="Be brief."))
+
+
+class _Scripted:
+    """An engine that answers turn i of every conversation with ``replies[i]``, its EOS appended."""
+
+    def __init__(self, tok, replies: list[str]) -> None:
+        self.tok, self.replies = tok, replies
+
+    def run(self, requests, on_done) -> None:
+        queue = list(requests)
+        while queue:
+            req = queue.pop(0)
+            turn = sum(m["role"] == "assistant" for m in req.messages)
+            new = self.tok(self.replies[turn], add_special_tokens=False)["input_ids"] + [
+                self.tok.eos_token_id
+            ]
+            follow = on_done(req, new)
+            if follow is not None:
+                queue.append(follow)
+
+
+def test_a_distilled_record_is_the_template_rendering_with_its_generation_mask() -> None:
+    """A multi-turn record built turn by turn (prompt, reply, continuation, ...) is the chat template's
+    rendering of the whole conversation, and its loss mask is the template's ``{% generation %}`` mask:
+    each reply with its EOS, nothing of the system, user or generation-prompt text."""
+    tok = train_tokenizer(
+        ["why is the cat on the mat?", "tell me more about the dog.", "it is big"] * 20, 300
+    )
+    renderer = ChatRenderer(tok)
+    conv = Conversation("r", ["why is the cat big?", "and the dog?", "ok"], system="be brief")
+    replies = ["it is big", "the dog is red", "more"]
+    (record,) = distill_records(
+        _Scripted(tok, replies),
+        renderer,
+        [conv],
+        [renderer.prompt_ids(conv)],
+        max_context=10_000,
+        eos_ids=[tok.eos_token_id],
+    )
+    rendered = tok.apply_chat_template(
+        renderer.messages(conv, replies, False), return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert record.input_ids == rendered["input_ids"]
+    assert record.loss_mask == rendered["assistant_masks"] and sum(record.loss_mask) == sum(
+        len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies
+    )
