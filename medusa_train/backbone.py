@@ -34,7 +34,14 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-from transformers.utils import CONFIG_NAME, cached_file
+from transformers.utils import (
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    cached_file,
+)
 
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
@@ -307,8 +314,8 @@ def merge_adapter(base, adapter_dir: str | os.PathLike):
 def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:
     """Name, architecture and a fingerprint of the weights: distill/train/export refuse to mix backbones.
 
-    The fingerprint describes the checkpoint *files* (config.json and every weight file: name, size,
-    first and last MiB), so the same checkpoint gives the same identity whatever dtype or
+    The fingerprint describes the checkpoint *files* (config.json and the weight files transformers
+    loads, :func:`_weight_files`: name, size, first and last MiB), so the same checkpoint gives the same identity whatever dtype or
     quantization it was loaded with -- distilling in bf16 and training heads over an 8-bit copy
     is legitimate. A model with no files (built in memory) falls back to hashing its tensors.
     """
@@ -365,8 +372,33 @@ def _checkpoint_dir(name_or_path: str, revision: str | None) -> Path | None:
     return Path(config).parent if config else None
 
 
+def _weight_files(directory: Path) -> list[Path] | None:
+    """The weight files transformers loads from ``directory``, in its order of preference:
+    ``model.safetensors``, the shards ``model.safetensors.index.json`` lists, ``pytorch_model.bin``, the
+    shards ``pytorch_model.bin.index.json`` lists; else every file with a weights suffix (a checkpoint
+    under other names).
+
+    Other weight files beside them are not the model: a repository's ``.bin`` copy of its
+    safetensors, a ``consolidated.safetensors`` for another runtime, ``training_args.bin``. A full
+    download has them, the Hub cache only what ``from_pretrained`` fetched, and both must count as the
+    same checkpoint. None when an index lists a shard that is not there (no fingerprint of part of a
+    model).
+    """
+    for single, index in ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        if (directory / single).is_file():
+            return [directory / single]
+        if (directory / index).is_file():
+            try:
+                weight_map = json.loads((directory / index).read_bytes())["weight_map"]
+                shards = sorted({directory / name for name in weight_map.values()})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                break  # a damaged index: loading it fails with its own message
+            return shards if all(p.is_file() for p in shards) else None
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+
+
 def _files_fingerprint(directory: Path) -> str | None:
-    weights = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    weights = _weight_files(directory)
     if not weights:
         return None
     h = hashlib.sha256()

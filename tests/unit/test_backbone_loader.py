@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants
+from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import (
     backbone_for_heads,
     backbone_identity,
     checkpoint_fingerprint,
     load_backbone,
+    local_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -144,3 +148,61 @@ def test_cuda_under_a_launcher_is_this_ranks_gpu(monkeypatch) -> None:
     assert resolve_device("cuda:3") == torch.device("cuda", 3) and resolve_device("cuda") == torch.device(
         "cuda"
     )
+
+
+def _hub_cache(hub: Path, repo_id: str, snapshots: dict[str, Path], main: str) -> None:
+    """A Hugging Face cache holding ``snapshots`` (commit -> folder whose files it holds), laid out as
+    huggingface_hub writes it: each snapshot file a symlink to a blob, ``refs/main`` naming ``main``."""
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    for commit, source in snapshots.items():
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        for f in source.iterdir():
+            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+            shutil.copyfile(f, blob)
+            (repo / "snapshots" / commit / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(main)
+
+
+def _shard(directory: Path) -> None:
+    """Rewrite ``directory``'s model.safetensors as two shards and their index, as large models ship."""
+    weights = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(weights)
+    parts = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    for file, keys in parts.items():
+        save_file({k: weights[k] for k in keys}, directory / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in parts.items() for k in keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_full_download_has_the_fingerprint_of_the_hub_cache_snapshot(
+    tmp_path: Path, monkeypatch, sharded: bool
+) -> None:
+    """The Hub cache holds only the files ``from_pretrained`` fetched; a full download of the same
+    repository (``huggingface-cli download --local-dir``) also holds its ``.bin`` copy of the weights,
+    a ``consolidated.safetensors`` for another runtime and ``training_args.bin``, which transformers does
+    not load: both are the same checkpoint. Another model still differs, and a snapshot missing a shard
+    its index lists has no fingerprint (not one of part of the model)."""
+    make_backbone(tmp_path / "fetched", seed=0)
+    make_backbone(tmp_path / "other", seed=1)
+    if sharded:
+        _shard(tmp_path / "fetched")
+        _shard(tmp_path / "other")
+    full = tmp_path / "full"
+    shutil.copytree(tmp_path / "fetched", full)
+    weights = {k: v for f in sorted(full.glob("*.safetensors")) for k, v in load_file(f).items()}
+    torch.save(weights, full / "pytorch_model.bin")
+    save_file(weights, full / "consolidated.safetensors")
+    torch.save({"lr": 1e-5}, full / "training_args.bin")
+    _hub_cache(tmp_path / "hub", "acme/tiny", {"a" * 40: tmp_path / "fetched"}, main="a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
+    hub = checkpoint_fingerprint("acme/tiny")
+    assert hub is not None and hub == checkpoint_fingerprint(str(full)) == local_fingerprint(str(full))
+    assert checkpoint_fingerprint(str(tmp_path / "other")) != hub
+    if sharded:
+        (full / "model-00002-of-00002.safetensors").unlink()
+        assert checkpoint_fingerprint(str(full)) is None
