@@ -27,6 +27,8 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -216,19 +218,56 @@ def loading(name_or_path: str) -> Iterator[None]:
     Raises:
         UserError: no such checkpoint here or on the Hub (offline, a misspelt id), or one that is no
             causal LM, of an unknown architecture, or with custom code without ``model.trust_remote_code``.
-        DamagedArtefactError: a truncated or damaged weights file.
+        DamagedArtefactError: a truncated or damaged weights file (named when the checkpoint is a
+            local directory).
     """
     try:
         yield
-    except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
     except ValueError as err:  # what transformers raises for a checkpoint it cannot load as a causal LM
         raise UserError(_unloadable(name_or_path, err)) from None
-    except SafetensorError as err:
-        raise DamagedArtefactError(
-            f"the weights of backbone {name_or_path!r} are damaged ({err}): {_repair_backbone(name_or_path)}"
-        ) from None
+    # torch.load fails on a damaged .bin with any of OSError, RuntimeError, EOFError or UnpicklingError,
+    # depending on where the file ends, so the files themselves say whether they are damaged.
+    except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+        damaged = _damaged_weights(name_or_path)
+        if damaged is None and isinstance(err, SafetensorError):
+            damaged = str(err)
+        if damaged is not None:
+            raise DamagedArtefactError(
+                f"the weights of backbone {name_or_path!r} are damaged ({damaged}): "
+                f"{_repair_backbone(name_or_path)}"
+            ) from None
+        if not isinstance(err, OSError):
+            raise  # files that look whole: not a damaged checkpoint (a bug, or out of memory)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+
+
+_LFS_POINTER = b"version https://git-lfs"
+"""How a git-lfs pointer file begins (what a clone without git-lfs leaves in place of the weights)."""
+
+
+def _damaged_weights(name_or_path: str) -> str | None:
+    """What is wrong with the first damaged weight file of the local checkpoint ``name_or_path``: a
+    git-lfs pointer in its place, a safetensors file short of the bytes its header announces, a
+    ``.bin`` that is no complete zip archive (what ``torch.save`` writes). None for a Hub id, or when
+    every file looks whole (only headers and zip directories are read)."""
+    directory = Path(name_or_path).expanduser()
+    if not directory.is_dir():
+        return None
+    for weights in _weight_files(directory) or []:
+        try:
+            with open(weights, "rb") as fh:
+                if fh.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                    return f"{weights} is a git-lfs pointer, not the weights: fetch them with `git lfs pull`"
+            if weights.suffix == ".safetensors":
+                safetensors_shapes(weights)
+            elif not zipfile.is_zipfile(weights):
+                return f"cannot read {weights}: truncated, or not a PyTorch checkpoint"
+        except HeadsFormatError as err:
+            return str(err)
+        except OSError as err:
+            return f"cannot read {weights}: {err.strerror or err}"
+    return None
 
 
 def _unloadable(name_or_path: str, err: ValueError) -> str:

@@ -23,7 +23,7 @@ from medusa_train.backbone import (
     resolve_dtype,
 )
 from medusa_train.config import ModelConfig, compose_config
-from medusa_train.errors import UserError
+from medusa_train.errors import DamagedArtefactError, UserError
 from tests.helpers.train_workdir import make_backbone
 
 
@@ -206,3 +206,43 @@ def test_a_full_download_has_the_fingerprint_of_the_hub_cache_snapshot(
     if sharded:
         (full / "model-00002-of-00002.safetensors").unlink()
         assert checkpoint_fingerprint(str(full)) is None
+
+
+def test_damaged_weights_are_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A truncated ``pytorch_model.bin`` (many Hub models ship only those), a git-lfs pointer where a
+    clone without git-lfs leaves one, and a truncated shard of a sharded safetensors checkpoint are a
+    DamagedArtefactError (one line, exit 2) naming the file, not torch's or safetensors' traceback."""
+    make_backbone(tmp_path / "base")
+    weights = load_file(tmp_path / "base" / "model.safetensors")
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 52428800\n"
+
+    def damaged(name: str, damage) -> Path:
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+        damage(tmp_path / name)
+        return tmp_path / name
+
+    def as_bin(directory: Path, data: bytes | None = None) -> None:
+        (directory / "model.safetensors").unlink()
+        torch.save(weights, directory / "pytorch_model.bin")
+        full = (directory / "pytorch_model.bin").read_bytes()
+        (directory / "pytorch_model.bin").write_bytes(full[: len(full) // 2] if data is None else data)
+
+    truncated_bin = damaged("truncated_bin", as_bin)
+    with pytest.raises(
+        DamagedArtefactError, match=f"cannot read {truncated_bin}/pytorch_model.bin: truncated"
+    ):
+        load_backbone(str(truncated_bin))
+    lfs = damaged("lfs", lambda d: as_bin(d, pointer.encode()))
+    with pytest.raises(DamagedArtefactError, match=f"{lfs}/pytorch_model.bin is a git-lfs pointer"):
+        load_backbone(str(lfs))
+
+    def truncate_shard(directory: Path) -> None:
+        _shard(directory)
+        shard = directory / "model-00002-of-00002.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+
+    sharded = damaged("sharded", truncate_shard)
+    with pytest.raises(
+        DamagedArtefactError, match=f"are damaged .cannot read {sharded}/model-00002-of-00002.safetensors"
+    ):
+        load_backbone(str(sharded))
