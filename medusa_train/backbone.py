@@ -205,9 +205,25 @@ def load_backbone(
         model.to(device)
     if not trainable:
         frozen(model)
+    pad_like_eos(model, tokenizer)
+    return model, tokenizer
+
+
+def pad_like_eos(model, tokenizer) -> None:
+    """Give ``tokenizer`` and ``model.generation_config`` a pad token, in place, where they have none.
+
+    A tokenizer without one pads with its EOS (:func:`load_tokenizer`); one that names no EOS either
+    (the model's EOS ids live in its generation config only, as with Qwen-1) pads with the generation
+    config's first EOS id, since the batched engines need an id to fill padding with (the attention
+    mask hides it, so which id does not matter).
+    """
+    if tokenizer.pad_token_id is None:
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, int) or eos is None else next(iter(eos), None)
+        if eos is not None:
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(eos))
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -619,8 +635,7 @@ def load_backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path, device=None
         return model, tokenizer, str(model_cfg.name_or_path), False
     model = load_trained_backbone(model_cfg, trained, device)
     tokenizer = load_tokenizer(str(trained), trust_remote_code=model_cfg.trust_remote_code)
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    pad_like_eos(model, tokenizer)
     return model, tokenizer, str(trained), True
 
 

@@ -246,3 +246,26 @@ def test_damaged_weights_are_one_line_naming_the_file(tmp_path: Path) -> None:
         DamagedArtefactError, match=f"are damaged .cannot read {sharded}/model-00002-of-00002.safetensors"
     ):
         load_backbone(str(sharded))
+
+
+def test_a_tokenizer_without_pad_or_eos_pads_with_the_generation_configs_eos(
+    tmp_path: Path, tiny_backbone_dir: Path
+) -> None:
+    """A tokenizer that names neither a pad nor an EOS token, the model's EOS only in its generation
+    config (Qwen-1's layout): the loaded tokenizer and generation config pad with that EOS id (the
+    batched engines fill padding with the pad id: distillation failed with a TypeError on None)."""
+    backbone = tmp_path / "no_eos"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    settings = json.loads((backbone / "tokenizer_config.json").read_text())
+    (backbone / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in settings.items() if k not in ("eos_token", "pad_token")})
+    )
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((backbone / name).read_text())
+        config.pop("pad_token_id", None)
+        (backbone / name).write_text(json.dumps(config))
+    model, tok = load_backbone(str(backbone))
+    eos = model.generation_config.eos_token_id
+    assert tok.eos_token is None and isinstance(eos, int)
+    assert tok.pad_token_id == eos and model.generation_config.pad_token_id == eos
+    assert tok(["a b", "a"], padding=True).input_ids[1][0] == eos  # left padding with it
