@@ -14,7 +14,9 @@ too and ships it next to the heads as ``backbone/`` (the full model, or a LoRA a
    export a ``medusa/``/``vllm/`` folder belongs to) and ``model.name_or_path`` is the base the run
    started from (the same name or directory, or the same checkpoint files by fingerprint, so a
    moved or copied base still counts; or the record is missing): that trained backbone is used;
-   a LoRA adapter is merged into ``model.name_or_path`` (loaded with ``model.dtype``/``model.quantization``);
+   a LoRA adapter is merged into ``model.name_or_path`` (loaded with ``model.dtype``/``model.quantization``),
+   only where its files are the base's when both have a fingerprint (the same name at another
+   revision, or a directory holding another model now, is another checkpoint);
 2. otherwise (Medusa-1 heads, or ``model.name_or_path`` names another checkpoint): ``model.name_or_path``
    as given.
 """
@@ -542,12 +544,21 @@ def _same_path(a: str, b: str) -> bool:
     return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
 
 
-def _is_base(model_cfg: ModelConfig, base: dict) -> bool:
-    """``model.name_or_path`` is the recorded base: the same name, or the same checkpoint files."""
-    if _same_path(model_cfg.name_or_path, str(base["name_or_path"])):
+def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) -> bool:
+    """``model.name_or_path`` is the recorded base: the same name, or the same checkpoint files.
+
+    ``by_content`` (a LoRA adapter, merged into whatever base it is given): the same name whose files
+    have another fingerprint than the recorded one (another revision of a Hub id, a directory
+    holding another model now) is not the base.
+    """
+    recorded = base.get("fingerprint")
+    same_name = _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
+    if same_name and not (by_content and recorded):
         return True
     found = checkpoint_fingerprint(model_cfg.name_or_path, model_cfg.revision)
-    return found is not None and found == base.get("fingerprint")
+    if same_name and found is None:  # no files to compare (offline, not in the cache): the name decides
+        return True
+    return found is not None and found == recorded
 
 
 def base_model_here(model_cfg: ModelConfig, heads_dir: Path, recorded: str | None) -> str:
@@ -574,15 +585,22 @@ def backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path) -> Path | None:
     if trained is None:
         return None
     base = recorded_base(heads_dir)
-    if base is None or _is_base(model_cfg, base) or _same_path(model_cfg.name_or_path, str(trained)):
+    if (
+        base is None
+        or _is_base(model_cfg, base, by_content=is_adapter_dir(trained))
+        or _same_path(model_cfg.name_or_path, str(trained))
+    ):
         return trained
     log.warning(
         "the heads in %s were trained together with the backbone in %s (training=medusa2), but "
-        "model.name_or_path=%s is another model than their base %s: using %s as asked",
+        "model.name_or_path=%s is another model than their base %s%s: using %s as asked",
         heads_dir,
         trained,
         model_cfg.name_or_path,
         base["name_or_path"],
+        " (the same name, other checkpoint files: another model.revision?)"
+        if _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
+        else "",
         model_cfg.name_or_path,
     )
     return None

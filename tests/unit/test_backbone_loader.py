@@ -269,3 +269,32 @@ def test_a_tokenizer_without_pad_or_eos_pads_with_the_generation_configs_eos(
     assert tok.eos_token is None and isinstance(eos, int)
     assert tok.pad_token_id == eos and model.generation_config.pad_token_id == eos
     assert tok(["a b", "a"], padding=True).input_ids[1][0] == eos  # left padding with it
+
+
+def test_a_lora_adapter_is_not_merged_into_another_revision_of_its_base(
+    tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Medusa-2 LoRA heads trained on a Hub id at a pinned commit bring their adapter when evaluated at
+    that commit; at main, which has moved on to other weights, the name is the base's but the model
+    is not: the adapter would be merged into weights it was not trained on, so the plain model is
+    used as asked, with the warning of another model. A fully tuned backbone still follows the name."""
+    pinned, main = "a" * 40, "b" * 40
+    make_backbone(tmp_path / "pinned", seed=0)
+    make_backbone(tmp_path / "main", seed=1)
+    _hub_cache(tmp_path / "hub", "acme/tiny", {pinned: tmp_path / "pinned", main: tmp_path / "main"}, main)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
+    record = {"name_or_path": "acme/tiny", "fingerprint": checkpoint_fingerprint("acme/tiny", pinned)}
+    assert record["fingerprint"] == checkpoint_fingerprint(str(tmp_path / "pinned"))
+    heads = tmp_path / "heads"
+    (heads / "backbone").mkdir(parents=True)
+    (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "backbone": record}))
+    (heads / "backbone" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    assert backbone_for_heads(ModelConfig("acme/tiny", revision=pinned), heads) == heads / "backbone"
+    with caplog.at_level(logging.WARNING, logger="medusa_train.backbone"):
+        assert backbone_for_heads(ModelConfig("acme/tiny"), heads) is None
+    assert "another model than their base acme/tiny (the same name, other checkpoint files" in caplog.text
+    (heads / "backbone" / "adapter_config.json").unlink()
+    (heads / "backbone" / "config.json").write_text("{}")
+    assert backbone_for_heads(ModelConfig("acme/tiny"), heads) == heads / "backbone"
+
