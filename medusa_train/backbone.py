@@ -384,7 +384,8 @@ def backbone_identity(model, name_or_path: str, revision: str | None = None) -> 
     return {
         "name_or_path": str(name_or_path),
         "architecture": (model.config.architectures or [type(model).__name__])[0],
-        "hidden_size": int(model.config.hidden_size),
+        # a multimodal model's config (Gemma 3) keeps the language model's sizes in its text config
+        "hidden_size": int(model.config.get_text_config().hidden_size),
         # a ZeRO-3 partition (a backbone loaded partitioned) is an empty tensor; ds_shape is its whole shape
         "vocab_size": int(getattr(lm_head, "ds_shape", lm_head.shape)[0]),
         "fingerprint": fingerprint,

@@ -298,3 +298,26 @@ def test_a_lora_adapter_is_not_merged_into_another_revision_of_its_base(
     (heads / "backbone" / "config.json").write_text("{}")
     assert backbone_for_heads(ModelConfig("acme/tiny"), heads) == heads / "backbone"
 
+
+def test_identity_of_a_model_whose_config_nests_the_text_model(tmp_path: Path) -> None:
+    """AutoModelForCausalLM loads Gemma 3 (4B and up) as Gemma3ForConditionalGeneration, whose config
+    keeps hidden_size in its text_config only: the identity takes it from there (it raised
+    AttributeError), as distill.engine=server's identity does."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=64,
+    )
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = Gemma3Config(text_config=text, vision_config=vision, image_token_index=63)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "gemma3")
+    identity = backbone_identity(model, str(tmp_path / "gemma3"))
+    assert identity["hidden_size"] == 32 and identity["vocab_size"] == 64
+    assert identity["architecture"] == "Gemma3ForConditionalGeneration"
