@@ -157,9 +157,19 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def hf_source(name_or_path: str) -> str:
+    """What to hand ``from_pretrained`` for ``model.name_or_path``: a local path with ``~`` expanded
+    (transformers takes ``~/models/x`` for a malformed Hub id; no shell expands a ``~`` quoted for
+    Hydra or written in a config file), else the name as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path) if name_or_path.startswith("~") and path.exists() else name_or_path
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
     """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation."""
-    tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    tok = AutoTokenizer.from_pretrained(
+        hf_source(name_or_path), trust_remote_code=trust_remote_code, revision=revision
+    )
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -201,7 +211,7 @@ def load_backbone(
             )
         kwargs["device_map"] = {"": str(device)}
     with loading(name_or_path):
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(hf_source(name_or_path), **kwargs)
         tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
     if quantization == "none":
         model.to(device)

@@ -61,6 +61,7 @@ from medusa_train.backbone import (
     backbone_identity,
     check_backbone_source,
     checkpoint_fingerprint,
+    hf_source,
     load_configured_backbone,
     load_tokenizer,
     loading,
@@ -768,10 +769,10 @@ def _served_backbone(cfg: Config):
         )
     with loading(m.name_or_path):
         config = AutoConfig.from_pretrained(
-            m.name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code
+            hf_source(m.name_or_path), revision=m.revision, trust_remote_code=m.trust_remote_code
         )
         try:
-            generation = GenerationConfig.from_pretrained(m.name_or_path, revision=m.revision)
+            generation = GenerationConfig.from_pretrained(hf_source(m.name_or_path), revision=m.revision)
         except OSError:  # no generation_config.json: the model config's EOS
             generation = GenerationConfig.from_model_config(config)
         tokenizer = load_tokenizer(m.name_or_path, trust_remote_code=m.trust_remote_code, revision=m.revision)

@@ -321,3 +321,28 @@ def test_identity_of_a_model_whose_config_nests_the_text_model(tmp_path: Path) -
     identity = backbone_identity(model, str(tmp_path / "gemma3"))
     assert identity["hidden_size"] == 32 and identity["vocab_size"] == 64
     assert identity["architecture"] == "Gemma3ForConditionalGeneration"
+
+
+def test_a_local_path_under_home_loads(tmp_path: Path, tiny_backbone_dir: Path, monkeypatch) -> None:
+    """``model.name_or_path='~/models/x'`` (quoted, as Hydra needs it; no shell expands it then), or
+    ``~/...`` in a config file: the model, its tokenizer and, for distill.engine=server, its config
+    load from the home directory, with the fingerprint of the expanded path (transformers took
+    ``~/...`` for a malformed Hub id: a UserError)."""
+    from medusa_train.stages import distill
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_backbone_dir, tmp_path / "models" / "x")
+    model, tok = load_backbone("~/models/x")
+    identity = backbone_identity(model, "~/models/x")
+    assert identity["fingerprint"] == local_fingerprint(str(tiny_backbone_dir)) and tok.pad_token is not None
+    cfg = compose_config(
+        [
+            "stage=distill",
+            "model=hf",
+            "model.name_or_path='~/models/x'",
+            "distill.engine=server",
+            "distill.server.urls=[http://localhost:8000/v1]",
+        ]
+    )
+    _, _, served = distill._served_backbone(cfg)
+    assert served["fingerprint"] == identity["fingerprint"]
