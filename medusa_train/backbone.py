@@ -133,6 +133,8 @@ def check_backbone_source(name_or_path: str) -> None:
     if not path.exists() and path.parent.is_dir():
         remove_stale(path)  # workdir/pretrain left aside by a run killed while publishing it comes back
     if path.exists():
+        if not (path / CONFIG_NAME).is_file() and is_adapter_dir(path):
+            raise UserError(_adapter_is_no_model(path))
         if not (path / CONFIG_NAME).is_file():
             raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
         return
@@ -331,6 +333,19 @@ ADAPTER_CONFIG = "adapter_config.json"
 def is_adapter_dir(path: str | os.PathLike) -> bool:
     """True for a peft adapter directory (no model of its own: it needs its base model)."""
     return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _adapter_is_no_model(path: Path) -> str:
+    """The one line for ``model.name_or_path`` naming a LoRA adapter (Medusa-2's ``heads/backbone``)."""
+    try:
+        base = json.loads((path / ADAPTER_CONFIG).read_bytes()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return (
+        f"model.name_or_path={path} is a LoRA adapter, not a whole model: pass its base model"
+        + (f" ({base})" if isinstance(base, str) and base else "")
+        + " (eval and export merge the adapter shipped with the heads into it)"
+    )
 
 
 RETRAIN_MEDUSA2 = (

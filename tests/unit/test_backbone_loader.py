@@ -346,3 +346,16 @@ def test_a_local_path_under_home_loads(tmp_path: Path, tiny_backbone_dir: Path, 
     )
     _, _, served = distill._served_backbone(cfg)
     assert served["fingerprint"] == identity["fingerprint"]
+
+
+def test_a_lora_adapter_as_the_backbone_names_its_base(tmp_path: Path) -> None:
+    """model.name_or_path naming Medusa-2's LoRA ``heads/backbone`` (an adapter, no config.json) is one
+    line naming its base model, not "not a Hugging Face model directory"."""
+    adapter = tmp_path / "heads" / "backbone"
+    adapter.mkdir(parents=True)
+    config = {"peft_type": "LORA", "base_model_name_or_path": "/models/base"}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UserError, match=r"is a LoRA adapter, not a whole model: pass its base model \(/models/base\)"
+    ):
+        load_backbone(str(adapter))
