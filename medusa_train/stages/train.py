@@ -23,8 +23,10 @@ Steps:
     4. Data: the training split and the held-out records the calibration measures on;
        `training.head_projection=truncated`: the draft vocabulary (token_map), the
        `training.draft_vocab_size` most frequent target tokens of the training split.
-    5. Train with the Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to
-       workdir/train and resuming from its last checkpoint automatically (all ranks).
+    5. Where the loss reads the backbone's distribution from lm_head(h) (soft head targets, Medusa-2's
+       LM loss), check it against the backbone's forward on a few tokens (one forward); train with the
+       Hugging Face Trainer (DeepSpeed per `deepspeed=`), checkpointing to workdir/train and resuming
+       from its last checkpoint automatically (all ranks).
     6. Rank 0: held-out top-1..10 accuracy per head; grow trees, time tree forwards on this machine
        with the tree attention eval decodes with (`eval.attention`), choose the smallest size within
        `tree.tolerance` of the best expected tokens/s (`decoding/calibrate.py`).
@@ -71,6 +73,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
+from medusa_train.training.model import logit_map_mismatch
 from medusa_train.training.recipes import Recipe, recipe_for
 from medusa_train.training.records import Records, check_draft_vocab_size, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
@@ -184,6 +187,7 @@ def run(cfg: Config) -> dict:
 
         # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
         if done is None:
+            _check_logit_map(recipe, backbone, data.train, partitioned)
             result, heads, trained, state = _train(
                 cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
             )
@@ -309,6 +313,34 @@ def _published_heads(
             f"the heads in {heads_dir} cannot be calibrated again: {err}: {_RETRAIN}"
         ) from None
     return heads, recipe.published_backbone(heads_dir, backbone, device)
+
+
+def _check_logit_map(
+    recipe: Recipe, backbone: PreTrainedModel, train_set: Records, partitioned: bool
+) -> None:
+    """Step 5, before training: where the loss reads the backbone's distribution from ``lm_head(h)``
+    (``Recipe.reads_distribution``), what ``head_targets.logit_map`` makes of it is the distribution
+    the backbone's forward gives, on the first 16 tokens of the first training record (one forward);
+    else one-line UserError. A backbone ZeRO-3 loaded partitioned is not checked: no rank holds it
+    whole, and gathering it would hold it whole on every rank."""
+    reads = recipe.reads_distribution()
+    if reads is None:  # hard targets only: decoding and calibration read the forward or a top-k
+        return
+    if partitioned:
+        log.info("the backbone's logits after lm_head are not checked: it is partitioned (ZeRO-3)")
+        return
+    ids = torch.tensor([train_set[0]["input_ids"][:16]], device=backbone.device)  # (1, T)
+    problem = logit_map_mismatch(backbone, ids)
+    if problem is None:
+        return
+    what, instead = reads
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
+    kind = getattr(base.config, "model_type", None)
+    raise UserError(
+        f"{type(base).__name__}{f' ({kind})' if kind else ''}: its forward changes its logits after lm_head "
+        f"in a way medusa_train does not know ({problem}), so {what} would not read the distribution it "
+        f"decodes from: {instead}, or report the architecture to medusa_train"
+    )
 
 
 def _check_attention(cfg: Config, device: torch.device) -> None:

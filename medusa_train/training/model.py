@@ -108,13 +108,14 @@ def lm_cross_entropy(backbone: nn.Module, batch: LMRows, chunk_size: int) -> tor
 
 @contextlib.contextmanager
 def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """``module`` in eval mode inside the block, but for bitsandbytes' 4-bit linear layers (no dropout
-    there: their mode only decides whether they repack); every submodule's own mode back afterwards."""
+    """``module`` in eval mode inside the block, but for bitsandbytes' 4-bit linear layers, which are in
+    training mode there (no dropout in them: their mode only decides whether they repack); every
+    submodule's own mode back afterwards."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
-    for m, mode in modes:
+    for m, _ in modes:
         if _repacks_in_eval(m):
-            m.training = mode
+            m.training = True
     try:
         yield
     finally:
@@ -129,6 +130,54 @@ def _repacks_in_eval(module: nn.Module) -> bool:
     return type(module).__module__.startswith("bitsandbytes.") and hasattr(
         module, "support_avx512bf16_for_cpu"
     )
+
+
+@torch.no_grad()
+def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | None:
+    """Whether ``logit_map(backbone)(lm_head(h))``, the logits the soft head targets and the LM losses
+    read, gives the distribution ``backbone``'s own forward gives on ``input_ids``: None when it does,
+    else by how much it does not (a clause for a message).
+
+    One forward, in eval mode (4-bit layers in training mode: they would repack in eval mode); ``h`` is
+    what the decoder (``get_decoder()``, which :func:`last_hidden_state` calls) returned inside it.
+    Compared in float32 up to a constant per position (the softmax does not see one), within 8 rounding
+    steps of the coarser of the logits' and ``lm_head``'s dtype at the logits' magnitude: a bfloat16
+    forward rounds its own cap or scale, and a step whose effect stays below that is lost in it anyway.
+
+    Args:
+        backbone: a Hugging Face causal LM (or a peft model around one), whole (not ZeRO-3 partitioned).
+        input_ids: ``(1, T)`` a few tokens, on the backbone's device.
+    """
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
+    mask = torch.ones_like(input_ids)  # (1, T)
+    caught: list[torch.Tensor] = []
+    hook = base.get_decoder().register_forward_hook(lambda m, args, out: caught.append(out.last_hidden_state))
+    try:
+        with _eval_mode(backbone):
+            logits = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).logits  # (1, T', V)
+            if not caught:  # a forward that does not call its decoder: the state training reads, apart
+                caught.append(last_hidden_state(backbone, input_ids, mask))
+    finally:
+        hook.remove()
+    z = backbone.get_output_embeddings()(caught[0][:, -logits.shape[1] :])  # (1, T', V)
+    if z.shape != logits.shape:
+        return f"its logits are {tuple(logits.shape)}, lm_head(h) {tuple(z.shape)}"
+    mapped, got = logit_map(backbone)(z.float()), logits.float()  # (1, T', V)
+    scale = float(torch.maximum(mapped.abs().amax(), got.abs().amax()))
+    # a constant per position changes no distribution
+    mapped, got = mapped - mapped.amax(dim=-1, keepdim=True), got - got.amax(dim=-1, keepdim=True)
+    err = float((mapped - got).abs().amax())
+    eps = max(torch.finfo(z.dtype).eps, torch.finfo(logits.dtype).eps)
+    if err <= 8 * eps * scale:
+        return None
+    step = _formula(logit_map(backbone))
+    return f"its logits differ from {step} by up to {err:.3g} where they reach {scale:.3g}"
+
+
+def _formula(step: LogitMap) -> str:
+    """``step`` of ``lm_head(h)`` as a formula: ``30 * tanh(lm_head(h) / 30)``, ``0.0625 * lm_head(h)``."""
+    z = "lm_head(h)" if step.scale == 1.0 else f"{step.scale:g} * lm_head(h)"
+    return f"{step.softcap:g} * tanh({z} / {step.softcap:g})" if step.softcap is not None else z
 
 
 class KLToOriginal:

@@ -19,7 +19,9 @@ What follows from question 1 is answered by the same object, so stage=train stay
 ``trains_backbone`` (the backbone loads trainable), ``precision`` (mixed precision only for a
 trainable backbone), ``trained_backbone`` (None, or the module to publish beside the heads in
 ``heads/backbone``), ``decoding_backbone`` (the model that folder holds, to calibrate with), and the
-published folder's extra part (``is_published``, ``published_backbone``).
+published folder's extra part (``is_published``, ``published_backbone``). From question 2,
+``reads_distribution``: whether the loss reads the backbone's next-token distribution from
+``lm_head(h)`` (the stage then checks that what it reads is what the backbone's forward gives).
 
 :class:`Medusa1Recipe` and :class:`Medusa2Recipe` implement the interface independently (neither
 derives from the other; Medusa-2's pieces are plain functions in ``training/medusa2.py``). The stage
@@ -88,6 +90,12 @@ class Recipe(Protocol):
         """
         ...
 
+    def reads_distribution(self) -> tuple[str, str] | None:
+        """What of the loss reads the backbone's next-token distribution from ``lm_head(h)`` through
+        :func:`medusa_train.head_targets.logit_map` (soft head targets, Medusa-2's LM loss) and the
+        settings that read none, each named for a message; None: nothing does (hard targets only)."""
+        ...
+
     def trained_backbone(self, module: MedusaTrainingModel) -> nn.Module | None:
         """The backbone as training left it, to publish; None when it did not train."""
         ...
@@ -150,6 +158,15 @@ class Medusa1Recipe:
             logit_map=logit_map if backbone is None else None,
         )
         return module, [], {}
+
+    def reads_distribution(self) -> tuple[str, str] | None:
+        """The soft head targets of a soft ``training.head_loss``; None with ``ce`` alone."""
+        if not self.head_loss.soft:
+            return None
+        return (
+            f"the soft head targets of training.head_loss={self.tc.head_loss}",
+            "train on hard targets (training.head_loss=ce)",
+        )
 
     def trained_backbone(self, module: MedusaTrainingModel) -> None:
         """None: the backbone did not train."""
@@ -229,6 +246,19 @@ class Medusa2Recipe:
             callbacks.append(medusa2.HeadsOnlyCallback(module, tc.heads_only_steps))
         n_trainable = sum(whole_numel(p) for p in trainable.parameters() if p.requires_grad)
         return module, callbacks, {"backbone_trainable_params": n_trainable}
+
+    def reads_distribution(self) -> tuple[str, str] | None:
+        """The LM loss (CE on the data and KL to the original alike), and the soft head targets of a
+        soft ``training.head_loss``."""
+        soft = (
+            f" and the soft head targets of training.head_loss={self.tc.head_loss}"
+            if self.head_loss.soft
+            else ""
+        )
+        return (
+            f"Medusa-2's LM loss (training.lm_loss={self.tc.lm_loss}){soft}",
+            "train Medusa-1 heads on hard targets (training=medusa1 training.head_loss=ce)",
+        )
 
     def trained_backbone(self, module: MedusaTrainingModel) -> nn.Module:
         """The module that trained: a peft model with LoRA/QLoRA (``save_pretrained`` writes the

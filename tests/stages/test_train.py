@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
 from medusa_train.__main__ import main
 from medusa_train.backbone import load_configured_backbone
@@ -331,6 +332,50 @@ def test_resuming_checkpoints_of_other_settings_is_refused(tmp_path):
     (root / "train" / "run.json").write_text(json.dumps(info))
     with pytest.raises(UserError, match="checkpoints of another run"):
         run(train_cfg(root))
+
+
+def _logits_scaled_after_lm_head(monkeypatch) -> None:
+    """The Llama forward with a step after lm_head that ``head_targets.logit_map`` does not know."""
+    original = LlamaForCausalLM.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        out.logits = out.logits * 4.0
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reader"),
+    [
+        (("training.head_loss=kl",), "the soft head targets of training.head_loss=kl"),
+        (("training=medusa2", "training.lm_loss=ce"), "Medusa-2's LM loss (training.lm_loss=ce)"),
+    ],
+)
+def test_a_loss_reading_logits_the_backbone_changes_unknown_after_lm_head_is_refused(
+    tmp_path, capsys, monkeypatch, overrides, reader
+):
+    """Soft head targets and Medusa-2's LM loss read ``logit_map(lm_head(h))``; a backbone whose forward
+    changes its logits in a way the map does not know is refused in one line before any training."""
+    root = make_train_workdir(tmp_path)
+    _logits_scaled_after_lm_head(monkeypatch)
+    capsys.readouterr()
+    code = main(train_overrides(root, "stage=train", *overrides))
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the loading progress bar
+    assert code == 2 and "Traceback" not in err, err
+    assert line.startswith("error: LlamaForCausalLM (llama): its forward changes its logits after lm_head")
+    assert reader in line and "report the architecture" in line
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
+def test_hard_targets_train_over_logits_the_backbone_changes_after_lm_head(tmp_path, monkeypatch):
+    """``training.head_loss=ce`` reads no distribution (decoding and calibration read the forward's
+    logits or a top-k): the same backbone trains."""
+    root = make_train_workdir(tmp_path)
+    _logits_scaled_after_lm_head(monkeypatch)
+    assert run(train_cfg(root, "training.max_steps=2", "training.save_steps=2"))["steps"] == 2
 
 
 def test_cli_offload_on_cpu_is_one_line_exit_2(tmp_path, capsys):

@@ -9,15 +9,21 @@ import torch
 from transformers import LlamaForCausalLM
 
 from medusa_train.errors import UserError
-from medusa_train.head_targets import last_hidden_state, logit_map, medusa_targets, select_trained_rows
+from medusa_train.head_targets import (
+    LogitMap,
+    last_hidden_state,
+    logit_map,
+    medusa_targets,
+    select_trained_rows,
+)
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.losses import HeadLoss
-from medusa_train.training.model import KLToOriginal, MedusaTrainingModel
+from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, logit_map_mismatch
 from medusa_train.training.optim import param_groups
 from medusa_train.training.zero import SHM_OP, deepspeed_config, deepspeed_process
 from tests.helpers.models import tiny_model
-from tests.helpers.training import batch, tiny_llama
+from tests.helpers.training import LOGIT_STEP_ARCHS, batch, tiny_llama, tiny_logit_step_model
 
 
 def make_model(seed: int = 0, k: int = 3) -> tuple[MedusaTrainingModel, LlamaForCausalLM]:
@@ -75,6 +81,106 @@ def test_logit_map_of_lm_head_is_the_logits_of_the_backbone_forward(arch):
         z = model.get_output_embeddings()(last_hidden_state(model, b["input_ids"], b["attention_mask"]))
     torch.testing.assert_close(logit_map(model)(z), logits, atol=1e-5, rtol=1e-5)
     assert logit_map(model).is_identity is (arch == "llama")
+
+
+def _logits_after(monkeypatch, cls: type, factor: float = 1.0, shift: float = 0.0) -> None:
+    """``cls``'s forward with a step after lm_head that ``logit_map`` does not know: ``* factor + shift``."""
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        out.logits = out.logits * factor + shift
+        return out
+
+    monkeypatch.setattr(cls, "forward", forward)
+
+
+def _logit_step_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return (tiny_llama() if arch == "llama" else tiny_logit_step_model(arch)).to(dtype)
+
+
+_IDS = torch.tensor([[5, 9, 2, 33, 17, 60, 8, 41]])  # (1, T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", *LOGIT_STEP_ARCHS])
+def test_the_logit_map_check_passes_the_families_it_knows(arch, dtype):
+    """The families ``logit_map`` knows give their forward's distribution, in bfloat16 within the
+    rounding of the forward's own cap or scale."""
+    assert logit_map_mismatch(_logit_step_model(arch, dtype), _IDS) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_logit_map_check_passes_a_softcap_at_the_logits_magnitude(dtype):
+    """Gemma-2's real cap (30) on logits that reach it, where bfloat16's rounding of the forward's
+    ``30 * tanh(z / 30)`` is largest."""
+    model = tiny_logit_step_model("gemma2")
+    model.config.final_logit_softcapping = 30.0
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(300.0)
+    model = model.to(dtype)
+    with torch.no_grad():
+        assert model(input_ids=_IDS).logits.abs().amax() > 25
+    assert logit_map_mismatch(model, _IDS) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_logit_step_the_map_does_not_know_is_found(monkeypatch, arch, dtype):
+    """A forward that scales its logits after lm_head (an architecture outside the table): the check
+    says by how much the map's logits differ from the forward's, and which map it applied."""
+    model = _logit_step_model(arch, dtype)
+    _logits_after(monkeypatch, type(model), factor=4.0)
+    found = logit_map_mismatch(model, _IDS)
+    step = "0.2 * tanh(lm_head(h) / 0.2)" if arch == "gemma2" else "lm_head(h)"
+    assert found is not None and found.startswith(f"its logits differ from {step} by up to ")
+
+
+def test_a_softcap_the_map_misses_is_found(monkeypatch):
+    """Gemma-2's cap with a map that misses it (the identity): found."""
+    import medusa_train.training.model as model_module
+
+    monkeypatch.setattr(model_module, "logit_map", lambda model: LogitMap())
+    assert "differ from lm_head(h)" in logit_map_mismatch(_logit_step_model("gemma2"), _IDS)
+
+
+def test_a_constant_added_to_the_logits_is_no_mismatch(monkeypatch):
+    """The same constant added to every logit of a position leaves its distribution as it is."""
+    model = tiny_llama()
+    _logits_after(monkeypatch, type(model), shift=7.0)
+    assert logit_map_mismatch(model, _IDS) is None
+
+
+def test_the_logit_map_check_runs_one_forward_and_leaves_the_modes():
+    """One decoder forward (its output caught on the way to lm_head), no gradient, every module's mode
+    as it was (a trainable backbone stays in training mode)."""
+    model = tiny_model("llama", vocab=64, attention_dropout=0.3).train()
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(module.training))
+    assert logit_map_mismatch(model, _IDS) is None
+    assert calls == [False]  # eval mode: dropout would make the forward a random draw
+    assert all(m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_logit_map_check_of_a_4bit_backbone_does_not_repack_it(tmp_path):
+    """A bitsandbytes 4-bit backbone (QLoRA) is checked with its 4-bit layers in training mode: in eval
+    mode on a CPU with AVX512-BF16 they repack their weight in place, which a ZeRO-3 checkpoint save
+    then fails to unpack."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama", vocab=64, hidden=64, kv_heads=4).save_pretrained(tmp_path)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+        device_map={"": "cpu"},
+    )
+    four_bit = [m for m in quantized.modules() if type(m).__name__ == "Linear4bit"]
+    assert four_bit and not quantized.training
+    assert logit_map_mismatch(quantized, _IDS) is None
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in four_bit)
+    assert not any(m.training for m in quantized.modules())
 
 
 def test_medusa1_state_dict_and_parameters_are_heads_only():
