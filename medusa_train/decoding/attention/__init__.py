@@ -288,6 +288,29 @@ SCORE_MODIFIERS = ("softcap", "s_aux", "position_bias")
 gpt-oss's sinks, T5-style biases): the tree kernels and the packed SDPA do not apply them."""
 
 
+def layer_window(module: torch.nn.Module) -> int | None:
+    """The sliding window of ``module``'s layer as its model's own masks apply it, from the config as
+    the decoders' dense masks read it: ``sliding_window`` on every layer, or on the layers that
+    ``layer_types`` calls "sliding_attention" (None: none). For the layers that window through their
+    mask alone and pass no ``sliding_window`` to their attention (Qwen2-MoE, PhiMoE)."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window:  # None, or Qwen2-MoE's 0 without use_sliding_window
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None or all(t == "sliding_attention" for t in types):
+        return window
+    if not any(t == "sliding_attention" for t in types):
+        return None
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise AttentionBackendError(
+            f"{type(module).__name__} does not say which layer it is, and its model mixes sliding-window "
+            "and full layers: use attention=sdpa"
+        )
+    return window if types[layer] == "sliding_attention" else None
+
+
 @dataclass
 class TreeStep:
     """What one verification forward's attention layers need to know about the tree.
@@ -320,7 +343,8 @@ def hf_tree_attention(
 
     Given a step (the keyword argument :data:`STEP_KWARG`, else the one of :func:`tree_step`):
     :func:`tree_attention` with the step's tree (``attention_mask`` is None there: the model builds
-    none). Elsewhere: transformers' SDPA attention on whatever mask it is given.
+    none), windowed by ``sliding_window`` or, where the layer passes none, by its config
+    (:func:`layer_window`). Elsewhere: transformers' SDPA attention on whatever mask it is given.
 
     Returns:
         ``(B, M, Hq, D)`` attention output and no weights.
@@ -336,9 +360,10 @@ def hf_tree_attention(
             f"{type(module).__name__} passes {', '.join(extra)} to its attention, which the tree kernels do "
             "not apply: use attention=sdpa"
         )
+    window = sliding_window if sliding_window is not None else layer_window(module)
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
-        scale=scaling, window=sliding_window, backend=step.backend,
+        scale=scaling, window=window, backend=step.backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
 
@@ -472,6 +497,7 @@ __all__ = [
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
     "kernel_op",
+    "layer_window",
     "model_lock",
     "one_call_per_model",
     "on_device",

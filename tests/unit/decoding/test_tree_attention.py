@@ -20,6 +20,7 @@ import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
+import transformers as tf  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from medusa_train.decoding import (  # noqa: E402
@@ -549,6 +550,47 @@ def test_medusa_generate_batch_with_triton_equals_greedy_generate():
         model, heads, prompts, max_new_tokens=8, tree=random_tree(2, nodes=6), attention="triton"
     )
     assert [r.tokens.tolist() for r in out.rows] == [plain_greedy(model, p, 8) for p in prompts]
+
+
+# Models beyond Llama/Qwen2/Mistral, 2 layers of 64 wide: what their attention does that the kernels must
+# follow.
+_SMALL = dict(
+    hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
+)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+OTHER_MODELS = {
+    # sliding-window layers that pass no sliding_window to their attention (their mask windows them)
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(
+        **_SMALL, **_MOE, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
+        max_window_layers=1, num_experts=4, shared_expert_intermediate_size=32,
+    ),
+    "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
+}  # fmt: skip
+
+
+def other_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(OTHER_MODELS[name]()).eval()
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["qwen2_moe", "phimoe"])
+def test_kernel_windows_layers_that_pass_no_window(name):
+    """Qwen2-MoE (layer 0 windowed, layer 1 not) and PhiMoE (every layer) window their layers through
+    the mask alone: the kernel, given no ``sliding_window``, takes the window from the config as the
+    dense mask does (a context of 11 + 8 nodes crosses the window of 6)."""
+    model = other_model(name)
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=7))
+    prompt = torch.randint(1, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for backend in ("sdpa", "triton"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 11, backend))
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # without the window: ~2e-1
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
