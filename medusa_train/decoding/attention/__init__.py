@@ -283,9 +283,10 @@ def _why_not(backend: str, device: torch.device) -> str | None:
 
 
 _STEP: ContextVar[TreeStep | None] = ContextVar("medusa_tree_step", default=None)
-SCORE_MODIFIERS = ("softcap", "s_aux", "position_bias")
-"""Attention arguments some models pass that change the scores or the softmax (Gemma-2's softcap,
-gpt-oss's sinks, T5-style biases): the tree kernels and the packed SDPA do not apply them."""
+SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "block_indices")
+"""Attention arguments some models pass that change the scores, the softmax or the keys attended
+(Gemma-2's softcap, gpt-oss's sinks, T5-style biases, the key indices of sparse attention): the tree
+kernels and the packed SDPA do not apply them."""
 
 
 def layer_window(module: torch.nn.Module) -> int | None:
@@ -348,17 +349,35 @@ def hf_tree_attention(
 
     Returns:
         ``(B, M, Hq, D)`` attention output and no weights.
+
+    Raises:
+        AttentionBackendError: in a step, a call the kernels would compute wrongly: one passing
+            :data:`SCORE_MODIFIERS` or a mask of its own, dropout, or value heads narrower or wider
+            than the query heads.
     """
     step = kwargs.pop(STEP_KWARG, None)
     if step is None:
         step = _STEP.get()
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    name = type(module).__name__
     extra = [k for k in SCORE_MODIFIERS if kwargs.get(k) is not None]
+    if attention_mask is not None:  # the model makes none for the kernel's implementation: its own
+        extra.append("a mask of its own")
     if extra:
         raise AttentionBackendError(
-            f"{type(module).__name__} passes {', '.join(extra)} to its attention, which the tree kernels do "
-            "not apply: use attention=sdpa"
+            f"{name} passes {', '.join(extra)} to its attention, which the tree kernels do not apply: use "
+            "attention=sdpa"
+        )
+    if dropout:
+        raise AttentionBackendError(
+            f"{name} asks for attention dropout {dropout} (the model is in training mode), which the tree "
+            "kernels do not apply: call model.eval()"
+        )
+    if value.shape[-1] != query.shape[-1]:
+        raise AttentionBackendError(
+            f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
+            f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
     window = sliding_window if sliding_window is not None else layer_window(module)
     out = tree_attention(

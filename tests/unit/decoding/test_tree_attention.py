@@ -39,6 +39,7 @@ from medusa_train.decoding.attention import (  # noqa: E402
     TreeMask,
     TreeStep,
     hf_packed_sdpa_attention,
+    hf_tree_attention,
     packed_sdpa,
     resolve_attention,
     tree_attention,
@@ -553,7 +554,7 @@ def test_medusa_generate_batch_with_triton_equals_greedy_generate():
 
 
 # Models beyond Llama/Qwen2/Mistral, 2 layers of 64 wide: what their attention does that the kernels must
-# follow.
+# refuse or follow.
 _SMALL = dict(
     hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
 )
@@ -565,6 +566,12 @@ OTHER_MODELS = {
         max_window_layers=1, num_experts=4, shared_expert_intermediate_size=32,
     ),
     "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
+    # multi-head latent attention: value heads of 16, query and key heads of 24
+    "deepseek_v3_mla": lambda: tf.DeepseekV3Config(
+        **_SMALL, **_MOE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, first_k_dense_replace=2, n_group=1,
+        topk_group=1, rope_scaling=None,
+    ),
 }  # fmt: skip
 
 
@@ -591,6 +598,46 @@ def test_kernel_windows_layers_that_pass_no_window(name):
             outs.append(verify_forward(model, cache, tokens, tree, 11, backend))
     for ref, out in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # without the window: ~2e-1
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        ({"sinks": torch.zeros(4)}, "passes sinks"),
+        ({"indices": torch.zeros(1, 3, 2, dtype=torch.long)}, "passes indices"),
+        ({"attention_mask": torch.zeros(1, 1, 3, 8)}, "a mask of its own"),
+        ({"dropout": 0.1}, "dropout 0.1"),
+        ({"value_dim": 8}, r"value heads \(8\).*\(16\)"),
+    ],
+)
+def test_tree_attention_refuses_calls_it_would_compute_wrongly(call, reason):
+    """In a step, a layer's call with what the kernels do not apply (attention sinks, the keys of sparse
+    attention, a mask or bias it built itself, dropout) or value heads not as wide as its query heads
+    is one AttentionBackendError, not a result without them."""
+    call = dict(call)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 16, generator=gen)  # (B, Hq, M, D)
+    k = torch.randn(1, 2, 8, 16, generator=gen)  # (B, Hkv, W, D)
+    v = torch.randn(1, 2, 8, call.pop("value_dim", 16), generator=gen)
+    mask = TreeMask.of(TreeBuffers.from_choices(chain_tree(2)))
+    step = TreeStep(torch.tensor([5]), torch.tensor([0]), mask, "sdpa")
+    module = torch.nn.Module()
+    attention_mask = call.pop("attention_mask", None)
+    with pytest.raises(AttentionBackendError, match=reason):
+        hf_tree_attention(module, q, k, v, attention_mask, medusa_tree_step=step, **call)
+
+
+@needs_triton
+def test_verify_forward_through_the_kernel_refuses_narrow_value_heads():
+    """DeepSeek-V3's value heads (16) are narrower than its queries and keys (24): the layer's call is
+    refused (the kernels would read the values past their width and return heads of the query's)."""
+    model = other_model("deepseek_v3_mla")
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=4))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 5, 7]]), use_cache=True, **cache_kwargs(model, cache))
+        with pytest.raises(AttentionBackendError, match="value heads"):
+            verify_forward(model, cache, torch.arange(1, tree.num_nodes + 1), tree, 3, "triton")
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
