@@ -410,7 +410,9 @@ def medusa_generate_batch(
     dtype = next(model.parameters()).dtype
     if acceptance == "sample":
         _check_generators(gens, device)
-    backend = resolve_attention(attention, device, context=max(map(len, rows_in)) + max_new_tokens)
+    backend = resolve_attention(
+        attention, device, context=max(map(len, rows_in)) + max_new_tokens, model=model
+    )
     tree = as_tree(tree).to(device)
     check_tree_fits(tree, heads, model)  # depth <= K, ranks < N
     packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)

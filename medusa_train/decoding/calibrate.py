@@ -219,16 +219,19 @@ def expected_tau(acc: torch.Tensor | Sequence[Sequence[float]], choices: Sequenc
     return total
 
 
-def timed_attention(attention: str, device: torch.device, context_len: int) -> str:
+def timed_attention(
+    attention: str, device: torch.device, context_len: int, model: torch.nn.Module | None = None
+) -> str:
     """The tree attention a calibration at ``context_len`` cached tokens times for the decoders'
     ``attention`` choice ("sdpa", "triton", "cuda" or "auto"): the implementation a decoder call of that
-    many keys resolves it to (:func:`~medusa_train.decoding.attention.resolve_attention`; ``auto`` is
-    "sdpa" on a CPU and below :data:`~medusa_train.decoding.attention.AUTO_MIN_CONTEXT` keys).
+    many keys on ``model`` resolves it to (:func:`~medusa_train.decoding.attention.resolve_attention`;
+    ``auto`` is "sdpa" on a CPU, below :data:`~medusa_train.decoding.attention.AUTO_MIN_CONTEXT` keys
+    and for a model the kernels cannot compute; None: any model they can).
 
     Raises:
-        AttentionBackendError: a choice that cannot run on ``device``.
+        AttentionBackendError: a choice that cannot run on ``device`` or compute ``model``'s attention.
     """
-    return resolve_attention(attention, device, context=context_len)
+    return resolve_attention(attention, device, context=context_len, model=model)
 
 
 @torch.inference_mode()
@@ -286,7 +289,7 @@ def measure_forward_latency(
             f"context_len {context_len} + {max(sizes)} tree tokens exceeds the model's {limit} positions"
         )
     device = next(model.parameters()).device
-    backend = timed_attention(attention, device, context_len)
+    backend = timed_attention(attention, device, context_len, model)
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, context_len), generator=gen).to(device)  # (1, C)
@@ -438,7 +441,7 @@ def calibrate_tree(
     limit = context_limit(model)
     if limit is not None:
         context_len = max(0, min(context_len, limit - max(sizes)))
-    backend = timed_attention(attention, next(model.parameters()).device, context_len)
+    backend = timed_attention(attention, next(model.parameters()).device, context_len, model)
     latency = measure_forward_latency(model, sizes, context_len, attention=backend, interleave=interleave)
     choices, table = choose_tree(trees, taus, latency, tolerance)
     best = next(row for row in table if row["nodes"] == len(choices))

@@ -676,7 +676,7 @@ def medusa_generate(
     prompt_len = input_ids.shape[1]
     limit = context_limit(model)
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_len)
-    backend = resolve_attention(attention, device, context=prompt_len + max(budget, 0))
+    backend = resolve_attention(attention, device, context=prompt_len + max(budget, 0), model=model)
     if budget <= 0:
         return MedusaOutput(tokens=torch.empty(0, dtype=torch.long), stop_reason="empty")
     stop_at_limit = budget < max_new_tokens

@@ -346,7 +346,9 @@ class StaticDecoder:
         self.sdpa_backend = sdpa_backend
         self.capture = capture
         graphed = capture == "cuda_graph" or (capture == "compile" and compile_mode in GRAPHED_COMPILE_MODES)
-        self.attention = resolve_attention(attention, self.device, context=capacity, captured=graphed)
+        self.attention = resolve_attention(
+            attention, self.device, context=capacity, captured=graphed, model=model
+        )
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).

@@ -542,7 +542,8 @@ def fit_tree_to_device(
         stored = read_json(path, repair=_RECALIBRATE) if path else {}
     stored_tree = stored.get("tree") or {}
     context = stored_tree.get("context_len", cfg.tree.latency_context)
-    here = device_label(model, timed_attention(cfg.eval.attention, next(model.parameters()).device, context))
+    timed = timed_attention(cfg.eval.attention, next(model.parameters()).device, context, model)
+    here = device_label(model, timed)
     info: dict = {"device": here, "calibrated_for": None, "recalibrated": False}
     if cfg.tree.name != "calibrated":
         info["pinned"] = cfg.tree.name

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -241,16 +242,19 @@ def resolve_attention(
     device: torch.device,
     context: int | None = None,
     captured: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> str:
     """The implementation a decoder uses for ``attention`` on ``device``: "sdpa", "triton" or "cuda".
 
-    ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device when the call's ``context``
-    (the most keys a row attends to: prompt + new tokens; None: unknown, taken as long) reaches
-    :data:`AUTO_MIN_CONTEXT` (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as
-    a CUDA graph), else ``sdpa`` (always on a CPU).
+    ``auto`` is the first of :data:`AUTO_ORDER` that runs on the device (and computes ``model``'s
+    attention, :func:`kernel_refusal`) when the call's ``context`` (the most keys a row attends to:
+    prompt + new tokens; None: unknown, taken as long) reaches :data:`AUTO_MIN_CONTEXT`
+    (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as a CUDA graph), else ``sdpa``
+    (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work.
 
     Raises:
-        AttentionBackendError: an unknown choice, or one that cannot run here (the message says why).
+        AttentionBackendError: an unknown choice, or one that cannot run here or cannot compute
+            ``model``'s attention (the message says why).
     """
     if attention not in ATTENTION_CHOICES:
         raise AttentionBackendError(
@@ -262,8 +266,12 @@ def resolve_attention(
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
+        if model is not None and kernel_refusal(model) is not None:
+            return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
+    if reason is None and model is not None:
+        reason = kernel_refusal(model)
     if reason is not None:
         raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
     return attention
@@ -280,6 +288,34 @@ def _why_not(backend: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return "the CUDA kernel needs a CUDA device: use attention=sdpa or auto"
     return cuda_available()
+
+
+def kernel_refusal(model: torch.nn.Module) -> str | None:
+    """Why the tree kernels cannot compute ``model``'s attention, as its class and config tell (None:
+    nothing tells so; :func:`hf_tree_attention` refuses what only a layer's call shows)."""
+    name = type(model).__name__
+    if not any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()}):
+        # Such a model (GPT-Neo, Bloom, Falcon, MPT) never calls the kernel, and under the kernel's
+        # implementation it builds no mask either: its tree would be attended without one.
+        return f"{name} computes its attention itself, not through transformers' attention functions"
+    config = model.config.get_text_config()
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"the tree kernels do not apply {name}'s attention softcapping (attn_logit_softcapping)"
+    if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
+        return f"{name} has attention sinks, which the tree kernels do not apply"
+    v_dim = getattr(config, "v_head_dim", None)
+    qk_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
+    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
+        return f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim})"
+    return None
+
+
+def _dispatches(module_name: str) -> bool:
+    """Whether the Python module ``module_name`` looks its attention functions up in transformers'
+    registry (every modeling file whose layers call them does; the ``_supports_attention_backend`` flag
+    is missing from some of those, StableLM's and Qwen3-Next's among them)."""
+    module = sys.modules.get(module_name)
+    return module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
 
 
 _STEP: ContextVar[TreeStep | None] = ContextVar("medusa_tree_step", default=None)
@@ -516,6 +552,7 @@ __all__ = [
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
     "kernel_op",
+    "kernel_refusal",
     "layer_window",
     "model_lock",
     "one_call_per_model",

@@ -483,7 +483,7 @@ def test_auto_counts_a_step_compiled_into_cuda_graphs_as_captured(monkeypatch):
     in a mode that replays CUDA graphs; not for an eager or a default-mode compiled step."""
     seen = []
 
-    def resolve(attention, device, context=None, captured=False):
+    def resolve(attention, device, context=None, captured=False, model=None):
         seen.append(captured)
         return "sdpa"
 

@@ -24,6 +24,7 @@ import transformers as tf  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from medusa_train.decoding import (  # noqa: E402
+    StaticDecoder,
     TreeBuffers,
     chain_tree,
     medusa_generate,
@@ -40,6 +41,7 @@ from medusa_train.decoding.attention import (  # noqa: E402
     TreeStep,
     hf_packed_sdpa_attention,
     hf_tree_attention,
+    kernel_refusal,
     packed_sdpa,
     resolve_attention,
     tree_attention,
@@ -559,13 +561,28 @@ _SMALL = dict(
     hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
 )
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_FULL = ["full_attention"] * 2  # the static decoder takes no model mixing full and sliding layers
 OTHER_MODELS = {
+    # attention of its own (local and global layers), not through transformers' attention functions
+    "gpt_neo": lambda: tf.GPTNeoConfig(
+        hidden_size=64, num_layers=2, num_heads=4, vocab_size=VOCAB, window_size=6,
+        attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+    ),
+    # through them, without the _supports_attention_backend flag: the kernels serve it
+    "stablelm": lambda: tf.StableLmConfig(**{**_SMALL, "hidden_size": 160, "num_attention_heads": 2}),
     # sliding-window layers that pass no sliding_window to their attention (their mask windows them)
     "qwen2_moe": lambda: tf.Qwen2MoeConfig(
         **_SMALL, **_MOE, num_key_value_heads=2, use_sliding_window=True, sliding_window=6,
         max_window_layers=1, num_experts=4, shared_expert_intermediate_size=32,
     ),
     "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
+    "gemma2_softcap": lambda: tf.Gemma2Config(
+        **_SMALL, head_dim=16, attn_logit_softcapping=50.0, layer_types=_FULL
+    ),
+    "gpt_oss_sinks": lambda: tf.GptOssConfig(
+        **_SMALL, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=_FULL,
+    ),
     # multi-head latent attention: value heads of 16, query and key heads of 24
     "deepseek_v3_mla": lambda: tf.DeepseekV3Config(
         **_SMALL, **_MOE, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -578,6 +595,49 @@ OTHER_MODELS = {
 def other_model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return tf.AutoModelForCausalLM.from_config(OTHER_MODELS[name]()).eval()
+
+
+def count_forwards(model: torch.nn.Module) -> list:
+    calls: list = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("gpt_neo", "computes its attention itself"),
+        ("gemma2_softcap", "softcapping"),
+        ("gpt_oss_sinks", "attention sinks"),
+        ("deepseek_v3_mla", r"value heads \(16\).*\(24\)"),
+    ],
+)
+def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason):
+    """A kernel named for a model it would compute wrongly (GPT-Neo's layers never call it, and would
+    attend the tree without a mask; softcapping; sinks; value heads narrower than the keys, which the
+    kernels would read past) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
+    there, where it takes the kernel for a model it computes."""
+    model = other_model(name)
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
+    decoders = [
+        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=tree, attention="triton"),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt], max_new_tokens=4, tree=tree, attention="triton"
+        ),
+        lambda: StaticDecoder(model, heads, tree, 32, attention="triton"),
+    ]
+    for decode in decoders:
+        with pytest.raises(AttentionBackendError, match=f"attention=triton cannot run here: .*{reason}"):
+            decode()
+    assert not calls
+    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
+    served = tiny_model("llama")
+    assert kernel_refusal(served) is None and kernel_refusal(other_model("stablelm")) is None
+    if triton_available():
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=served) == "triton"
 
 
 @needs_triton
