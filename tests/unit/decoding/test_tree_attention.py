@@ -142,7 +142,18 @@ KERNEL_CASES = {
         torch.bfloat16,
         None,
     ),
-}
+    # Shapes of real models the ones above leave out: head dims 80 (Phi-2, StableLM), 96 and 256 (Gemma;
+    # the CUDA kernel's CUDA-core path), GQA groups of 7 (Qwen2-7B's 28 / 4 heads) and 6 with one KV
+    # head (MQA), one node, a row without past, trees of 64 and 65 nodes (one tile of the tree, and one
+    # key more).
+    "one-node-fp16-g7-d80": (chain_tree(0), [40, 0], [0, 0], 1, 7, 80, torch.float16, None),
+    "mqa-bf16-g6-d96": (random_tree(7, nodes=9), [23], [2], 1, 6, 96, torch.bfloat16, None),
+    "bf16-g2-d256": (random_tree(8, nodes=9), [30, 0], [0, 0], 2, 2, 256, torch.bfloat16, None),
+    "64-nodes-fp16-g2-d128": (random_tree(9, nodes=63, max_depth=5, max_rank=30), [20], [0], 2, 2, 128,
+                              torch.float16, None),
+    "65-nodes-fp16-g2-d128": (random_tree(9, nodes=64, max_depth=5, max_rank=30), [20], [0], 2, 2, 128,
+                              torch.float16, None),
+}  # fmt: skip
 
 
 @needs_triton
@@ -156,16 +167,43 @@ def test_triton_kernel_matches_sdpa_reference(name):
 
 
 @needs_triton
-def test_triton_kernel_split_past_combines_exactly():
-    """The past split over several programs (flash-decoding) gives the unsplit result."""
-    from medusa_train.decoding.attention.triton_kernel import triton_tree_attention
-
+@pytest.mark.parametrize(
+    ("pasts", "starts", "window", "splits"),
+    [([300, 129], [0, 50], None, 3), ([200, 200], [190, 0], None, 5), ([200], [0], 5, 5)],
+)
+def test_triton_kernel_split_past_combines_exactly(pasts, starts, window, splits):
+    """The past split over several programs (flash-decoding) gives the unsplit result, also where
+    splits see no key of a row (left padding up to column 190, a window of 5: all but the last)."""
     q, k, v, past, start, mask = random_case(
-        7, random_tree(8, nodes=6), [300, 129], [0, 50], 1, 2, 32, torch.float32
+        7, random_tree(8, nodes=6), pasts, starts, 1, 2, 32, torch.float32
     )
-    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 32**-0.5)
-    split = triton_tree_attention(*args, num_splits=3)
-    assert_matches(split, reference(q, k, v, past, start, mask), torch.float32)
+    args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, 32**-0.5)
+    out = triton_tree_attention(*args, window=window, num_splits=splits, config=LaunchConfig(16, 16, 4, 1))
+    assert_matches(out, reference(q, k, v, past, start, mask, window), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernels_keep_large_fp16_scores_finite(backend):
+    """fp16 queries and keys whose scores reach ~1e2 (a scale the softmax must subtract its running
+    max from before exp): finite, and as close to the fp32 reference as PyTorch's own fp16 SDPA (or
+    within the short cases' tolerance), split and unsplit."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton is not installed")
+    dtype = torch.float16
+    q, k, v, past, start, mask = random_case(5, random_tree(2, nodes=9), [300, 40], [0, 3], 2, 2, 64, dtype)
+    q = q * 30.0
+    ref = reference(q, k, v, past, start, mask)
+    torch_fp16 = tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, backend="sdpa")
+    bound = max(
+        2 * (torch_fp16.float() - ref).abs().max().item(), TOLERANCE[dtype][0] * ref.abs().max().item()
+    )
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, 64**-0.5)
+    kernel = triton_tree_attention if backend == "triton" else cuda_tree_attention
+    for splits in (1, 4):
+        out = kernel(*args, num_splits=splits)
+        assert out.isfinite().all() and (out.float() - ref).abs().max().item() <= bound, splits
 
 
 @needs_triton
