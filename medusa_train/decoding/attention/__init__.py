@@ -190,11 +190,18 @@ def tree_attention(
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype.
     """
-    m = query.shape[2]
-    if mask.num_nodes != m or query.shape[1] % key.shape[1] or key.shape[2] < m:
+    m, d = query.shape[2:]
+    if (
+        mask.num_nodes != m
+        or query.shape[1] % key.shape[1]
+        or key.shape[2] < m
+        or key.shape[-1] != d
+        or value.shape[-1] != d
+    ):
         raise ValueError(
-            f"tree attention got query {tuple(query.shape)}, key {tuple(key.shape)} and a tree of "
-            f"{mask.num_nodes} nodes: need M tree nodes, Hq a multiple of Hkv and W >= M"
+            f"tree attention got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+            f"{tuple(value.shape)} and a tree of {mask.num_nodes} nodes: need M tree nodes, Hq a multiple "
+            "of Hkv, W >= M and one head dim D"
         )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bits = mask.bits_for(window)

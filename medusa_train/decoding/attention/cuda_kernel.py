@@ -138,9 +138,17 @@ def cuda_tree_attention(
     :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`.
 
     Raises:
-        ValueError: a head dim above 256, or tensors not on a CUDA device.
+        ValueError: a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike (the
+            kernel reads them as the query's dtype, anything else as fp32), or tensors not on a CUDA
+            device.
     """
     bsz, hq, m, d = query.shape
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if len(dtypes) > 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"the CUDA tree kernel takes fp16, bf16 or fp32 query, key and value of one dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}"
+        )
     if d > 256 or query.device.type != "cuda":
         raise ValueError(
             f"the CUDA tree kernel takes CUDA tensors with head dim <= 256, got {d} on {query.device}"

@@ -738,6 +738,20 @@ def test_verify_forward_through_the_kernel_refuses_narrow_value_heads():
             verify_forward(model, cache, torch.arange(1, tree.num_nodes + 1), tree, 3, "triton")
 
 
+def test_kernels_refuse_inputs_they_would_misread():
+    """The kernels read values as wide as the queries: narrower ones are refused (not read past their
+    width). The CUDA kernel reads K/V as the query's dtype and any dtype but fp16/bf16 as fp32: fp64,
+    or K/V of another dtype than the query, is refused before the launch (not read as garbage)."""
+    q, k, v, past, start, mask = random_case(1, chain_tree(2), [5], [0], 1, 2, 16, torch.float32, "cpu")
+    for backend in ("sdpa", "triton", "cuda"):
+        with pytest.raises(ValueError, match="one head dim D"):
+            tree_attention(q, k, v[..., :8], past, start, mask, backend=backend)
+    args = (past.int(), start.int(), mask.bits, mask.depth, 0.25)
+    for q_, k_, v_ in ((q.double(), k.double(), v.double()), (q.half(), k, v)):
+        with pytest.raises(ValueError, match="fp16, bf16 or fp32 query, key and value of one dtype"):
+            cuda_tree_attention(q_, k_, v_, *args)
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
 def test_cuda_source_compiles(tmp_path):
     """The kernel source compiles for Hopper (nothing runs: no GPU needed)."""
