@@ -15,7 +15,8 @@ Steps:
        that `eval.attention` runs here (step 6 times with it) and that a truncated draft vocabulary is
        smaller than the backbone's the manifest names.
     2. Load the backbone (ZeRO-3 with a backbone that trains: partitioned as it loads, no rank
-       holding it whole); the distilled data must have been made by it.
+       holding it whole); the distilled data must have been made by it, and a tree-attention kernel
+       named by `eval.attention` must compute its attention.
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
        (unless overwrite); if only the calibration's settings differ (`tree.max_nodes`, `tree.topk`,
        `tree.latency_context`, `tree.tolerance`, `training.calibration_max_records`), calibrate the
@@ -166,6 +167,7 @@ def run(cfg: Config) -> dict:
             backbone, tokenizer = load_configured_backbone(
                 cfg.model, device, trainable=recipe.trains_backbone
             )
+        _check_attention(cfg, device, backbone)
         identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
         check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
         if tc.head_projection == "truncated":  # a manifest without the vocabulary: checked on the loaded one
@@ -343,10 +345,12 @@ def _check_logit_map(
     )
 
 
-def _check_attention(cfg: Config, device: torch.device) -> None:
-    """Step 1: ``eval.attention`` runs on ``device`` (step 6 times the tree forwards with it)."""
+def _check_attention(cfg: Config, device: torch.device, model: PreTrainedModel | None = None) -> None:
+    """Steps 1 and 2: ``eval.attention`` runs on ``device`` and, once it is loaded, computes ``model``'s
+    attention (step 6 times the tree forwards with it: a kernel refused there would end the run after
+    its training)."""
     try:
-        timed_attention(cfg.eval.attention, device, cfg.tree.latency_context)
+        timed_attention(cfg.eval.attention, device, cfg.tree.latency_context, model=model)
     except AttentionBackendError as err:
         raise AttentionBackendError(
             f"eval.attention={cfg.eval.attention}: {err} (the tree calibration after training times its "
