@@ -71,12 +71,18 @@ def start_tracking(
     """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0).
 
     Raises:
-        UserError: wandb refused to start the run (online without ``wandb login``, no network to the
-            server, a project name it does not take).
+        UserError: wandb is not installed, or refused to start the run (online without ``wandb
+            login``, no network to the server, a project name it does not take).
     """
     if tracking_cfg.mode == "disabled" or not dist.is_main():
         return Tracker(None)
-    import wandb
+    try:
+        import wandb
+    except ImportError as err:
+        raise UserError(
+            f"tracking.mode={tracking_cfg.mode}: wandb cannot be imported ({err}): `pip install wandb`, "
+            "or pass tracking=disabled to log nothing"
+        ) from None
 
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)

@@ -155,3 +155,17 @@ def test_eval_run_holds_its_figures_or_is_closed_as_failed(
     assert {key for row in run.logged for key in row if key.startswith("eval/")} == {
         f"eval/{path.stem}" for path in (workdir / "eval" / "plots").glob("*.png")
     }
+
+
+def test_tracking_without_wandb_installed_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medusa_train.config import compose_config
+    from medusa_train.tracking import start_tracking
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds when it is not installed
+    cfg = compose_config([f"workdir={tmp_path / 'wd'}"])
+    with pytest.raises(
+        UserError, match=r"tracking.mode=offline: wandb cannot be imported .*tracking=disabled"
+    ):
+        start_tracking(cfg.tracking, cfg.workdir, "train")
