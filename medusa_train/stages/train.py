@@ -705,27 +705,28 @@ def _train(
     dtypes = own_dtypes(model)  # before DeepSpeed's bf16/fp16 casts them (heads, LoRA adapters: fp32)
     if is_zero3(ds_config):  # beside a backbone loaded partitioned, the engine casts nothing itself
         cast_unpartitioned(model, ds_config)
-    tracker = start_tracking(cfg.tracking, wd.root, "train", config={"training": asdict(tc), "run": info})
-    budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
-    trainer = MedusaTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        data_collator=collator,
-        callbacks=[
-            *callbacks,
-            MetricsScheduleCallback(),
-            TrackerCallback(tracker),
-            *([budget] if budget else []),
-        ],
-        head_lr_multiplier=recipe.head_lr_multiplier,
-    )
     last = last_complete_checkpoint(wd.train, remove_incomplete=args.process_index == 0)
     if last:
         check_checkpoint_ranks(Path(last))  # before DeepSpeed stops at it inside the Trainer
         log.info("resuming from %s", last)
-    t0 = time.time()
-    with tracker:  # closed here, as failed if training raised
+    budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
+    # The run is closed on the way out, as failed if anything raises once it is open.
+    run_config = {"training": asdict(tc), "run": info}
+    with start_tracking(cfg.tracking, wd.root, "train", config=run_config) as tracker:
+        trainer = MedusaTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=collator,
+            callbacks=[
+                *callbacks,
+                MetricsScheduleCallback(),
+                TrackerCallback(tracker),
+                *([budget] if budget else []),
+            ],
+            head_lr_multiplier=recipe.head_lr_multiplier,
+        )
+        t0 = time.time()
         try:
             out = trainer.train(resume_from_checkpoint=last)
         except pickle.UnpicklingError:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from medusa_train.errors import UserError
-from medusa_train.stages import distill
+from medusa_train.stages import distill, train
 from medusa_train.stages import eval as eval_stage
 from medusa_train.tracking import Tracker
 from tests.helpers.distill import run_distill, write_prompts
@@ -169,3 +169,17 @@ def test_tracking_without_wandb_installed_is_one_line(
         UserError, match=r"tracking.mode=offline: wandb cannot be imported .*tracking=disabled"
     ):
         start_tracking(cfg.tracking, cfg.workdir, "train")
+
+
+def test_training_that_fails_before_its_first_step_closes_its_run_as_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[_Run]
+) -> None:
+    """The run is closed whatever raises once it is open: here the Trainer's construction."""
+
+    def refuses(*_, **__):
+        raise RuntimeError("a Trainer that cannot be built")
+
+    monkeypatch.setattr(train, "MedusaTrainer", refuses)
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        train.run(train_cfg(make_train_workdir(tmp_path, n_records=16), "tracking.mode=offline"))
+    assert len(runs) == 1 and runs[0].closed == [1]
