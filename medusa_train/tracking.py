@@ -4,17 +4,27 @@ Offline is the default: runs are written under ``<workdir>/wandb`` and can be up
 ``wandb sync``. Nothing here ever needs a login or the network unless the user asks for online.
 Only the main process (rank 0) logs. wandb is imported lazily so the decoder and heads run
 without it.
+
+A stage that resumes its work (train from a checkpoint, distill from its shards) continues its wandb
+run: ``<workdir>/wandb/<stage>-run.json`` holds the run's id and the last step it logged. wandb
+cannot take back a step, so the steps up to that one, which the killed run logged already, are not
+logged again (offline, each attempt is a folder of its own under the one id; ``wandb sync`` uploads
+them in order).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
+import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from medusa_train import dist
 from medusa_train.errors import UserError
+from medusa_train.workdir import atomic_write_json
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
     from medusa_train.config import TrackingConfig
@@ -30,16 +40,29 @@ class Tracker:
     exit, after the run was already closed as finished.
     """
 
-    def __init__(self, run: Any | None) -> None:
+    def __init__(
+        self, run: Any | None, state: Path | None = None, run_id: str = "", logged: int = -1
+    ) -> None:
+        """``state``: the file holding ``run_id`` and the last step logged, ``logged`` (by an earlier
+        attempt of the run when resumed; -1: none)."""
         self._run = run
+        self._state, self._id = state, run_id
+        self._resumed_after = self._last = logged
 
     @property
     def enabled(self) -> bool:
         return self._run is not None
 
     def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        if self._run is not None:
-            self._run.log(metrics, step=step)
+        """Log ``metrics`` at ``step`` (None: wandb's next); a step the run's killed attempt logged already
+        is dropped."""
+        if self._run is None or (step is not None and step <= self._resumed_after):
+            return
+        if step is not None and step > self._last and self._state is not None:
+            # Recorded before wandb gets it: a kill in between loses this step's row, never repeats it.
+            atomic_write_json(self._state, {"id": self._id, "step": step})
+            self._last = step
+        self._run.log(metrics, step=step)
 
     def summary(self, metrics: dict[str, Any]) -> None:
         if self._run is not None:
@@ -66,9 +89,17 @@ class Tracker:
 
 
 def start_tracking(
-    tracking_cfg: TrackingConfig, workdir: str | os.PathLike, stage: str, config: dict | None = None
+    tracking_cfg: TrackingConfig,
+    workdir: str | os.PathLike,
+    stage: str,
+    config: dict | None = None,
+    resume: bool = False,
 ) -> Tracker:
     """Open a wandb run for ``stage`` (or a no-op tracker when disabled or not rank 0).
+
+    Args:
+        resume: the stage continues work a killed run of it began: continue that run (the one
+            ``<workdir>/wandb/<stage>-run.json`` names, if any) rather than start another.
 
     Raises:
         UserError: wandb is not installed, or refused to start the run (online without ``wandb
@@ -86,6 +117,9 @@ def start_tracking(
 
     root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
+    state = root / "wandb" / f"{stage}-run.json"
+    previous = _previous_run(state) if resume else None
+    run_id, logged = previous if previous else (_new_run_id(), -1)
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
         run = wandb.init(
@@ -97,6 +131,8 @@ def start_tracking(
             mode=tracking_cfg.mode,
             dir=str(root),
             config=config,
+            id=run_id,
+            resume="allow" if previous else None,
             reinit="finish_previous",
         )
     except wandb.errors.Error as err:
@@ -105,4 +141,28 @@ def start_tracking(
             f"tracking.mode={tracking_cfg.mode}: wandb could not start a run ({first}); "
             "tracking=offline writes it under the workdir for `wandb sync` later, tracking=disabled logs nothing"
         ) from None
-    return Tracker(run)
+    state.parent.mkdir(exist_ok=True)
+    atomic_write_json(state, {"id": run_id, "step": logged})  # a kill before the first log resumes it too
+    return Tracker(run, state, run_id, logged)
+
+
+def _new_run_id() -> str:
+    """A fresh wandb run id (8 characters of wandb's alphabet, as wandb makes them)."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def _previous_run(state: Path) -> tuple[str, int] | None:
+    """The run id and last logged step ``state`` holds, or None (no run to continue: none was started,
+    or the file is damaged, when a new run starts)."""
+    try:
+        held = json.loads(state.read_text())
+        run_id, step = held["id"], held["step"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        log.warning("tracking: %s is unreadable (%s): starting another wandb run", state, type(err).__name__)
+        return None
+    if not isinstance(run_id, str) or not run_id or not isinstance(step, int):
+        log.warning("tracking: %s is damaged: starting another wandb run", state)
+        return None
+    return run_id, step

@@ -158,8 +158,9 @@ def run(cfg: Config) -> dict:
         if complete is not None:
             return _figures(complete, generated_now=0, resumed=True)
 
-        # 5. This rank's shards.
-        tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg))  # no-op off rank 0
+        # 5. This rank's shards. Shards on disk are a killed run's work: its wandb run goes on (rank 0 only).
+        resumed = any(shard_path(plan.out, i).is_file() for i in range(plan.num_shards))
+        tracker = start_tracking(cfg.tracking, cfg.workdir, "distill", asdict(cfg), resume=resumed)
         all_stats = dist.gather(_distill_shards(plan, model, renderer, tracker))
 
         # 6. One manifest, written by rank 0 once every shard is on disk.
@@ -633,7 +634,8 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
         )
     before = dict(engine.stats)
     try:  # the bar ends its line also when generation fails (an error then starts a line of its own)
-        for n, index in enumerate(todo, start=1):
+        # n: this rank's shards on disk, the step its figures are logged at (a resumed run goes on counting)
+        for n, index in enumerate(todo, start=len(mine) - len(todo) + 1):
             chunk = slice(index * size, (index + 1) * size)
             rows = distill_records(
                 engine,

@@ -710,9 +710,11 @@ def _train(
         check_checkpoint_ranks(Path(last))  # before DeepSpeed stops at it inside the Trainer
         log.info("resuming from %s", last)
     budget = TimeBudgetCallback(tc.max_minutes) if tc.max_minutes else None
-    # The run is closed on the way out, as failed if anything raises once it is open.
+    # The run is closed on the way out, as failed if anything raises once it is open; a resumed
+    # checkpoint continues the run of the training that wrote it.
     run_config = {"training": asdict(tc), "run": info}
-    with start_tracking(cfg.tracking, wd.root, "train", config=run_config) as tracker:
+    resume = last is not None
+    with start_tracking(cfg.tracking, wd.root, "train", config=run_config, resume=resume) as tracker:
         trainer = MedusaTrainer(
             model=model,
             args=args,

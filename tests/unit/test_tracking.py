@@ -1,11 +1,14 @@
 """wandb runs end in the state the stage ended in: finished after its work, failed after a crash or Ctrl-C.
 
 wandb only learns of an exception at interpreter exit; a run the stage closed on the way out was
-already marked finished by then. A stand-in ``wandb`` module records how each run was closed.
+already marked finished by then. A stand-in ``wandb`` module records how each run was opened, what
+it logged at which step, and how it was closed. A stage that resumes its work continues its run,
+checked also on the files the real wandb writes offline.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -19,18 +22,23 @@ from medusa_train.tracking import Tracker
 from tests.helpers.distill import run_distill, write_prompts
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 from tests.helpers.train_workdir import make_train_workdir, run_killed_at_step, train_cfg
+from tests.helpers.wandb_offline import read_offline_runs
 
 
 class _Run:
-    """What the stages use of a wandb run; ``closed`` holds the exit code of every ``finish``."""
+    """What the stages use of a wandb run; ``init`` holds ``wandb.init``'s arguments, ``steps`` the step
+    of every ``log``, ``closed`` the exit code of every ``finish``."""
 
-    def __init__(self) -> None:
+    def __init__(self, **init) -> None:
+        self.init = init
         self.summary: dict = {}
         self.logged: list[dict] = []
+        self.steps: list[int | None] = []
         self.closed: list[int | None] = []
 
-    def log(self, metrics: dict, *_, **__) -> None:
+    def log(self, metrics: dict, step: int | None = None) -> None:
         self.logged.append(metrics)
+        self.steps.append(step)
 
     def finish(self, exit_code: int | None = None) -> None:
         self.closed.append(exit_code)
@@ -45,8 +53,8 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[_Run]:
     """Every run opened through a stand-in ``wandb`` module, in order."""
     opened: list[_Run] = []
 
-    def init(**_) -> _Run:
-        opened.append(_Run())
+    def init(**kwargs) -> _Run:
+        opened.append(_Run(**kwargs))
         return opened[-1]
 
     wandb = types.SimpleNamespace(init=init, Image=str, errors=types.SimpleNamespace(Error=_WandbError))
@@ -157,18 +165,31 @@ def test_eval_run_holds_its_figures_or_is_closed_as_failed(
     }
 
 
-def test_tracking_without_wandb_installed_is_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from medusa_train.config import compose_config
-    from medusa_train.tracking import start_tracking
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real wandb, offline, with its settings and caches in ``tmp_path`` (nothing reaches a network)."""
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(key, str(tmp_path / "wandb-home" / key.lower()))
 
-    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds when it is not installed
-    cfg = compose_config([f"workdir={tmp_path / 'wd'}"])
-    with pytest.raises(
-        UserError, match=r"tracking.mode=offline: wandb cannot be imported .*tracking=disabled"
-    ):
-        start_tracking(cfg.tracking, cfg.workdir, "train")
+
+def test_killed_and_resumed_training_continues_its_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline_wandb: None
+) -> None:
+    """A run killed at step 5 and resumed from checkpoint-3 is the same wandb run (the id `wandb sync`
+    appends its offline parts under), its steps increasing across the parts: step 4, which the killed
+    part logged, is not logged again, and the resumed part goes on to the end."""
+    root = make_train_workdir(tmp_path / "wd", n_records=48)
+    cfg = train_cfg(root, "tracking.mode=offline")
+    run_killed_at_step(cfg, monkeypatch, step=5)
+    train.run(cfg)
+    killed, resumed = read_offline_runs(root)
+    assert killed.id == resumed.id and (killed.exit_code, resumed.exit_code) == (1, 0)
+    steps = [row["_step"] for part in (killed, resumed) for row in part.history]
+    assert steps == [2, 4, 6], steps
+    assert all(row["_step"] == 6 for row in resumed.history if "train/train_runtime" in row)
 
 
 def test_training_that_fails_before_its_first_step_closes_its_run_as_failed(
@@ -183,3 +204,53 @@ def test_training_that_fails_before_its_first_step_closes_its_run_as_failed(
     with pytest.raises(RuntimeError, match="cannot be built"):
         train.run(train_cfg(make_train_workdir(tmp_path, n_records=16), "tracking.mode=offline"))
     assert len(runs) == 1 and runs[0].closed == [1]
+
+
+def test_training_started_again_from_scratch_is_a_new_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[_Run]
+) -> None:
+    """Only a resumed checkpoint continues a run: after training.overwrite=true (or a kill before the first
+    checkpoint) training starts at step 1 in a run of its own, every logged step kept."""
+    root = make_train_workdir(tmp_path, n_records=48)
+    train.run(train_cfg(root, "tracking.mode=offline"))
+    train.run(train_cfg(root, "tracking.mode=offline", "training.overwrite=true", "training.lr=2e-2"))
+    first, again = runs
+    assert first.init["id"] != again.init["id"] and again.init["resume"] is None
+    assert first.steps == again.steps and [s for s in again.steps if s is not None][:2] == [2, 4]
+
+
+def test_killed_and_resumed_distill_continues_its_wandb_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[_Run], tiny_backbone_dir: Path
+) -> None:
+    """Distill resumes from its shards on disk: the same run, its step (shards done) going on counting."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", n=10)
+    real_write = distill.write_shard
+
+    def fails_at_the_third(path, rows):
+        if path.name.endswith("00002.arrow"):
+            raise RuntimeError("injected failure")
+        real_write(path, rows)
+
+    monkeypatch.setattr(distill, "write_shard", fails_at_the_third)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_distill(tmp_path / "wd", tiny_backbone_dir, prompts, "tracking.mode=offline")
+    monkeypatch.setattr(distill, "write_shard", real_write)
+    run_distill(tmp_path / "wd", tiny_backbone_dir, prompts, "tracking.mode=offline")
+    killed, resumed = runs
+    assert resumed.init["id"] == killed.init["id"] and resumed.init["resume"] == "allow"
+    assert (killed.steps, resumed.steps) == ([1, 2], [3, 4])
+    assert (killed.closed, resumed.closed) == ([1], [0])
+
+
+def test_tracking_without_wandb_installed_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medusa_train.config import compose_config
+    from medusa_train.tracking import start_tracking
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` finds when it is not installed
+    cfg = compose_config([f"workdir={tmp_path / 'wd'}"])
+    with pytest.raises(
+        UserError, match=r"tracking.mode=offline: wandb cannot be imported .*tracking=disabled"
+    ):
+        start_tracking(cfg.tracking, cfg.workdir, "train")
