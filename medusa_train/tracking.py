@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class Tracker:
-    """A thin wandb run: ``log(dict, step)``, ``summary(dict)``, ``finish()``; no-op when disabled.
+    """A thin wandb run: ``log(dict, step)``, ``define_axis``, ``summary(dict)``, ``finish()``; no-op when
+    disabled.
 
     Used as a context manager (``with tracker:``) it finishes the run on the way out, as failed when
     an exception (a crash, Ctrl-C) leaves the block: wandb itself would only learn of it at interpreter
@@ -63,6 +64,14 @@ class Tracker:
             atomic_write_json(self._state, {"id": self._id, "step": step})
             self._last = step
         self._run.log(metrics, step=step)
+
+    def define_axis(self, family: str, x: str) -> None:
+        """Plot every metric ``<family>/*`` against ``<family>/<x>``, which each of their rows must hold,
+        rather than against wandb's step (a row number for rows logged without a step: a table's rows,
+        such as eval's tree sizes or batch sizes)."""
+        if self._run is not None:
+            self._run.define_metric(f"{family}/{x}")  # the axis on its own: the glob is what is plotted on it
+            self._run.define_metric(f"{family}/*", step_metric=f"{family}/{x}")
 
     def summary(self, metrics: dict[str, Any]) -> None:
         if self._run is not None:

@@ -378,6 +378,10 @@ def _evaluate(
             if k != "setting"
         }
     )
+    # A row per tree size and per batch size, each family plotted against its own x (the rows' wandb
+    # step is only their order)
+    tracker.define_axis("sweep", "tree_size")
+    tracker.define_axis("batch", "batch_size")
     for row in report["sweep"]:
         tracker.log(
             {"sweep/tau": row["tau"], "sweep/speedup": row["speedup"], "sweep/tree_size": row["tree_size"]}

@@ -20,10 +20,12 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 @dataclass
 class OfflineRun:
-    """One offline run folder: its id, the history rows (``_step`` included) and the exit code."""
+    """One offline run folder: its id, the history rows (``_step`` included), the x axis of every metric
+    defined (``define_metric``'s ``step_metric``, "" for none; a glob as ``prefix/*``) and the exit code."""
 
     id: str
     history: list[dict] = field(default_factory=list)
+    axes: dict[str, str] = field(default_factory=dict)
     exit_code: int | None = None
 
 
@@ -70,6 +72,8 @@ def read_offline_runs(workdir: Path) -> list[OfflineRun]:
                         for item in record.history.item
                     }
                 )
+            elif kind == "metric":
+                run.axes[record.metric.name or record.metric.glob_name] = record.metric.step_metric
             elif kind == "exit":
                 run.exit_code = record.exit.exit_code
         runs.append(run)

@@ -27,18 +27,23 @@ from tests.helpers.wandb_offline import read_offline_runs
 
 class _Run:
     """What the stages use of a wandb run; ``init`` holds ``wandb.init``'s arguments, ``steps`` the step
-    of every ``log``, ``closed`` the exit code of every ``finish``."""
+    of every ``log``, ``axes`` the x axis of every ``define_metric`` (None: wandb's step), ``closed`` the
+    exit code of every ``finish``."""
 
     def __init__(self, **init) -> None:
         self.init = init
         self.summary: dict = {}
         self.logged: list[dict] = []
         self.steps: list[int | None] = []
+        self.axes: dict[str, str | None] = {}
         self.closed: list[int | None] = []
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         self.logged.append(metrics)
         self.steps.append(step)
+
+    def define_metric(self, name: str, step_metric: str | None = None) -> None:
+        self.axes[name] = step_metric
 
     def finish(self, exit_code: int | None = None) -> None:
         self.closed.append(exit_code)
@@ -163,6 +168,57 @@ def test_eval_run_holds_its_figures_or_is_closed_as_failed(
     assert {key for row in run.logged for key in row if key.startswith("eval/")} == {
         f"eval/{path.stem}" for path in (workdir / "eval" / "plots").glob("*.png")
     }
+
+
+def test_eval_plots_its_sweep_and_batch_sizes_against_tree_and_batch_size(
+    tmp_path: Path, runs: list[_Run]
+) -> None:
+    """The sweep's and the batch table's rows are logged without a step (wandb numbers them 0, 1, ...):
+    each family is plotted against its own x, which every one of its rows holds."""
+    report = eval_stage.run(
+        tiny_cfg(
+            make_workdir(tmp_path / "wd"),
+            *[o for o in QUICK_EVAL if not o.startswith(("eval.num_prompts", "eval.sweep", "eval.batch"))],
+            "eval.num_prompts=2",
+            "eval.sweep_tree_sizes=[1,4]",
+            "eval.batch_sizes=[1,2]",
+        )
+    )
+    (run,) = runs
+    assert run.axes == {
+        "sweep/tree_size": None,
+        "sweep/*": "sweep/tree_size",
+        "batch/batch_size": None,
+        "batch/*": "batch/batch_size",
+    }
+    sweep_rows = [row for row in run.logged if any(k.startswith("sweep/") for k in row)]
+    batch_rows = [row for row in run.logged if any(k.startswith("batch/") for k in row)]
+    assert [(row["sweep/tree_size"], row["sweep/tau"]) for row in sweep_rows] == [
+        (row["tree_size"], row["tau"]) for row in report["sweep"]
+    ]
+    assert [(row["batch/batch_size"], row["batch/tau"]) for row in batch_rows] == [
+        (row["batch_size"], row["tau"]) for row in report["batch_sizes"]
+    ]
+    assert [row["tree_size"] for row in report["sweep"]] == [1, 4, 5] and len(report["batch_sizes"]) == 2
+
+
+def test_a_disabled_tracker_defines_no_axis() -> None:
+    Tracker(None).define_axis("sweep", "tree_size")  # no run: nothing to reach
+
+
+def test_the_axes_reach_wandbs_offline_run(tmp_path: Path, offline_wandb: None) -> None:
+    """The real wandb takes the axes: its run file holds the x of every ``sweep/`` metric."""
+    from medusa_train.config import compose_config
+    from medusa_train.tracking import start_tracking
+
+    cfg = compose_config([f"workdir={tmp_path / 'wd'}"])
+    with start_tracking(cfg.tracking, cfg.workdir, "eval") as tracker:
+        tracker.define_axis("sweep", "tree_size")
+        for size in (4, 16):
+            tracker.log({"sweep/tau": size / 8, "sweep/tree_size": size})
+    (run,) = read_offline_runs(tmp_path / "wd")
+    assert run.axes == {"sweep/tree_size": "", "sweep/*": "sweep/tree_size"}
+    assert [(row["sweep/tree_size"], row["_step"]) for row in run.history] == [(4, 0), (16, 1)]
 
 
 @pytest.fixture
