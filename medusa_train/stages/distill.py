@@ -79,6 +79,7 @@ from medusa_train.data.distilled import (
     has_output,
     read_manifest,
     read_progress,
+    read_shard_counts,
     shard_entries,
     shard_path,
     start_run,
@@ -601,6 +602,11 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             "distill: resuming, %d of %d shards of rank 0 already on disk", len(mine) - len(todo), len(mine)
         )
     stats = {"tokens": 0, "seconds": 0.0, "shards": len(todo)}
+    # Logged: totals of this rank's shards on disk, a killed attempt's included (the run goes on with
+    # them), and the tokens/s of this attempt alone
+    tokens_on_disk = sum(
+        read_shard_counts(shard_path(plan.out, i))["tokens_generated"] for i in mine if i not in todo
+    )
     # mininterval: at most 2 redraws a second (a log file gets a line per redraw)
     bar = tqdm(
         total=total, initial=done, unit="rec", desc="distill", disable=not dist.is_main(), mininterval=0.5
@@ -657,11 +663,12 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
                 write_shard(shard_path(plan.out, index), rows, extra)
             bar.update(handled - counted[0])  # records with nothing to generate
             counted[0] = 0
+            tokens_on_disk += read_shard_counts(shard_path(plan.out, index))["tokens_generated"]
             elapsed = time.perf_counter() - start
             tracker.log(
                 {
                     "distill/records": bar.n,
-                    "distill/tokens_generated": stats["tokens"],
+                    "distill/tokens_generated": tokens_on_disk,
                     "distill/tokens_per_s": stats["tokens"] / elapsed,
                 },
                 step=n,

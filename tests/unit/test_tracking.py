@@ -8,6 +8,7 @@ checked also on the files the real wandb writes offline.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import types
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from medusa_train.data.distilled import read_shard_counts
 from medusa_train.errors import UserError
 from medusa_train.stages import distill, train
 from medusa_train.stages import eval as eval_stage
@@ -296,6 +298,12 @@ def test_killed_and_resumed_distill_continues_its_wandb_run(
     assert resumed.init["id"] == killed.init["id"] and resumed.init["resume"] == "allow"
     assert (killed.steps, resumed.steps) == ([1, 2], [3, 4])
     assert (killed.closed, resumed.closed) == ([1], [0])
+    # The counts go on from the killed attempt's shards: the totals on disk after each shard
+    shards = sorted((tmp_path / "wd" / "distill" / "shards").glob("shard-*.arrow"))
+    on_disk = list(itertools.accumulate(read_shard_counts(path)["tokens_generated"] for path in shards))
+    logged = killed.logged + resumed.logged
+    assert [row["distill/tokens_generated"] for row in logged] == on_disk
+    assert [row["distill/records"] for row in logged] == [3, 6, 9, 10] and len(shards) == 4
 
 
 def test_tracking_without_wandb_installed_is_one_line(
