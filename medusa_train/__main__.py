@@ -30,7 +30,7 @@ from dataclasses import asdict
 from medusa_train.config import Config, compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
-from medusa_train.workdir import EVAL, REPORT_MD
+from medusa_train.workdir import EVAL, REPORT_MD, check_workdir
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if print_cfg:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
+        check_workdir(cfg.workdir)  # a file there, no write access: refused before any stage's work
         quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
         run_stage(cfg)
     except UserError as err:

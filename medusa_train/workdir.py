@@ -36,6 +36,7 @@ heads').
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -46,7 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medusa_train.errors import STAGING_NAME, TEMP_FILE_NAME, DamagedArtefactError, UserError
+from medusa_train.errors import (
+    STAGING_NAME,
+    TEMP_FILE_NAME,
+    DamagedArtefactError,
+    UserError,
+    environment_fault,
+)
 
 # -- folders of the workdir (one per stage) ----------------------------------------------------------
 PRETRAIN = "pretrain"
@@ -107,6 +114,28 @@ class Workdir:
     @property
     def eval(self) -> Path:
         return self.root / EVAL
+
+
+def check_workdir(root: str | os.PathLike) -> None:
+    """Refuse, before any work, a workdir no stage can write to: a file where it or a folder above it
+    must be, or (its nearest existing folder when it does not exist yet) a folder this user may not
+    write or one on a read-only disk. Every stage writes there; found only at a stage's first write,
+    the fault came after its work (a whole pretraining or evaluation) or as a traceback.
+
+    Raises:
+        UserError: the one line of :func:`~medusa_train.errors.environment_fault` for that fault.
+    """
+    path = Path(root).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        code = errno.ENOTDIR
+    elif os.access(existing, os.W_OK | os.X_OK):
+        return
+    else:
+        code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
+    message = environment_fault(OSError(code, os.strerror(code), str(existing)), root)
+    assert message is not None  # every code above is one environment_fault words
+    raise UserError(message)
 
 
 def require(path: Path, what: str, stage: str) -> Path:

@@ -23,6 +23,7 @@ import pickle
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -216,8 +217,73 @@ def test_workdir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert (
         main([*argv, "model=hf", f"model.name_or_path={make_workdir(tmp_path / 'run') / 'base_model'}"]) == 2
     )
-    assert f"a file stands where a folder is needed: {afile}/" in _error_line(capsys)
+    assert f"a file stands where a folder is needed: {afile}: pass workdir=<a folder>" in _error_line(capsys)
     assert afile.read_text() == "not a folder"
+
+
+def _no_stage(name: str):
+    raise AssertionError(f"stage={name} started: the workdir should have been refused first")
+
+
+@pytest.mark.parametrize("below", ["", "sub/run"])
+@pytest.mark.parametrize("stage", ["pretrain", "all", "eval"])
+def test_workdir_under_a_file_is_refused_before_any_stage(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stage: str,
+    below: str,
+) -> None:
+    """stage=pretrain and stage=all (the demo) met the file at their first mkdir, after pretraining, with a
+    FileExistsError traceback; the stages that read first said to run an earlier stage."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    workdir = afile / below if below else afile
+    assert main([f"workdir={workdir}", f"stage={stage}", "debug=fast", "tracking=disabled"]) == 2
+    assert f"a file stands where a folder is needed: {afile}: pass workdir=<a folder>" in _error_line(capsys)
+    assert afile.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"), [("permission", "permission denied"), ("read-only", "the file system is read-only")]
+)
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_workdir_without_write_access_is_refused_before_any_stage(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    says: str,
+    below: str,
+) -> None:
+    """A workdir (or, not made yet, the folder it goes in) this user cannot write, or on a read-only
+    disk, is refused before any stage starts: the fault showed at the stage's first write, after a
+    whole pretraining or evaluation."""
+    root = tmp_path / "run"
+    root.mkdir()
+    inside = lambda path: Path(path).absolute().is_relative_to(root.absolute())  # noqa: E731
+    real_access, real_statvfs = os.access, os.statvfs
+    if fault == "permission" and os.geteuid() != 0:
+        root.chmod(0o555)
+    else:  # root writes anywhere a disk allows: the check's view of the folder is simulated
+        monkeypatch.setattr(
+            os, "access", lambda path, mode, **kw: not inside(path) and real_access(path, mode, **kw)
+        )
+    if fault == "read-only":
+        monkeypatch.setattr(
+            os,
+            "statvfs",
+            lambda path: SimpleNamespace(f_flag=os.ST_RDONLY) if inside(path) else real_statvfs(path),
+        )
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    try:
+        assert main([f"workdir={root / below}", "stage=pretrain", "debug=fast", "tracking=disabled"]) == 2
+    finally:
+        root.chmod(0o755)
+    line = _error_line(capsys)
+    assert line.startswith(f"error: {says}") and f"{root}: " in line and "pass workdir=" in line, line
+    assert not any(root.iterdir())
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
