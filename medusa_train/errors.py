@@ -148,9 +148,15 @@ def environment_fault(err: BaseException, workdir: str | Path) -> str | None:
             )
         found = errno.ENOSPC, None
     code, filename = found
-    where = _artefact_path(Path(os.fsdecode(filename))) if filename else Path(workdir)
-    folder = where if where.is_dir() or not filename else where.parent
-    message = f"{_FAULTS[code]}: {where}"
+    name = _artefact_path(Path(os.fsdecode(filename))) if filename else None
+    if name is not None and not name.is_absolute() and len(name.parts) == 1:
+        # A bare entry name (shutil.rmtree's, a walk by folder descriptor) is relative to a folder it
+        # does not name, somewhere under the workdir, not to the current directory.
+        where, message = Path(workdir), f"{_FAULTS[code]}: {name} under {workdir}"
+    else:
+        where = name if name is not None else Path(workdir)
+        message = f"{_FAULTS[code]}: {where}"
+    folder = where if where.is_dir() or where != name else where.parent
     if code in _DISK_FULL:
         existing = _existing(folder)
         if existing is not None:

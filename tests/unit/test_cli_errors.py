@@ -473,6 +473,22 @@ def test_environment_fault_names_the_artefact_not_the_temp_file(tmp_path: Path) 
     assert environment_fault(KeyError("x"), tmp_path) is None
 
 
+def test_environment_fault_of_a_bare_file_name_names_the_workdir(tmp_path: Path) -> None:
+    """shutil.rmtree (training.overwrite=true discarding workdir/train) reports a file by its bare name,
+    relative to a folder it walks: the line named that name as if in the current directory and asked
+    for access to "."."""
+    denied = PermissionError(errno.EACCES, os.strerror(errno.EACCES), "run.json")
+    line = environment_fault(denied, tmp_path)
+    assert line.startswith(
+        f"permission denied: run.json under {tmp_path}: give this user access to {tmp_path} ("
+    )
+    full = environment_fault(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "optimizer.pt"), tmp_path)
+    assert (
+        full.startswith(f"no space left on the device: optimizer.pt under {tmp_path} (")
+        and "free there" in full
+    )
+
+
 # -- messages that name the user's own mistake ----------------------------------------------------
 @pytest.mark.parametrize(
     ("override", "says"),
