@@ -867,7 +867,8 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     from omegaconf import OmegaConf
 
     register_configs()
-    for override in overrides or []:
+    for i, override in enumerate(overrides or []):
+        _check_override_syntax(override, (overrides or [])[i + 1 : i + 2])
         _check_added_key(override, list(overrides or []))
     GlobalHydra.instance().clear()
     try:
@@ -927,6 +928,26 @@ def _close_match(message: str, overrides: list[str]) -> str | None:
         listed = f"{group} is one of {', '.join(options)}"
         return f"did you mean {group}={match[0]}? ({listed})" if match else listed
     return None
+
+
+def _check_override_syntax(arg: str, following: list[str]) -> None:
+    """Refuse an argument that is no ``key=value`` override, with what the user likely meant: ``train``
+    or ``--stage train`` / ``--stage=train`` for ``stage=train``, ``medusa2`` for ``training=medusa2``
+    (Hydra said "Error parsing override 'train'" or "LexerNoViableAltException: --stage").
+    ``following``: the next argument, the value of ``--key value``."""
+    if arg.startswith("-"):
+        key, eq, value = arg.lstrip("-").partition("=")
+        if not eq and following and "=" not in following[0] and not following[0].startswith("-"):
+            arg, value = f"{arg} {following[0]}", following[0]
+        problem, meant = "arguments are key=value, without dashes", f"{key}={value or '<value>'}"
+    elif "=" in arg or arg.startswith("~"):  # key=value, +key=value, ~key (deletes a key): Hydra's syntax
+        return
+    else:
+        groups = sorted(d.name for d in CONF_DIR.iterdir() if d.is_dir() and (d / f"{arg}.yaml").is_file())
+        problem = "not a key=value argument"
+        meant = f"stage={arg}" if arg in STAGES else f"{groups[0]}={arg}" if groups else None
+    hint = f": did you mean {meant}?" if meant else ""
+    raise ConfigError(f"{arg!r}: {problem}{hint} — see `python -m medusa_train --help`")
 
 
 def _check_added_key(override: str, overrides: list[str]) -> None:

@@ -503,6 +503,13 @@ def test_environment_fault_of_a_bare_file_name_names_the_workdir(tmp_path: Path)
             "did you mean data=text? (data is one of alpaca, embedded, hub, jsonl, mtbench, sharegpt, text)",
         ),
         ("tree=medusa64", "did you mean tree=medusa63?"),
+        ("train", "'train': not a key=value argument: did you mean stage=train?"),
+        ("medusa2", "'medusa2': not a key=value argument: did you mean training=medusa2?"),
+        (
+            "--stage=train",
+            "'--stage=train': arguments are key=value, without dashes: did you mean stage=train?",
+        ),
+        ("--training.lr=1e-3", "did you mean training.lr=1e-3?"),
     ],
 )
 def test_misspelt_keys_and_options_get_a_close_match(
@@ -510,6 +517,18 @@ def test_misspelt_keys_and_options_get_a_close_match(
 ) -> None:
     assert main([f"workdir={tmp_path}", "stage=distill", override]) == 2
     assert says in _error_line(capsys)
+
+
+def test_an_option_and_its_value_as_two_arguments_get_the_override(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([f"workdir={tmp_path}", "--stage", "train"]) == 2
+    assert "'--stage train': arguments are key=value, without dashes: did you mean stage=train?" in (
+        _error_line(capsys)
+    )
+    assert main([f"workdir={tmp_path}", "stage=eval", "--eval.num_prompts"]) == 2
+    assert "did you mean eval.num_prompts=<value>?" in _error_line(capsys)
+    assert not any(tmp_path.iterdir())
 
 
 def test_wrong_backbone_path_with_model_hf_does_not_ask_for_model_hf(
