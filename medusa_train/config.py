@@ -891,13 +891,16 @@ def compose_config(overrides: list[str] | None = None) -> Config:
 
 _UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\.(?s:.*?)Key '([^']+)' not in")
 _UNKNOWN_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
+_NOT_A_LIST = re.compile(r"Error merging override ([\w.]+)=(\S*)(?s:.*)is not a ListConfig")
+_SWEEP = re.compile(r"Ambiguous value for argument '([\w.]+)=([^']*)'")  # a,b: a multirun sweep to Hydra
 
 
 def _close_match(message: str, overrides: list[str]) -> str | None:
     """A suggestion for a misspelt key or group option in a Hydra/OmegaConf error ``message``:
     ``did you mean distill.max_new_tokens?`` for ``distill.max_new_token``, ``did you mean data=text?``
     for ``data=txt`` (with the group's options), ``did you mean training=medusa2?`` for the override
-    ``trainin=medusa2`` (``overrides``: the command line's); None when nothing is close."""
+    ``trainin=medusa2`` (``overrides``: the command line's), ``give a list: eval.batch_sizes=[1,4]`` for
+    ``eval.batch_sizes=1,4`` or ``=3``; None when nothing is close."""
     found = _UNKNOWN_KEY.search(message)
     if found:
         parts = found.group(1).lstrip("+~").split(".")
@@ -920,6 +923,9 @@ def _close_match(message: str, overrides: list[str]) -> str | None:
             None,
         )
         return f"did you mean {fixed}={value}?" if value is not None else f"did you mean {fixed}?"
+    found = _NOT_A_LIST.search(message) or _SWEEP.search(message)
+    if found and _is_list_field(found.group(1)):
+        return f"give a list: {found.group(1)}=[{found.group(2)}]"
     found = _UNKNOWN_OPTION.search(message)
     if found and (CONF_DIR / found.group(1)).is_dir():
         group, option = found.groups()
@@ -975,6 +981,18 @@ def _check_added_key(override: str, overrides: list[str]) -> None:
             + (f": {hint}" if hint else "")
             + " — see `python -m medusa_train --help`"
         )
+
+
+def _is_list_field(key: str) -> bool:
+    """Whether the dotted ``key`` names a list field of :class:`Config`."""
+    *path, name = key.split(".")
+    cls: Any = Config
+    for part in path:
+        cls = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(cls):
+            return False
+    hint = typing.get_type_hints(cls).get(name)  # list[int], or list[...] | None
+    return any(typing.get_origin(t) is list for t in (hint, *typing.get_args(hint)))
 
 
 def _field_names(path: list[str]) -> list[str]:

@@ -510,6 +510,9 @@ def test_environment_fault_of_a_bare_file_name_names_the_workdir(tmp_path: Path)
             "'--stage=train': arguments are key=value, without dashes: did you mean stage=train?",
         ),
         ("--training.lr=1e-3", "did you mean training.lr=1e-3?"),
+        ("eval.batch_sizes=3", "give a list: eval.batch_sizes=[3]"),  # a scalar for a list
+        ("eval.batch_sizes=1,4", "give a list: eval.batch_sizes=[1,4]"),  # a multirun sweep to Hydra
+        ("export.formats=vllm", "give a list: export.formats=[vllm]"),
     ],
 )
 def test_misspelt_keys_and_options_get_a_close_match(
