@@ -92,7 +92,7 @@ from medusa_train.decoding.timing import (
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
-from medusa_train.formats import load_heads, read_heads_config
+from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
@@ -147,7 +147,7 @@ def run(cfg: Config) -> dict:
     if not is_main():
         return {"skipped": "not the main process"}
     ecfg = cfg.eval
-    # 1. Heads, tree, prompts and device (a mistake in any fails in a second), then the wandb run: one
+    # 1. Heads, tree, prompts, the heads compared and device (a mistake in any fails in a second), then the wandb run: one
     # wandb refuses (tracking=online without `wandb login`) fails here, before the backbone loads and
     # the turns decode; closed as failed if anything after raises.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
@@ -155,6 +155,8 @@ def run(cfg: Config) -> dict:
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
     prompts = load_eval_prompts(ecfg)
+    for entry in ecfg.compare:  # decoded in 9., after the main run: a wrong one must not wait for that
+        _compare_dir(Path(entry))
     device = resolve_device(cfg.model.device)
     with start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg)) as tracker:
         return _evaluate(cfg, wd, tracker, heads_dir, heads, fingerprint, choices, prompts, device)
@@ -883,12 +885,18 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
 
 
 def _compare_dir(path: Path) -> Path:
-    """A heads folder as given, or ``<workdir>/heads`` for a workdir."""
+    """A heads folder as given, or ``<workdir>/heads`` for a workdir; checked to hold heads (their
+    config.json and weights file, not their shapes)."""
     if not path.exists():
         raise UserError(
             f"eval.compare: {path} does not exist (give heads folders or workdirs holding heads/)"
         )
-    return path / "heads" if (path / "heads").is_dir() else path
+    heads_dir = path / "heads" if (path / "heads").is_dir() else path
+    try:
+        detect_layout(layout_dir(heads_dir))
+    except HeadsFormatError as err:
+        raise UserError(f"eval.compare: {err} (give heads folders or workdirs holding heads/)") from None
+    return heads_dir
 
 
 def _decode_turns(

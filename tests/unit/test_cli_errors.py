@@ -590,6 +590,28 @@ def test_eval_prompts_file_in_the_wrong_format_names_eval_options(
 
 
 # -- the held-out fault sweep's five cases ----------------------------------------------------------
+@pytest.mark.parametrize("compared", ["missing", "empty"])
+def test_eval_compare_of_no_heads_is_refused_before_decoding(
+    workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    compared: str,
+) -> None:
+    """A wrong eval.compare entry was found after the main run decoded every prompt (minutes on a real
+    model), then refused."""
+    (tmp_path / "empty").mkdir()
+
+    def decoding(*args, **kwargs):
+        raise AssertionError("the main run started: eval.compare should have been refused first")
+
+    monkeypatch.setattr("medusa_train.stages.eval._evaluate", decoding)
+    line = _eval_prompts(workdir, tmp_path, capsys, f"eval.compare=[{tmp_path / compared}]")
+    assert (
+        line.startswith(f"error: eval.compare: {tmp_path / compared}") and "workdirs holding heads/" in line
+    )
+
+
 def test_sharegpt_array_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     from medusa_train.data.sources import read_records
 
