@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from huggingface_hub import constants as hub_constants
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import (
@@ -269,7 +270,8 @@ def loading(name_or_path: str) -> Iterator[None]:
         if not isinstance(err, OSError):
             raise  # files that look whole: not a damaged checkpoint (a bug, or out of memory)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"could not load backbone {name_or_path!r}: {first}") from None
+        why = _unreachable(name_or_path, first) or first
+        raise UserError(f"could not load backbone {name_or_path!r}: {why}") from None
 
 
 _LFS_POINTER = b"version https://git-lfs"
@@ -298,6 +300,24 @@ def _damaged_weights(name_or_path: str) -> str | None:
         except OSError as err:
             return f"cannot read {weights}: {err.strerror or err}"
     return None
+
+
+def _unreachable(name_or_path: str, first: str) -> str | None:
+    """Why the Hub id ``name_or_path`` cannot be had, and what to do, when it is neither in the Hugging
+    Face cache nor reachable (``first``: transformers' line, which says "couldn't connect" in offline
+    mode too, where nothing was tried); None for other load failures."""
+    if "couldn't connect" not in first:
+        return None
+    why = (
+        "HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set"
+        if hub_constants.HF_HUB_OFFLINE
+        else "https://huggingface.co did not answer (no network, a proxy?)"
+    )
+    return (
+        f"it is not in the Hugging Face cache, and {why}: download it where the Hub answers (`hf download "
+        f"{name_or_path}`) into the cache this run reads (HF_HOME), or pass model.name_or_path=<a directory "
+        "holding it>"
+    )
 
 
 def _unloadable(name_or_path: str, err: ValueError) -> str:

@@ -544,6 +544,23 @@ def test_wrong_backbone_path_with_model_hf_does_not_ask_for_model_hf(
     assert f"model.name_or_path={missing}: no such directory here" in line and "pass model=hf" not in line
 
 
+def test_hub_id_not_in_the_cache_in_offline_mode_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' line blamed the connection ("We couldn't connect to 'https://huggingface.co'") where
+    offline mode tried none, and its advice was on the line dropped."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
+    argv = [f"workdir={tmp_path / 'wd'}", "stage=distill", "model=hf", "model.name_or_path=acme/not-cached"]
+    assert main([*argv, "tracking=disabled"]) == 2
+    line = _error_line(capsys)
+    assert "'acme/not-cached': it is not in the Hugging Face cache, and HF_HUB_OFFLINE" in line, line
+    assert "`hf download acme/not-cached`" in line and "model.name_or_path=<a directory" in line
+    assert not (tmp_path / "wd").exists()
+
+
 @pytest.mark.parametrize(
     "engine", [[], ["distill.engine=server", "distill.server.urls=[http://127.0.0.1:9/v1]"]]
 )
