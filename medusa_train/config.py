@@ -417,6 +417,9 @@ class TrainingConfig:
     budget (a stopped run resumes under any budget), loss chunking and the hidden-state cache (same
     heads up to rounding), logging and checkpointing, ``overwrite``; and ``calibration_max_records``,
     which is part of the calibration's settings: a change re-runs only the calibration).
+
+    The `medusa2` options are refused with training=medusa1: nothing reads them there, and a value
+    given was meant for a Medusa-2 run.
     """
 
     mode: str = "medusa1"
@@ -579,6 +582,38 @@ class TrainingConfig:
                 "training.head_projection=shared needs training.num_layers >= 1: with no residual block "
                 "every head would be the lm_head itself, with nothing to train"
             )
+        # Nothing reads the Medusa-2 options in Medusa-1: one given was meant to take effect
+        # (training.backbone_tuning=lora without training=medusa2 trained Medusa-1 heads, backbone frozen).
+        for name in _MEDUSA2_ONLY if self.mode == "medusa1" else ():
+            value = getattr(self, name)
+            if value != _default(TrainingConfig, name):
+                shown = f"[{','.join(value)}]" if isinstance(value, list) else value
+                raise ConfigError(
+                    f"training.{name}={shown} is a Medusa-2 option, and training=medusa1 keeps the backbone "
+                    "frozen: add training=medusa2, or drop it"
+                )
+
+
+_MEDUSA2_ONLY = (
+    "head_lr_multiplier",
+    "lambda0",
+    "lambda_warmup",
+    "lambda_warmup_steps",
+    "lm_loss",
+    "heads_only_steps",
+    "backbone_tuning",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+)
+"""The training fields only training=medusa2 reads."""
+
+
+def _default(cls: type, name: str) -> Any:
+    """The default of the dataclass field ``name`` of ``cls``."""
+    found = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return found.default_factory() if found.default_factory is not dataclasses.MISSING else found.default
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,36 @@ def test_stage_all_refuses_a_draft_vocabulary_the_embedded_tokenizer_cannot_exce
     assert compose_config(
         ["stage=train", *truncated[1:], "pretrain.vocab_size=300", "training.draft_vocab_size=300"]
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["training.backbone_tuning=lora"], "training.backbone_tuning=lora is a Medusa-2 option"),
+        (["training=medusa1", "training.lm_loss=ce"], "training.lm_loss=ce is a Medusa-2 option"),
+        (["training.lambda0=0.5"], "add training=medusa2"),
+        (
+            ["training.lora_target_modules=[q_proj]"],
+            "training.lora_target_modules=[q_proj] is a Medusa-2 option",
+        ),
+    ],
+)
+def test_a_medusa2_option_with_medusa1_is_refused(overrides: list[str], says: str) -> None:
+    """Medusa-2 options with training=medusa1 are not read: the run they were meant for (a LoRA
+    backbone) was silently another (Medusa-1 heads on a frozen one)."""
+    with pytest.raises(ConfigError, match=re.escape(says)) as err:
+        compose_config(overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_medusa2_options_with_medusa2_pass() -> None:
+    cfg = compose_config(
+        ["training=medusa2", "training.backbone_tuning=lora", "training.lora_r=8", "training.lambda0=0.5"]
+    )
+    assert (cfg.training.lora_r, cfg.training.lambda0) == (8, 0.5)
+    assert compose_config(["training=medusa1", "training.backbone_tuning=full", "training.lm_loss=kl"])
+    # LoRA options with full tuning pass: overrides shared by runs of either tuning
+    assert compose_config(["training=medusa2", "training.lora_dropout=0"]).training.backbone_tuning == "full"
 
 
 def test_cli_bad_input_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
