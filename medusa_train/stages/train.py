@@ -519,15 +519,17 @@ def one_device_per_process(args: TrainingArguments, device: torch.device) -> Non
         )
 
 
-def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
-    """Refuse to resume checkpoints of another backbone / other settings / another ``deepspeed=`` (or
-    wipe them with overwrite).
+def _check_resume(wd: Workdir, info: dict, overwrite: bool) -> None:
+    """Refuse to resume checkpoints (``wd.train``) of another backbone / other settings / another
+    ``deepspeed=`` (or wipe them with overwrite); the checkpoints of the run that trained the heads in
+    ``wd.heads`` are named as such (there is nothing of it to resume).
 
     ``info`` is this run's ``run.json`` (``settings``: :func:`train_settings`, ``backbone``: its identity,
     ``deepspeed``: :func:`_checkpoint_format`). The backbone counts by content (its fingerprint), not by
     where it lies, so a moved or copied workdir resumes. ``deepspeed`` is no setting (the trained heads
     are the same either way) but decides how checkpoints hold the optimizer state.
     """
+    train_dir = wd.train
     path = train_dir / RUN_INFO
     if train_dir.exists() and overwrite and dist.is_main():
         shutil.rmtree(train_dir)
@@ -550,10 +552,28 @@ def _check_resume(train_dir: Path, info: dict, overwrite: bool) -> None:
                 what = "the backbone: " + what
             else:
                 what = describe_diff({"deepspeed": old.get("deepspeed")}, {"deepspeed": info["deepspeed"]})
+            if _finished(wd.heads, old.get("settings")):
+                raise UserError(
+                    f"{train_dir} holds the checkpoints of the finished run that trained the heads in "
+                    f"{wd.heads} (differs in {what}): pass training.overwrite=true to train "
+                    "with these settings (its checkpoints are discarded; the heads are replaced once "
+                    "training ends), or use another workdir="
+                )
             raise UserError(
                 f"{train_dir} holds checkpoints of another run (differs in {what}): run with the old values to "
                 "resume them, pass training.overwrite=true to discard them, or use another workdir="
             )
+
+
+def _finished(heads_dir: Path, settings: dict | None) -> bool:
+    """Whether the heads in ``heads_dir`` were trained with ``settings`` (a run.json's): that run ended."""
+    try:
+        return (
+            settings is not None
+            and read_json(heads_dir / HEADS_CONFIG, repair="").get("training") == settings
+        )
+    except DamagedArtefactError:
+        return False
 
 
 def _checkpoint_format(cfg: Config) -> str:
@@ -649,7 +669,7 @@ def _train(
     with gathered(backbone.get_output_embeddings().weight):
         heads = _initial_heads(cfg, backbone, identity, token_map).to(device)
     info = {"settings": settings, "backbone": identity, "deepspeed": _checkpoint_format(cfg)}
-    _check_resume(wd.train, info, tc.overwrite)
+    _check_resume(wd, info, tc.overwrite)
     wd.train.mkdir(parents=True, exist_ok=True)
 
     precision = recipe.precision(DTYPES[resolve_dtype(cfg.model.dtype, device)])

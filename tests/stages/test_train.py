@@ -382,6 +382,20 @@ def test_hard_targets_train_over_logits_the_backbone_changes_after_lm_head(tmp_p
     assert run(train_cfg(root, "training.max_steps=2", "training.save_steps=2"))["steps"] == 2
 
 
+def test_checkpoints_of_the_finished_run_are_named_as_such(tmp_path):
+    """After a run that ended (its heads published), other settings met "run with the old values to
+    resume them": there was nothing to resume, and those values skip training."""
+    root = make_train_workdir(tmp_path)
+    old = {"num_heads": 5}
+    (root / "train").mkdir()
+    (root / "train" / "run.json").write_text(json.dumps({"settings": old, "backbone": {}}))
+    (root / "heads").mkdir()
+    (root / "heads" / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "training": old}))
+    with pytest.raises(UserError, match="checkpoints of the finished run that trained the heads in") as err:
+        run(train_cfg(root))
+    assert "resume them" not in str(err.value) and "pass training.overwrite=true" in str(err.value)
+
+
 def test_cli_offload_on_cpu_is_one_line_exit_2(tmp_path, capsys):
     root = make_train_workdir(tmp_path)
     capsys.readouterr()
