@@ -102,6 +102,9 @@ def run_stage(cfg: Config) -> dict:
     and leaving would wait for it while the user waits for the process to stop."""
     from medusa_train import dist  # torch: not needed by --help/--cfg (module docstring)
 
+    problem = dist.launch_problem()
+    if problem is not None:
+        raise UserError(problem)
     try:
         result = _dispatch(cfg)
     except KeyboardInterrupt:

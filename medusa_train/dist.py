@@ -44,6 +44,22 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ
 
 
+def launch_problem() -> str | None:
+    """Why this process cannot join the launch its environment announces (None: it can, or none is):
+    WORLD_SIZE above 1 without RANK, MASTER_ADDR or MASTER_PORT, which torchrun and the deepspeed
+    launcher set with it and every rendezvous reads (a variable left from another job, a hand-made
+    launch). Found only at the stage's first collective, after the backbone loaded, as a traceback."""
+    if world_size() <= 1:
+        return None
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if not missing:
+        return None
+    return (
+        f"WORLD_SIZE={world_size()} is set but not {', '.join(missing)}: start the ranks with torchrun or the "
+        "deepspeed launcher (they set every one), or unset WORLD_SIZE to run one process"
+    )
+
+
 COLLECTIVE_TIMEOUT = timedelta(days=7)
 """How long a rank waits at a collective (a barrier while rank 0 generates or builds a cache for hours)."""
 

@@ -171,6 +171,8 @@ def test_a_launch_of_several_processes_is_refused_before_any_work(tmp_path, monk
     and stage=all with model=tiny, are one line and exit 2 on every rank, and nothing is written."""
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.setenv(key, "2" if key == "WORLD_SIZE" else rank)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # torchrun sets these with them
+    monkeypatch.setenv("MASTER_PORT", "29500")
     for stage in ("pretrain", "all"):
         assert cli.main([f"stage={stage}", "debug=fast", "tracking=disabled", f"workdir={tmp_path}"]) == 2
         err = capsys.readouterr().err  # log lines aside: one error line, no traceback

@@ -286,6 +286,22 @@ def test_workdir_without_write_access_is_refused_before_any_stage(
     assert not any(root.iterdir())
 
 
+def test_world_size_without_a_launcher_is_one_line_before_any_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WORLD_SIZE=2 left in the environment of a plain `python -m medusa_train`: the rendezvous failed
+    at the stage's first collective, after the backbone loaded, with a traceback."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    for name in ("RANK", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    assert main([f"workdir={tmp_path}", "stage=train", "debug=fast", "tracking=disabled"]) == 2
+    line = _error_line(capsys)
+    assert "WORLD_SIZE=2 is set but not RANK, MASTER_PORT: start the ranks with torchrun" in line, line
+    assert "unset WORLD_SIZE" in line and not any(tmp_path.iterdir())
+
+
 def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
     """Every fsync fails with ENOSPC (only for files whose name contains ``only``, where /proc says)."""
     real_fsync = os.fsync
