@@ -224,7 +224,9 @@ def context_limit(model: torch.nn.Module) -> int | None:
 
 
 def _sliding_window_kinds(config) -> tuple[int | None, str]:
-    """(window, kind): kind is "full", "sliding" (every layer windowed) or "mixed" (per layer type)."""
+    """(window, kind): kind is "full", "sliding" (every layer windowed) or "mixed" (per layer type). Read
+    from the text config (a multimodal model, Gemma 3 from 4B on, nests it)."""
+    config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None, "full"

@@ -1,0 +1,74 @@
+"""The three decoders on models whose attention masks are not Llama's: interleaved sliding windows
+(Gemma 3, Cohere 2, and Gemma 3's multimodal model, whose config nests the text one), decoded past the
+window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from medusa_train.decoding import StaticDecoder, chain_tree, medusa_generate, medusa_generate_batch
+from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
+
+SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=MAX_POS, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+)  # fmt: skip
+INTERLEAVED = ["sliding_attention", "full_attention"]
+NEW_TOKENS = 20
+PROMPT_LENGTHS = (5, 11, 3)  # + 20 new tokens: past every window (6) below
+TREES = {"chain4": chain_tree(4), "random8": random_tree(2, nodes=8)}
+
+
+def gemma3_multimodal() -> tf.PretrainedConfig:
+    text = dict(SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED)
+    vision = dict(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16
+    )
+    return tf.Gemma3Config(
+        text_config=text, vision_config={**vision, "patch_size": 8}, mm_tokens_per_image=1,
+        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3,
+    )  # fmt: skip
+
+
+MODELS = {
+    "gemma3": lambda: tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
+    "cohere2": lambda: tf.Cohere2Config(**SHAPE, sliding_window=6, layer_types=INTERLEAVED),
+    "gemma3_multimodal": gemma3_multimodal,
+}
+
+
+def build(config: tf.PretrainedConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if isinstance(config, tf.Gemma3Config):
+        return tf.Gemma3ForConditionalGeneration(config).eval()
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int = NEW_TOKENS) -> list[int]:
+    out = model.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB - 4, (n,), generator=gen) for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_parity_past_the_window(name):
+    """``medusa_generate`` and ``medusa_generate_batch`` (ragged rows) equal ``generate`` with contexts
+    past the window (6); the static decoder refuses the mixed layers up front."""
+    model = build(MODELS[name]())
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [plain_greedy(model, p) for p in rows]
+    for tree_name, tree in TREES.items():
+        for prompt, ref in zip(rows, refs, strict=True):
+            out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree)
+            assert out.tokens.tolist() == ref, (name, tree_name, len(prompt))
+        batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
+        assert [r.tokens.tolist() for r in batch.rows] == refs, (name, tree_name)
+    with pytest.raises(ValueError, match="mixes"):
+        StaticDecoder(model, heads, chain_tree(4), 2 * MAX_POS)
