@@ -384,7 +384,8 @@ def medusa_generate_batch(
     Raises:
         ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
             the wrong length, a flash-attention model, or a model spread over several devices.
-        AttentionBackendError: ``attention`` names a kernel that cannot run here.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
+            no tree verification computes (ALiBi).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

@@ -652,7 +652,8 @@ def medusa_generate(
 
     Raises:
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
-        AttentionBackendError: ``attention`` names a kernel that cannot run here.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
+            no tree verification computes (ALiBi).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

@@ -270,7 +270,8 @@ class StaticDecoder:
             threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers, a
             flash-attention model, a model spread over several devices, or a capacity too small for
             the tree.
-        AttentionBackendError: ``attention`` names a kernel that cannot run here.
+        AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
+            no tree verification computes (ALiBi).
         TreeError: the tree does not fit the heads.
     """
 

@@ -257,16 +257,19 @@ def resolve_attention(
     attention, :func:`kernel_refusal`) when the call's ``context`` (the most keys a row attends to:
     prompt + new tokens; None: unknown, taken as long) reaches :data:`AUTO_MIN_CONTEXT`
     (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as a CUDA graph), else ``sdpa``
-    (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work.
+    (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work,
+    and so is every choice for a model no tree attention can verify (:func:`tree_refusal`).
 
     Raises:
         AttentionBackendError: an unknown choice, or one that cannot run here or cannot compute
-            ``model``'s attention (the message says why).
+            ``model``'s attention, or a model whose trees nothing verifies (the message says why).
     """
     if attention not in ATTENTION_CHOICES:
         raise AttentionBackendError(
             f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}"
         )
+    if model is not None and (reason := tree_refusal(model)) is not None:
+        raise AttentionBackendError(reason)
     if attention == "sdpa":
         return "sdpa"
     if attention == "auto":
@@ -295,6 +298,25 @@ def _why_not(backend: str, device: torch.device) -> str | None:
     if device.type != "cuda":
         return "the CUDA kernel needs a CUDA device: use attention=sdpa or auto"
     return cuda_available()
+
+
+ALIBI_MODEL_TYPES = ("bloom", "mpt")
+"""Model types whose attention always adds ALiBi biases (Falcon does where its config sets ``alibi``)."""
+
+
+def tree_refusal(model: torch.nn.Module) -> str | None:
+    """Why no tree attention, the decoders' dense masks included, can verify a tree on ``model`` (None:
+    nothing says so): ALiBi models (Bloom, MPT, Falcon with ``alibi``) build their biases themselves,
+    from the cache's columns (a tree node's column is not its position) or from a 2-D padding mask
+    (Bloom and Falcon fail on the 4-D mask a tree needs)."""
+    config = model.config.get_text_config()
+    kind = getattr(config, "model_type", None)
+    if kind in ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
+        return (
+            f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
+            "position ids and 4-D mask cannot set: the Medusa decoders cannot verify trees on it"
+        )
+    return None
 
 
 def kernel_refusal(model: torch.nn.Module) -> str | None:
@@ -546,6 +568,7 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
 
 
 __all__ = [
+    "ALIBI_MODEL_TYPES",
     "ATTENTION_CHOICES",
     "AUTO_MIN_CONTEXT",
     "AUTO_MIN_CONTEXT_CAPTURED",
@@ -568,5 +591,6 @@ __all__ = [
     "register",
     "resolve_attention",
     "tree_attention",
+    "tree_refusal",
     "tree_step",
 ]

@@ -1,6 +1,7 @@
-"""The three decoders on models whose attention masks are not Llama's: interleaved sliding windows
-(Gemma 3, Cohere 2, and Gemma 3's multimodal model, whose config nests the text one), decoded past the
-window."""
+"""The three decoders on models whose attention masks or positions are not Llama's: interleaved sliding
+windows (Gemma 3, Cohere 2, and Gemma 3's multimodal model, whose config nests the text one), decoded
+past the window; and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``,
+MPT)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import transformers as tf
 
 from medusa_train.decoding import StaticDecoder, chain_tree, medusa_generate, medusa_generate_batch
+from medusa_train.decoding.attention import AttentionBackendError
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
 
 SHAPE = dict(
@@ -37,6 +39,13 @@ MODELS = {
     "cohere2": lambda: tf.Cohere2Config(**SHAPE, sliding_window=6, layer_types=INTERLEAVED),
     "gemma3_multimodal": gemma3_multimodal,
 }
+ALIBI = {
+    "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB),
+    "falcon": lambda: tf.FalconConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, alibi=True
+    ),
+    "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=MAX_POS),
+}
 
 
 def build(config: tf.PretrainedConfig) -> torch.nn.Module:
@@ -56,6 +65,12 @@ def prompts(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(1, VOCAB - 4, (n,), generator=gen) for n in PROMPT_LENGTHS]
 
 
+def count_forwards(model: torch.nn.Module) -> list:
+    calls: list = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_parity_past_the_window(name):
     """``medusa_generate`` and ``medusa_generate_batch`` (ragged rows) equal ``generate`` with contexts
@@ -72,3 +87,34 @@ def test_greedy_parity_past_the_window(name):
         assert [r.tokens.tolist() for r in batch.rows] == refs, (name, tree_name)
     with pytest.raises(ValueError, match="mixes"):
         StaticDecoder(model, heads, chain_tree(4), 2 * MAX_POS)
+
+
+@pytest.mark.parametrize("name", list(ALIBI))
+def test_alibi_models_are_refused_before_any_forward(name):
+    """Bloom, Falcon with ``alibi`` and MPT build their biases themselves, from a 2-D padding mask (Bloom
+    and Falcon failed mid-decoding on the tree's 4-D mask) or by cache column (MPT: a tree node's
+    column is not its position): every decoder refuses them in one line naming the model type, before
+    the prefill; Falcon without ALiBi decodes."""
+    config = ALIBI[name]()
+    model = build(config)
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    decoders = [
+        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=chain_tree(2)),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt, prompt[1:]], max_new_tokens=4, tree=chain_tree(2)
+        ),
+        lambda: StaticDecoder(model, heads, chain_tree(2), 32),
+    ]
+    for decode in decoders:
+        with pytest.raises(AttentionBackendError, match=rf"\({config.model_type}\) adds ALiBi") as err:
+            decode()
+        assert "\n" not in str(err.value)
+    assert not calls
+    if name == "falcon":
+        plain = build(tf.FalconConfig(**{**config.to_dict(), "alibi": False}))
+        heads = random_heads(plain, seed=1)
+        for p in prompts():
+            out = medusa_generate(plain, heads, p[None], max_new_tokens=NEW_TOKENS, tree=TREES["random8"])
+            assert out.tokens.tolist() == plain_greedy(plain, p)
