@@ -42,7 +42,7 @@ from .acceptance import (
     first_token,
     walk_matches,
 )
-from .attention import TreeMask, TreeStep, one_call_per_model, resolve_attention, tree_step
+from .attention import TreeMask, TreeStep, attention_chunk, one_call_per_model, resolve_attention, tree_step
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -247,20 +247,24 @@ class _BatchMask:
     def __init__(self, model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype):
         self.max_past = max_past
         self.neg = torch.finfo(dtype).min
+        self.depth = tree.depth  # (M,)
+        self.chunk = attention_chunk(model.config)
         slab = _mask_slab(model, tree, max_past, dtype)
         slabs = slab if isinstance(slab, dict) else {"": slab}
-        self.ext = {
-            k: torch.cat(
-                [v[0, 0], torch.full((tree.num_nodes, max_past), self.neg, dtype=dtype, device=v.device)], 1
-            )
-            for k, v in slabs.items()
-        }  # each (M, 2S + M)
+        extended: dict[int, torch.Tensor] = {}  # one per slab (chunked layers share the full one)
+        for v in slabs.values():
+            if id(v) not in extended:
+                pad = torch.full((tree.num_nodes, max_past), self.neg, dtype=dtype, device=v.device)
+                extended[id(v)] = torch.cat([v[0, 0], pad], 1)  # (M, 2S + M)
+        self.ext = {k: extended[id(v)] for k, v in slabs.items()}
         self.is_dict = isinstance(slab, dict)
 
     def build(
-        self, lens: torch.Tensor, pads: torch.Tensor, m: int, width: int
+        self, lens: torch.Tensor, pads: torch.Tensor, m: int, width: int, reach: int
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Masks ``(n, 1, m, width)`` for rows with ``lens`` ``(n,)`` cached columns and ``pads`` ``(n,)``."""
+        """Masks ``(n, 1, m, width)`` for rows with ``lens`` ``(n,)`` cached columns and ``pads`` ``(n,)``;
+        ``reach``: the last position a node of any row may have (chunked layers: from the first chunk's
+        end on, each row's nodes are cut to their chunks)."""
         start = self.max_past - lens  # (n,)
         col = torch.arange(width, device=lens.device)  # (W,)
         pad_cols = (col[None, :] < pads[:, None])[:, None, None, :]  # (n, 1, 1, W)
@@ -269,6 +273,17 @@ class _BatchMask:
             windows = ext[:m].unfold(1, width, 1).transpose(0, 1)  # (2S + M - W + 1, m, W), a view
             mask = windows.index_select(0, start)  # (n, m, W)
             out[k] = mask[:, None].masked_fill_(pad_cols, self.neg)  # (n, 1, m, W)
+        if "chunked_attention" in out and reach >= self.chunk:
+            # Positions: column - pad in the past, L - pad + depth for the tree's columns [L, L + m).
+            depth = self.depth[:m]  # (m,)
+            rel = col[None, :] - lens[:, None]  # (n, W)
+            in_tree = (rel >= 0) & (rel < m)  # (n, W)
+            key = (
+                torch.where(in_tree, lens[:, None] + depth[rel.clamp(0, m - 1)], col[None, :]) - pads[:, None]
+            )
+            query = (lens - pads)[:, None] + depth  # (n, m)
+            first = query - query % self.chunk  # (n, m) first position of each query's chunk
+            out["chunked_attention"].masked_fill_((key[:, None, :] < first[:, :, None])[:, None], self.neg)
         return out if self.is_dict else out[""]
 
 
@@ -284,23 +299,29 @@ def _bucket(width: int, step: int) -> int:
 
 
 def _prefill_masks(
-    model: torch.nn.Module, allowed: torch.Tensor, dtype: torch.dtype
+    model: torch.nn.Module, allowed: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Float masks ``(n, 1, T, T)`` from the causal/padding ``allowed`` ``(n, T, T)``, windowed like
-    :func:`~medusa_train.decoding.generate._mask_slab` (query i sees key j only if ``i - j < window``)."""
+    :func:`~medusa_train.decoding.generate._mask_slab` (query i sees key j only if ``i - j < window``);
+    chunked layers see only keys of their query's chunk of ``positions`` ``(n, T)``."""
     neg = torch.finfo(dtype).min
 
     def to_float(a: torch.Tensor) -> torch.Tensor:
         return torch.zeros(a.shape, dtype=dtype, device=a.device).masked_fill_(~a, neg)[:, None]
 
     window, kind = _sliding_window_kinds(model.config)
+    chunk = attention_chunk(model.config)
+    masks = {"full_attention": to_float(allowed)}
+    if chunk is not None:
+        chunks = positions // chunk  # (n, T)
+        masks["chunked_attention"] = to_float(allowed & (chunks[:, :, None] == chunks[:, None, :]))
     if kind == "full":
-        return to_float(allowed)
+        return masks if chunk is not None else masks["full_attention"]
     col = torch.arange(allowed.shape[-1], device=allowed.device)  # (T,)
     windowed = allowed & ((col[:, None] - col[None, :]) < window)[None]  # (n, T, T)
-    if kind == "sliding":
+    if kind == "sliding" and chunk is None:
         return to_float(windowed)
-    return {"full_attention": to_float(allowed), "sliding_attention": to_float(windowed)}
+    return {**masks, "sliding_attention": to_float(windowed)}
 
 
 def _num_layers(model: torch.nn.Module) -> int:
@@ -486,8 +507,8 @@ def medusa_generate_batch(
         col[None, None, :] >= pads_t[:, None, None]
     )  # (n, T, T)
     allowed |= torch.eye(t_max, dtype=torch.bool, device=device)[None]
-    prefill_mask = _prefill_masks(model, allowed, dtype)  # (n, 1, T, T), or one per layer type
     position_ids = (col[None, :] - pads_t[:, None]).clamp(min=0)  # (n, T)
+    prefill_mask = _prefill_masks(model, allowed, dtype, position_ids)  # (n, 1, T, T), or one per layer type
     t0 = _now(device)
     cache.width = t_max
     logits, hidden = _forward(model, cache, ids, prefill_mask, position_ids, logits_to_keep=1)
@@ -559,7 +580,8 @@ def medusa_generate_batch(
         lens = torch.from_numpy(cache_len).to(device)  # (n,)
         pads_t = torch.from_numpy(pad_np).to(device)  # (n,)
         width = min(capacity, _bucket(int(cache_len.max()) + m, width_step))
-        mask = None if kernel else masks.build(lens, pads_t, m, width)  # (n, 1, m, W)
+        reach = int((cache_len - pad_np).max()) + sub.max_depth  # the last position of a node
+        mask = None if kernel else masks.build(lens, pads_t, m, width, reach)  # (n, 1, m, W)
         position_ids = (lens - pads_t)[:, None] + depth[:m]  # (n, m)
         if pos_cap is not None:
             position_ids = position_ids.clamp(max=pos_cap)  # nodes past a row's room are discarded

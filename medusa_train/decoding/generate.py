@@ -48,7 +48,15 @@ from .acceptance import (
     accept_typical,
     first_token,
 )
-from .attention import TreeMask, TreeStep, one_call_per_model, packed_sdpa, resolve_attention, tree_step
+from .attention import (
+    TreeMask,
+    TreeStep,
+    attention_chunk,
+    one_call_per_model,
+    packed_sdpa,
+    resolve_attention,
+    tree_step,
+)
 from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
 
@@ -251,6 +259,9 @@ def _mask_slab(
     of the first m nodes (:meth:`TreeBuffers.prefix`) the view ``[..., :m, max_past - past_len :
     max_past + m]``. A sliding window depends only on the distance between query and key positions,
     ``depth_i - offset_j``, which is the same for every ``past_len``, so one slab serves every step.
+    Chunked attention layers (:func:`~.attention.attention_chunk`) depend on the positions themselves:
+    their entry ``"chunked_attention"`` is the full slab, cut to each query's chunk per step
+    (:func:`_chunk_masked`).
     """
     device = tree.depth.device
     m = tree.num_nodes
@@ -263,14 +274,28 @@ def _mask_slab(
         return out.masked_fill_(~a, neg)[None, None]
 
     window, kind = _sliding_window_kinds(model.config)
+    chunked = attention_chunk(model.config) is not None
+    full = to_float(allowed)
+    masks = {"full_attention": full, "chunked_attention": full} if chunked else {"full_attention": full}
     if kind == "full":
-        return to_float(allowed)
+        return masks if chunked else full
     # Key offsets relative to the tree's root position: -max_past .. -1 for the past, depth for nodes.
     k_off = torch.cat([torch.arange(-max_past, 0, device=device), tree.depth])  # (max_past + M,)
     windowed = allowed & ((tree.depth[:, None] - k_off[None, :]) < window)  # (M, max_past + M)
-    if kind == "sliding":
+    if kind == "sliding" and not chunked:
         return to_float(windowed)
-    return {"full_attention": to_float(allowed), "sliding_attention": to_float(windowed)}
+    return {**masks, "sliding_attention": to_float(windowed)}
+
+
+def _chunk_masked(mask: torch.Tensor, past_len: int, depth: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``mask`` ``(1, 1, m, past_len + m)`` of the nodes of depths ``depth`` ``(m,)`` on ``past_len``
+    cached tokens, with every key before its query's chunk of positions masked (a fresh tensor): the
+    key at position j is visible to the query at p only if ``j // chunk == p // chunk``, and a key the
+    tree rule lets a query see is never after it."""
+    query = past_len + depth  # (m,) positions
+    first = query - query % chunk  # (m,) first position of each query's chunk
+    key = torch.cat([torch.arange(past_len, device=depth.device), query])  # (past_len + m,) positions
+    return mask.masked_fill(key[None, :] < first[:, None], torch.finfo(mask.dtype).min)
 
 
 class _TreeInputs:
@@ -284,6 +309,8 @@ class _TreeInputs:
     def __init__(self, model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype):
         self.max_past = max_past
         self.num_nodes = tree.num_nodes
+        self.depth, self.max_depth = tree.depth, tree.max_depth
+        self.chunk = attention_chunk(model.config)
         self.slab = _mask_slab(model, tree, max_past, dtype)  # (1, 1, M, max_past + M) or a dict
         # positions[p] = p + depth: the position ids on p cached tokens.
         self.positions = (
@@ -298,11 +325,20 @@ class _TreeInputs:
         SDPA faulted with ``misaligned address`` on such a view).
         """
         start = self.max_past - past_len
-        if isinstance(self.slab, dict):
-            return {
-                k: aligned(_crop_slab(v, start, past_len, m, self.num_nodes)) for k, v in self.slab.items()
-            }
-        return aligned(_crop_slab(self.slab, start, past_len, m, self.num_nodes))
+        if not isinstance(self.slab, dict):
+            return aligned(_crop_slab(self.slab, start, past_len, m, self.num_nodes))
+        crops: dict[int, torch.Tensor] = {}  # one crop per slab (chunked layers share the full one)
+        out = {}
+        for kind, slab in self.slab.items():
+            if id(slab) not in crops:
+                crops[id(slab)] = aligned(_crop_slab(slab, start, past_len, m, self.num_nodes))
+            out[kind] = crops[id(slab)]
+        # Chunked layers: only a node at a position past the first chunk loses keys.
+        if "chunked_attention" in out and past_len + self.max_depth >= self.chunk:
+            out["chunked_attention"] = _chunk_masked(
+                out["chunked_attention"], past_len, self.depth[:m], self.chunk
+            )
+        return out
 
     def position_ids(self, past_len: int, m: int) -> torch.Tensor:
         """``(1, m)`` position ids ``past_len + depth`` of the first m nodes (a view)."""
@@ -351,7 +387,7 @@ def _tree_inputs(model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype
     needs more: its size is ``M x (max_past + M)`` mask values (two for mixed sliding/full models).
     """
     window, kind = _sliding_window_kinds(model.config)
-    key = (dtype, window, kind)
+    key = (dtype, window, kind, attention_chunk(model.config))
     store = tree.__dict__.setdefault("_inputs_cache", {})
     built = store.get(key)
     if built is None or built.max_past < max_past:
@@ -369,9 +405,9 @@ def tree_attention_mask(
     Returns:
         ``(1, 1, M, past_len + M)`` with 0 where attention is allowed and ``finfo(dtype).min``
         elsewhere; a dict ``{"full_attention": ..., "sliding_attention": ...}`` for models whose
-        layers mix full and sliding-window attention.
+        layers mix full and sliding-window (or chunked) attention.
     """
-    return _mask_slab(model, tree, past_len, dtype)
+    return _TreeInputs(model, tree, past_len, dtype).mask(past_len, tree.num_nodes)
 
 
 def verify_forward(

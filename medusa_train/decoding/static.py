@@ -59,6 +59,7 @@ from .attention import (
     STEP_KWARG,
     TreeMask,
     TreeStep,
+    attention_chunk,
     model_lock,
     on_device,
     one_call_per_model,
@@ -230,7 +231,7 @@ class StaticDecoder:
     Args:
         model: a Hugging Face causal LM in eval mode (Llama, Qwen2, Mistral, GPT-2, ... with the "sdpa"
             or "eager" attention implementation); every layer full attention, or every layer the same
-            sliding window.
+            sliding window (or chunks, or chunks the capacity does not pass, mixed with full layers).
         heads: the Medusa heads (or :class:`PackedHeads`).
         tree: :class:`TreeBuffers` or a list of index paths; verified whole every step.
         capacity: KV columns per row; a row needs ``prompt + max_new_tokens + tree nodes <= capacity``.
@@ -267,9 +268,9 @@ class StaticDecoder:
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
-            threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers, a
-            flash-attention model, a model spread over several devices, or a capacity too small for
-            the tree.
+            threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers (or chunked
+            layers and others, with a capacity past the chunk), a flash-attention model, a model
+            spread over several devices, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi).
         TreeError: the tree does not fit the heads.
@@ -325,6 +326,18 @@ class StaticDecoder:
             raise ValueError(
                 "the static decoder takes models whose layers all use the same attention (full, or one "
                 "sliding window); this one mixes both: use medusa_generate"
+            )
+        # Chunked layers: positions below the capacity stay in the first chunk unless it is wider.
+        self.chunk = attention_chunk(model.config)
+        if self.chunk is not None and capacity <= self.chunk:
+            self.chunk = None
+        types = set(model.config.get_text_config().layer_types or ()) if self.chunk is not None else set()
+        if types - {"chunked_attention"}:
+            raise ValueError(
+                "the static decoder takes models whose layers all use the same attention (full, or one "
+                f"sliding window, or chunks); this one mixes chunked layers (attention_chunk_size="
+                f"{self.chunk}) and others, whose chunks a capacity of {capacity} passes: use a capacity "
+                f"<= {self.chunk}, or medusa_generate"
             )
         if capture == "cuda_graph" and host_synced_rope(model):
             raise ValueError(
@@ -507,11 +520,14 @@ class StaticDecoder:
             self._capture_graph()
 
     def _prefill_mask(self, t: int) -> torch.Tensor:
-        """``(1, 1, T, C)`` causal mask of a T-token prompt at columns ``[0, T)`` (windowed if the model is)."""
+        """``(1, 1, T, C)`` causal mask of a T-token prompt at columns ``[0, T)`` (windowed, or cut to
+        chunks, if the model is)."""
         q = self._cols[:t, None]  # (T, 1)
         allowed = self._cols[None, :] <= q  # (T, C)
         if self.window is not None:
             allowed &= (q - self._cols[None, :]) < self.window
+        if self.chunk is not None:
+            allowed &= self._cols[None, :] >= q - q % self.chunk  # keys of the query's chunk
         return _float_mask(allowed, self.dtype)[None, None]  # (1, 1, T, C)
 
     def _tree_mask(self) -> torch.Tensor:
@@ -522,12 +538,14 @@ class StaticDecoder:
         rel_c = rel.clamp(0, m - 1)  # (B, C)
         tree_part = self.tree.attn_mask[:, rel_c].transpose(0, 1) & in_tree[:, None, :]  # (B, M, C)
         allowed = (self._cols[None, :] < length)[:, None, :] | tree_part  # (B, M, C)
-        if self.window is not None:
-            # Distance between the query's position and the key's: L + depth_i - col for the past,
-            # depth_i - depth_j inside the tree.
+        if self.window is not None or self.chunk is not None:
+            # Positions: the column in the past, L + depth inside the tree.
             key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols[None, :])  # (B, C)
             query_pos = length + self.tree.depth[None, :]  # (B, M)
-            allowed &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.window
+            if self.window is not None:
+                allowed &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.window
+            if self.chunk is not None:  # keys from the first position of the query's chunk on
+                allowed &= key_pos[:, None, :] >= (query_pos - query_pos % self.chunk)[:, :, None]
         return _float_mask(allowed, self.dtype)[:, None]  # (B, 1, M, C)
 
     def _step(self) -> None:

@@ -257,7 +257,8 @@ def resolve_attention(
     attention, :func:`kernel_refusal`) when the call's ``context`` (the most keys a row attends to:
     prompt + new tokens; None: unknown, taken as long) reaches :data:`AUTO_MIN_CONTEXT`
     (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as a CUDA graph), else ``sdpa``
-    (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work,
+    (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work
+    (chunked attention layers: where the call's ``context`` passes their chunk, :func:`chunk_refusal`),
     and so is every choice for a model no tree attention can verify (:func:`tree_refusal`).
 
     Raises:
@@ -276,12 +277,12 @@ def resolve_attention(
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
-        if model is not None and kernel_refusal(model) is not None:
+        if model is not None and (kernel_refusal(model) or chunk_refusal(model, context)) is not None:
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
     if reason is None and model is not None:
-        reason = kernel_refusal(model)
+        reason = kernel_refusal(model) or chunk_refusal(model, context)
     if reason is not None:
         raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
     return attention
@@ -337,6 +338,34 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
     if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
         return f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim})"
     return None
+
+
+def attention_chunk(config) -> int | None:
+    """The chunk size of a model whose ``layer_types`` name "chunked_attention" layers (Llama 4's
+    ``attention_chunk_size``): such a layer's query at position p sees the key at position j only if
+    ``j // chunk == p // chunk``, within the causal or tree rule. None: no chunked layer. Read from the
+    text config (a multimodal model nests it)."""
+    config = config.get_text_config()
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None) or ()
+    return chunk if chunk and "chunked_attention" in types else None
+
+
+def chunk_refusal(model: torch.nn.Module, context: int | None) -> str | None:
+    """Why the tree kernels cannot compute ``model``'s attention on a call of ``context`` positions (None:
+    unknown, taken as long): chunked layers (:func:`attention_chunk`) whose chunks the call passes. A
+    call that stays inside the first chunk sees no chunk boundary, and the kernels compute it."""
+    chunk = attention_chunk(model.config)
+    if chunk is None or (context is not None and context <= chunk):
+        return None
+    return (
+        f"{type(model).__name__}'s chunked attention layers (attention_chunk_size={chunk}), which the tree "
+        f"kernels do not apply, see only their chunk of positions, and {_positions(context)} pass it"
+    )
+
+
+def _positions(context: int | None) -> str:
+    return "the call's positions may" if context is None else f"the call's {context} positions"
 
 
 def _dispatches(module_name: str) -> bool:
@@ -579,6 +608,8 @@ __all__ = [
     "AttentionBackendError",
     "TreeMask",
     "TreeStep",
+    "attention_chunk",
+    "chunk_refusal",
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
     "kernel_op",

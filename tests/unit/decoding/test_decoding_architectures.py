@@ -1,7 +1,7 @@
-"""The three decoders on models whose attention masks or positions are not Llama's: interleaved sliding
-windows (Gemma 3, Cohere 2, and Gemma 3's multimodal model, whose config nests the text one), decoded
-past the window; and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``,
-MPT)."""
+"""The three decoders on models whose attention masks or positions are not Llama's: chunked attention
+(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 3, Cohere 2, and
+Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk or window;
+and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import pytest
 import torch
 import transformers as tf
 
-from medusa_train.decoding import StaticDecoder, chain_tree, medusa_generate, medusa_generate_batch
+from medusa_train.decoding import (
+    StaticDecoder,
+    TreeBuffers,
+    chain_tree,
+    medusa_generate,
+    medusa_generate_batch,
+    tree_attention_mask,
+)
 from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.batched import _BatchMask
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
 
 SHAPE = dict(
@@ -19,8 +27,18 @@ SHAPE = dict(
 )  # fmt: skip
 INTERLEAVED = ["sliding_attention", "full_attention"]
 NEW_TOKENS = 20
-PROMPT_LENGTHS = (5, 11, 3)  # + 20 new tokens: past every window (6) below
+PROMPT_LENGTHS = (5, 11, 3)  # + 20 new tokens: past every window (6) and chunk (8) below
 TREES = {"chain4": chain_tree(4), "random8": random_tree(2, nodes=8)}
+
+
+def llama4(
+    chunk: int | None = 8, no_rope_layers: tuple[int, ...] = (1, 0), **overrides
+) -> tf.PretrainedConfig:
+    """Layer 0 chunked (RoPE), layer 1 global (NoPE) by default; ``no_rope_layers=(1, 1)``: both chunked."""
+    return tf.Llama4TextConfig(
+        **SHAPE, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=chunk, num_local_experts=2,
+        num_experts_per_tok=1, no_rope_layers=list(no_rope_layers), **{"initializer_range": 0.2, **overrides},
+    )  # fmt: skip
 
 
 def gemma3_multimodal() -> tf.PretrainedConfig:
@@ -35,6 +53,7 @@ def gemma3_multimodal() -> tf.PretrainedConfig:
 
 
 MODELS = {
+    "llama4": llama4,
     "gemma3": lambda: tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
     "cohere2": lambda: tf.Cohere2Config(**SHAPE, sliding_window=6, layer_types=INTERLEAVED),
     "gemma3_multimodal": gemma3_multimodal,
@@ -72,9 +91,10 @@ def count_forwards(model: torch.nn.Module) -> list:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_parity_past_the_window(name):
-    """``medusa_generate`` and ``medusa_generate_batch`` (ragged rows) equal ``generate`` with contexts
-    past the window (6); the static decoder refuses the mixed layers up front."""
+def test_greedy_parity_past_the_chunk_or_window(name):
+    """``medusa_generate`` and ``medusa_generate_batch`` (ragged rows: left padding shifts no chunk)
+    equal ``generate`` with contexts past the chunk (8) or window (6); the static decoder refuses the
+    mixed layers up front (a capacity past Llama 4's chunk)."""
     model = build(MODELS[name]())
     heads = random_heads(model, seed=1)
     rows = prompts()
@@ -87,6 +107,69 @@ def test_greedy_parity_past_the_window(name):
         assert [r.tokens.tolist() for r in batch.rows] == refs, (name, tree_name)
     with pytest.raises(ValueError, match="mixes"):
         StaticDecoder(model, heads, chain_tree(4), 2 * MAX_POS)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "no_rope_layers", "capacity"),
+    [(6, (1, 1), 48), (40, (1, 0), 40)],
+    ids=["every-layer-chunked", "mixed-within-the-chunk"],
+)
+def test_static_decoder_chunked_layers(chunk, no_rope_layers, capacity):
+    """Every layer chunked (chunk 6, passed): the static decoder's masks cut each chunk; chunked and
+    global layers with a capacity inside the chunk: nothing to cut, one mask serves both."""
+    model = build(llama4(chunk, no_rope_layers))
+    heads = random_heads(model, seed=1)
+    for tree_name, tree in TREES.items():
+        decoder = StaticDecoder(model, heads, tree, capacity, batch_size=2)
+        for prompt in prompts(seed=1):
+            out = decoder.generate(prompt[None], max_new_tokens=NEW_TOKENS)
+            assert out.tokens.tolist() == plain_greedy(model, prompt), (tree_name, len(prompt))
+
+
+def chunk_rule(tree: TreeBuffers, past: int, pad: int, width: int, chunk: int) -> torch.Tensor:
+    """``(M, width)`` bool: the chunked layers' rule for M nodes at columns ``[pad + past, ...)`` after
+    ``pad`` padding columns and ``past`` cached tokens (positions from 0 at the first real column)."""
+    m, start = tree.num_nodes, pad + past
+    col = torch.arange(width)
+    allowed = ((col >= pad) & (col < start))[None].expand(m, width).clone()  # (M, W)
+    allowed[:, start : start + m] = tree.attn_mask
+    key = (col - pad).clone()
+    key[start : start + m] = past + tree.depth
+    query = past + tree.depth  # (M,)
+    return allowed & (key[None, :] // chunk == query[:, None] // chunk)
+
+
+def test_chunked_masks_follow_the_rule():
+    """Each decoder's chunked-layer mask is the rule itself (a key visible only in its query's chunk of
+    positions; a tree node's position is the past plus its depth, not its column) on a tree of 12
+    nodes crossed by a chunk boundary at every past length: ``medusa_generate``'s, the batched
+    decoder's (left-padded rows) and the static decoder's."""
+    chunk = 4
+    model = build(llama4(chunk, no_rope_layers=(1, 1)))
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=12, max_depth=4))
+    m = tree.num_nodes
+    for past in range(0, 20):
+        mask = tree_attention_mask(model, tree, past, torch.float32)["chunked_attention"]  # (1, 1, M, W)
+        assert torch.equal(mask[0, 0] == 0, chunk_rule(tree, past, 0, past + m, chunk)), past
+    lens, pads = torch.tensor([9, 14, 5]), torch.tensor([2, 0, 5])  # cached columns, padding among them
+    masks = _BatchMask(model, tree, 32, torch.float32).build(lens, pads, m, 30, reach=14 + tree.max_depth)
+    for b in range(3):
+        rule = chunk_rule(tree, int(lens[b] - pads[b]), int(pads[b]), 30, chunk)
+        assert torch.equal(masks["chunked_attention"][b, 0] == 0, rule), b
+    decoder = StaticDecoder(model, random_heads(model), tree, 40, batch_size=3)
+    with torch.inference_mode():
+        decoder.length.copy_(torch.tensor([3, 11, 17]))
+        static_masks = decoder._tree_mask()  # (B, 1, M, C)
+    for b, mask in enumerate(static_masks):
+        assert torch.equal(mask[0] == 0, chunk_rule(tree, int(decoder.length[b]), 0, 40, chunk)), b
+
+
+def test_static_decoder_refuses_mixed_chunked_layers_past_the_chunk():
+    model = build(llama4(chunk=8))
+    calls = count_forwards(model)
+    with pytest.raises(ValueError, match=r"mixes chunked layers \(attention_chunk_size=8\).*capacity <= 8"):
+        StaticDecoder(model, random_heads(model), chain_tree(4), 64)
+    assert not calls
 
 
 @pytest.mark.parametrize("name", list(ALIBI))

@@ -39,6 +39,7 @@ from medusa_train.decoding.attention import (  # noqa: E402
     AttentionBackendError,
     TreeMask,
     TreeStep,
+    chunk_refusal,
     hf_packed_sdpa_attention,
     hf_tree_attention,
     kernel_refusal,
@@ -676,6 +677,40 @@ def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason)
     assert kernel_refusal(served) is None and kernel_refusal(other_model("stablelm")) is None
     if triton_available():
         assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=served) == "triton"
+
+
+@needs_triton
+def test_kernels_refuse_chunked_attention_past_its_chunk():
+    """Llama 4's chunked layers (chunk 8, every layer): a call whose positions pass the chunk is refused
+    with a kernel before any forward (the kernels attend the whole past), ``auto`` keeps SDPA there; a
+    call inside the chunk sees no boundary, and the kernel decodes it as ``generate`` does."""
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(
+        tf.Llama4TextConfig(
+            **_SMALL, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64, attention_chunk_size=8,
+            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1], max_position_embeddings=64,
+        )
+    ).eval()  # fmt: skip
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
+    decoders = [
+        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=6, tree=tree, attention="triton"),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt], max_new_tokens=6, tree=tree, attention="triton"
+        ),
+        lambda: StaticDecoder(model, heads, tree, 32, attention="triton"),
+    ]
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError, match=r"chunked attention layers \(attention_chunk_size=8\)"
+        ):
+            decode()
+    assert not calls
+    assert chunk_refusal(model, 8) is None and chunk_refusal(model, None) is not None
+    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
+    out = medusa_generate(model, heads, prompt[None], max_new_tokens=5, tree=tree, attention="triton")
+    assert out.tokens.tolist() == plain_greedy(model, prompt, 5)
 
 
 @needs_triton
