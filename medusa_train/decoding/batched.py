@@ -53,6 +53,7 @@ from .generate import (
     _mask_slab,
     _now,
     _sliding_window_kinds,
+    check_cache_positions,
     check_tree_fits,
     context_limit,
     eos_ids,
@@ -406,7 +407,7 @@ def medusa_generate_batch(
         ValueError: no prompts, an empty prompt, an unknown rule, bad settings, a generator list of
             the wrong length, a flash-attention model, or a model spread over several devices.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
-            no tree verification computes (ALiBi).
+            no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()
@@ -485,6 +486,7 @@ def medusa_generate_batch(
     t_max = max(lengths[b] for b in live)
     width_step = CUDA_WIDTH_STEP if device.type == "cuda" else 1
     capacity = _bucket(t_max + max(budgets[b] for b in live) + tree.num_nodes, width_step)
+    check_cache_positions(model, capacity + tree.num_nodes)  # a step counts from the cache's width
     # A kernel reads each row's past length and padding and the tree's ancestor bits: no mask.
     kernel = backend != "sdpa"
     masks = None if kernel else _BatchMask(model, tree, capacity, dtype)

@@ -49,6 +49,7 @@ from .acceptance import (
     first_token,
 )
 from .attention import (
+    AttentionBackendError,
     TreeMask,
     TreeStep,
     attention_chunk,
@@ -229,6 +230,33 @@ def check_tree_fits(tree: TreeBuffers, heads: MedusaHeads | PackedHeads, model: 
 def context_limit(model: torch.nn.Module) -> int | None:
     """The model's maximum number of positions (``max_position_embeddings``), if it declares one."""
     return getattr(model.config, "max_position_embeddings", None)
+
+
+def check_cache_positions(model: torch.nn.Module, reach: int) -> None:
+    """Refuse a call whose forwards reach positions a model counts from its KV cache's length instead of
+    the position ids: Llama 4's NoPE layers scale their queries by ``1 + attn_scale * log1p(floor((p +
+    1) / floor_scale))`` (``attn_temperature_tuning``) at ``p = cache length + index``, which is not a
+    tree node's position (its depth counts, not its index) nor, in the batched and static decoders'
+    preallocated caches, a row's (their length is the cache's width). Below ``floor_scale - 1`` every
+    scale is 1, whatever the count.
+
+    Args:
+        reach: one more than the largest position a forward of the call may count that way.
+
+    Raises:
+        AttentionBackendError: the call may reach ``floor_scale - 1``, in one line.
+    """
+    config = model.config.get_text_config()
+    nope = not all(getattr(config, "no_rope_layers", None) or [1])
+    floor = getattr(config, "floor_scale", None)
+    if not (getattr(config, "attn_temperature_tuning", False) and nope and floor) or reach < floor:
+        return
+    raise AttentionBackendError(
+        f"{type(model).__name__} scales its NoPE layers' queries (attn_temperature_tuning) by positions it "
+        "counts from the KV cache's length, not by the position ids tree verification passes, and from "
+        f"position {floor - 1} (floor_scale - 1) on that scale is not 1: this call's forwards may count "
+        f"{reach - 1}; decode less (prompt, new tokens, tree nodes, capacity) or use model.generate"
+    )
 
 
 def _sliding_window_kinds(config) -> tuple[int | None, str]:
@@ -689,7 +717,7 @@ def medusa_generate(
     Raises:
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
-            no tree verification computes (ALiBi).
+            no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()
@@ -716,6 +744,8 @@ def medusa_generate(
     limit = context_limit(model)
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_len)
     backend = resolve_attention(attention, device, context=prompt_len + max(budget, 0), model=model)
+    if tree.num_nodes > tree.max_depth + 1:  # a chain's node indices are its depths
+        check_cache_positions(model, prompt_len + max(budget, 0) + tree.num_nodes)
     if budget <= 0:
         return MedusaOutput(tokens=torch.empty(0, dtype=torch.long), stop_reason="empty")
     stop_at_limit = budget < max_new_tokens

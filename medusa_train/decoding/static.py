@@ -75,6 +75,7 @@ from .generate import (
     _forward,
     _now,
     _sliding_window_kinds,
+    check_cache_positions,
     check_tree_fits,
     context_limit,
     eos_ids,
@@ -272,7 +273,7 @@ class StaticDecoder:
             layers and others, with a capacity past the chunk), a flash-attention model, a model
             spread over several devices, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
-            no tree verification computes (ALiBi).
+            no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree does not fit the heads.
     """
 
@@ -363,6 +364,7 @@ class StaticDecoder:
         self.attention = resolve_attention(
             attention, self.device, context=capacity, captured=graphed, model=model
         )
+        check_cache_positions(model, capacity + m)  # every forward counts from the capacity
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).

@@ -1,7 +1,8 @@
 """The three decoders on models whose attention masks or positions are not Llama's: chunked attention
 (Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 3, Cohere 2, and
 Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk or window;
-and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT)."""
+and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), and Llama 4
+where its NoPE layers' query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import transformers as tf
 
+import medusa_train.decoding.static as static_module
 from medusa_train.decoding import (
     StaticDecoder,
     TreeBuffers,
@@ -201,3 +203,34 @@ def test_alibi_models_are_refused_before_any_forward(name):
         for p in prompts():
             out = medusa_generate(plain, heads, p[None], max_new_tokens=NEW_TOKENS, tree=TREES["random8"])
             assert out.tokens.tolist() == plain_greedy(plain, p)
+
+
+def test_llama4_query_scaling_by_cache_length_is_refused(monkeypatch):
+    """Llama 4's NoPE layers scale their queries by positions counted from the cache's length; from
+    ``floor_scale - 1`` on that scale is not 1, and a tree node's index, the batched decoder's cache
+    width or the static decoder's capacity is not the position: each decoder refuses a call that could
+    get there (floor_scale 4) before any forward; the static decoder would decode it wrongly. A chain's
+    node indices are its depths: ``medusa_generate`` decodes it as ``generate`` does."""
+    model = build(llama4(chunk=None, floor_scale=4, attn_scale=1.0, initializer_range=0.3))
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    rows = prompts()
+    decoders = [
+        lambda: medusa_generate(model, heads, rows[0][None], max_new_tokens=8, tree=TREES["random8"]),
+        lambda: medusa_generate_batch(model, heads, rows, max_new_tokens=8, tree=chain_tree(4)),
+        lambda: StaticDecoder(model, heads, chain_tree(4), 48),
+    ]
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError, match=r"attn_temperature_tuning.*position 3 \(floor_scale - 1\)"
+        ):
+            decode()
+    assert not calls
+    for p in rows:
+        out = medusa_generate(model, heads, p[None], max_new_tokens=NEW_TOKENS, tree=chain_tree(4))
+        assert out.tokens.tolist() == plain_greedy(model, p)
+    # Sanity: the scaling matters for this model (the static decoder unchecked diverges from generate).
+    monkeypatch.setattr(static_module, "check_cache_positions", lambda *_: None)
+    decoder = StaticDecoder(model, heads, chain_tree(4), 48)
+    outs = [decoder.generate(p[None], max_new_tokens=NEW_TOKENS).tokens.tolist() for p in rows]
+    assert outs != [plain_greedy(model, p) for p in rows]
