@@ -137,7 +137,7 @@ def save_medusa(
         state = {
             name: t.detach().to("cpu").contiguous().clone() for name, t in heads.heads.state_dict().items()
         }
-        atomic_write(directory / LEGACY_WEIGHTS_NAME, lambda p: torch.save(state, p))
+        atomic_write(directory / LEGACY_WEIGHTS_NAME, lambda p: _save_pickle(state, p))
         log.warning(
             "wrote %s for FasterDecoding's loader: it is a pickle, and loading a pickle can run code; "
             "share it only with people who trust this run (TGI, vLLM and TensorRT-LLM read the "
@@ -422,6 +422,16 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
         raise HeadsFormatError(f"cannot read {path}: {err}") from None
+
+
+def _save_pickle(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``torch.save`` of ``state`` into ``path``: the same tensors give the same bytes.
+
+    Saved through a file object, whose records torch names ``archive/``: given a path, it names them
+    after the file, here :func:`~medusa_train.workdir.atomic_write`'s temp name (pid, random suffix).
+    """
+    with open(path, "wb") as fh:
+        torch.save(state, fh)
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:

@@ -52,6 +52,21 @@ def test_export_writes_both_layouts_with_identical_logits(workdir: Path) -> None
     assert "export.write_pickle=true" in card  # ... and the card says how to ask for it
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_exporting_the_same_heads_again_writes_the_same_bytes(workdir: Path) -> None:
+    """Every file of a second export is byte-identical to the first one's, the pickle included."""
+    export.run(tiny_cfg(workdir, "stage=export", "export.write_pickle=true"))
+    first = _files(workdir / "export")
+    assert {"medusa/medusa_lm_head.pt", "custom_generate/generate.py"} <= first.keys()
+    export.run(tiny_cfg(workdir, "stage=export", "export.write_pickle=true"))
+    second = _files(workdir / "export")
+    assert second.keys() == first.keys()
+    assert [name for name in first if first[name] != second[name]] == []
+
+
 def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
