@@ -47,6 +47,7 @@ from medusa_train.workdir import (
     TRAINED_BACKBONE,
     Workdir,
     atomic_write_text,
+    published_path,
 )
 
 
@@ -533,8 +534,8 @@ def write_model_card(
         manifest=manifest,
         calibration=calibration,
         report=report,
-        backbone=str(backbone.absolute()) if backbone.is_dir() else None,
-        export_dir=export_dir.absolute(),
+        backbone=str(published_path(export_dir) / TRAINED_BACKBONE) if backbone.is_dir() else None,
+        export_dir=published_path(export_dir),
         pickle=(export_dir / MEDUSA / LEGACY_WEIGHTS_NAME).is_file(),
     )
     atomic_write_text(export_dir / MODEL_CARD, card)

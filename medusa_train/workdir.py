@@ -285,6 +285,15 @@ def staging_dir(final: Path) -> Path:
     return tmp
 
 
+def published_path(final: Path) -> Path:
+    """The absolute path a folder :func:`publish_dir` puts at ``final`` is known by, the same however
+    ``final`` is spelt: its parent resolved (the working directory, symlinks, ``..``), its own name
+    kept (a symlink there is replaced by the published folder). Files that record where they live
+    (the export's ``generate.py`` and card) name this path, so one workdir always writes the same bytes.
+    """
+    return final.parent.resolve() / final.name
+
+
 def publish_dir(tmp: Path, final: Path) -> Path:
     """Replace ``final`` by ``tmp`` with renames only: a reader sees the old folder or the new one.
 

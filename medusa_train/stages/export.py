@@ -27,7 +27,8 @@ backbone); (3) load each one back and compare its weights and logits with the so
 (a mismatch fails the export and leaves the previous one in place); (4) the tree, the calibration,
 `custom_generate/` (`medusa_train.custom_generate`) and the model card (`medusa_train.report`); (5) swap the folder into place. `stage=eval` rewrites the
 card with the measured tau and speed-up. Only the main process (rank 0) works; a single process is
-enough for any model size.
+enough for any model size. The same heads exported again give the same bytes in every file, however
+``workdir`` is spelt (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from medusa_train.workdir import (
     Workdir,
     atomic_write_text,
     publish_dir,
+    published_path,
     remove_stale,
     require,
     staging_dir,
@@ -196,7 +198,7 @@ def _source(cfg: Config, wd: Workdir) -> _Source:
     extra[HEADS_FINGERPRINT] = source_fingerprint
     shipped = None
     if backbone_for_heads(cfg.model, heads_dir) is not None:
-        shipped = (wd.export / TRAINED_BACKBONE).absolute()
+        shipped = published_path(wd.export) / TRAINED_BACKBONE
         heads.base_model_name_or_path = str(shipped)
     else:  # a Hub id stays one; a local path becomes absolute, so consumers resolve it from anywhere
         try:
@@ -249,7 +251,8 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
     atomic_write_text(tmp / CHOICES, json.dumps(source.choices) + "\n")
     if (source.heads_dir / CALIBRATION).is_file():
         shutil.copyfile(source.heads_dir / CALIBRATION, tmp / CALIBRATION)
-    write_custom_generate(tmp, wd.export.absolute())
+    final = published_path(wd.export)
+    write_custom_generate(tmp, final)
     # Only figures measured on these heads: heads from elsewhere (export.heads_dir) never get this
     # workdir's tau or distilled data.
     manifest, report = belonging(
@@ -268,7 +271,7 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
         calibration=read_json(source.heads_dir / CALIBRATION),
         report=report,
         backbone=str(source.shipped) if source.shipped is not None else None,
-        export_dir=wd.export.absolute(),
+        export_dir=final,
         pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
     )
     atomic_write_text(tmp / MODEL_CARD, card)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,15 +57,33 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_exporting_the_same_heads_again_writes_the_same_bytes(workdir: Path) -> None:
-    """Every file of a second export is byte-identical to the first one's, the pickle included."""
+@pytest.mark.parametrize("training", ["medusa1", "medusa2"])
+def test_exporting_the_same_heads_again_writes_the_same_bytes(
+    training: str, tmp_path: Path, workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file of a second export is byte-identical to the first one's (the pickle included), with
+    the workdir named another way (through a symlink, relative to another folder, with `..`); so is
+    the card stage=eval rewrites (no eval report here) reached through the symlink. Medusa-2: the
+    heads' trained backbone (here a copy of the base) is exported too, and named in the configs."""
+    if training == "medusa2":
+        workdir = make_workdir(tmp_path / "run")
+        shutil.copytree(workdir / "base_model", workdir / "heads" / "backbone")
     export.run(tiny_cfg(workdir, "stage=export", "export.write_pickle=true"))
     first = _files(workdir / "export")
     assert {"medusa/medusa_lm_head.pt", "custom_generate/generate.py"} <= first.keys()
-    export.run(tiny_cfg(workdir, "stage=export", "export.write_pickle=true"))
+    assert ("backbone/model.safetensors" in first) == (training == "medusa2")
+    (tmp_path / "link").symlink_to(workdir, target_is_directory=True)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    export.run(tiny_cfg(Path("../cwd/../link"), "stage=export", "export.write_pickle=true"))
     second = _files(workdir / "export")
     assert second.keys() == first.keys()
     assert [name for name in first if first[name] != second[name]] == []
+    link = tmp_path / "link"
+    write_model_card(
+        link / "export", heads_dir=link / "heads", wd=Workdir(link), tree_name="calibrated", tree_size=5
+    )
+    assert (workdir / "export" / "README.md").read_bytes() == first["README.md"]
 
 
 def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request(
