@@ -228,8 +228,11 @@ def check_tree_fits(tree: TreeBuffers, heads: MedusaHeads | PackedHeads, model: 
 
 
 def context_limit(model: torch.nn.Module) -> int | None:
-    """The model's maximum number of positions (``max_position_embeddings``), if it declares one."""
-    return getattr(model.config, "max_position_embeddings", None)
+    """The model's maximum number of positions (``max_position_embeddings``), if it declares one (in its
+    text config: a multimodal model such as Gemma 3 from 4B on nests it there)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
 
 
 def check_cache_positions(model: torch.nn.Module, reach: int) -> None:

@@ -234,3 +234,12 @@ def test_llama4_query_scaling_by_cache_length_is_refused(monkeypatch):
     decoder = StaticDecoder(model, heads, chain_tree(4), 48)
     outs = [decoder.generate(p[None], max_new_tokens=NEW_TOKENS).tokens.tolist() for p in rows]
     assert outs != [plain_greedy(model, p) for p in rows]
+
+
+def test_the_context_limit_of_a_multimodal_model_is_its_text_configs():
+    """Gemma 3 from 4B on loads as Gemma3ForConditionalGeneration, its positions in the text config: the
+    decoders stop each row there as for the text model."""
+    from medusa_train.decoding.generate import context_limit
+
+    model = build(gemma3_multimodal())
+    assert context_limit(model) == model.config.get_text_config().max_position_embeddings
