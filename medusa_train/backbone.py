@@ -137,7 +137,9 @@ def check_backbone_source(name_or_path: str) -> None:
         if not (path / CONFIG_NAME).is_file() and is_adapter_dir(path):
             raise UserError(_adapter_is_no_model(path))
         if not (path / CONFIG_NAME).is_file():
-            raise UserError(f"{path} is not a Hugging Face model directory (no config.json)")
+            raise UserError(
+                f"model.name_or_path={path} is not a Hugging Face model directory (no config.json)"
+            )
         return
     # "runs/x/pretrain" style paths with several components are local paths, not hub ids.
     if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone

@@ -49,9 +49,18 @@ def test_frozen_load_has_no_gradients(tmp_path: Path) -> None:
 def test_missing_local_backbone_names_the_stage(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="stage=pretrain"):
         load_backbone(str(tmp_path / "runs" / "pretrain"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match="config.json"):
-        load_backbone(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("kind", ["empty dir", "file"])
+def test_a_local_path_that_is_no_model_names_the_option(tmp_path: Path, kind: str) -> None:
+    """An empty directory or a file as the backbone is one line naming model.name_or_path."""
+    path = tmp_path / "x"
+    path.mkdir() if kind == "empty dir" else path.write_text("{}")
+    with pytest.raises(UserError) as err:
+        load_backbone(str(path))
+    assert (
+        str(err.value) == f"model.name_or_path={path} is not a Hugging Face model directory (no config.json)"
+    )
 
 
 def test_a_checkpoint_transformers_will_not_load_as_a_causal_lm_is_one_line(tmp_path: Path) -> None:
