@@ -53,10 +53,12 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
+from transformers.utils import CONFIG_NAME
 
 from medusa_train.backbone import (
     backbone_drift,
     backbone_identity,
+    hf_source,
     load_backbone_for_heads,
     load_configured_backbone,
     resolve_device,
@@ -147,9 +149,9 @@ def run(cfg: Config) -> dict:
     if not is_main():
         return {"skipped": "not the main process"}
     ecfg = cfg.eval
-    # 1. Heads, tree, prompts, the heads compared and device (a mistake in any fails in a second), then the wandb run: one
-    # wandb refuses (tracking=online without `wandb login`) fails here, before the backbone loads and
-    # the turns decode; closed as failed if anything after raises.
+    # 1. Heads, tree, prompts, the heads compared, the draft model's path and device (a mistake in any
+    # fails in a second), then the wandb run: one wandb refuses (tracking=online without `wandb login`)
+    # fails here, before the backbone loads and the turns decode; closed as failed if anything after raises.
     heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
@@ -157,6 +159,8 @@ def run(cfg: Config) -> dict:
     prompts = load_eval_prompts(ecfg)
     for entry in ecfg.compare:  # decoded in 9., after the main run: a wrong one must not wait for that
         _compare_dir(Path(entry))
+    if ecfg.assistant_model:  # loaded after the backbone: a missing directory must not wait for that
+        _check_assistant_source(ecfg.assistant_model)
     device = resolve_device(cfg.model.device)
     with start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg)) as tracker:
         return _evaluate(cfg, wd, tracker, heads_dir, heads, fingerprint, choices, prompts, device)
@@ -798,11 +802,28 @@ def vllm_chain(
     return rows
 
 
+def _check_assistant_source(name_or_path: str) -> None:
+    """``eval.assistant_model`` spelt as a local path (``/``, ``.``, ``~`` first, or more than one ``/``:
+    no Hub id) names an existing directory with a config.json; a Hub id is left to the download."""
+    path = Path(name_or_path).expanduser()
+    if path.exists() or name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")):
+        if not (path / CONFIG_NAME).is_file():
+            reason = (
+                "is not a Hugging Face model directory (no config.json)"
+                if path.exists()
+                else "does not exist"
+            )
+            raise UserError(
+                f"eval.assistant_model={name_or_path} {reason}: give a Hugging Face causal LM "
+                "name or directory, or eval.assistant_model=null"
+            )
+
+
 def load_assistant(name_or_path: str, model) -> torch.nn.Module:
     """The draft model for assisted generation, on the backbone's device and dtype, same vocabulary."""
     weight = model.get_output_embeddings().weight
     try:
-        draft = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weight.dtype)
+        draft = AutoModelForCausalLM.from_pretrained(hf_source(name_or_path), dtype=weight.dtype)
     except (OSError, ValueError) as err:
         raise UserError(
             f"eval.assistant_model={name_or_path} cannot be loaded ({err}): give a Hugging Face causal LM "

@@ -257,7 +257,7 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
     assert assisted["identical"] == 1.0 and assisted["tokens_per_s"] > 0
     assert assisted["setting"] == str(workdir / "base_model") and report["batch_sizes"] == []
     assert "| assisted generation (" in (workdir / "eval" / "report.md").read_text()
-    with pytest.raises(UserError, match="eval.assistant_model=.*cannot be loaded"):
+    with pytest.raises(UserError, match="eval.assistant_model=.*does not exist"):
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={tmp_path / 'none'}", *quick))
     other = tmp_path / "other_vocab"
     LlamaForCausalLM(
@@ -269,6 +269,31 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={other}", *quick))
     with pytest.raises(ConfigError, match="eval.batch_sizes"):
         tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")
+
+
+@pytest.mark.parametrize("spelt", ["missing", "empty dir", "file"])
+def test_an_assistant_model_path_that_is_no_model_fails_before_the_backbone_loads(
+    tmp_path: Path, monkeypatch, spelt: str
+) -> None:
+    """eval.assistant_model naming a local path with no model is one line naming the option, before loading."""
+    workdir = make_workdir(tmp_path / "wd")
+    draft = tmp_path / "draft"
+    if spelt == "empty dir":
+        draft.mkdir()
+    elif spelt == "file":
+        draft.write_text("{}")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the backbone loaded before eval.assistant_model was checked")
+
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", no_load)
+    reason = (
+        "does not exist"
+        if spelt == "missing"
+        else r"is not a Hugging Face model directory \(no config.json\)"
+    )
+    with pytest.raises(UserError, match=rf"^eval.assistant_model={draft} {reason}: "):
+        eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={draft}"))
 
 
 def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path) -> None:
