@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -41,6 +42,7 @@ from medusa_train.formats import (
 from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import (
     CALIBRATION,
+    CHOICES,
     MANIFEST,
     MODEL_CARD,
     REPORT_JSON,
@@ -504,14 +506,13 @@ def _save(fig, path: Path) -> Path:
 
 
 # -- the export's model card ----------------------------------------------------------------------
-def write_model_card(
-    export_dir: Path, *, heads_dir: Path, wd: Workdir, tree_name: str, tree_size: int
-) -> None:
+def write_model_card(export_dir: Path, *, heads_dir: Path, wd: Workdir) -> None:
     """Rewrite ``export_dir/README.md`` (atomically) from what is on disk now; used by stage=eval.
 
-    Reads the exported heads, ``wd``'s distill manifest and eval report, and the export's calibration
-    (else the one next to ``heads_dir``); each only when it belongs to the exported heads
-    (:func:`belonging`).
+    Reads the exported heads and tree, ``wd``'s distill manifest and eval report, and the export's
+    calibration (else the one next to ``heads_dir``); each only when it belongs to the exported heads
+    (:func:`belonging`). The tree is the exported one whatever tree eval measured: its name is the
+    report's when eval measured these paths, else the one the card gave it.
     """
     layouts = [fmt for fmt in (MEDUSA, VLLM) if (export_dir / fmt).is_dir()]
     source = export_dir / layouts[0]
@@ -525,12 +526,18 @@ def write_model_card(
     calibration = read_json(export_dir / CALIBRATION)
     if calibration is None and report is not None:  # eval measured these heads: their calibration is theirs
         calibration = read_json(heads_dir / CALIBRATION)
+    choices = json.loads((export_dir / CHOICES).read_text())
+    tree_name = (
+        report.get("tree") if report is not None and not measured_another_tree(report, choices) else None
+    )
+    # else the export's card is the one record of the shipped tree's name
+    tree_name = tree_name or _card_tree_name(export_dir / MODEL_CARD, len(choices))
     card = model_card(
         heads=heads,
         heads_config=heads_config,
         formats=layouts,
         tree_name=tree_name,
-        tree_size=tree_size,
+        choices=choices,
         manifest=manifest,
         calibration=calibration,
         report=report,
@@ -539,6 +546,25 @@ def write_model_card(
         pickle=(export_dir / MEDUSA / LEGACY_WEIGHTS_NAME).is_file(),
     )
     atomic_write_text(export_dir / MODEL_CARD, card)
+
+
+def measured_another_tree(report: dict, choices: list[list[int]]) -> bool:
+    """Whether eval's ``report`` was measured with another tree than ``choices`` (the exported paths):
+    the paths its ``tree=`` named (``tree_choices``), else, in a report without them, its node count."""
+    measured = report.get("tree_choices")
+    if measured is None:
+        size = (report.get("tree_fit") or {}).get("previous_size", report.get("tree_size"))
+        return size != len(choices)
+    return sorted(map(tuple, measured)) != sorted(map(tuple, choices))
+
+
+def _card_tree_name(card: Path, size: int) -> str | None:
+    """The tree's name on the card at ``card`` (its "Tree: `name`, N nodes" line) when N is ``size``."""
+    try:
+        found = re.search(r"^Tree: `([^`]+)`, (\d+) nodes", card.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return found[1] if found and int(found[2]) == size else None
 
 
 def _projection_note(heads) -> str:
@@ -586,8 +612,8 @@ def model_card(
     heads: MedusaHeads,
     heads_config: dict,
     formats: list[str],
-    tree_name: str,
-    tree_size: int,
+    tree_name: str | None,
+    choices: list[list[int]],
     manifest: dict | None,
     calibration: dict | None,
     report: dict | None,
@@ -599,6 +625,8 @@ def model_card(
     with each engine, and the traps of those engines' loaders (docs/pipeline.md, "What each engine's
     loader reads").
 
+    ``tree_name``, ``choices``: the exported tree (``medusa_choices.json``) and its ``tree=`` name, if
+    known; ``report``'s figures measured with another tree say which.
     ``backbone``: the exported Medusa-2 backbone (the base model to load with the heads), if any.
     ``export_dir``: where the export lives (its final place), for the loading commands.
     ``pickle``: the medusa layout has ``medusa_lm_head.pt`` (``export.write_pickle``).
@@ -610,6 +638,7 @@ def model_card(
         or "<base model>"
     )
     k = heads.num_heads
+    tree_size = len(choices)
     lines = _front_matter(base, heads_config, backbone)
     lines += [
         f"# Medusa heads for `{base}`",
@@ -696,6 +725,12 @@ def model_card(
             f"{report.get('num_prompts')} prompts, {(report.get('machine') or {}).get('device', 'this machine')})",
             f"- Medusa greedy output identical to plain greedy: {report.get('greedy_identical', 0):.0%} of prompts",
         ]
+        if measured_another_tree(report, choices):
+            lines.append(
+                f"- measured with tree `{report.get('tree', '?')}` ({report.get('tree_size')} nodes), not the "
+                f"exported tree below: run `python -m medusa_train stage=eval` with the exported tree to "
+                "measure it"
+            )
     else:
         lines.append(
             "- tau / speed-up: not measured for these heads: run `python -m medusa_train stage=eval` "
@@ -706,7 +741,8 @@ def model_card(
         lines += ["", "### vLLM", "", vllm_chain_table(chain)]
     lines += [
         "",
-        f"Tree: `{tree_name}`, {tree_size} nodes, in `medusa_choices.json`{_tree_device(calibration, report)}.",
+        f"Tree: {f'`{tree_name}`, ' if tree_name else ''}{tree_size} nodes, in `medusa_choices.json`"
+        f"{_tree_device(calibration, report)}.",
         "",
     ]
     ex = str(export_dir) if export_dir is not None else "export"

@@ -188,7 +188,7 @@ def _evaluate(
         warn_if_other_backbone(heads_dir, model, cfg.model)
     lm_weight = model.get_output_embeddings().weight
     heads = heads.to(device=lm_weight.device, dtype=lm_weight.dtype)
-    stored_tree_size = len(choices)  # the tree shipped with the heads (the model card names that one)
+    named = choices  # the tree `tree=` names; the model card compares it with the exported one
     choices, tree_fit = fit_tree_to_device(cfg, heads_dir, model, choices)
     packed = PackedHeads(heads)
     tree = TreeBuffers.from_choices(choices).to(lm_weight.device)
@@ -279,6 +279,7 @@ def _evaluate(
     report.update(
         tree=cfg.tree.name,
         tree_size=len(choices),
+        tree_choices=named,
         tree_fit=tree_fit,
         max_new_tokens=ecfg.max_new_tokens,
         all_turns=ecfg.all_turns,
@@ -398,7 +399,7 @@ def _evaluate(
         tracker.log_image(f"eval/{name}", path)
     tracker.finish()
     if (wd.export / MODEL_CARD).is_file() and _is_workdir_heads(heads_dir, wd):
-        _refresh_model_card(wd, heads_dir, cfg.tree.name, stored_tree_size)
+        _refresh_model_card(wd, heads_dir)
     if report["greedy_identical"] < 1.0:
         log.error(
             "Medusa greedy output differs from plain greedy on %.0f%% of prompts: see %s",
@@ -959,9 +960,9 @@ def _is_workdir_heads(heads_dir: Path, wd: Workdir) -> bool:
     return resolved == wd.heads.resolve() or resolved == export or export in resolved.parents
 
 
-def _refresh_model_card(wd: Workdir, heads_dir: Path, tree_name: str, tree_size: int) -> None:
+def _refresh_model_card(wd: Workdir, heads_dir: Path) -> None:
     """Add the measured figures to ``workdir/export/README.md`` (export runs before eval in stage=all)."""
     try:
-        write_model_card(wd.export, heads_dir=heads_dir, wd=wd, tree_name=tree_name, tree_size=tree_size)
+        write_model_card(wd.export, heads_dir=heads_dir, wd=wd)
     except Exception as err:  # the card is a convenience: never fail an evaluation over it
         log.warning("could not update %s: %s", wd.export / MODEL_CARD, err)

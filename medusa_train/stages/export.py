@@ -266,7 +266,7 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
         heads_config=source.heads_config,
         formats=list(cfg.export.formats),
         tree_name=cfg.tree.name,
-        tree_size=len(source.choices),
+        choices=source.choices,
         manifest=manifest,
         calibration=read_json(source.heads_dir / CALIBRATION),
         report=report,

@@ -271,6 +271,28 @@ def test_assistant_model_and_its_errors(tmp_path: Path, evaluated: tuple[Path, d
         tiny_cfg(workdir, "stage=eval", "eval.batch_sizes=[4,0]")
 
 
+def test_the_model_card_names_the_exported_tree_whatever_tree_eval_measured(tmp_path: Path) -> None:
+    """eval with another tree= than the export's: the card's tree stays the exported one (its name and
+    node count, as medusa_choices.json), and the figures say which tree they were measured with."""
+    workdir = make_workdir(tmp_path / "wd")
+    export.run(tiny_cfg(workdir, "stage=export"))  # the calibrated 5-node tree
+    exported = json.loads((workdir / "export" / "medusa_choices.json").read_text())
+    quick = ["eval.acceptance_extra=false", "eval.sweep_tree_sizes=[]", "eval.batch_sizes=[]"]
+    eval_stage.run(tiny_cfg(workdir, "stage=eval", "tree=chain", "tree.chain_depth=2", *quick))
+    card = (workdir / "export" / "README.md").read_text()
+    assert len(exported) == 5 and "Tree: `calibrated`, 5 nodes, in `medusa_choices.json`" in card
+    assert "Tree: `chain`" not in card
+    assert "- measured with tree `chain` (2 nodes), not the exported tree below" in card
+    export.run(tiny_cfg(workdir, "stage=export"))  # the export's own card, from that report
+    assert (workdir / "export" / "README.md").read_text() == card
+    # eval of the exported tree: its figures, no such line
+    eval_stage.run(tiny_cfg(workdir, "stage=eval", "eval.fit_tree=false", *quick))
+    card = (workdir / "export" / "README.md").read_text()
+    assert (
+        "Tree: `calibrated`, 5 nodes, in `medusa_choices.json`" in card and "- measured with tree" not in card
+    )
+
+
 @pytest.mark.parametrize("spelt", ["missing", "empty dir", "file"])
 def test_an_assistant_model_path_that_is_no_model_fails_before_the_backbone_loads(
     tmp_path: Path, monkeypatch, spelt: str

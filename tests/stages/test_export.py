@@ -80,9 +80,7 @@ def test_exporting_the_same_heads_again_writes_the_same_bytes(
     assert second.keys() == first.keys()
     assert [name for name in first if first[name] != second[name]] == []
     link = tmp_path / "link"
-    write_model_card(
-        link / "export", heads_dir=link / "heads", wd=Workdir(link), tree_name="calibrated", tree_size=5
-    )
+    write_model_card(link / "export", heads_dir=link / "heads", wd=Workdir(link))
     assert (workdir / "export" / "README.md").read_bytes() == first["README.md"]
 
 
@@ -111,9 +109,7 @@ def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request
     assert f"--num_medusa_heads {NUM_HEADS} " in card and "which this export has" in card
     assert f"heads {NUM_HEADS + 1}..5 stay random" in card and f"depth <= {NUM_HEADS}" in card
     # stage=eval's rewrite of the card (no eval report yet) says the same
-    write_model_card(
-        root / "export", heads_dir=root / "heads", wd=Workdir(root), tree_name="calibrated", tree_size=5
-    )
+    write_model_card(root / "export", heads_dir=root / "heads", wd=Workdir(root))
     assert (root / "export" / "README.md").read_text() == card
     config_path.write_text(json.dumps({**config, "base_model_name_or_path": "elsewhere/run/base_model"}))
     with pytest.raises(UserError, match="neither a folder"):

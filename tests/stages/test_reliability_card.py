@@ -80,13 +80,13 @@ def test_card_states_figures_only_for_the_heads_they_were_measured_on(tmp_path: 
     assert "not measured for these heads" in foreign and "- not known:" in foreign
     # eval's rewrite of the card (eval measured the workdir's own heads) keeps them apart too
     wd = Workdir(root)
-    write_model_card(wd.export, heads_dir=wd.heads, wd=wd, tree_name="calibrated", tree_size=5)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
     assert TAU not in _card(root) and "not measured for these heads" in _card(root)
 
     # the workdir's own heads cast to float16: still the heads that were measured
     export.run(tiny_cfg(root, "stage=export", "export.dtype=float16"))
     assert TAU in _card(root) and "records: `7`" in _card(root)
-    write_model_card(wd.export, heads_dir=wd.heads, wd=wd, tree_name="calibrated", tree_size=5)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
     assert TAU in _card(root) and "records: `7`" in _card(root)
 
     # the data distilled again since (other counts): the card no longer describes it as theirs
