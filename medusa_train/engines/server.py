@@ -226,6 +226,7 @@ class ServerClient:
         start = time.monotonic()
         last = ""
         attempts = 0
+        answered = False  # the last attempt got an answer that is no JSON
         for attempt in range(retries + 1):
             if stop is not None and stop.is_set():
                 break
@@ -245,18 +246,25 @@ class ServerClient:
                 if err.code not in retry_statuses:
                     raise ServerRefused(url, err.code, detail) from None
                 last, retry_after = f"HTTP {err.code}: {detail}", err.headers.get("Retry-After")
+                answered = False
             except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
                 # ValueError: an answer that is not JSON, or not even UTF-8 (a proxy's gzip or HTML page)
                 reason = getattr(err, "reason", None) or err
                 last = self.quote(f"{type(err).__name__}: {reason}")  # a status line the server sent
+                answered = isinstance(err, ValueError)
             if attempt < retries and not (stop is not None and stop.is_set()):
                 with self._lock:
                     self.retries += 1
                 self._sleep(self._delay(attempt, retry_after))
+        tries = f"{attempts} attempt{'s' * (attempts != 1)} over {time.monotonic() - start:.0f} s"
+        if answered:  # it answers, but not as an OpenAI-compatible API: not a server to start
+            raise ServerUnavailable(
+                url,
+                f"server {url} answered {tries} with no JSON (last: {last}): is it the OpenAI-compatible "
+                "base URL, ending in /v1? (a proxy's or login page answers HTML)",
+            )
         raise ServerUnavailable(
-            url,
-            f"server {url} did not answer after {attempts} attempt{'s' * (attempts != 1)} over "
-            f"{time.monotonic() - start:.0f} s (last: {last or 'abandoned'})",
+            url, f"server {url} did not answer after {tries} (last: {last or 'abandoned'})"
         )
 
 

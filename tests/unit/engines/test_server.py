@@ -89,6 +89,23 @@ def test_answers_that_are_not_utf8_and_tgis_424_are_retried(scripted) -> None:
     assert client.retries == 2
 
 
+def test_a_server_answering_no_json_is_told_apart_from_one_that_does_not_answer(scripted) -> None:
+    """An endpoint that answers every attempt with a page that is no JSON (a proxy's, a login page, a
+    URL without /v1) is not down: the one line says it answered and what to check, not "start it"."""
+    page = b"<html>502 Bad Gateway</html>"
+    srv = scripted([(200, {}, page)] * 3)
+    client = ServerClient([srv.url], max_retries=2, backoff_s=0.0, sleep=lambda _: None)
+    with pytest.raises(ServerUnavailable) as err:
+        client.request(srv.url, "/models")
+    message = str(err.value)
+    assert "\n" not in message and f"server {srv.url} answered 3 attempts" in message
+    assert "with no JSON" in message and "ending in /v1" in message and "did not answer" not in message
+    srv = scripted([(200, {}, page), (503, {}, {})])  # the last attempt got no answer: down as before
+    client = ServerClient([srv.url], max_retries=1, backoff_s=0.0, sleep=lambda _: None)
+    with pytest.raises(ServerUnavailable, match="did not answer after 2 attempts"):
+        client.request(srv.url, "/models")
+
+
 def test_a_4xx_is_not_retried(scripted) -> None:
     srv = scripted([(400, {}, {"detail": "bad field"})])
     client = ServerClient([srv.url], max_retries=5, sleep=lambda s: pytest.fail("must not retry"))
