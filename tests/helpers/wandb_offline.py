@@ -53,14 +53,21 @@ def _records(data: bytes) -> list[bytes]:
     return out
 
 
+def _started(folder: Path) -> tuple[str, int]:
+    """An offline run folder's order: its second, then wandb's suffix for one more part in that second."""
+    parts = folder.name.removeprefix("offline-run-").split("-")
+    return parts[0], int(parts[2]) if len(parts) > 2 else 0
+
+
 def read_offline_runs(workdir: Path) -> list[OfflineRun]:
     """Every offline run under ``workdir/wandb``, oldest first (as ``wandb sync`` uploads them)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     runs = []
-    for folder in sorted((workdir / "wandb").glob("offline-run-*")):
+    # offline-run-<second>-<id>; a second part started within the same second gets "-1", "-2", ...
+    for folder in sorted((workdir / "wandb").glob("offline-run-*"), key=_started):
         (path,) = folder.glob("run-*.wandb")
-        run = OfflineRun(id=folder.name.rsplit("-", 1)[1])
+        run = OfflineRun(id=path.stem.removeprefix("run-"))
         for raw in _records(path.read_bytes()):
             record = pb.Record()
             record.ParseFromString(raw)
