@@ -207,9 +207,10 @@ def _calibrated_for(report: dict) -> str:
     return f", calibrated for {where}" + (" in this run" if fit.get("recalibrated") else "")
 
 
-def _tree_device(calibration: dict | None, report: dict | None) -> str:
-    """Where the shipped tree was calibrated, and the tree eval fitted to its own device if it differs."""
-    label = ((calibration or {}).get("tree") or {}).get("calibrated_for")
+def _tree_device(calibration: dict | None, report: dict | None, *, calibrated: bool) -> str:
+    """Where the shipped tree was calibrated (``calibrated``: it is the calibration's tree), and the tree
+    eval fitted to its own device if it differs."""
+    label = ((calibration or {}).get("tree") or {}).get("calibrated_for") if calibrated else None
     text = f", calibrated for {_machine(label)}" if label else ""
     fit = (report or {}).get("tree_fit") or {}
     if fit.get("recalibrated"):
@@ -218,6 +219,14 @@ def _tree_device(calibration: dict | None, report: dict | None) -> str:
             "tree for that device (the figures above; its paths: `tree_fit.choices` in eval/report.json)"
         )
     return text
+
+
+def _is_calibrated_tree(tree_name: str | None, size: int, calibration: dict | None) -> bool:
+    """Whether the exported tree is the one ``calibration`` chose: its name is ``calibrated`` (a tree
+    pinned at export, medusa63, chain or custom, ships the calibration of the heads' own tree) and its
+    node count is the chosen one's, where the calibration records it."""
+    best = (((calibration or {}).get("tree") or {}).get("best") or {}).get("nodes")
+    return tree_name == "calibrated" and best in (None, size)
 
 
 def _first_difference(report: dict) -> str:
@@ -739,10 +748,11 @@ def model_card(
     chain = (report or {}).get("vllm_chain")
     if chain:
         lines += ["", "### vLLM", "", vllm_chain_table(chain)]
+    calibrated = _is_calibrated_tree(tree_name, tree_size, calibration)
     lines += [
         "",
         f"Tree: {f'`{tree_name}`, ' if tree_name else ''}{tree_size} nodes, in `medusa_choices.json`"
-        f"{_tree_device(calibration, report)}.",
+        f"{_tree_device(calibration, report, calibrated=calibrated)}.",
         "",
     ]
     ex = str(export_dir) if export_dir is not None else "export"

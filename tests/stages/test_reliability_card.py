@@ -134,3 +134,20 @@ def test_damaged_lora_adapter_is_one_line(tmp_path: Path, capsys, damage: str) -
     for stage in ("export", "eval"):
         line = _cli_line(capsys, [f"stage={stage}", *overrides])
         assert str(path) in line and "stage=train training=medusa2 training.overwrite=true" in line, line
+
+
+def test_card_says_where_the_tree_was_calibrated_only_when_it_ships_the_calibrated_tree(
+    tmp_path: Path,
+) -> None:
+    """calibration.json ships with every export; its device is the calibrated tree's, not a pinned one's
+    (stage=export's card and eval's rewrite of it)."""
+    root = make_workdir(tmp_path / "run")
+    wd = Workdir(root)
+    export.run(tiny_cfg(root, "stage=export"))
+    assert "5 nodes, in `medusa_choices.json`, calibrated for " in _card(root)
+    for pinned in (["tree=chain", "tree.chain_depth=2"], ["tree=custom", "tree.choices=[[0],[1]]"]):
+        export.run(tiny_cfg(root, "stage=export", *pinned))
+        assert (root / "export" / "calibration.json").is_file()
+        assert "calibrated for" not in _card(root) and "2 nodes, in `medusa_choices.json`." in _card(root)
+        write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
+        assert "calibrated for" not in _card(root) and "2 nodes, in `medusa_choices.json`." in _card(root)

@@ -167,3 +167,34 @@ def test_static_speedup_over_the_compiled_baseline_is_the_median_over_turns():
     static = alternatives(records)["static_medusa"]
     assert static["speedup_vs_compiled"] == pytest.approx(2.0)  # ratios 2, 5, 2
     assert static["speedup_vs_compiled_tokens_per_s"] == pytest.approx((120 / 5.35) / (120 / 11.0))
+
+
+@pytest.mark.parametrize(
+    ("tree_name", "nodes", "says"),
+    [
+        ("calibrated", 5, True),
+        ("medusa63", 5, False),  # a tree pinned at export ships the calibration of the heads' own tree
+        ("chain", 5, False),
+        ("custom", 5, False),
+        ("calibrated", 8, False),  # a calibration that chose a tree of another size is not this tree's
+        (None, 5, False),
+    ],
+)
+def test_card_says_where_the_tree_was_calibrated_only_for_the_calibrated_tree(
+    tree_name: str | None, nodes: int, says: bool
+) -> None:
+    heads = MedusaHeads(16, 40, 4, 1, base_model_name_or_path="meta-llama/Llama-3.1-8B")
+    label = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "attention": "sdpa"}
+    card = model_card(
+        heads=heads,
+        heads_config={},
+        formats=["medusa"],
+        tree_name=tree_name,
+        choices=[[i] for i in range(5)],
+        manifest=None,
+        calibration={"tree": {"calibrated_for": label, "best": {"nodes": nodes}}},
+        report=None,
+    )
+    tree_line = next(line for line in card.splitlines() if line.startswith("Tree: "))
+    assert ("calibrated for NVIDIA H100 80GB HBM3 (bfloat16, sdpa attention)" in tree_line) == says, tree_line
+    assert says or tree_line.endswith("5 nodes, in `medusa_choices.json`."), tree_line
