@@ -181,10 +181,10 @@ def read_json(
         raise DamagedArtefactError(f"{path} cannot be read ({err.strerror or err}): {repair}") from None
     if not isinstance(value, expect):
         want = " or ".join(
-            _JSON_NAMES.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,))
+            _a(_JSON_NAMES.get(t, t.__name__)) for t in (expect if isinstance(expect, tuple) else (expect,))
         )
-        got = _JSON_NAMES.get(type(value), type(value).__name__)
-        raise DamagedArtefactError(f"{path} is damaged (a JSON {got} where {want} is expected): {repair}")
+        got = _a("JSON " + _JSON_NAMES.get(type(value), type(value).__name__))
+        raise DamagedArtefactError(f"{path} is damaged ({got} where {want} is expected): {repair}")
     missing = [k for k in keys if k not in value]
     if missing:
         raise DamagedArtefactError(f"{path} is damaged (lacks {', '.join(map(repr, missing))}): {repair}")
@@ -192,14 +192,21 @@ def read_json(
 
 
 _JSON_NAMES = {
-    dict: "an object",
-    list: "a list",
-    str: "a string",
-    int: "a number",
-    float: "a number",
-    bool: "a boolean",
+    dict: "object",
+    list: "list",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
     type(None): "null",
 }
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its article: "a JSON list", "an object"; none for null ("JSON null", "null")."""
+    if noun.endswith("null"):
+        return noun
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def file_sha256(path: str | os.PathLike) -> str:

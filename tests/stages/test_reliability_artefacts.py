@@ -365,7 +365,7 @@ def test_read_json_names_the_file_and_the_repair(tmp_path) -> None:
     path = tmp_path / "x.json"
     for text, reason in (
         ("{", "not valid JSON"),
-        ("[1]", "a JSON a list where an object"),
+        ("[1]", "a JSON list where an object"),
         ('{"a": 1}', "lacks 'b'"),
     ):
         path.write_text(text)
@@ -376,6 +376,26 @@ def test_read_json_names_the_file_and_the_repair(tmp_path) -> None:
         read_json(path, repair="do this")
     with pytest.raises(DamagedArtefactError, match="missing: do this"):
         read_json(tmp_path / "nope.json", repair="do this")
+
+
+@pytest.mark.parametrize(
+    ("text", "expect", "reason"),
+    [
+        ("[1]", dict, "a JSON list where an object is expected"),
+        ('"x"', dict, "a JSON string where an object is expected"),
+        ("1.5", dict, "a JSON number where an object is expected"),
+        ("true", dict, "a JSON boolean where an object is expected"),
+        ("null", dict, "JSON null where an object is expected"),
+        ("{}", list, "a JSON object where a list is expected"),
+        ("2", (dict, list), "a JSON number where an object or a list is expected"),
+    ],
+)
+def test_read_json_names_the_kind_it_found_and_the_one_expected(tmp_path, text, expect, reason) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(text)
+    with pytest.raises(DamagedArtefactError) as err:
+        read_json(path, expect=expect, repair="do this")
+    assert str(err.value) == f"{path} is damaged ({reason}): do this"
 
 
 def test_publish_killed_between_its_renames_keeps_the_old_folder(tmp_path, monkeypatch) -> None:
