@@ -128,6 +128,12 @@ def resolve_dtype(spec: str, device: str | torch.device) -> str:
     return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float32"
 
 
+def is_local_path(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is spelt as a local path, not a Hub id (``org/name``): it starts with
+    ``.``, ``/`` or ``~``, or has more than one ``/`` ("runs/x/pretrain")."""
+    return name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~"))
+
+
 def check_backbone_source(name_or_path: str) -> None:
     """Fail early (before loading any weights) when a local backbone directory is missing."""
     path = Path(name_or_path).expanduser()
@@ -141,13 +147,12 @@ def check_backbone_source(name_or_path: str) -> None:
                 f"model.name_or_path={path} is not a Hugging Face model directory (no config.json)"
             )
         return
-    # "runs/x/pretrain" style paths with several components are local paths, not hub ids.
     if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone
         raise UserError(
             f"no backbone at {name_or_path}: run `python -m medusa_train stage=pretrain` first (model=tiny), "
             "or pass model=hf model.name_or_path=<hub id or directory>"
         )
-    if name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")):
+    if is_local_path(name_or_path):
         raise UserError(
             f"model.name_or_path={name_or_path}: no such directory here (a Hub id has the form org/name): "
             "give the directory that holds the model's config.json, or a Hub id"

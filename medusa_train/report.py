@@ -190,8 +190,11 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 # -- report.md --------------------------------------------------------------------------------------
-def _machine(label: dict) -> str:
-    """ "<device> (<dtype>[, <attention> attention])" of a calibration's ``calibrated_for``."""
+def calibrated_machine(label: dict | None) -> str:
+    """ "<device> (<dtype>[, <attention> attention])" of a calibration's ``calibrated_for`` ("an
+    unrecorded device" for none)."""
+    if not label:
+        return "an unrecorded device"
     attention = f", {label['attention']} attention" if "attention" in label else ""
     return f"{label['device']} ({label['dtype']}{attention})"
 
@@ -203,7 +206,7 @@ def _calibrated_for(report: dict) -> str:
     if report.get("tree") != "calibrated":
         return ""
     label = fit.get("calibrated_for")
-    where = "an unrecorded device" if not label else _machine(label)
+    where = calibrated_machine(label)
     return f", calibrated for {where}" + (" in this run" if fit.get("recalibrated") else "")
 
 
@@ -211,11 +214,11 @@ def _tree_device(calibration: dict | None, report: dict | None, *, calibrated: b
     """Where the shipped tree was calibrated (``calibrated``: it is the calibration's tree), and the tree
     eval fitted to its own device if it differs."""
     label = ((calibration or {}).get("tree") or {}).get("calibrated_for") if calibrated else None
-    text = f", calibrated for {_machine(label)}" if label else ""
+    text = f", calibrated for {calibrated_machine(label)}" if label else ""
     fit = (report or {}).get("tree_fit") or {}
     if fit.get("recalibrated"):
         text += (
-            f"; on {_machine(fit['calibrated_for'])} eval calibrated a {len(fit.get('choices') or [])}-node "
+            f"; on {calibrated_machine(fit['calibrated_for'])} eval calibrated a {len(fit.get('choices') or [])}-node "
             "tree for that device (the figures above; its paths: `tree_fit.choices` in eval/report.json)"
         )
     return text

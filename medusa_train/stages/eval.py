@@ -59,6 +59,7 @@ from medusa_train.backbone import (
     backbone_drift,
     backbone_identity,
     hf_source,
+    is_local_path,
     load_backbone_for_heads,
     load_configured_backbone,
     resolve_device,
@@ -99,6 +100,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,
+    calibrated_machine,
     calibration_topk,
     headline_speedup,
     machine_info,
@@ -569,14 +571,14 @@ def fit_tree_to_device(
     if not cfg.eval.fit_tree:
         log.warning(
             "eval: the tree was calibrated for %s and this run decodes on %s: eval.fit_tree=false keeps it",
-            _describe_device(info["calibrated_for"]),
-            _describe_device(here),
+            calibrated_machine(info["calibrated_for"]),
+            calibrated_machine(here),
         )
         return choices, info
     log.info(
         "eval: the tree was calibrated for %s, this run is on %s: calibrating it again here",
-        _describe_device(info["calibrated_for"]),
-        _describe_device(here),
+        calibrated_machine(info["calibrated_for"]),
+        calibrated_machine(here),
     )
     acc = torch.tensor(topk)  # (K, R)
     result = calibrate_tree(
@@ -614,13 +616,6 @@ def static_setting(capture: str, attention: dict[int, str], vs_compiled: float) 
             f"{name} attention at {'/'.join(map(str, caps))} columns" for name, caps in caps_of.items()
         )
     return f"{capture}, {used}; {vs_compiled:.2f}x compiled plain"
-
-
-def _describe_device(label: dict | None) -> str:
-    if not label:
-        return "an unrecorded device"
-    attention = f", {label['attention']} attention" if "attention" in label else ""
-    return f"{label['device']} ({label['dtype']}{attention})"
 
 
 _RECALIBRATE = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
@@ -804,10 +799,10 @@ def vllm_chain(
 
 
 def _check_assistant_source(name_or_path: str) -> None:
-    """``eval.assistant_model`` spelt as a local path (``/``, ``.``, ``~`` first, or more than one ``/``:
-    no Hub id) names an existing directory with a config.json; a Hub id is left to the download."""
+    """``eval.assistant_model`` spelt as a local path (:func:`~medusa_train.backbone.is_local_path`)
+    names an existing directory with a config.json; a Hub id is left to the download."""
     path = Path(name_or_path).expanduser()
-    if path.exists() or name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~")):
+    if path.exists() or is_local_path(name_or_path):
         if not (path / CONFIG_NAME).is_file():
             reason = (
                 "is not a Hugging Face model directory (no config.json)"
