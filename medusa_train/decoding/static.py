@@ -10,7 +10,9 @@ What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, 
 - the KV cache is allocated once, ``(B, H, C, D)`` per layer (C = ``capacity``); each prompt is
   prefilled into its row at ``[0, T_b)`` (eagerly: prompt lengths vary); a step writes row b's M tree
   nodes at its columns ``[L_b, L_b + M)`` (one indexed write, positions held on the device) and
-  attention reads all C columns through a ``(B, 1, M, C)`` float mask, masked beyond each row's L_b;
+  attention reads all C columns through a ``(B, 1, M, C)`` float mask, masked beyond each row's L_b
+  (one per layer type for a model whose layers window or chunk differently, :func:`layer_mask_rules`,
+  all built from the same device tensors);
 - the whole tree is verified every step (nodes deeper than the remaining budget are verified too but
   never emitted; their position ids are clamped to the model's last position), by every row until the
   last row stops (a finished row's steps are discarded);
@@ -25,7 +27,8 @@ What is static. A :class:`StaticDecoder` is built once per (model, heads, tree, 
 Tree attention. With ``attention="sdpa"`` the model's own attention reads all C columns through the
 mask above. With a kernel (``"triton"``, ``"cuda"``; :mod:`.attention`) the step's forward builds no
 mask: each layer's kernel reads row b's past ``[0, L_b)`` and its M tree columns ``[L_b, L_b + M)`` of
-the same ``(B, H, C, D)`` cache through the tree's ancestor bits, with the rows' L_b in a persistent
+the same ``(B, H, C, D)`` cache through the tree's ancestor bits (windowed for a sliding layer: the bits
+of every window the layer types name are built with the decoder), with the rows' L_b in a persistent
 int32 device tensor updated in place by the step, so a replay reads the current lengths and the
 kernel's grid depends only on shapes. The prefill runs the model's own attention either way.
 
@@ -67,7 +70,7 @@ from .attention import (
     resolve_attention,
     tree_step,
 )
-from .batched import MedusaBatchOutput, PreallocatedLayer, check_one_device, shared_storage
+from .batched import MedusaBatchOutput, PreallocatedLayer, _num_layers, check_one_device, shared_storage
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -226,13 +229,43 @@ class StaticKVCache(Cache):
             layer.values[self.rows, :, dst] = layer.values[self.rows, :, src]
 
 
+def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int | None]]:
+    """Each attention layer type of a model and the rule ``(window, chunk)`` its masks add to the causal
+    or tree rule on a cache of ``capacity`` columns: a query sees a key only if their positions differ
+    by less than ``window``, and only from the first position of the query's chunk of ``chunk``
+    positions on (None: no such limit).
+
+    Read from the text config as the dynamic decoders read it (:func:`_sliding_window_kinds`,
+    :func:`attention_chunk`): ``"sliding_attention"`` layers take ``sliding_window``,
+    ``"chunked_attention"`` layers ``attention_chunk_size`` (none where the capacity stays inside the
+    first chunk: no position there passes a chunk's end), ``"full_attention"`` layers neither; a model
+    without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
+    (a hybrid model's linear or convolution layers) take no mask of these and are left out.
+    """
+    window, _ = _sliding_window_kinds(config)
+    chunk = attention_chunk(config)
+    if chunk is not None and capacity <= chunk:
+        chunk = None
+    known = {
+        "full_attention": (None, None),
+        "sliding_attention": (window, None),
+        "chunked_attention": (None, chunk),
+    }
+    types = getattr(config.get_text_config(), "layer_types", None) or [
+        "sliding_attention" if window else "full_attention"
+    ]
+    rules = {kind: known[kind] for kind in dict.fromkeys(types) if kind in known}
+    return rules or {"full_attention": known["full_attention"]}
+
+
 class StaticDecoder:
     """Medusa decoding of up to B rows whose step has fixed shapes; built once, reused across prompts.
 
     Args:
         model: a Hugging Face causal LM in eval mode (Llama, Qwen2, Mistral, GPT-2, ... with the "sdpa"
-            or "eager" attention implementation); every layer full attention, or every layer the same
-            sliding window (or chunks, or chunks the capacity does not pass, mixed with full layers).
+            or "eager" attention implementation); full attention, a sliding window or chunks on every
+            layer, or layers of several of these by ``config.layer_types`` (Gemma 2/3, Cohere 2,
+            gpt-oss, Llama 4), each type its own mask (:func:`layer_mask_rules`).
         heads: the Medusa heads (or :class:`PackedHeads`).
         tree: :class:`TreeBuffers` or a list of index paths; verified whole every step.
         capacity: KV columns per row; a row needs ``prompt + max_new_tokens + tree nodes <= capacity``.
@@ -269,9 +302,8 @@ class StaticDecoder:
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
-            threshold, cuda_graph off CUDA, a model mixing full and sliding-window layers (or chunked
-            layers and others, with a capacity past the chunk), a flash-attention model, a model
-            spread over several devices, or a capacity too small for the tree.
+            threshold, cuda_graph off CUDA, a flash-attention model, a model spread over several
+            devices, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree does not fit the heads.
@@ -322,24 +354,10 @@ class StaticDecoder:
             min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
         )  # fmt: skip
         check_one_device(model, "StaticDecoder")
-        self.window, kind = _sliding_window_kinds(model.config)
-        if kind == "mixed":
-            raise ValueError(
-                "the static decoder takes models whose layers all use the same attention (full, or one "
-                "sliding window); this one mixes both: use medusa_generate"
-            )
-        # Chunked layers: positions below the capacity stay in the first chunk unless it is wider.
-        self.chunk = attention_chunk(model.config)
-        if self.chunk is not None and capacity <= self.chunk:
-            self.chunk = None
-        types = set(model.config.get_text_config().layer_types or ()) if self.chunk is not None else set()
-        if types - {"chunked_attention"}:
-            raise ValueError(
-                "the static decoder takes models whose layers all use the same attention (full, or one "
-                f"sliding window, or chunks); this one mixes chunked layers (attention_chunk_size="
-                f"{self.chunk}) and others, whose chunks a capacity of {capacity} passes: use a capacity "
-                f"<= {self.chunk}, or medusa_generate"
-            )
+        # Each layer type's (window, chunk): the masks of the prefill and the step, one per rule; the
+        # step computes positions for them only where a rule reads positions.
+        self._rules = layer_mask_rules(model.config, capacity)
+        self._positional = any(rule != (None, None) for rule in self._rules.values())
         if capture == "cuda_graph" and host_synced_rope(model):
             raise ValueError(
                 "capture='cuda_graph' cannot capture this model's RoPE (it decides on the host, every "
@@ -408,7 +426,12 @@ class StaticDecoder:
             past = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) column of each row's first node
             starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
             self._kernel_step = TreeStep(past, starts, TreeMask.of(self.tree), self.attention)
-            self._kernel_step.mask.bits_for(self.window)  # built now, not inside a capture or a trace
+        # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
+        # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.
+        self._kernel_bits: list[torch.Tensor] = []
+        if self._kernel_step is not None:
+            built = (self._kernel_step.mask.bits_for(window) for window, _ in self._rules.values())
+            self._kernel_bits = list({id(bits): bits for bits in built}.values())
         # Handed to the attention layers as a forward argument too, which torch.compile can trace (a
         # forward without **kwargs gets none: its layers read the step of tree_step).
         passes = self._kernel_step is not None and _takes_extra_kwargs(type(model))
@@ -451,7 +474,7 @@ class StaticDecoder:
         self._static += self.processors.state()
         if self._kernel_step is not None:  # the kernels' inputs: the past lengths change every step
             step = self._kernel_step
-            self._static += [step.past_lens, step.starts, step.mask.bits_for(self.window), step.mask.depth]
+            self._static += [step.past_lens, step.starts, *self._kernel_bits, step.mask.depth]
         self._run: Callable[[], None] = self._step
         self._graph = None
         self._captured_weights: tuple[int, ...] = ()
@@ -521,34 +544,48 @@ class StaticDecoder:
         with _own_rng(self.device), on_device(self.device):
             self._capture_graph()
 
-    def _prefill_mask(self, t: int) -> torch.Tensor:
+    def _prefill_mask(self, t: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """``(1, 1, T, C)`` causal mask of a T-token prompt at columns ``[0, T)`` (windowed, or cut to
-        chunks, if the model is)."""
-        q = self._cols[:t, None]  # (T, 1)
+        chunks, if the model is; one per layer type where its layers differ)."""
+        q = self._cols[:t, None]  # (T, 1) positions
         allowed = self._cols[None, :] <= q  # (T, C)
-        if self.window is not None:
-            allowed &= (q - self._cols[None, :]) < self.window
-        if self.chunk is not None:
-            allowed &= self._cols[None, :] >= q - q % self.chunk  # keys of the query's chunk
-        return _float_mask(allowed, self.dtype)[None, None]  # (1, 1, T, C)
+        return self._masks(allowed[None, None], q[None, None], self._cols[None, None, None, :])
 
-    def _tree_mask(self) -> torch.Tensor:
-        """``(B, 1, M, C)``: row b's tree written at ``[L_b, L_b + M)`` over its L_b cached tokens."""
+    def _tree_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``(B, 1, M, C)``: row b's tree written at ``[L_b, L_b + M)`` over its L_b cached tokens (one
+        per layer type where its layers differ)."""
         m, length = self.tree.num_nodes, self.length[:, None]  # (B, 1)
         rel = self._cols[None, :] - length  # (B, C) column relative to the row's first tree column
         in_tree = (rel >= 0) & (rel < m)  # (B, C)
         rel_c = rel.clamp(0, m - 1)  # (B, C)
         tree_part = self.tree.attn_mask[:, rel_c].transpose(0, 1) & in_tree[:, None, :]  # (B, M, C)
         allowed = (self._cols[None, :] < length)[:, None, :] | tree_part  # (B, M, C)
-        if self.window is not None or self.chunk is not None:
-            # Positions: the column in the past, L + depth inside the tree.
-            key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols[None, :])  # (B, C)
-            query_pos = length + self.tree.depth[None, :]  # (B, M)
-            if self.window is not None:
-                allowed &= (query_pos[:, :, None] - key_pos[:, None, :]) < self.window
-            if self.chunk is not None:  # keys from the first position of the query's chunk on
-                allowed &= key_pos[:, None, :] >= (query_pos - query_pos % self.chunk)[:, :, None]
-        return _float_mask(allowed, self.dtype)[:, None]  # (B, 1, M, C)
+        if not self._positional:
+            return self._masks(allowed[:, None], None, None)
+        # Positions: the column in the past, L + depth inside the tree.
+        key_pos = torch.where(in_tree, length + self.tree.depth[rel_c], self._cols[None, :])  # (B, C)
+        query_pos = length + self.tree.depth[None, :]  # (B, M)
+        return self._masks(allowed[:, None], query_pos[:, None, :, None], key_pos[:, None, None, :])
+
+    def _masks(
+        self, allowed: torch.Tensor, query_pos: torch.Tensor | None, key_pos: torch.Tensor | None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The float masks of ``allowed`` ``(N, 1, Q, C)`` (the causal or tree rule) under each layer
+        type's rule (:attr:`_rules`), from the queries' positions ``(N, 1, Q, 1)`` and the keys'
+        ``(N, 1, 1, C)`` (None where no rule reads them): one tensor where every layer type has the
+        same rule, else a dict keyed by layer type, the model's per-layer-type masks (its types of one
+        rule share a tensor). Every operand is a tensor of the step: nothing is read from the host."""
+        built: dict[tuple[int | None, int | None], torch.Tensor] = {}
+        for window, chunk in dict.fromkeys(self._rules.values()):
+            rule = allowed
+            if window is not None:
+                rule = rule & ((query_pos - key_pos) < window)
+            if chunk is not None:  # keys from the first position of the query's chunk on
+                rule = rule & (key_pos >= query_pos - query_pos % chunk)
+            built[window, chunk] = _float_mask(rule, self.dtype)
+        if len(built) == 1:
+            return next(iter(built.values()))
+        return {kind: built[rule] for kind, rule in self._rules.items()}
 
     def _step(self) -> None:
         """One Medusa step of every row on the device state: candidates, verification, acceptance,
@@ -1022,11 +1059,6 @@ def capacity_for(need: int, limit: int | None = None) -> int:
     ``need``."""
     capacity = max(256, 1 << (max(need, 1) - 1).bit_length())
     return capacity if limit is None or limit < need else min(capacity, limit)
-
-
-def _num_layers(model: torch.nn.Module) -> int:
-    config = model.config
-    return getattr(config, "num_hidden_layers", None) or config.n_layer
 
 
 def medusa_generate_static(

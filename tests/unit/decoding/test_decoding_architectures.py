@@ -1,15 +1,19 @@
 """The three decoders on models whose attention masks or positions are not Llama's: chunked attention
-(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 3, Cohere 2, and
-Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk or window;
-and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), and Llama 4
-where its NoPE layers' query scaling would count positions from the cache's length."""
+(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2 and 3, Cohere 2,
+gpt-oss, and Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk
+or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
+kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), and
+Llama 4 where its NoPE layers' query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 import transformers as tf
 
+import medusa_train.decoding.attention as tree_attention_module
 import medusa_train.decoding.static as static_module
 from medusa_train.decoding import (
     StaticDecoder,
@@ -21,6 +25,7 @@ from medusa_train.decoding import (
 )
 from medusa_train.decoding.attention import AttentionBackendError
 from medusa_train.decoding.batched import _BatchMask
+from medusa_train.decoding.generate import PackedHeads
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
 
 SHAPE = dict(
@@ -54,12 +59,26 @@ def gemma3_multimodal() -> tf.PretrainedConfig:
     )  # fmt: skip
 
 
+def gemma3(window: int = 6) -> tf.PretrainedConfig:
+    return tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=window, layer_types=INTERLEAVED)
+
+
 MODELS = {
     "llama4": llama4,
-    "gemma3": lambda: tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
-    "cohere2": lambda: tf.Cohere2Config(**SHAPE, sliding_window=6, layer_types=INTERLEAVED),
+    "gemma3": gemma3,
+    # initializer_range 0.2: at the default 0.02 its tokens do not depend on the window
+    "cohere2": lambda: tf.Cohere2Config(
+        **SHAPE, sliding_window=6, layer_types=INTERLEAVED, initializer_range=0.2
+    ),
     "gemma3_multimodal": gemma3_multimodal,
-}
+    # attention logit softcapping (eager attention)
+    "gemma2": lambda: tf.Gemma2Config(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
+    # attention sinks (eager attention)
+    "gpt_oss": lambda: tf.GptOssConfig(
+        **SHAPE, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
+        layer_types=INTERLEAVED,
+    ),
+}  # fmt: skip
 ALIBI = {
     "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB),
     "falcon": lambda: tf.FalconConfig(
@@ -92,11 +111,37 @@ def count_forwards(model: torch.nn.Module) -> list:
     return calls
 
 
+class RowsOracle(PackedHeads):
+    """Heads that know the greedy continuation of several sequences: at the position t of a sequence
+    whose last hidden state is nearest the given one, head k ranks that sequence's token t + k + 2 at
+    ``rank`` (head 0; the others at 0). Tensor operations only (no host read): a step can hold them."""
+
+    def __init__(self, model, sequences: list[torch.Tensor], num_heads: int = 4, rank: int = 0) -> None:
+        self.num_heads, self.draft_vocab_size, self.rank = num_heads, VOCAB, rank
+        hidden, targets = [], []
+        with torch.no_grad():
+            for seq in sequences:  # (T,)
+                hidden.append(model(seq[None], output_hidden_states=True).hidden_states[-1][0])  # (T, d)
+                ahead = torch.cat([seq, seq.new_zeros(num_heads + 2)])  # (T + K + 2,)
+                targets.append(torch.stack([ahead[k + 2 : k + 2 + len(seq)] for k in range(num_heads)], 1))
+        self.hidden, self.targets = torch.cat(hidden), torch.cat(targets)  # (N, d), (N, K)
+
+    def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        k = self.num_heads if num_heads is None else num_heads
+        nearest = torch.cdist(hidden.float(), self.hidden.float()).argmin(dim=1)  # (B,)
+        target = self.targets[nearest, :k]  # (B, k)
+        out = torch.zeros(*target.shape, VOCAB).scatter_(2, target[..., None], 10.0)  # (B, k, V)
+        if self.rank:  # head 0: rank tokens target + 1 .. target + rank above its target
+            above = (target[:, :1, None] + torch.arange(1, self.rank + 1)) % VOCAB  # (B, 1, rank)
+            out[:, :1].scatter_(2, above, 11.0)
+        return out
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_parity_past_the_chunk_or_window(name):
-    """``medusa_generate`` and ``medusa_generate_batch`` (ragged rows: left padding shifts no chunk)
-    equal ``generate`` with contexts past the chunk (8) or window (6); the static decoder refuses the
-    mixed layers up front (a capacity past Llama 4's chunk)."""
+    """``medusa_generate``, ``medusa_generate_batch`` (ragged rows: left padding shifts no chunk) and the
+    static decoder (three rows of different lengths, one mask per layer type) equal ``generate`` with
+    contexts past the chunk (8) or window (6)."""
     model = build(MODELS[name]())
     heads = random_heads(model, seed=1)
     rows = prompts()
@@ -107,8 +152,28 @@ def test_greedy_parity_past_the_chunk_or_window(name):
             assert out.tokens.tolist() == ref, (name, tree_name, len(prompt))
         batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
         assert [r.tokens.tolist() for r in batch.rows] == refs, (name, tree_name)
-    with pytest.raises(ValueError, match="mixes"):
-        StaticDecoder(model, heads, chain_tree(4), 2 * MAX_POS)
+        decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3)
+        static = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in static.rows] == refs, (name, tree_name)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_decoder_accepts_whole_paths_past_the_chunk_or_window(name):
+    """Heads that know each row's continuation: the static decoder accepts whole paths (a chain, and a
+    path that is not contiguous in node order: head 0's target at rank 1), so every node's logits,
+    under its layer types' masks, decide tokens; three rows of different lengths equal ``generate``."""
+    model = build(MODELS[name]())
+    rows = prompts()
+    refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
+    sequences = [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)]
+    branching = [[0], [1], [0, 0], [1, 0], [1, 0, 0], [1, 0, 0, 0]]
+    for tree, rank in ((chain_tree(4), 0), (branching, 1)):
+        decoder = StaticDecoder(
+            model, RowsOracle(model, sequences, rank=rank), tree, 2 * MAX_POS, batch_size=3
+        )
+        out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in out.rows] == [r[:NEW_TOKENS] for r in refs], (name, rank)
+        assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows), (name, rank)
 
 
 @pytest.mark.parametrize(
@@ -141,13 +206,17 @@ def chunk_rule(tree: TreeBuffers, past: int, pad: int, width: int, chunk: int) -
     return allowed & (key[None, :] // chunk == query[:, None] // chunk)
 
 
-def test_chunked_masks_follow_the_rule():
+@pytest.mark.parametrize(
+    "no_rope_layers", [(1, 1), (1, 0)], ids=["every-layer-chunked", "chunked-and-global"]
+)
+def test_chunked_masks_follow_the_rule(no_rope_layers):
     """Each decoder's chunked-layer mask is the rule itself (a key visible only in its query's chunk of
     positions; a tree node's position is the past plus its depth, not its column) on a tree of 12
     nodes crossed by a chunk boundary at every past length: ``medusa_generate``'s, the batched
-    decoder's (left-padded rows) and the static decoder's."""
+    decoder's (left-padded rows) and the static decoder's; with global layers too, the static
+    decoder's masks are one per layer type, the global layers' without chunks (the prefill's too)."""
     chunk = 4
-    model = build(llama4(chunk, no_rope_layers=(1, 1)))
+    model = build(llama4(chunk, no_rope_layers=no_rope_layers))
     tree = TreeBuffers.from_choices(random_tree(3, nodes=12, max_depth=4))
     m = tree.num_nodes
     for past in range(0, 20):
@@ -161,17 +230,116 @@ def test_chunked_masks_follow_the_rule():
     decoder = StaticDecoder(model, random_heads(model), tree, 40, batch_size=3)
     with torch.inference_mode():
         decoder.length.copy_(torch.tensor([3, 11, 17]))
-        static_masks = decoder._tree_mask()  # (B, 1, M, C)
-    for b, mask in enumerate(static_masks):
-        assert torch.equal(mask[0] == 0, chunk_rule(tree, int(decoder.length[b]), 0, 40, chunk)), b
+        static_masks = decoder._tree_mask()  # (B, 1, M, C), or one per layer type
+        prefill = decoder._prefill_mask(13)  # (1, 1, T, C), or one per layer type
+    if no_rope_layers == (1, 1):
+        static_masks, prefill = {"chunked_attention": static_masks}, {"chunked_attention": prefill}
+    assert set(static_masks) == set(prefill) == set(model.config.layer_types)
+    for b in range(3):
+        past = int(decoder.length[b])
+        rule = chunk_rule(tree, past, 0, 40, chunk)
+        assert torch.equal(static_masks["chunked_attention"][b, 0] == 0, rule), b
+        if "full_attention" in static_masks:
+            full = chunk_rule(tree, past, 0, 40, chunk=10**6)
+            assert torch.equal(static_masks["full_attention"][b, 0] == 0, full), b
+    causal = torch.ones(13, 40, dtype=torch.bool).tril()  # (T, C)
+    pos = torch.arange(40)
+    assert torch.equal(
+        prefill["chunked_attention"][0, 0] == 0, causal & (pos[None] // chunk == pos[:13, None] // chunk)
+    )
+    if "full_attention" in prefill:
+        assert torch.equal(prefill["full_attention"][0, 0] == 0, causal)
 
 
-def test_static_decoder_refuses_mixed_chunked_layers_past_the_chunk():
-    model = build(llama4(chunk=8))
-    calls = count_forwards(model)
-    with pytest.raises(ValueError, match=r"mixes chunked layers \(attention_chunk_size=8\).*capacity <= 8"):
-        StaticDecoder(model, random_heads(model), chain_tree(4), 64)
-    assert not calls
+def test_static_sliding_masks_are_the_dynamic_decoders_per_layer_type():
+    """Gemma 3 with a window of 2 (a tree of depth 4 crosses it inside the tree): the static decoder's
+    mask of each layer type is, at each row's cache length, ``medusa_generate``'s mask of that type
+    (checked against ``generate`` by the parity tests), every column past the tree masked; its prefill
+    masks are the causal mask, windowed for the sliding layers."""
+    model = build(gemma3(window=2))
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=12, max_depth=4))
+    m, width = tree.num_nodes, 40
+    decoder = StaticDecoder(model, random_heads(model), tree, width, batch_size=3)
+    with torch.inference_mode():
+        decoder.length.copy_(torch.tensor([0, 5, 17]))
+        masks = decoder._tree_mask()  # {type: (B, 1, M, C)}
+        prefill = decoder._prefill_mask(9)  # {type: (1, 1, T, C)}
+    assert set(masks) == set(prefill) == {"full_attention", "sliding_attention"}
+    for b in range(3):
+        past = int(decoder.length[b])
+        dynamic = tree_attention_mask(model, tree, past, torch.float32)  # {type: (1, 1, M, past + M)}
+        for kind, mask in masks.items():
+            assert torch.equal(mask[b, 0, :, : past + m], dynamic[kind][0, 0]), (b, kind)
+            assert bool((mask[b, 0, :, past + m :] < 0).all()), (b, kind)
+    assert not torch.equal(dynamic["full_attention"], dynamic["sliding_attention"])
+    causal = torch.ones(9, width, dtype=torch.bool).tril()  # (T, C)
+    pos = torch.arange(width)
+    assert torch.equal(prefill["full_attention"][0, 0] == 0, causal)
+    assert torch.equal(prefill["sliding_attention"][0, 0] == 0, causal & (pos[:9, None] - pos[None] < 2))
+
+
+def test_static_typical_acceptance_on_mixed_layers():
+    """Typical acceptance inside the step on Gemma 3's sliding and full layers: three rows of different
+    lengths, each the tokens of ``medusa_generate(acceptance="typical")``, some steps rejecting
+    candidates and some accepting them (a low temperature peaks the tiny model's distributions)."""
+    model = build(MODELS["gemma3"]())
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    settings = dict(acceptance="typical", temperature=0.05)
+    tree = TREES["random8"]
+    decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3, **settings)
+    out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+    for prompt, row in zip(rows, out.rows, strict=True):
+        ref = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree, **settings)
+        assert row.tokens.tolist() == ref.tokens.tolist()
+    lengths = {n for r in out.rows for n in r.accepted_lengths}
+    assert 1 in lengths and max(lengths) > 1, lengths
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_static_kernel_reads_each_layer_types_window(monkeypatch):
+    """The Triton kernel (CPU: its interpreter) on Gemma 3's sliding and full layers: two rows of
+    different lengths past the window equal ``generate``; the sliding layers read windowed ancestor
+    bits and the full layers the tree's own, both built with the decoder and among the tensors its
+    capture holds static (a replay reads them where they were at the capture)."""
+    seen = []
+    kernel = tree_attention_module.triton_tree_attention
+
+    def recorded(*args, **kwargs):
+        seen.append((args[5], kwargs["window"]))  # the ancestor bits, the layer's window
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", recorded)
+    model = build(MODELS["gemma3"]())
+    heads = random_heads(model, seed=1)
+    rows = prompts()[:2]
+    refs = [plain_greedy(model, p, 10) for p in rows]
+    decoder = StaticDecoder(model, heads, TREES["random8"], 32, batch_size=2, attention="triton")
+    static = {t.data_ptr() for t in decoder._static}
+    out = decoder.generate_batch(rows, max_new_tokens=10)
+    assert [r.tokens.tolist() for r in out.rows] == refs
+    assert {window for _, window in seen} == {None, 6}
+    assert len({bits.data_ptr() for bits, _ in seen}) == 2
+    assert all(bits.data_ptr() in static for bits, _ in seen)
+
+
+@pytest.mark.slow
+def test_static_compiled_on_mixed_layers():
+    """The step under torch.compile (inductor, default mode) with Gemma 3's per-layer-type masks: one
+    graph, no break, three rows of different lengths equal ``generate`` (about 2 min on 2 cores)."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build(MODELS["gemma3"]())
+    rows = prompts()
+    decoder = StaticDecoder(
+        model, random_heads(model, seed=1), TREES["random8"], 2 * MAX_POS, batch_size=3, capture="compile"
+    )
+    out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+    assert [r.tokens.tolist() for r in out.rows] == [plain_greedy(model, p) for p in rows]
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
 @pytest.mark.parametrize("name", list(ALIBI))
@@ -243,3 +411,22 @@ def test_the_context_limit_of_a_multimodal_model_is_its_text_configs():
 
     model = build(gemma3_multimodal())
     assert context_limit(model) == model.config.get_text_config().max_position_embeddings
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_gpu_captured_step_on_mixed_layers(attention):
+    """The CUDA-graph step on Gemma 3's sliding and full layers (fp32), one mask per layer type or the
+    kernel with each layer type's bits: three rows of different lengths, and a second call replaying
+    the same graph, each equal their plain greedy."""
+    model = build(MODELS["gemma3"]()).cuda()
+    rows = [p.cuda() for p in prompts()]
+    refs = [plain_greedy(model, p) for p in rows]
+    decoder = StaticDecoder(
+        model, random_heads(model, seed=1).cuda(), TREES["random8"], 2 * MAX_POS, batch_size=3,
+        capture="cuda_graph", attention=attention,
+    )  # fmt: skip
+    for _ in range(2):
+        out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in out.rows] == refs

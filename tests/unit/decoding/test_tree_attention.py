@@ -600,7 +600,6 @@ _SMALL = dict(
     hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
 )
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-_FULL = ["full_attention"] * 2  # the static decoder takes no model mixing full and sliding layers
 OTHER_MODELS = {
     # attention of its own (local and global layers), not through transformers' attention functions
     "gpt_neo": lambda: tf.GPTNeoConfig(
@@ -615,12 +614,9 @@ OTHER_MODELS = {
         max_window_layers=1, num_experts=4, shared_expert_intermediate_size=32,
     ),
     "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
-    "gemma2_softcap": lambda: tf.Gemma2Config(
-        **_SMALL, head_dim=16, attn_logit_softcapping=50.0, layer_types=_FULL
-    ),
+    "gemma2_softcap": lambda: tf.Gemma2Config(**_SMALL, head_dim=16, attn_logit_softcapping=50.0),
     "gpt_oss_sinks": lambda: tf.GptOssConfig(
         **_SMALL, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=_FULL,
     ),
     # multi-head latent attention: value heads of 16, query and key heads of 24
     "deepseek_v3_mla": lambda: tf.DeepseekV3Config(
