@@ -38,7 +38,7 @@ def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         raise HeadsFormatError(f"cannot read {path}: it is missing") from None
     except OSError as err:
         raise HeadsFormatError(f"cannot read {path}: {err.strerror or err}") from None
-    except ValueError:  # the header is no JSON
+    except (ValueError, RecursionError):  # the header is no JSON, or nested deeper than the parser goes
         raise HeadsFormatError(
             f"cannot read {path}: truncated, or not a safetensors file (its header does not parse)"
         ) from None

@@ -26,6 +26,7 @@ from medusa_train.formats import (
     vllm_config,
 )
 from medusa_train.heads import MedusaHeads
+from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 
 D, V, K, L = 16, 40, 3, 2
@@ -213,6 +214,20 @@ def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
         (damaged / weights).write_bytes((damaged / weights).read_bytes()[:100])  # cut short
         with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights}"):
             load_heads(damaged)
+
+
+@pytest.mark.parametrize("layout", [MEDUSA, VLLM])
+def test_a_safetensors_header_nested_too_deep_is_a_damaged_file(tmp_path: Path, layout: str) -> None:
+    """A damaged or hostile weights file whose header nests deeper than the JSON parser goes is the
+    one-line damaged-file error, not a RecursionError traceback."""
+    (save_medusa if layout == MEDUSA else save_vllm)(_random_heads(), tmp_path)
+    header = b"[" * 100_000 + b"]" * 100_000
+    weights = tmp_path / (HEADS_WEIGHTS if layout == MEDUSA else VLLM_WEIGHTS_NAME)
+    weights.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights.name}: .*header does not parse"):
+        safetensors_shapes(weights)
+    with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights.name}"):
+        load_heads(tmp_path)
 
 
 @pytest.mark.parametrize("value", ["two", [3]])
