@@ -483,7 +483,7 @@ def _load(model, source: Path, choices: list[list[int]] | None, *, check_base: b
         tree.check_heads(heads.num_heads, heads.draft_vocab_size)
     except TreeError as err:
         raise ValueError(f"bad Medusa tree: {err}") from None
-    calibrated = _calibration_of(choices_path, len(choices)) if from_file else None
+    calibrated = _calibration_of(choices_path, choices) if from_file else None
     loaded = _Loaded(PackedHeads(heads), tree.to(weight.device), key, calibrated)
     per_model[key] = loaded
     return loaded
@@ -503,22 +503,27 @@ def _stamp(source: Path, heads_dir: Path) -> tuple:
     return tuple(stamp)
 
 
-def _calibration_of(choices_path: Path, nodes: int) -> tuple[str, int] | None:
+def _calibration_of(choices_path: Path, choices: list[list[int]]) -> tuple[str, int] | None:
     """``(attention, context_len)`` of the calibration.json beside the tree file: the tree attention
     (resolved: "sdpa", "triton" or "cuda") its latency curve was timed with and the cached tokens it
-    was timed at, when it chose a tree of ``nodes`` nodes (one of another size is not the tree it chose:
-    an export of a pinned tree ships the calibration of the heads' own); None without one, or one that
-    does not say."""
+    was timed at, when the tree it chose is ``choices`` (an export of a pinned tree ships the
+    calibration of the heads' own): the same paths (its ``tree.choices``), or in a calibration.json
+    without them the same node count; None without one, or one that does not say."""
     path = choices_path.parent / CALIBRATION
     if not path.is_file():
         return None
     try:
         tree = json.loads(path.read_text()).get("tree") or {}
         attention, context = tree["calibrated_for"]["attention"], tree["context_len"]
-        best = tree["best"]["nodes"]
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        chosen = tree.get("choices")
+        same = (
+            sorted(map(tuple, chosen)) == sorted(map(tuple, choices))
+            if chosen is not None
+            else tree["best"]["nodes"] == len(choices)
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
-    if attention not in ("sdpa", "triton", "cuda") or not isinstance(context, int) or best != nodes:
+    if attention not in ("sdpa", "triton", "cuda") or not isinstance(context, int) or not same:
         return None
     return attention, context
 

@@ -224,12 +224,21 @@ def _tree_device(calibration: dict | None, report: dict | None, *, calibrated: b
     return text
 
 
-def _is_calibrated_tree(tree_name: str | None, size: int, calibration: dict | None) -> bool:
-    """Whether the exported tree is the one ``calibration`` chose: its name is ``calibrated`` (a tree
-    pinned at export, medusa63, chain or custom, ships the calibration of the heads' own tree) and its
-    node count is the chosen one's, where the calibration records it."""
-    best = (((calibration or {}).get("tree") or {}).get("best") or {}).get("nodes")
-    return tree_name == "calibrated" and best in (None, size)
+def _is_calibrated_tree(tree_name: str | None, choices: list[list[int]], calibration: dict | None) -> bool:
+    """Whether the exported tree ``choices`` is the one ``calibration`` chose (a tree pinned at export,
+    medusa63, chain or custom, ships the calibration of the heads' own tree): the same paths as its
+    ``tree.choices``; a calibration.json without them: the tree's name is ``calibrated`` and its node
+    count the chosen one's, where the calibration records it."""
+    tree = (calibration or {}).get("tree") or {}
+    if tree.get("choices") is not None:
+        return _same_paths(tree["choices"], choices)
+    best = (tree.get("best") or {}).get("nodes")
+    return tree_name == "calibrated" and best in (None, len(choices))
+
+
+def _same_paths(a: list[list[int]], b: list[list[int]]) -> bool:
+    """Two trees with the same paths, in any order."""
+    return sorted(map(tuple, a)) == sorted(map(tuple, b))
 
 
 def _first_difference(report: dict) -> str:
@@ -567,7 +576,7 @@ def measured_another_tree(report: dict, choices: list[list[int]]) -> bool:
     if measured is None:
         size = (report.get("tree_fit") or {}).get("previous_size", report.get("tree_size"))
         return size != len(choices)
-    return sorted(map(tuple, measured)) != sorted(map(tuple, choices))
+    return not _same_paths(measured, choices)
 
 
 def _card_tree_name(card: Path, size: int) -> str | None:
@@ -751,7 +760,7 @@ def model_card(
     chain = (report or {}).get("vllm_chain")
     if chain:
         lines += ["", "### vLLM", "", vllm_chain_table(chain)]
-    calibrated = _is_calibrated_tree(tree_name, tree_size, calibration)
+    calibrated = _is_calibrated_tree(tree_name, choices, calibration)
     lines += [
         "",
         f"Tree: {f'`{tree_name}`, ' if tree_name else ''}{tree_size} nodes, in `medusa_choices.json`"

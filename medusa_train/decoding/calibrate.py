@@ -501,13 +501,15 @@ class Calibration:
 
     def to_json(self) -> dict:
         """The measured part of ``calibration.json``: ``count``, ``head_topk_accuracy``, ``tree``
-        (table, context_len, best, grown_nodes, calibrated_for) and ``latency``."""
+        (choices, table, context_len, best, grown_nodes, calibrated_for) and ``latency``.
+
+        ``tree.choices`` are the chosen tree's paths: a reader matches the calibration to a tree by
+        them (another tree of the same size is not the one it chose)."""
+        keys = ("choices", "table", "context_len", "best", "grown_nodes", "calibrated_for")
         return {
             "count": self.count.tolist(),
             "head_topk_accuracy": [[round(float(x), 6) for x in row] for row in self.acc],
-            "tree": {
-                k: self.tree[k] for k in ("table", "context_len", "best", "grown_nodes", "calibrated_for")
-            },
+            "tree": {k: self.tree[k] for k in keys},
             "latency": {str(n): v for n, v in self.tree["latency"].items()},
         }
 

@@ -615,16 +615,24 @@ def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, to
 
 
 def _calibrated_export(
-    workdir: Path, root: Path, attention: str, context: int, nodes: int | None = None
+    workdir: Path,
+    root: Path,
+    attention: str,
+    context: int,
+    nodes: int | None = None,
+    choices: list[list[int]] | None = None,
 ) -> Path:
     """A copy of the export whose calibration.json says its tree (of ``nodes`` nodes; None: the
-    export's tree's) was timed with ``attention`` at ``context`` cached tokens on a GPU."""
+    export's tree's; with ``choices``, these paths) was timed with ``attention`` at ``context`` cached
+    tokens on a GPU."""
     export_dir = root / "export"
     shutil.copytree(workdir / "export", export_dir)
     if nodes is None:
         nodes = len(json.loads((export_dir / "medusa_choices.json").read_text()))
     label = {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "attention": attention}
     calibration = {"tree": {"calibrated_for": label, "context_len": context, "best": {"nodes": nodes}}}
+    if choices is not None:
+        calibration["tree"]["choices"] = choices
     (export_dir / "calibration.json").write_text(json.dumps(calibration))
     return export_dir
 
@@ -677,8 +685,9 @@ def test_a_calibration_of_another_tree_decides_nothing(
     workdir: Path, model, tok, tmp_path, monkeypatch
 ) -> None:
     """An export of a pinned tree ships the calibration of the heads' own tree: a calibration.json
-    whose chosen tree has another size than the export's tree, or a damaged one, decides nothing (the
-    default is auto); one written again into the export is read again."""
+    whose chosen tree has other paths than the export's tree (recorded; else another size), or a
+    damaged one, decides nothing (the default is auto); one written again into the export is read
+    again."""
     import medusa_train.custom_generate as custom_generate
 
     seen: list = []
@@ -701,6 +710,15 @@ def test_a_calibration_of_another_tree_decides_nothing(
     (broken / "calibration.json").write_text(calibration)  # written again: read again
     _medusa(model, broken, **one, max_new_tokens=4)
     assert seen[-1] == ("triton", 256)
+    # the paths it chose decide, not the size: another tree of the same size decides nothing, the
+    # export's own tree (in any order) does
+    shipped = json.loads((workdir / "export" / "medusa_choices.json").read_text())
+    other = [[rank] for rank in range(len(shipped))]
+    assert sorted(map(tuple, other)) != sorted(map(tuple, shipped))
+    for root, chosen, expected in (("c", other, None), ("d", shipped[::-1], ("triton", 256))):
+        export_dir = _calibrated_export(workdir, tmp_path / root, "triton", 256, choices=chosen)
+        _medusa(model, export_dir, **one, max_new_tokens=4)
+        assert seen[-1] == expected, root
     release(model)
 
 

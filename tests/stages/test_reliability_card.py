@@ -151,3 +151,36 @@ def test_card_says_where_the_tree_was_calibrated_only_when_it_ships_the_calibrat
         assert "calibrated for" not in _card(root) and "2 nodes, in `medusa_choices.json`." in _card(root)
         write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
         assert "calibrated for" not in _card(root) and "2 nodes, in `medusa_choices.json`." in _card(root)
+
+
+def test_card_matches_the_calibration_to_the_exported_tree_by_its_paths(tmp_path: Path) -> None:
+    """A calibration.json that records the paths it chose (``tree.choices``) describes the exported tree
+    only when that tree has those paths: another tree of the same name and size gets no "calibrated
+    for" (stage=export's card and eval's rewrite), the same paths do in any order and whatever
+    ``tree=`` named them. One without the paths is matched by name and size."""
+    root = make_workdir(tmp_path / "run")
+    wd = Workdir(root)
+    path = root / "heads" / "calibration.json"
+    calibration = json.loads(path.read_text())
+    shipped = json.loads((root / "heads" / "medusa_choices.json").read_text())
+    other = [[rank] for rank in range(len(shipped))]  # as many nodes, other paths
+    line = f"Tree: `calibrated`, {len(shipped)} nodes, in `medusa_choices.json`"
+
+    path.write_text(json.dumps({**calibration, "tree": {**calibration["tree"], "choices": other}}))
+    export.run(tiny_cfg(root, "stage=export"))
+    assert f"{line}." in _card(root)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
+    assert f"{line}." in _card(root)
+
+    path.write_text(json.dumps({**calibration, "tree": {**calibration["tree"], "choices": shipped[::-1]}}))
+    export.run(tiny_cfg(root, "stage=export"))
+    assert f"{line}, calibrated for " in _card(root)
+    pinned = json.dumps(shipped).replace(" ", "")
+    export.run(tiny_cfg(root, "stage=export", "tree=custom", f"tree.choices={pinned}"))
+    assert f"Tree: `custom`, {len(shipped)} nodes, in `medusa_choices.json`, calibrated for " in _card(root)
+
+    path.write_text(json.dumps(calibration))  # no paths recorded: the name and the size decide
+    export.run(tiny_cfg(root, "stage=export"))
+    assert f"{line}, calibrated for " in _card(root)
+    export.run(tiny_cfg(root, "stage=export", "tree=custom", f"tree.choices={pinned}"))
+    assert "calibrated for" not in _card(root)

@@ -273,7 +273,8 @@ def test_calibrate_measures_and_chooses_a_tree():
     TreeBuffers.from_choices(cal.choices)
     saved = cal.to_json()
     assert saved["count"] == cal.count.tolist() == [20, 18, 16]
-    assert {"table", "context_len", "best", "grown_nodes", "calibrated_for"} == set(saved["tree"])
+    assert {"choices", "table", "context_len", "best", "grown_nodes", "calibrated_for"} == set(saved["tree"])
+    assert saved["tree"]["choices"] == cal.choices  # the chosen tree's paths, to match it by
     assert saved["tree"]["grown_nodes"] == len(saved["tree"]["table"]) and "1" in saved["latency"]
     label = {"device": device_label(model, "sdpa")["device"], "dtype": "float32", "attention": "sdpa"}
     assert saved["tree"]["calibrated_for"] == label  # the default: SDPA with the dense mask
