@@ -18,17 +18,19 @@ Plain arguments only (dicts, paths, heads): no Hydra config, no stage.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 
-from medusa_train.data.distilled import data_key
+from medusa_train.data.distilled import REGENERATE, data_key
 from medusa_train.decoding.timing import speedup_figures
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
@@ -51,6 +53,8 @@ from medusa_train.workdir import (
     atomic_write_text,
     published_path,
 )
+
+log = logging.getLogger(__name__)
 
 
 # -- head accuracy (calibration.json, written by stage=train) -----------------------------------------
@@ -542,11 +546,14 @@ def write_model_card(export_dir: Path, *, heads_dir: Path, wd: Workdir) -> None:
     heads_config = read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir)
     fingerprints = {heads.fingerprint(), heads_config.get(HEADS_FINGERPRINT)} - {None}
     manifest, report = belonging(
-        fingerprints, heads_config, read_json(wd.distill / MANIFEST), read_json(wd.eval / REPORT_JSON)
+        fingerprints,
+        heads_config,
+        read_json(wd.distill / MANIFEST, MANIFEST_INPUT),
+        read_json(wd.eval / REPORT_JSON, REPORT_INPUT),
     )
-    calibration = read_json(export_dir / CALIBRATION)
+    calibration = read_json(export_dir / CALIBRATION, CALIBRATION_INPUT)
     if calibration is None and report is not None:  # eval measured these heads: their calibration is theirs
-        calibration = read_json(heads_dir / CALIBRATION)
+        calibration = read_json(heads_dir / CALIBRATION, CALIBRATION_INPUT)
     choices = json.loads((export_dir / CHOICES).read_text())
     tree_name = (
         report.get("tree") if report is not None and not measured_another_tree(report, choices) else None
@@ -1041,10 +1048,148 @@ def _bullets(d: dict, depth: int = 0) -> list[str]:
     return out
 
 
-def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``; None when it is missing, unreadable or not an object."""
+# -- the JSON files the card reads ------------------------------------------------------------------
+_NUMBER = (int, float)
+_NULL = type(None)
+
+
+@dataclass(frozen=True)
+class CardInput:
+    """What the model card reads of one JSON file an earlier stage wrote.
+
+    ``fields``: each entry the card reads, as a dotted path (``[]`` for every item of a list; a final
+    ``!``: the entry must be there when the object holding it is not empty), with the JSON types it may
+    have; an absent entry is fine unless marked. ``repair``: the command that writes the file again.
+    """
+
+    fields: dict[str, tuple[type, ...]]
+    repair: str
+
+
+CALIBRATION_INPUT = CardInput(
+    {
+        "head_topk_accuracy": (list, _NULL),
+        "head_topk_accuracy[]": (list,),
+        "head_topk_accuracy[][]": _NUMBER,
+        "tree": (dict, _NULL),
+        "tree.choices": (list, _NULL),
+        "tree.choices[]": (list,),
+        "tree.choices[][]": (int,),
+        "tree.best": (dict, _NULL),
+        "tree.best.nodes": (int, _NULL),
+        "tree.calibrated_for": (dict, _NULL),
+        "tree.calibrated_for.device!": (str,),
+        "tree.calibrated_for.dtype!": (str,),
+        "tree.calibrated_for.attention": (str,),
+    },
+    "run `python -m medusa_train stage=train` (same settings) to calibrate again",
+)
+"""stage=train's calibration.json: head accuracy, the chosen tree and where it was calibrated."""
+
+REPORT_INPUT = CardInput(
+    {
+        HEADS_FINGERPRINT: (str, _NULL),
+        "tau": _NUMBER,
+        "speedup!": _NUMBER,
+        "speedup_q25": _NUMBER,
+        "speedup_q75": _NUMBER,
+        "tokens_per_s_medusa": _NUMBER,
+        "tokens_per_s_baseline": _NUMBER,
+        "greedy_identical": _NUMBER,
+        "machine": (dict, _NULL),
+        "tree_choices": (list, _NULL),
+        "tree_choices[]": (list,),
+        "tree_choices[][]": (int,),
+        "tree_fit": (dict, _NULL),
+        "tree_fit.choices": (list, _NULL),
+        "tree_fit.calibrated_for": (dict, _NULL),
+        "tree_fit.calibrated_for.device!": (str,),
+        "tree_fit.calibrated_for.dtype!": (str,),
+        "tree_fit.calibrated_for.attention": (str,),
+        "vllm_chain": (list, _NULL),
+        "vllm_chain[]": (dict,),
+        "vllm_chain[].num_speculative_tokens!": (int,),
+        "vllm_chain[].tau!": _NUMBER,
+    },
+    "run `python -m medusa_train stage=eval` to measure the heads again",
+)
+"""stage=eval's report.json: tau, speed-up, the trees measured, vLLM's chain."""
+
+MANIFEST_INPUT = CardInput({}, REGENERATE)
+"""stage=distill's manifest.json (the card reads its sections whatever they hold)."""
+
+
+def read_json(path: Path, expected: CardInput) -> dict | None:
+    """The JSON object in ``path`` as the card reads it; None when it is missing or damaged.
+
+    Damaged: unreadable, not valid JSON (nesting too deep included), not an object, or an entry of
+    ``expected.fields`` of another type or missing. The card is written without a damaged file (as
+    without a missing one: an export never fails over eval's or distill's records), and a warning
+    line names the file, what is wrong and ``expected.repair``.
+    """
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
         return None
-    return data if isinstance(data, dict) else None
+    except OSError as err:
+        problem = f"cannot be read: {err.strerror or err}"
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, nesting too deep
+        problem = (
+            f"not valid JSON: {err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__}"
+        )
+    else:
+        problem = (
+            _shape_problem(data, expected.fields)
+            if isinstance(data, dict)
+            else f"{_json_kind(data)} where an object is expected"
+        )
+    if problem is None:
+        return data
+    log.warning(
+        "%s is damaged (%s): %s; the model card is written without it", path, problem, expected.repair
+    )
+    return None
+
+
+def _shape_problem(data: dict, fields: dict[str, tuple[type, ...]]) -> str | None:
+    """The first entry of ``fields`` (see :class:`CardInput`) that ``data`` holds with another type, or
+    lacks though required, as "'tree.best' is a JSON list where an object is expected"; None if none."""
+    for spec, types in fields.items():
+        required = spec.endswith("!")
+        *outer, last = re.findall(r"\[\]|[^.\[\]!]+", spec)  # "a[].b!" -> "a", "[]", "b"
+        holders: list[tuple[object, str]] = [(data, "")]  # (value, its dotted name)
+        for step in outer:  # what holds the entry; a holder of the wrong type is its own entry's problem
+            holders = [child for value, where in holders for child in _children(value, where, step)]
+        for holder, where in holders:
+            if required and isinstance(holder, dict) and holder and last not in holder:
+                return f"lacks '{_join(where, last)}'"
+            for value, name in _children(holder, where, last, nulls=True):
+                if not isinstance(value, types):
+                    want = _json_kind(types[0], article=True)
+                    return f"'{name}' is {_json_kind(value)} where {want} is expected"
+    return None
+
+
+def _children(value: object, where: str, step: str, *, nulls: bool = False) -> list[tuple[object, str]]:
+    """``(child, dotted name)`` of what ``step`` ("[]": every item, else a key) reaches in ``value``
+    (named ``where``); a null child only with ``nulls``."""
+    if step == "[]":
+        return [(v, f"{where}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else []
+    if isinstance(value, dict) and step in value and (nulls or value[step] is not None):
+        return [(value[step], _join(where, step))]
+    return []
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _json_kind(value, *, article: bool = False) -> str:
+    """``value``'s JSON kind with its article ("a JSON list", "JSON null"); of a type with ``article``
+    ("an object", "a number")."""
+    kind = value if isinstance(value, type) else type(value)
+    name = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    noun = name.get(kind, "null" if kind is _NULL else kind.__name__)
+    if article:
+        return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+    return "JSON null" if noun == "null" else f"{'an' if noun[0] in 'aeiou' else 'a'} JSON {noun}"

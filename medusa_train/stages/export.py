@@ -62,7 +62,15 @@ from medusa_train.formats import (
     save_vllm,
 )
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import HEADS_FINGERPRINT, belonging, model_card, read_json
+from medusa_train.report import (
+    CALIBRATION_INPUT,
+    HEADS_FINGERPRINT,
+    MANIFEST_INPUT,
+    REPORT_INPUT,
+    belonging,
+    model_card,
+    read_json,
+)
 from medusa_train.transformers4 import add_legacy_config_keys, save_tokenizer
 from medusa_train.workdir import (
     CALIBRATION,
@@ -258,8 +266,8 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
     manifest, report = belonging(
         source.fingerprints,
         source.heads_config,
-        read_json(wd.distill / MANIFEST),
-        read_json(wd.eval / REPORT_JSON),
+        read_json(wd.distill / MANIFEST, MANIFEST_INPUT),
+        read_json(wd.eval / REPORT_JSON, REPORT_INPUT),
     )
     card = model_card(
         heads=source.heads,
@@ -268,7 +276,7 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
         tree_name=cfg.tree.name,
         choices=source.choices,
         manifest=manifest,
-        calibration=read_json(source.heads_dir / CALIBRATION),
+        calibration=read_json(source.heads_dir / CALIBRATION, CALIBRATION_INPUT),
         report=report,
         backbone=str(source.shipped) if source.shipped is not None else None,
         export_dir=final,

@@ -184,3 +184,86 @@ def test_card_matches_the_calibration_to_the_exported_tree_by_its_paths(tmp_path
     assert f"{line}, calibrated for " in _card(root)
     export.run(tiny_cfg(root, "stage=export", "tree=custom", f"tree.choices={pinned}"))
     assert "calibrated for" not in _card(root)
+
+
+CALIBRATE_AGAIN = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
+MEASURE_AGAIN = "run `python -m medusa_train stage=eval` to measure the heads again"
+
+
+def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplog) -> None:
+    """calibration.json and eval/report.json with an entry the card reads of the wrong type (or missing,
+    or nested deeper than the parser goes, or not UTF-8): export, and eval's rewrite of the card, write
+    it without that file, and one warning line names the file, what is wrong and what writes it again
+    (no traceback)."""
+    root = _measured_workdir(tmp_path / "run")
+    wd = Workdir(root)
+    export.run(tiny_cfg(root, "stage=export"))
+    calibration_path, report_path = wd.export / "calibration.json", root / "eval" / "report.json"
+    calibration, report = json.loads(calibration_path.read_text()), json.loads(report_path.read_text())
+    cases = [
+        (
+            calibration_path,
+            {**calibration, "tree": [1, 2]},
+            "'tree' is a JSON list where an object is expected",
+        ),
+        (
+            calibration_path,
+            {**calibration, "tree": {"calibrated_for": "H100"}},
+            "'tree.calibrated_for' is a JSON string where an object is expected",
+        ),
+        (
+            calibration_path,
+            {**calibration, "tree": {"calibrated_for": {"dtype": "bfloat16"}}},
+            "lacks 'tree.calibrated_for.device'",
+        ),
+        (
+            calibration_path,
+            {**calibration, "head_topk_accuracy": [[0.5, "x"]]},
+            "'head_topk_accuracy[0][1]' is a JSON string where a number is expected",
+        ),
+        (report_path, {**report, "tree_fit": "x"}, "'tree_fit' is a JSON string where an object is expected"),
+        (report_path, {**report, "tau": None}, "'tau' is JSON null where a number is expected"),
+        (report_path, {**report, "vllm_chain": [{"num_speculative_tokens": 1}]}, "lacks 'vllm_chain[0].tau'"),
+        (
+            report_path,
+            {**report, HEADS_FINGERPRINT: [1]},
+            "'heads_fingerprint' is a JSON list where a string",
+        ),
+        (report_path, "[" * 100_000 + "]" * 100_000, "not valid JSON: RecursionError"),
+        (report_path, b'{"tau": "\xff"}', "not valid JSON: UnicodeDecodeError"),
+    ]
+
+    def card_warnings(run) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="medusa_train.report"):
+            run()
+        return [r.getMessage() for r in caplog.records if r.name == "medusa_train.report"]
+
+    for path, content, problem in cases:
+        original = path.read_bytes()
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content if isinstance(content, str) else json.dumps(content))
+        lines = card_warnings(lambda: write_model_card(wd.export, heads_dir=wd.heads, wd=wd))
+        repair = CALIBRATE_AGAIN if path == calibration_path else MEASURE_AGAIN
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert lines[0].startswith(f"{path} is damaged ({problem}"), lines[0]
+        assert lines[0].endswith(f"): {repair}; the model card is written without it"), lines[0]
+        if path == report_path:
+            assert TAU not in _card(root) and "not measured for these heads" in _card(root)
+        else:  # eval measured these heads: the heads' own calibration.json stands in
+            assert TAU in _card(root) and "| 1 | t+2 |" in _card(root)
+        path.write_bytes(original)
+
+    heads_calibration = wd.heads / "calibration.json"  # export reads the heads' own
+    heads_calibration.write_text(json.dumps({**calibration, "tree": [1, 2]}))
+    lines = card_warnings(lambda: export.run(tiny_cfg(root, "stage=export")))
+    assert lines == [
+        f"{heads_calibration} is damaged ('tree' is a JSON list where an object is expected): {CALIBRATE_AGAIN}; "
+        "the model card is written without it"
+    ]
+    assert "head accuracy: not measured" in _card(root) and TAU in _card(root)
+    heads_calibration.write_text(json.dumps(calibration))
+    assert card_warnings(lambda: export.run(tiny_cfg(root, "stage=export"))) == []
+    assert TAU in _card(root) and "| 1 | t+2 |" in _card(root)
