@@ -49,7 +49,7 @@ from transformers.utils import (
 )
 
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
-from medusa_train.formats import LAYOUTS, MEDUSA, read_heads_config
+from medusa_train.formats import LAYOUTS, read_heads_config
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import (
     HEADS,
@@ -580,8 +580,10 @@ def trained_backbone_dir(heads_dir: Path) -> Path | None:
 
 def recorded_base(heads_dir: Path) -> dict | None:
     """Identity (``name_or_path``, ``fingerprint``, ...) of the backbone training started from, as
-    stage=train recorded it with the heads (an export keeps it in ``medusa/config.json``)."""
-    for directory in (heads_dir, heads_dir / MEDUSA, heads_dir.parent / MEDUSA):
+    stage=train recorded it with the heads (an export keeps it in ``medusa/config.json`` and
+    ``vllm/config.json``)."""
+    layouts = [heads_dir / name for name in LAYOUTS] + [heads_dir.parent / name for name in LAYOUTS]
+    for directory in (heads_dir, *layouts):
         try:
             identity = read_heads_config(directory).get("backbone")
         except HeadsFormatError:

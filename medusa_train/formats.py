@@ -18,13 +18,18 @@ because vLLM skips unknown weight names without a word, so the tests pin them):
 
     config.json                  {model_type: "medusa", architectures: ["MedusaModel"], hidden_size,
                                   vocab_size, num_heads, num_hidden_layers, truncated_vocab_size,
-                                  medusa_fc_bias: true}
+                                  medusa_fc_bias: true, base_model_name_or_path, ...}
     model.safetensors            blocks.{h}.layers.{l}.weight (d, d)   blocks.{h}.layers.{l}.bias (d,)
                                  lm_heads.{h}.weight (V, d)
 
 vLLM's ``MedusaConfig.from_pretrained`` renames every config key containing "num" and "heads" to
 ``num_heads`` (and "num" + "layers" to ``num_hidden_layers``), so the vLLM config carries no other
-key with "num" in it. Both layouts hold exactly the same tensors; only names differ.
+key with "num" in it. Its other keys become attributes of the config that vLLM's ``Medusa`` model
+never reads: ``base_model_name_or_path`` and what an export adds there (the heads' fingerprint, the
+backbone's identity), so a vLLM-only export still says which backbone its heads belong to. vLLM
+multiplies the heads' logits by a ``logit_scale`` key (default 1.0); medusa_train's heads have no
+such scale, so :func:`load_vllm` refuses a folder with another value. Both layouts hold exactly the
+same tensors; only names differ.
 
 What each consumer's loader reads, with the source files and commits, is tabled in
 ``docs/pipeline.md`` ("What each engine's loader reads"); ``tests/unit/test_formats.py`` pins it. In
@@ -173,7 +178,8 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
 # -- vLLM -----------------------------------------------------------------------------------------
 def vllm_config(heads: MedusaHeads) -> dict:
     """The config.json vLLM's ``MedusaConfig`` reads (biased block linears; ``original_lm_head`` for
-    shared heads, ``truncated_vocab_size`` < ``vocab_size`` for a draft vocabulary)."""
+    shared heads, ``truncated_vocab_size`` < ``vocab_size`` for a draft vocabulary), and the heads'
+    ``base_model_name_or_path`` (which vLLM does not read) when they have one."""
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -186,7 +192,14 @@ def vllm_config(heads: MedusaHeads) -> dict:
     }
     if heads.head_projection == "shared":
         config["original_lm_head"] = True
+    if heads.base_model_name_or_path:
+        config["base_model_name_or_path"] = heads.base_model_name_or_path
     return config
+
+
+VLLM_READ_KEYS = ("logit_scale", "original_lm_head", "max_paths", "topk", "max_seq_len")
+"""Keys of vLLM's Medusa config that vLLM reads besides the ones :func:`vllm_config` writes: an
+``extra_config`` of :func:`save_vllm` never sets them."""
 
 
 def vllm_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
@@ -208,8 +221,15 @@ def vllm_state_dict(heads: MedusaHeads) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
 
 
-def save_vllm(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
+def save_vllm(heads: MedusaHeads, directory: str | os.PathLike, extra_config: dict | None = None) -> Path:
     """Write the vLLM ``MedusaModel`` layout (``config.json`` + ``model.safetensors``).
+
+    Args:
+        heads: the heads to write (tensors as they are).
+        directory: created if missing.
+        extra_config: more config.json keys, which vLLM keeps as config attributes and never reads (the
+            heads' fingerprint, the backbone's identity); the layout's keys always come from ``heads``,
+            and keys vLLM reads (:data:`VLLM_READ_KEYS`) or renames (any with "num" in it) are left out.
 
     Raises:
         HeadsFormatError: truncated heads whose draft vocabulary is the whole vocabulary (vLLM reads a
@@ -220,8 +240,12 @@ def save_vllm(heads: MedusaHeads, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = vllm_state_dict(heads)
+    config = vllm_config(heads)
+    for key, value in (extra_config or {}).items():
+        if key not in config and key not in VLLM_READ_KEYS and "num" not in key:
+            config[key] = value
     atomic_write(directory / VLLM_WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    atomic_write_json(directory / HEADS_CONFIG, vllm_config(heads))
+    atomic_write_json(directory / HEADS_CONFIG, config)
     return directory
 
 
@@ -234,10 +258,19 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
     heads with the ``token_map`` when ``truncated_vocab_size < vocab_size``.
 
     Raises:
-        HeadsFormatError: missing files or keys, unexpected keys, a token map that contradicts the config.
+        HeadsFormatError: missing files or keys, unexpected keys, a token map that contradicts the config,
+            a ``logit_scale`` other than 1.0 (vLLM multiplies the heads' logits by it; these heads
+            cannot).
     """
     directory = Path(directory)
     config = _read_config(directory)
+    scale = config.get("logit_scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale != 1.0:
+        raise HeadsFormatError(
+            f"{directory / HEADS_CONFIG} has logit_scale={json.dumps(scale)}: vLLM multiplies these heads' "
+            "logits by it, medusa_train's heads have no such scale: multiply every lm_heads.*.weight "
+            "tensor by it and set logit_scale to 1.0 (vLLM then computes the same logits)"
+        )
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise HeadsFormatError(f"{directory} has a vLLM Medusa config.json but no *.safetensors weights")

@@ -544,6 +544,12 @@ def write_model_card(export_dir: Path, *, heads_dir: Path, wd: Workdir) -> None:
     backbone = export_dir / TRAINED_BACKBONE
     heads = load_heads(source)
     heads_config = read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir)
+    if MEDUSA not in layouts:  # vllm/config.json says who the heads are (their training: heads_dir's)
+        recorded = read_heads_config(source)
+        heads_config = {
+            **heads_config,
+            **{k: recorded[k] for k in (HEADS_FINGERPRINT, "backbone") if k in recorded},
+        }
     fingerprints = {heads.fingerprint(), heads_config.get(HEADS_FINGERPRINT)} - {None}
     manifest, report = belonging(
         fingerprints,

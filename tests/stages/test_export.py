@@ -220,8 +220,8 @@ def test_export_refuses_a_layout_that_reads_back_different(tmp_path: Path, monke
     before = {p.relative_to(workdir): p.read_bytes() for p in (workdir / "export").rglob("*") if p.is_file()}
     save_vllm = export.save_vllm
 
-    def corrupting_save(heads: MedusaHeads, directory: Path) -> Path:
-        save_vllm(heads, directory)
+    def corrupting_save(heads: MedusaHeads, directory: Path, extra_config: dict | None = None) -> Path:
+        save_vllm(heads, directory, extra_config)
         _flip_last_bytes(directory / VLLM_WEIGHTS_NAME)
         return directory
 

@@ -805,6 +805,16 @@ def test_a_base_model_the_heads_do_not_belong_to_is_refused(workdir: Path, model
         _medusa(changed, workdir / "export", **one, max_new_tokens=4)
     out = _medusa(changed, workdir / "export", **one, max_new_tokens=6, medusa_check_base=False)
     assert torch.equal(out, changed.generate(**one, do_sample=False, max_new_tokens=6))  # exact anyway
+    # an export of the vLLM layout only (truncated heads have no other) records the base there too
+    vllm_only = tmp_path / "vllm_only"
+    shutil.copytree(workdir / "export", vllm_only)
+    shutil.rmtree(vllm_only / "medusa")
+    with pytest.raises(ValueError, match=r"go with .*base_model \(checkpoint fingerprint "):
+        _medusa(changed, vllm_only, **one, max_new_tokens=4)
+    assert torch.equal(
+        _medusa(model, vllm_only, **one, max_new_tokens=6),
+        model.generate(**one, do_sample=False, max_new_tokens=6),
+    )
     # an export that ships its trained backbone (Medusa-2) goes with that backbone, not the original
     medusa2 = tmp_path / "medusa2"
     shutil.copytree(workdir / "export", medusa2)

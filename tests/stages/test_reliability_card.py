@@ -267,3 +267,21 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
     heads_calibration.write_text(json.dumps(calibration))
     assert card_warnings(lambda: export.run(tiny_cfg(root, "stage=export"))) == []
     assert TAU in _card(root) and "| 1 | t+2 |" in _card(root)
+
+
+def test_a_vllm_only_export_names_its_heads_and_backbone(tmp_path: Path) -> None:
+    """export.formats=[vllm] (the only layout of truncated heads): vllm/config.json names the base
+    model, the heads' fingerprint as trained and the backbone, so eval's rewrite of the card keeps the
+    figures measured on these heads after an export.dtype cast, as the medusa layout's config lets it."""
+    root = _measured_workdir(tmp_path / "run")
+    wd = Workdir(root)
+    source = MedusaHeads.from_pretrained(wd.heads)
+    recorded = json.loads((wd.heads / "config.json").read_text())
+    export.run(tiny_cfg(root, "stage=export", "export.formats=[vllm]", "export.dtype=bfloat16"))
+    config = json.loads((wd.export / "vllm" / "config.json").read_text())
+    assert config[HEADS_FINGERPRINT] == source.fingerprint()
+    assert config["backbone"] == recorded["backbone"]
+    assert config["base_model_name_or_path"] == str((root / "base_model").resolve())
+    assert TAU in _card(root)
+    write_model_card(wd.export, heads_dir=wd.heads, wd=wd)
+    assert TAU in _card(root) and "not measured for these heads" not in _card(root)

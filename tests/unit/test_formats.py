@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from medusa_train.backbone import recorded_base
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
@@ -79,9 +80,51 @@ def test_vllm_key_names_are_what_vllm_medusa_model_reads(tmp_path: Path) -> None
         "num_hidden_layers": L,
         "truncated_vocab_size": V,
         "medusa_fc_bias": True,
+        "base_model_name_or_path": "tiny/base",  # vLLM does not read it; our loader and card do
     }
     # vLLM's MedusaConfig renames every key with "num" + "heads"/"layers": only ours may contain "num".
     assert [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]
+
+
+def test_vllm_layout_says_which_heads_and_backbone_in_keys_vllm_does_not_read(tmp_path: Path) -> None:
+    """An export's vLLM config carries the heads' fingerprint and the backbone's identity beside the base
+    model (vLLM keeps unknown keys as config attributes and reads none of them): read back by our
+    loader and by ``recorded_base``, for the layout folder and the export folder holding it. Keys vLLM
+    reads or renames are never taken from the extra config."""
+    heads = _random_heads()
+    identity = {"name_or_path": "tiny/base", "fingerprint": "abc123", "revision": "v1"}
+    extra = {"heads_fingerprint": heads.fingerprint(), "backbone": identity}
+    hostile = {"logit_scale": 3.0, "original_lm_head": True, "num_heads": 99, "medusa_num_heads": 99}
+    save_vllm(heads, tmp_path / "export" / VLLM, extra_config={**extra, **hostile})
+    config = json.loads((tmp_path / "export" / VLLM / HEADS_CONFIG).read_text())
+    assert config == {**vllm_config(heads), **extra}
+    assert set(config) - set(VLLM_KEYS_READ) == {"base_model_name_or_path", *extra}
+    assert not [k for k in set(config) - set(VLLM_KEYS_READ) if "num" in k]  # MedusaConfig renames those
+    back = load_heads(tmp_path / "export")
+    assert back.base_model_name_or_path == "tiny/base" and torch.equal(_logits(back), _logits(heads))
+    for folder in (tmp_path / "export" / VLLM, tmp_path / "export"):
+        assert recorded_base(folder) == identity
+
+
+@pytest.mark.parametrize("scale", [1, 1.0, 2.0, 0.5, -1.0, None, "1.0", True])
+def test_vllm_logit_scale_is_read_or_refused_in_one_line(tmp_path: Path, scale: object) -> None:
+    """vLLM multiplies the heads' logits by ``logit_scale`` (default 1.0): 1.0 reads back with the same
+    logits as the heads written; any other value (or a non-number, which vLLM cannot use either) is one
+    HeadsFormatError naming the file and what to do, never heads silently computing other logits."""
+    heads = _random_heads()
+    save_vllm(heads, tmp_path)
+    config = json.loads((tmp_path / HEADS_CONFIG).read_text())
+    (tmp_path / HEADS_CONFIG).write_text(json.dumps({**config, "logit_scale": scale}))
+    if scale == 1.0 and not isinstance(scale, bool):
+        assert torch.equal(_logits(load_heads(tmp_path)), _logits(heads))
+        save_vllm(load_heads(tmp_path), tmp_path / "again")  # and round-trips
+        assert torch.equal(_logits(load_heads(tmp_path / "again")), _logits(heads))
+        return
+    with pytest.raises(HeadsFormatError) as err:
+        load_heads(tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and f"{tmp_path / HEADS_CONFIG} has logit_scale=" in message
+    assert "set logit_scale to 1.0" in message
 
 
 @pytest.mark.parametrize("num_layers", [0, 1, L])
