@@ -671,11 +671,14 @@ def model_card(
         or heads_config.get("base_model_name_or_path")
         or "<base model>"
     )
+    # the Hub revision the heads were trained on: loading the base by name alone takes its default branch
+    revision = base_revision(heads_config, manifest)
+    at = f" at revision `{revision}`" if revision and not backbone and is_hub_id(base) else ""
     k = heads.num_heads
     tree_size = len(choices)
     lines = _front_matter(base, heads_config, backbone)
     lines += [
-        f"# Medusa heads for `{base}`",
+        f"# Medusa heads for `{base}`{at}",
         "",
         f"{k} Medusa heads (Cai et al., arXiv:2401.10774), {heads.num_layers} residual block(s) each, "
         f"hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}, dtype {str(heads.dtype).removeprefix('torch.')}. "
@@ -699,12 +702,20 @@ def model_card(
         ]
         pad = "  "
     else:
-        lines.append(f"- `{base}`")
-    if isinstance(identity, dict):
-        lines += [f"{pad}- {key}: `{value}`" for key, value in identity.items()]
+        lines.append(f"- `{base}`{at}")
+    started = {**identity} if isinstance(identity, dict) else {}
+    if revision:
+        started["revision"] = revision
+    lines += [f"{pad}- {key}: `{value}`" for key, value in started.items()]
     if base != "<base model>":  # what `base_model_name_or_path` is, so a reader knows if it travels
+        pinned = (
+            f", from its default branch: the heads were trained on revision `{revision}`, which the "
+            "commands below pass where the engine takes one"
+            if at
+            else ""
+        )
         where = (
-            "a Hugging Face Hub id: every engine downloads it by that name"
+            f"a Hugging Face Hub id: every engine downloads it by that name{pinned}"
             if is_hub_id(base)
             else "an absolute path on the machine that exported: serving elsewhere, copy that folder "
             "along and point `base_model_name_or_path` in `medusa/config.json` (and the commands "
@@ -782,7 +793,8 @@ def model_card(
     ]
     ex = str(export_dir) if export_dir is not None else "export"
     lines += _files(formats, backbone is not None)
-    lines += _decode_with_generate(base, ex, backbone is not None)
+    pin = revision if at else None
+    lines += _decode_with_generate(base, ex, backbone is not None, revision=pin)
     lines += _usage(
         base,
         heads,
@@ -791,8 +803,22 @@ def model_card(
         export_dir=ex,
         pickle=pickle,
         speculative_tokens=recommend_speculative_tokens(chain),
+        revision=pin,
     )
     return "\n".join(lines) + "\n"
+
+
+def base_revision(heads_config: dict, manifest: dict | None) -> str | None:
+    """The Hub revision (``model.revision``) of the base model the heads were trained on: recorded with
+    them (``config.json["backbone"]["revision"]``), else the one their distilled data's manifest names
+    (``manifest`` belongs to the heads: training refuses data of other checkpoint files). None: the
+    default branch, or a local base."""
+    identity = heads_config.get("backbone")
+    revision = identity.get("revision") if isinstance(identity, dict) else None
+    if revision is None and manifest is not None:
+        source = (manifest.get("quick_settings") or {}).get("backbone_source") or {}
+        revision = source.get("revision")
+    return str(revision) if revision else None
 
 
 HUB_TAGS = ("custom_generate", "medusa", "speculative-decoding", "medusa_train")
@@ -846,8 +872,11 @@ def _files(formats: list[str], shipped_backbone: bool) -> list[str]:
     return out + [""]
 
 
-def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) -> list[str]:
-    """The copy-paste ``model.generate(custom_generate=...)`` example."""
+def _decode_with_generate(
+    base: str, export_dir: str, shipped_backbone: bool, *, revision: str | None = None
+) -> list[str]:
+    """The copy-paste ``model.generate(custom_generate=...)`` example (``revision``: of the base)."""
+    at = f', revision="{revision}"' if revision else ""
     which = " (the `backbone/` of this export: the heads were trained with it)" if shipped_backbone else ""
     return [
         "## Decode with `model.generate`",
@@ -863,7 +892,7 @@ def _decode_with_generate(base: str, export_dir: str, shipped_backbone: bool) ->
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model, tok = AutoModelForCausalLM.from_pretrained("{base}"), AutoTokenizer.from_pretrained("{base}")',
+        f'model, tok = AutoModelForCausalLM.from_pretrained("{base}"{at}), AutoTokenizer.from_pretrained("{base}"{at})',
         f'out = model.generate(**tok("Hello", return_tensors="pt"), custom_generate="{export_dir}", '
         "trust_remote_code=True, max_new_tokens=64)",
         "print(tok.decode(out[0], skip_special_tokens=True))",
@@ -881,13 +910,16 @@ def _usage(
     export_dir: str,
     pickle: bool,
     speculative_tokens: int | None = None,
+    revision: str | None = None,
 ) -> list[str]:
     """The "Loading" section: one snippet per engine, with the traps of that engine's loader.
 
     ``speculative_tokens``: the recommended vLLM ``num_speculative_tokens`` (eval's chain taus); None: K.
+    ``revision``: the base model's Hub revision, passed where an engine's command takes one.
     """
     k, layers, ex = heads.num_heads, heads.num_layers, export_dir
-    out = ["## Loading", "", f"This export is `{ex}`; the base model is `{base}`.", ""]
+    at = f" at revision `{revision}`" if revision else ""
+    out = ["## Loading", "", f"This export is `{ex}`; the base model is `{base}`{at}.", ""]
     if VLLM in formats:
         n = speculative_tokens or k
         why = (
@@ -903,12 +935,12 @@ def _usage(
             f"fails to load: weights not initialized from the checkpoint); {why}.",
             "",
             "```bash",
-            f"vllm serve {base} --speculative-config '{spec}'",
+            f"vllm serve {base}{f' --revision {revision}' if revision else ''} --speculative-config '{spec}'",
             "```",
             "",
             "```python",
             "from vllm import LLM",
-            f'llm = LLM(model="{base}", speculative_config={spec})',
+            f'llm = LLM(model="{base}"{f", revision={json.dumps(revision)}" if revision else ""}, speculative_config={spec})',
             "```",
             "",
         ]
@@ -1121,8 +1153,16 @@ REPORT_INPUT = CardInput(
 )
 """stage=eval's report.json: tau, speed-up, the trees measured, vLLM's chain."""
 
-MANIFEST_INPUT = CardInput({}, REGENERATE)
-"""stage=distill's manifest.json (the card reads its sections whatever they hold)."""
+MANIFEST_INPUT = CardInput(
+    {
+        "quick_settings": (dict, _NULL),
+        "quick_settings.backbone_source": (dict, _NULL),
+        "quick_settings.backbone_source.revision": (str, _NULL),
+    },
+    REGENERATE,
+)
+"""stage=distill's manifest.json: the base model's revision (the card shows its other sections
+whatever they hold)."""
 
 
 def read_json(path: Path, expected: CardInput) -> dict | None:

@@ -246,7 +246,10 @@ def run(cfg: Config) -> dict:
 
     # 7. Rank 0: publish workdir/heads with renames only (never a half-written heads folder).
     if done is None:
-        extra = {"backbone": identity, "training": settings, "training_result": result}
+        # the Hub revision the base was loaded at, recorded with the heads for the export's card (not in
+        # the identity runs compare: the fingerprint says which files they are, wherever they came from)
+        base = {**identity, "revision": cfg.model.revision} if cfg.model.revision else identity
+        extra = {"backbone": base, "training": settings, "training_result": result}
         _publish(
             wd.heads,
             calib.choices,

@@ -607,3 +607,13 @@ def test_the_trainer_stays_on_the_stages_one_device():
     cpu = SimpleNamespace(n_gpu=0, device=torch.device("cpu"))
     one_device_per_process(cpu, torch.device("cpu"))
     assert not hasattr(cpu, "_n_gpu")
+
+
+def test_the_heads_record_the_base_models_revision(tmp_path):
+    """model.revision (a Hub branch, tag or commit) is recorded with the heads' backbone identity, so the
+    export's card names it; the identity runs compare (run.json) stays the files' fingerprint alone."""
+    root = make_train_workdir(tmp_path)
+    run(train_cfg(root, "model.revision=v1.0", "training.max_steps=2", "training.save_steps=2"))
+    recorded = json.loads((root / "heads" / "config.json").read_text())["backbone"]
+    compared = json.loads((root / "train" / "run.json").read_text())["backbone"]
+    assert recorded == {**compared, "revision": "v1.0"}

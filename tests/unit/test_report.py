@@ -143,6 +143,53 @@ def test_card_recommends_the_measured_num_speculative_tokens() -> None:
     assert ModelCard(card).data.to_dict()["base_model"] == "meta-llama/Llama-3.1-8B"
 
 
+def _revision_card(
+    heads_config: dict, manifest: dict | None = None, *, base: str = "org/base", backbone=None
+):
+    heads = MedusaHeads(16, 40, 3, 1, base_model_name_or_path=base)
+    return model_card(
+        heads=heads,
+        heads_config=heads_config,
+        formats=["medusa", "vllm"],
+        tree_name="calibrated",
+        choices=[[0], [1]],
+        manifest=manifest,
+        calibration=None,
+        report=None,
+        backbone=backbone,
+        export_dir=Path("/srv/run/export"),
+    )
+
+
+def test_card_names_the_revision_the_heads_were_trained_on():
+    """Heads trained on a pinned Hub revision (model.revision, recorded with their backbone identity, else
+    named by their distilled data's manifest): the card's title and base model name it, and the commands
+    that take a revision pass it (loading the base by name alone takes its default branch)."""
+    identity = {"name_or_path": "org/base", "fingerprint": "abc", "revision": "3f2a9c1"}
+    via_manifest = {
+        "quick_settings": {"backbone_source": {"name_or_path": "org/base", "revision": "3f2a9c1"}}
+    }
+    for card in (
+        _revision_card({"backbone": identity}),
+        _revision_card({"backbone": {k: v for k, v in identity.items() if k != "revision"}}, via_manifest),
+    ):
+        assert "# Medusa heads for `org/base` at revision `3f2a9c1`" in card
+        assert "- `org/base` at revision `3f2a9c1`" in card and "- revision: `3f2a9c1`" in card
+        assert 'from_pretrained("org/base", revision="3f2a9c1")' in card
+        assert "vllm serve org/base --revision 3f2a9c1 --speculative-config" in card
+        assert 'LLM(model="org/base", revision="3f2a9c1", speculative_config=' in card
+        assert "the heads were trained on revision `3f2a9c1`, which the commands below pass" in card
+        assert "the base model is `org/base` at revision `3f2a9c1`." in card
+    unpinned = _revision_card({"backbone": {"name_or_path": "org/base"}})
+    assert "revision" not in unpinned
+    # Medusa-2: the shipped backbone is loaded; the revision is that of the model training started from
+    medusa2 = _revision_card({"backbone": identity}, backbone="/srv/run/export/backbone")
+    assert (
+        "# Medusa heads for `/srv/run/export/backbone`\n" in medusa2 and "  - revision: `3f2a9c1`" in medusa2
+    )
+    assert 'from_pretrained("/srv/run/export/backbone")' in medusa2 and "--revision" not in medusa2
+
+
 def test_static_speedup_over_the_compiled_baseline_is_the_median_over_turns():
     """``speedup_vs_compiled`` is the median over turns of the static decoder's tokens/s over the
     compiled baseline's (as the batched rows' figure is); the summed tokens/s ratio is kept beside it."""
