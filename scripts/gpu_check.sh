@@ -152,15 +152,23 @@ for m in ('hydra', 'datasets', 'deepspeed', 'peft', 'triton'):
 grep -E "^(torch|device) " "$LOG" | sed 's/^/    /' >"$OUTDIR/environment.txt"
 
 # 2. The gpu-marked tests (on --device cpu: the same tests on the CPU, a dry run of the test code).
+# Every test file holding gpu-marked tests (tests/unit/test_gpu_check.py checks the list is complete).
+GPU_TEST_FILES=(
+    tests/gpu
+    tests/unit/decoding/test_tree_attention.py
+    tests/unit/decoding/test_decoding_static.py
+    tests/unit/decoding/test_decoding_architectures.py
+    tests/unit/training/test_training_losses.py
+)
 SELECT=()
 # The dry run: one architecture, one tree per test function (the CPU is slow at these sizes).
 [ $QUICK = 1 ] && SELECT=(-k "llama and not medusa63 and not random or calibration or eval_stage or sequential")
 [ -n "$SELECT_EXPR" ] && SELECT=(-k "$SELECT_EXPR")
-LIMIT=300  # 58 tests; 56 of them took 215 s on one H100 (2026-11-27), 58 s of it the CUDA extension's compile
+LIMIT=420  # 76 tests; 56 of the 58 of 2026-11-27 took 215 s on one H100, 58 s of it the CUDA extension's compile
 [ $QUICK = 1 ] && LIMIT=900  # the models of these tests are sized for a GPU
 # -v: each test's result is in the log as it ends, so a step cut by its limit still says which passed.
 step gpu-tests $LIMIT "tests/gpu + kernel tests (figures in gpu_tests.jsonl)" \
-    "$PY" -m pytest -v --durations=15 -p no:cacheprovider -m gpu tests/gpu tests/unit/decoding/test_tree_attention.py tests/unit/decoding/test_decoding_static.py \
+    "$PY" -m pytest -v --durations=15 -p no:cacheprovider -m gpu "${GPU_TEST_FILES[@]}" \
     -o addopts="" "${SELECT[@]}"
 
 # 3. The tree-attention kernels against SDPA (alone on the device: nothing else runs meanwhile).
