@@ -224,7 +224,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
     The temp file is ``.<name>.<pid>.<8 random chars>.tmp`` beside ``path``: a failed write deletes
     it; one a killed process left behind is deleted by :func:`remove_stale` once that pid no longer
-    runs. The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600.
+    runs. The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600. The folder is
+    fsynced after the rename, so the new file survives a power loss.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
@@ -236,10 +237,33 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
             os.fsync(fh.fileno())
         os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, path)
+        fsync_dir(path.parent)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
     return path
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush ``folder``'s entries to disk: a rename or a new file in it survives a power loss once this
+    returns (fsyncing a file does not write its name). A no-op where folders cannot be opened
+    (no ``os.O_DIRECTORY``: Windows) or the file system does not sync them (EINVAL)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush ``path``'s bytes to disk (written through another handle: ``np.save``, a memory map)."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -304,7 +328,9 @@ def published_path(final: Path) -> Path:
 def publish_dir(tmp: Path, final: Path) -> Path:
     """Replace ``final`` by ``tmp`` with renames only: a reader sees the old folder or the new one.
 
-    An existing ``final`` is renamed aside (``.<name>.old-<pid>``) first and deleted after the swap;
+    ``tmp`` (from :func:`staging_dir`) is flushed to disk first, every file and folder in it, and the
+    folder holding ``final`` after the swap: the published folder survives a power loss whole. An
+    existing ``final`` is renamed aside (``.<name>.old-<pid>``) first and deleted after the swap;
     a kill between the two renames leaves ``final`` missing and both versions on disk, which
     :func:`remove_stale` resolves on the next run by putting the old version back. The published
     folder gets ordinary permissions (0777 less the umask).
@@ -313,12 +339,23 @@ def publish_dir(tmp: Path, final: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     os.chmod(tmp, 0o777 & ~_umask())
+    _fsync_tree(tmp)
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under ``folder`` (files written by libraries that do not)."""
+    for top, _, names in os.walk(folder):
+        for name in names:
+            if not os.path.islink(os.path.join(top, name)):
+                fsync_file(os.path.join(top, name))
+        fsync_dir(top)
 
 
 def remove_stale(final: Path) -> list[Path]:
@@ -345,6 +382,7 @@ def remove_stale(final: Path) -> list[Path]:
     if olds and not final.exists():  # killed between publish_dir's two renames: the old version goes back
         newest = max(olds, key=lambda e: e.stat().st_mtime_ns)
         os.replace(newest, final)
+        fsync_dir(parent)
         stale.remove(newest)
     for entry in stale:
         if entry.is_dir() and not entry.is_symlink():

@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
 import datasets
@@ -151,12 +150,7 @@ def write_shard(path: Path, records, extra_counts: dict | None = None) -> None:
         with open(tmp, "wb") as f, pa.ipc.new_stream(f, schema) as writer:
             writer.write_table(table)
 
-    atomic_write(path, write)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power loss
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, write)  # fsynced, then the folder too: the rename survives a power loss
 
 
 def read_shard_counts(path: Path) -> dict:

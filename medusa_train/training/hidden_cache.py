@@ -15,9 +15,10 @@ Layout of ``workdir/train/hidden_cache/``::
     meta.json      written last: shapes, dtype, settings; its presence marks a complete cache
 
 Row counts depend only on the loss masks, so offsets and targets are written first and the
-hidden rows are filled in batch by batch; a killed build resumes from ``progress.json``. A cache
-whose files do not match its meta.json (truncated, damaged, missing) counts as absent and is built
-again (:func:`cache_problem`).
+hidden rows are filled in batch by batch; a killed build resumes from ``progress.json``. Every file
+is on disk (fsynced) before ``progress.json`` or ``meta.json`` counts it, so a power loss costs at
+most the batches after the last progress record. A cache whose files do not match its meta.json
+(truncated, damaged, missing) counts as absent and is built again (:func:`cache_problem`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from medusa_train.errors import DamagedArtefactError
 from medusa_train.head_targets import IGNORE_INDEX, last_hidden_state, medusa_targets, soft_target_sources
 from medusa_train.training.trainer import PadCollator
-from medusa_train.workdir import atomic_write_json, read_json
+from medusa_train.workdir import atomic_write, atomic_write_json, fsync_file, read_json
 
 META = "meta.json"
 CACHE_PROGRESS = "progress.json"
@@ -194,11 +195,11 @@ def build_hidden_cache(
         offsets[1:] = np.cumsum([len(t) for t, _ in per_record])
         empty = np.zeros((0, num_heads), np.int32)
         targets = np.concatenate([t for t, _ in per_record]) if per_record else empty
-        np.save(directory / "targets.npy", targets.reshape(-1, num_heads))
+        _save(directory / "targets.npy", targets.reshape(-1, num_heads))
         if soft:
             sources = np.concatenate([s for _, s in per_record]) if per_record else empty
-            np.save(directory / "sources.npy", sources.reshape(-1, num_heads))
-        np.save(directory / "offsets.npy", offsets)
+            _save(directory / "sources.npy", sources.reshape(-1, num_heads))
+        _save(directory / "offsets.npy", offsets)
         np.memmap(
             directory / "hidden.bin", dtype=_NP_DTYPES[dtype], mode="w+", shape=(max(int(offsets[-1]), 1), d)
         ).flush()
@@ -224,6 +225,7 @@ def build_hidden_cache(
         hidden.flush()
         atomic_write_json(progress_path, {"settings": settings, "records_done": start + len(batch)})
     del hidden
+    fsync_file(directory / "hidden.bin")  # flushed batch by batch; its size is on disk too before meta.json
     atomic_write_json(
         directory / META,
         {
@@ -237,3 +239,13 @@ def build_hidden_cache(
         },
     )
     return HiddenCache(directory)
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    """``np.save`` of ``array`` at ``path``, atomically and fsynced (the folder too)."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:  # a file object: given a path, np.save adds ".npy" to the temp name
+            np.save(fh, array)
+
+    atomic_write(path, write)

@@ -1,5 +1,6 @@
 """The temp files of ``workdir.atomic_write`` carry their writer's pid, and ``remove_stale``
 (called by every stage at start) deletes those of processes that no longer run -- never a live one's.
+Renames reach the disk: the files first, then the folder that holds them.
 
 The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`` start) is
 ``tests/stages/test_reliability_artefacts.py::test_distill_start_deletes_a_killed_writes_temp_file``.
@@ -15,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from medusa_train import workdir as workdir_mod
-from medusa_train.workdir import atomic_write, atomic_write_text, describe_diff, remove_stale
+from medusa_train.workdir import (
+    atomic_write,
+    atomic_write_text,
+    describe_diff,
+    publish_dir,
+    remove_stale,
+    staging_dir,
+)
+from tests.helpers.syncs import flushed_after, flushed_before, record_syncs
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +72,47 @@ def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_
     assert [p for p in dead if p.exists()] == [] and all(p.exists() for p in live)
     assert (final / "progress.json").read_text() == "{}"
     assert remove_stale(tmp_path / "other.json") == [tmp_path / f".other.json.{dead_pid}.abcd1234.tmp"]
+
+
+def test_atomic_write_flushes_the_file_then_its_folder(tmp_path: Path, monkeypatch) -> None:
+    """The rename is only on disk once the folder is fsynced: without it a power loss can leave the
+    previous file, or none, though the write returned."""
+    events = record_syncs(monkeypatch)
+    path = tmp_path / "manifest.json"
+    atomic_write_text(path, "{}")
+    assert path.resolve() in flushed_before(events, path.resolve())  # its bytes, as a temp file
+    assert flushed_after(events, path.resolve()) == {tmp_path.resolve()}
+
+
+def test_fsync_dir_is_a_no_op_without_o_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delattr(workdir_mod.os, "O_DIRECTORY")
+    events = record_syncs(monkeypatch)
+    atomic_write_text(tmp_path / "a.json", "{}")
+    assert flushed_after(events, (tmp_path / "a.json").resolve()) == set()
+
+
+def test_publish_dir_flushes_the_staged_tree_then_the_folder_it_lands_in(tmp_path: Path, monkeypatch) -> None:
+    """Files a library wrote into the staging folder (``save_pretrained``, plots) are not fsynced by
+    it: a power loss after the swap could publish a folder of empty files."""
+    final = tmp_path / "export"
+    final.mkdir()
+    tmp = staging_dir(final)
+    (tmp / "medusa").mkdir()
+    (tmp / "medusa" / "config.json").write_text("{}")
+    (tmp / "README.md").write_text("card")
+    events = record_syncs(monkeypatch)
+    publish_dir(tmp, final)
+    staged = {tmp.resolve(), tmp.resolve() / "medusa", tmp.resolve() / "medusa" / "config.json"}
+    assert staged | {tmp.resolve() / "README.md"} <= flushed_before(events, final.resolve())
+    assert tmp_path.resolve() in flushed_after(events, final.resolve())
+
+
+def test_remove_stale_flushes_the_folder_it_put_back(tmp_path: Path, monkeypatch) -> None:
+    final = tmp_path / "heads"
+    (tmp_path / f".heads.old-{os.getpid()}").mkdir()  # a kill between publish_dir's two renames
+    events = record_syncs(monkeypatch)
+    remove_stale(final)
+    assert final.is_dir() and tmp_path.resolve() in flushed_after(events, final.resolve())
 
 
 def test_refused_distill_names_the_users_own_change_before_derived_entries() -> None:

@@ -23,6 +23,7 @@ from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, logit
 from medusa_train.training.optim import param_groups
 from medusa_train.training.zero import SHM_OP, deepspeed_config, deepspeed_process
 from tests.helpers.models import tiny_model
+from tests.helpers.syncs import flushed_before, record_syncs
 from tests.helpers.training import LOGIT_STEP_ARCHS, batch, tiny_llama, tiny_logit_step_model
 
 
@@ -330,6 +331,26 @@ def test_hidden_cache_resumes_from_progress(tmp_path):
     (part / "progress.json").write_text(json.dumps({"settings": {"v": 1}, "records_done": 1}))
     resumed = build_hidden_cache(backbone, records, part, 3, {"v": 1}, batch_size=1)
     assert torch.equal(torch.from_numpy(resumed.hidden[:].copy()), torch.from_numpy(full.hidden[:].copy()))
+
+
+def test_hidden_cache_files_are_on_disk_before_progress_or_meta_counts_them(tmp_path, monkeypatch):
+    """progress.json resumes a build and meta.json marks it complete: the arrays they vouch for are
+    fsynced before either is renamed into place, so after a power loss they are there, whole."""
+    _, backbone = make_model()
+    b = batch()
+    records = [
+        {
+            "input_ids": b["input_ids"][i, : int(b["attention_mask"][i].sum())].tolist(),
+            "loss_mask": b["loss_mask"][i, : int(b["attention_mask"][i].sum())].tolist(),
+        }
+        for i in range(3)
+    ]
+    events = record_syncs(monkeypatch)
+    build_hidden_cache(backbone, records, tmp_path / "c", 3, {"v": 1}, batch_size=2, soft=True)
+    cache = (tmp_path / "c").resolve()
+    arrays = {cache / name for name in ("targets.npy", "sources.npy", "offsets.npy")}
+    assert arrays <= flushed_before(events, cache / "progress.json")
+    assert arrays | {cache / "hidden.bin"} <= flushed_before(events, cache / "meta.json")
 
 
 def test_param_groups_head_multiplier():
