@@ -62,12 +62,13 @@ _TORCH_WRITE_FAILED = re.compile(
 _NEARLY_FULL = 256 << 20
 """Free bytes on the workdir's disk below which such a write failure is taken for a full disk."""
 # The temp names the stages write under: workdir.staging_dir's ".<name>.tmp-<pid>" (and
-# publish_dir's ".<name>.old-<pid>") and atomic_write's ".<name>.<pid>.<8 chars>.tmp" (mkstemp's
-# random part). Defined here, the leaf module, so that workdir (which writes them and cleans them
-# up) and the messages below share one spelling: a message names the artefact a temp name was
-# becoming instead.
+# publish_dir's ".<name>.old-<pid>") and atomic_write's ".<name>.<pid>-<token>.<8 chars>.tmp" (the
+# writing process's random token, then mkstemp's random part; a name without the token is taken for
+# a process that is not this one). Defined here, the leaf module, so that workdir (which writes them
+# and cleans them up) and the messages below share one spelling: a message names the artefact a
+# temp name was becoming instead.
 STAGING_NAME = re.compile(r"^\.(?P<name>.+)\.(tmp|old)-(?P<pid>\d+)$")
-TEMP_FILE_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\w{8}\.tmp$")
+TEMP_FILE_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(-(?P<token>[0-9a-f]{8}))?\.\w{8}\.tmp$")
 _TEMP_NAMES = (STAGING_NAME, TEMP_FILE_NAME)
 
 

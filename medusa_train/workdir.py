@@ -40,6 +40,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -222,13 +223,15 @@ def file_sha256(path: str | os.PathLike) -> str:
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)``, fsync, then rename onto ``path`` (same folder: the rename is atomic).
 
-    The temp file is ``.<name>.<pid>.<8 random chars>.tmp`` beside ``path``: a failed write deletes
-    it; one a killed process left behind is deleted by :func:`remove_stale` once that pid no longer
-    runs. The file gets ordinary permissions (0644 less the umask), not mkstemp's 0600. The folder is
-    fsynced after the rename, so the new file survives a power loss.
+    The temp file is ``.<name>.<pid>-<process token>.<8 random chars>.tmp`` beside ``path``: a
+    failed write deletes it; one a killed process left behind is deleted by :func:`remove_stale` once
+    that process no longer runs (the token tells an earlier process that had this one's pid, as every
+    run in a container has pid 1). The file gets ordinary permissions (0644 less the umask), not
+    mkstemp's 0600. The folder is fsynced after the rename, so the new file survives a power loss.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
+    prefix = f".{path.name}.{os.getpid()}-{_PROCESS_TOKEN}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -277,9 +280,24 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 
 def _umask() -> int:
+    """The process's umask, read without changing it where the system shows it (Linux: the ``Umask:``
+    line of /proc/self/status); elsewhere set and restored, which gives a file another thread creates
+    in that instant the wrong mode."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+_PROCESS_TOKEN = secrets.token_hex(4)
+"""Names this process in its temp files with its pid: a leftover of an earlier process that had the
+same pid (every run in a container is pid 1) is told from this one's."""
 
 
 def remove_dead_temp_files(folder: Path) -> list[Path]:
@@ -303,7 +321,9 @@ def _dead_temp_file(name: str, of: str | None = None) -> bool:
     if match is None or (of is not None and match["name"] != of):
         return False
     pid = int(match["pid"])
-    return pid != os.getpid() and not _alive(pid)
+    if pid == os.getpid():  # this process's, or an earlier one's that had its pid (and has ended)
+        return match["token"] != _PROCESS_TOKEN
+    return not _alive(pid)
 
 
 # -- atomic folders ---------------------------------------------------------------------------------

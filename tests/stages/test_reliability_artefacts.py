@@ -169,7 +169,7 @@ write_manifest(distill_dir, json.loads((distill_dir / "manifest.json").read_text
 
 
 def test_distill_start_deletes_a_killed_writes_temp_file(distilled, tmp_path, monkeypatch) -> None:
-    """A write SIGKILLed mid-way leaves ``.manifest.json.<pid>.<rand>.tmp``; the next stage
+    """A write SIGKILLed mid-way leaves ``.manifest.json.<pid>-<token>.<rand>.tmp``; the next stage
     start deletes it (its pid no longer runs) and finds the data complete, without loading the model."""
     wd, prompts, figures = distilled
     copy = _fresh_copy(wd, tmp_path / "copy")
@@ -185,7 +185,7 @@ def test_distill_start_deletes_a_killed_writes_temp_file(distilled, tmp_path, mo
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, stderr[-2000:]
     left = [p.name for p in (copy / "distill").iterdir() if p.name.startswith(".")]
-    assert left and all(n.startswith(f".manifest.json.{proc.pid}.") and n.endswith(".tmp") for n in left)
+    assert left and all(n.startswith(f".manifest.json.{proc.pid}-") and n.endswith(".tmp") for n in left)
     assert (copy / "distill" / "manifest.json").read_bytes() == manifest  # the rename never happened
     monkeypatch.setattr(distill, "load_configured_backbone", lambda *a, **k: pytest.fail("loaded the model"))
     again = distill.run(compose_config(_distill_overrides(copy, prompts)))

@@ -1,6 +1,7 @@
-"""The temp files of ``workdir.atomic_write`` carry their writer's pid, and ``remove_stale``
-(called by every stage at start) deletes those of processes that no longer run -- never a live one's.
-Renames reach the disk: the files first, then the folder that holds them.
+"""The temp files of ``workdir.atomic_write`` carry their writer's pid and process token, and
+``remove_stale`` (called by every stage at start) deletes those of processes that no longer run --
+never a live one's, and also an earlier process's that had this one's pid (every run in a container
+is pid 1). Renames reach the disk: the files first, then the folder that holds them.
 
 The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`` start) is
 ``tests/stages/test_reliability_artefacts.py::test_distill_start_deletes_a_killed_writes_temp_file``.
@@ -37,7 +38,11 @@ def dead_pid() -> int:
     return pid
 
 
-def test_atomic_write_names_its_temp_file_with_its_pid(tmp_path: Path) -> None:
+TOKEN = workdir_mod._PROCESS_TOKEN
+OTHER_TOKEN = f"{(int(TOKEN, 16) + 1) % 2**32:08x}"  # another process that had this pid
+
+
+def test_atomic_write_names_its_temp_file_with_its_pid_and_process_token(tmp_path: Path) -> None:
     seen: list[str] = []
 
     def write(tmp: Path) -> None:
@@ -46,7 +51,7 @@ def test_atomic_write_names_its_temp_file_with_its_pid(tmp_path: Path) -> None:
 
     atomic_write(tmp_path / "run.json", write)
     assert len(seen) == 1 and workdir_mod.TEMP_FILE_NAME.match(seen[0])
-    assert seen[0].startswith(f".run.json.{os.getpid()}.") and seen[0].endswith(".tmp")
+    assert seen[0].startswith(f".run.json.{os.getpid()}-{TOKEN}.") and seen[0].endswith(".tmp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
 
 
@@ -58,10 +63,12 @@ def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_
         final / f".progress.json.{dead_pid}.abcd1234.tmp",
         final / "shards" / f".shard-00003.arrow.{dead_pid}.k1ll_3d0.tmp",  # under the folder too
         tmp_path / f".distill.{dead_pid}.abcd1234.tmp",  # beside it, named for it
+        final / f".progress.json.{dead_pid}-{OTHER_TOKEN}.abcd1234.tmp",  # with its token
     ]
     live = [
-        final / f".progress.json.{os.getpid()}.abcd1234.tmp",  # this process is writing it
+        final / f".progress.json.{os.getpid()}-{TOKEN}.abcd1234.tmp",  # this process is writing it
         final / f".progress.json.{os.getppid()}.abcd1234.tmp",  # another live process
+        final / f".progress.json.{os.getppid()}-{OTHER_TOKEN}.abcd1234.tmp",  # the same, with its token
         final / ".progress.json.abcd1234.tmp",  # no pid: whose it is cannot be told
         tmp_path / f".other.json.{dead_pid}.abcd1234.tmp",  # beside it, but another file's
     ]
@@ -72,6 +79,25 @@ def test_remove_stale_deletes_only_dead_writers_temp_files(tmp_path: Path, dead_
     assert [p for p in dead if p.exists()] == [] and all(p.exists() for p in live)
     assert (final / "progress.json").read_text() == "{}"
     assert remove_stale(tmp_path / "other.json") == [tmp_path / f".other.json.{dead_pid}.abcd1234.tmp"]
+
+
+def test_a_leftover_of_an_earlier_process_with_this_pid_is_stale(tmp_path: Path, monkeypatch) -> None:
+    """In a container every run is pid 1: a temp file a killed earlier run left has this run's pid,
+    and only the token tells it from one this process is writing."""
+    monkeypatch.setattr(workdir_mod.os, "getpid", lambda: 1)
+    final = tmp_path / "distill"
+    final.mkdir()
+    dead = [
+        final / ".manifest.json.1.abcd1234.tmp",  # named without a token
+        final / f".manifest.json.1-{OTHER_TOKEN}.abcd1234.tmp",  # another process start with pid 1
+    ]
+    mine = final / f".manifest.json.1-{TOKEN}.abcd1234.tmp"
+    for path in [*dead, mine]:
+        path.write_text("half")
+    assert sorted(remove_stale(final)) == sorted(dead)
+    assert mine.exists()
+    atomic_write_text(final / "manifest.json", "{}")  # this process's own temp names carry pid 1 now
+    assert sorted(p.name for p in final.iterdir()) == sorted(["manifest.json", mine.name])
 
 
 def test_atomic_write_flushes_the_file_then_its_folder(tmp_path: Path, monkeypatch) -> None:
@@ -113,6 +139,20 @@ def test_remove_stale_flushes_the_folder_it_put_back(tmp_path: Path, monkeypatch
     events = record_syncs(monkeypatch)
     remove_stale(final)
     assert final.is_dir() and tmp_path.resolve() in flushed_after(events, final.resolve())
+
+
+def test_umask_is_read_without_setting_it(monkeypatch) -> None:
+    """Setting the umask to read it gives a file another thread creates in that instant the wrong mode."""
+    status = Path("/proc/self/status")
+    if not status.is_file() or "Umask:" not in status.read_text():
+        pytest.skip("the system does not show the umask in /proc/self/status")
+    before = os.umask(0o027)
+    try:
+        monkeypatch.setattr(workdir_mod.os, "umask", lambda mask: pytest.fail("the umask was set to read it"))
+        assert workdir_mod._umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(before)
 
 
 def test_refused_distill_names_the_users_own_change_before_derived_entries() -> None:
