@@ -26,11 +26,12 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from pathlib import Path
 
 from medusa_train.config import Config, compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
-from medusa_train.workdir import EVAL, REPORT_MD, check_workdir
+from medusa_train.workdir import EVAL, REPORT_MD, Workdir, check_workdir
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
@@ -135,6 +136,22 @@ def _dispatch(cfg: Config) -> dict:
     return results
 
 
+def _outputs(cfg: Config) -> tuple[Path, ...]:
+    """The folders the run's stages write (checked with the workdir before any work). Not eval's
+    rewrite of the export's model card: a card it cannot write is a warning, not a failure."""
+    wd = Workdir(Path(cfg.workdir))
+    writes = {
+        "pretrain": (Path(cfg.model.name_or_path),) if cfg.model.embedded else (),
+        "distill": (wd.distill,),
+        "train": (wd.train, wd.heads),
+        "export": (wd.export,),
+        "eval": (wd.eval,),
+    }
+    return tuple(
+        folder for stage in (STAGE_ORDER if cfg.stage == "all" else (cfg.stage,)) for folder in writes[stage]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -151,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if print_cfg:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
-        check_workdir(cfg.workdir)  # a file there, no write access: refused before any stage's work
+        check_workdir(cfg.workdir, _outputs(cfg))  # a file there, no write access: refused before any work
         quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
         run_stage(cfg)
     except UserError as err:

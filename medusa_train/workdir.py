@@ -117,26 +117,43 @@ class Workdir:
         return self.root / EVAL
 
 
-def check_workdir(root: str | os.PathLike) -> None:
-    """Refuse, before any work, a workdir no stage can write to: a file where it or a folder above it
-    must be, or (its nearest existing folder when it does not exist yet) a folder this user may not
-    write or one on a read-only disk. Every stage writes there; found only at a stage's first write,
-    the fault came after its work (a whole pretraining or evaluation) or as a traceback.
+def check_workdir(root: str | os.PathLike, outputs: tuple[str | os.PathLike, ...] = ()) -> None:
+    """Refuse, before any work, a workdir the run's stages cannot write to: a file where it or a folder
+    above it must be, or (its nearest existing folder when it does not exist yet) a folder this user
+    may not write or one on a read-only disk. The same for each of ``outputs``, the folders the run's
+    stages write (``distill/``, ``heads/``, the embedded backbone's place), and every folder under an
+    existing one (a read-only ``distill/shards``), through a symlink at their place to where it
+    points (:func:`publish_dir`). Found only at a stage's first write, the fault came after its work
+    (a whole pretraining or evaluation) or as a traceback.
 
     Raises:
-        UserError: the one line of :func:`~medusa_train.errors.environment_fault` for that fault.
+        UserError: the one line of :func:`~medusa_train.errors.environment_fault` for that fault, or
+            :func:`publish_place`'s for a symlink pointing into a folder that does not exist.
     """
-    path = Path(root).absolute()
+    fault = _unwritable(Path(root).absolute(), walk=False)
+    for folder in outputs:
+        fault = fault or _unwritable(publish_place(Path(folder).absolute()), walk=True)
+    if fault is None:
+        return
+    code, where = fault
+    message = environment_fault(OSError(code, os.strerror(code), str(where)), root)
+    assert message is not None  # every code _unwritable gives is one environment_fault words
+    raise UserError(message)
+
+
+def _unwritable(path: Path, walk: bool) -> tuple[int, Path] | None:
+    """``(errno, folder)`` of the first folder a write to ``path`` would fail in (its nearest existing
+    one; with ``walk``, every folder under it too when it exists), or None when all are writable."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        code = errno.ENOTDIR
-    elif os.access(existing, os.W_OK | os.X_OK):
-        return
-    else:
-        code = errno.EROFS if os.statvfs(existing).f_flag & os.ST_RDONLY else errno.EACCES
-    message = environment_fault(OSError(code, os.strerror(code), str(existing)), root)
-    assert message is not None  # every code above is one environment_fault words
-    raise UserError(message)
+        return errno.ENOTDIR, existing
+    folders = [existing]
+    if walk and existing == path:
+        folders += [Path(top) / name for top, names, _ in os.walk(path) for name in names]
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return (errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES), folder
+    return None
 
 
 def require(path: Path, what: str, stage: str) -> Path:
@@ -328,7 +345,9 @@ def _dead_temp_file(name: str, of: str | None = None) -> bool:
 
 # -- atomic folders ---------------------------------------------------------------------------------
 def staging_dir(final: Path) -> Path:
-    """An empty folder beside ``final`` to build its next version in (``.<name>.tmp-<pid>``)."""
+    """An empty folder beside ``final`` to build its next version in (``.<name>.tmp-<pid>``); beside
+    the folder a symlink at ``final`` points to, on that disk (:func:`publish_dir`)."""
+    final = publish_place(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -339,8 +358,9 @@ def staging_dir(final: Path) -> Path:
 def published_path(final: Path) -> Path:
     """The absolute path a folder :func:`publish_dir` puts at ``final`` is known by, the same however
     ``final`` is spelt: its parent resolved (the working directory, symlinks, ``..``), its own name
-    kept (a symlink there is replaced by the published folder). Files that record where they live
-    (the export's ``generate.py`` and card) name this path, so one workdir always writes the same bytes.
+    kept (a symlink there stays: :func:`publish_dir` publishes into its target). Files that record
+    where they live (the export's ``generate.py`` and card) name this path, so one workdir always
+    writes the same bytes.
     """
     return final.parent.resolve() / final.name
 
@@ -354,7 +374,11 @@ def publish_dir(tmp: Path, final: Path) -> Path:
     a kill between the two renames leaves ``final`` missing and both versions on disk, which
     :func:`remove_stale` resolves on the next run by putting the old version back. The published
     folder gets ordinary permissions (0777 less the umask).
+
+    A symlink at ``final`` (an export on another disk, made on purpose) is kept: the folder it points
+    to is the one replaced, and the staging and old folders sit beside that one.
     """
+    final = publish_place(final)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if old.exists():
         shutil.rmtree(old)
@@ -367,6 +391,24 @@ def publish_dir(tmp: Path, final: Path) -> Path:
     if old.exists():
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def publish_place(final: Path) -> Path:
+    """The folder :func:`publish_dir` replaces for ``final``: the target of a symlink at ``final``,
+    else ``final`` itself.
+
+    Raises:
+        UserError: ``final`` is a symlink into a folder that does not exist (a disk not mounted).
+    """
+    if not final.is_symlink():
+        return final
+    target = final.resolve()
+    if not target.parent.is_dir():
+        raise UserError(
+            f"{final} is a symlink to {target}, whose folder does not exist: mount that disk or remove "
+            "the link, then run the same command again"
+        )
+    return target
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -382,11 +424,13 @@ def remove_stale(final: Path) -> list[Path]:
     """Delete the staging/old folders and temp files a killed run left beside and inside ``final``.
 
     A run killed between :func:`publish_dir`'s two renames left ``final`` missing and its previous
-    version aside: that version is put back (the new one may be incomplete and is deleted). The
+    version aside: that version is put back (the new one may be incomplete and is deleted); a
+    symlink at ``final`` is looked through, as :func:`publish_dir` does. The
     :func:`atomic_write` temp files of killed writes beside ``final`` (named for it) and anywhere
     under it are deleted (:func:`remove_dead_temp_files`). Only leftovers of processes that no
     longer run are touched (a concurrent run's are kept). Stages call it on their folders at start.
     """
+    final = final.resolve() if final.is_symlink() else final
     parent = final.parent
     removed: list[Path] = []
     if not parent.is_dir():

@@ -286,6 +286,66 @@ def test_workdir_without_write_access_is_refused_before_any_stage(
     assert not any(root.iterdir())
 
 
+def _deny_access(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """The workdir check's view of ``folder``: not writable (root writes anywhere a disk allows)."""
+    denied, real_access = folder.absolute(), os.access
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **kw: Path(path).absolute() != denied and real_access(path, mode, **kw),
+    )
+
+
+@pytest.mark.parametrize(
+    ("stage", "folder"), [("distill", "distill/shards"), ("train", "heads"), ("all", "export/medusa")]
+)
+def test_a_stage_folder_without_write_access_is_refused_before_any_stage(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stage: str,
+    folder: str,
+) -> None:
+    """A folder of the workdir a stage writes (or one under it) that this user cannot write was found
+    at the stage's first write there, after its work (a whole distillation or training)."""
+    root = tmp_path / "run"
+    (root / folder).mkdir(parents=True)
+    _deny_access(monkeypatch, root / folder)
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    assert main([f"workdir={root}", f"stage={stage}", "debug=fast", "tracking=disabled"]) == 2
+    line, where = _error_line(capsys), (root / folder).absolute()
+    assert line.startswith(f"error: permission denied: {where}: give this user access to {where}"), line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder whatever its mode")
+def test_a_read_only_stage_folder_is_refused_before_any_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = tmp_path / "run" / "distill" / "shards"
+    shards.mkdir(parents=True)
+    shards.chmod(0o555)
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    try:
+        assert main([f"workdir={tmp_path / 'run'}", "stage=distill", "debug=fast", "tracking=disabled"]) == 2
+    finally:
+        shards.chmod(0o755)
+    assert _error_line(capsys).startswith(f"error: permission denied: {shards.absolute()}: ")
+
+
+@pytest.mark.parametrize(("stage", "folder"), [("distill", "export"), ("eval", "export")])
+def test_a_folder_the_stage_does_not_write_is_not_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str, folder: str
+) -> None:
+    """eval rewrites the export's model card, but a card it cannot write is a warning, not a failure."""
+    root = tmp_path / "run"
+    (root / folder).mkdir(parents=True)
+    _deny_access(monkeypatch, root / folder)
+    ran: list[str] = []
+    monkeypatch.setattr("medusa_train.__main__.get_stage", lambda name: lambda cfg: ran.append(name) or {})
+    assert main([f"workdir={root}", f"stage={stage}", "debug=fast", "tracking=disabled"]) == 0
+    assert ran == [stage]
+
+
 def test_world_size_without_a_launcher_is_one_line_before_any_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

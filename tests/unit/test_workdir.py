@@ -1,7 +1,8 @@
 """The temp files of ``workdir.atomic_write`` carry their writer's pid and process token, and
 ``remove_stale`` (called by every stage at start) deletes those of processes that no longer run --
 never a live one's, and also an earlier process's that had this one's pid (every run in a container
-is pid 1). Renames reach the disk: the files first, then the folder that holds them.
+is pid 1). Renames reach the disk: the files first, then the folder that holds them. A symlink at a
+published folder's place is kept, the folder published into its target.
 
 The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`` start) is
 ``tests/stages/test_reliability_artefacts.py::test_distill_start_deletes_a_killed_writes_temp_file``.
@@ -17,11 +18,14 @@ from pathlib import Path
 import pytest
 
 from medusa_train import workdir as workdir_mod
+from medusa_train.errors import UserError
 from medusa_train.workdir import (
     atomic_write,
     atomic_write_text,
+    check_workdir,
     describe_diff,
     publish_dir,
+    published_path,
     remove_stale,
     staging_dir,
 )
@@ -153,6 +157,44 @@ def test_umask_is_read_without_setting_it(monkeypatch) -> None:
     finally:
         monkeypatch.undo()
         os.umask(before)
+
+
+def test_a_symlinked_published_folder_is_published_into_its_target(tmp_path: Path) -> None:
+    """export/ made a symlink to another disk on purpose: publishing keeps the link and replaces the
+    folder it points to, building the new one beside that folder (the rename stays on its disk)."""
+    other_disk = tmp_path / "big"
+    (other_disk / "export-run1").mkdir(parents=True)
+    (other_disk / "export-run1" / "a.txt").write_text("old")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    link = wd / "export"
+    link.symlink_to(other_disk / "export-run1", target_is_directory=True)
+    remove_stale(link)
+    tmp = staging_dir(link)
+    assert tmp.parent == other_disk.resolve()
+    (tmp / "a.txt").write_text("new")
+    publish_dir(tmp, link)
+    assert link.is_symlink() and (other_disk / "export-run1" / "a.txt").read_text() == "new"
+    assert published_path(link) == wd.resolve() / "export"
+    assert sorted(p.name for p in wd.iterdir()) == ["export"]
+    assert sorted(p.name for p in other_disk.iterdir()) == ["export-run1"]
+    # Killed between publish_dir's two renames: the next run puts the old version back there.
+    tmp = staging_dir(link)
+    os.replace(other_disk / "export-run1", other_disk / f".export-run1.old-{os.getpid()}")
+    remove_stale(link)
+    assert (link / "a.txt").read_text() == "new" and link.is_symlink()
+    assert sorted(p.name for p in other_disk.iterdir()) == ["export-run1"]
+
+
+def test_a_symlink_into_a_missing_folder_is_refused_before_any_work(tmp_path: Path) -> None:
+    """A link to a disk that is not mounted: creating its folders would write to the wrong disk."""
+    link = tmp_path / "export"
+    link.symlink_to(tmp_path / "unmounted" / "export", target_is_directory=True)
+    with pytest.raises(UserError, match="is a symlink to .*, whose folder does not exist: mount that disk"):
+        check_workdir(tmp_path, (link,))
+    with pytest.raises(UserError, match="whose folder does not exist"):
+        staging_dir(link)
+    assert not (tmp_path / "unmounted").exists()
 
 
 def test_refused_distill_names_the_users_own_change_before_derived_entries() -> None:
