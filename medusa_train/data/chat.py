@@ -16,9 +16,19 @@ and taking the text after it; when the reply ended with an EOS whose text starts
 that text is dropped, with the whitespace before it, since the generated EOS token already closes
 the turn. A reply cut by ``max_new_tokens`` gets no EOS in its masked span; the
 template's end-of-turn text follows unmasked when another turn comes.
+Special-token strings inside a message (a prompt or an earlier reply that quotes ``<|im_end|>``,
+``</s>``) are text, not markup: they are encoded as plain text (``split_special_tokens``), so a
+record holds a special id only where the chat template itself writes one, and the model never sees
+a fake end of turn inside a message. Messages are rendered with such strings wrapped in private-use
+marker characters; :meth:`ChatRenderer._encode` encodes the text between them as usual and each
+marked string as plain text on its own, as transformers'
+``apply_chat_template(..., sanitize_control_tokens=True)`` does (tested equal). A rendering with
+no such string is one tokenizer call, as before.
 """
 
 from __future__ import annotations
+
+import re
 
 from jinja2.exceptions import TemplateError
 
@@ -26,6 +36,9 @@ from medusa_train.data.sources import Conversation
 from medusa_train.errors import UserError
 
 _SENTINEL = "MEDUSAREPLYSENTINEL"
+_OPEN, _CLOSE = "\U000f0000", "\U000f0001"
+"""Private-use characters wrapped around a special-token string inside a message (the ones
+transformers' ``mark_control_tokens`` uses): they mark it as text to encode as text."""
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -50,6 +63,16 @@ class ChatRenderer:
                 f"the tokenizer of {tokenizer.name_or_path} has no chat template: distillation needs a chat model"
             )
         self.tokenizer = tokenizer
+        # What `split_special_tokens` encodes as text: the special added tokens, longest first (a token
+        # takes priority over one it contains); whitespace tokens are ordinary text in any message.
+        specials = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content.strip()},
+            key=len,
+            reverse=True,
+        )
+        pattern = "|".join(map(re.escape, specials)) or "(?!)"  # (?!): matches nothing
+        self._special = re.compile(pattern)
+        self._marked = re.compile(f"{_OPEN}({pattern}){_CLOSE}|[{_OPEN}{_CLOSE}]")
 
     @staticmethod
     def messages(conv: Conversation, replies: list[str], next_turn: bool) -> list[dict[str, str]]:
@@ -62,7 +85,9 @@ class ChatRenderer:
         return msgs
 
     def _render(self, conv: Conversation, msgs: list[dict[str, str]]) -> str:
-        """The chat template applied to ``msgs`` (of ``conv``); one it refuses is the user's error."""
+        """The chat template applied to ``msgs`` (of ``conv``), special-token strings inside a message
+        marked (see the module docstring); a conversation the template refuses is the user's error."""
+        msgs = [{**m, "content": self._mark(m["content"])} for m in msgs]
         try:
             return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except TemplateError as err:  # raise_exception in the template (Gemma: no system role), bad syntax
@@ -71,8 +96,39 @@ class ChatRenderer:
                 f"({err}): use data the template accepts or another model"
             ) from None
 
+    def _mark(self, content: str) -> str:
+        """``content`` with every special-token string wrapped in the markers (markers already in it
+        dropped, so a message cannot forge one)."""
+        content = content.replace(_OPEN, "").replace(_CLOSE, "")
+        return self._special.sub(lambda m: f"{_OPEN}{m.group(0)}{_CLOSE}", content)
+
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of rendered ``text``: the template's special tokens as their ids, marked strings
+        as plain text.
+
+        ``re.split`` gives ``[text, marked, text, marked, ..., text]`` (None for a lone marker, which a
+        template's string methods left: dropped). A piece after the first is encoded after a newline
+        that is then removed, so a SentencePiece tokenizer adds no prefix space at the cut (falling
+        back to the piece alone where the newline merges with it), as transformers does.
+        """
+        if _OPEN not in text and _CLOSE not in text:
+            return self._encode_piece(text, plain=False)
+        newline = self._encode_piece("\n", plain=False)
+        ids: list[int] = []
+        for i, piece in enumerate(self._marked.split(text)):
+            if not piece:
+                continue
+            plain = i % 2 == 1  # a marked special-token string
+            after = self._encode_piece("\n" + piece, plain) if i else []
+            if after[: len(newline)] == newline:  # (the first piece: after is empty)
+                ids += after[len(newline) :]
+            else:
+                ids += self._encode_piece(piece, plain)
+        return ids
+
+    def _encode_piece(self, text: str, plain: bool) -> list[int]:
+        """``text`` tokenised; ``plain``: special-token strings as text (``split_special_tokens``)."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
 
     def prompt_ids(self, conv: Conversation) -> list[int]:
         """Tokens of the first turn's prompt, as the chat template renders it (generation prompt included)."""

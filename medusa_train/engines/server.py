@@ -12,10 +12,13 @@ Two request kinds (``api``):
 
 - ``chat``: ``POST {url}/chat/completions`` with the conversation so far as messages; the server
   applies the chat template, generates, and returns TEXT (every OpenAI-compatible server: vLLM,
-  SGLang, TGI, ``transformers serve``). The reply is re-tokenised with our tokenizer; the record's
-  tokens are those ids plus the turn's EOS when the server reports ``finish_reason="stop"``. That is
-  also exactly what the server sees of its own reply in the next turn, since it re-renders the
-  conversation from text. Exactness is checked four ways and counted (``stats``):
+  SGLang, TGI, ``transformers serve``). The reply is re-tokenised with our tokenizer, as plain text
+  (a special-token string in it, such as ``<|im_end|>`` the model wrote as text, is no special id);
+  the record's tokens are those ids plus the turn's EOS when the server reports
+  ``finish_reason="stop"``. That is also what the server sees of its own reply in the next turn,
+  since it re-renders the conversation from text (but for such a string, which a server's template
+  rendering turns into the special id: ``prompt_tokens_differ`` then counts it). Exactness is
+  checked four ways and counted (``stats``):
   ``not_round_trip`` (our re-tokenisation does not decode back to the server's text: the reply is
   dropped and the conversation ends before it, see :func:`~medusa_train.data.regenerate.distill_records`),
   ``split_by_server`` (the server parsed part of the reply out of its text, :data:`PARSED_APART`: a
@@ -554,6 +557,11 @@ model did not finish: it is dropped like a reply that is not token-exact (``unfi
 class _Reply:
     ids: list[int] | None
     counts: dict[str, int] = field(default_factory=dict)
+    text: str | None = None
+    """A chat reply's text, still to tokenise (:meth:`ServerEngine._tokenized`, on the calling thread),
+    with its ``finish_reason`` and ``usage.completion_tokens``."""
+    finish: str | None = None
+    generated: int | None = None
 
 
 class ServerEngine:
@@ -715,7 +723,19 @@ class ServerEngine:
             return _Reply(None, {**counts, "unfinished": 1})
         if any(message.get(key) for key in PARSED_APART):
             return _Reply(None, {**counts, "split_by_server": 1})
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return _Reply(None, counts, text, finish, generated)
+
+    def _tokenized(self, reply: _Reply) -> _Reply:
+        """A chat reply's ids (None when its text does not round-trip) and exactness counts.
+
+        Called on the thread that called :meth:`run`, where the chat renderer uses the same tokenizer:
+        ``split_special_tokens`` is state of a fast tokenizer that every call sets, so a call on a
+        request thread would race with the renderer's (whose template markup could come out as text).
+        """
+        text, finish, generated, counts = reply.text, reply.finish, reply.generated, dict(reply.counts)
+        # The text is the reply: a special-token string in it (the model wrote "<|im_end|>" as text, which
+        # a text API returns as text) is plain text, not a special id (an end of turn inside the reply)
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if self.tokenizer.decode(ids) != text:
             return _Reply(None, {**counts, "not_round_trip": 1})
         # `transformers serve` reports "length" whenever the cap is reached, also when the last token
@@ -811,6 +831,8 @@ class ServerEngine:
             if err is not None:
                 raise err
             self._charges.pop(id(request), None)
+            if reply.text is not None:
+                reply = self._tokenized(reply)
             endpoint.replies += 1
             self.stats["replies"] += 1
             for key, value in reply.counts.items():

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from http.server import BaseHTTPRequestHandler
 
 import pytest
 
+from medusa_train.data.chat import ChatRenderer
+from medusa_train.data.regenerate import distill_records
+from medusa_train.data.sources import Conversation
+from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.server import (
     ServerClient,
@@ -21,6 +26,7 @@ from medusa_train.engines.server import (
     check_endpoint,
 )
 from medusa_train.errors import UserError
+from tests.helpers.distill import spans
 from tests.helpers.local_server import LocalServer
 
 
@@ -198,7 +204,7 @@ def test_sampled_requests_carry_their_seed_and_the_generation_config_override(sc
 class _WordTok:
     """Enough of a tokenizer for the chat API: a text of numbers is its ids."""
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
         return {"input_ids": [int(w) for w in text.split()]}
 
     def decode(self, ids):
@@ -233,6 +239,67 @@ def test_chat_replies_end_with_eos_only_when_they_ended(
     assert got[0] == ids
     assert engine.stats["token_count_differs"] == counted
     assert engine.stats["unfinished"] == (ids is None)
+
+
+def test_a_chat_reply_quoting_the_eos_is_text_in_the_record(scripted) -> None:
+    """A reply whose text holds the EOS string or another special token's (the model wrote ``<|end|>``
+    as text; a text API returns it as text) is re-tokenised as plain text: each reply span of the
+    record holds one special id, the EOS that closes it (the quoted one was the EOS id: an end of turn
+    in mid-reply), the template's markup around it keeps its ids, and the next turn's messages hold
+    the reply as the server wrote it (the EOS id was dropped from them)."""
+    tok = train_tokenizer(
+        ["why is the cat on the mat?", "tell me more about the dog.", "it is big"] * 20, 300
+    )
+    renderer = ChatRenderer(tok)
+    conv = Conversation("r", ["why is the cat big?", "and the dog?"])
+    replies = ["it is <|end|> big", "the <|assistant|>dog<|end|>"]
+    srv = scripted(
+        [
+            (200, {}, {"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}]})
+            for text in replies
+        ]
+    )
+    eos = tok.eos_token_id
+    engine = ServerEngine(
+        ServerClient([srv.url]), model="m", tokenizer=tok, api="chat", max_new_tokens=32, eos_ids=[eos],
+        end_id=eos, concurrency=1,
+    )  # fmt: skip
+    (record,) = distill_records(
+        engine, renderer, [conv], [renderer.prompt_ids(conv)], max_context=10_000, eos_ids=[eos]
+    )
+    special = set(tok.all_special_ids)
+    replied = [record.input_ids[a:b] for a, b in spans(record.loss_mask)]
+    assert [tok.decode(ids) for ids in replied] == [text + "<|end|>" for text in replies]
+    assert [[i for i in ids if i in special] for ids in replied] == [[eos], [eos]]
+    markup = [i for i, m in zip(record.input_ids, record.loss_mask, strict=True) if not m and i in special]
+    assert tok.convert_ids_to_tokens(markup) == [
+        "<|bos|>", "<|user|>", "<|end|>", "<|assistant|>", "<|user|>", "<|end|>", "<|assistant|>"
+    ]  # fmt: skip
+    assert srv.seen[1][2]["messages"][1] == {"role": "assistant", "content": replies[0]}
+    assert engine.stats["not_round_trip"] == 0
+
+
+def test_chat_replies_are_tokenised_on_the_thread_that_runs_the_engine(scripted) -> None:
+    """The request threads never call the tokenizer: its ``split_special_tokens`` is state every call
+    sets, and the chat renderer uses the same tokenizer on the calling thread meanwhile."""
+    answer = {"model": "m", "choices": [{"message": {"content": "5 6"}, "finish_reason": "stop"}]}
+    srv = scripted([(200, {}, answer)] * 4)
+    threads: set[int] = set()
+
+    class Recording(_WordTok):
+        def __call__(self, text, **kw):
+            threads.add(threading.get_ident())
+            return super().__call__(text, **kw)
+
+        def decode(self, ids):
+            threads.add(threading.get_ident())
+            return super().decode(ids)
+
+    engine = _engine(srv.url, tokenizer=Recording(), api="chat")
+    got = {}
+    requests = [GenRequest(i, [1, 4], None, [{"role": "user", "content": "4"}]) for i in range(4)]
+    engine.run(requests, lambda r, n: got.update({r.key: n}))
+    assert got == {i: [5, 6, 2] for i in range(4)} and threads == {threading.get_ident()}
 
 
 def test_an_unfinished_token_reply_is_dropped(scripted) -> None:
