@@ -24,9 +24,11 @@ Two request kinds (``api``):
   ``split_by_server`` (the server parsed part of the reply out of its text, :data:`PARSED_APART`: a
   reasoning parser's ``<think>`` block, tool calls; the text is not the reply: dropped the same way),
   ``token_count_differs`` (the server's ``usage.completion_tokens`` differs from the re-tokenised
-  count: the model generated a non-canonical split of the same text, e.g. ``th|e`` for ``the``,
-  which the record cannot know; the text is kept) and ``prompt_tokens_differ`` (the server's
-  ``usage.prompt_tokens`` differs from our context length: its template or tokenizer is not ours).
+  count: the model generated a non-canonical split of the same text, e.g. ``th|e`` for ``the``, or
+  the server returned less text than the model generated, e.g. ``transformers serve`` strips the
+  whitespace around a Qwen-family reply; the record cannot know which, the text is kept) and
+  ``prompt_tokens_differ`` (the server's ``usage.prompt_tokens`` differs from our context length:
+  its template or tokenizer is not ours).
 - ``tokens``: ``POST {url}/completions`` with our exact token-id context as the prompt and the
   generated ids returned (vLLM: ``return_token_ids``, or ``logprobs`` with
   ``return_tokens_as_token_ids``, whose tokens read ``token_id:N``). Token-exact; vLLM only.

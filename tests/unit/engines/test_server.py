@@ -217,6 +217,7 @@ class _WordTok:
         ("5 6", "stop", 3, [5, 6, 2], 0),  # ended: the EOS appended
         ("5 6 7", "length", 3, [5, 6, 7], 0),  # cut at the cap (3)
         ("5 6", "length", 3, [5, 6, 2], 1),  # EOS at the cap (transformers serve), or a split one short
+        ("5 6", "stop", 4, [5, 6, 2], 1),  # text the server dropped (transformers serve: Qwen's spaces)
         ("5 6", "length", 2, [5, 6], 0),  # a server that cut early at its own limit: no EOS
         ("5 6", "abort", 2, None, 0),  # a reply the model did not finish: dropped
     ],
