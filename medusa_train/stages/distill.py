@@ -590,6 +590,12 @@ def _difference(previous: dict | None, current: dict) -> str:
 # 5: generation
 
 
+_LOGGED_COUNTS = ("records", "records_dropped_not_token_exact", "tokens_generated")
+"""Shard counts logged (``distill/<count>``) after each shard, summed over this rank's shards on disk:
+the records written, the source records written as nothing (``distill.engine=server``: no reply was
+token-exact, see :func:`_exactness_counts`), the generated tokens they hold."""
+
+
 def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker) -> dict:
     g, records, prompts = plan.cfg.distill, plan.records, plan.prompts
     rank, world, size = dist.rank(), dist.world_size(), g.shard_size
@@ -603,10 +609,18 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
         )
     stats = {"tokens": 0, "seconds": 0.0, "shards": len(todo)}
     # Logged: totals of this rank's shards on disk, a killed attempt's included (the run goes on with
-    # them), and the tokens/s of this attempt alone
-    tokens_on_disk = sum(
-        read_shard_counts(shard_path(plan.out, i))["tokens_generated"] for i in mine if i not in todo
-    )
+    # them), and the tokens/s of this attempt alone. `records` are the records written, as in the
+    # manifest and the run's summary; the source records handled are those plus the dropped ones.
+    on_disk = dict.fromkeys(_LOGGED_COUNTS, 0)
+
+    def add_counts(index: int) -> None:
+        counts = read_shard_counts(shard_path(plan.out, index))
+        for key in on_disk:
+            on_disk[key] += counts.get(key, 0)  # the in-process engine's shards drop no record
+
+    for index in mine:
+        if index not in todo:
+            add_counts(index)
     # mininterval: at most 2 redraws a second (a log file gets a line per redraw)
     bar = tqdm(
         total=total, initial=done, unit="rec", desc="distill", disable=not dist.is_main(), mininterval=0.5
@@ -619,7 +633,7 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
         bar.set_postfix(
             tok_s=f"{stats['tokens'] / max(time.perf_counter() - start, 1e-9):.0f}", refresh=False
         )
-        if record_done:  # the bar counts generated records; they reach disk with their shard
+        if record_done:  # the bar counts source records handled (written or dropped) as they finish
             counted[0] += 1
             bar.update(1)
 
@@ -663,12 +677,11 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
                 write_shard(shard_path(plan.out, index), rows, extra)
             bar.update(handled - counted[0])  # records with nothing to generate
             counted[0] = 0
-            tokens_on_disk += read_shard_counts(shard_path(plan.out, index))["tokens_generated"]
+            add_counts(index)
             elapsed = time.perf_counter() - start
             tracker.log(
                 {
-                    "distill/records": bar.n,
-                    "distill/tokens_generated": tokens_on_disk,
+                    **{f"distill/{key}": value for key, value in on_disk.items()},
                     "distill/tokens_per_s": stats["tokens"] / elapsed,
                 },
                 step=n,
@@ -735,8 +748,10 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
     }
     write_manifest(plan.out, manifest)
     log.info(
-        "distill: %d records, %d tokens generated, %s tokens/s -> %s",
+        "distill: %d records written (%d dropped, %d skipped), %d tokens generated, %s tokens/s -> %s",
         counts.get("records", 0),
+        counts.get("records_dropped_not_token_exact", 0),
+        manifest["counts"]["records_skipped"],
         counts.get("tokens_generated", 0),
         manifest["tokens_per_s"],
         plan.out,
@@ -744,10 +759,16 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
 
 
 def _figures(manifest: dict, *, generated_now: int, resumed: bool) -> dict:
+    """The stage's figures (and its wandb run's summary, ``distill/<name>``), from the manifest: the
+    records written (``records``), the source records never distilled (``records_skipped``: refused by
+    the reader, or a prompt over the context limit) and those distilled into nothing
+    (``records_dropped_not_token_exact``: distill.engine=server, no reply token-exact); the three add
+    up to the source records read or refused by the reader."""
     c = manifest["counts"]
     return {
         "records": c.get("records", 0),
         "records_skipped": c.get("records_skipped", 0),
+        "records_dropped_not_token_exact": c.get("records_dropped_not_token_exact", 0),
         "turns": c.get("turns", 0),
         "tokens_generated": c.get("tokens_generated", 0),
         "tokens_generated_now": generated_now,

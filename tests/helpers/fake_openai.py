@@ -67,6 +67,8 @@ class FakeOpenAI(LocalServer):
         poison: what makes a generation request fail with HTTP 500, every time, after
             ``poison_delay_s`` (a context that crashes the server): a token id its ``prompt`` holds
             (``api=tokens``), or text one of its messages holds (``api=chat``).
+        apart: text one of a chat request's messages holds that makes its reply carry a
+            ``reasoning_content`` (a server's reasoning parser): the client drops that reply.
 
     Attributes:
         answered: generation requests answered with a reply so far.
@@ -90,12 +92,14 @@ class FakeOpenAI(LocalServer):
         delay_s: float = 0.0,
         poison: int | str | None = None,
         poison_delay_s: float = 0.0,
+        apart: str | None = None,
     ) -> None:
         self.model, self.root, self.key = model, root or model, key
         self.fail_first, self.fail_status, self.garbage = fail_first, fail_status, garbage
         self.fail_from = fail_from
         self.dead_after, self.exit_after, self.delay_s = dead_after, exit_after, delay_s
         self.poison, self.poison_delay_s, self.poisoned = poison, poison_delay_s, 0
+        self.apart = apart
         self.answered = 0
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
@@ -175,6 +179,8 @@ class FakeOpenAI(LocalServer):
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": "stop",
                 }
+                if self.apart is not None and any(self.apart in t for t in texts):
+                    choice["message"]["reasoning_content"] = "let me think"
             else:
                 ids = token_reply(list(body["prompt"]), max_tokens)
                 finish = "stop" if ids[-1] == EOS_ID else "length"

@@ -9,6 +9,7 @@ checked also on the files the real wandb writes offline.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import sys
 import types
@@ -22,6 +23,7 @@ from medusa_train.stages import distill, train
 from medusa_train.stages import eval as eval_stage
 from medusa_train.tracking import Tracker
 from tests.helpers.distill import run_distill, write_prompts
+from tests.helpers.fake_openai import FakeOpenAI
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 from tests.helpers.train_workdir import make_train_workdir, run_killed_at_step, train_cfg
 from tests.helpers.wandb_offline import read_offline_runs
@@ -304,6 +306,36 @@ def test_killed_and_resumed_distill_continues_its_wandb_run(
     logged = killed.logged + resumed.logged
     assert [row["distill/tokens_generated"] for row in logged] == on_disk
     assert [row["distill/records"] for row in logged] == [3, 6, 9, 10] and len(shards) == 4
+
+
+def test_distill_logs_the_records_it_writes_apart_from_those_it_drops(
+    tmp_path: Path, runs: list[_Run], tiny_backbone_dir: Path
+) -> None:
+    """Through a server, a record whose first reply is not token-exact is written as nothing: its
+    shard's ``distill/records`` (the records written, as in the manifest and the run's summary) leaves
+    it out and ``distill/records_dropped_not_token_exact`` counts it; together they are the source
+    records handled (``distill/records`` counted those)."""
+    words = "the cat dog sat on a mat tell me a story about why the day is big".split()
+    rows = [{"prompt": [" ".join(words[i : i + 3])]} for i in range(10)]
+    for i in (1, 7):  # their replies come with a reasoning part: dropped (split_by_server)
+        rows[i]["prompt"] = ["xyzzy " + " ".join(words)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    server = FakeOpenAI(str(tiny_backbone_dir), apart="xyzzy")
+    try:
+        figures = run_distill(
+            tmp_path / "wd", tiny_backbone_dir, prompts, "tracking.mode=offline", "distill.engine=server",
+            f"distill.server.urls=[{server.url}]",
+        )  # fmt: skip
+    finally:
+        server.close()
+    (run,) = runs
+    shards = sorted((tmp_path / "wd" / "distill" / "shards").glob("shard-*.arrow"))
+    written = list(itertools.accumulate(read_shard_counts(path)["records"] for path in shards))
+    assert [row["distill/records"] for row in run.logged] == written == [2, 5, 7, 8]
+    assert [row["distill/records_dropped_not_token_exact"] for row in run.logged] == [1, 1, 2, 2]
+    assert (figures["records"], figures["records_dropped_not_token_exact"]) == (8, 2)
+    assert run.summary["distill/records"] == 8 and run.summary["distill/records_dropped_not_token_exact"] == 2
 
 
 def test_tracking_without_wandb_installed_is_one_line(
