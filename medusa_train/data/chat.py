@@ -96,6 +96,10 @@ class ChatRenderer:
                 f"({err}): use data the template accepts or another model"
             ) from None
 
+    def quotes_special(self, content: str) -> bool:
+        """Whether ``content`` (a message) holds a special-token string, which it encodes as text."""
+        return self._special.search(content) is not None
+
     def _mark(self, content: str) -> str:
         """``content`` with every special-token string wrapped in the markers (markers already in it
         dropped, so a message cannot forge one)."""

@@ -35,8 +35,10 @@ files before it loads, weights fingerprint after), dtype, quantization, tokenize
 read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
 and ``data.eval_fraction`` belongs to stage=train. A chat template that puts whitespace before EOS
 after a reply (Llama-2), with data that has a later turn, adds ``spaced_eos`` (its contexts drop that
-whitespace with the EOS text): a folder recorded without it is refused while unfinished (resuming
-would mix two renderings) and kept as it is once complete.
+whitespace with the EOS text); data whose later user turns quote a special-token string adds
+``quoted_special_tokens`` (encoded as text; earlier versions encoded the special id). A folder
+recorded without such an entry is refused while unfinished (resuming would mix two renderings) and
+kept as it is once complete.
 
 Context limits: the first prompt may hold at most ``min(data.max_prompt_tokens,
 max_position_embeddings - distill.max_new_tokens)`` tokens (longer ones are skipped with a count, or
@@ -254,6 +256,11 @@ def _load_and_plan(
         # data without it holds EOS, space, EOS there: unfinished, it does not resume into a mix of
         # both; complete, it is kept as it is (_complete_settings).
         settings[_SPACED_EOS] = "dropped"
+    if any(renderer.quotes_special(turn) for conv in records for turn in conv.turns[1:]):
+        # A later user turn quoting a special-token string ("<|im_end|>"): its context holds that text
+        # as text (earlier versions: the special id). First prompts are in data.prompts_hash already.
+        # Recorded where that applies only, with the same rule as spaced_eos (_complete_settings).
+        settings[_QUOTED_SPECIALS] = "text"
     if cfg.distill.engine != "server":
         # The generation config's settings the in-process engine applies, as generate and the
         # servers do (the repetition penalty always, top-k and min-p when sampling). Recorded where
@@ -528,16 +535,23 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
 _SPACED_EOS = "spaced_eos"
 """The settings entry of a template that puts whitespace before EOS after a reply, for data with a
 later turn (:meth:`~medusa_train.data.chat.ChatRenderer.spaced_eos`)."""
+_QUOTED_SPECIALS = "quoted_special_tokens"
+"""The settings entry of data whose later user turns quote a special-token string, encoded as text
+(:meth:`~medusa_train.data.chat.ChatRenderer.quotes_special`)."""
+_RENDERINGS = (_SPACED_EOS, _QUOTED_SPECIALS)
+"""Entries recorded for the data they apply to, which earlier versions rendered otherwise."""
 
 
 def _complete_settings(settings: dict, manifest: dict) -> dict:
-    """``settings`` as the complete folder of ``manifest`` is compared with them: without
-    :data:`_SPACED_EOS` where its settings lack it. Its later turns' contexts then hold the whitespace
-    before the template's EOS (EOS, space, EOS), every record alike: whole data the heads can train on,
-    reused as it is (``distill.overwrite=true`` redoes it); an unfinished folder is refused instead,
-    since resuming it would mix both kinds of records."""
-    if isinstance(manifest.get("settings"), dict) and _SPACED_EOS not in manifest["settings"]:
-        return {key: value for key, value in settings.items() if key != _SPACED_EOS}
+    """``settings`` as the complete folder of ``manifest`` is compared with them: without the entries of
+    :data:`_RENDERINGS` its settings lack. Its later turns' contexts then hold the earlier rendering
+    (the whitespace before the template's EOS: EOS, space, EOS; a quoted special-token string as the
+    special id), every record alike: whole data the heads can train on, reused as it is
+    (``distill.overwrite=true`` redoes it); an unfinished folder is refused instead, since resuming it
+    would mix both kinds of records."""
+    recorded = manifest.get("settings")
+    if isinstance(recorded, dict):
+        return {key: value for key, value in settings.items() if key not in _RENDERINGS or key in recorded}
     return settings
 
 
@@ -583,6 +597,8 @@ def _difference(previous: dict | None, current: dict) -> str:
             "later turns' contexts that keep the whitespace before the template's EOS (EOS, space, EOS): "
             + text
         )
+    elif _QUOTED_SPECIALS in differing:
+        text = "later turns that quote a special-token string, encoded as the special id: " + text
     return text
 
 

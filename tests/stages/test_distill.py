@@ -129,6 +129,48 @@ def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
     assert read_manifest(complete)["settings"]["spaced_eos"] == "dropped"
 
 
+def test_later_turns_quoting_a_special_token_are_recorded_and_an_older_unfinished_folder_refused(
+    reference, tiny_backbone_dir: Path, tmp_path
+) -> None:
+    """A later user turn quoting the EOS string is encoded as text (earlier versions: the EOS id), which
+    the prompts' hash does not see: the settings record ``quoted_special_tokens`` for such data only, a
+    folder without it is refused unfinished (resuming would mix both encodings) and kept complete."""
+    _, tok = load_backbone(str(tiny_backbone_dir))
+    prompts = tmp_path / "quoting.jsonl"
+    rows = [["why is the sky blue?", f"what does {tok.eos_token} mean?"]] + [
+        [f"tell me {i} things"] for i in range(3)
+    ]
+    prompts.write_text("".join(json.dumps({"prompt": turns}) + "\n" for turns in rows))
+    workdir = tmp_path / "workdir"
+    _run(workdir, tiny_backbone_dir, prompts)
+    assert read_manifest(workdir / "distill")["settings"]["quoted_special_tokens"] == "text"
+    assert "quoted_special_tokens" not in read_manifest(reference[0] / "distill")["settings"]
+
+    def drop_entry(distill_dir: Path) -> None:
+        for name in ("progress.json", "manifest.json"):
+            if (distill_dir / name).exists():
+                content = json.loads((distill_dir / name).read_text())
+                content["settings"].pop("quoted_special_tokens")
+                (distill_dir / name).write_text(json.dumps(content))
+
+    unfinished = tmp_path / "unfinished" / "distill"
+    shutil.copytree(workdir / "distill", unfinished)
+    (unfinished / "manifest.json").unlink()
+    shard_files(unfinished)[-1].unlink()
+    drop_entry(unfinished)
+    with pytest.raises(
+        UserError, match=r"quote a special-token string.*quoted_special_tokens.*overwrite=true"
+    ):
+        _run(unfinished.parent, tiny_backbone_dir, prompts)
+    complete = tmp_path / "complete" / "distill"
+    shutil.copytree(workdir / "distill", complete)
+    drop_entry(complete)
+    manifest = json.loads((complete / "manifest.json").read_text())
+    del manifest["quick_settings"]["backbone_source"]["settings_files"]  # the check before the model misses
+    (complete / "manifest.json").write_text(json.dumps(manifest))
+    assert _run(complete.parent, tiny_backbone_dir, prompts)["already_complete"]  # the check after it
+
+
 def test_greedy_turns_equal_generate_and_mask_is_exact(
     reference, tiny_backbone_dir: Path, prompts: Path
 ) -> None:
