@@ -1093,11 +1093,13 @@ _NULL = type(None)
 
 @dataclass(frozen=True)
 class CardInput:
-    """What the model card reads of one JSON file an earlier stage wrote.
+    """What the model card reads of one JSON file an earlier stage wrote (of calibration.json, also
+    what eval and train read of it: one description, so a file the card leaves out is the one eval
+    refuses, see :func:`shape_problem`).
 
-    ``fields``: each entry the card reads, as a dotted path (``[]`` for every item of a list; a final
-    ``!``: the entry must be there when the object holding it is not empty), with the JSON types it may
-    have; an absent entry is fine unless marked. ``repair``: the command that writes the file again.
+    ``fields``: each entry read, as a dotted path (``[]`` for every item of a list; a final ``!``: the
+    entry must be there when the object holding it is not empty), with the JSON types it may have; an
+    absent entry is fine unless marked. ``repair``: the command that writes the file again.
     """
 
     fields: dict[str, tuple[type, ...]]
@@ -1115,6 +1117,7 @@ CALIBRATION_INPUT = CardInput(
         "tree.choices[][]": (int,),
         "tree.best": (dict, _NULL),
         "tree.best.nodes": (int, _NULL),
+        "tree.context_len": (int,),
         "tree.calibrated_for": (dict, _NULL),
         "tree.calibrated_for.device!": (str,),
         "tree.calibrated_for.dtype!": (str,),
@@ -1122,7 +1125,8 @@ CALIBRATION_INPUT = CardInput(
     },
     "run `python -m medusa_train stage=train` (same settings) to calibrate again",
 )
-"""stage=train's calibration.json: head accuracy, the chosen tree and where it was calibrated."""
+"""stage=train's calibration.json: head accuracy, the chosen tree, where it was calibrated and at which
+context its latency curve was timed (stage=eval's fit of the tree to its device reads that too)."""
 
 REPORT_INPUT = CardInput(
     {
@@ -1168,10 +1172,10 @@ whatever they hold)."""
 def read_json(path: Path, expected: CardInput) -> dict | None:
     """The JSON object in ``path`` as the card reads it; None when it is missing or damaged.
 
-    Damaged: unreadable, not valid JSON (nesting too deep included), not an object, or an entry of
-    ``expected.fields`` of another type or missing. The card is written without a damaged file (as
-    without a missing one: an export never fails over eval's or distill's records), and a warning
-    line names the file, what is wrong and ``expected.repair``.
+    Damaged: unreadable, not valid JSON (nesting too deep included), or :func:`shape_problem`. The
+    card is written without a damaged file (as without a missing one: an export never fails over
+    eval's or distill's records), and a warning line names the file, what is wrong and
+    ``expected.repair``.
     """
     try:
         data = json.loads(path.read_bytes())
@@ -1184,11 +1188,7 @@ def read_json(path: Path, expected: CardInput) -> dict | None:
             f"not valid JSON: {err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__}"
         )
     else:
-        problem = (
-            _shape_problem(data, expected.fields)
-            if isinstance(data, dict)
-            else f"{_json_kind(data)} where an object is expected"
-        )
+        problem = shape_problem(data, expected)
     if problem is None:
         return data
     log.warning(
@@ -1197,10 +1197,16 @@ def read_json(path: Path, expected: CardInput) -> dict | None:
     return None
 
 
-def _shape_problem(data: dict, fields: dict[str, tuple[type, ...]]) -> str | None:
-    """The first entry of ``fields`` (see :class:`CardInput`) that ``data`` holds with another type, or
-    lacks though required, as "'tree.best' is a JSON list where an object is expected"; None if none."""
-    for spec, types in fields.items():
+def shape_problem(data: object, expected: CardInput) -> str | None:
+    """What makes the parsed JSON ``data`` other than ``expected`` describes: not an object, or the
+    first entry of ``expected.fields`` it holds with another type, or lacks though required, as
+    "'tree.best' is a JSON list where an object is expected"; None if nothing.
+
+    The one check of calibration.json's shape: the card leaves a file with a problem out
+    (:func:`read_json`), stage=eval refuses it and stage=train calibrates again."""
+    if not isinstance(data, dict):
+        return f"{_json_kind(data)} where an object is expected"
+    for spec, types in expected.fields.items():
         required = spec.endswith("!")
         *outer, last = re.findall(r"\[\]|[^.\[\]!]+", spec)  # "a[].b!" -> "a", "[]", "b"
         holders: list[tuple[object, str]] = [(data, "")]  # (value, its dotted name)

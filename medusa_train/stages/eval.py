@@ -98,6 +98,7 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
+    CALIBRATION_INPUT,
     HEADS_FINGERPRINT,
     alternatives,
     calibrated_machine,
@@ -106,6 +107,7 @@ from medusa_train.report import (
     machine_info,
     recommend_speculative_tokens,
     report_markdown,
+    shape_problem,
     summarise,
     top1_top5,
     write_model_card,
@@ -158,6 +160,7 @@ def run(cfg: Config) -> dict:
     heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
+    stored_topk(heads_dir)  # every calibration.json read in 1. and 6.: a damaged one fails here
     prompts = load_eval_prompts(ecfg)
     for entry in ecfg.compare:  # decoded in 9., after the main run: a wrong one must not wait for that
         _compare_dir(Path(entry))
@@ -544,15 +547,16 @@ def fit_tree_to_device(
     calibrated here from the stored head accuracies and a latency curve measured now with
     ``eval.attention`` (``eval.fit_tree=false`` keeps the stored tree).
 
+    Raises:
+        DamagedArtefactError: calibration.json is damaged (:func:`read_calibration`).
+
     Returns:
         The tree's paths and ``{"device", "calibrated_for", "recalibrated", ...}`` for the report.
     """
     stored: dict = {}
     if cfg.tree.name == "calibrated":
-        path = next(
-            (p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()), None
-        )
-        stored = read_json(path, repair=_RECALIBRATE) if path else {}
+        found = calibration_files(heads_dir)
+        stored = read_calibration(found[0]) if found else {}
     stored_tree = stored.get("tree") or {}
     context = stored_tree.get("context_len", cfg.tree.latency_context)
     timed = timed_attention(cfg.eval.attention, next(model.parameters()).device, context, model)
@@ -618,7 +622,51 @@ def static_setting(capture: str, attention: dict[int, str], vs_compiled: float) 
     return f"{capture}, {used}; {vs_compiled:.2f}x compiled plain"
 
 
-_RECALIBRATE = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
+_RECALIBRATE = (
+    "run `python -m medusa_train stage=train` (same settings) to calibrate again, or delete it to "
+    "evaluate the tree without it"
+)
+
+
+def calibration_files(heads_dir: Path) -> list[Path]:
+    """The calibration.json files eval reads, in order: beside the heads, then one folder up (an
+    export's, for heads in its ``medusa/`` or ``vllm/``)."""
+    return [p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()]
+
+
+def stored_topk(heads_dir: Path) -> tuple[list[list[float]], Path] | None:
+    """The head accuracy table ``(K, R)`` of the first of :func:`calibration_files` that has one, and
+    that file; None when none has. Each file read is checked (:func:`read_calibration`): the files
+    it reads include the one :func:`fit_tree_to_device` reads, so a call before the backbone loads
+    refuses a damaged one there.
+
+    Raises:
+        DamagedArtefactError: a calibration.json read is damaged.
+    """
+    for path in calibration_files(heads_dir):
+        topk = calibration_topk(read_calibration(path))
+        if topk:
+            return topk, path
+    return None
+
+
+def read_calibration(path: Path) -> dict:
+    """The calibration.json at ``path`` (stage=train's, or the copy an export ships), checked entry by
+    entry as the export's card checks it (:data:`~medusa_train.report.CALIBRATION_INPUT`).
+
+    Refused, as one that does not parse is: eval can neither say where the stored tree was fitted nor
+    fit it again without the file, so going on would evaluate something else than asked, silently;
+    deleting the file is how to evaluate the tree without it (as eval does where there is none).
+
+    Raises:
+        DamagedArtefactError: unreadable, not valid JSON (not UTF-8, nested too deep), not an object,
+            or an entry of the wrong type or missing; one line naming the file and the repair.
+    """
+    calibration = read_json(path, repair=_RECALIBRATE)
+    problem = shape_problem(calibration, CALIBRATION_INPUT)
+    if problem is not None:
+        raise DamagedArtefactError(f"{path} is damaged ({problem}): {_RECALIBRATE}")
+    return calibration
 
 
 def head_topk(
@@ -632,14 +680,9 @@ def head_topk(
     the same, but not necessarily what those heads were trained beside); ``(None, None)`` when neither
     exists.
     """
-    for path in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION):
-        if path.is_file():
-            calibration = read_json(
-                path, repair="run `python -m medusa_train stage=train` (same settings) to calibrate again"
-            )
-            topk = calibration_topk(calibration)
-            if topk:
-                return topk, str(path)
+    stored = stored_topk(heads_dir)
+    if stored is not None:
+        return stored[0], str(stored[1])
     if not (wd.distill / MANIFEST).is_file():
         return None, None
     _, held_ds = split_heldout(load_distilled(wd.distill), cfg.data.eval_fraction)
@@ -903,7 +946,7 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
 
 def _compare_dir(path: Path) -> Path:
     """A heads folder as given, or ``<workdir>/heads`` for a workdir; checked to hold heads (their
-    config.json and weights file, not their shapes)."""
+    config.json and weights file, not their shapes) and no damaged calibration.json."""
     if not path.exists():
         raise UserError(
             f"eval.compare: {path} does not exist (give heads folders or workdirs holding heads/)"
@@ -913,6 +956,7 @@ def _compare_dir(path: Path) -> Path:
         detect_layout(layout_dir(heads_dir))
     except HeadsFormatError as err:
         raise UserError(f"eval.compare: {err} (give heads folders or workdirs holding heads/)") from None
+    stored_topk(heads_dir)  # their calibration.json, read in 9.: a damaged one fails now
     return heads_dir
 
 

@@ -33,6 +33,7 @@ from medusa_train.data.distilled import load_distilled
 from medusa_train.errors import DamagedArtefactError
 from medusa_train.stages import distill, export
 from medusa_train.stages import eval as eval_stage
+from medusa_train.stages.train import calibrated_with
 from medusa_train.stages.train import run as train_run
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache, is_complete
 from medusa_train.training.trainer import last_complete_checkpoint
@@ -358,6 +359,59 @@ def test_damaged_calibration_is_one_line_for_eval(heads_workdir, tmp_path) -> No
     cfg = tiny_cfg(wd, "stage=eval")
     with pytest.raises(DamagedArtefactError, match=r"calibration.json is damaged .*stage=train"):
         eval_stage.head_topk(wd / "heads", workdir_mod.Workdir(wd), cfg, None, None)
+
+
+EVAL_RECALIBRATE = (
+    "run `python -m medusa_train stage=train` (same settings) to calibrate again, or delete it to evaluate "
+    "the tree without it"
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ({"tree": [1, 2]}, "'tree' is a JSON list where an object is expected"),
+        (
+            {"tree": {"calibrated_for": "H100"}},
+            "'tree.calibrated_for' is a JSON string where an object is expected",
+        ),
+        ({"tree": {"calibrated_for": {"dtype": "float32"}}}, "lacks 'tree.calibrated_for.device'"),
+        ({"tree": {"context_len": "4k"}}, "'tree.context_len' is a JSON string where a number is expected"),
+        ({"tree": {"choices": [[0], "x"]}}, "'tree.choices[1]' is a JSON string where a list is expected"),
+        ({"tree": {"best": {"nodes": "5"}}}, "'tree.best.nodes' is a JSON string where a number is expected"),
+        ({"head_topk_accuracy": [[0.5, "x"]]}, "'head_topk_accuracy[0][1]' is a JSON string where a number"),
+        (b'{"tree": {"calibrated_for": {"device": "\xff"}}}', "not valid JSON: UnicodeDecodeError"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: RecursionError"),
+    ],
+)
+def test_a_calibration_with_an_entry_of_the_wrong_type_is_one_line_for_eval(
+    heads_workdir, tmp_path, capsys, monkeypatch, content, problem
+) -> None:
+    """calibration.json with an entry eval reads of the wrong type (or missing, not UTF-8, nested deeper
+    than the parser goes) stops eval in one line (exit 2) naming the file, what is wrong and the repair,
+    before the backbone loads, with the calibrated tree, with a pinned one (whose head accuracies it
+    gives) and for heads compared (eval.compare, decoded after the main run); the repair holds: stage=train takes such a file for no calibration and calibrates again."""
+    wd = _fresh_copy(heads_workdir, tmp_path / "wd")
+    path = wd / "heads" / "calibration.json"
+    whole = {**json.loads(path.read_text()), "settings": {"tree_max_nodes": 5}}
+    path.write_text(json.dumps(whole))
+    assert calibrated_with(wd / "heads") == {"tree_max_nodes": 5}  # whole: stage=train finds its settings
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps({**whole, **content}).encode())
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the backbone loaded before calibration.json was checked")
+
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", no_load)
+    whole_wd = _fresh_copy(heads_workdir, tmp_path / "whole")
+    for argv in (  # the calibrated tree, a pinned one, these heads compared to others'
+        [*tiny_overrides(wd), "tree=calibrated"],
+        [*tiny_overrides(wd), "tree=chain", "tree.chain_depth=2"],
+        [*tiny_overrides(whole_wd), f"eval.compare=[{wd}]"],
+    ):
+        line = _one_error_line(capsys, ["stage=eval", *argv])
+        assert line.startswith(f"error: {path} is damaged ({problem}"), line
+        assert line.endswith(f"): {EVAL_RECALIBRATE}"), line
+    assert calibrated_with(wd / "heads") is None
 
 
 # -- generic checks ----------------------------------------------------------------------------------
