@@ -1094,8 +1094,8 @@ _NULL = type(None)
 @dataclass(frozen=True)
 class CardInput:
     """What the model card reads of one JSON file an earlier stage wrote (of calibration.json, also
-    what eval and train read of it: one description, so a file the card leaves out is the one eval
-    refuses, see :func:`shape_problem`).
+    what export, eval and train read of it: one description, so a file the card leaves out is the one
+    export does not ship and eval refuses, see :func:`shape_problem`).
 
     ``fields``: each entry read, as a dotted path (``[]`` for every item of a list; a final ``!``: the
     entry must be there when the object holding it is not empty), with the JSON types it may have; an
@@ -1169,13 +1169,15 @@ MANIFEST_INPUT = CardInput(
 whatever they hold)."""
 
 
-def read_json(path: Path, expected: CardInput) -> dict | None:
+def read_json(
+    path: Path, expected: CardInput, *, consequence: str = "the model card is written without it"
+) -> dict | None:
     """The JSON object in ``path`` as the card reads it; None when it is missing or damaged.
 
     Damaged: unreadable, not valid JSON (nesting too deep included), or :func:`shape_problem`. The
     card is written without a damaged file (as without a missing one: an export never fails over
-    eval's or distill's records), and a warning line names the file, what is wrong and
-    ``expected.repair``.
+    eval's or distill's records), and a warning line names the file, what is wrong,
+    ``expected.repair`` and ``consequence`` (what goes on without the file).
     """
     try:
         data = json.loads(path.read_bytes())
@@ -1191,9 +1193,7 @@ def read_json(path: Path, expected: CardInput) -> dict | None:
         problem = shape_problem(data, expected)
     if problem is None:
         return data
-    log.warning(
-        "%s is damaged (%s): %s; the model card is written without it", path, problem, expected.repair
-    )
+    log.warning("%s is damaged (%s): %s; %s", path, problem, expected.repair, consequence)
     return None
 
 
@@ -1202,7 +1202,7 @@ def shape_problem(data: object, expected: CardInput) -> str | None:
     first entry of ``expected.fields`` it holds with another type, or lacks though required, as
     "'tree.best' is a JSON list where an object is expected"; None if nothing.
 
-    The one check of calibration.json's shape: the card leaves a file with a problem out
+    The one check of calibration.json's shape: the card and export leave a file with a problem out
     (:func:`read_json`), stage=eval refuses it and stage=train calibrates again."""
     if not isinstance(data, dict):
         return f"{_json_kind(data)} where an object is expected"

@@ -15,7 +15,7 @@ Writes (into a staging folder, swapped into place, so a killed run never leaves 
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel; the config
                             also names the base model, the heads' fingerprint and the backbone)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
-      calibration.json      per-head accuracy and tree table from stage=train (when present)
+      calibration.json      per-head accuracy and tree table from stage=train (when present and whole)
       custom_generate/      generate.py + requirements.txt: `model.generate(**inputs,
                             custom_generate=<export>, trust_remote_code=True)` decodes with these heads
       README.md             Hub model card: YAML front matter, base model, data, training, head
@@ -257,9 +257,18 @@ def _write_layouts(cfg: Config, source: _Source, tmp: Path, export_dir: Path) ->
 
 def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> None:
     """Step 4: the tree, the calibration (lets stage=eval on the export report head accuracy),
-    ``custom_generate/`` and the model card (stage=eval adds its figures when it runs later)."""
+    ``custom_generate/`` and the model card (stage=eval adds its figures when it runs later).
+
+    A damaged calibration.json (:data:`~medusa_train.report.CALIBRATION_INPUT`) is left out of the
+    export as of its card, with one warning line naming it, as the card's other optional inputs are:
+    the export ships no file stage=eval on it would refuse."""
     atomic_write_text(tmp / CHOICES, json.dumps(source.choices) + "\n")
-    if (source.heads_dir / CALIBRATION).is_file():
+    calibration = read_json(
+        source.heads_dir / CALIBRATION,
+        CALIBRATION_INPUT,
+        consequence="the export and its model card are written without it",
+    )
+    if calibration is not None:
         shutil.copyfile(source.heads_dir / CALIBRATION, tmp / CALIBRATION)
     final = published_path(wd.export)
     write_custom_generate(tmp, final)
@@ -278,7 +287,7 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
         tree_name=cfg.tree.name,
         choices=source.choices,
         manifest=manifest,
-        calibration=read_json(source.heads_dir / CALIBRATION, CALIBRATION_INPUT),
+        calibration=calibration,
         report=report,
         backbone=str(source.shipped) if source.shipped is not None else None,
         export_dir=final,

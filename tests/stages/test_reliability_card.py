@@ -194,7 +194,7 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
     """calibration.json and eval/report.json with an entry the card reads of the wrong type (or missing,
     or nested deeper than the parser goes, or not UTF-8): export, and eval's rewrite of the card, write
     it without that file, and one warning line names the file, what is wrong and what writes it again
-    (no traceback)."""
+    (no traceback); export does not ship a damaged calibration.json either."""
     root = _measured_workdir(tmp_path / "run")
     wd = Workdir(root)
     export.run(tiny_cfg(root, "stage=export"))
@@ -256,17 +256,27 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
             assert TAU in _card(root) and "| 1 | t+2 |" in _card(root)
         path.write_bytes(original)
 
-    heads_calibration = wd.heads / "calibration.json"  # export reads the heads' own
-    heads_calibration.write_text(json.dumps({**calibration, "tree": [1, 2]}))
-    lines = card_warnings(lambda: export.run(tiny_cfg(root, "stage=export")))
-    assert lines == [
-        f"{heads_calibration} is damaged ('tree' is a JSON list where an object is expected): {CALIBRATE_AGAIN}; "
-        "the model card is written without it"
-    ]
-    assert "head accuracy: not measured" in _card(root) and TAU in _card(root)
+    # export reads the heads' own, and ships it only whole: stage=eval on the export would refuse it
+    heads_calibration = wd.heads / "calibration.json"
+    for damaged, problem in (
+        ({**calibration, "tree": [1, 2]}, "'tree' is a JSON list where an object is expected"),
+        (
+            {**calibration, "tree": {"context_len": "4k"}},
+            "'tree.context_len' is a JSON string where a number",
+        ),
+    ):
+        heads_calibration.write_text(json.dumps(damaged))
+        lines = card_warnings(lambda: export.run(tiny_cfg(root, "stage=export")))
+        assert len(lines) == 1 and lines[0].startswith(f"{heads_calibration} is damaged ({problem}"), lines
+        assert lines[0].endswith(
+            f"): {CALIBRATE_AGAIN}; the export and its model card are written without it"
+        )
+        assert "head accuracy: not measured" in _card(root) and TAU in _card(root)
+        assert not calibration_path.exists()
     heads_calibration.write_text(json.dumps(calibration))
     assert card_warnings(lambda: export.run(tiny_cfg(root, "stage=export"))) == []
     assert TAU in _card(root) and "| 1 | t+2 |" in _card(root)
+    assert calibration_path.read_bytes() == heads_calibration.read_bytes()
 
 
 def test_a_vllm_only_export_names_its_heads_and_backbone(tmp_path: Path) -> None:
