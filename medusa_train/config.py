@@ -772,7 +772,8 @@ class EvalConfig:
     dtype than this run's, or with another tree attention than `eval.attention` takes here, calibrate the
     tree again here from its stored head accuracies and a latency curve measured now (seconds), so a tree
     tuned on a CPU is not used on a GPU; false keeps the stored tree (with a warning). Pinned trees
-    (tree=medusa63|chain|custom) are never changed."""
+    (tree=medusa63|chain|custom), and a stored tree that calibration.json did not choose (other paths
+    than its tree.choices: an export of a pinned tree), are never changed."""
     compile: bool = False
     """Also measure the compiled decoders on every turn: plain greedy with transformers' static cache and
     compiled forward (`cache_implementation="static"`), and Medusa's static-shape decoder (its whole step

@@ -228,11 +228,12 @@ def _tree_device(calibration: dict | None, report: dict | None, *, calibrated: b
     return text
 
 
-def _is_calibrated_tree(tree_name: str | None, choices: list[list[int]], calibration: dict | None) -> bool:
-    """Whether the exported tree ``choices`` is the one ``calibration`` chose (a tree pinned at export,
-    medusa63, chain or custom, ships the calibration of the heads' own tree): the same paths as its
+def is_calibrated_tree(tree_name: str | None, choices: list[list[int]], calibration: dict | None) -> bool:
+    """Whether the tree ``choices`` is the one ``calibration`` chose (a tree pinned at export, medusa63,
+    chain or custom, ships the calibration of the heads' own tree): the same paths as its
     ``tree.choices``; a calibration.json without them: the tree's name is ``calibrated`` and its node
-    count the chosen one's, where the calibration records it."""
+    count the chosen one's, where the calibration records it. The card and stage=eval's fit of the
+    tree to its device (``stages/eval.py``) both match by it."""
     tree = (calibration or {}).get("tree") or {}
     if tree.get("choices") is not None:
         return _same_paths(tree["choices"], choices)
@@ -784,7 +785,7 @@ def model_card(
     chain = (report or {}).get("vllm_chain")
     if chain:
         lines += ["", "### vLLM", "", vllm_chain_table(chain)]
-    calibrated = _is_calibrated_tree(tree_name, choices, calibration)
+    calibrated = is_calibrated_tree(tree_name, choices, calibration)
     lines += [
         "",
         f"Tree: {f'`{tree_name}`, ' if tree_name else ''}{tree_size} nodes, in `medusa_choices.json`"

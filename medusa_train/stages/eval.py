@@ -104,6 +104,7 @@ from medusa_train.report import (
     calibrated_machine,
     calibration_topk,
     headline_speedup,
+    is_calibrated_tree,
     machine_info,
     recommend_speculative_tokens,
     report_markdown,
@@ -117,6 +118,7 @@ from medusa_train.tracking import Tracker, start_tracking
 from medusa_train.training.records import Records, usable_indices
 from medusa_train.workdir import (
     CALIBRATION,
+    CHOICES,
     GENERATIONS,
     MANIFEST,
     MODEL_CARD,
@@ -547,6 +549,11 @@ def fit_tree_to_device(
     calibrated here from the stored head accuracies and a latency curve measured now with
     ``eval.attention`` (``eval.fit_tree=false`` keeps the stored tree).
 
+    A calibration.json that chose another tree than ``choices`` (an export of a pinned tree ships the
+    heads' own calibration; matched as the export's card matches it:
+    :func:`~medusa_train.report.is_calibrated_tree`) says nothing of where ``choices`` was fitted: the
+    stored tree is kept as it is, as without a calibration.json, with one warning line.
+
     Raises:
         DamagedArtefactError: calibration.json is damaged (:func:`read_calibration`).
 
@@ -557,6 +564,18 @@ def fit_tree_to_device(
     if cfg.tree.name == "calibrated":
         found = calibration_files(heads_dir)
         stored = read_calibration(found[0]) if found else {}
+        if stored and not is_calibrated_tree(cfg.tree.name, choices, stored):
+            tree_file = next(
+                (p for p in (heads_dir / CHOICES, heads_dir.parent / CHOICES) if p.is_file()), None
+            )
+            log.warning(
+                "eval: %s was calibrated for another tree than the %d-node tree in %s: that tree is "
+                "evaluated as it is, neither labelled with the calibration's device nor fitted to this one",
+                found[0],
+                len(choices),
+                tree_file,
+            )
+            stored = {}
     stored_tree = stored.get("tree") or {}
     context = stored_tree.get("context_len", cfg.tree.latency_context)
     timed = timed_attention(cfg.eval.attention, next(model.parameters()).device, context, model)

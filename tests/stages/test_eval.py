@@ -391,6 +391,45 @@ def test_a_tree_timed_with_another_attention_is_calibrated_again(tmp_path: Path,
     assert fit["recalibrated"] and fit["calibrated_for"]["attention"] == "triton" and nodes
 
 
+def test_a_calibration_of_another_tree_neither_labels_nor_refits_the_stored_one(
+    tmp_path: Path, caplog
+) -> None:
+    """The calibration speaks for the stored tree only when it chose it, matched as the export's card
+    matches them: the same paths as its tree.choices (in any order), or in a calibration.json without
+    them the chosen node count. One of another tree (an export of a pinned tree ships the heads' own)
+    keeps the stored tree as it is, calibrated for nothing recorded, with one warning line, whether it
+    names this device (not the tree's label) or another one (no refit: nothing says where the stored
+    tree was fitted)."""
+    workdir = make_workdir(tmp_path / "wd")
+    heads_dir = workdir / "heads"
+    calibration = heads_dir / "calibration.json"
+    stored = json.loads(calibration.read_text())
+    here = stored["tree"]["calibrated_for"]
+    model = LlamaForCausalLM.from_pretrained(workdir / "base_model")
+    choices = json.loads((heads_dir / "medusa_choices.json").read_text())
+    cfg = tiny_cfg(workdir, "stage=eval")
+
+    def fit(tree: dict) -> tuple[list[list[int]], dict, list[str]]:
+        calibration.write_text(json.dumps({**stored, "tree": tree}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=eval_stage.log.name):
+            kept, info = eval_stage.fit_tree_to_device(cfg, heads_dir, model, choices)
+        return kept, info, [r.getMessage() for r in caplog.records if r.name == eval_stage.log.name]
+
+    other = [[0], [1], [2]]
+    for label in (here, {"device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "attention": "sdpa"}):
+        for tree in ({"choices": other}, {"best": {"nodes": len(choices) + 1}}):
+            kept, info, warnings = fit({**tree, "calibrated_for": label})
+            assert kept == choices and info["calibrated_for"] is None and not info["recalibrated"]
+            assert len(warnings) == 1 and f"{calibration} was calibrated for another tree" in warnings[0]
+            assert f"the {len(choices)}-node tree in {heads_dir / 'medusa_choices.json'}" in warnings[0]
+    for tree in ({"choices": choices[::-1]}, {"best": {"nodes": len(choices)}}, {}):  # its own tree
+        kept, info, warnings = fit({**tree, "calibrated_for": here})
+        assert kept == choices and info["calibrated_for"] == here and warnings == []
+    _, info, warnings = fit({"choices": choices, "calibrated_for": {**here, "dtype": "bfloat16"}})
+    assert info["recalibrated"] and warnings == []  # its own tree, fitted to another dtype: refitted
+
+
 @pytest.mark.slow
 def test_compile_reports_both_baselines(evaluated: tuple[Path, dict]) -> None:
     """eval.compile: compiled plain greedy and the static decoder, greedy-identical, with the speed-up
