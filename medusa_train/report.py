@@ -24,6 +24,7 @@ import platform
 import re
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1100,11 +1101,24 @@ class CardInput:
 
     ``fields``: each entry read, as a dotted path (``[]`` for every item of a list; a final ``!``: the
     entry must be there when the object holding it is not empty), with the JSON types it may have; an
-    absent entry is fine unless marked. ``repair``: the command that writes the file again.
+    absent entry is fine unless marked. ``repair``: the command that writes the file again. ``rule``:
+    what the fields' types cannot say (None: nothing), the problem of a file whose fields are right or
+    None.
     """
 
     fields: dict[str, tuple[type, ...]]
     repair: str
+    rule: Callable[[dict], str | None] | None = None
+
+
+def _equal_rows(calibration: dict) -> str | None:
+    """The head accuracy table is one row per head, every row as long (eval stacks it into a tensor)."""
+    rows = calibration.get("head_topk_accuracy") or []
+    if len({len(row) for row in rows}) > 1:
+        return (
+            f"'head_topk_accuracy' has rows of {sorted({len(row) for row in rows})} entries, not one length"
+        )
+    return None
 
 
 CALIBRATION_INPUT = CardInput(
@@ -1125,6 +1139,7 @@ CALIBRATION_INPUT = CardInput(
         "tree.calibrated_for.attention": (str,),
     },
     "run `python -m medusa_train stage=train` (same settings) to calibrate again",
+    _equal_rows,
 )
 """stage=train's calibration.json: head accuracy, the chosen tree, where it was calibrated and at which
 context its latency curve was timed (stage=eval's fit of the tree to its device reads that too)."""
@@ -1220,7 +1235,7 @@ def shape_problem(data: object, expected: CardInput) -> str | None:
                 if not isinstance(value, types):
                     want = _json_kind(types[0], article=True)
                     return f"'{name}' is {_json_kind(value)} where {want} is expected"
-    return None
+    return None if expected.rule is None else expected.rule(data)
 
 
 def _children(value: object, where: str, step: str, *, nulls: bool = False) -> list[tuple[object, str]]:

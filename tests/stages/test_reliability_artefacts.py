@@ -380,6 +380,7 @@ EVAL_RECALIBRATE = (
         ({"tree": {"choices": [[0], "x"]}}, "'tree.choices[1]' is a JSON string where a list is expected"),
         ({"tree": {"best": {"nodes": "5"}}}, "'tree.best.nodes' is a JSON string where a number is expected"),
         ({"head_topk_accuracy": [[0.5, "x"]]}, "'head_topk_accuracy[0][1]' is a JSON string where a number"),
+        ({"head_topk_accuracy": [[0.5, 0.6], [0.4]]}, "'head_topk_accuracy' has rows of [1, 2] entries"),
         (b'{"tree": {"calibrated_for": {"device": "\xff"}}}', "not valid JSON: UnicodeDecodeError"),
         (b"[" * 100_000 + b"]" * 100_000, "not valid JSON: RecursionError"),
     ],
