@@ -128,8 +128,10 @@ def check_workdir(root: str | os.PathLike, outputs: tuple[str | os.PathLike, ...
 
     Raises:
         UserError: the one line of :func:`~medusa_train.errors.environment_fault` for that fault, or
-            :func:`publish_place`'s for a symlink pointing into a folder that does not exist.
+            :func:`publish_place`'s for a symlink pointing into a folder that does not exist, or
+            :func:`refuse_symlink_loop`'s for a path through a symlink loop.
     """
+    refuse_symlink_loop(Path(root).absolute())
     fault = _unwritable(Path(root).absolute(), walk=False)
     for folder in outputs:
         fault = fault or _unwritable(publish_place(Path(folder).absolute()), walk=True)
@@ -398,10 +400,12 @@ def publish_place(final: Path) -> Path:
     else ``final`` itself.
 
     Raises:
-        UserError: ``final`` is a symlink into a folder that does not exist (a disk not mounted).
+        UserError: ``final`` is a symlink into a folder that does not exist (a disk not mounted), or
+            one of a loop (:func:`refuse_symlink_loop`).
     """
     if not final.is_symlink():
         return final
+    refuse_symlink_loop(final)
     target = final.resolve()
     if not target.parent.is_dir():
         raise UserError(
@@ -409,6 +413,23 @@ def publish_place(final: Path) -> Path:
             "the link, then run the same command again"
         )
     return target
+
+
+def refuse_symlink_loop(path: Path) -> None:
+    """Refuse ``path`` when reaching it passes a symlink loop (a link that leads back to itself): no
+    folder can be made or written there, and ``Path.resolve`` raises a bare RuntimeError on it.
+
+    Raises:
+        UserError: one line naming ``path`` and what to do.
+    """
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(
+                f"{path} leads through a symlink loop (a link that points back to itself): point the "
+                "link at a folder or remove it, then run the same command again"
+            ) from None
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -429,8 +450,13 @@ def remove_stale(final: Path) -> list[Path]:
     :func:`atomic_write` temp files of killed writes beside ``final`` (named for it) and anywhere
     under it are deleted (:func:`remove_dead_temp_files`). Only leftovers of processes that no
     longer run are touched (a concurrent run's are kept). Stages call it on their folders at start.
+
+    Raises:
+        UserError: ``final`` is a symlink of a loop (:func:`refuse_symlink_loop`).
     """
-    final = final.resolve() if final.is_symlink() else final
+    if final.is_symlink():
+        refuse_symlink_loop(final)
+        final = final.resolve()
     parent = final.parent
     removed: list[Path] = []
     if not parent.is_dir():

@@ -332,6 +332,20 @@ def test_a_read_only_stage_folder_is_refused_before_any_stage(
     assert _error_line(capsys).startswith(f"error: permission denied: {shards.absolute()}: ")
 
 
+@pytest.mark.parametrize("link", ["distill", "."])
+def test_a_symlink_loop_is_one_line_before_any_stage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, link: str
+) -> None:
+    """A symlink loop at a stage's folder, or at the workdir itself: one line, not a traceback."""
+    (tmp_path / "run").mkdir()
+    looped = tmp_path / "run" / "distill" if link == "distill" else tmp_path / "loop"
+    looped.symlink_to(looped.name)
+    root = tmp_path / "run" if link == "distill" else looped
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    assert main([f"workdir={root}", "stage=distill", "debug=fast", "tracking=disabled"]) == 2
+    assert _error_line(capsys).startswith(f"error: {looped} leads through a symlink loop")
+
+
 @pytest.mark.parametrize(("stage", "folder"), [("distill", "export"), ("eval", "export")])
 def test_a_folder_the_stage_does_not_write_is_not_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str, folder: str

@@ -11,6 +11,7 @@ The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,28 @@ def test_a_symlink_into_a_missing_folder_is_refused_before_any_work(tmp_path: Pa
     with pytest.raises(UserError, match="whose folder does not exist"):
         staging_dir(link)
     assert not (tmp_path / "unmounted").exists()
+
+
+def test_a_symlink_loop_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A link that leads back to itself at a published folder's place (or above the workdir): one line
+    saying what to do, from the check before any work and from each publishing step, not the
+    RuntimeError that ``Path.resolve`` raises on it."""
+    (tmp_path / "export").symlink_to("export")
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    for link in (tmp_path / "export", tmp_path / "a"):
+        for call, args in (
+            (check_workdir, (tmp_path, (link,))),
+            (staging_dir, (link,)),
+            (remove_stale, (link,)),
+        ):
+            with pytest.raises(
+                UserError, match=f"^{re.escape(str(link))} leads through a symlink loop .*: point the link"
+            ):
+                call(*args)
+    with pytest.raises(UserError, match="leads through a symlink loop"):
+        check_workdir(tmp_path / "a" / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "export"]
 
 
 def test_refused_distill_names_the_users_own_change_before_derived_entries() -> None:
