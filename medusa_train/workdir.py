@@ -268,18 +268,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Flush ``folder``'s entries to disk: a rename or a new file in it survives a power loss once this
-    returns (fsyncing a file does not write its name). A no-op where folders cannot be opened
-    (no ``os.O_DIRECTORY``: Windows) or the file system does not sync them (EINVAL)."""
+    returns (fsyncing a file does not write its name). A no-op where folders cannot be opened (no
+    ``os.O_DIRECTORY``: Windows; a folder this user may write but not read, mode ``-wx``) or the file
+    system does not sync them (:data:`_NO_FOLDER_SYNC`); any other failure (EIO, ENOSPC) is raised."""
     if not hasattr(os, "O_DIRECTORY"):
         return
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:
+        return
     try:
         os.fsync(fd)
     except OSError as err:
-        if err.errno != errno.EINVAL:
+        if err.errno not in _NO_FOLDER_SYNC:
             raise
     finally:
         os.close(fd)
+
+
+_NO_FOLDER_SYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF})
+"""What ``fsync`` of a folder fails with on a file system that does not sync folders (network, FUSE
+and virtual file systems; EBADF where a folder opened read-only cannot be synced)."""
 
 
 def fsync_file(path: str | os.PathLike) -> None:

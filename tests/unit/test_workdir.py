@@ -10,8 +10,10 @@ The stage-level check (a write SIGKILLed mid-way, then the next ``stage=distill`
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +122,42 @@ def test_fsync_dir_is_a_no_op_without_o_directory(tmp_path: Path, monkeypatch) -
     events = record_syncs(monkeypatch)
     atomic_write_text(tmp_path / "a.json", "{}")
     assert flushed_after(events, (tmp_path / "a.json").resolve()) == set()
+
+
+@pytest.mark.parametrize("refusal", ["open", "EINVAL", "ENOTSUP", "EOPNOTSUPP", "ENOSYS", "EBADF"])
+def test_a_folder_that_cannot_be_synced_takes_writes_and_publishes(
+    tmp_path: Path, monkeypatch, refusal
+) -> None:
+    """A file system that does not sync folders (network, FUSE: fsync of a folder fails with one of
+    these codes), or a folder this user may write but not read (mode -wx: it cannot be opened): the
+    write and the publish go through; a fault of the disk (EIO) is still raised."""
+    real_open, real_fsync = os.open, os.fsync
+    # whether opening a folder is refused, what its fsync fails with
+    refused = {"open": refusal == "open", "fsync": getattr(errno, refusal, None)}
+
+    def open_(path, flags, *args, **kwargs):
+        if refused["open"] and flags & os.O_DIRECTORY:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def fsync(fd: int) -> None:
+        code = refused["fsync"]
+        if code is not None and stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write_text(tmp_path / "manifest.json", "{}")
+    final = tmp_path / "export"
+    tmp = staging_dir(final)
+    (tmp / "medusa").mkdir()
+    (tmp / "medusa" / "config.json").write_text("{}")
+    publish_dir(tmp, final)
+    assert (tmp_path / "manifest.json").read_text() == "{}" and (final / "medusa" / "config.json").is_file()
+    refused.update(open=False, fsync=errno.EIO)
+    with pytest.raises(OSError, match="Input/output error"):
+        atomic_write_text(tmp_path / "manifest.json", "{}")
 
 
 def test_publish_dir_flushes_the_staged_tree_then_the_folder_it_lands_in(tmp_path: Path, monkeypatch) -> None:
