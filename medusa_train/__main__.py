@@ -31,7 +31,7 @@ from pathlib import Path
 from medusa_train.config import Config, compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
-from medusa_train.workdir import EVAL, REPORT_MD, Workdir, check_workdir
+from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
@@ -138,17 +138,31 @@ def _dispatch(cfg: Config) -> dict:
 
 def _outputs(cfg: Config) -> tuple[Path, ...]:
     """The folders the run's stages write (checked with the workdir before any work). Not eval's
-    rewrite of the export's model card: a card it cannot write is a warning, not a failure."""
+    rewrite of the export's model card: a card it cannot write is a warning, not a failure. Nor a
+    folder holding its stage's finished output (the embedded model's ``train_report.json``, the
+    distilled data's ``manifest.json``) without that stage's ``overwrite``: a run with its settings
+    reuses it without a write (a team's read-only data), and one that must write there after all
+    (other settings: refused first) fails at that write in one line."""
     wd = Workdir(Path(cfg.workdir))
+    embedded = Path(cfg.model.name_or_path)
+    finished = {
+        embedded: cfg.model.embedded
+        and not cfg.pretrain.overwrite
+        and (embedded / PRETRAIN_REPORT).is_file(),
+        wd.distill: not cfg.distill.overwrite and (wd.distill / MANIFEST).is_file(),
+    }
     writes = {
-        "pretrain": (Path(cfg.model.name_or_path),) if cfg.model.embedded else (),
+        "pretrain": (embedded,) if cfg.model.embedded else (),
         "distill": (wd.distill,),
         "train": (wd.train, wd.heads),
         "export": (wd.export,),
         "eval": (wd.eval,),
     }
     return tuple(
-        folder for stage in (STAGE_ORDER if cfg.stage == "all" else (cfg.stage,)) for folder in writes[stage]
+        folder
+        for stage in (STAGE_ORDER if cfg.stage == "all" else (cfg.stage,))
+        for folder in writes[stage]
+        if not finished.get(folder)
     )
 
 

@@ -360,6 +360,36 @@ def test_a_folder_the_stage_does_not_write_is_not_checked(
     assert ran == [stage]
 
 
+@pytest.mark.parametrize(
+    ("stage", "folder", "finished"),
+    [("distill", "distill", "manifest.json"), ("pretrain", "pretrain", "train_report.json")],
+)
+def test_a_read_only_finished_output_is_reused_and_refused_with_overwrite(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    stage: str,
+    folder: str,
+    finished: str,
+) -> None:
+    """Distilled data (or the embedded model) made read-only once finished, a team's shared copy: a run
+    with its settings reuses it without writing there, so the check before any work lets it through
+    (in stage=all too); with the stage's overwrite, which replaces it, it is refused."""
+    root = tmp_path / "run"
+    (root / folder / "shards").mkdir(parents=True)
+    (root / folder / finished).write_text("{}")
+    _deny_access(monkeypatch, root / folder / "shards")
+    ran: list[str] = []
+    monkeypatch.setattr("medusa_train.__main__.get_stage", lambda name: lambda cfg: ran.append(name) or {})
+    args = [f"workdir={root}", "debug=fast", "tracking=disabled"]
+    assert main([*args, f"stage={stage}"]) == 0 and ran == [stage]
+    assert main([*args, f"stage={stage}", f"{stage}.overwrite=true"]) == 2
+    where = (root / folder / "shards").absolute()
+    assert _error_line(capsys).startswith(f"error: permission denied: {where}: ")
+    ran.clear()
+    assert main([*args, "stage=all"]) == 0 and ran == ["pretrain", "distill", "train", "export", "eval"]
+
+
 def test_world_size_without_a_launcher_is_one_line_before_any_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
