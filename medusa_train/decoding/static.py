@@ -238,11 +238,14 @@ def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int |
     Read from the text config as the dynamic decoders read it (:func:`_sliding_window_kinds`,
     :func:`attention_chunk`): ``"sliding_attention"`` layers take ``sliding_window``,
     ``"chunked_attention"`` layers ``attention_chunk_size`` (none where the capacity stays inside the
-    first chunk: no position there passes a chunk's end), ``"full_attention"`` layers neither; a model
+    first chunk: no position there passes a chunk's end; no window either where it spans the
+    capacity, so such a model's layers share one mask), ``"full_attention"`` layers neither; a model
     without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
     (a hybrid model's linear or convolution layers) take no mask of these and are left out.
     """
     window, _ = _sliding_window_kinds(config)
+    if window is not None and window >= capacity:  # no two positions of the cache are that far apart
+        window = None
     chunk = attention_chunk(config)
     if chunk is not None and capacity <= chunk:
         chunk = None

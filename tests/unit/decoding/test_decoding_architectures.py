@@ -430,3 +430,20 @@ def test_gpu_captured_step_on_mixed_layers(attention):
     for _ in range(2):
         out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
         assert [r.tokens.tolist() for r in out.rows] == refs
+
+
+def test_a_window_spanning_the_capacity_adds_no_mask():
+    """Gemma 3's sliding layers with a window at least the static decoder's capacity see every cached
+    position: one mask for every layer (no second mask built per step); a narrower window: one per
+    layer type."""
+    config = MODELS["gemma3"]()
+    assert static_module.layer_mask_rules(config, 6) == {
+        "sliding_attention": (None, None),
+        "full_attention": (None, None),
+    }
+    assert static_module.layer_mask_rules(config, 7)["sliding_attention"] == (6, None)
+    model = build(config)
+    decoder = StaticDecoder(model, random_heads(model), chain_tree(2), 6)
+    with torch.inference_mode():
+        assert isinstance(decoder._tree_mask(), torch.Tensor)
+        assert isinstance(decoder._prefill_mask(3), torch.Tensor)
