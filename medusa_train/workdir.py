@@ -124,7 +124,8 @@ def check_workdir(root: str | os.PathLike, outputs: tuple[str | os.PathLike, ...
     stages write (``distill/``, ``heads/``, the embedded backbone's place), and every folder under an
     existing one (a read-only ``distill/shards``), through a symlink at their place to where it
     points (:func:`publish_dir`). Found only at a stage's first write, the fault came after its work
-    (a whole pretraining or evaluation) or as a traceback.
+    (a whole pretraining or evaluation) or as a traceback. A symlink at an output's place whose target
+    does not exist yet (its folder does) gets its target made, empty.
 
     Raises:
         UserError: the one line of :func:`~medusa_train.errors.environment_fault` for that fault, or
@@ -134,7 +135,12 @@ def check_workdir(root: str | os.PathLike, outputs: tuple[str | os.PathLike, ...
     refuse_symlink_loop(Path(root).absolute())
     fault = _unwritable(Path(root).absolute(), walk=False)
     for folder in outputs:
-        fault = fault or _unwritable(publish_place(Path(folder).absolute()), walk=True)
+        place = publish_place(Path(folder).absolute())
+        fault = fault or _unwritable(place, walk=True)
+        if fault is None and place != Path(folder).absolute() and not place.exists():
+            # A symlink into a folder not made yet: made now, as publish_dir makes it (a stage's
+            # mkdir(exist_ok=True) at a dangling link raises FileExistsError, after its work began).
+            place.mkdir()
     if fault is None:
         return
     code, where = fault

@@ -236,6 +236,21 @@ def test_a_symlink_into_a_missing_folder_is_refused_before_any_work(tmp_path: Pa
     assert not (tmp_path / "unmounted").exists()
 
 
+def test_a_symlink_to_a_folder_not_made_yet_gets_it_made(tmp_path: Path) -> None:
+    """distill/ linked to a folder of another disk that does not exist yet: the check makes it, so the
+    stage's own ``mkdir(exist_ok=True)`` there succeeds (at the dangling link it raised
+    FileExistsError, after the backbone had loaded)."""
+    (tmp_path / "big").mkdir()
+    link = tmp_path / "workdir" / "distill"
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "big" / "distill", target_is_directory=True)
+    check_workdir(link.parent, (link,))
+    assert (tmp_path / "big" / "distill").is_dir() and link.is_symlink()
+    (link / "shards").mkdir(parents=True, exist_ok=True)
+    link.mkdir(parents=True, exist_ok=True)
+    assert (tmp_path / "big" / "distill" / "shards").is_dir()
+
+
 def test_a_symlink_loop_is_refused_in_one_line(tmp_path: Path) -> None:
     """A link that leads back to itself at a published folder's place (or above the workdir): one line
     saying what to do, from the check before any work and from each publishing step, not the
