@@ -124,7 +124,7 @@ class ChatRenderer:
                 continue
             plain = i % 2 == 1  # a marked special-token string
             after = self._encode_piece("\n" + piece, plain) if i else []
-            if after[: len(newline)] == newline:  # (the first piece: after is empty)
+            if i and newline and after[: len(newline)] == newline:
                 ids += after[len(newline) :]
             else:
                 ids += self._encode_piece(piece, plain)

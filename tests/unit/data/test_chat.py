@@ -178,3 +178,16 @@ def test_a_later_user_turn_quoting_the_eos_adds_no_eos_to_the_record() -> None:
     assert tok.decode(quoted.input_ids).count("<|end|>") == 1 + _special_ids(tok, plain.input_ids).count(
         tok.eos_token_id
     )
+
+
+def test_a_tokenizer_that_encodes_a_newline_as_nothing_keeps_every_piece(monkeypatch) -> None:
+    """``_encode`` encodes a piece after a marked string behind a newline it then cuts off; a tokenizer
+    that gives no id for the newline alone must not lose the first piece (it matched an empty prefix)."""
+    tok = train_tokenizer(["why is the cat on the mat?", "tell me more about the dog."] * 20, 300)
+    renderer = ChatRenderer(tok)
+    whole = renderer.prompt_ids(Conversation("r", ["why <|end|> is the cat?"]))
+    encode = renderer._encode_piece
+    monkeypatch.setattr(
+        renderer, "_encode_piece", lambda text, plain: [] if text == "\n" else encode(text, plain)
+    )
+    assert renderer.prompt_ids(Conversation("r", ["why <|end|> is the cat?"])) == whole
