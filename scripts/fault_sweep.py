@@ -656,6 +656,19 @@ def damaged_run_state(wd: Path) -> list[str]:
     return stage("train", wd)
 
 
+def damaged_optimizer_state(keep: float) -> Setup:
+    """Setup: the heads removed and the last checkpoint's optimizer.pt cut to ``keep`` of its size
+    (0: emptied, as a power loss leaves a file the Trainer wrote without fsync): train resumes from
+    the checkpoint before it."""
+
+    def setup(wd: Path) -> list[str]:
+        shutil.rmtree(wd / "heads")
+        truncate(wd / "train" / "checkpoint-6" / "optimizer.pt", keep)
+        return stage("train", wd)
+
+    return setup
+
+
 def damaged_hidden_cache(wd: Path) -> list[str]:
     shutil.rmtree(wd / "heads")
     for f in (wd / "train" / "hidden_cache").rglob("*"):
@@ -743,6 +756,8 @@ def damaged_file_cases() -> list[Case]:
         lambda wd: (shutil.rmtree(wd / "heads"), truncate(wd / "train" / "run.json"), stage("train", wd))[2],
     )
     add("truncated trainer_state.json, train resumes", "artefact", "ok", damaged_run_state)
+    add("truncated optimizer.pt, train resumes", "artefact", "ok", damaged_optimizer_state(0.5))
+    add("empty optimizer.pt, train resumes", "artefact", "ok", damaged_optimizer_state(0.0))
     add("truncated hidden-state cache, train", "artefact", "ok", damaged_hidden_cache)
     add("truncated calibration.json, eval", "artefact", "refuse", truncated("heads/calibration.json", "eval"))
     add(

@@ -11,16 +11,19 @@ of the optimised loss are normalised per token too); top-1/top-5 are counted on 
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import shutil
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError
 from medusa_train.head_targets import IGNORE_INDEX
@@ -197,12 +200,12 @@ def model_metrics_on(model) -> bool:
 # -- checkpoints ------------------------------------------------------------------------------------
 def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -> str | None:
     """The newest ``checkpoint-N`` whose save finished (the Trainer writes trainer_state.json last)
-    and whose files are whole.
+    and whose files are whole (:func:`checkpoint_problem`).
 
-    A run killed while saving leaves a newer, incomplete folder; a damaged disk or a bad copy a
-    checkpoint whose ``trainer_state.json`` does not parse or whose ``model.safetensors`` is
-    truncated. Either is skipped (and removed when ``remove_incomplete``), so the same command
-    resumes from the previous checkpoint.
+    A run killed while saving leaves a newer, incomplete folder; a full disk, a power loss before the
+    checkpoint reached the disk, a damaged disk or a bad copy a checkpoint with an empty or truncated
+    file. Either is skipped with one warning naming the file (and removed when ``remove_incomplete``),
+    so the same command resumes from the previous checkpoint.
     """
     found = sorted(
         (int(p.name.split("-")[1]), p)
@@ -219,8 +222,22 @@ def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -
     return None
 
 
+TORCH_ARCHIVE_SUFFIXES = (".pt", ".pth", ".bin")
+"""What ``torch.save`` writes in a Trainer checkpoint: optimizer, scheduler, RNG state, training
+arguments, DeepSpeed's module and optimizer shards."""
+
+DEEPSPEED_LATEST = "latest"
+"""DeepSpeed's file naming the ``global_stepN`` folder its resume loads (the Trainer passes no tag)."""
+
+
 def checkpoint_problem(path: Path) -> str | None:
-    """Why the Trainer checkpoint ``path`` cannot be resumed from, or None."""
+    """Why the Trainer checkpoint ``path`` cannot be resumed from, or None.
+
+    Looks at every file the resume reads, cheaply (sizes, headers, a zip's end records; never the
+    weights): each is there (the Trainer resumes without optimizer.pt or scheduler.pt silently, with a
+    fresh optimizer), none is empty, and :func:`file_damage` finds nothing. DeepSpeed's ``latest``
+    names a ``global_stepN`` folder of the checkpoint holding the module's states.
+    """
     state = path / TRAINER_STATE_NAME
     if not state.is_file():
         return "incomplete (killed while saving)"
@@ -228,11 +245,74 @@ def checkpoint_problem(path: Path) -> str | None:
         read_json(state, repair="", keys=("global_step",))
     except DamagedArtefactError:
         return f"{TRAINER_STATE_NAME} is damaged"
-    for weights in path.glob("*.safetensors"):
+    try:
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        deepspeed = any(p.is_dir() for p in path.glob("global_step*"))
+        needed = [SCHEDULER_NAME] if deepspeed else [SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME]
+        for name in needed:
+            if not (path / name).is_file():
+                return f"{name} is missing"
+        if not any(path.glob("rng_state*.pth")):
+            return "rng_state.pth is missing"
+        if deepspeed:
+            problem = _deepspeed_latest_problem(path)
+            if problem is not None:
+                return problem
+        for file in files:
+            try:
+                damage = file_damage(file)
+            except HeadsFormatError as err:  # names the file already
+                return str(err)
+            if damage is not None:
+                return f"{file.relative_to(path)} is damaged ({damage})"
+    except OSError as err:  # unreadable, or deleted while looked at (rank 0 removing it)
+        return f"cannot be read ({err.strerror or err})"
+    return None
+
+
+def file_damage(file: Path) -> str | None:
+    """What is visibly wrong with the checkpoint file ``file``, or None: empty, a JSON file that does
+    not parse, a torch archive (``TORCH_ARCHIVE_SUFFIXES``) whose zip lacks its end records (cut
+    short: they come last). Reads the head and the end of a file, never its data. A torch file in the
+    format before zip (a bare pickle) passes: only ``torch.load`` can check it.
+
+    Raises:
+        HeadsFormatError: a safetensors file whose header does not parse or announces more or fewer
+            bytes than the file holds (:func:`safetensors_shapes`).
+        OSError: the file cannot be read.
+    """
+    if file.stat().st_size == 0:
+        return "empty (0 bytes)"
+    if file.suffix == ".safetensors":
+        safetensors_shapes(file)
+    elif file.suffix == ".json":
         try:
-            safetensors_shapes(weights)
-        except HeadsFormatError as err:
-            return str(err)
+            json.loads(file.read_bytes())
+        except (ValueError, RecursionError):
+            return "not valid JSON"
+    elif file.suffix in TORCH_ARCHIVE_SUFFIXES:
+        with open(file, "rb") as fh:
+            magic = fh.read(4)
+        if magic.startswith(b"\x80"):  # a pickle's PROTO opcode: torch.save's format before zip
+            return None
+        if magic != b"PK\x03\x04":
+            return "not a torch archive"
+        try:
+            with zipfile.ZipFile(file):  # reads the end record and the central directory only
+                pass
+        except (zipfile.BadZipFile, ValueError, EOFError):
+            return f"cut short: its zip archive has no valid end record ({file.stat().st_size} bytes)"
+    return None
+
+
+def _deepspeed_latest_problem(path: Path) -> str | None:
+    """What is wrong with DeepSpeed's ``latest`` file of the checkpoint ``path``, or None."""
+    latest = path / DEEPSPEED_LATEST
+    if not latest.is_file():
+        return f"{DEEPSPEED_LATEST} is missing"
+    tag = latest.read_text(errors="replace").strip()
+    if not tag or not (path / tag).is_dir() or not any((path / tag).glob("*model_states.pt")):
+        return f"{DEEPSPEED_LATEST} is damaged (names no folder of the checkpoint with the module's states)"
     return None
 
 

@@ -1,9 +1,13 @@
-"""The tiny backbone and padded batch the training unit tests share (tests/unit/training)."""
+"""The tiny backbone, padded batch and hand-built Trainer checkpoint the training tests share."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import transformers
+from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
 from medusa_train.training.trainer import PadCollator
@@ -59,3 +63,25 @@ def tiny_logit_step_model(arch: str, seed: int = 0) -> torch.nn.Module:
         raise ValueError(f"unknown arch {arch!r}: one of {', '.join(LOGIT_STEP_ARCHS)}")
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def trainer_checkpoint(train: Path, step: int, deepspeed: bool = False) -> Path:
+    """A checkpoint of the Trainer's files (DeepSpeed's ``global_stepN/`` and ``latest`` instead of
+    optimizer.pt when ``deepspeed``), each a real file of its format."""
+    path = train / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    save_file({"heads.0.weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    torch.save({"last_epoch": step}, path / "scheduler.pt")
+    torch.save({"cpu": torch.zeros(8, dtype=torch.uint8)}, path / "rng_state.pth")
+    torch.save({"lr": 1e-3}, path / "training_args.bin")
+    if deepspeed:
+        tag = path / f"global_step{step}"
+        tag.mkdir()
+        torch.save({"module": {"w": torch.zeros(64)}}, tag / "mp_rank_00_model_states.pt")
+        torch.save({"state": {"w": torch.zeros(256)}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        (path / "latest").write_text(tag.name)
+        (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+    else:
+        torch.save({"state": {0: {"exp_avg": torch.zeros(256)}}}, path / "optimizer.pt")
+    return path

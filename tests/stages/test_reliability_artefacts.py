@@ -47,7 +47,7 @@ from tests.helpers.train_workdir import (
     train_cfg,
     train_overrides,
 )
-from tests.helpers.training import tiny_llama
+from tests.helpers.training import tiny_llama, trainer_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = "the cat dog sat on a mat tell me story about why how what is big small".split()
@@ -275,16 +275,14 @@ def test_other_settings_refusal_names_old_and_new_values(tmp_path) -> None:
 
 
 def test_damaged_checkpoints_are_skipped(tmp_path) -> None:
+    """Each file kind's checks: tests/unit/training/test_checkpoints.py."""
     train = tmp_path / "train"
     for step in (3, 6, 9):
-        (train / f"checkpoint-{step}").mkdir(parents=True)
-        (train / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    make_workdir_heads = make_workdir(tmp_path / "wd")  # any safetensors file to damage
-    weights = (make_workdir_heads / "heads" / "medusa_lm_head.safetensors").read_bytes()
-    (train / "checkpoint-6" / "model.safetensors").write_bytes(weights)
+        trainer_checkpoint(train, step)
     (train / "checkpoint-9" / "trainer_state.json").write_text('{"global_st')  # truncated
     assert last_complete_checkpoint(train).endswith("checkpoint-6")
-    (train / "checkpoint-6" / "model.safetensors").write_bytes(weights[:-10])  # truncated
+    weights = train / "checkpoint-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # truncated
     assert last_complete_checkpoint(train, remove_incomplete=True).endswith("checkpoint-3")
     assert sorted(p.name for p in train.iterdir()) == ["checkpoint-3"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -199,19 +200,35 @@ def _calibrated_for(root: Path) -> dict:
     return json.loads((root / "heads" / "calibration.json").read_text())["tree"]["calibrated_for"]
 
 
-@pytest.mark.parametrize("cache", ["false", "true"])
-def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeypatch, cache):
+@pytest.mark.parametrize(("cache", "damage"), [("false", "truncated"), ("true", "emptied")])
+def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeypatch, caplog, cache, damage):
+    """Killed at step 5 with checkpoints at steps 2 and 4: with checkpoint-4's optimizer.pt then cut
+    short or emptied (a power loss, a full disk) and a newer
+    folder a kill while saving left, the same command resumes from checkpoint-2 (one warning for
+    each folder skipped) and ends with the uninterrupted run's steps and heads."""
     ref_root, ref = reference
     root = make_train_workdir(tmp_path)
-    overrides = (f"training.cache_hidden_states={cache}",)
-    run_killed_at_step(train_cfg(root, *overrides), monkeypatch, step=4)
-    assert (root / "train" / "checkpoint-3").is_dir() and not (root / "heads").exists()
+    overrides = (f"training.cache_hidden_states={cache}", "training.save_steps=2")
+    run_killed_at_step(train_cfg(root, *overrides), monkeypatch, step=5)
+    saved = [root / "train" / "checkpoint-2", root / "train" / "checkpoint-4"]
+    assert not (root / "heads").exists()
+    optimizer = saved[1] / "optimizer.pt"
+    optimizer.write_bytes(
+        optimizer.read_bytes()[: optimizer.stat().st_size // 2] if damage == "truncated" else b""
+    )
     # A kill while saving leaves a newer folder without trainer_state.json: it must be ignored.
     partial = root / "train" / "checkpoint-5"
     partial.mkdir()
-    shutil.copy(root / "train" / "checkpoint-3" / "model.safetensors", partial / "model.safetensors")
-    result = run(train_cfg(root, *overrides))
-    assert result["resumed_from"].endswith("checkpoint-3") and result["steps"] == ref["steps"] == 6
+    shutil.copy(saved[0] / "model.safetensors", partial / "model.safetensors")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="medusa_train.training.trainer"):
+        result = run(train_cfg(root, *overrides))
+    assert result["resumed_from"].endswith("checkpoint-2") and result["steps"] == ref["steps"] == 6
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignoring checkpoint")]
+    assert len(skipped) == 2 and "checkpoint-5: incomplete" in skipped[0], skipped
+    assert skipped[1].startswith(
+        f"ignoring checkpoint {root / 'train' / 'checkpoint-4'}: optimizer.pt is damaged"
+    )
     _assert_heads_close(root, ref_root, atol=1e-5)
 
 

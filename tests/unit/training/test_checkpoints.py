@@ -1,0 +1,147 @@
+"""Trainer checkpoints: which one a run resumes from (a damaged file skips it, read cheaply).
+
+The checkpoints here are built by hand in the Trainer's layout (plain and DeepSpeed's), from real
+``torch.save`` / safetensors files; tests/stages/test_train.py resumes a real damaged one.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from medusa_train.training.trainer import (
+    checkpoint_problem,
+    file_damage,
+    last_complete_checkpoint,
+)
+from tests.helpers.training import trainer_checkpoint
+
+
+def _truncate(file: Path, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_whole_checkpoints_pass(tmp_path: Path) -> None:
+    for deepspeed in (False, True):
+        path = trainer_checkpoint(tmp_path / str(deepspeed), 3, deepspeed=deepspeed)
+        assert checkpoint_problem(path) is None
+
+
+# (file, how it is damaged) -> what the problem names
+DAMAGE = {
+    "truncated optimizer": ("optimizer.pt", lambda f: _truncate(f), "optimizer.pt is damaged (cut short"),
+    "optimizer cut by a block": ("optimizer.pt", lambda f: _truncate(f, 0.99), "optimizer.pt is damaged"),
+    "empty scheduler": ("scheduler.pt", lambda f: f.write_bytes(b""), "scheduler.pt is damaged (empty"),
+    "zeros for the rng state": (
+        "rng_state.pth",
+        lambda f: f.write_bytes(bytes(f.stat().st_size)),
+        "rng_state.pth is damaged (not a torch archive)",
+    ),
+    "truncated training args": ("training_args.bin", lambda f: _truncate(f), "training_args.bin is damaged"),
+    "truncated weights": ("model.safetensors", lambda f: _truncate(f), "model.safetensors: truncated"),
+    "missing optimizer": ("optimizer.pt", lambda f: f.unlink(), "optimizer.pt is missing"),
+    "missing scheduler": ("scheduler.pt", lambda f: f.unlink(), "scheduler.pt is missing"),
+    "missing weights": ("model.safetensors", lambda f: f.unlink(), "model.safetensors is missing"),
+    "missing rng state": ("rng_state.pth", lambda f: f.unlink(), "rng_state.pth is missing"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_or_missing_file_is_named(tmp_path: Path, case: str) -> None:
+    name, damage, problem = DAMAGE[case]
+    path = trainer_checkpoint(tmp_path, 3)
+    damage(path / name)
+    assert problem in checkpoint_problem(path)
+
+
+DEEPSPEED_DAMAGE = {
+    "truncated optimizer shard": (
+        "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        lambda f: _truncate(f),
+        "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt is damaged (cut short",
+    ),
+    "empty module states": (
+        "global_step3/mp_rank_00_model_states.pt",
+        lambda f: f.write_bytes(b""),
+        "mp_rank_00_model_states.pt is damaged (empty",
+    ),
+    "missing module states": (
+        "global_step3/mp_rank_00_model_states.pt",
+        lambda f: f.unlink(),
+        "latest is damaged",
+    ),
+    "empty latest": ("latest", lambda f: f.write_text(""), "latest is damaged"),
+    "latest naming another step": ("latest", lambda f: f.write_text("global_step9"), "latest is damaged"),
+    "missing latest": ("latest", lambda f: f.unlink(), "latest is missing"),
+    "empty recovery script": ("zero_to_fp32.py", lambda f: f.write_bytes(b""), "zero_to_fp32.py is damaged"),
+}
+
+
+@pytest.mark.parametrize("case", DEEPSPEED_DAMAGE)
+def test_a_damaged_deepspeed_file_is_named(tmp_path: Path, case: str) -> None:
+    name, damage, problem = DEEPSPEED_DAMAGE[case]
+    path = trainer_checkpoint(tmp_path, 3, deepspeed=True)
+    damage(path / name)
+    assert problem in checkpoint_problem(path)
+
+
+def _bytes_read() -> int:
+    """What this process has read so far (``rchar``: every read call's bytes, cached or not)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_checking_a_checkpoint_reads_none_of_its_data(tmp_path: Path) -> None:
+    """Headers and a zip's end records only: checking a checkpoint whose files hold 32 MiB of tensors
+    reads a few KiB of them."""
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("needs /proc/self/io to count the bytes read")
+    path = trainer_checkpoint(tmp_path, 3)
+    torch.save({"state": {0: {"exp_avg": torch.zeros(4 << 20)}}}, path / "optimizer.pt")  # 16 MiB
+    save_file({"heads.0.weight": torch.zeros(4 << 20)}, str(path / "model.safetensors"))  # 16 MiB
+    before = _bytes_read()
+    assert checkpoint_problem(path) is None
+    assert _bytes_read() - before < 512 << 10
+
+
+def test_a_torch_file_of_the_format_before_zip_is_left_to_torch_load(tmp_path: Path) -> None:
+    """A bare pickle (torch.save's legacy format, or a hostile file the resume refuses in one line:
+    training.trainer.refused_pickle) is not called damaged: only torch.load can judge it."""
+    legacy = tmp_path / "scheduler.pt"
+    torch.save({"last_epoch": 3}, legacy, _use_new_zipfile_serialization=False)
+    assert file_damage(legacy) is None
+    (tmp_path / "optimizer.pt").write_bytes(pickle.dumps({"state": {}}))
+    assert file_damage(tmp_path / "optimizer.pt") is None
+
+
+def test_invalid_json_is_damage(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text('{"a": ')
+    assert file_damage(tmp_path / "x.json") == "not valid JSON"
+    (tmp_path / "y.json").write_text("[1, 2]")
+    assert file_damage(tmp_path / "y.json") is None
+
+
+def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path: Path, caplog) -> None:
+    """The newest checkpoint's optimizer.pt cut short: the one before it is resumed, one warning line
+    names the file, and the damaged one is removed when asked (as an incomplete one)."""
+    train = tmp_path / "train"
+    for step in (2, 4):
+        trainer_checkpoint(train, step)
+    _truncate(train / "checkpoint-4" / "optimizer.pt")
+    with caplog.at_level(logging.WARNING, logger="medusa_train.training.trainer"):
+        assert last_complete_checkpoint(train) == str(train / "checkpoint-2")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ignoring checkpoint {train / 'checkpoint-4'}: optimizer.pt is damaged "
+        f"(cut short: its zip archive has no valid end record "
+        f"({(train / 'checkpoint-4' / 'optimizer.pt').stat().st_size} bytes))"
+    ]
+    assert last_complete_checkpoint(train, remove_incomplete=True) == str(train / "checkpoint-2")
+    assert sorted(p.name for p in train.iterdir()) == ["checkpoint-2"]
