@@ -35,6 +35,7 @@ heads').
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -400,7 +401,7 @@ def publish_dir(tmp: Path, final: Path) -> Path:
     if old.exists():
         shutil.rmtree(old)
     os.chmod(tmp, 0o777 & ~_umask())
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
@@ -447,13 +448,18 @@ def refuse_symlink_loop(path: Path) -> None:
             ) from None
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file and folder under ``folder`` (files written by libraries that do not)."""
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """fsync every file and folder under ``folder``, ``folder`` included (files written by libraries
+    that do not). A file or folder deleted while this walks (by another process) is passed over;
+    symlinks are not followed."""
     for top, _, names in os.walk(folder):
         for name in names:
-            if not os.path.islink(os.path.join(top, name)):
-                fsync_file(os.path.join(top, name))
-        fsync_dir(top)
+            entry = os.path.join(top, name)
+            if not os.path.islink(entry):
+                with contextlib.suppress(FileNotFoundError):
+                    fsync_file(entry)
+        with contextlib.suppress(FileNotFoundError):
+            fsync_dir(top)
 
 
 def remove_stale(final: Path) -> list[Path]:

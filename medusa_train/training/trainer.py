@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError
@@ -30,7 +30,7 @@ from medusa_train.head_targets import IGNORE_INDEX
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
-from medusa_train.workdir import read_json
+from medusa_train.workdir import fsync_dir, fsync_tree, read_json
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,30 @@ class MetricsScheduleCallback(TrainerCallback):
         if state.global_step >= state.max_steps:
             control.should_log = True
         return control
+
+
+class DurableCheckpointCallback(TrainerCallback):
+    """Puts each checkpoint the Trainer saves on disk before training goes on: every file and folder
+    of ``checkpoint-N`` fsynced, then the folder holding it (its name, and the older checkpoints the
+    Trainer's rotation deleted).
+
+    The Trainer and DeepSpeed write their files without fsync: after a power loss a checkpoint whose
+    trainer_state.json reached the disk could hold an empty optimizer.pt (:func:`checkpoint_problem`
+    skips such a one: the steps since the checkpoint before it are trained again).
+    Every process flushes the checkpoint once its own part is written (each rank its RNG state and
+    DeepSpeed shards; on a shared disk a file another rank already flushed costs nothing).
+
+    Cost, measured on a 2-core VM (2026-12-07): the write-back the disk does anyway, waited for once
+    per ``training.save_steps``. The tests' tiny checkpoint (6 files, 140 KB): 2-3 ms (the first
+    ~10 ms) beside ~8 ms for the Trainer's save of it. A 256 MB file: 0.46 s after a
+    0.57 s ``torch.save``, so a large checkpoint's save takes up to about twice as long.
+    """
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if folder.is_dir():
+            fsync_tree(folder)
+            fsync_dir(folder.parent)
 
 
 class TrackerCallback(TrainerCallback):

@@ -29,6 +29,7 @@ from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
+from tests.helpers.syncs import record_syncs
 from tests.helpers.train_workdir import (
     REPO,
     launch,
@@ -202,15 +203,19 @@ def _calibrated_for(root: Path) -> dict:
 
 @pytest.mark.parametrize(("cache", "damage"), [("false", "truncated"), ("true", "emptied")])
 def test_killed_run_resumes_to_same_steps_and_heads(reference, tmp_path, monkeypatch, caplog, cache, damage):
-    """Killed at step 5 with checkpoints at steps 2 and 4: with checkpoint-4's optimizer.pt then cut
-    short or emptied (a power loss, a full disk) and a newer
+    """Killed at step 5 with checkpoints at steps 2 and 4, each flushed to disk when saved: with
+    checkpoint-4's optimizer.pt then cut short or emptied (a power loss, a full disk) and a newer
     folder a kill while saving left, the same command resumes from checkpoint-2 (one warning for
     each folder skipped) and ends with the uninterrupted run's steps and heads."""
     ref_root, ref = reference
     root = make_train_workdir(tmp_path)
     overrides = (f"training.cache_hidden_states={cache}", "training.save_steps=2")
+    events = record_syncs(monkeypatch)
     run_killed_at_step(train_cfg(root, *overrides), monkeypatch, step=5)
-    saved = [root / "train" / "checkpoint-2", root / "train" / "checkpoint-4"]
+    train_dir = (root / "train").resolve()
+    saved = [train_dir / "checkpoint-2", train_dir / "checkpoint-4"]
+    synced = {path for kind, path, _ in events if kind == "fsync"}
+    assert {p for c in saved for p in [c, *c.rglob("*")]} | {train_dir} <= synced
     assert not (root / "heads").exists()
     optimizer = saved[1] / "optimizer.pt"
     optimizer.write_bytes(

@@ -1,4 +1,5 @@
-"""Trainer checkpoints: which one a run resumes from (a damaged file skips it, read cheaply).
+"""Trainer checkpoints: which one a run resumes from (a damaged file skips it, read cheaply) and
+each one flushed to disk when the Trainer saves it.
 
 The checkpoints here are built by hand in the Trainer's layout (plain and DeepSpeed's), from real
 ``torch.save`` / safetensors files; tests/stages/test_train.py resumes a real damaged one.
@@ -9,16 +10,19 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from medusa_train.training.trainer import (
+    DurableCheckpointCallback,
     checkpoint_problem,
     file_damage,
     last_complete_checkpoint,
 )
+from tests.helpers.syncs import record_syncs
 from tests.helpers.training import trainer_checkpoint
 
 
@@ -145,3 +149,18 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path: Path,
     ]
     assert last_complete_checkpoint(train, remove_incomplete=True) == str(train / "checkpoint-2")
     assert sorted(p.name for p in train.iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
+def test_on_save_flushes_every_file_and_folder_of_the_checkpoint(
+    tmp_path: Path, monkeypatch, deepspeed: bool
+) -> None:
+    train = tmp_path / "train"
+    path = trainer_checkpoint(train, 6, deepspeed=deepspeed)
+    trainer_checkpoint(train, 3)  # an older one: already flushed at its own save
+    events = record_syncs(monkeypatch)
+    args, state = SimpleNamespace(output_dir=str(train)), SimpleNamespace(global_step=6)
+    DurableCheckpointCallback().on_save(args, state, None)
+    synced = {p for kind, p, _ in events if kind == "fsync"}
+    everything = {p.resolve() for p in [path, *path.rglob("*")]}
+    assert synced == everything | {train.resolve()}
