@@ -31,7 +31,7 @@ import logging
 import os
 import pickle
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers.dynamic_module_utils import get_relative_imports
 from transformers.utils import (
     CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
@@ -423,13 +424,13 @@ def merge_adapter(base, adapter_dir: str | os.PathLike):
 def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:
     """Name, architecture and a fingerprint of the weights: distill/train/export refuse to mix backbones.
 
-    The fingerprint describes the checkpoint *files* (config.json and the weight files transformers
-    loads, :func:`_weight_files`: name, size, first and last MiB), so the same checkpoint gives the same identity whatever dtype or
-    quantization it was loaded with -- distilling in bf16 and training heads over an 8-bit copy
-    is legitimate. A model with no files (built in memory) falls back to hashing its tensors.
+    The fingerprint describes the checkpoint *files* (:func:`_files_fingerprint`: config.json, the
+    remote code it names and samples of every tensor of the weight files transformers loads), so the
+    same checkpoint gives the same identity whatever dtype or quantization it was loaded with --
+    distilling in bf16 and training heads over an 8-bit copy is legitimate. A model with no files
+    (built in memory) falls back to hashing its tensors.
     """
-    source = _checkpoint_dir(name_or_path, revision)
-    fingerprint = _files_fingerprint(source) if source is not None else None
+    fingerprint = checkpoint_fingerprint(name_or_path, revision)
     if fingerprint is None:
         fingerprint = _tensors_fingerprint(model)
     lm_head = model.get_output_embeddings().weight
@@ -445,9 +446,19 @@ def backbone_identity(model, name_or_path: str, revision: str | None = None) -> 
 
 
 def checkpoint_fingerprint(name_or_path: str, revision: str | None = None) -> str | None:
-    """The files part of :func:`backbone_identity` without loading the model; None if no local files."""
-    source = _checkpoint_dir(name_or_path, revision)
-    return _files_fingerprint(source) if source is not None else None
+    """The files part of :func:`backbone_identity` without loading the model; None if no local files.
+
+    For a Hub id, the remote code its config.json names and the Hub cache lacks is fetched first (what
+    ``from_pretrained(trust_remote_code=True)`` fetches), so a run that loaded only the config (distill
+    through a server) and one that loaded the model fingerprint the same files.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return _files_fingerprint(path)
+    source = _hub_snapshot(name_or_path, revision)
+    if source is None:
+        return None
+    return _files_fingerprint(source, fetch=lambda name: _fetch(name_or_path, revision, name))
 
 
 def local_fingerprint(name_or_path: str) -> str | None:
@@ -468,11 +479,8 @@ def identity_content(identity: dict | None) -> dict | None:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def _checkpoint_dir(name_or_path: str, revision: str | None) -> Path | None:
-    """The local directory holding the checkpoint: the path itself, or the hub cache snapshot."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
+def _hub_snapshot(name_or_path: str, revision: str | None) -> Path | None:
+    """The Hub cache snapshot holding ``name_or_path``'s config.json at ``revision``, or None."""
     try:
         config = cached_file(
             name_or_path, CONFIG_NAME, revision=revision, _raise_exceptions_for_missing_entries=False
@@ -507,23 +515,184 @@ def _weight_files(directory: Path) -> list[Path] | None:
     return sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
 
 
-def _files_fingerprint(directory: Path) -> str | None:
+FINGERPRINT_PREFIX = "v2-"
+"""Starts every files fingerprint (:func:`_files_fingerprint`). One recorded without it was computed
+from other bytes of the files (config.json as written, the first and last MiB of each weight file)."""
+
+
+_UNSAVED_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+"""config.json entries that say who wrote the file or where it was loaded from, never what the model
+computes: a model saved again by a transformers release that writes the same settings keeps its
+fingerprint. Everything else counts (``architectures`` picks the class that loads, ``auto_map`` the code)."""
+_SAMPLE = 4 << 10
+"""Bytes read at the start, middle and end of each tensor of a safetensors file."""
+_SPACED_SAMPLE, _SPACED_STRIDE, _SPACED_MAX = 64 << 10, 1 << 20, 1024
+"""Other weight files (``torch.save``'s ``.bin``): blocks of this many bytes, this far apart at most,
+at most this many."""
+
+
+def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = None) -> str | None:
+    """A digest of the checkpoint files in ``directory`` that decide what the model computes, as
+    :data:`FINGERPRINT_PREFIX` and 16 hex digits; None without weight files (or with a shard missing).
+
+    - config.json by its parsed content, less :data:`_UNSAVED_CONFIG_KEYS`;
+    - where config.json has an ``auto_map`` (a model loaded with ``trust_remote_code``): the code files
+      it names and the files they import relatively, whole (:func:`_remote_code`). Only those: a
+      ``.py`` file beside a model without ``auto_map`` (a training script) is never run and does not
+      count;
+    - each weight file transformers loads (:func:`_weight_files`): its name and size, and samples
+      (:func:`_weight_samples`): for safetensors its header (every tensor's name, dtype, shape and
+      offsets) and 4 KiB at the start, middle and end of every tensor (tensors up to 12 KiB whole);
+      for ``torch.save``'s ``.bin`` the CRC-32 of every tensor its zip directory lists, and 64 KiB
+      every MiB.
+
+    Samples, not a hash of every byte: SHA-256 of a 5 GB safetensors file took 5.3 s from the page
+    cache and 13.5 s from disk (a 2-core AMD EPYC VM), and the fingerprint is taken several times per
+    run (distill's check before it loads and after, train, eval, export's and ``custom_generate``'s
+    base checks) on every rank, kept nowhere between them: minutes per run for a 70B model. A cache
+    keyed by path, size and mtime would need a place outside the workdir that ``custom_generate``
+    shares too. The samples of that file (300 tensors) took 0.08 s from disk, 0.014 s cached, and see
+    any tensor a fine-tune changes as a whole (full tuning, a merged LoRA adapter, some layers, a norm
+    or a bias): they miss a change to part of a tensor between its samples (a few rows of an embedding).
+
+    ``fetch(name)``: puts the remote code file ``name`` into ``directory`` (a Hub snapshot) if it can.
+    """
     weights = _weight_files(directory)
     if not weights:
         return None
     h = hashlib.sha256()
-    mib = 1 << 20
-    for path in [directory / CONFIG_NAME, *weights]:
-        if not path.is_file():
-            continue
+    config = _read_config(directory / CONFIG_NAME)
+    if isinstance(config, dict):
+        content = {k: v for k, v in config.items() if k not in _UNSAVED_CONFIG_KEYS}
+        h.update(f"{CONFIG_NAME}:".encode() + json.dumps(content, sort_keys=True).encode())
+        if isinstance(config.get("auto_map"), dict):
+            for name, code in _remote_code(directory, config["auto_map"], fetch).items():
+                h.update(
+                    f"{name}:absent".encode() if code is None else f"{name}:{len(code)}:".encode() + code
+                )
+    elif config is not None:  # not a JSON object: loading fails with its own message
+        h.update(f"{CONFIG_NAME}:".encode() + config)
+    for path in weights:
         size = path.stat().st_size
         h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as fh:
-            h.update(fh.read(mib))  # safetensors: the header (every tensor's name/shape/offset) + data
-            if size > 2 * mib:
-                fh.seek(size - mib)
-                h.update(fh.read(mib))
-    return h.hexdigest()[:16]
+        for block in _weight_samples(path, size):
+            h.update(block)
+    return FINGERPRINT_PREFIX + h.hexdigest()[:16]
+
+
+def _read_config(path: Path) -> dict | bytes | None:
+    """config.json parsed; its bytes when it is not a JSON object; None when there is none."""
+    if not path.is_file():
+        return None
+    raw = path.read_bytes()
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return raw
+    return config if isinstance(config, dict) else raw
+
+
+def _remote_code(
+    directory: Path, auto_map: dict, fetch: Callable[[str], None] | None = None
+) -> dict[str, bytes | None]:
+    """The code files ``auto_map`` names (``"AutoModelForCausalLM": "modeling_x.XForCausalLM"``: ``modeling_x.py``)
+    and those they import relatively (``from .utils import``), as transformers finds them
+    (``dynamic_module_utils``), in name order: their content, or None for one not in ``directory``.
+    A class of another repository (``"org/repo--modeling_x.X"``) counts by that reference: its code is
+    not among these files."""
+    refs = {ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value])}
+    refs = {ref for ref in refs if isinstance(ref, str) and ref}
+    code: dict[str, bytes | None] = {ref: None for ref in refs if "--" in ref}
+    todo = sorted({ref.split(".")[0] + ".py" for ref in refs if "--" not in ref})
+    while todo:
+        name = todo.pop()
+        if name in code:
+            continue
+        path = directory / name
+        if not path.is_file() and fetch is not None:
+            fetch(name)
+        if not path.is_file():
+            code[name] = None
+            continue
+        code[name] = path.read_bytes()
+        todo.extend(f"{module}.py" for module in get_relative_imports(path))
+    return dict(sorted(code.items()))
+
+
+def _fetch(repo_id: str, revision: str | None, name: str) -> None:
+    """Fetch ``name`` of Hub repository ``repo_id`` into the Hub cache, if it can be (not offline)."""
+    try:
+        cached_file(repo_id, name, revision=revision, _raise_exceptions_for_missing_entries=False)
+    except Exception:  # offline, gated: the file counts as absent
+        pass
+
+
+def _weight_samples(path: Path, size: int) -> Iterator[bytes]:
+    """The bytes of weight file ``path`` its fingerprint reads (see :func:`_files_fingerprint`).
+
+    A safetensors file: its header, then 4 KiB at the start, middle and end of each tensor in file
+    order. Any other file (or a safetensors file whose header does not parse, which fails to load
+    with its own message): the CRC-32 of each record of a ``torch.save`` zip (:func:`_zip_listing`),
+    then 64 KiB every MiB, at most 1024 blocks, evenly spaced from the first byte to the last (the
+    whole file when that is all of it).
+    """
+    with open(path, "rb") as fh:
+        reads = None
+        if path.suffix == ".safetensors":
+            prefix = fh.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if 0 <= length <= size - 8:
+                header = fh.read(length)
+                yield prefix + header
+                reads = _tensor_reads(header, 8 + length)
+        if reads is None:
+            yield _zip_listing(fh)
+            reads = _spaced_reads(size)
+        for offset, length in reads:
+            fh.seek(offset)
+            yield fh.read(length)
+
+
+def _zip_listing(fh) -> bytes:
+    """Name, size and CRC-32 of every record of a ``torch.save`` zip file (one per tensor storage: the
+    CRC is a checksum of all its bytes, unless ``torch.serialization.set_crc32_options(False)`` wrote
+    zeros), read from the zip's directory at its end; nothing for a file that is not a zip."""
+    try:
+        with zipfile.ZipFile(fh) as archive:
+            return json.dumps([[i.filename, i.file_size, i.CRC] for i in archive.infolist()]).encode()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return b""
+
+
+def _tensor_reads(header: bytes, data_start: int) -> list[tuple[int, int]] | None:
+    """``(offset, length)`` of the samples of each tensor of a safetensors file whose JSON header is
+    ``header`` (in file order); None when it is not a safetensors header."""
+    try:
+        spans = sorted(
+            (data_start + int(v["data_offsets"][0]), data_start + int(v["data_offsets"][1]))
+            for k, v in json.loads(header).items()
+            if k != "__metadata__"
+        )
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    reads = []
+    for start, end in spans:
+        if end - start <= 3 * _SAMPLE:
+            reads.append((start, end - start))
+        else:
+            reads += [(start, _SAMPLE), ((start + end - _SAMPLE) // 2, _SAMPLE), (end - _SAMPLE, _SAMPLE)]
+    return reads
+
+
+def _spaced_reads(size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of :data:`_SPACED_SAMPLE`-byte blocks of a ``size``-byte file, evenly spaced
+    from its first byte to its last and at most :data:`_SPACED_STRIDE` apart (so a changed stretch that
+    long is read), or :data:`_SPACED_MAX` of them; the whole file when that is all of it."""
+    last = size - _SPACED_SAMPLE
+    count = min(_SPACED_MAX, max(2, -(-last // _SPACED_STRIDE) + 1))
+    if size <= count * _SPACED_SAMPLE:
+        return [(0, size)]
+    return [(last * i // (count - 1), _SPACED_SAMPLE) for i in range(count)]
 
 
 def _tensors_fingerprint(model) -> str:

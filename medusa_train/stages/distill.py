@@ -351,7 +351,8 @@ generation config (and the model config, code), never the weights."""
 def _backbone_settings_files(name_or_path: str) -> str | None:
     """The content of a local model directory's tokenizer, chat template and generation config files
     (every top-level file with a :data:`_SETTINGS_FILE_SUFFIXES` suffix), as 16 hex digits; None for a
-    hub id. They change the records, and the weights' fingerprint covers only config.json and the weights."""
+    hub id. They change the records, and the backbone's fingerprint covers config.json, its remote code and
+    the weights only."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         return None

@@ -368,3 +368,168 @@ def test_a_lora_adapter_as_the_backbone_names_its_base(tmp_path: Path) -> None:
         UserError, match=r"is a LoRA adapter, not a whole model: pass its base model \(/models/base\)"
     ):
         load_backbone(str(adapter))
+
+
+# -- the files fingerprint ---------------------------------------------------------------------------
+def _remote_code_model(directory: Path) -> None:
+    """A tiny Llama shipped as a ``trust_remote_code`` checkpoint: config.json's ``auto_map`` names its
+    configuration and modeling files, and the modeling file imports a helper relatively."""
+    make_backbone(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "configuration_x.XConfig",
+        "AutoModelForCausalLM": "modeling_x.XForCausalLM",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "configuration_x.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass XConfig(LlamaConfig):\n    model_type = 'x'\n"
+    )
+    (directory / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .rope import THETA\n\n\n"
+        "class XForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
+    (directory / "rope.py").write_text("THETA = 10000.0\n")
+
+
+def test_the_remote_code_config_json_names_is_part_of_the_checkpoint(tmp_path: Path) -> None:
+    """A ``trust_remote_code`` model computes what its code says: an edit of a file config.json's
+    ``auto_map`` names, or of one that file imports relatively, is another checkpoint (the distilled
+    data and heads of the old code were reused as this model's). A ``.py`` file nothing names (a
+    training script), or any ``.py`` beside a model without ``auto_map``, is not loaded and does not count."""
+    model = tmp_path / "remote"
+    _remote_code_model(model)
+    before = local_fingerprint(str(model))
+    (model / "train.py").write_text("print('fine-tune')\n")
+    assert local_fingerprint(str(model)) == before
+    for name in ("modeling_x.py", "configuration_x.py", "rope.py"):
+        original = (model / name).read_text()
+        (model / name).write_text(original.replace("10000.0", "500000.0") + "# rotary base changed\n")
+        assert local_fingerprint(str(model)) != before, name
+        (model / name).write_text(original)
+    assert local_fingerprint(str(model)) == before
+    plain = tmp_path / "plain"
+    make_backbone(plain)
+    without = local_fingerprint(str(plain))
+    shutil.copy(model / "modeling_x.py", plain)
+    assert local_fingerprint(str(plain)) == without
+
+
+def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeypatch) -> None:
+    """distill.engine=server loads a ``trust_remote_code`` model's config alone (its configuration file
+    comes into the Hub cache, its modeling file does not), stage=train the model: the fingerprint
+    fetches the named code the snapshot lacks, so both name the same checkpoint."""
+    from medusa_train import backbone
+
+    full = tmp_path / "full"
+    _remote_code_model(full)
+    config_only = tmp_path / "config_only"
+    shutil.copytree(full, config_only, ignore=shutil.ignore_patterns("modeling_x.py", "rope.py"))
+    _hub_cache(tmp_path / "hub", "acme/remote", {"a" * 40: config_only}, main="a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
+    snapshot = tmp_path / "hub" / "models--acme--remote" / "snapshots" / ("a" * 40)
+    real, fetched = backbone.cached_file, []
+
+    def hub(repo_id: str, name: str, **kwargs):  # the Hub serves the full repository's files
+        if not (snapshot / name).exists() and (full / name).exists():
+            fetched.append(name)
+            shutil.copy(full / name, snapshot / name)
+        return real(repo_id, name, **kwargs)
+
+    monkeypatch.setattr(backbone, "cached_file", hub)
+    assert checkpoint_fingerprint("acme/remote") == local_fingerprint(str(full))
+    assert sorted(fetched) == ["modeling_x.py", "rope.py"]
+
+
+def _ends(path: Path) -> bytes:
+    data = path.read_bytes()
+    return data[: 1 << 20] + data[-(1 << 20) :]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+@pytest.mark.parametrize(
+    "name", ["model.layers.1.mlp.up_proj.weight", "model.layers.1.input_layernorm.weight"]
+)
+def test_a_fine_tune_of_tensors_inside_a_large_weight_file_is_another_checkpoint(
+    tmp_path: Path, suffix: str, name: str
+) -> None:
+    """A fine-tune that trains some tensors only (a merged LoRA adapter, a few layers, a norm) writes a
+    weight file of the same size; for safetensors its first and last MiB (the header, the first
+    tensor's start, the last tensor's end) are the base's. The fingerprint tells the two apart: it
+    reads every tensor of a safetensors file, and the CRC-32 of every tensor of a ``.bin`` file."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.models import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(hidden=256, intermediate=1024, layers=4, vocab=512)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    weights = load_file(tmp_path / "base" / "model.safetensors")
+    tuned = {**weights, name: weights[name] + 1e-3}  # a 1 MiB matrix or a 1 KiB norm inside the file
+    (tmp_path / "tuned").mkdir()
+    shutil.copy(tmp_path / "base" / "config.json", tmp_path / "tuned")
+    for folder, tensors in (("base", weights), ("tuned", tuned)):
+        (tmp_path / folder / "model.safetensors").unlink(missing_ok=True)
+        if suffix == ".bin":
+            torch.save(tensors, tmp_path / folder / "pytorch_model.bin")
+        else:
+            save_file(tensors, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+    a, b = (next((tmp_path / folder).glob(f"*{suffix}")) for folder in ("base", "tuned"))
+    assert a.stat().st_size == b.stat().st_size > 4 << 20
+    if suffix == ".safetensors":
+        assert _ends(a) == _ends(b)
+    assert local_fingerprint(str(tmp_path / "tuned")) != local_fingerprint(str(tmp_path / "base"))
+
+
+def test_a_bin_file_counts_every_tensor_by_its_crc(tmp_path: Path) -> None:
+    """``torch.save``'s zip lists a CRC-32 of every tensor in its directory at the file's end: a change
+    to one small tensor that the evenly spaced samples do not read, whose entry lies before the last
+    sample (a directory of over a thousand tensors), is another checkpoint. The file is written as
+    torch releases before ``.data/serialization_id`` wrote it (that record's CRC, at the very end,
+    changes with every tensor)."""
+    import zipfile
+
+    from medusa_train.backbone import _spaced_reads
+
+    tensors = {f"t{i:04d}": torch.full((512,), float(i)) for i in range(1200)}
+    for folder, changed in (("a", tensors), ("b", {**tensors, "t0100": tensors["t0100"] + 1})):
+        (tmp_path / folder).mkdir()
+        torch.save(changed, tmp_path / "saved.bin")
+        with (
+            zipfile.ZipFile(tmp_path / "saved.bin") as saved,
+            zipfile.ZipFile(tmp_path / folder / "pytorch_model.bin", "w") as out,
+        ):
+            for info in saved.infolist():
+                if not info.filename.endswith("serialization_id"):
+                    out.writestr(info, saved.read(info))
+    a, b = (tmp_path / folder / "pytorch_model.bin" for folder in ("a", "b"))
+    size = a.stat().st_size
+    assert b.stat().st_size == size > 2 << 20
+
+    def samples(path: Path) -> list[bytes]:
+        data = path.read_bytes()
+        return [data[offset : offset + length] for offset, length in _spaced_reads(size)]
+
+    assert samples(a) == samples(b)  # what the samples alone read
+    assert local_fingerprint(str(tmp_path / "a")) != local_fingerprint(str(tmp_path / "b"))
+
+
+def test_a_model_saved_again_keeps_its_fingerprint(tmp_path: Path) -> None:
+    """The same weights saved again by another transformers release: config.json names that release
+    (and, from some releases, where the model was loaded from), with its keys in another order and
+    layout. The same checkpoint, whose distilled data and heads still belong to it; a change of what
+    the config says (the class that loads, a setting) is another."""
+    make_backbone(tmp_path / "m")
+    before = local_fingerprint(str(tmp_path / "m"))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    resaved = {
+        "_name_or_path": "/home/me/m",
+        **dict(reversed(config.items())),
+        "transformers_version": "5.99.0",
+    }
+    (tmp_path / "m" / "config.json").write_text(json.dumps(resaved, indent=4))
+    assert local_fingerprint(str(tmp_path / "m")) == before
+    for change in ({"architectures": ["LlamaModel"]}, {"rms_norm_eps": 1e-5}):
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**resaved, **change}))
+        assert local_fingerprint(str(tmp_path / "m")) != before, change
