@@ -517,7 +517,20 @@ def _weight_files(directory: Path) -> list[Path] | None:
 
 FINGERPRINT_PREFIX = "v2-"
 """Starts every files fingerprint (:func:`_files_fingerprint`). One recorded without it was computed
-from other bytes of the files (config.json as written, the first and last MiB of each weight file)."""
+from other bytes of the files (config.json as written, the first and last MiB of each weight file) and
+says nothing about these: :func:`older_fingerprint`."""
+
+
+def older_fingerprint(recorded: object, current: str | None) -> bool:
+    """``recorded`` is a files fingerprint of an earlier medusa_train, ``current`` one of this: they
+    differ whatever the files, so a comparison of the two cannot tell the checkpoints apart."""
+    return (
+        isinstance(recorded, str)
+        and bool(recorded)
+        and not recorded.startswith(FINGERPRINT_PREFIX)
+        and bool(current)
+        and current.startswith(FINGERPRINT_PREFIX)
+    )
 
 
 _UNSAVED_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -773,14 +786,16 @@ def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) ->
 
     ``by_content`` (a LoRA adapter, merged into whatever base it is given): the same name whose files
     have another fingerprint than the recorded one (another revision of a Hub id, a directory
-    holding another model now) is not the base.
+    holding another model now) is not the base. A fingerprint an earlier medusa_train recorded
+    (:func:`older_fingerprint`) compares nothing: the name decides, as without one.
     """
     recorded = base.get("fingerprint")
     same_name = _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
     if same_name and not (by_content and recorded):
         return True
     found = checkpoint_fingerprint(model_cfg.name_or_path, model_cfg.revision)
-    if same_name and found is None:  # no files to compare (offline, not in the cache): the name decides
+    # no files to compare (offline, not in the cache), or nothing to compare them with: the name decides
+    if same_name and (found is None or older_fingerprint(recorded, found)):
         return True
     return found is not None and found == recorded
 

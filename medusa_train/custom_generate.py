@@ -68,7 +68,13 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
-from medusa_train.backbone import is_adapter_dir, local_fingerprint, recorded_base, trained_backbone_dir
+from medusa_train.backbone import (
+    is_adapter_dir,
+    local_fingerprint,
+    older_fingerprint,
+    recorded_base,
+    trained_backbone_dir,
+)
 from medusa_train.decoding.attention import (
     ATTENTION_CHOICES,
     AttentionBackendError,
@@ -672,7 +678,8 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
     """Refuse a base model whose checkpoint files are not the ones the heads go with: the trained
     Medusa-2 backbone that ships with them (an export's ``backbone/``), else the base stage=train
     recorded. Checked only when both sides are local files (a Hub id, a model built in memory or a
-    LoRA adapter passes)."""
+    LoRA adapter passes) and fingerprinted alike (an export of an earlier medusa_train records
+    another kind of fingerprint: :func:`~medusa_train.backbone.older_fingerprint`)."""
     trained = trained_backbone_dir(heads_dir)
     if trained is not None:
         expected_name, expected = (
@@ -683,7 +690,7 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
         identity = recorded_base(heads_dir) or {}
         expected_name, expected = identity.get("name_or_path"), identity.get("fingerprint")
     actual = local_fingerprint(getattr(model, "name_or_path", "") or "")
-    if expected and actual and expected != actual:
+    if expected and actual and expected != actual and not older_fingerprint(expected, actual):
         raise ValueError(
             f"these Medusa heads go with {expected_name} (checkpoint fingerprint {expected}), not with "
             f"{model.name_or_path} ({actual}): load that model, or pass medusa_check_base=False"

@@ -68,6 +68,7 @@ from medusa_train.backbone import (
     load_tokenizer,
     loading,
     local_fingerprint,
+    older_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -589,7 +590,13 @@ def _difference(previous: dict | None, current: dict) -> str:
     old, new = comparable(previous), comparable(current)
     text = describe_diff(old, new, settable=_settable)
     differing = settings_diff(old, new)
-    if "backbone_fingerprint" in differing:
+    if "backbone_fingerprint" in differing and older_fingerprint(
+        old.get("backbone_fingerprint"), new.get("backbone_fingerprint")
+    ):
+        text = (
+            "a backbone fingerprint of an earlier medusa_train, which read other bytes of the files: " + text
+        )
+    elif "backbone_fingerprint" in differing:
         text = "a different backbone: " + text
     elif "engine.served" in differing:
         text = "another served model: " + text

@@ -60,6 +60,7 @@ from medusa_train.backbone import (
     check_backbone_source,
     identity_content,
     load_configured_backbone,
+    older_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -171,6 +172,11 @@ def run(cfg: Config) -> dict:
             )
         _check_attention(cfg, device, backbone)
         identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
+        if older_fingerprint(manifest["backbone"]["fingerprint"], identity["fingerprint"]):
+            raise UserError(
+                f"{wd.distill} names its backbone by a fingerprint of an earlier medusa_train, which read "
+                "other bytes of the checkpoint files: run stage=distill with distill.overwrite=true to distill again"
+            )
         check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
         if tc.head_projection == "truncated":  # a manifest without the vocabulary: checked on the loaded one
             check_draft_vocab_size(tc.draft_vocab_size, identity["vocab_size"])

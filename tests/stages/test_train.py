@@ -326,12 +326,20 @@ def test_soft_head_loss_trains_from_the_cache(tmp_path):
 
 
 # -- bad input ---------------------------------------------------------------------------------------
-def test_distill_from_another_backbone_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("recorded", "message"),
+    [
+        ("v2-0123456789abcdef", "distilled from another backbone"),
+        # a fingerprint of an earlier medusa_train (other bytes of the files): not "another backbone"
+        ("0123456789abcdef", "fingerprint of an earlier medusa_train.*distill.overwrite=true"),
+    ],
+)
+def test_distill_from_another_backbone_is_refused(tmp_path, recorded: str, message: str):
     root = make_train_workdir(tmp_path)
     manifest = json.loads((root / "distill" / "manifest.json").read_text())
-    manifest["backbone"]["fingerprint"] = "0123456789abcdef"
+    manifest["backbone"]["fingerprint"] = recorded
     (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(UserError, match="distilled from another backbone"):
+    with pytest.raises(UserError, match=message):
         run(train_cfg(root))
     assert not (root / "heads").exists() and not (root / "train").exists()
 

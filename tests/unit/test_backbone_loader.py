@@ -533,3 +533,41 @@ def test_a_model_saved_again_keeps_its_fingerprint(tmp_path: Path) -> None:
     for change in ({"architectures": ["LlamaModel"]}, {"rms_norm_eps": 1e-5}):
         (tmp_path / "m" / "config.json").write_text(json.dumps({**resaved, **change}))
         assert local_fingerprint(str(tmp_path / "m")) != before, change
+
+
+def test_a_fingerprint_an_earlier_version_recorded_compares_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fingerprint an earlier medusa_train recorded (16 hex digits: other bytes of the files) differs
+    from every one computed now. The base of Medusa-2 LoRA heads that records one is known by its name,
+    as without a fingerprint (it was taken for another model: the adapter was left out), and
+    ``custom_generate`` does not refuse the base an earlier export names. A fingerprint of this
+    version that differs is still another checkpoint."""
+    from types import SimpleNamespace
+
+    from medusa_train.custom_generate import _check_checkpoint
+
+    make_backbone(tmp_path / "base")
+    current = local_fingerprint(str(tmp_path / "base"))
+    earlier = "0123456789abcdef"
+    other = current[:-4] + ("0000" if not current.endswith("0000") else "1111")
+    model = SimpleNamespace(name_or_path=str(tmp_path / "base"))
+    for recorded, same in ((earlier, True), (other, False), (current, True)):
+        record = {"name_or_path": str(tmp_path / "base"), "fingerprint": recorded}
+        heads = tmp_path / f"heads_{recorded}"
+        (heads / "backbone").mkdir(parents=True)
+        (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "backbone": record}))
+        (heads / "backbone" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="medusa_train.backbone"):
+            picked = backbone_for_heads(ModelConfig(str(tmp_path / "base")), heads)
+        assert picked == (heads / "backbone" if same else None), recorded
+        assert ("another model than their base" in caplog.text) != same
+        medusa1 = tmp_path / f"medusa1_{recorded}"
+        medusa1.mkdir()
+        shutil.copy(heads / "config.json", medusa1)
+        if same:
+            _check_checkpoint(model, medusa1)
+        else:
+            with pytest.raises(ValueError, match="medusa_check_base=False"):
+                _check_checkpoint(model, medusa1)
