@@ -62,6 +62,7 @@ from medusa_train.backbone import (
     is_local_path,
     load_backbone_for_heads,
     load_configured_backbone,
+    older_fingerprint,
     resolve_device,
 )
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
@@ -475,7 +476,14 @@ def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> No
     if isinstance(recorded, dict) and recorded.get("fingerprint"):
         name_or_path = model_cfg.name_or_path
         current = backbone_identity(model, name_or_path, model_cfg.revision)["fingerprint"]
-        if current != recorded["fingerprint"]:
+        if older_fingerprint(recorded["fingerprint"], current):  # differs whatever the weights
+            log.warning(
+                "heads at %s carry a backbone fingerprint of an earlier medusa_train, which cannot say "
+                "whether they were trained on %s's weights: if tau is low, train them on it again",
+                heads_dir,
+                name_or_path,
+            )
+        elif current != recorded["fingerprint"]:
             log.warning(
                 "heads at %s were trained on backbone %s (fingerprint %s), evaluating on %s (%s): "
                 "outputs stay exact, but tau will be lower",

@@ -504,3 +504,14 @@ def test_the_backbone_check_fingerprints_the_pinned_revision(
         f"{trained_on['fingerprint']}), evaluating on acme/tiny ({local_fingerprint(str(repo / 'snapshots' / main))}): "
         "outputs stay exact, but tau will be lower"
     ]
+    caplog.clear()
+    old = {**trained_on, "fingerprint": "0123abcd" * 4}  # recorded by an earlier medusa_train
+    heads.save_pretrained(tmp_path / "old-heads", extra_config={"backbone": old})
+    with caplog.at_level(logging.WARNING, logger=eval_stage.__name__):
+        eval_stage.warn_if_other_backbone(
+            tmp_path / "old-heads", model, ModelConfig("acme/tiny", revision=pinned)
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"heads at {tmp_path / 'old-heads'} carry a backbone fingerprint of an earlier medusa_train, which "
+        "cannot say whether they were trained on acme/tiny's weights: if tau is low, train them on it again"
+    ]
