@@ -679,7 +679,9 @@ def _zip_listing(fh) -> bytes:
 
 def _tensor_reads(header: bytes, data_start: int) -> list[tuple[int, int]] | None:
     """``(offset, length)`` of the samples of each tensor of a safetensors file whose JSON header is
-    ``header`` (in file order); None when it is not a safetensors header."""
+    ``header`` (in file order); None when it is not a safetensors header, or one with offsets before
+    the data or ending before they start (such a file fails to load with its own message: the
+    fingerprint must not fail first with a seek or read error)."""
     try:
         spans = sorted(
             (data_start + int(v["data_offsets"][0]), data_start + int(v["data_offsets"][1]))
@@ -687,6 +689,8 @@ def _tensor_reads(header: bytes, data_start: int) -> list[tuple[int, int]] | Non
             if k != "__metadata__"
         )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if any(start < data_start or end < start for start, end in spans):
         return None
     reads = []
     for start, end in spans:

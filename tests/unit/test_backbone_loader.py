@@ -571,3 +571,14 @@ def test_a_fingerprint_an_earlier_version_recorded_compares_nothing(
         else:
             with pytest.raises(ValueError, match="medusa_check_base=False"):
                 _check_checkpoint(model, medusa1)
+
+
+@pytest.mark.parametrize("offsets", [[-100, 4], [8, 4]])
+def test_a_safetensors_header_with_impossible_offsets_is_fingerprinted(tmp_path: Path, offsets) -> None:
+    """A damaged header whose tensor starts before the data or ends before it starts: the fingerprint
+    (taken before loading, by distill's check) reads the file as bytes, raising nothing; loading the
+    model then fails with its own message."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}).encode()
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    assert local_fingerprint(str(tmp_path)).startswith("v2-")
