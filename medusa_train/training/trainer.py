@@ -25,7 +25,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME
 
-from medusa_train.errors import DamagedArtefactError, HeadsFormatError
+from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.head_targets import IGNORE_INDEX
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
@@ -237,15 +237,20 @@ def checkpoint_problem(path: Path) -> str | None:
     weights): each is there (the Trainer resumes without optimizer.pt or scheduler.pt silently, with a
     fresh optimizer), none is empty, and :func:`file_damage` finds nothing. DeepSpeed's ``latest``
     names a ``global_stepN`` folder of the checkpoint holding the module's states.
+
+    Raises:
+        UserError: a file cannot be read for another reason than its absence (EIO, EACCES, a stale
+            NFS handle): a checkpoint that may be whole is never taken for a damaged one (deleted).
     """
     state = path / TRAINER_STATE_NAME
     if not state.is_file():
         return "incomplete (killed while saving)"
     try:
-        read_json(state, repair="", keys=("global_step",))
-    except DamagedArtefactError:
-        return f"{TRAINER_STATE_NAME} is damaged"
-    try:
+        state.open("rb").close()  # unreadable: the OSError below, not damage
+        try:
+            read_json(state, repair="", keys=("global_step",))
+        except DamagedArtefactError:
+            return f"{TRAINER_STATE_NAME} is damaged"
         files = sorted(p for p in path.rglob("*") if p.is_file())
         deepspeed = any(p.is_dir() for p in path.glob("global_step*"))
         needed = [SCHEDULER_NAME] if deepspeed else [SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME]
@@ -265,8 +270,13 @@ def checkpoint_problem(path: Path) -> str | None:
                 return str(err)
             if damage is not None:
                 return f"{file.relative_to(path)} is damaged ({damage})"
-    except OSError as err:  # unreadable, or deleted while looked at (rank 0 removing it)
-        return f"cannot be read ({err.strerror or err})"
+    except FileNotFoundError:  # deleted while looked at (rank 0 removing it)
+        return "removed while being checked"
+    except OSError as err:  # not damage: a disk error or permissions, which deleting it would not mend
+        raise UserError(
+            f"cannot read checkpoint {path} ({err.strerror or err}: {err.filename or path}): fix the disk "
+            "or the permissions, then run the same command again (nothing was deleted)"
+        ) from None
     return None
 
 

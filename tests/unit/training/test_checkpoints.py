@@ -164,3 +164,36 @@ def test_on_save_flushes_every_file_and_folder_of_the_checkpoint(
     synced = {p for kind, p, _ in events if kind == "fsync"}
     everything = {p.resolve() for p in [path, *path.rglob("*")]}
     assert synced == everything | {train.resolve()}
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer_state.json"])
+def test_a_file_that_cannot_be_read_is_one_line_and_nothing_is_deleted(
+    tmp_path: Path, monkeypatch, name
+) -> None:
+    """A read error that is not damage (EIO, permissions, a stale NFS handle) stops the resume in one
+    line; the checkpoint, which may be whole, is not taken for a damaged one and deleted."""
+    from medusa_train.errors import UserError
+
+    trainer_checkpoint(tmp_path, 2)
+    path = trainer_checkpoint(tmp_path, 4)
+    real_open = Path.open
+
+    def failing_open(self, *args, **kwargs):
+        if self.name == name:
+            raise OSError(5, "Input/output error", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", failing_open)
+    real_builtin_open = open
+
+    def failing_builtin_open(file, *args, **kwargs):
+        if Path(file).name == name:
+            raise OSError(5, "Input/output error", str(file))
+        return real_builtin_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", failing_builtin_open)
+    with pytest.raises(
+        UserError, match=rf"cannot read checkpoint .*Input/output error.*{name}.*nothing was deleted"
+    ):
+        last_complete_checkpoint(tmp_path, remove_incomplete=True)
+    assert path.is_dir()
