@@ -515,6 +515,24 @@ def test_a_bin_file_counts_every_tensor_by_its_crc(tmp_path: Path) -> None:
     assert local_fingerprint(str(tmp_path / "a")) != local_fingerprint(str(tmp_path / "b"))
 
 
+def test_a_bin_file_with_every_crc_reads_its_directory_only(tmp_path: Path) -> None:
+    """A ``.bin`` whose zip records all carry a CRC-32 is fingerprinted by its directory alone (no
+    samples of its data: a 70B checkpoint read ~1 GB per fingerprint); one written without CRCs
+    (``set_crc32_options(False)``) is sampled through its data, so a changed tensor still counts."""
+    from medusa_train.backbone import _weight_samples
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.ones(1 << 20)}, path)  # 4 MiB of data
+    size = path.stat().st_size
+    assert sum(len(b) for b in _weight_samples(path, size)) < 4096
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"w": torch.ones(1 << 20)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert sum(len(b) for b in _weight_samples(path, path.stat().st_size)) > 64 << 10
+
+
 def test_a_model_saved_again_keeps_its_fingerprint(tmp_path: Path) -> None:
     """The same weights saved again by another transformers release: config.json names that release
     (and, from some releases, where the model was loaded from), with its keys in another order and
