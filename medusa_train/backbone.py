@@ -636,8 +636,14 @@ def _fetch(repo_id: str, revision: str | None, name: str) -> None:
     """Fetch ``name`` of Hub repository ``repo_id`` into the Hub cache, if it can be (not offline)."""
     try:
         cached_file(repo_id, name, revision=revision, _raise_exceptions_for_missing_entries=False)
-    except Exception:  # offline, gated: the file counts as absent
-        pass
+    except Exception as err:  # offline, gated, rate-limited: the file counts as absent, said once
+        log.warning(
+            "could not fetch %s of %s (%s): the backbone's fingerprint counts it as absent, and differs "
+            "from one taken with it (another stage's data may then be refused): fetch it and run again",
+            name,
+            repo_id,
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
 
 
 def _weight_samples(path: Path, size: int) -> Iterator[bytes]:

@@ -441,6 +441,34 @@ def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeyp
     assert sorted(fetched) == ["modeling_x.py", "rope.py"]
 
 
+def test_remote_code_that_cannot_be_fetched_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A fetch that fails (rate limit, gated, network) leaves the code out of the fingerprint, which
+    then differs from another stage's: one warning per file says so, naming the file and the reason."""
+    from medusa_train import backbone
+
+    full = tmp_path / "full"
+    _remote_code_model(full)
+    config_only = tmp_path / "config_only"
+    shutil.copytree(full, config_only, ignore=shutil.ignore_patterns("modeling_x.py", "rope.py"))
+    _hub_cache(tmp_path / "hub", "acme/remote", {"a" * 40: config_only}, main="a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    real = backbone.cached_file
+
+    def rate_limited(repo_id: str, name: str, **kwargs):  # the cached config is read, the code fails
+        if name.endswith(".py"):
+            raise OSError("429 Too Many Requests\nretry later")
+        return real(repo_id, name, **kwargs)
+
+    monkeypatch.setattr(backbone, "cached_file", rate_limited)
+    with caplog.at_level(logging.WARNING, logger=backbone.__name__):
+        checkpoint_fingerprint("acme/remote")
+    said = [r.getMessage() for r in caplog.records if "could not fetch" in r.getMessage()]
+    assert said and all("acme/remote (429 Too Many Requests)" in m for m in said), said
+    assert any(m.startswith("could not fetch modeling_x.py") for m in said)
+
+
 def _ends(path: Path) -> bytes:
     data = path.read_bytes()
     return data[: 1 << 20] + data[-(1 << 20) :]
