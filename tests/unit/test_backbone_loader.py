@@ -414,12 +414,9 @@ def test_the_remote_code_config_json_names_is_part_of_the_checkpoint(tmp_path: P
     assert local_fingerprint(str(plain)) == without
 
 
-def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeypatch) -> None:
-    """distill.engine=server loads a ``trust_remote_code`` model's config alone (its configuration file
-    comes into the Hub cache, its modeling file does not), stage=train the model: the fingerprint
-    fetches the named code the snapshot lacks, so both name the same checkpoint."""
-    from medusa_train import backbone
-
+def _config_only_snapshot(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """A remote-code model's full folder, and the offline Hub cache's snapshot of it holding its
+    config alone (no modeling file): ``(full, snapshot)``."""
     full = tmp_path / "full"
     _remote_code_model(full)
     config_only = tmp_path / "config_only"
@@ -427,7 +424,16 @@ def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeyp
     _hub_cache(tmp_path / "hub", "acme/remote", {"a" * 40: config_only}, main="a" * 40)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing here may reach the Hub
-    snapshot = tmp_path / "hub" / "models--acme--remote" / "snapshots" / ("a" * 40)
+    return full, tmp_path / "hub" / "models--acme--remote" / "snapshots" / ("a" * 40)
+
+
+def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeypatch) -> None:
+    """distill.engine=server loads a ``trust_remote_code`` model's config alone (its configuration file
+    comes into the Hub cache, its modeling file does not), stage=train the model: the fingerprint
+    fetches the named code the snapshot lacks, so both name the same checkpoint."""
+    from medusa_train import backbone
+
+    full, snapshot = _config_only_snapshot(tmp_path, monkeypatch)
     real, fetched = backbone.cached_file, []
 
     def hub(repo_id: str, name: str, **kwargs):  # the Hub serves the full repository's files
@@ -446,14 +452,7 @@ def test_remote_code_that_cannot_be_fetched_is_said(tmp_path: Path, monkeypatch,
     then differs from another stage's: one warning per file says so, naming the file and the reason."""
     from medusa_train import backbone
 
-    full = tmp_path / "full"
-    _remote_code_model(full)
-    config_only = tmp_path / "config_only"
-    shutil.copytree(full, config_only, ignore=shutil.ignore_patterns("modeling_x.py", "rope.py"))
-    _hub_cache(tmp_path / "hub", "acme/remote", {"a" * 40: config_only}, main="a" * 40)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
+    _config_only_snapshot(tmp_path, monkeypatch)
     real = backbone.cached_file
 
     def rate_limited(repo_id: str, name: str, **kwargs):  # the cached config is read, the code fails

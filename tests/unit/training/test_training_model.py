@@ -311,18 +311,21 @@ def test_hidden_cache_rows_equal_online(tmp_path):
     assert isinstance(build_hidden_cache(backbone, records, tmp_path / "c", 3, {"v": 1}), HiddenCache)
 
 
+def _batch_records() -> list[dict]:
+    """The rows of :func:`batch` as distilled records (``input_ids``, ``loss_mask``, padding cut)."""
+    b = batch()
+    lengths = b["attention_mask"].sum(1).tolist()
+    return [
+        {"input_ids": b["input_ids"][i, :n].tolist(), "loss_mask": b["loss_mask"][i, :n].tolist()}
+        for i, n in enumerate(lengths)
+    ]
+
+
 def test_hidden_cache_resumes_from_progress(tmp_path):
     import json
 
     _, backbone = make_model()
-    b = batch()
-    records = [
-        {
-            "input_ids": b["input_ids"][i, : int(b["attention_mask"][i].sum())].tolist(),
-            "loss_mask": b["loss_mask"][i, : int(b["attention_mask"][i].sum())].tolist(),
-        }
-        for i in range(3)
-    ]
+    records = _batch_records()
     full = build_hidden_cache(backbone, records, tmp_path / "full", 3, {"v": 1}, batch_size=1)
     part = tmp_path / "part"
     build_hidden_cache(backbone, records, part, 3, {"v": 1}, batch_size=1)
@@ -337,14 +340,7 @@ def test_hidden_cache_files_are_on_disk_before_progress_or_meta_counts_them(tmp_
     """progress.json resumes a build and meta.json marks it complete: the arrays they vouch for are
     fsynced before either is renamed into place, so after a power loss they are there, whole."""
     _, backbone = make_model()
-    b = batch()
-    records = [
-        {
-            "input_ids": b["input_ids"][i, : int(b["attention_mask"][i].sum())].tolist(),
-            "loss_mask": b["loss_mask"][i, : int(b["attention_mask"][i].sum())].tolist(),
-        }
-        for i in range(3)
-    ]
+    records = _batch_records()
     events = record_syncs(monkeypatch)
     build_hidden_cache(backbone, records, tmp_path / "c", 3, {"v": 1}, batch_size=2, soft=True)
     cache = (tmp_path / "c").resolve()
