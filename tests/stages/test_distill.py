@@ -69,13 +69,14 @@ def spaced_reference(
     return root / "workdir", backbone, prompts
 
 
-def _drop_spaced_eos(distill_dir: Path) -> None:
-    """Make ``distill_dir`` a folder whose settings do not record ``spaced_eos`` (progress and manifest)."""
+def _drop_setting(distill_dir: Path, key: str = "spaced_eos") -> None:
+    """Make ``distill_dir`` a folder whose settings do not record ``key`` (progress and manifest), as an
+    earlier version wrote it."""
     for name in ("progress.json", "manifest.json"):
         path = distill_dir / name
         if path.exists():
             content = json.loads(path.read_text())
-            content["settings"].pop("spaced_eos", None)
+            content["settings"].pop(key, None)
             path.write_text(json.dumps(content))
 
 
@@ -106,7 +107,7 @@ def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
     shutil.copytree(workdir / "distill", unfinished)
     (unfinished / "manifest.json").unlink()
     shard_files(unfinished)[-1].unlink()
-    _drop_spaced_eos(unfinished)
+    _drop_setting(unfinished)
     with pytest.raises(
         UserError, match=r"whitespace before the template's EOS.*spaced_eos.*distill.overwrite=true"
     ):
@@ -116,7 +117,7 @@ def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
 
     complete = tmp_path / "complete" / "distill"
     shutil.copytree(workdir / "distill", complete)
-    _drop_spaced_eos(complete)
+    _drop_setting(complete)
     assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check before the model loads
     manifest = json.loads((complete / "manifest.json").read_text())
     del manifest["quick_settings"]["backbone_source"][
@@ -146,25 +147,18 @@ def test_later_turns_quoting_a_special_token_are_recorded_and_an_older_unfinishe
     assert read_manifest(workdir / "distill")["settings"]["quoted_special_tokens"] == "text"
     assert "quoted_special_tokens" not in read_manifest(reference[0] / "distill")["settings"]
 
-    def drop_entry(distill_dir: Path) -> None:
-        for name in ("progress.json", "manifest.json"):
-            if (distill_dir / name).exists():
-                content = json.loads((distill_dir / name).read_text())
-                content["settings"].pop("quoted_special_tokens")
-                (distill_dir / name).write_text(json.dumps(content))
-
     unfinished = tmp_path / "unfinished" / "distill"
     shutil.copytree(workdir / "distill", unfinished)
     (unfinished / "manifest.json").unlink()
     shard_files(unfinished)[-1].unlink()
-    drop_entry(unfinished)
+    _drop_setting(unfinished, "quoted_special_tokens")
     with pytest.raises(
         UserError, match=r"quote a special-token string.*quoted_special_tokens.*overwrite=true"
     ):
         _run(unfinished.parent, tiny_backbone_dir, prompts)
     complete = tmp_path / "complete" / "distill"
     shutil.copytree(workdir / "distill", complete)
-    drop_entry(complete)
+    _drop_setting(complete, "quoted_special_tokens")
     manifest = json.loads((complete / "manifest.json").read_text())
     del manifest["quick_settings"]["backbone_source"]["settings_files"]  # the check before the model misses
     (complete / "manifest.json").write_text(json.dumps(manifest))
