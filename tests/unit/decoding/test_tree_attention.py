@@ -638,6 +638,21 @@ def count_forwards(model: torch.nn.Module) -> list:
     return calls
 
 
+def _triton_decoder_calls(model, heads, max_new_tokens: int) -> list:
+    """The three decoders, each asked for the Triton kernel on a 3-token prompt and a 2-node chain (not
+    called: a refusal must come before any forward)."""
+    prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
+    return [
+        lambda: medusa_generate(
+            model, heads, prompt[None], max_new_tokens=max_new_tokens, tree=tree, attention="triton"
+        ),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt], max_new_tokens=max_new_tokens, tree=tree, attention="triton"
+        ),
+        lambda: StaticDecoder(model, heads, tree, 32, attention="triton"),
+    ]
+
+
 @needs_triton
 @pytest.mark.parametrize(
     ("name", "reason"),
@@ -656,15 +671,7 @@ def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason)
     model = other_model(name)
     heads = random_heads(model, seed=1)
     calls = count_forwards(model)
-    prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
-    decoders = [
-        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=tree, attention="triton"),
-        lambda: medusa_generate_batch(
-            model, heads, [prompt], max_new_tokens=4, tree=tree, attention="triton"
-        ),
-        lambda: StaticDecoder(model, heads, tree, 32, attention="triton"),
-    ]
-    for decode in decoders:
+    for decode in _triton_decoder_calls(model, heads, max_new_tokens=4):
         with pytest.raises(AttentionBackendError, match=f"attention=triton cannot run here: .*{reason}"):
             decode()
     assert not calls
@@ -690,14 +697,7 @@ def test_kernels_refuse_chunked_attention_past_its_chunk():
     heads = random_heads(model, seed=1)
     calls = count_forwards(model)
     prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
-    decoders = [
-        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=6, tree=tree, attention="triton"),
-        lambda: medusa_generate_batch(
-            model, heads, [prompt], max_new_tokens=6, tree=tree, attention="triton"
-        ),
-        lambda: StaticDecoder(model, heads, tree, 32, attention="triton"),
-    ]
-    for decode in decoders:
+    for decode in _triton_decoder_calls(model, heads, max_new_tokens=6):
         with pytest.raises(
             AttentionBackendError, match=r"chunked attention layers \(attention_chunk_size=8\)"
         ):
