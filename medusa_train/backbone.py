@@ -560,7 +560,7 @@ def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = No
       MiB only where a record has none).
 
     Samples, not a hash of every byte: SHA-256 of a 5 GB safetensors file took 5.3 s from the page
-    cache and 13.5 s from disk (a 2-core AMD EPYC VM), and the fingerprint is taken several times per
+    cache and 13.5 s from disk (a 2-core AMD EPYC VM, 2026-12-07), and the fingerprint is taken several times per
     run (distill's check before it loads and after, train, eval, export's and ``custom_generate``'s
     base checks) on every rank, kept nowhere between them: minutes per run for a 70B model. A cache
     keyed by path, size and mtime would need a place outside the workdir that ``custom_generate``
