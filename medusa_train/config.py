@@ -482,6 +482,12 @@ class TrainingConfig:
     """Checkpoint every N >= 1 optimizer steps (resumable)."""
     save_total_limit: int = run_only(2)
     """Checkpoints kept in workdir/train, >= 1 (older ones are deleted)."""
+    fsync_checkpoints: bool = run_only(True)
+    """Flush each checkpoint to disk (fsync) when saved, before training goes on and before an older
+    one is deleted: a power loss leaves a checkpoint to resume from. false saves as the HF Trainer does
+    (without fsync): faster for large checkpoints (the flush can take as long as the save itself),
+    but a power loss can leave the newest checkpoint damaged (skipped on resume) and, with
+    save_total_limit=1, none at all."""
     cache_hidden_states: bool = run_only(False)
     """Medusa-1: compute the backbone's last hidden states once into a memory-mapped store and
     train the heads from it (no backbone forward per epoch)."""

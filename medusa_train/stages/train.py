@@ -80,7 +80,6 @@ from medusa_train.training.model import logit_map_mismatch
 from medusa_train.training.recipes import Recipe, recipe_for
 from medusa_train.training.records import Records, check_draft_vocab_size, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
-    DurableCheckpointCallback,
     MedusaTrainer,
     MetricsScheduleCallback,
     PadCollator,
@@ -760,10 +759,10 @@ def _train(
                 *callbacks,
                 MetricsScheduleCallback(),
                 TrackerCallback(tracker),
-                DurableCheckpointCallback(),
                 *([budget] if budget else []),
             ],
             head_lr_multiplier=recipe.head_lr_multiplier,
+            fsync_checkpoints=tc.fsync_checkpoints,
         )
         t0 = time.time()
         try:

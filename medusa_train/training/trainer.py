@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, PREFIX_CHECKPOINT_DIR, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
@@ -74,16 +75,22 @@ def row_collator(records: list[dict]) -> dict[str, torch.Tensor]:
 
 # -- trainer ----------------------------------------------------------------------------------------
 class MedusaTrainer(Trainer):
-    """``Trainer`` with Medusa's optimizer groups and per-head metrics in the logs.
+    """``Trainer`` with Medusa's optimizer groups and per-head metrics in the logs, whose checkpoints
+    are on disk when saved.
 
     Args:
         head_lr_multiplier: heads lr = lr * multiplier (medusa2; 1.0 in medusa1 where only heads train).
+        fsync_checkpoints: flush each checkpoint to disk before training goes on and before the
+            rotation deletes an older one (:meth:`_save_checkpoint`); False saves as the Trainer does.
         All other arguments go to ``transformers.Trainer``.
     """
 
-    def __init__(self, *args, head_lr_multiplier: float = 1.0, **kwargs) -> None:
+    def __init__(
+        self, *args, head_lr_multiplier: float = 1.0, fsync_checkpoints: bool = True, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.head_lr_multiplier = head_lr_multiplier
+        self.fsync_checkpoints = fsync_checkpoints
         # Summed since the last log, (7K + 3,): every loss term summed over its rows and those rows (each
         # (2K + 1,), MedusaTrainingModel.forward's loss_sums / loss_rows), top-1 and top-5 hits, the
         # targets of the micro-batches that counted them (each (K,)), the Medusa-2 joint micro-batches.
@@ -112,6 +119,47 @@ class MedusaTrainer(Trainer):
         # embeddings (the embedded tiny one, many small models) failed at the first checkpoint.
         state = self.model.state_dict() if state_dict is None else state_dict
         super()._save(output_dir, state_dict=unshared(state))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's save of ``checkpoint-N``, with the new checkpoint on disk before the rotation
+        deletes any older one (``fsync_checkpoints``).
+
+        The Trainer and DeepSpeed write their files without fsync, and the Trainer deletes the
+        checkpoints beyond ``save_total_limit`` at the end of its save, before any callback runs: a
+        power loss then could leave the new checkpoint damaged (an empty optimizer.pt beside a
+        trainer_state.json that reached the disk: :func:`checkpoint_problem` skips it) and, with a
+        limit of 1, no older one to resume from. Here the rotation waits: every process flushes the
+        checkpoint once its own part is written (:func:`flush_checkpoint`: each rank its RNG state
+        and DeepSpeed shards; on a shared disk a file another rank already flushed costs nothing),
+        the processes wait for one another, then the saving ones delete what the Trainer would and
+        flush ``train/`` again (the deletions).
+
+        Cost, measured on a 2-core VM (2026-12-07): the write-back the disk does anyway, waited for
+        once per ``training.save_steps``. The tests' tiny checkpoint (6 files, 140 KB): 2-3 ms (the
+        first ~10 ms) beside ~8 ms for the Trainer's save of it. A 256 MB file: 0.46 s after a
+        0.57 s ``torch.save``, so a large checkpoint's save takes up to about twice as long.
+        """
+        if not self.fsync_checkpoints:
+            super()._save_checkpoint(model, trial)
+            return
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # the Trainer's rotation: below, once the new one is on disk
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = Path(self._get_output_dir(trial=trial))
+        flush_checkpoint(run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if limit is not None and limit > 0:
+            self.accelerator.wait_for_everyone()  # every rank's files on disk before anything is deleted
+            if self.args.should_save:
+                rotate_checkpoints(
+                    output_dir=str(run_dir),
+                    save_total_limit=limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    use_mtime=True,
+                )
+                fsync_dir(run_dir)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """The optimizer step's micro-batches and what each loss term of the step is divided by: its
@@ -220,6 +268,14 @@ def last_complete_checkpoint(train_dir: Path, remove_incomplete: bool = False) -
         if remove_incomplete:
             shutil.rmtree(path, ignore_errors=True)
     return None
+
+
+def flush_checkpoint(folder: Path) -> None:
+    """fsync every file and folder of the Trainer checkpoint ``folder``, then the folder holding it
+    (its name); nothing where this process has no such folder."""
+    if folder.is_dir():
+        fsync_tree(folder)
+        fsync_dir(folder.parent)
 
 
 TORCH_ARCHIVE_SUFFIXES = (".pt", ".pth", ".bin")
@@ -370,30 +426,6 @@ class MetricsScheduleCallback(TrainerCallback):
         if state.global_step >= state.max_steps:
             control.should_log = True
         return control
-
-
-class DurableCheckpointCallback(TrainerCallback):
-    """Puts each checkpoint the Trainer saves on disk before training goes on: every file and folder
-    of ``checkpoint-N`` fsynced, then the folder holding it (its name, and the older checkpoints the
-    Trainer's rotation deleted).
-
-    The Trainer and DeepSpeed write their files without fsync: after a power loss a checkpoint whose
-    trainer_state.json reached the disk could hold an empty optimizer.pt (:func:`checkpoint_problem`
-    skips such a one: the steps since the checkpoint before it are trained again).
-    Every process flushes the checkpoint once its own part is written (each rank its RNG state and
-    DeepSpeed shards; on a shared disk a file another rank already flushed costs nothing).
-
-    Cost, measured on a 2-core VM (2026-12-07): the write-back the disk does anyway, waited for once
-    per ``training.save_steps``. The tests' tiny checkpoint (6 files, 140 KB): 2-3 ms (the first
-    ~10 ms) beside ~8 ms for the Trainer's save of it. A 256 MB file: 0.46 s after a
-    0.57 s ``torch.save``, so a large checkpoint's save takes up to about twice as long.
-    """
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if folder.is_dir():
-            fsync_tree(folder)
-            fsync_dir(folder.parent)
 
 
 class TrackerCallback(TrainerCallback):

@@ -1,5 +1,5 @@
-"""Trainer checkpoints: which one a run resumes from (a damaged file skips it, read cheaply) and
-each one flushed to disk when the Trainer saves it.
+"""Trainer checkpoints: which one a run resumes from (a damaged or missing file skips it, read
+cheaply) and each one flushed to disk when the Trainer saves it, before an older one is deleted.
 
 The checkpoints here are built by hand in the Trainer's layout (plain and DeepSpeed's), from real
 ``torch.save`` / safetensors files; tests/stages/test_train.py resumes a real damaged one.
@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import TrainingArguments
 
+from medusa_train.heads import MedusaHeads
+from medusa_train.training.model import MedusaTrainingModel
 from medusa_train.training.trainer import (
-    DurableCheckpointCallback,
+    MedusaTrainer,
+    PadCollator,
     checkpoint_problem,
     file_damage,
+    flush_checkpoint,
     last_complete_checkpoint,
 )
 from tests.helpers.syncs import record_syncs
-from tests.helpers.training import trainer_checkpoint
+from tests.helpers.training import VOCAB, tiny_llama, trainer_checkpoint
 
 
 def _truncate(file: Path, keep: float = 0.5) -> None:
@@ -152,18 +157,88 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path: Path,
 
 
 @pytest.mark.parametrize("deepspeed", [False, True])
-def test_on_save_flushes_every_file_and_folder_of_the_checkpoint(
+def test_flush_checkpoint_flushes_every_file_and_folder_of_the_checkpoint(
     tmp_path: Path, monkeypatch, deepspeed: bool
 ) -> None:
     train = tmp_path / "train"
     path = trainer_checkpoint(train, 6, deepspeed=deepspeed)
     trainer_checkpoint(train, 3)  # an older one: already flushed at its own save
     events = record_syncs(monkeypatch)
-    args, state = SimpleNamespace(output_dir=str(train)), SimpleNamespace(global_step=6)
-    DurableCheckpointCallback().on_save(args, state, None)
+    flush_checkpoint(path)
     synced = {p for kind, p, _ in events if kind == "fsync"}
     everything = {p.resolve() for p in [path, *path.rglob("*")]}
     assert synced == everything | {train.resolve()}
+
+
+def _train_saving_every_step(tmp_path: Path, monkeypatch, fsync_checkpoints: bool) -> tuple[Path, list]:
+    """Two optimizer steps of a real MedusaTrainer (Medusa-1 heads on the tiny Llama), a checkpoint
+    after each and one kept (``save_total_limit=1``): ``train/`` and every fsync and folder deletion
+    in order (``("fsync", path, None)``, ``("rmtree", path, None)``)."""
+    backbone = tiny_llama()
+    torch.manual_seed(0)
+    heads = MedusaHeads(32, VOCAB, 2, 1)
+    heads.init_from_lm_head(backbone.get_output_embeddings().weight)
+    g = torch.Generator().manual_seed(0)
+    records = [{"input_ids": torch.randint(2, VOCAB, (9,), generator=g).tolist(), "loss_mask": [1] * 9}] * 2
+    train = tmp_path / "train"
+    args = TrainingArguments(
+        output_dir=str(train),
+        per_device_train_batch_size=1,
+        max_steps=2,
+        save_steps=1,
+        save_total_limit=1,
+        report_to="none",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = MedusaTrainer(
+        model=MedusaTrainingModel(heads, backbone, chunk_size=4),
+        args=args,
+        train_dataset=records,
+        data_collator=PadCollator(0),
+        fsync_checkpoints=fsync_checkpoints,
+    )
+    events = record_syncs(monkeypatch)
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs) -> None:
+        events.append(("rmtree", Path(path).resolve(), None))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    trainer.train()
+    return train.resolve(), events
+
+
+def test_the_new_checkpoint_is_on_disk_before_the_rotation_deletes_the_older_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With save_total_limit=1 the Trainer deletes the previous checkpoint as it saves a new one:
+    every file and folder of the new one, and its name in train/, are fsynced before that deletion
+    (a power loss in between leaves a checkpoint to resume from), and train/ after it."""
+    train, events = _train_saving_every_step(tmp_path, monkeypatch, fsync_checkpoints=True)
+    new, old = train / "checkpoint-2", train / "checkpoint-1"
+    assert sorted(p.name for p in train.iterdir()) == ["checkpoint-2"]
+    deletion = events.index(("rmtree", old, None))
+    before = {path for kind, path, _ in events[:deletion] if kind == "fsync"}
+    assert {new, *new.rglob("*"), train} <= before
+    assert ("fsync", train, None) in events[deletion + 1 :]
+
+
+@pytest.mark.parametrize("fsync_checkpoints", [True, False])
+def test_fsync_checkpoints_false_saves_without_fsync(tmp_path: Path, monkeypatch, fsync_checkpoints) -> None:
+    """training.fsync_checkpoints=false: the Trainer's save and rotation as they are, nothing
+    fsynced; true (the default): every file and folder of each checkpoint saved."""
+    train, events = _train_saving_every_step(tmp_path, monkeypatch, fsync_checkpoints)
+    assert sorted(p.name for p in train.iterdir()) == ["checkpoint-2"]  # rotated either way
+    synced = {path for kind, path, _ in events if kind == "fsync"}
+    new = train / "checkpoint-2"
+    if fsync_checkpoints:
+        assert {new, *new.rglob("*"), train, train / "checkpoint-1" / "trainer_state.json"} <= synced
+    else:
+        assert synced == set()
 
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "trainer_state.json"])
