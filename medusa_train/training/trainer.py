@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import shutil
 import time
 import warnings
@@ -31,6 +32,7 @@ from medusa_train.head_targets import IGNORE_INDEX
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.training.losses import lambda0_schedule
 from medusa_train.training.optim import FreezableAdamW, param_groups
+from medusa_train.training.zero import MODULE_STATE_SHARD, OPTIMIZER_STATE_FILE
 from medusa_train.workdir import fsync_dir, fsync_tree, read_json
 
 log = logging.getLogger(__name__)
@@ -282,6 +284,9 @@ TORCH_ARCHIVE_SUFFIXES = (".pt", ".pth", ".bin")
 """What ``torch.save`` writes in a Trainer checkpoint: optimizer, scheduler, RNG state, training
 arguments, DeepSpeed's module and optimizer shards."""
 
+RNG_STATE_OF_RANK = re.compile(r"rng_state_(\d+)\.pth")
+"""The Trainer's RNG state of one rank in a checkpoint of several (one process: ``rng_state.pth``)."""
+
 DEEPSPEED_LATEST = "latest"
 """DeepSpeed's file naming the ``global_stepN`` folder its resume loads (the Trainer passes no tag)."""
 
@@ -319,6 +324,9 @@ def checkpoint_problem(path: Path) -> str | None:
             problem = _deepspeed_latest_problem(path)
             if problem is not None:
                 return problem
+        problem = _missing_rank_files(path, files)
+        if problem is not None:
+            return problem
         for file in files:
             try:
                 damage = file_damage(file)
@@ -380,6 +388,35 @@ def _deepspeed_latest_problem(path: Path) -> str | None:
     if not tag or not (path / tag).is_dir() or not any((path / tag).glob("*model_states.pt")):
         return f"{DEEPSPEED_LATEST} is damaged (names no folder of the checkpoint with the module's states)"
     return None
+
+
+def _missing_rank_files(path: Path, files: list[Path]) -> str | None:
+    """Which files one rank writes (RNG state, ZeRO optimizer and ZeRO-3 module shards) some rank of
+    the checkpoint ``path`` lacks, or None.
+
+    The ranks that wrote it are counted from every such file (the highest rank any names, plus one):
+    a rank whose RNG state is there but whose shard is missing is named, not taken for a checkpoint
+    of fewer ranks. A last rank that wrote none of its files cannot be told from a run without it.
+    """
+    written: dict[tuple[Path, re.Pattern], dict[int, Path]] = {}
+    for file in files:
+        for pattern in (RNG_STATE_OF_RANK, OPTIMIZER_STATE_FILE, MODULE_STATE_SHARD):
+            if match := pattern.fullmatch(file.name):
+                written.setdefault((file.parent, pattern), {})[int(match.group(1))] = file
+    ranks = 1 + max((rank for of_kind in written.values() for rank in of_kind), default=-1)
+    missing = []
+    for (_, pattern), of_kind in written.items():
+        sample = next(iter(of_kind.values()))
+        start, end = pattern.fullmatch(sample.name).span(1)
+        for rank in sorted(set(range(ranks)) - set(of_kind)):
+            name = sample.parent / f"{sample.name[:start]}{rank}{sample.name[end:]}"
+            missing.append((rank, str(name.relative_to(path))))
+    if not missing:
+        return None
+    names = ", ".join(name for _, name in sorted(missing))
+    lacking = sorted({rank for rank, _ in missing})
+    which = f"rank{'s' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}"
+    return f"{names} {'is' if len(missing) == 1 else 'are'} missing ({which} of the {ranks} that wrote it)"
 
 
 def refused_pickle(checkpoint: Path) -> DamagedArtefactError:

@@ -265,6 +265,11 @@ OPTIMIZER_STATE_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_opt
 """One rank's part of ZeRO's optimizer state in a DeepSpeed checkpoint (``global_stepN/``), by its
 data-parallel rank (deepspeed ``runtime/engine.py: _get_zero_ckpt_name``)."""
 
+MODULE_STATE_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt")
+"""One rank's part of the module's parameters in a ZeRO-3 checkpoint (``global_stepN/``), by its
+data-parallel rank (deepspeed ``runtime/engine.py: _get_ckpt_name``; ZeRO-1/2 write the module
+whole, ``mp_rank_00_model_states.pt``, once)."""
+
 
 def check_checkpoint_ranks(checkpoint: Path) -> None:
     """Refuse to resume the Trainer checkpoint ``checkpoint`` of a DeepSpeed run written by another

@@ -65,21 +65,26 @@ def tiny_logit_step_model(arch: str, seed: int = 0) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def trainer_checkpoint(train: Path, step: int, deepspeed: bool = False) -> Path:
+def trainer_checkpoint(train: Path, step: int, deepspeed: bool = False, ranks: int = 1) -> Path:
     """A checkpoint of the Trainer's files (DeepSpeed's ``global_stepN/`` and ``latest`` instead of
-    optimizer.pt when ``deepspeed``), each a real file of its format."""
+    optimizer.pt when ``deepspeed``), each a real file of its format, as ``ranks`` processes write it
+    (several: one RNG state and one ZeRO optimizer shard per rank)."""
     path = train / f"checkpoint-{step}"
     path.mkdir(parents=True)
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     save_file({"heads.0.weight": torch.zeros(4, 4)}, str(path / "model.safetensors"))
     torch.save({"last_epoch": step}, path / "scheduler.pt")
-    torch.save({"cpu": torch.zeros(8, dtype=torch.uint8)}, path / "rng_state.pth")
+    for rank in range(ranks):
+        name = "rng_state.pth" if ranks == 1 else f"rng_state_{rank}.pth"
+        torch.save({"cpu": torch.zeros(8, dtype=torch.uint8)}, path / name)
     torch.save({"lr": 1e-3}, path / "training_args.bin")
     if deepspeed:
         tag = path / f"global_step{step}"
         tag.mkdir()
         torch.save({"module": {"w": torch.zeros(64)}}, tag / "mp_rank_00_model_states.pt")
-        torch.save({"state": {"w": torch.zeros(256)}}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        for rank in range(ranks):
+            shard = tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            torch.save({"state": {"w": torch.zeros(256)}}, shard)
         (path / "latest").write_text(tag.name)
         (path / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
     else:

@@ -157,6 +157,80 @@ def test_a_damaged_newest_checkpoint_falls_back_with_one_warning(tmp_path: Path,
 
 
 @pytest.mark.parametrize("deepspeed", [False, True])
+def test_a_whole_checkpoint_of_several_ranks_passes(tmp_path: Path, deepspeed: bool) -> None:
+    assert checkpoint_problem(trainer_checkpoint(tmp_path, 3, deepspeed=deepspeed, ranks=4)) is None
+
+
+def _zero3(path: Path) -> None:
+    """ZeRO-3's module states instead of ZeRO-1/2's: one shard per rank, not one file whole."""
+    tag = path / "global_step3"
+    for rank in (0, 1):
+        torch.save(
+            {"module": {"w": torch.zeros(32)}}, tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        )
+    (tag / "mp_rank_00_model_states.pt").unlink()
+
+
+# (ranks, what is removed, ZeRO-3) -> what the problem says
+MISSING_RANK_FILES = {
+    "the last rank's optimizer shard": (
+        2,
+        ["global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+        False,
+        "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt is missing (rank 1 of the 2 that wrote it)",
+    ),
+    "the first rank's optimizer shard": (
+        2,
+        ["global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+        False,
+        "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt is missing (rank 0 of the 2 that wrote it)",
+    ),
+    "two ranks' shards of four": (
+        4,
+        [
+            "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "global_step3/zero_pp_rank_3_mp_rank_00_optim_states.pt",
+        ],
+        False,
+        "global_step3/zero_pp_rank_1_mp_rank_00_optim_states.pt, global_step3/zero_pp_rank_3_mp_rank_00_optim_states.pt "
+        "are missing (ranks 1, 3 of the 4 that wrote it)",
+    ),
+    "a rank's RNG state": (
+        2,
+        ["rng_state_1.pth"],
+        False,
+        "rng_state_1.pth is missing (rank 1 of the 2 that wrote it)",
+    ),
+    "a ZeRO-3 module shard": (
+        2,
+        ["global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt"],
+        True,
+        "global_step3/zero_pp_rank_1_mp_rank_00_model_states.pt is missing (rank 1 of the 2 that wrote it)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MISSING_RANK_FILES)
+def test_a_missing_file_of_one_rank_is_named_with_its_rank(tmp_path: Path, caplog, case: str) -> None:
+    """One rank's shard (or RNG state) missing is named, with the rank, as the reason the checkpoint
+    is skipped: the ranks that wrote it are counted from every rank's files, so a checkpoint of 2
+    ranks lacking one shard is not taken for a checkpoint of 1 (refused as written by 1 rank, or
+    resumed by 1 process where DeepSpeed would stop at it)."""
+    ranks, removed, zero3, problem = MISSING_RANK_FILES[case]
+    train = tmp_path / "train"
+    trainer_checkpoint(train, 2, deepspeed=True, ranks=ranks)
+    path = trainer_checkpoint(train, 3, deepspeed=True, ranks=ranks)
+    if zero3:
+        _zero3(path)
+    for name in removed:
+        (path / name).unlink()
+    assert checkpoint_problem(path) == problem
+    with caplog.at_level(logging.WARNING, logger="medusa_train.training.trainer"):
+        assert last_complete_checkpoint(train) == str(train / "checkpoint-2")
+    assert [r.getMessage() for r in caplog.records] == [f"ignoring checkpoint {path}: {problem}"]
+
+
+@pytest.mark.parametrize("deepspeed", [False, True])
 def test_flush_checkpoint_flushes_every_file_and_folder_of_the_checkpoint(
     tmp_path: Path, monkeypatch, deepspeed: bool
 ) -> None:
