@@ -75,6 +75,7 @@ from medusa_train.backbone import (
     recorded_base,
     trained_backbone_dir,
 )
+from medusa_train.card_inputs import calibration_input, read_checked
 from medusa_train.decoding.attention import (
     ATTENTION_CHOICES,
     AttentionBackendError,
@@ -514,22 +515,34 @@ def _calibration_of(choices_path: Path, choices: list[list[int]]) -> tuple[str, 
     (resolved: "sdpa", "triton" or "cuda") its latency curve was timed with and the cached tokens it
     was timed at, when the tree it chose is ``choices`` (an export of a pinned tree ships the
     calibration of the heads' own): the same paths (its ``tree.choices``), or in a calibration.json
-    without them the same node count; None without one, or one that does not say."""
+    without them the same node count; None without one, or one that does not say.
+
+    Checked as stage=eval and the export's card check it
+    (:func:`~medusa_train.card_inputs.calibration_input`): a damaged one is None too, with one warning
+    naming the file, what is wrong and the repair (eval refuses it; decoding needs only the default
+    attention from it)."""
     path = choices_path.parent / CALIBRATION
-    if not path.is_file():
-        return None
-    try:
-        tree = json.loads(path.read_text()).get("tree") or {}
-        attention, context = tree["calibrated_for"]["attention"], tree["context_len"]
-        chosen = tree.get("choices")
-        same = (
-            sorted(map(tuple, chosen)) == sorted(map(tuple, choices))
-            if chosen is not None
-            else tree["best"]["nodes"] == len(choices)
+    expected = calibration_input(path.parent)
+    calibration, problem = read_checked(path, expected)
+    if problem is not None:
+        message = (
+            f"{path} is damaged ({problem}): {expected.repair}; the Medusa tree is decoded with "
+            "medusa_attention='auto'"
         )
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        if message not in _WARNED:
+            _WARNED.add(message)
+            log.warning(message)
         return None
-    if attention not in ("sdpa", "triton", "cuda") or not isinstance(context, int) or not same:
+    tree = (calibration or {}).get("tree") or {}
+    attention = (tree.get("calibrated_for") or {}).get("attention")
+    context = tree.get("context_len")
+    chosen = tree.get("choices")
+    same = (
+        sorted(map(tuple, chosen)) == sorted(map(tuple, choices))
+        if chosen is not None
+        else (tree.get("best") or {}).get("nodes") == len(choices)
+    )
+    if attention not in ("sdpa", "triton", "cuda") or context is None or not same:
         return None
     return attention, context
 

@@ -24,13 +24,18 @@ import platform
 import re
 import statistics
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
 
+from medusa_train.card_inputs import (
+    NULL,
+    NUMBER,
+    CardInput,
+    calibration_input,
+    read_checked,
+)
 from medusa_train.data.distilled import REGENERATE, data_key
 from medusa_train.decoding.timing import speedup_figures
 from medusa_train.formats import (
@@ -559,9 +564,9 @@ def write_model_card(export_dir: Path, *, heads_dir: Path, wd: Workdir) -> None:
         read_json(wd.distill / MANIFEST, MANIFEST_INPUT),
         read_json(wd.eval / REPORT_JSON, REPORT_INPUT),
     )
-    calibration = read_json(export_dir / CALIBRATION, CALIBRATION_INPUT)
+    calibration = read_json(export_dir / CALIBRATION, calibration_input(export_dir))
     if calibration is None and report is not None:  # eval measured these heads: their calibration is theirs
-        calibration = read_json(heads_dir / CALIBRATION, CALIBRATION_INPUT)
+        calibration = read_json(heads_dir / CALIBRATION, calibration_input(heads_dir))
     choices = json.loads((export_dir / CHOICES).read_text())
     tree_name = (
         report.get("tree") if report is not None and not measured_another_tree(report, choices) else None
@@ -1088,86 +1093,31 @@ def _bullets(d: dict, depth: int = 0) -> list[str]:
     return out
 
 
-# -- the JSON files the card reads ------------------------------------------------------------------
-_NUMBER = (int, float)
-_NULL = type(None)
-
-
-@dataclass(frozen=True)
-class CardInput:
-    """What the model card reads of one JSON file an earlier stage wrote (of calibration.json, also
-    what export, eval and train read of it: one description, so a file the card leaves out is the one
-    export does not ship and eval refuses, see :func:`shape_problem`).
-
-    ``fields``: each entry read, as a dotted path (``[]`` for every item of a list; a final ``!``: the
-    entry must be there when the object holding it is not empty), with the JSON types it may have; an
-    absent entry is fine unless marked. ``repair``: the command that writes the file again. ``rule``:
-    what the fields' types cannot say (None: nothing), the problem of a file whose fields are right or
-    None.
-    """
-
-    fields: dict[str, tuple[type, ...]]
-    repair: str
-    rule: Callable[[dict], str | None] | None = None
-
-
-def _equal_rows(calibration: dict) -> str | None:
-    """The head accuracy table is one row per head, every row as long (eval stacks it into a tensor)."""
-    rows = calibration.get("head_topk_accuracy") or []
-    if len({len(row) for row in rows}) > 1:
-        return (
-            f"'head_topk_accuracy' has rows of {sorted({len(row) for row in rows})} entries, not one length"
-        )
-    return None
-
-
-CALIBRATION_INPUT = CardInput(
-    {
-        "head_topk_accuracy": (list, _NULL),
-        "head_topk_accuracy[]": (list,),
-        "head_topk_accuracy[][]": _NUMBER,
-        "tree": (dict, _NULL),
-        "tree.choices": (list, _NULL),
-        "tree.choices[]": (list,),
-        "tree.choices[][]": (int,),
-        "tree.best": (dict, _NULL),
-        "tree.best.nodes": (int, _NULL),
-        "tree.context_len": (int,),
-        "tree.calibrated_for": (dict, _NULL),
-        "tree.calibrated_for.device!": (str,),
-        "tree.calibrated_for.dtype!": (str,),
-        "tree.calibrated_for.attention": (str,),
-    },
-    "run `python -m medusa_train stage=train` (same settings) to calibrate again",
-    _equal_rows,
-)
-"""stage=train's calibration.json: head accuracy, the chosen tree, where it was calibrated and at which
-context its latency curve was timed (stage=eval's fit of the tree to its device reads that too)."""
-
+# -- the JSON files the card reads (calibration.json's: card_inputs) -----------------------------------
 REPORT_INPUT = CardInput(
     {
-        HEADS_FINGERPRINT: (str, _NULL),
-        "tau": _NUMBER,
-        "speedup!": _NUMBER,
-        "speedup_q25": _NUMBER,
-        "speedup_q75": _NUMBER,
-        "tokens_per_s_medusa": _NUMBER,
-        "tokens_per_s_baseline": _NUMBER,
-        "greedy_identical": _NUMBER,
-        "machine": (dict, _NULL),
-        "tree_choices": (list, _NULL),
+        HEADS_FINGERPRINT: (str, NULL),
+        "tau": NUMBER,
+        "speedup!": NUMBER,
+        "speedup_q25": NUMBER,
+        "speedup_q75": NUMBER,
+        "tokens_per_s_medusa": NUMBER,
+        "tokens_per_s_baseline": NUMBER,
+        "greedy_identical": NUMBER,
+        "machine": (dict, NULL),
+        "tree_choices": (list, NULL),
         "tree_choices[]": (list,),
         "tree_choices[][]": (int,),
-        "tree_fit": (dict, _NULL),
-        "tree_fit.choices": (list, _NULL),
-        "tree_fit.calibrated_for": (dict, _NULL),
+        "tree_fit": (dict, NULL),
+        "tree_fit.choices": (list, NULL),
+        "tree_fit.calibrated_for": (dict, NULL),
         "tree_fit.calibrated_for.device!": (str,),
         "tree_fit.calibrated_for.dtype!": (str,),
         "tree_fit.calibrated_for.attention": (str,),
-        "vllm_chain": (list, _NULL),
+        "vllm_chain": (list, NULL),
         "vllm_chain[]": (dict,),
         "vllm_chain[].num_speculative_tokens!": (int,),
-        "vllm_chain[].tau!": _NUMBER,
+        "vllm_chain[].tau!": NUMBER,
     },
     "run `python -m medusa_train stage=eval` to measure the heads again",
 )
@@ -1175,9 +1125,9 @@ REPORT_INPUT = CardInput(
 
 MANIFEST_INPUT = CardInput(
     {
-        "quick_settings": (dict, _NULL),
-        "quick_settings.backbone_source": (dict, _NULL),
-        "quick_settings.backbone_source.revision": (str, _NULL),
+        "quick_settings": (dict, NULL),
+        "quick_settings.backbone_source": (dict, NULL),
+        "quick_settings.backbone_source.revision": (str, NULL),
     },
     REGENERATE,
 )
@@ -1190,74 +1140,13 @@ def read_json(
 ) -> dict | None:
     """The JSON object in ``path`` as the card reads it; None when it is missing or damaged.
 
-    Damaged: unreadable, not valid JSON (nesting too deep included), or :func:`shape_problem`. The
-    card is written without a damaged file (as without a missing one: an export never fails over
+    Damaged: unreadable, not valid JSON (nesting too deep included), or
+    :func:`~medusa_train.card_inputs.shape_problem` (:func:`~medusa_train.card_inputs.read_checked`).
+    The card is written without a damaged file (as without a missing one: an export never fails over
     eval's or distill's records), and a warning line names the file, what is wrong,
     ``expected.repair`` and ``consequence`` (what goes on without the file).
     """
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        problem = f"cannot be read: {err.strerror or err}"
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, nesting too deep
-        problem = (
-            f"not valid JSON: {err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__}"
-        )
-    else:
-        problem = shape_problem(data, expected)
-    if problem is None:
-        return data
-    log.warning("%s is damaged (%s): %s; %s", path, problem, expected.repair, consequence)
-    return None
-
-
-def shape_problem(data: object, expected: CardInput) -> str | None:
-    """What makes the parsed JSON ``data`` other than ``expected`` describes: not an object, or the
-    first entry of ``expected.fields`` it holds with another type, or lacks though required, as
-    "'tree.best' is a JSON list where an object is expected"; None if nothing.
-
-    The one check of calibration.json's shape: the card and export leave a file with a problem out
-    (:func:`read_json`), stage=eval refuses it and stage=train calibrates again."""
-    if not isinstance(data, dict):
-        return f"{_json_kind(data)} where an object is expected"
-    for spec, types in expected.fields.items():
-        required = spec.endswith("!")
-        *outer, last = re.findall(r"\[\]|[^.\[\]!]+", spec)  # "a[].b!" -> "a", "[]", "b"
-        holders: list[tuple[object, str]] = [(data, "")]  # (value, its dotted name)
-        for step in outer:  # what holds the entry; a holder of the wrong type is its own entry's problem
-            holders = [child for value, where in holders for child in _children(value, where, step)]
-        for holder, where in holders:
-            if required and isinstance(holder, dict) and holder and last not in holder:
-                return f"lacks '{_join(where, last)}'"
-            for value, name in _children(holder, where, last, nulls=True):
-                if not isinstance(value, types):
-                    want = _json_kind(types[0], article=True)
-                    return f"'{name}' is {_json_kind(value)} where {want} is expected"
-    return None if expected.rule is None else expected.rule(data)
-
-
-def _children(value: object, where: str, step: str, *, nulls: bool = False) -> list[tuple[object, str]]:
-    """``(child, dotted name)`` of what ``step`` ("[]": every item, else a key) reaches in ``value``
-    (named ``where``); a null child only with ``nulls``."""
-    if step == "[]":
-        return [(v, f"{where}[{i}]") for i, v in enumerate(value)] if isinstance(value, list) else []
-    if isinstance(value, dict) and step in value and (nulls or value[step] is not None):
-        return [(value[step], _join(where, step))]
-    return []
-
-
-def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _json_kind(value, *, article: bool = False) -> str:
-    """``value``'s JSON kind with its article ("a JSON list", "JSON null"); of a type with ``article``
-    ("an object", "a number")."""
-    kind = value if isinstance(value, type) else type(value)
-    name = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    noun = name.get(kind, "null" if kind is _NULL else kind.__name__)
-    if article:
-        return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
-    return "JSON null" if noun == "null" else f"{'an' if noun[0] in 'aeiou' else 'a'} JSON {noun}"
+    data, problem = read_checked(path, expected)
+    if problem is not None:
+        log.warning("%s is damaged (%s): %s; %s", path, problem, expected.repair, consequence)
+    return data

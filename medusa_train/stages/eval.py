@@ -65,6 +65,7 @@ from medusa_train.backbone import (
     older_fingerprint,
     resolve_device,
 )
+from medusa_train.card_inputs import calibration_input, shape_problem
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
@@ -99,7 +100,6 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
-    CALIBRATION_INPUT,
     HEADS_FINGERPRINT,
     alternatives,
     calibrated_machine,
@@ -109,7 +109,6 @@ from medusa_train.report import (
     machine_info,
     recommend_speculative_tokens,
     report_markdown,
-    shape_problem,
     summarise,
     top1_top5,
     write_model_card,
@@ -649,10 +648,7 @@ def static_setting(capture: str, attention: dict[int, str], vs_compiled: float) 
     return f"{capture}, {used}; {vs_compiled:.2f}x compiled plain"
 
 
-_RECALIBRATE = (
-    "run `python -m medusa_train stage=train` (same settings) to calibrate again, or delete it to "
-    "evaluate the tree without it"
-)
+_WITHOUT_CALIBRATION = "or delete it to evaluate the tree without it"
 
 
 def calibration_files(heads_dir: Path) -> list[Path]:
@@ -679,20 +675,24 @@ def stored_topk(heads_dir: Path) -> tuple[list[list[float]], Path] | None:
 
 def read_calibration(path: Path) -> dict:
     """The calibration.json at ``path`` (stage=train's, or the copy an export ships), checked entry by
-    entry as the export's card checks it (:data:`~medusa_train.report.CALIBRATION_INPUT`).
+    entry as the export's card checks it (:func:`~medusa_train.card_inputs.calibration_input`).
 
     Refused, as one that does not parse is: eval can neither say where the stored tree was fitted nor
     fit it again without the file, so going on would evaluate something else than asked, silently;
-    deleting the file is how to evaluate the tree without it (as eval does where there is none).
+    deleting the file is how to evaluate the tree without it (as eval does where there is none). The
+    repair named: stage=train for the heads' own, stage=export (after stage=train where the heads'
+    own is damaged too) for an export's copy.
 
     Raises:
         DamagedArtefactError: unreadable, not valid JSON (not UTF-8, nested too deep), not an object,
             or an entry of the wrong type or missing; one line naming the file and the repair.
     """
-    calibration = read_json(path, repair=_RECALIBRATE)
-    problem = shape_problem(calibration, CALIBRATION_INPUT)
+    expected = calibration_input(path.parent)
+    repair = f"{expected.repair}, {_WITHOUT_CALIBRATION}"
+    calibration = read_json(path, repair=repair)
+    problem = shape_problem(calibration, expected)
     if problem is not None:
-        raise DamagedArtefactError(f"{path} is damaged ({problem}): {_RECALIBRATE}")
+        raise DamagedArtefactError(f"{path} is damaged ({problem}): {repair}")
     return calibration
 
 

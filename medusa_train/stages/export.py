@@ -46,6 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, load_backbone_for_heads
+from medusa_train.card_inputs import calibration_input
 from medusa_train.custom_generate import write_custom_generate
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
@@ -64,7 +65,6 @@ from medusa_train.formats import (
 )
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
-    CALIBRATION_INPUT,
     HEADS_FINGERPRINT,
     MANIFEST_INPUT,
     REPORT_INPUT,
@@ -259,13 +259,13 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
     """Step 4: the tree, the calibration (lets stage=eval on the export report head accuracy),
     ``custom_generate/`` and the model card (stage=eval adds its figures when it runs later).
 
-    A damaged calibration.json (:data:`~medusa_train.report.CALIBRATION_INPUT`) is left out of the
+    A damaged calibration.json (:data:`~medusa_train.card_inputs.CALIBRATION_INPUT`) is left out of the
     export as of its card, with one warning line naming it, as the card's other optional inputs are:
     the export ships no file stage=eval on it would refuse."""
     atomic_write_text(tmp / CHOICES, json.dumps(source.choices) + "\n")
     calibration = read_json(
         source.heads_dir / CALIBRATION,
-        CALIBRATION_INPUT,
+        calibration_input(source.heads_dir),
         consequence="the export and its model card are written without it",
     )
     if calibration is not None:

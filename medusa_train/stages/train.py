@@ -64,6 +64,7 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from medusa_train.card_inputs import CALIBRATION_INPUT, shape_problem
 from medusa_train.config import Config, TrainingConfig
 from medusa_train.data.distilled import check_made_by, data_key, load_distilled, read_manifest
 from medusa_train.decoding.attention import AttentionBackendError
@@ -72,7 +73,6 @@ from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.head_targets import logit_map
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import CALIBRATION_INPUT, shape_problem
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
@@ -497,7 +497,7 @@ def trained_with(heads_dir: Path, settings: dict, recipe: Recipe) -> dict | None
 def calibrated_with(heads_dir: Path) -> dict | None:
     """The calibration settings stored in ``heads_dir/calibration.json`` (None: none recorded, or
     the file is damaged, an entry its readers take of the wrong type included
-    (:func:`~medusa_train.report.shape_problem`): the calibration then runs again, as the message of
+    (:func:`~medusa_train.card_inputs.shape_problem`): the calibration then runs again, as the message of
     stage=eval's refusal of such a file says)."""
     try:
         calibration = read_json(heads_dir / CALIBRATION, repair=_RETRAIN)

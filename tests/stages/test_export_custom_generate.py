@@ -30,10 +30,13 @@ from transformers.generation.streamers import BaseStreamer
 
 import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.backbone import local_fingerprint
+from medusa_train.card_inputs import CALIBRATION_INPUT, EXPORTED_CALIBRATION_INPUT
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
 from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
 from medusa_train.decoding.generate import PackedHeads
+from medusa_train.errors import DamagedArtefactError
 from medusa_train.formats import load_heads
+from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
 from medusa_train.workdir import HEADS_WEIGHTS
 from tests.helpers.models import tiny_model
@@ -720,6 +723,78 @@ def test_a_calibration_of_another_tree_decides_nothing(
         _medusa(model, export_dir, **one, max_new_tokens=4)
         assert seen[-1] == expected, root
     release(model)
+
+
+EXPORT_AGAIN = EXPORTED_CALIBRATION_INPUT.repair
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        ({"tree": {"context_len": "4k"}}, "'tree.context_len' is a JSON string where a number is expected"),
+        ({"tree": {"calibrated_for": "H100"}}, "'tree.calibrated_for' is a JSON string where an object"),
+        (
+            {"tree": {"calibrated_for": {"dtype": "bfloat16", "attention": "triton"}}},
+            "lacks 'tree.calibrated_for.device'",
+        ),
+        ({"tree": {"choices": [[0], "x"]}}, "'tree.choices[1]' is a JSON string where a list is expected"),
+        ({"tree": [1, 2]}, "'tree' is a JSON list where an object is expected"),
+        ({"head_topk_accuracy": [[0.5, 0.6], [0.4]]}, "'head_topk_accuracy' has rows of [1, 2] entries"),
+        ({"head_topk_accuracy": [[0.5, "x"]]}, "'head_topk_accuracy[0][1]' is a JSON string where a number"),
+        (b"[1, 2]", "a JSON list where an object is expected"),
+        (b"not json", "not valid JSON: Expecting value"),
+        (b'{"tree": {"calibrated_for": {"device": "\xff"}}}', "not valid JSON: UnicodeDecodeError"),
+    ],
+)
+def test_custom_generate_reads_a_calibration_as_eval_does(
+    workdir: Path, tmp_path, monkeypatch, caplog, damage, problem
+) -> None:
+    """custom_generate checks the export's calibration.json as stage=eval (and the card) do: a file eval
+    refuses (wrong types, missing keys, ragged rows, not JSON) decides
+    nothing (the default attention is auto) and is one warning with eval's problem and repair
+    (stage=export: the export's copy); the same file whole is read by both."""
+    import medusa_train.custom_generate as custom_generate
+
+    monkeypatch.setattr(custom_generate, "_WARNED", set())
+    export_dir = _calibrated_export(workdir, tmp_path, "triton", 256)
+    path, tree_file = export_dir / "calibration.json", export_dir / "medusa_choices.json"
+    choices = json.loads(tree_file.read_text())
+    whole = json.loads(path.read_text())
+    assert custom_generate._calibration_of(tree_file, choices) == ("triton", 256)
+    assert eval_stage.read_calibration(path) == whole
+    if isinstance(damage, bytes):
+        path.write_bytes(damage)
+    else:
+        tree = damage.get("tree")
+        merged = {**whole["tree"], **tree} if isinstance(tree, dict) else tree
+        path.write_text(json.dumps({**whole, **damage, **({"tree": merged} if "tree" in damage else {})}))
+    with pytest.raises(DamagedArtefactError) as refused:
+        eval_stage.read_calibration(path)
+    assert str(refused.value).startswith(f"{path} is damaged ({problem}"), refused.value
+    assert EXPORT_AGAIN in str(refused.value)
+    with caplog.at_level(logging.WARNING, logger="medusa_train.custom_generate"):
+        assert custom_generate._calibration_of(tree_file, choices) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "medusa_train.custom_generate"]
+    assert len(lines) == 1 and lines[0].startswith(f"{path} is damaged ({problem}"), lines
+    assert lines[0].endswith(f"): {EXPORT_AGAIN}; the Medusa tree is decoded with medusa_attention='auto'")
+
+
+def test_custom_generate_names_stage_train_for_a_heads_folders_calibration(
+    workdir: Path, tmp_path, monkeypatch, caplog
+) -> None:
+    """medusa_heads= a heads folder: its damaged calibration.json is stage=train's to write again, as
+    eval says."""
+    import medusa_train.custom_generate as custom_generate
+
+    monkeypatch.setattr(custom_generate, "_WARNED", set())
+    heads = Path(shutil.copytree(workdir / "heads", tmp_path / "heads"))
+    path, tree_file = heads / "calibration.json", heads / "medusa_choices.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "head_topk_accuracy": [[0.5], [0.4, 0.3]]}))
+    with pytest.raises(DamagedArtefactError, match=re.escape(CALIBRATION_INPUT.repair)):
+        eval_stage.read_calibration(path)
+    with caplog.at_level(logging.WARNING, logger="medusa_train.custom_generate"):
+        assert custom_generate._calibration_of(tree_file, json.loads(tree_file.read_text())) is None
+    assert f"): {CALIBRATION_INPUT.repair}; the Medusa tree" in caplog.text
 
 
 @pytest.mark.parametrize(

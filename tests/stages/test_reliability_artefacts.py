@@ -413,6 +413,33 @@ def test_a_calibration_with_an_entry_of_the_wrong_type_is_one_line_for_eval(
     assert calibrated_with(wd / "heads") is None
 
 
+EVAL_EXPORT_AGAIN = (
+    "run `python -m medusa_train stage=export` (same settings) to copy the heads' calibration.json into the "
+    "export again (`python -m medusa_train stage=train` first, same settings, if the heads' own is damaged "
+    "too), or delete it to evaluate the tree without it"
+)
+
+
+@pytest.mark.parametrize("heads", ["export/medusa", "export"])
+def test_a_damaged_calibration_in_an_export_names_stage_export(
+    heads_workdir, tmp_path, capsys, heads
+) -> None:
+    """Eval of an export (its medusa/ folder, or the export folder) whose calibration.json is damaged:
+    one line naming stage=export, which copies the heads' own again (stage=train alone skips: the heads'
+    own is whole), and the repair holds."""
+    wd = _fresh_copy(heads_workdir, tmp_path / "wd")
+    export.run(tiny_cfg(wd, "stage=export"))
+    copy = wd / "export" / "calibration.json"
+    copy.write_text(json.dumps({**json.loads(copy.read_text()), "tree": [1, 2]}))
+    line = _one_error_line(capsys, ["stage=eval", *tiny_overrides(wd), f"eval.heads_dir={wd / heads}"])
+    assert line == (
+        f"error: {copy} is damaged ('tree' is a JSON list where an object is expected): {EVAL_EXPORT_AGAIN}"
+    ), line
+    export.run(tiny_cfg(wd, "stage=export"))
+    assert copy.read_bytes() == (wd / "heads" / "calibration.json").read_bytes()
+    assert eval_stage.stored_topk(wd / heads) is not None
+
+
 # -- generic checks ----------------------------------------------------------------------------------
 def test_read_json_names_the_file_and_the_repair(tmp_path) -> None:
     path = tmp_path / "x.json"

@@ -187,6 +187,11 @@ def test_card_matches_the_calibration_to_the_exported_tree_by_its_paths(tmp_path
 
 
 CALIBRATE_AGAIN = "run `python -m medusa_train stage=train` (same settings) to calibrate again"
+EXPORT_AGAIN = (  # the export's copy: stage=export copies the heads' own again
+    "run `python -m medusa_train stage=export` (same settings) to copy the heads' calibration.json into the "
+    "export again (`python -m medusa_train stage=train` first, same settings, if the heads' own is damaged "
+    "too)"
+)
 MEASURE_AGAIN = "run `python -m medusa_train stage=eval` to measure the heads again"
 
 
@@ -194,7 +199,8 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
     """calibration.json and eval/report.json with an entry the card reads of the wrong type (or missing,
     or nested deeper than the parser goes, or not UTF-8): export, and eval's rewrite of the card, write
     it without that file, and one warning line names the file, what is wrong and what writes it again
-    (no traceback); export does not ship a damaged calibration.json either."""
+    (no traceback): for the export's copy of calibration.json, stage=export, which copies the heads'
+    own again; export does not ship a damaged calibration.json either."""
     root = _measured_workdir(tmp_path / "run")
     wd = Workdir(root)
     export.run(tiny_cfg(root, "stage=export"))
@@ -246,7 +252,7 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
         else:
             path.write_text(content if isinstance(content, str) else json.dumps(content))
         lines = card_warnings(lambda: write_model_card(wd.export, heads_dir=wd.heads, wd=wd))
-        repair = CALIBRATE_AGAIN if path == calibration_path else MEASURE_AGAIN
+        repair = EXPORT_AGAIN if path == calibration_path else MEASURE_AGAIN
         assert len(lines) == 1 and "\n" not in lines[0], lines
         assert lines[0].startswith(f"{path} is damaged ({problem}"), lines[0]
         assert lines[0].endswith(f"): {repair}; the model card is written without it"), lines[0]
