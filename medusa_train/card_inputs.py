@@ -23,6 +23,7 @@ from pathlib import Path
 from medusa_train.formats import layout_dir
 
 NUMBER = (int, float)
+"""A JSON number (a JSON ``true``/``false`` is not one, though Python's bool is an int)."""
 NULL = type(None)
 
 
@@ -113,7 +114,8 @@ def read_checked(path: Path, expected: CardInput) -> tuple[dict | None, str | No
 def shape_problem(data: object, expected: CardInput) -> str | None:
     """What makes the parsed JSON ``data`` other than ``expected`` describes: not an object, or the
     first entry of ``expected.fields`` it holds with another type, or lacks though required, as
-    "'tree.best' is a JSON list where an object is expected"; None if nothing.
+    "'tree.best' is a JSON list where an object is expected"; None if nothing. A JSON ``true`` or
+    ``false`` is no number.
 
     The one check of calibration.json's shape: the card and export leave a file with a problem out
     (:func:`~medusa_train.report.read_json`), stage=eval refuses it, stage=train calibrates again and
@@ -130,7 +132,8 @@ def shape_problem(data: object, expected: CardInput) -> str | None:
             if required and isinstance(holder, dict) and holder and last not in holder:
                 return f"lacks '{_join(where, last)}'"
             for value, name in _children(holder, where, last, nulls=True):
-                if not isinstance(value, types):
+                # bool is an int subclass: JSON true/false only where a boolean is expected
+                if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                     want = _json_kind(types[0], article=True)
                     return f"'{name}' is {_json_kind(value)} where {want} is expected"
     return None if expected.rule is None else expected.rule(data)

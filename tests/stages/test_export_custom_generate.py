@@ -731,7 +731,9 @@ EXPORT_AGAIN = EXPORTED_CALIBRATION_INPUT.repair
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
+        ({"tree": {"context_len": True}}, "'tree.context_len' is a JSON boolean where a number is expected"),
         ({"tree": {"context_len": "4k"}}, "'tree.context_len' is a JSON string where a number is expected"),
+        ({"tree": {"best": {"nodes": True}}}, "'tree.best.nodes' is a JSON boolean where a number"),
         ({"tree": {"calibrated_for": "H100"}}, "'tree.calibrated_for' is a JSON string where an object"),
         (
             {"tree": {"calibrated_for": {"dtype": "bfloat16", "attention": "triton"}}},
@@ -750,7 +752,7 @@ def test_custom_generate_reads_a_calibration_as_eval_does(
     workdir: Path, tmp_path, monkeypatch, caplog, damage, problem
 ) -> None:
     """custom_generate checks the export's calibration.json as stage=eval (and the card) do: a file eval
-    refuses (wrong types, missing keys, ragged rows, not JSON) decides
+    refuses (wrong types, a JSON boolean for a number, missing keys, ragged rows, not JSON) decides
     nothing (the default attention is auto) and is one warning with eval's problem and repair
     (stage=export: the export's copy); the same file whole is read by both."""
     import medusa_train.custom_generate as custom_generate

@@ -196,11 +196,12 @@ MEASURE_AGAIN = "run `python -m medusa_train stage=eval` to measure the heads ag
 
 
 def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplog) -> None:
-    """calibration.json and eval/report.json with an entry the card reads of the wrong type (or missing,
-    or nested deeper than the parser goes, or not UTF-8): export, and eval's rewrite of the card, write
-    it without that file, and one warning line names the file, what is wrong and what writes it again
-    (no traceback): for the export's copy of calibration.json, stage=export, which copies the heads'
-    own again; export does not ship a damaged calibration.json either."""
+    """calibration.json and eval/report.json with an entry the card reads of the wrong type (a JSON
+    boolean for a number too), or missing, or nested deeper than the parser goes, or not UTF-8: export,
+    and eval's rewrite of the card, write it without that file, and one warning line names the file,
+    what is wrong and what writes it again (no traceback): for the export's copy of calibration.json,
+    stage=export, which copies the heads' own again; export does not ship a damaged calibration.json
+    either."""
     root = _measured_workdir(tmp_path / "run")
     wd = Workdir(root)
     export.run(tiny_cfg(root, "stage=export"))
@@ -227,8 +228,19 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
             {**calibration, "head_topk_accuracy": [[0.5, "x"]]},
             "'head_topk_accuracy[0][1]' is a JSON string where a number is expected",
         ),
+        (
+            calibration_path,
+            {**calibration, "head_topk_accuracy": [[0.5, True]]},
+            "'head_topk_accuracy[0][1]' is a JSON boolean where a number is expected",
+        ),
+        (
+            calibration_path,
+            {**calibration, "tree": {**calibration["tree"], "context_len": True}},
+            "'tree.context_len' is a JSON boolean where a number is expected",
+        ),
         (report_path, {**report, "tree_fit": "x"}, "'tree_fit' is a JSON string where an object is expected"),
         (report_path, {**report, "tau": None}, "'tau' is JSON null where a number is expected"),
+        (report_path, {**report, "tau": False}, "'tau' is a JSON boolean where a number is expected"),
         (report_path, {**report, "vllm_chain": [{"num_speculative_tokens": 1}]}, "lacks 'vllm_chain[0].tau'"),
         (
             report_path,

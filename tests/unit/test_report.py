@@ -1,5 +1,6 @@
 """The export's model card: a Hub card (YAML front matter), what it tells a user about each engine's
-loader (docs/pipeline.md), and the vLLM `num_speculative_tokens` it recommends."""
+loader (docs/pipeline.md), the vLLM `num_speculative_tokens` it recommends, and the check of the JSON
+files it reads (a JSON boolean is no number)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import pytest
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard import metadata_load
 
+from medusa_train.card_inputs import CALIBRATION_INPUT, shape_problem
 from medusa_train.heads import MedusaHeads
-from medusa_train.report import alternatives, model_card, recommend_speculative_tokens
+from medusa_train.report import (
+    REPORT_INPUT,
+    alternatives,
+    model_card,
+    recommend_speculative_tokens,
+)
 
 
 def _card(
@@ -245,3 +252,52 @@ def test_card_says_where_the_tree_was_calibrated_only_for_the_calibrated_tree(
     tree_line = next(line for line in card.splitlines() if line.startswith("Tree: "))
     assert ("calibrated for NVIDIA H100 80GB HBM3 (bfloat16, sdpa attention)" in tree_line) == says, tree_line
     assert says or tree_line.endswith("5 nodes, in `medusa_choices.json`."), tree_line
+
+
+REPORT = {"tau": 2.5, "speedup": 1.8, "tokens_per_s_medusa": 90, "tokens_per_s_baseline": 50}
+TREE = {"context_len": 256, "best": {"nodes": 2}, "choices": [[0], [1]]}
+
+
+@pytest.mark.parametrize(
+    ("data", "expected", "problem"),
+    [
+        ({**REPORT, "speedup": True}, REPORT_INPUT, "'speedup' is a JSON boolean where a number is expected"),
+        ({**REPORT, "greedy_identical": False}, REPORT_INPUT, "'greedy_identical' is a JSON boolean"),
+        (
+            {**REPORT, "vllm_chain": [{"num_speculative_tokens": True, "tau": 1.5}]},
+            REPORT_INPUT,
+            "'vllm_chain[0].num_speculative_tokens' is a JSON boolean where a number is expected",
+        ),
+        ({**REPORT, "tree_choices": [[0], [False]]}, REPORT_INPUT, "'tree_choices[1][0]' is a JSON boolean"),
+        (
+            {"tree": {**TREE, "context_len": True}},
+            CALIBRATION_INPUT,
+            "'tree.context_len' is a JSON boolean where a number is expected",
+        ),
+        (
+            {"tree": {**TREE, "best": {"nodes": True}}},
+            CALIBRATION_INPUT,
+            "'tree.best.nodes' is a JSON boolean",
+        ),
+        (
+            {"head_topk_accuracy": [[0.5, True]]},
+            CALIBRATION_INPUT,
+            "'head_topk_accuracy[0][1]' is a JSON boolean",
+        ),
+    ],
+)
+def test_a_json_boolean_is_no_number(data: dict, expected, problem: str) -> None:
+    """JSON true/false where a number is expected is a damaged file (Python's bool is an int)."""
+    assert shape_problem(data, expected).startswith(problem)
+
+
+def test_json_numbers_pass_where_numbers_are_expected() -> None:
+    assert (
+        shape_problem(
+            {**REPORT, "speedup": 2, "vllm_chain": [{"num_speculative_tokens": 1, "tau": 2}]}, REPORT_INPUT
+        )
+        is None
+    )
+    assert (
+        shape_problem({"tree": TREE, "head_topk_accuracy": [[0, 1], [0.5, 0.75]]}, CALIBRATION_INPUT) is None
+    )
