@@ -1094,6 +1094,15 @@ def _bullets(d: dict, depth: int = 0) -> list[str]:
 
 
 # -- the JSON files the card reads (calibration.json's: card_inputs) -----------------------------------
+def _quartile_pair(report: dict) -> str | None:
+    """The speed-up's quartiles come as a pair (the card prints the spread between them)."""
+    present = [key for key in ("speedup_q25", "speedup_q75") if key in report]
+    if len(present) == 1:
+        other = "speedup_q75" if present[0] == "speedup_q25" else "speedup_q25"
+        return f"has '{present[0]}' without '{other}'"
+    return None
+
+
 REPORT_INPUT = CardInput(
     {
         HEADS_FINGERPRINT: (str, NULL),
@@ -1120,6 +1129,7 @@ REPORT_INPUT = CardInput(
         "vllm_chain[].tau!": NUMBER,
     },
     "run `python -m medusa_train stage=eval` to measure the heads again",
+    _quartile_pair,
 )
 """stage=eval's report.json: tau, speed-up, the trees measured, vLLM's chain."""
 

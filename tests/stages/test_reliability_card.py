@@ -197,11 +197,11 @@ MEASURE_AGAIN = "run `python -m medusa_train stage=eval` to measure the heads ag
 
 def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplog) -> None:
     """calibration.json and eval/report.json with an entry the card reads of the wrong type (a JSON
-    boolean for a number too), or missing, or nested deeper than the parser goes, or not UTF-8: export,
-    and eval's rewrite of the card, write it without that file, and one warning line names the file,
-    what is wrong and what writes it again (no traceback): for the export's copy of calibration.json,
-    stage=export, which copies the heads' own again; export does not ship a damaged calibration.json
-    either."""
+    boolean for a number too), or missing (one speed-up quartile without the other too), or nested
+    deeper than the parser goes, or not UTF-8: export, and eval's rewrite of the card, write it without
+    that file, and one warning line names the file, what is wrong and what writes it again (no
+    traceback): for the export's copy of calibration.json, stage=export, which copies the heads' own
+    again; export does not ship a damaged calibration.json either."""
     root = _measured_workdir(tmp_path / "run")
     wd = Workdir(root)
     export.run(tiny_cfg(root, "stage=export"))
@@ -241,6 +241,8 @@ def test_a_damaged_file_the_card_reads_is_one_warning_line(tmp_path: Path, caplo
         (report_path, {**report, "tree_fit": "x"}, "'tree_fit' is a JSON string where an object is expected"),
         (report_path, {**report, "tau": None}, "'tau' is JSON null where a number is expected"),
         (report_path, {**report, "tau": False}, "'tau' is a JSON boolean where a number is expected"),
+        (report_path, {**report, "speedup_q25": 1.5}, "has 'speedup_q25' without 'speedup_q75'"),
+        (report_path, {**report, "speedup_q75": 2.1}, "has 'speedup_q75' without 'speedup_q25'"),
         (report_path, {**report, "vllm_chain": [{"num_speculative_tokens": 1}]}, "lacks 'vllm_chain[0].tau'"),
         (
             report_path,

@@ -1,6 +1,6 @@
 """The export's model card: a Hub card (YAML front matter), what it tells a user about each engine's
 loader (docs/pipeline.md), the vLLM `num_speculative_tokens` it recommends, and the check of the JSON
-files it reads (a JSON boolean is no number)."""
+files it reads (a JSON boolean is no number; the speed-up's quartiles come as a pair)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     REPORT_INPUT,
     alternatives,
+    headline_speedup,
     model_card,
     recommend_speculative_tokens,
 )
@@ -301,3 +302,19 @@ def test_json_numbers_pass_where_numbers_are_expected() -> None:
     assert (
         shape_problem({"tree": TREE, "head_topk_accuracy": [[0, 1], [0.5, 0.75]]}, CALIBRATION_INPUT) is None
     )
+
+
+def test_the_speedup_quartiles_come_as_a_pair() -> None:
+    """A report.json with one quartile of the speed-up and not the other is damaged (the card prints the
+    spread between them); both or neither are whole."""
+    assert (
+        shape_problem({**REPORT, "speedup_q25": 1.5}, REPORT_INPUT)
+        == "has 'speedup_q25' without 'speedup_q75'"
+    )
+    assert (
+        shape_problem({**REPORT, "speedup_q75": 2.1}, REPORT_INPUT)
+        == "has 'speedup_q75' without 'speedup_q25'"
+    )
+    both = {**REPORT, "speedup_q25": 1.5, "speedup_q75": 2.1}
+    assert shape_problem(both, REPORT_INPUT) is None and shape_problem(REPORT, REPORT_INPUT) is None
+    assert headline_speedup(both) == "1.80x (1.50-2.10)" and headline_speedup(REPORT) == "1.80x"
