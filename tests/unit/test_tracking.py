@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -226,13 +227,23 @@ def test_the_axes_reach_wandbs_offline_run(tmp_path: Path, offline_wandb: None) 
 
 
 @pytest.fixture
-def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real wandb, offline, with its settings and caches in ``tmp_path`` (nothing reaches a network)."""
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The real wandb, offline, with its settings and caches in ``tmp_path`` (nothing reaches a network).
+
+    wandb keeps one process-wide setup (its service, the settings it read from the environment then,
+    the log lines of an init that failed, replayed at the next one): it is torn down before and after,
+    so the test sees this environment whatever ran before it in the same pytest worker (an axes test
+    once found no axes in its run file after other tests had used wandb in its worker)."""
+    import wandb
+
     for key in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("WANDB_MODE", "offline")
     for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(key, str(tmp_path / "wandb-home" / key.lower()))
+    wandb.teardown()
+    yield
+    wandb.teardown()
 
 
 def test_killed_and_resumed_training_continues_its_wandb_run(
