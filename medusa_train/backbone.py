@@ -516,14 +516,25 @@ def _weight_files(directory: Path) -> list[Path] | None:
 
 
 FINGERPRINT_PREFIX = "v2-"
-"""Starts every files fingerprint (:func:`_files_fingerprint`). One recorded without it was computed
-from other bytes of the files (config.json as written, the first and last MiB of each weight file) and
-says nothing about these: :func:`older_fingerprint`."""
+"""Starts every fingerprint this medusa_train computes: of the files (:func:`_files_fingerprint`) and,
+for a model without files, of the tensors (:data:`TENSORS_PREFIX`). One recorded without it was
+computed by an earlier medusa_train (:func:`older_fingerprint`)."""
+TENSORS_PREFIX = FINGERPRINT_PREFIX + "tensors-"
+"""Starts a fingerprint of a model's tensors (:func:`_tensors_fingerprint`), never one of files (16 hex
+digits follow :data:`FINGERPRINT_PREFIX` there)."""
 
 
 def older_fingerprint(recorded: object, current: str | None) -> bool:
-    """``recorded`` is a files fingerprint of an earlier medusa_train, ``current`` one of this: they
-    differ whatever the files, so a comparison of the two cannot tell the checkpoints apart."""
+    """``recorded`` is a fingerprint of an earlier medusa_train (no :data:`FINGERPRINT_PREFIX`),
+    ``current`` one of this: a comparison of the two cannot tell the checkpoints apart.
+
+    Such a value is 16 hex digits: a files fingerprint of other bytes of the files (config.json as
+    written, the first and last MiB of each weight file, no remote code), or one of the tensors of a
+    model that had no files (the same digest that now follows :data:`TENSORS_PREFIX`). The two cannot
+    be told apart, and the files one differs whatever the checkpoint, so either is read as one that
+    says nothing: a name decides where a fingerprint only confirms one (:func:`_is_base`,
+    ``custom_generate``), eval warns that it cannot say, distilled data is distilled again. Never
+    "another model"."""
     return (
         isinstance(recorded, str)
         and bool(recorded)
@@ -542,6 +553,16 @@ _SAMPLE = 4 << 10
 _SPACED_SAMPLE, _SPACED_STRIDE, _SPACED_MAX = 64 << 10, 1 << 20, 1024
 """Other weight files (``torch.save``'s ``.bin``): blocks of this many bytes, this far apart at most,
 at most this many."""
+
+
+def is_files_fingerprint(value: object) -> bool:
+    """``value`` is a files fingerprint this medusa_train computes: one a checkpoint's files can be
+    compared with (not one of an earlier medusa_train, nor of a model's tensors)."""
+    return (
+        isinstance(value, str)
+        and value.startswith(FINGERPRINT_PREFIX)
+        and not value.startswith(TENSORS_PREFIX)
+    )
 
 
 def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = None) -> str | None:
@@ -725,7 +746,10 @@ def _spaced_reads(size: int) -> list[tuple[int, int]]:
 
 
 def _tensors_fingerprint(model) -> str:
+    """A digest of a model's config and tensors, for one with no checkpoint files: :data:`TENSORS_PREFIX`
+    and 16 hex digits (the digest an earlier medusa_train recorded without a prefix)."""
     h = hashlib.sha256()
+
     config = {
         k: v
         for k, v in model.config.to_diff_dict().items()
@@ -740,7 +764,7 @@ def _tensors_fingerprint(model) -> str:
         if t.is_floating_point():
             t = t.to(torch.bfloat16)
         h.update(t.float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+    return TENSORS_PREFIX + h.hexdigest()[:16]
 
 
 # -- cfg.model -> a loaded backbone -------------------------------------------------------------------
@@ -802,8 +826,9 @@ def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) ->
 
     ``by_content`` (a LoRA adapter, merged into whatever base it is given): the same name whose files
     have another fingerprint than the recorded one (another revision of a Hub id, a directory
-    holding another model now) is not the base. A fingerprint an earlier medusa_train recorded
-    (:func:`older_fingerprint`) compares nothing: the name decides, as without one.
+    holding another model now) is not the base. A recorded fingerprint that is not of files
+    (:func:`is_files_fingerprint`: one an earlier medusa_train recorded, :func:`older_fingerprint`, or
+    one of the tensors of a base that had no files) compares nothing: the name decides, as without one.
     """
     recorded = base.get("fingerprint")
     same_name = _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
@@ -811,7 +836,7 @@ def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) ->
         return True
     found = checkpoint_fingerprint(model_cfg.name_or_path, model_cfg.revision)
     # no files to compare (offline, not in the cache), or nothing to compare them with: the name decides
-    if same_name and (found is None or older_fingerprint(recorded, found)):
+    if same_name and (found is None or not is_files_fingerprint(recorded)):
         return True
     return found is not None and found == recorded
 

@@ -70,8 +70,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from medusa_train import __version__
 from medusa_train.backbone import (
     is_adapter_dir,
+    is_files_fingerprint,
     local_fingerprint,
-    older_fingerprint,
     recorded_base,
     trained_backbone_dir,
 )
@@ -691,8 +691,8 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
     """Refuse a base model whose checkpoint files are not the ones the heads go with: the trained
     Medusa-2 backbone that ships with them (an export's ``backbone/``), else the base stage=train
     recorded. Checked only when both sides are local files (a Hub id, a model built in memory or a
-    LoRA adapter passes) and fingerprinted alike (an export of an earlier medusa_train records
-    another kind of fingerprint: :func:`~medusa_train.backbone.older_fingerprint`)."""
+    LoRA adapter passes) and fingerprinted alike (a record of an earlier medusa_train, or of the tensors
+    of a base without files, passes: :func:`~medusa_train.backbone.is_files_fingerprint`)."""
     trained = trained_backbone_dir(heads_dir)
     if trained is not None:
         expected_name, expected = (
@@ -701,9 +701,10 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
         )
     else:
         identity = recorded_base(heads_dir) or {}
-        expected_name, expected = identity.get("name_or_path"), identity.get("fingerprint")
+        expected_name, recorded = identity.get("name_or_path"), identity.get("fingerprint")
+        expected = recorded if is_files_fingerprint(recorded) else None
     actual = local_fingerprint(getattr(model, "name_or_path", "") or "")
-    if expected and actual and expected != actual and not older_fingerprint(expected, actual):
+    if expected and actual and expected != actual:
         raise ValueError(
             f"these Medusa heads go with {expected_name} (checkpoint fingerprint {expected}), not with "
             f"{model.name_or_path} ({actual}): load that model, or pass medusa_check_base=False"

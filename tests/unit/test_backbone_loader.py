@@ -14,11 +14,13 @@ from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
 from medusa_train.backbone import (
+    TENSORS_PREFIX,
     backbone_for_heads,
     backbone_identity,
     checkpoint_fingerprint,
     load_backbone,
     local_fingerprint,
+    older_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -596,8 +598,11 @@ def test_a_fingerprint_an_earlier_version_recorded_compares_nothing(
     current = local_fingerprint(str(tmp_path / "base"))
     earlier = "0123456789abcdef"
     other = current[:-4] + ("0000" if not current.endswith("0000") else "1111")
+    tensors = (
+        TENSORS_PREFIX + earlier
+    )  # a base that had no files: its tensors' fingerprint says nothing of files
     model = SimpleNamespace(name_or_path=str(tmp_path / "base"))
-    for recorded, same in ((earlier, True), (other, False), (current, True)):
+    for recorded, same in ((earlier, True), (other, False), (current, True), (tensors, True)):
         record = {"name_or_path": str(tmp_path / "base"), "fingerprint": recorded}
         heads = tmp_path / f"heads_{recorded}"
         (heads / "backbone").mkdir(parents=True)
@@ -616,6 +621,29 @@ def test_a_fingerprint_an_earlier_version_recorded_compares_nothing(
         else:
             with pytest.raises(ValueError, match="medusa_check_base=False"):
                 _check_checkpoint(model, medusa1)
+
+
+def test_a_fingerprint_of_a_model_without_files_is_of_this_version(tmp_path: Path, monkeypatch) -> None:
+    """A model with no checkpoint files (built in memory) is fingerprinted by its tensors, with this
+    version's prefix: it is not read as a fingerprint of an earlier medusa_train (which compares
+    nothing, so the name decided), whatever it is compared with. Another model's tensors differ; the
+    dtype does not count. The digest an earlier medusa_train recorded for the same tensors (no prefix)
+    is read as earlier: it compares nothing, and is never "another model"."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # "in-memory" is no Hub id to ask about
+    make_backbone(tmp_path / "a", seed=0)
+    make_backbone(tmp_path / "b", seed=1)
+    a32, _ = load_backbone(str(tmp_path / "a"), dtype="float32")
+    a16, _ = load_backbone(str(tmp_path / "a"), dtype="bfloat16")
+    b32, _ = load_backbone(str(tmp_path / "b"), dtype="float32")
+    tensors = backbone_identity(a32, "in-memory")["fingerprint"]
+    assert (
+        tensors.startswith(TENSORS_PREFIX) and tensors == backbone_identity(a16, "in-memory")["fingerprint"]
+    )
+    assert backbone_identity(b32, "in-memory")["fingerprint"] != tensors
+    files = local_fingerprint(str(tmp_path / "a"))
+    assert not older_fingerprint(tensors, files) and not older_fingerprint(files, tensors)
+    earlier = tensors.removeprefix(TENSORS_PREFIX)
+    assert older_fingerprint(earlier, tensors) and older_fingerprint(earlier, files)
 
 
 @pytest.mark.parametrize("offsets", [[-100, 4], [8, 4]])
