@@ -421,16 +421,18 @@ def merge_adapter(base, adapter_dir: str | os.PathLike):
     return frozen(merged)
 
 
-def backbone_identity(model, name_or_path: str, revision: str | None = None) -> dict:
+def backbone_identity(
+    model, name_or_path: str, revision: str | None = None, *, trust_remote_code: bool = False
+) -> dict:
     """Name, architecture and a fingerprint of the weights: distill/train/export refuse to mix backbones.
 
-    The fingerprint describes the checkpoint *files* (:func:`_files_fingerprint`: config.json, the
-    remote code it names and samples of every tensor of the weight files transformers loads), so the
-    same checkpoint gives the same identity whatever dtype or quantization it was loaded with --
-    distilling in bf16 and training heads over an 8-bit copy is legitimate. A model with no files
-    (built in memory) falls back to hashing its tensors.
+    The fingerprint describes the checkpoint *files* (:func:`_files_fingerprint`: config.json, with
+    ``trust_remote_code`` the remote code it names, and samples of every tensor of the weight files
+    transformers loads), so the same checkpoint gives the same identity whatever dtype or quantization
+    it was loaded with -- distilling in bf16 and training heads over an 8-bit copy is legitimate. A
+    model with no files (built in memory) falls back to hashing its tensors (:func:`_tensors_fingerprint`).
     """
-    fingerprint = checkpoint_fingerprint(name_or_path, revision)
+    fingerprint = checkpoint_fingerprint(name_or_path, revision, trust_remote_code=trust_remote_code)
     if fingerprint is None:
         fingerprint = _tensors_fingerprint(model)
     lm_head = model.get_output_embeddings().weight
@@ -445,27 +447,46 @@ def backbone_identity(model, name_or_path: str, revision: str | None = None) -> 
     }
 
 
-def checkpoint_fingerprint(name_or_path: str, revision: str | None = None) -> str | None:
+def checkpoint_fingerprint(
+    name_or_path: str, revision: str | None = None, *, trust_remote_code: bool = False
+) -> str | None:
     """The files part of :func:`backbone_identity` without loading the model; None if no local files.
 
-    For a Hub id, the remote code its config.json names and the Hub cache lacks is fetched first (what
-    ``from_pretrained(trust_remote_code=True)`` fetches), so a run that loaded only the config (distill
-    through a server) and one that loaded the model fingerprint the same files.
+    ``trust_remote_code``: as the model is loaded (``model.trust_remote_code``); only then does the
+    remote code its config.json names count. For a Hub id that code, where the Hub cache lacks it, is
+    fetched first (what ``from_pretrained(trust_remote_code=True)`` fetches), so a run that loaded only
+    the config (distill through a server) and one that loaded the model fingerprint the same files.
+    Without it nothing is fetched: transformers never runs that code then.
     """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return _files_fingerprint(path)
+        return _files_fingerprint(path, remote_code=trust_remote_code)
     source = _hub_snapshot(name_or_path, revision)
     if source is None:
         return None
-    return _files_fingerprint(source, fetch=lambda name: _fetch(name_or_path, revision, name))
+    return _files_fingerprint(
+        source, remote_code=trust_remote_code, fetch=lambda name: _fetch(name_or_path, revision, name)
+    )
 
 
-def local_fingerprint(name_or_path: str) -> str | None:
+def local_fingerprint(name_or_path: str, *, trust_remote_code: bool = False) -> str | None:
     """The files fingerprint of a local checkpoint directory (cheap, no load, no network); None for
-    anything else (a Hub id). The content stands in for the path: a moved or copied model is the same."""
+    anything else (a Hub id). The content stands in for the path: a moved or copied model is the same.
+    ``trust_remote_code`` as for :func:`checkpoint_fingerprint`."""
     path = Path(name_or_path).expanduser()
-    return _files_fingerprint(path) if path.is_dir() else None
+    return _files_fingerprint(path, remote_code=trust_remote_code) if path.is_dir() else None
+
+
+def local_fingerprints(name_or_path: str) -> set[str]:
+    """The files fingerprints a record of the local checkpoint ``name_or_path`` may hold: with and
+    without the remote code its config.json names (a record does not say whether the run that took it
+    set ``model.trust_remote_code``; without an ``auto_map`` both are one). Empty for anything else."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return set()
+    config = _read_config(path / CONFIG_NAME)
+    remote = isinstance(config, dict) and isinstance(config.get("auto_map"), dict)
+    return {_files_fingerprint(path, remote_code=r) for r in ((False, True) if remote else (False,))} - {None}
 
 
 def identity_content(identity: dict | None) -> dict | None:
@@ -565,15 +586,19 @@ def is_files_fingerprint(value: object) -> bool:
     )
 
 
-def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = None) -> str | None:
+def _files_fingerprint(
+    directory: Path, *, remote_code: bool, fetch: Callable[[str], None] | None = None
+) -> str | None:
     """A digest of the checkpoint files in ``directory`` that decide what the model computes, as
     :data:`FINGERPRINT_PREFIX` and 16 hex digits; None without weight files (or with a shard missing).
 
     - config.json by its parsed content, less :data:`_UNSAVED_CONFIG_KEYS`;
-    - where config.json has an ``auto_map`` (a model loaded with ``trust_remote_code``): the code files
-      it names and the files they import relatively, whole (:func:`_remote_code`). Only those: a
-      ``.py`` file beside a model without ``auto_map`` (a training script) is never run and does not
-      count;
+    - with ``remote_code`` (the model is loaded with ``trust_remote_code``) and where config.json has
+      an ``auto_map``: the code files it names and the files they import relatively, whole
+      (:func:`_remote_code`). Only those: a ``.py`` file beside a model without ``auto_map`` (a
+      training script) is never run and does not count, nor is any without ``trust_remote_code``
+      (transformers then loads its built-in class or refuses; ``auto_map`` itself counts, in
+      config.json). A model without ``auto_map`` has one fingerprint either way;
     - each weight file transformers loads (:func:`_weight_files`): its name and size, and samples
       (:func:`_weight_samples`): for safetensors its header (every tensor's name, dtype, shape and
       offsets) and 4 KiB at the start, middle and end of every tensor (tensors up to 12 KiB whole);
@@ -589,7 +614,8 @@ def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = No
     any tensor a fine-tune changes as a whole (full tuning, a merged LoRA adapter, some layers, a norm
     or a bias): they miss a change to part of a tensor between its samples (a few rows of an embedding).
 
-    ``fetch(name)``: puts the remote code file ``name`` into ``directory`` (a Hub snapshot) if it can.
+    ``fetch(name)``: puts the remote code file ``name`` into ``directory`` (a Hub snapshot) if it can;
+    called only with ``remote_code``.
     """
     weights = _weight_files(directory)
     if not weights:
@@ -599,7 +625,7 @@ def _files_fingerprint(directory: Path, fetch: Callable[[str], None] | None = No
     if isinstance(config, dict):
         content = {k: v for k, v in config.items() if k not in _UNSAVED_CONFIG_KEYS}
         h.update(f"{CONFIG_NAME}:".encode() + json.dumps(content, sort_keys=True).encode())
-        if isinstance(config.get("auto_map"), dict):
+        if remote_code and isinstance(config.get("auto_map"), dict):
             for name, code in _remote_code(directory, config["auto_map"], fetch).items():
                 h.update(
                     f"{name}:absent".encode() if code is None else f"{name}:{len(code)}:".encode() + code
@@ -749,7 +775,6 @@ def _tensors_fingerprint(model) -> str:
     """A digest of a model's config and tensors, for one with no checkpoint files: :data:`TENSORS_PREFIX`
     and 16 hex digits (the digest an earlier medusa_train recorded without a prefix)."""
     h = hashlib.sha256()
-
     config = {
         k: v
         for k, v in model.config.to_diff_dict().items()
@@ -834,7 +859,9 @@ def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) ->
     same_name = _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
     if same_name and not (by_content and recorded):
         return True
-    found = checkpoint_fingerprint(model_cfg.name_or_path, model_cfg.revision)
+    found = checkpoint_fingerprint(
+        model_cfg.name_or_path, model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
     # no files to compare (offline, not in the cache), or nothing to compare them with: the name decides
     if same_name and (found is None or not is_files_fingerprint(recorded)):
         return True

@@ -139,7 +139,9 @@ class ModelConfig:
     quantization: str = "none"
     """none | 8bit | 4bit (bitsandbytes; 4bit is nf4). Frozen backbone only, or QLoRA in medusa2."""
     trust_remote_code: bool = False
-    """Passed to `from_pretrained`; leave False unless you trust the model repository."""
+    """Passed to `from_pretrained`; leave False unless you trust the model repository. For a model whose
+    config.json has an `auto_map`, it also decides whether that code is part of the backbone's
+    fingerprint (distilled data and heads of a run with it are another backbone's for a run without)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when `name_or_path` is a hub id."""
     device: str = "auto"

@@ -71,7 +71,7 @@ from medusa_train import __version__
 from medusa_train.backbone import (
     is_adapter_dir,
     is_files_fingerprint,
-    local_fingerprint,
+    local_fingerprints,
     recorded_base,
     trained_backbone_dir,
 )
@@ -692,22 +692,24 @@ def _check_checkpoint(model, heads_dir: Path) -> None:
     Medusa-2 backbone that ships with them (an export's ``backbone/``), else the base stage=train
     recorded. Checked only when both sides are local files (a Hub id, a model built in memory or a
     LoRA adapter passes) and fingerprinted alike (a record of an earlier medusa_train, or of the tensors
-    of a base without files, passes: :func:`~medusa_train.backbone.is_files_fingerprint`)."""
+    of a base without files, passes: :func:`~medusa_train.backbone.is_files_fingerprint`). The files
+    match with or without the remote code their config.json names
+    (:func:`~medusa_train.backbone.local_fingerprints`: the record does not say whether stage=train
+    trusted it)."""
     trained = trained_backbone_dir(heads_dir)
     if trained is not None:
-        expected_name, expected = (
-            str(trained),
-            None if is_adapter_dir(trained) else local_fingerprint(str(trained)),
-        )
+        expected_name = str(trained)
+        expected = set() if is_adapter_dir(trained) else local_fingerprints(str(trained))
     else:
         identity = recorded_base(heads_dir) or {}
         expected_name, recorded = identity.get("name_or_path"), identity.get("fingerprint")
-        expected = recorded if is_files_fingerprint(recorded) else None
-    actual = local_fingerprint(getattr(model, "name_or_path", "") or "")
-    if expected and actual and expected != actual:
+        expected = {recorded} if is_files_fingerprint(recorded) else set()
+    actual = local_fingerprints(getattr(model, "name_or_path", "") or "")
+    if expected and actual and not expected & actual:
         raise ValueError(
-            f"these Medusa heads go with {expected_name} (checkpoint fingerprint {expected}), not with "
-            f"{model.name_or_path} ({actual}): load that model, or pass medusa_check_base=False"
+            f"these Medusa heads go with {expected_name} (checkpoint fingerprint {' or '.join(sorted(expected))}), "
+            f"not with {model.name_or_path} ({' or '.join(sorted(actual))}): load that model, or pass "
+            "medusa_check_base=False"
         )
 
 

@@ -239,7 +239,9 @@ def _load_and_plan(
         model, tokenizer, identity = _served_backbone(cfg)
     else:
         model, tokenizer = load_configured_backbone(cfg.model)
-        identity = backbone_identity(model, cfg.model.name_or_path, cfg.model.revision)
+        identity = backbone_identity(
+            model, cfg.model.name_or_path, cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
     renderer = ChatRenderer(tokenizer)
     eos_ids = eos_token_ids(model, tokenizer)
     max_context = _max_context(cfg, model)
@@ -380,7 +382,9 @@ def _quick_settings(cfg: Config, source: ReadResult) -> dict:
         "name_or_path": cfg.model.name_or_path,  # recorded; compared only for a Hub id (see comparable)
         "revision": cfg.model.revision,
         "files": _backbone_files_signature(cfg.model.name_or_path),  # recorded, not compared
-        "fingerprint": local_fingerprint(cfg.model.name_or_path),  # a local checkpoint's content
+        "fingerprint": local_fingerprint(  # a local checkpoint's content
+            cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+        ),
         # A local checkpoint's tokenizer, chat template and generation config, by content.
         "settings_files": _backbone_settings_files(cfg.model.name_or_path),
     }
@@ -830,7 +834,7 @@ def _served_backbone(cfg: Config):
         except OSError:  # no generation_config.json: the model config's EOS
             generation = GenerationConfig.from_model_config(config)
         tokenizer = load_tokenizer(m.name_or_path, trust_remote_code=m.trust_remote_code, revision=m.revision)
-    fingerprint = checkpoint_fingerprint(m.name_or_path, m.revision)
+    fingerprint = checkpoint_fingerprint(m.name_or_path, m.revision, trust_remote_code=m.trust_remote_code)
     if fingerprint is None:
         raise UserError(
             f"distill.engine=server needs the checkpoint files of {m.name_or_path} on this machine (a directory "

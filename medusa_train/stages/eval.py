@@ -474,7 +474,9 @@ def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> No
         return
     if isinstance(recorded, dict) and recorded.get("fingerprint"):
         name_or_path = model_cfg.name_or_path
-        current = backbone_identity(model, name_or_path, model_cfg.revision)["fingerprint"]
+        current = backbone_identity(
+            model, name_or_path, model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )["fingerprint"]
         if older_fingerprint(recorded["fingerprint"], current):  # differs whatever the weights
             log.warning(
                 "heads at %s carry a backbone fingerprint of an earlier medusa_train, which cannot say "

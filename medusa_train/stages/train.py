@@ -170,7 +170,12 @@ def run(cfg: Config) -> dict:
                 cfg.model, device, trainable=recipe.trains_backbone
             )
         _check_attention(cfg, device, backbone)
-        identity = backbone_identity(backbone, cfg.model.name_or_path, cfg.model.revision)
+        identity = backbone_identity(
+            backbone,
+            cfg.model.name_or_path,
+            cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         if older_fingerprint(manifest["backbone"]["fingerprint"], identity["fingerprint"]):
             raise UserError(
                 f"{wd.distill} names its backbone by a fingerprint of an earlier medusa_train, which read "

@@ -374,7 +374,9 @@ def test_overwrite_redoes_a_complete_folder_whose_weights_changed_under_the_same
     assert _run(tmp_path, tiny_backbone_dir, prompts, "distill.overwrite=true")["already_complete"]
     assert manifest.read_bytes() == before
     real = distill.backbone_identity
-    monkeypatch.setattr(distill, "backbone_identity", lambda *a: {**real(*a), "fingerprint": "0" * 16})
+    monkeypatch.setattr(
+        distill, "backbone_identity", lambda *a, **k: {**real(*a, **k), "fingerprint": "0" * 16}
+    )
     figures = _run(tmp_path, tiny_backbone_dir, prompts, "distill.overwrite=true")
     assert not figures["already_complete"] and figures["tokens_generated_now"] == figures["tokens_generated"]
     assert read_manifest(tmp_path / "distill")["backbone"]["fingerprint"] == "0" * 16

@@ -515,3 +515,33 @@ def test_the_backbone_check_fingerprints_the_pinned_revision(
         f"heads at {tmp_path / 'old-heads'} carry a backbone fingerprint of an earlier medusa_train, which "
         "cannot say whether they were trained on acme/tiny's weights: if tau is low, train them on it again"
     ]
+
+
+def test_the_backbone_check_counts_remote_code_as_model_trust_remote_code_says(
+    tmp_path: Path, tiny_backbone_dir: Path, caplog
+) -> None:
+    """A model whose config.json has an ``auto_map``: its code is part of the backbone's fingerprint
+    only with ``model.trust_remote_code`` (without it transformers never runs it). Heads trained with
+    it, evaluated with it: no warning; evaluated without it (another class computes the model): warned."""
+    backbone = tmp_path / "remote"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    config = json.loads((backbone / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (backbone / "config.json").write_text(json.dumps(config))
+    (backbone / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
+    model = LlamaForCausalLM.from_pretrained(backbone)
+    heads = MedusaHeads(32, model.get_output_embeddings().weight.shape[0], 2, 1)
+    trained_on = {
+        "name_or_path": str(backbone),
+        "fingerprint": local_fingerprint(str(backbone), trust_remote_code=True),
+    }
+    heads.save_pretrained(tmp_path / "heads", extra_config={"backbone": trained_on})
+    with caplog.at_level(logging.WARNING, logger=eval_stage.__name__):
+        eval_stage.warn_if_other_backbone(
+            tmp_path / "heads", model, ModelConfig(str(backbone), trust_remote_code=True)
+        )
+        assert not caplog.records
+        eval_stage.warn_if_other_backbone(tmp_path / "heads", model, ModelConfig(str(backbone)))
+    assert len(caplog.records) == 1 and "were trained on backbone" in caplog.records[0].getMessage()

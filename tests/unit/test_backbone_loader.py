@@ -397,23 +397,31 @@ def test_the_remote_code_config_json_names_is_part_of_the_checkpoint(tmp_path: P
     """A ``trust_remote_code`` model computes what its code says: an edit of a file config.json's
     ``auto_map`` names, or of one that file imports relatively, is another checkpoint (the distilled
     data and heads of the old code were reused as this model's). A ``.py`` file nothing names (a
-    training script), or any ``.py`` beside a model without ``auto_map``, is not loaded and does not count."""
+    training script), or any ``.py`` beside a model without ``auto_map``, is not loaded and does not
+    count; nor does the code of a model loaded without ``trust_remote_code`` (transformers loads its
+    built-in class), whose fingerprint is then the same whatever the code."""
     model = tmp_path / "remote"
     _remote_code_model(model)
-    before = local_fingerprint(str(model))
+
+    def fingerprints() -> tuple[str | None, str | None]:
+        return tuple(local_fingerprint(str(model), trust_remote_code=trust) for trust in (True, False))
+
+    before, untrusted = fingerprints()
+    assert before != untrusted
     (model / "train.py").write_text("print('fine-tune')\n")
-    assert local_fingerprint(str(model)) == before
+    assert fingerprints() == (before, untrusted)
     for name in ("modeling_x.py", "configuration_x.py", "rope.py"):
         original = (model / name).read_text()
         (model / name).write_text(original.replace("10000.0", "500000.0") + "# rotary base changed\n")
-        assert local_fingerprint(str(model)) != before, name
+        trusted, without_trust = fingerprints()
+        assert trusted != before and without_trust == untrusted, name
         (model / name).write_text(original)
-    assert local_fingerprint(str(model)) == before
+    assert fingerprints() == (before, untrusted)
     plain = tmp_path / "plain"
     make_backbone(plain)
     without = local_fingerprint(str(plain))
     shutil.copy(model / "modeling_x.py", plain)
-    assert local_fingerprint(str(plain)) == without
+    assert local_fingerprint(str(plain)) == local_fingerprint(str(plain), trust_remote_code=True) == without
 
 
 def _config_only_snapshot(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
@@ -445,8 +453,33 @@ def test_a_hub_snapshot_fetches_the_remote_code_it_lacks(tmp_path: Path, monkeyp
         return real(repo_id, name, **kwargs)
 
     monkeypatch.setattr(backbone, "cached_file", hub)
-    assert checkpoint_fingerprint("acme/remote") == local_fingerprint(str(full))
+    fingerprint = checkpoint_fingerprint("acme/remote", trust_remote_code=True)
+    assert fingerprint == local_fingerprint(str(full), trust_remote_code=True)
     assert sorted(fetched) == ["modeling_x.py", "rope.py"]
+
+
+def test_remote_code_is_not_fetched_without_trust_remote_code(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A model with an ``auto_map`` loaded without ``model.trust_remote_code``: transformers never runs
+    its code (it loads the built-in class, or refuses), so the fingerprint asks the Hub for none of it
+    and says nothing of code it could not fetch. The Hub snapshot holding the config alone and a full
+    folder with the code have one fingerprint: the same model loaded the same way, whatever the cache
+    holds."""
+    from medusa_train import backbone
+
+    full, snapshot = _config_only_snapshot(tmp_path, monkeypatch)
+    real, asked = backbone.cached_file, []
+
+    def hub(repo_id: str, name: str, **kwargs):
+        asked.append(name)
+        return real(repo_id, name, **kwargs)
+
+    monkeypatch.setattr(backbone, "cached_file", hub)
+    with caplog.at_level(logging.WARNING, logger=backbone.__name__):
+        fingerprint = checkpoint_fingerprint("acme/remote")
+    assert asked == ["config.json"] and "could not fetch" not in caplog.text
+    assert not (snapshot / "modeling_x.py").exists()
+    assert fingerprint == local_fingerprint(str(full)) == local_fingerprint(str(snapshot))
+    assert fingerprint != local_fingerprint(str(full), trust_remote_code=True)
 
 
 def test_remote_code_that_cannot_be_fetched_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
@@ -464,7 +497,7 @@ def test_remote_code_that_cannot_be_fetched_is_said(tmp_path: Path, monkeypatch,
 
     monkeypatch.setattr(backbone, "cached_file", rate_limited)
     with caplog.at_level(logging.WARNING, logger=backbone.__name__):
-        checkpoint_fingerprint("acme/remote")
+        checkpoint_fingerprint("acme/remote", trust_remote_code=True)
     said = [r.getMessage() for r in caplog.records if "could not fetch" in r.getMessage()]
     assert said and all("acme/remote (429 Too Many Requests)" in m for m in said), said
     assert any(m.startswith("could not fetch modeling_x.py") for m in said)
@@ -644,6 +677,48 @@ def test_a_fingerprint_of_a_model_without_files_is_of_this_version(tmp_path: Pat
     assert not older_fingerprint(tensors, files) and not older_fingerprint(files, tensors)
     earlier = tensors.removeprefix(TENSORS_PREFIX)
     assert older_fingerprint(earlier, tensors) and older_fingerprint(earlier, files)
+
+
+def test_custom_generate_knows_a_remote_code_base_with_or_without_its_code(tmp_path: Path) -> None:
+    """stage=train records the base's fingerprint with its remote code or without, as
+    ``model.trust_remote_code`` was; the heads do not say which. ``custom_generate`` takes either as
+    the base's (a record, or the shipped Medusa-2 backbone's files), and refuses another model."""
+    from types import SimpleNamespace
+
+    from medusa_train.custom_generate import _check_checkpoint
+
+    _remote_code_model(tmp_path / "base")
+    make_backbone(tmp_path / "other", seed=1)
+    model = SimpleNamespace(name_or_path=str(tmp_path / "base"))
+    records = [local_fingerprint(str(tmp_path / "base"), trust_remote_code=t) for t in (True, False)]
+    for i, recorded in enumerate([*records, local_fingerprint(str(tmp_path / "other"))]):
+        heads = tmp_path / f"heads{i}"
+        heads.mkdir()
+        record = {"name_or_path": str(tmp_path / "base"), "fingerprint": recorded}
+        (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "backbone": record}))
+        if recorded in records:
+            _check_checkpoint(model, heads)
+        else:
+            with pytest.raises(ValueError, match="medusa_check_base=False"):
+                _check_checkpoint(model, heads)
+    shutil.copytree(tmp_path / "base", tmp_path / "heads0" / "backbone")  # a full Medusa-2 backbone
+    _check_checkpoint(model, tmp_path / "heads0")
+    with pytest.raises(ValueError, match="medusa_check_base=False"):
+        _check_checkpoint(SimpleNamespace(name_or_path=str(tmp_path / "other")), tmp_path / "heads0")
+
+
+def test_the_base_of_lora_heads_is_fingerprinted_as_model_trust_remote_code_says(tmp_path: Path) -> None:
+    """The base of Medusa-2 LoRA heads is compared by the fingerprint ``model.trust_remote_code`` gives:
+    with the remote code where it is set, as stage=train recorded it then."""
+    _remote_code_model(tmp_path / "base")
+    base = str(tmp_path / "base")
+    record = {"name_or_path": base, "fingerprint": local_fingerprint(base, trust_remote_code=True)}
+    heads = tmp_path / "heads"
+    (heads / "backbone").mkdir(parents=True)
+    (heads / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "backbone": record}))
+    (heads / "backbone" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    assert backbone_for_heads(ModelConfig(base, trust_remote_code=True), heads) == heads / "backbone"
+    assert backbone_for_heads(ModelConfig(base), heads) is None  # loaded without the code it was trained on
 
 
 @pytest.mark.parametrize("offsets", [[-100, 4], [8, 4]])
