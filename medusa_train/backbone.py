@@ -659,7 +659,9 @@ def _remote_code(
     and those they import relatively (``from .utils import``), as transformers finds them
     (``dynamic_module_utils``), in name order: their content, or None for one not in ``directory``.
     A class of another repository (``"org/repo--modeling_x.X"``) counts by that reference: its code is
-    not among these files."""
+    not among these files. A file that is not UTF-8 counts by its bytes, its imports unread:
+    transformers reads each file as UTF-8 to find them and fails to load such a model with its own
+    message (the fingerprint, taken before loading, must not raise first)."""
     refs = {ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value])}
     refs = {ref for ref in refs if isinstance(ref, str) and ref}
     code: dict[str, bytes | None] = {ref: None for ref in refs if "--" in ref}
@@ -675,7 +677,10 @@ def _remote_code(
             code[name] = None
             continue
         code[name] = path.read_bytes()
-        todo.extend(f"{module}.py" for module in get_relative_imports(path))
+        try:
+            todo.extend(f"{module}.py" for module in get_relative_imports(path))
+        except UnicodeDecodeError:
+            continue
     return dict(sorted(code.items()))
 
 

@@ -482,6 +482,20 @@ def test_remote_code_is_not_fetched_without_trust_remote_code(tmp_path: Path, mo
     assert fingerprint != local_fingerprint(str(full), trust_remote_code=True)
 
 
+def test_remote_code_that_is_not_utf8_is_fingerprinted(tmp_path: Path) -> None:
+    """A remote code file that is not UTF-8 (a Latin-1 comment): its bytes count, its relative imports
+    are not read (transformers reads the file as UTF-8 and fails to load the model with its own
+    message; the fingerprint, taken before loading, raised UnicodeDecodeError)."""
+    model = tmp_path / "remote"
+    _remote_code_model(model)
+    modeling = (model / "modeling_x.py").read_bytes()
+    (model / "modeling_x.py").write_bytes(b"# -*- coding: latin-1 -*-\n# caf\xe9\n" + modeling)
+    fingerprint = local_fingerprint(str(model), trust_remote_code=True)
+    assert fingerprint is not None and fingerprint.startswith("v2-")
+    (model / "modeling_x.py").write_bytes(b"# -*- coding: latin-1 -*-\n# caf\xe8\n" + modeling)
+    assert local_fingerprint(str(model), trust_remote_code=True) != fingerprint
+
+
 def test_remote_code_that_cannot_be_fetched_is_said(tmp_path: Path, monkeypatch, caplog) -> None:
     """A fetch that fails (rate limit, gated, network) leaves the code out of the fingerprint, which
     then differs from another stage's: one warning per file says so, naming the file and the reason."""
