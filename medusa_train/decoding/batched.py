@@ -42,7 +42,15 @@ from .acceptance import (
     first_token,
     walk_matches,
 )
-from .attention import TreeMask, TreeStep, attention_chunk, one_call_per_model, resolve_attention, tree_step
+from .attention import (
+    TreeMask,
+    TreeStep,
+    attention_chunk,
+    layer_positions,
+    one_call_per_model,
+    resolve_attention,
+    tree_step,
+)
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -491,6 +499,8 @@ def medusa_generate_batch(
     kernel = backend != "sdpa"
     masks = None if kernel else _BatchMask(model, tree, capacity, dtype)
     tree_mask = TreeMask.of(tree) if kernel else None
+    # Each layer's place, for a model whose layers mix windows and whose attention does not say it.
+    positions = layer_positions(model) if kernel else {}
     cache = RowKVCache(_num_layers(model), capacity)
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
@@ -590,7 +600,7 @@ def medusa_generate_batch(
         cache.width = width
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
-        step = TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend) if kernel else None
+        step = TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions) if kernel else None
         if kernel:
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens, None, position_ids)

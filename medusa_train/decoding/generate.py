@@ -53,6 +53,7 @@ from .attention import (
     TreeMask,
     TreeStep,
     attention_chunk,
+    layer_positions,
     one_call_per_model,
     packed_sdpa,
     resolve_attention,
@@ -470,7 +471,8 @@ def verify_forward(
         device = tree_tokens.device
         past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
-        with tree_step(model, TreeStep(past, no_pad, TreeMask.of(tree), backend)):
+        step = TreeStep(past, no_pad, TreeMask.of(tree), backend, layer_positions(model))
+        with tree_step(model, step):
             logits, hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
     return logits[0], hidden[0]  # (M, V), (M, d)
 
@@ -785,6 +787,7 @@ def medusa_generate(
     if kernel:
         tree_mask = TreeMask.of(tree)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
+        positions = layer_positions(model)  # each layer's type, where its attention does not say it
     else:
         inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
     # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
@@ -866,7 +869,7 @@ def medusa_generate(
         if kernel:
             position_ids = (past_len + sub.depth)[None]  # (1, M)
             past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
-            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend)
+            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions)
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:

@@ -63,6 +63,7 @@ from .attention import (
     TreeMask,
     TreeStep,
     attention_chunk,
+    layer_positions,
     model_lock,
     on_device,
     one_call_per_model,
@@ -428,7 +429,9 @@ class StaticDecoder:
         if self.attention != "sdpa":
             past = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) column of each row's first node
             starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
-            self._kernel_step = TreeStep(past, starts, TreeMask.of(self.tree), self.attention)
+            self._kernel_step = TreeStep(
+                past, starts, TreeMask.of(self.tree), self.attention, layer_positions(model)
+            )
         # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
         # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.
         self._kernel_bits: list[torch.Tensor] = []

@@ -51,7 +51,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -333,6 +333,15 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
         return f"the tree kernels do not apply {name}'s attention softcapping (attn_logit_softcapping)"
     if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
         return f"{name} has attention sinks, which the tree kernels do not apply"
+    if (
+        mixes_windows(config)
+        and decoder_layers(model) is None
+        and not any(isinstance(getattr(m, "layer_idx", None), int) for m in model.modules())
+    ):
+        return (
+            f"{name} mixes sliding-window and full layers, and the tree kernels cannot tell which is which "
+            "(no module has a layer_idx, and no list of its decoder layers was found)"
+        )
     v_dim = getattr(config, "v_head_dim", None)
     qk_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
     if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
@@ -383,11 +392,66 @@ SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "blo
 kernels and the packed SDPA do not apply them."""
 
 
-def layer_window(module: torch.nn.Module) -> int | None:
+def mixes_windows(config) -> bool:
+    """Whether ``config`` (its text config) windows some of its layers and not others: a
+    ``sliding_window`` and ``layer_types`` with "sliding_attention" layers and layers of other types.
+    Such a model's attention layers differ in window by their layer's type, which the kernels must
+    then know (:func:`layer_window`)."""
+    config = config.get_text_config()
+    types = getattr(config, "layer_types", None) or ()
+    sliding = [t == "sliding_attention" for t in types]
+    return bool(getattr(config, "sliding_window", None)) and any(sliding) and not all(sliding)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The list of ``model``'s decoder layers, entry i the layer of ``layer_types[i]`` (of the text
+    config; ``num_hidden_layers`` entries without ``layer_types``), as the model's own forward pairs
+    each layer with its mask: in its decoder (``get_decoder()``, a multimodal model's language model),
+    the ``layers`` list of that length, else the one list of that length there. None: not found, or
+    several lists of that length and none named ``layers``."""
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None)
+    count = len(types) if types else getattr(config, "num_hidden_layers", None)
+    get_decoder = getattr(model, "get_decoder", None)
+    root = get_decoder() if callable(get_decoder) else model
+    lists = [
+        (name, module)
+        for name, module in root.named_modules()
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count
+    ]
+    named = [module for name, module in lists if name.rsplit(".", 1)[-1] == "layers"]
+    if len(named) == 1:
+        return named[0]
+    return lists[0][1] if len(lists) == 1 else None
+
+
+def layer_positions(model: torch.nn.Module) -> dict[int, int]:
+    """For a model whose layers mix window kinds (:func:`mixes_windows`): the ``id`` of every module
+    inside its decoder layer i (:func:`decoder_layers`) -> i, which tells :func:`layer_window` the
+    layer of an attention module that does not say it (no ``layer_idx``). Empty for any other model,
+    whose layers all window alike, or where no list of decoder layers is found. Ids, not modules:
+    ``torch.compile`` reads ``id(module)`` as a constant of the trace."""
+    if not mixes_windows(model.config):
+        return {}
+    layers = decoder_layers(model)
+    if layers is None:
+        return {}
+    return {id(module): i for i, layer in enumerate(layers) for module in layer.modules()}
+
+
+def layer_window(module: torch.nn.Module, positions: Mapping[int, int] | None = None) -> int | None:
     """The sliding window of ``module``'s layer as its model's own masks apply it, from the config as
     the decoders' dense masks read it: ``sliding_window`` on every layer, or on the layers that
     ``layer_types`` calls "sliding_attention" (None: none). For the layers that window through their
-    mask alone and pass no ``sliding_window`` to their attention (Qwen2-MoE, PhiMoE)."""
+    mask alone and pass no ``sliding_window`` to their attention (Qwen2-MoE, PhiMoE).
+
+    Where the layers mix window kinds, the layer's type is ``layer_types[i]`` for the layer's index i:
+    its ``layer_idx``, else its decoder layer's place in ``positions`` (:func:`layer_positions`).
+
+    Raises:
+        AttentionBackendError: the layers mix window kinds and neither tells which layer
+            ``module`` is.
+    """
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
     if not window:  # None, or Qwen2-MoE's 0 without use_sliding_window
@@ -398,10 +462,13 @@ def layer_window(module: torch.nn.Module) -> int | None:
     if not any(t == "sliding_attention" for t in types):
         return None
     layer = getattr(module, "layer_idx", None)
-    if layer is None:
+    if layer is None and positions:
+        layer = positions.get(id(module))
+    if not isinstance(layer, int) or not 0 <= layer < len(types):
         raise AttentionBackendError(
-            f"{type(module).__name__} does not say which layer it is, and its model mixes sliding-window "
-            "and full layers: use attention=sdpa"
+            f"{type(module).__name__} does not say which layer it is (no layer_idx, not inside a decoder "
+            "layer of its model's list), and its model mixes sliding-window and full layers: use "
+            "attention=sdpa"
         )
     return window if types[layer] == "sliding_attention" else None
 
@@ -415,12 +482,15 @@ class TreeStep:
         starts: ``(B,)`` int32 first visible column of each row.
         mask: the tree of this step (its node count is the forward's query length).
         backend: "sdpa", "triton" or "cuda".
+        positions: the model's :func:`layer_positions` (empty: its attention layers say which layer
+            they are by ``layer_idx``, or need not).
     """
 
     past_lens: torch.Tensor
     starts: torch.Tensor
     mask: TreeMask
     backend: str
+    positions: dict[int, int] = field(default_factory=dict)
 
 
 def hf_tree_attention(
@@ -473,7 +543,7 @@ def hf_tree_attention(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
             f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
-    window = sliding_window if sliding_window is not None else layer_window(module)
+    window = sliding_window if sliding_window is not None else layer_window(module, step.positions)
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
         scale=scaling, window=window, backend=step.backend,
@@ -610,11 +680,14 @@ __all__ = [
     "TreeStep",
     "attention_chunk",
     "chunk_refusal",
+    "decoder_layers",
     "hf_packed_sdpa_attention",
     "hf_tree_attention",
     "kernel_op",
     "kernel_refusal",
+    "layer_positions",
     "layer_window",
+    "mixes_windows",
     "model_lock",
     "one_call_per_model",
     "on_device",

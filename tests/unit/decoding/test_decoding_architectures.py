@@ -8,6 +8,9 @@ Llama 4 where its NoPE layers' query scaling would count positions from the cach
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from medusa_train.decoding import (
     medusa_generate_batch,
     tree_attention_mask,
 )
-from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.attention import AttentionBackendError, layer_positions, resolve_attention
 from medusa_train.decoding.batched import _BatchMask
 from medusa_train.decoding.generate import PackedHeads
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
@@ -93,6 +96,26 @@ def build(config: tf.PretrainedConfig) -> torch.nn.Module:
     if isinstance(config, tf.Gemma3Config):
         return tf.Gemma3ForConditionalGeneration(config).eval()
     return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def without_layer_idx(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (Gemma 3) as a model of its own code may write it: no module has a ``layer_idx``, its
+    attention modules keep their layer's index as ``layer_number`` (their forward is Gemma 3's,
+    reading it there); the same weights, the same tokens."""
+    attention = tf.models.gemma3.modeling_gemma3.Gemma3Attention
+    source = textwrap.dedent(inspect.getsource(attention.forward))
+    scope: dict = {}
+    exec(
+        source.replace("self.layer_idx", "self.layer_number"), vars(sys.modules[attention.__module__]), scope
+    )
+    renamed = type("NumberedAttention", (attention,), {"forward": scope["forward"]})
+    for module in model.modules():
+        if type(module) is attention:
+            module.__class__ = renamed
+            module.layer_number = module.layer_idx
+        if hasattr(module, "layer_idx"):
+            del module.layer_idx
+    return model
 
 
 def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -321,6 +344,54 @@ def test_static_kernel_reads_each_layer_types_window(monkeypatch):
     assert {window for _, window in seen} == {None, 6}
     assert len({bits.data_ptr() for bits, _ in seen}) == 2
     assert all(bits.data_ptr() in static for bits, _ in seen)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_static_kernel_places_layers_without_layer_idx():
+    """Gemma 3's sliding and full layers with no ``layer_idx`` on any module: the kernel takes each
+    attention layer's type from its decoder layer's place in the model's list of layers (as the model's
+    own forward pairs layers and masks). The static decoder with the Triton kernel (CPU: its
+    interpreter) equals ``generate`` past the window, heads that know the continuation making every
+    node's logits decide tokens; so do ``medusa_generate`` and ``medusa_generate_batch`` (one
+    verification each)."""
+    model = without_layer_idx(build(MODELS["gemma3"]()))
+    assert not any(hasattr(m, "layer_idx") for m in model.modules())
+    prompt = prompts()[1]  # 11 tokens: past the window of 6
+    ref = plain_greedy(model, prompt, 10)
+    oracle = RowsOracle(model, [torch.cat([prompt, torch.tensor(ref)])])
+    decoder = StaticDecoder(model, oracle, chain_tree(4), 32, attention="triton")
+    out = decoder.generate(prompt[None], max_new_tokens=10)
+    assert out.tokens.tolist() == ref
+    assert out.accepted_lengths[0] == 5
+    heads, tree = random_heads(model, seed=1), chain_tree(2)
+    one = medusa_generate(model, heads, prompt[None], max_new_tokens=2, tree=tree, attention="triton")
+    batch = medusa_generate_batch(model, heads, [prompt], max_new_tokens=2, tree=tree, attention="triton")
+    assert one.tokens.tolist() == batch.rows[0].tokens.tolist() == ref[:2]
+
+
+def test_layer_positions_are_the_text_decoders_layers():
+    """The layer of every module inside the text decoder's layers, none of the vision tower's (Gemma 3
+    multimodal: its vision encoder has its own list of layers); nothing for a model whose layers all
+    window alike (Llama 4's chunks and global layers: no sliding window)."""
+    model = build(gemma3_multimodal())
+    positions = layer_positions(model)
+    for i, layer in enumerate(model.model.language_model.layers):
+        assert {positions[id(m)] for m in layer.modules()} == {i}
+    assert not any(id(m) in positions for m in model.model.vision_tower.modules())
+    assert layer_positions(build(llama4())) == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernels_refuse_mixed_layers_nothing_places_before_any_forward():
+    """Sliding and full layers where neither a ``layer_idx`` nor a list of decoder layers tells which
+    attention module is which: a kernel is refused before any forward (one line), ``auto`` keeps SDPA."""
+    model = without_layer_idx(build(MODELS["gemma3"]()))
+    model.model.layers = torch.nn.Sequential(*model.model.layers)  # no ModuleList of the layers
+    calls = count_forwards(model)
+    with pytest.raises(AttentionBackendError, match="cannot tell which is which"):
+        StaticDecoder(model, random_heads(model), chain_tree(2), 32, attention="triton")
+    assert not calls
+    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
 
 
 @pytest.mark.slow
