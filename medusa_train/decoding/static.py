@@ -434,6 +434,8 @@ class StaticDecoder:
             )
         # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
         # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.
+        # A layer's window is its type's rule here (layer_window; a layer passing another is refused);
+        # one spanning the capacity spans the tree too, whose own bits it then reads.
         self._kernel_bits: list[torch.Tensor] = []
         if self._kernel_step is not None:
             built = (self._kernel_step.mask.bits_for(window) for window, _ in self._rules.values())

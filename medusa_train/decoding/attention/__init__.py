@@ -442,8 +442,9 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
 def layer_window(module: torch.nn.Module, positions: Mapping[int, int] | None = None) -> int | None:
     """The sliding window of ``module``'s layer as its model's own masks apply it, from the config as
     the decoders' dense masks read it: ``sliding_window`` on every layer, or on the layers that
-    ``layer_types`` calls "sliding_attention" (None: none). For the layers that window through their
-    mask alone and pass no ``sliding_window`` to their attention (Qwen2-MoE, PhiMoE).
+    ``layer_types`` calls "sliding_attention" (None: none). The one window the decoders' masks and the
+    kernels' ancestor bits know for a layer (:func:`hf_tree_attention` refuses a layer that passes
+    another).
 
     Where the layers mix window kinds, the layer's type is ``layer_types[i]`` for the layer's index i:
     its ``layer_idx``, else its decoder layer's place in ``positions`` (:func:`layer_positions`).
@@ -508,16 +509,25 @@ def hf_tree_attention(
 
     Given a step (the keyword argument :data:`STEP_KWARG`, else the one of :func:`tree_step`):
     :func:`tree_attention` with the step's tree (``attention_mask`` is None there: the model builds
-    none), windowed by ``sliding_window`` or, where the layer passes none, by its config
-    (:func:`layer_window`). Elsewhere: transformers' SDPA attention on whatever mask it is given.
+    none), windowed by the layer's window as the decoders' dense masks apply it (:func:`layer_window`,
+    also for a layer that passes no ``sliding_window``: Qwen2-MoE, PhiMoE). Elsewhere: transformers'
+    SDPA attention on whatever mask it is given.
+
+    One window per layer, the masks': a layer that passes a ``sliding_window`` other than that is
+    refused. Every transformers model checked passes on its "sliding_attention" layers (every layer
+    without ``layer_types``) exactly ``config.sliding_window``, the window its own masks apply
+    (transformers 5.24, about 50 causal LMs with a window set, each layer's call recorded); those
+    refused pass a window on layers of types the decoders' masks do not window (Inkling's
+    "hybrid_sliding", MiniMax's full layers given a window). The static decoder builds the kernels'
+    ancestor bits for the masks' windows alone, before any capture.
 
     Returns:
         ``(B, M, Hq, D)`` attention output and no weights.
 
     Raises:
         AttentionBackendError: in a step, a call the kernels would compute wrongly: one passing
-            :data:`SCORE_MODIFIERS` or a mask of its own, dropout, or value heads narrower or wider
-            than the query heads.
+            :data:`SCORE_MODIFIERS` or a mask of its own, dropout, value heads narrower or wider
+            than the query heads, or a sliding window its layer's masks do not apply.
     """
     step = kwargs.pop(STEP_KWARG, None)
     if step is None:
@@ -543,7 +553,14 @@ def hf_tree_attention(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
             f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
-    window = sliding_window if sliding_window is not None else layer_window(module, step.positions)
+    window = layer_window(module, step.positions)
+    if sliding_window is not None and sliding_window != window:
+        masks = f"window by {window}" if window else "apply no window"
+        raise AttentionBackendError(
+            f"{name} passes sliding_window={sliding_window} to its attention, but its layer's masks {masks} "
+            '(config.sliding_window on "sliding_attention" layers), the one window the tree kernels '
+            "apply: use attention=sdpa"
+        )
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
         scale=scaling, window=window, backend=step.backend,

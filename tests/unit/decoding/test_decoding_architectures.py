@@ -394,6 +394,23 @@ def test_kernels_refuse_mixed_layers_nothing_places_before_any_forward():
     assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_refuses_a_window_its_layers_masks_do_not_apply():
+    """Gemma 3's sliding layer passing its attention a window of 5 where ``config.sliding_window`` (6)
+    windows its masks (a model with windows of its own per layer would): the kernel is refused in the
+    step, one line, not run on a window the decoders' masks and ancestor bits do not know; SDPA
+    decodes it as ``generate`` does (transformers' SDPA reads the masks, not the window passed)."""
+    model = build(MODELS["gemma3"]())
+    model.model.layers[0].self_attn.sliding_window = 5
+    heads = random_heads(model, seed=1)
+    prompt = prompts()[1]
+    decoder = StaticDecoder(model, heads, chain_tree(2), 32, attention="triton")
+    with pytest.raises(AttentionBackendError, match=r"passes sliding_window=5 .*masks window by 6"):
+        decoder.generate(prompt[None], max_new_tokens=4)
+    out = StaticDecoder(model, heads, chain_tree(2), 32).generate(prompt[None], max_new_tokens=4)
+    assert out.tokens.tolist() == plain_greedy(model, prompt, 4)
+
+
 @pytest.mark.slow
 def test_static_compiled_on_mixed_layers():
     """The step under torch.compile (inductor, default mode) with Gemma 3's per-layer-type masks: one

@@ -737,12 +737,16 @@ def test_kernel_windows_layers_that_pass_no_window(name):
         ({"attention_mask": torch.zeros(1, 1, 3, 8)}, "a mask of its own"),
         ({"dropout": 0.1}, "dropout 0.1"),
         ({"value_dim": 8}, r"value heads \(8\).*\(16\)"),
+        (
+            {"sliding_window": 4},
+            "passes sliding_window=4 to its attention, but its layer's masks apply no window",
+        ),
     ],
 )
 def test_tree_attention_refuses_calls_it_would_compute_wrongly(call, reason):
     """In a step, a layer's call with what the kernels do not apply (attention sinks, the keys of sparse
-    attention, a mask or bias it built itself, dropout) or value heads not as wide as its query heads
-    is one AttentionBackendError, not a result without them."""
+    attention, a mask or bias it built itself, dropout), value heads not as wide as its query heads or
+    a window its config gives no layer is one AttentionBackendError, not a result without them."""
     call = dict(call)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 3, 16, generator=gen)  # (B, Hq, M, D)
