@@ -283,11 +283,14 @@ def resolve_tree(
                 )
             try:
                 paths = load_choices(found[0])
-            except TreeError as err:  # a damaged file: stage=train writes it again
-                raise TreeError(
-                    f"{err} (run `python -m medusa_train stage=train` to calibrate again, or choose "
-                    "tree=medusa63|chain|custom)"
-                ) from None
+            except TreeError as err:  # a damaged file: stage=train writes it again, stage=export its copy
+                again = (
+                    "run `python -m medusa_train stage=train` to calibrate again"
+                    if found[0].parent == heads_dir
+                    else "run `python -m medusa_train stage=export` to copy the heads' tree into the export "
+                    "again (stage=train first if theirs is damaged too)"
+                )
+                raise TreeError(f"{err} ({again}, or choose tree=medusa63|chain|custom)") from None
         elif name == "medusa63":
             paths = [list(p) for p in MEDUSA_63]
         elif name == "chain":

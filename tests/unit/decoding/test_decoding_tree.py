@@ -174,3 +174,21 @@ def test_tree_ranks_must_fit_the_heads_vocabulary_and_errors_are_user_errors(tmp
         resolve_tree("custom", tmp_path, 3, vocab_size=100, choices=[1, 2, 3])
     with pytest.raises(UserError, match=r"rank 200"):
         resolve_tree("custom", tmp_path, 3, vocab_size=100, choices=[[0], [200]])
+
+
+def test_a_damaged_calibrated_tree_names_the_stage_that_writes_it_again(tmp_path: Path) -> None:
+    """stage=train writes the heads' medusa_choices.json; an export's copy (one folder up from its
+    medusa/ layout) is written again by stage=export, which stage=train alone would not do."""
+    heads, export = tmp_path / "heads", tmp_path / "export"
+    for folder in (heads, export / "medusa"):
+        folder.mkdir(parents=True)
+    (heads / "medusa_choices.json").write_text("[[0], [0")
+    (export / "medusa_choices.json").write_text("[[0], [0")
+    with pytest.raises(UserError, match=r"run `python -m medusa_train stage=train` to calibrate again, or"):
+        resolve_tree("calibrated", heads, 2)
+    with pytest.raises(UserError) as refused:
+        resolve_tree("calibrated", export / "medusa", 2)
+    assert "run `python -m medusa_train stage=export` to copy the heads' tree into the export again" in str(
+        refused.value
+    )
+    assert "\n" not in str(refused.value)
