@@ -79,6 +79,7 @@ from medusa_train.card_inputs import calibration_input, read_checked
 from medusa_train.decoding.attention import (
     ATTENTION_CHOICES,
     AttentionBackendError,
+    check_verifiable,
     one_call_per_model,
     resolve_attention,
 )
@@ -270,8 +271,11 @@ def generate(
             a setting it does not apply such as ``bad_words_ids``, right padding, a ``max_length``
             that leaves the prompt no room, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
-            kernel that cannot run here.
+            kernel that cannot run here; a model no tree decoder verifies (ALiBi, or layers of a type
+            other than full, sliding-window or chunked attention:
+            :func:`~medusa_train.decoding.attention.tree_refusal`), before anything else.
     """
+    check_verifiable(model)  # a model no tree decoder verifies: refused before the export is read
     hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}
     source = _find_export(model, medusa_heads, export_dir, hub)
     refused = [name for name in _REFUSED_ARGUMENTS if kwargs.pop(name, None) is not None]

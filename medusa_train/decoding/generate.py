@@ -687,7 +687,8 @@ def medusa_generate(
     Args:
         model: a Hugging Face causal LM in eval mode whose forward accepts a 4-D float mask,
             ``position_ids`` and a ``DynamicCache`` (Llama, Qwen2, Mistral, GPT-2, ... with the
-            "sdpa" or "eager" attention implementation; sliding-window layers are honoured).
+            "sdpa" or "eager" attention implementation) whose layers are full, sliding-window or
+            chunked attention (by ``config.layer_types``; windows and chunks are honoured).
         heads: the Medusa heads (or :class:`PackedHeads` built once from them).
         input_ids: ``(1, T)`` prompt.
         max_new_tokens: most tokens to generate; generation also stops before the model's
@@ -722,7 +723,9 @@ def medusa_generate(
     Raises:
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
-            no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
+            no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
+            chunked attention: :func:`~.attention.unserved_layer_types`; Llama 4's query scaling past
+            ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

@@ -242,7 +242,7 @@ def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int |
     first chunk: no position there passes a chunk's end; no window either where it spans the
     capacity, so such a model's layers share one mask), ``"full_attention"`` layers neither; a model
     without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
-    (a hybrid model's linear or convolution layers) take no mask of these and are left out.
+    are left out: the decoders refuse a model that has them (:func:`~.attention.unserved_layer_types`).
     """
     window, _ = _sliding_window_kinds(config)
     if window is not None and window >= capacity:  # no two positions of the cache are that far apart
@@ -309,7 +309,9 @@ class StaticDecoder:
             threshold, cuda_graph off CUDA, a flash-attention model, a model spread over several
             devices, or a capacity too small for the tree.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
-            no tree verification computes (ALiBi; Llama 4's query scaling past ``floor_scale - 1``).
+            no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
+            chunked attention: :func:`~.attention.unserved_layer_types`; Llama 4's query scaling past
+            ``floor_scale - 1``).
         TreeError: the tree does not fit the heads.
     """
 

@@ -269,8 +269,8 @@ def resolve_attention(
         raise AttentionBackendError(
             f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}"
         )
-    if model is not None and (reason := tree_refusal(model)) is not None:
-        raise AttentionBackendError(reason)
+    if model is not None:
+        check_verifiable(model)
     if attention == "sdpa":
         return "sdpa"
     if attention == "auto":
@@ -309,7 +309,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     """Why no tree attention, the decoders' dense masks included, can verify a tree on ``model`` (None:
     nothing says so): ALiBi models (Bloom, MPT, Falcon with ``alibi``) build their biases themselves,
     from the cache's columns (a tree node's column is not its position) or from a 2-D padding mask
-    (Bloom and Falcon fail on the 4-D mask a tree needs)."""
+    (Bloom and Falcon fail on the 4-D mask a tree needs); models with layers of a type the decoders
+    do not serve (:func:`unserved_layer_types`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     if kind in ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
@@ -317,7 +318,43 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
             "position ids and 4-D mask cannot set: the Medusa decoders cannot verify trees on it"
         )
+    unserved = unserved_layer_types(model.config)
+    if unserved:
+        return (
+            f"{type(model).__name__} ({kind}) has layers of type {', '.join(map(repr, unserved))} "
+            "(config.layer_types), which the Medusa tree decoders cannot verify: they serve models "
+            "whose layers are full, sliding-window or chunked attention (decode this one with model.generate)"
+        )
     return None
+
+
+def check_verifiable(model: torch.nn.Module) -> None:
+    """Refuse a model no tree attention can verify (:func:`tree_refusal`): the check every decoder makes
+    before its prefill (:func:`resolve_attention`), for a caller that makes it before its own work.
+
+    Raises:
+        AttentionBackendError: ``tree_refusal``'s reason, in one line.
+    """
+    reason = tree_refusal(model)
+    if reason is not None:
+        raise AttentionBackendError(reason)
+
+
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""The ``config.layer_types`` entries the decoders serve: full attention, a sliding window of
+``sliding_window`` positions and chunks of ``attention_chunk_size`` (:func:`attention_chunk`), each
+applied by their masks and kernels."""
+
+
+def unserved_layer_types(config) -> list[str]:
+    """The types in ``config``'s ``layer_types`` (of its text config; each once, in order) that the
+    decoders cannot serve: any but :data:`SERVED_LAYER_TYPES`. A windowed layer under another name
+    (Zaya's "hybrid_sliding") would get no window from their masks and kernels, and a layer that keeps
+    a state besides its KV cache (linear attention, Mamba, recurrent or convolution layers: Qwen3-Next,
+    Jamba, RecurrentGemma, Falcon-H1, LFM2's "conv") advances it over every node of a tree, which no
+    step can roll back to the accepted path. Empty for a config without ``layer_types``."""
+    types = getattr(config.get_text_config(), "layer_types", None) or ()
+    return [kind for kind in dict.fromkeys(types) if kind not in SERVED_LAYER_TYPES]
 
 
 def kernel_refusal(model: torch.nn.Module) -> str | None:
@@ -691,11 +728,13 @@ __all__ = [
     "AUTO_ORDER",
     "KERNEL_NAME",
     "PACKED_SDPA_NAME",
+    "SERVED_LAYER_TYPES",
     "STEP_KWARG",
     "AttentionBackendError",
     "TreeMask",
     "TreeStep",
     "attention_chunk",
+    "check_verifiable",
     "chunk_refusal",
     "decoder_layers",
     "hf_packed_sdpa_attention",
@@ -714,4 +753,5 @@ __all__ = [
     "tree_attention",
     "tree_refusal",
     "tree_step",
+    "unserved_layer_types",
 ]

@@ -2,8 +2,10 @@
 (Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2 and 3, Cohere 2,
 gpt-oss, and Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk
 or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
-kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), and
-Llama 4 where its NoPE layers' query scaling would count positions from the cache's length."""
+kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
+layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
+LFM2, Zaya), and Llama 4 where its NoPE layers' query scaling would count positions from the cache's
+length."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import transformers as tf
 
 import medusa_train.decoding.attention as tree_attention_module
 import medusa_train.decoding.static as static_module
+from medusa_train.custom_generate import generate as custom_generate
 from medusa_train.decoding import (
     StaticDecoder,
     TreeBuffers,
@@ -26,10 +29,15 @@ from medusa_train.decoding import (
     medusa_generate_batch,
     tree_attention_mask,
 )
-from medusa_train.decoding.attention import AttentionBackendError, layer_positions, resolve_attention
+from medusa_train.decoding.attention import (
+    AttentionBackendError,
+    layer_positions,
+    resolve_attention,
+    unserved_layer_types,
+)
 from medusa_train.decoding.batched import _BatchMask
 from medusa_train.decoding.generate import PackedHeads
-from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree
+from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -88,6 +96,35 @@ ALIBI = {
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, alibi=True
     ),
     "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=MAX_POS),
+}
+
+
+UNSERVED = {  # architectures with layers of types the decoders do not serve (UNSERVED_TYPES)
+    # linear attention (gated delta rule) beside full layers
+    "qwen3_next": lambda: tf.Qwen3NextConfig(
+        **SHAPE, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+    ),
+    # recurrent blocks (named linear_attention) beside sliding-window attention
+    "recurrent_gemma": lambda: tf.RecurrentGemmaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, lru_width=32, attention_window_size=6, block_types=["recurrent", "attention"],
+        vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    ),
+    # short convolutions beside full layers
+    "lfm2": lambda: tf.Lfm2Config(**SHAPE, layer_types=["conv", "full_attention"]),
+    # a sliding window under another name, and convolutions inside the attention of every layer
+    "zaya": lambda: tf.ZayaConfig(
+        **{**SHAPE, "intermediate_size": None, "num_hidden_layers": 3}, head_dim=8, moe_intermediate_size=16,
+        num_experts=2, router_hidden_size=16, sliding_window=6, layer_types=["hybrid_sliding", "hybrid", "hybrid"],
+    ),
+}  # fmt: skip
+UNSERVED_TYPES = {
+    "qwen3_next": ["linear_attention"],
+    "recurrent_gemma": ["linear_attention"],
+    "lfm2": ["conv"],
+    "zaya": ["hybrid_sliding", "hybrid"],
 }
 
 
@@ -459,6 +496,52 @@ def test_alibi_models_are_refused_before_any_forward(name):
         for p in prompts():
             out = medusa_generate(plain, heads, p[None], max_new_tokens=NEW_TOKENS, tree=TREES["random8"])
             assert out.tokens.tolist() == plain_greedy(plain, p)
+
+
+@pytest.mark.parametrize("name", list(UNSERVED))
+def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, tmp_path):
+    """A layer type the decoders' masks do not know (Zaya's sliding "hybrid_sliding" would get no
+    window) or a layer keeping a state a tree step cannot roll back (linear attention, recurrent blocks,
+    convolutions: each crashed deep inside ``medusa_generate``): every decoder, and ``generate`` of an
+    export's ``custom_generate`` before it looks for the export, refuses the model in one line naming
+    the types, before any forward."""
+    model = build(UNSERVED[name]())
+    assert unserved_layer_types(model.config) == UNSERVED_TYPES[name]
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    decoders = [
+        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=chain_tree(2)),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt, prompt[1:]], max_new_tokens=4, tree=chain_tree(2)
+        ),
+        lambda: StaticDecoder(model, heads, chain_tree(2), 32),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]
+    named = ", ".join(repr(t) for t in UNSERVED_TYPES[name])
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError, match=rf"has layers of type {named} \(config.layer_types\)"
+        ) as err:
+            decode()
+        message = str(err.value)
+        assert "serve models whose layers are full, sliding-window or chunked attention" in message
+        assert "\n" not in message
+    assert not calls
+
+
+def test_the_architectures_the_decoders_serve_are_not_refused():
+    """Every architecture the decoder tests run, each layer type among full, sliding-window and chunked
+    attention or no ``layer_types`` at all, has no layer type the decoders refuse."""
+    configs = [make() for make in MODELS.values()] + [tiny_config(arch) for arch in ARCHS]
+    configs += [
+        llama4(no_rope_layers=(1, 1)),
+        llama4(chunk=None),
+        tiny_config("qwen2", layer_types=INTERLEAVED),
+    ]
+    assert any(getattr(c.get_text_config(), "layer_types", None) is None for c in configs)
+    for config in configs:
+        assert unserved_layer_types(config) == [], config.model_type
 
 
 def test_llama4_query_scaling_by_cache_length_is_refused(monkeypatch):
