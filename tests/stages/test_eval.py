@@ -318,6 +318,35 @@ def test_an_assistant_model_path_that_is_no_model_fails_before_the_backbone_load
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={draft}"))
 
 
+def test_a_backbone_the_decoders_cannot_serve_is_refused_once_loaded(tmp_path: Path, monkeypatch) -> None:
+    """A backbone with layers of a type the tree decoders do not serve (here the tiny Llama's config
+    naming a linear-attention layer) is one line naming the type as soon as it is loaded: before the
+    backbone check fingerprints its weights and before any forward."""
+    workdir = make_workdir(tmp_path / "wd")
+    forwards: list = []
+    load = eval_stage.load_backbone_for_heads
+
+    def hybrid(*args, **kwargs):
+        model, *rest = load(*args, **kwargs)
+        model.config.layer_types = ["full_attention"] * (model.config.num_hidden_layers - 1) + [
+            "linear_attention"
+        ]
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        return (model, *rest)
+
+    def no_check(*args, **kwargs):
+        raise AssertionError("the backbone was checked before the decoders' refusal")
+
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", hybrid)
+    monkeypatch.setattr(eval_stage, "warn_if_other_backbone", no_check)
+    with pytest.raises(
+        UserError, match=r"has layers of type 'linear_attention' \(config.layer_types\)"
+    ) as err:
+        eval_stage.run(tiny_cfg(workdir, "stage=eval"))
+    assert "full, sliding-window or chunked attention" in str(err.value) and "\n" not in str(err.value)
+    assert not forwards
+
+
 def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path) -> None:
     workdir = make_workdir(tmp_path / "wd")
     calibration = workdir / "heads" / "calibration.json"
