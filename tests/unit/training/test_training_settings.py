@@ -37,6 +37,7 @@ RUN_ONLY_FIELDS = {
         "logging_steps",
         "save_steps",
         "save_total_limit",
+        "fsync_checkpoints",
         "cache_hidden_states",
         "overwrite",
         "calibration_max_records",
