@@ -529,13 +529,10 @@ def _calibration_of(choices_path: Path, choices: list[list[int]]) -> tuple[str, 
     expected = calibration_input(path.parent)
     calibration, problem = read_checked(path, expected)
     if problem is not None:
-        message = (
+        _warn_message(
             f"{path} is damaged ({problem}): {expected.repair}; the Medusa tree is decoded with "
             "medusa_attention='auto'"
         )
-        if message not in _WARNED:
-            _WARNED.add(message)
-            log.warning(message)
         return None
     tree = (calibration or {}).get("tree") or {}
     attention = (tree.get("calibrated_for") or {}).get("attention")
@@ -569,13 +566,10 @@ def _calibrated_attention(loaded: _Loaded, device: torch.device) -> str:
     try:
         return resolve_attention(attention, device)
     except AttentionBackendError as err:
-        message = (
+        _warn_message(
             f"the Medusa tree was calibrated with the {attention} tree attention, but {err}: it is decoded "
             "with medusa_attention='auto'"
         )
-        if message not in _WARNED:
-            _WARNED.add(message)
-            log.warning(message)
         return "auto"
 
 
@@ -772,8 +766,13 @@ def _max_new_tokens(config, width: int, default_length: bool, limit: int | None)
 
 def _warn_once(items: list[str], template: str) -> None:
     """Log ``template`` filled with ``items`` (if any), once per process for each distinct message."""
-    message = template.format(", ".join(items))
-    if items and message not in _WARNED:
+    if items:
+        _warn_message(template.format(", ".join(items)))
+
+
+def _warn_message(message: str) -> None:
+    """Log ``message`` as a warning, once per process."""
+    if message not in _WARNED:
         _WARNED.add(message)
         log.warning(message)
 

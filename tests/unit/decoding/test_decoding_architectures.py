@@ -467,6 +467,19 @@ def test_static_compiled_on_mixed_layers():
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
+def decoder_calls(model, heads) -> list:
+    """One short call of each tree decoder (one row, two rows, static shapes) on ``model``: for the
+    tests that each refuses a model before any forward."""
+    prompt = torch.tensor([3, 5, 7])
+    return [
+        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=chain_tree(2)),
+        lambda: medusa_generate_batch(
+            model, heads, [prompt, prompt[1:]], max_new_tokens=4, tree=chain_tree(2)
+        ),
+        lambda: StaticDecoder(model, heads, chain_tree(2), 32),
+    ]
+
+
 @pytest.mark.parametrize("name", list(ALIBI))
 def test_alibi_models_are_refused_before_any_forward(name):
     """Bloom, Falcon with ``alibi`` and MPT build their biases themselves, from a 2-D padding mask (Bloom
@@ -477,15 +490,7 @@ def test_alibi_models_are_refused_before_any_forward(name):
     model = build(config)
     heads = random_heads(model, seed=1)
     calls = count_forwards(model)
-    prompt = torch.tensor([3, 5, 7])
-    decoders = [
-        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=chain_tree(2)),
-        lambda: medusa_generate_batch(
-            model, heads, [prompt, prompt[1:]], max_new_tokens=4, tree=chain_tree(2)
-        ),
-        lambda: StaticDecoder(model, heads, chain_tree(2), 32),
-    ]
-    for decode in decoders:
+    for decode in decoder_calls(model, heads):
         with pytest.raises(AttentionBackendError, match=rf"\({config.model_type}\) adds ALiBi") as err:
             decode()
         assert "\n" not in str(err.value)
@@ -511,11 +516,7 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
     calls = count_forwards(model)
     prompt = torch.tensor([3, 5, 7])
     decoders = [
-        lambda: medusa_generate(model, heads, prompt[None], max_new_tokens=4, tree=chain_tree(2)),
-        lambda: medusa_generate_batch(
-            model, heads, [prompt, prompt[1:]], max_new_tokens=4, tree=chain_tree(2)
-        ),
-        lambda: StaticDecoder(model, heads, chain_tree(2), 32),
+        *decoder_calls(model, heads),
         lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
     ]
     named = ", ".join(repr(t) for t in UNSERVED_TYPES[name])
