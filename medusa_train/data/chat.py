@@ -23,12 +23,15 @@ a fake end of turn inside a message. Messages are rendered with such strings wra
 marker characters; :meth:`ChatRenderer._encode` encodes the text between them as usual and each
 marked string as plain text on its own, as transformers'
 ``apply_chat_template(..., sanitize_control_tokens=True)`` does (tested equal). A rendering with
-no such string is one tokenizer call, as before.
+no such string is one tokenizer call. Added tokens that are not special (Qwen's ``<think>``) keep
+their ids in a message, also with a slow (Python) tokenizer (:func:`text_ids`); transformers'
+``sanitize_control_tokens`` encodes as text those its chat template writes too.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from jinja2.exceptions import TemplateError
 
@@ -39,6 +42,54 @@ _SENTINEL = "MEDUSAREPLYSENTINEL"
 _OPEN, _CLOSE = "\U000f0000", "\U000f0001"
 """Private-use characters wrapped around a special-token string inside a message (the ones
 transformers' ``mark_control_tokens`` uses): they mark it as text to encode as text."""
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as plain text, as a model writes it: a special-token string (``<|im_end|>``)
+    as text (``split_special_tokens``), an added token that is not special (Qwen's ``<think>``) as its id.
+
+    A fast tokenizer does both in one call. A slow (Python) one ignores every added token under
+    ``split_special_tokens``, special or not: its text is cut at the added tokens that are not
+    special, each encoded as itself and the text between them as plain text (:func:`_encode_pieces`).
+    """
+    if not tokenizer.is_fast:
+        kept = sorted(
+            {t.content for t in tokenizer.added_tokens_decoder.values() if not t.special and t.content},
+            key=len,
+            reverse=True,
+        )  # longest first: a token takes priority over one it contains
+        pieces = re.split(f"({'|'.join(map(re.escape, kept))})", text) if kept else [text]
+        if len(pieces) > 1:  # [text, added token, text, ..., text]
+            return _encode_pieces(pieces, lambda piece, added: _tokenize(tokenizer, piece, plain=not added))
+    return _tokenize(tokenizer, text, plain=True)
+
+
+def _tokenize(tokenizer, text: str, plain: bool) -> list[int]:
+    """``text`` tokenised; ``plain``: special-token strings as text (``split_special_tokens``)."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+
+
+def _encode_pieces(pieces: list[str | None], encode: Callable[[str, bool], list[int]]) -> list[int]:
+    """Token ids of ``pieces``, ``[text, odd, text, odd, ..., text]``, each encoded on its own by
+    ``encode(piece, odd)`` (an empty or None piece: nothing).
+
+    A piece after the first is encoded after a newline that is then removed, so a SentencePiece
+    tokenizer adds no prefix space at the cut (falling back to the piece alone where the newline
+    merges with it), as transformers does.
+    """
+    newline = {odd: encode("\n", odd) for odd in (False, True)}
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if not piece:
+            continue
+        odd = i % 2 == 1
+        after = encode("\n" + piece, odd) if i else []
+        cut = len(newline[odd])
+        if i and cut and after[:cut] == newline[odd]:
+            ids += after[cut:]
+        else:
+            ids += encode(piece, odd)
+    return ids
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -111,28 +162,17 @@ class ChatRenderer:
         as plain text.
 
         ``re.split`` gives ``[text, marked, text, marked, ..., text]`` (None for a lone marker, which a
-        template's string methods left: dropped). A piece after the first is encoded after a newline
-        that is then removed, so a SentencePiece tokenizer adds no prefix space at the cut (falling
-        back to the piece alone where the newline merges with it), as transformers does.
+        template's string methods left: dropped), encoded piece by piece (:func:`_encode_pieces`).
         """
         if _OPEN not in text and _CLOSE not in text:
             return self._encode_piece(text, plain=False)
-        newline = self._encode_piece("\n", plain=False)
-        ids: list[int] = []
-        for i, piece in enumerate(self._marked.split(text)):
-            if not piece:
-                continue
-            plain = i % 2 == 1  # a marked special-token string
-            after = self._encode_piece("\n" + piece, plain) if i else []
-            if i and newline and after[: len(newline)] == newline:
-                ids += after[len(newline) :]
-            else:
-                ids += self._encode_piece(piece, plain)
-        return ids
+        return _encode_pieces(
+            self._marked.split(text), lambda piece, marked: self._encode_piece(piece, marked)
+        )
 
     def _encode_piece(self, text: str, plain: bool) -> list[int]:
-        """``text`` tokenised; ``plain``: special-token strings as text (``split_special_tokens``)."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+        """``text`` tokenised; ``plain``: as plain text (:func:`text_ids`)."""
+        return text_ids(self.tokenizer, text) if plain else _tokenize(self.tokenizer, text, plain=False)
 
     def prompt_ids(self, conv: Conversation) -> list[int]:
         """Tokens of the first turn's prompt, as the chat template renders it (generation prompt included)."""

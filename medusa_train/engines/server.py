@@ -13,7 +13,8 @@ Two request kinds (``api``):
 - ``chat``: ``POST {url}/chat/completions`` with the conversation so far as messages; the server
   applies the chat template, generates, and returns TEXT (every OpenAI-compatible server: vLLM,
   SGLang, TGI, ``transformers serve``). The reply is re-tokenised with our tokenizer, as plain text
-  (a special-token string in it, such as ``<|im_end|>`` the model wrote as text, is no special id);
+  (a special-token string in it, such as ``<|im_end|>`` the model wrote as text, is no special id; an
+  added token that is not special, Qwen's ``<think>``, is its id: :func:`~medusa_train.data.chat.text_ids`);
   the record's tokens are those ids plus the turn's EOS when the server reports
   ``finish_reason="stop"``. That is also what the server sees of its own reply in the next turn,
   since it re-renders the conversation from text (but for such a string, which a server's template
@@ -76,6 +77,7 @@ from dataclasses import dataclass, field
 from queue import Empty, SimpleQueue
 from typing import Any
 
+from medusa_train.data.chat import text_ids
 from medusa_train.engines.base import GenRequest
 from medusa_train.errors import UserError
 
@@ -736,8 +738,9 @@ class ServerEngine:
         """
         text, finish, generated, counts = reply.text, reply.finish, reply.generated, dict(reply.counts)
         # The text is the reply: a special-token string in it (the model wrote "<|im_end|>" as text, which
-        # a text API returns as text) is plain text, not a special id (an end of turn inside the reply)
-        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        # a text API returns as text) is plain text, not a special id (an end of turn inside the reply);
+        # an added token that is not special (Qwen's "<think>") is its id, with a slow tokenizer too
+        ids = text_ids(self.tokenizer, text)
         if self.tokenizer.decode(ids) != text:
             return _Reply(None, {**counts, "not_round_trip": 1})
         # `transformers serve` reports "length" whenever the cap is reached, also when the last token

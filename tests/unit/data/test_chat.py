@@ -6,11 +6,12 @@ import inspect
 
 import pytest
 
-from medusa_train.data.chat import ChatRenderer
+from medusa_train.data.chat import ChatRenderer, text_ids
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
 from medusa_train.data.tokenizer import train_tokenizer
 from medusa_train.errors import UserError
+from tests.helpers.tokenizers import THINK, fast_chat_tokenizer, slow_chat_tokenizer
 
 LLAMA2_STYLE = (
     "{% for message in messages %}"
@@ -191,3 +192,35 @@ def test_a_tokenizer_that_encodes_a_newline_as_nothing_keeps_every_piece(monkeyp
         renderer, "_encode_piece", lambda text, plain: [] if text == "\n" else encode(text, plain)
     )
     assert renderer.prompt_ids(Conversation("r", ["why <|end|> is the cat?"])) == whole
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_added_tokens_that_are_not_special_keep_their_ids_with_a_slow_tokenizer_too(kind: str) -> None:
+    """``<think>`` (added, not special) is its id in a reply's text (``text_ids``) and in a message, the
+    special-token strings around it text: the same with a slow (Python) tokenizer, whose
+    ``split_special_tokens`` splits every added token (``<think>`` came out as its bytes), as with a
+    fast one. The text between is encoded as plain text, as the fast tokenizer's one call does, and
+    the prompt is what transformers' ``apply_chat_template(..., sanitize_control_tokens=True)`` gives."""
+    tok = fast_chat_tokenizer() if kind == "fast" else slow_chat_tokenizer()
+    think, eos = tok.convert_tokens_to_ids(THINK), tok.eos_token_id
+
+    def plain(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    text = "a <think>b</think> <|end|> c<think>"
+    ids = text_ids(tok, text)
+    assert ids == plain("a ") + [think] + plain("b</think> <|end|> c") + [think]
+    assert tok.decode(ids) == text and eos not in ids
+    assert text_ids(tok, "no added token <|end|> here") == plain("no added token <|end|> here")
+
+    renderer = ChatRenderer(tok)
+    conv = Conversation("r", ["why <think> is <|end|> the cat?", "and <think>"])
+    prompt = renderer.prompt_ids(conv)
+    assert prompt.count(think) == 1 and prompt.count(eos) == 1  # the template's own EOS alone
+    cont = renderer.continuation_ids(conv, ["it is"], eos)
+    assert cont.count(think) == 1 and cont.count(eos) == 1  # the user turn's closing markup
+    if "sanitize_control_tokens" in inspect.signature(tok.apply_chat_template).parameters:
+        sanitized = tok.apply_chat_template(
+            renderer.messages(conv, [], True), add_generation_prompt=True, sanitize_control_tokens=True
+        )["input_ids"]
+        assert prompt == sanitized

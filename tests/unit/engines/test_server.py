@@ -28,6 +28,7 @@ from medusa_train.engines.server import (
 from medusa_train.errors import UserError
 from tests.helpers.distill import spans
 from tests.helpers.local_server import LocalServer
+from tests.helpers.tokenizers import THINK, fast_chat_tokenizer, slow_chat_tokenizer
 
 
 class Scripted(LocalServer):
@@ -204,6 +205,8 @@ def test_sampled_requests_carry_their_seed_and_the_generation_config_override(sc
 class _WordTok:
     """Enough of a tokenizer for the chat API: a text of numbers is its ids."""
 
+    is_fast = True
+
     def __call__(self, text, add_special_tokens=False, split_special_tokens=False):
         return {"input_ids": [int(w) for w in text.split()]}
 
@@ -278,6 +281,31 @@ def test_a_chat_reply_quoting_the_eos_is_text_in_the_record(scripted) -> None:
     ]  # fmt: skip
     assert srv.seen[1][2]["messages"][1] == {"role": "assistant", "content": replies[0]}
     assert engine.stats["not_round_trip"] == 0
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_a_chat_reply_keeps_its_added_tokens_that_are_not_special_with_a_slow_tokenizer_too(
+    scripted, kind
+) -> None:
+    """A reply holding ``<think>`` (added, not special: the model generated its id, and the servers keep
+    it in the text) gets that id back, the special-token string beside it stays text: with a slow
+    (Python) tokenizer too, whose ``split_special_tokens`` split ``<think>`` into its bytes (the
+    text round-trips, so the reply was kept with ids the model never generated)."""
+    tok = fast_chat_tokenizer() if kind == "fast" else slow_chat_tokenizer()
+    think, eos = tok.convert_tokens_to_ids(THINK), tok.eos_token_id
+    text = "<think>why</think> it is <|end|> big"
+    answer = {"model": "m", "choices": [{"message": {"content": text}, "finish_reason": "stop"}]}
+    srv = scripted([(200, {}, answer)])
+    engine = ServerEngine(
+        ServerClient([srv.url]), model="m", tokenizer=tok, api="chat", max_new_tokens=64, eos_ids=[eos],
+        end_id=eos, concurrency=1,
+    )  # fmt: skip
+    got = {}
+    request = GenRequest(0, [1, 4], None, [{"role": "user", "content": "why?"}])
+    engine.run([request], lambda r, new: got.update({0: new}))
+    ids = got[0]
+    assert ids[0] == think and ids.count(think) == 1 and ids.index(eos) == len(ids) - 1
+    assert tok.decode(ids[:-1]) == text and engine.stats["not_round_trip"] == 0
 
 
 def test_chat_replies_are_tokenised_on_the_thread_that_runs_the_engine(scripted) -> None:

@@ -1,0 +1,38 @@
+"""Chat tokenizers built without a download, with an added token that is not special (``<think>``, as
+Qwen's): the project's fast byte-level BPE, and a slow one (transformers' Python backend).
+
+A slow tokenizer's ``split_special_tokens=True`` ignores every added token, special or not; a fast
+one only the special ones. These two let a test check that our encodings do not depend on which.
+"""
+
+from __future__ import annotations
+
+from transformers import AddedToken, ByT5Tokenizer
+
+from medusa_train.data.tokenizer import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, train_tokenizer
+
+THINK = "<think>"
+"""The added token that is not special."""
+
+
+def fast_chat_tokenizer():
+    """The project's byte-level BPE chat tokenizer (fast) with :data:`THINK` added, not special."""
+    tok = train_tokenizer(
+        ["why is the cat on the mat?", "tell me more about the dog.", "it is big"] * 20, 300
+    )
+    tok.add_tokens([AddedToken(THINK, special=False, normalized=False)])
+    return tok
+
+
+def slow_chat_tokenizer():
+    """ByT5's byte tokenizer (transformers' Python backend: no files, nothing downloaded) with the
+    project's chat special tokens and template, and :data:`THINK` added, not special."""
+    tok = ByT5Tokenizer(extra_ids=0)
+    tok.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True
+    )
+    tok.add_tokens([AddedToken(THINK, special=False, normalized=False)])
+    tok.bos_token, tok.eos_token, tok.pad_token = BOS, END, PAD
+    tok.chat_template = CHAT_TEMPLATE
+    assert not tok.is_fast
+    return tok
