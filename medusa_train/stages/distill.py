@@ -35,8 +35,9 @@ files before it loads, weights fingerprint after), dtype, quantization, tokenize
 read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
 and ``data.eval_fraction`` belongs to stage=train. A chat template that puts whitespace before EOS
 after a reply (Llama-2), with data that has a later turn, adds ``spaced_eos`` (its contexts drop that
-whitespace with the EOS text); data whose later user turns quote a special-token string adds
-``quoted_special_tokens`` (encoded as text; earlier versions encoded the special id). A folder
+whitespace with the EOS text); data whose later user turns quote a special-token string, and every
+run through a server's chat API (its replies may quote one), add ``quoted_special_tokens`` (encoded
+as text; earlier versions encoded the special id). A folder
 recorded without such an entry is refused while unfinished (resuming would mix two renderings) and
 kept as it is once complete.
 
@@ -259,10 +260,13 @@ def _load_and_plan(
         # data without it holds EOS, space, EOS there: unfinished, it does not resume into a mix of
         # both; complete, it is kept as it is (_complete_settings).
         settings[_SPACED_EOS] = "dropped"
-    if any(renderer.quotes_special(turn) for conv in records for turn in conv.turns[1:]):
+    chat_replies = cfg.distill.engine == "server" and cfg.distill.server.api == "chat"
+    if chat_replies or any(renderer.quotes_special(turn) for conv in records for turn in conv.turns[1:]):
         # A later user turn quoting a special-token string ("<|im_end|>"): its context holds that text
         # as text (earlier versions: the special id). First prompts are in data.prompts_hash already.
-        # Recorded where that applies only, with the same rule as spaced_eos (_complete_settings).
+        # A server's chat reply is text re-tokenised the same way, and which reply quotes one is known
+        # only once it is generated: recorded for every such run. Recorded where that applies only,
+        # with the same rule as spaced_eos (_complete_settings).
         settings[_QUOTED_SPECIALS] = "text"
     if cfg.distill.engine != "server":
         # The generation config's settings the in-process engine applies, as generate and the
@@ -542,8 +546,9 @@ _SPACED_EOS = "spaced_eos"
 """The settings entry of a template that puts whitespace before EOS after a reply, for data with a
 later turn (:meth:`~medusa_train.data.chat.ChatRenderer.spaced_eos`)."""
 _QUOTED_SPECIALS = "quoted_special_tokens"
-"""The settings entry of data whose later user turns quote a special-token string, encoded as text
-(:meth:`~medusa_train.data.chat.ChatRenderer.quotes_special`)."""
+"""The settings entry of data whose later user turns quote a special-token string
+(:meth:`~medusa_train.data.chat.ChatRenderer.quotes_special`), and of every ``distill.server.api=chat``
+run (a reply may quote one): such strings are encoded as text."""
 _RENDERINGS = (_SPACED_EOS, _QUOTED_SPECIALS)
 """Entries recorded for the data they apply to, which earlier versions rendered otherwise."""
 
@@ -609,8 +614,15 @@ def _difference(previous: dict | None, current: dict) -> str:
             "later turns' contexts that keep the whitespace before the template's EOS (EOS, space, EOS): "
             + text
         )
-    elif _QUOTED_SPECIALS in differing:
-        text = "later turns that quote a special-token string, encoded as the special id: " + text
+    elif (
+        _QUOTED_SPECIALS in differing
+        and _QUOTED_SPECIALS not in old
+        and not any(name.partition(".")[0] == "engine" for name in differing)
+    ):  # a folder of an earlier version, not of another engine
+        text = (
+            "later user turns or a server's chat replies that quote a special-token string, encoded as the "
+            "special id: " + text
+        )
     return text
 
 

@@ -27,6 +27,7 @@ from tests.helpers.distill import rows as _rows
 from tests.helpers.distill import run_distill as _run
 from tests.helpers.distill import spans as _spans
 from tests.helpers.distill import write_prompts as _write_prompts
+from tests.helpers.fake_openai import FakeOpenAI
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +164,51 @@ def test_later_turns_quoting_a_special_token_are_recorded_and_an_older_unfinishe
     del manifest["quick_settings"]["backbone_source"]["settings_files"]  # the check before the model misses
     (complete / "manifest.json").write_text(json.dumps(manifest))
     assert _run(complete.parent, tiny_backbone_dir, prompts)["already_complete"]  # the check after it
+
+
+@pytest.mark.parametrize("api", ["chat", "tokens"])
+def test_a_server_chat_run_records_quoted_special_tokens_and_an_older_unfinished_folder_is_refused(
+    api: str, tiny_backbone_dir: Path, prompts: Path, tmp_path
+) -> None:
+    """A server's chat reply is re-tokenised with special-token strings as text (earlier versions: the
+    special id), and which reply quotes one is known only once it is generated: every api=chat run
+    records ``quoted_special_tokens``, so a folder without it is refused unfinished (resuming would mix
+    both encodings) and kept complete. api=tokens replies are the generated ids: nothing recorded."""
+    srv = FakeOpenAI(str(tiny_backbone_dir))
+    server = (
+        "distill.engine=server", f"distill.server.urls=[{srv.url}]", f"distill.server.api={api}",
+        "distill.server.max_retries=1", "distill.server.backoff_s=0.01",
+    )  # fmt: skip
+    try:
+        workdir = tmp_path / "workdir"
+        _run(workdir, tiny_backbone_dir, prompts, *server)
+        settings = read_manifest(workdir / "distill")["settings"]
+        if api == "tokens":
+            assert "quoted_special_tokens" not in settings
+            return
+        assert settings["quoted_special_tokens"] == "text"
+        unfinished = tmp_path / "unfinished" / "distill"
+        shutil.copytree(workdir / "distill", unfinished)
+        (unfinished / "manifest.json").unlink()
+        shard_files(unfinished)[-1].unlink()
+        _drop_setting(unfinished, "quoted_special_tokens")
+        with pytest.raises(
+            UserError,
+            match=r"server's chat replies that quote a special-token.*quoted_special_tokens.*overwrite",
+        ):
+            _run(unfinished.parent, tiny_backbone_dir, prompts, *server)
+        complete = tmp_path / "complete" / "distill"
+        shutil.copytree(workdir / "distill", complete)
+        _drop_setting(complete, "quoted_special_tokens")
+        assert _run(complete.parent, tiny_backbone_dir, prompts, *server)["already_complete"]
+        manifest = json.loads((complete / "manifest.json").read_text())
+        del manifest["quick_settings"]["backbone_source"][
+            "settings_files"
+        ]  # the check before the model misses
+        (complete / "manifest.json").write_text(json.dumps(manifest))
+        assert _run(complete.parent, tiny_backbone_dir, prompts, *server)["already_complete"]  # the one after
+    finally:
+        srv.close()
 
 
 def test_greedy_turns_equal_generate_and_mask_is_exact(
