@@ -26,7 +26,8 @@ vLLM's ``MedusaConfig.from_pretrained`` renames every config key containing "num
 ``num_heads`` (and "num" + "layers" to ``num_hidden_layers``), so the vLLM config carries no other
 key with "num" in it. Its other keys become attributes of the config that vLLM's ``Medusa`` model
 never reads: ``base_model_name_or_path`` and what an export adds there (the heads' fingerprint, the
-backbone's identity), so a vLLM-only export still says which backbone its heads belong to. vLLM
+backbone's identity, the medusa_train version that trained them), so a vLLM-only export still says which
+backbone its heads belong to. vLLM
 multiplies the heads' logits by a ``logit_scale`` key (default 1.0); medusa_train's heads have no
 such scale, so :func:`load_vllm` refuses a folder with another value. Both layouts hold exactly the
 same tensors; only names differ.
@@ -101,6 +102,10 @@ WHOLE_VOCABULARY_MAP = (
     "training.draft_vocab_size"
 )
 """Why truncated heads with N = V tokens are refused (vLLM would read their rows in full-vocabulary order)."""
+MEDUSA_TRAIN_VERSION = "medusa_train_version"
+"""config.json key: the ``medusa_train.__version__`` that trained the heads (stage=train writes it, an export
+carries it into both layouts). For bug reports and format differences only: no loader reads it, and heads
+without it load the same."""
 MEDUSA_FORBIDDEN_KEYS = ("architectures", "model_type")
 """Keys the medusa layout's config.json must not have: with ``architectures`` TGI's ``SpeculativeHead``
 takes the folder for another speculator and serves without Medusa; with ``model_type`` TGI's router no
@@ -228,7 +233,7 @@ def save_vllm(heads: MedusaHeads, directory: str | os.PathLike, extra_config: di
         heads: the heads to write (tensors as they are).
         directory: created if missing.
         extra_config: more config.json keys, which vLLM keeps as config attributes and never reads (the
-            heads' fingerprint, the backbone's identity); the layout's keys always come from ``heads``,
+            heads' fingerprint, the backbone's identity, :data:`MEDUSA_TRAIN_VERSION`); the layout's keys always come from ``heads``,
             and keys vLLM reads (:data:`VLLM_READ_KEYS`) or renames (any with "num" in it) are left out.
 
     Raises:

@@ -42,6 +42,7 @@ from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
     MEDUSA_CONFIG_KEYS,
+    MEDUSA_TRAIN_VERSION,
     VLLM,
     is_hub_id,
     load_heads,
@@ -553,10 +554,7 @@ def write_model_card(export_dir: Path, *, heads_dir: Path, wd: Workdir) -> None:
     heads_config = read_heads_config(export_dir / MEDUSA if MEDUSA in layouts else heads_dir)
     if MEDUSA not in layouts:  # vllm/config.json says who the heads are (their training: heads_dir's)
         recorded = read_heads_config(source)
-        heads_config = {
-            **heads_config,
-            **{k: recorded[k] for k in (HEADS_FINGERPRINT, "backbone") if k in recorded},
-        }
+        heads_config = {**heads_config, **{k: recorded[k] for k in PROVENANCE_KEYS if k in recorded}}
     fingerprints = {heads.fingerprint(), heads_config.get(HEADS_FINGERPRINT)} - {None}
     manifest, report = belonging(
         fingerprints,
@@ -627,6 +625,9 @@ def _projection_note(heads) -> str:
 HEADS_FINGERPRINT = "heads_fingerprint"
 """Key of the heads' :meth:`~medusa_train.heads.MedusaHeads.fingerprint` in eval's report.json and in
 the exported medusa/config.json (the source heads', before an ``export.dtype`` cast)."""
+PROVENANCE_KEYS = (HEADS_FINGERPRINT, "backbone", MEDUSA_TRAIN_VERSION)
+"""The heads' config.json keys that say which heads they are, on which backbone and by which medusa_train
+trained: the export's vllm/config.json carries these (vLLM keeps them and reads none)."""
 
 
 def belonging(

@@ -13,7 +13,8 @@ Writes (into a staging folder, swapped into place, so a killed run never leaves 
       medusa/               config.json + medusa_lm_head.safetensors  (FasterDecoding, TGI, TensorRT-LLM)
                             + medusa_lm_head.pt with export.write_pickle=true (FasterDecoding's loader)
       vllm/                 config.json + model.safetensors            (vLLM MedusaModel; the config
-                            also names the base model, the heads' fingerprint and the backbone)
+                            also names the base model, the heads' fingerprint, the backbone and the
+                            medusa_train version that trained the heads)
       medusa_choices.json   the tree (calibrated by stage=train, or the configured one)
       calibration.json      per-head accuracy and tree table from stage=train (when present and whole)
       custom_generate/      generate.py + requirements.txt: `model.generate(**inputs,
@@ -67,6 +68,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     MANIFEST_INPUT,
+    PROVENANCE_KEYS,
     REPORT_INPUT,
     belonging,
     model_card,
@@ -242,8 +244,8 @@ def _write_layouts(cfg: Config, source: _Source, tmp: Path, export_dir: Path) ->
             save_medusa(
                 source.heads, tmp / MEDUSA, extra_config=source.extra, write_pickle=cfg.export.write_pickle
             )
-        else:  # the heads' identity and their backbone's, in keys vLLM does not read
-            identity = {k: source.extra[k] for k in (HEADS_FINGERPRINT, "backbone") if k in source.extra}
+        else:  # the heads' identity, their backbone's and what trained them, in keys vLLM does not read
+            identity = {k: source.extra[k] for k in PROVENANCE_KEYS if k in source.extra}
             save_vllm(source.heads, tmp / VLLM, extra_config=identity)
         identical[fmt] = roundtrip_identical(source.heads, tmp / fmt)
     failed = [name for name, same in identical.items() if not same]

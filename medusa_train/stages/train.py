@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 
-from medusa_train import dist
+from medusa_train import __version__, dist
 from medusa_train.backbone import (
     DTYPES,
     backbone_identity,
@@ -71,6 +71,7 @@ from medusa_train.decoding.attention import AttentionBackendError
 from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attention
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
+from medusa_train.formats import MEDUSA_TRAIN_VERSION
 from medusa_train.head_targets import logit_map
 from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
@@ -261,7 +262,13 @@ def run(cfg: Config) -> dict:
         # the Hub revision the base was loaded at, recorded with the heads for the export's card (not in
         # the identity runs compare: the fingerprint says which files they are, wherever they came from)
         base = {**identity, "revision": cfg.model.revision} if cfg.model.revision else identity
-        extra = {"backbone": base, "training": settings, "training_result": result}
+        # which medusa_train trained them: for bug reports and format differences, never read to load them
+        extra = {
+            "backbone": base,
+            MEDUSA_TRAIN_VERSION: __version__,
+            "training": settings,
+            "training_result": result,
+        }
         _publish(
             wd.heads,
             calib.choices,
@@ -409,7 +416,7 @@ def _publish(
     """Step 7: swap in ``heads_dir`` with renames only (never a half-written heads folder).
 
     Trained ``heads`` are saved with ``extra`` in config.json (FasterDecoding keys + backbone identity
-    + settings + figures), into ``staged`` when :func:`_stage_backbone` began the folder with
+    + medusa_train version + settings + figures), into ``staged`` when :func:`_stage_backbone` began the folder with
     Medusa-2's trained backbone; recalibrated heads keep their files (hard links) with a new
     ``result`` in config.json.
     """

@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
+from medusa_train import __version__
 from medusa_train.config import Config, compose_config
 from medusa_train.decoding.calibrate import device_label
+from medusa_train.formats import MEDUSA_TRAIN_VERSION
 from medusa_train.heads import MedusaHeads
 from tests.helpers.models import build_tiny_backbone
 
@@ -40,6 +42,7 @@ def make_workdir(root: Path, *, calibration: bool = True, choices: bool = True) 
     extra = {
         "training": {"mode": "medusa1", "lr": 1e-3, "max_steps": 6},
         "backbone": {"name_or_path": str(backbone)},
+        MEDUSA_TRAIN_VERSION: __version__,
     }
     heads.save_pretrained(root / "heads", extra_config=extra)
     if calibration:  # calibrated for this machine, as stage=train records it

@@ -11,7 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from medusa_train.errors import UserError
-from medusa_train.formats import LEGACY_WEIGHTS_NAME, VLLM_WEIGHTS_NAME, detect_layout, load_heads
+from medusa_train.formats import (
+    LEGACY_WEIGHTS_NAME,
+    MEDUSA_TRAIN_VERSION,
+    VLLM_WEIGHTS_NAME,
+    detect_layout,
+    load_heads,
+)
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import write_model_card
 from medusa_train.stages import export
@@ -82,6 +88,36 @@ def test_exporting_the_same_heads_again_writes_the_same_bytes(
     link = tmp_path / "link"
     write_model_card(link / "export", heads_dir=link / "heads", wd=Workdir(link))
     assert (workdir / "export" / "README.md").read_bytes() == first["README.md"]
+
+
+def test_export_carries_the_medusa_train_version_that_trained_the_heads(tmp_path: Path) -> None:
+    """The version stage=train recorded travels into both layouts' config.json and onto the card (a vLLM-only
+    export's card, rewritten by stage=eval, reads it from vllm/config.json, as it reads the heads'
+    fingerprint); heads without one (trained by an earlier medusa_train) load and export the same,
+    naming none."""
+    root = make_workdir(tmp_path / "run")
+    config_path, out = root / "heads" / "config.json", root / "export"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, MEDUSA_TRAIN_VERSION: "9.8.7"}))
+    export.run(tiny_cfg(root, "stage=export"))
+    for layout in ("medusa", "vllm"):
+        assert json.loads((out / layout / "config.json").read_text())[MEDUSA_TRAIN_VERSION] == "9.8.7"
+    assert "- medusa_train_version: `9.8.7`" in (out / "README.md").read_text()
+
+    export.run(tiny_cfg(root, "stage=export", "export.formats=[vllm]"))
+    config_path.write_text(json.dumps({**config, MEDUSA_TRAIN_VERSION: "0.0.1"}))  # heads_dir's is not theirs
+    write_model_card(out, heads_dir=root / "heads", wd=Workdir(root))
+    card = (out / "README.md").read_text()
+    assert "- medusa_train_version: `9.8.7`" in card and "0.0.1" not in card
+
+    config.pop(MEDUSA_TRAIN_VERSION)
+    config_path.write_text(json.dumps(config))
+    result = export.run(tiny_cfg(root, "stage=export"))
+    assert result["roundtrip_identical"]
+    for layout in ("medusa", "vllm"):
+        assert MEDUSA_TRAIN_VERSION not in json.loads((out / layout / "config.json").read_text())
+        assert torch.equal(_logits(load_heads(out / layout)), _logits(load_heads(root / "heads")))
+    assert MEDUSA_TRAIN_VERSION not in (out / "README.md").read_text()
 
 
 def test_export_names_the_base_model_absolutely_and_writes_the_pickle_on_request(

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from medusa_train import __version__
 from medusa_train.__main__ import main
 from medusa_train.backbone import load_configured_backbone
 from medusa_train.data.distilled import load_distilled, split_heldout
@@ -68,6 +69,7 @@ def test_train_writes_heads_calibration_and_small_checkpoints(reference):
     config = json.loads((heads_dir / "config.json").read_text())
     assert config["medusa_num_heads"] == 3 and config["base_model_name_or_path"] == str(root / "base_model")
     assert config["backbone"]["fingerprint"] and config["training"]["mode"] == "medusa1"
+    assert config["medusa_train_version"] == __version__  # which medusa_train trained them
     calib = json.loads((heads_dir / "calibration.json").read_text())
     acc = calib["head_topk_accuracy"]
     assert len(acc) == 3 and all(len(r) == 10 and r == sorted(r) for r in acc)

@@ -16,6 +16,7 @@ from medusa_train.formats import (
     LEGACY_WEIGHTS_NAME,
     MEDUSA,
     MEDUSA_FORBIDDEN_KEYS,
+    MEDUSA_TRAIN_VERSION,
     VLLM,
     VLLM_WEIGHTS_NAME,
     detect_layout,
@@ -87,13 +88,13 @@ def test_vllm_key_names_are_what_vllm_medusa_model_reads(tmp_path: Path) -> None
 
 
 def test_vllm_layout_says_which_heads_and_backbone_in_keys_vllm_does_not_read(tmp_path: Path) -> None:
-    """An export's vLLM config carries the heads' fingerprint and the backbone's identity beside the base
-    model (vLLM keeps unknown keys as config attributes and reads none of them): read back by our
-    loader and by ``recorded_base``, for the layout folder and the export folder holding it. Keys vLLM
-    reads or renames are never taken from the extra config."""
+    """An export's vLLM config carries the heads' fingerprint, the backbone's identity and the medusa_train
+    version that trained them beside the base model (vLLM keeps unknown keys as config attributes and
+    reads none of them): read back by our loader and by ``recorded_base``, for the layout folder and the
+    export folder holding it. Keys vLLM reads or renames are never taken from the extra config."""
     heads = _random_heads()
     identity = {"name_or_path": "tiny/base", "fingerprint": "abc123", "revision": "v1"}
-    extra = {"heads_fingerprint": heads.fingerprint(), "backbone": identity}
+    extra = {"heads_fingerprint": heads.fingerprint(), "backbone": identity, MEDUSA_TRAIN_VERSION: "0.1.0"}
     hostile = {"logit_scale": 3.0, "original_lm_head": True, "num_heads": 99, "medusa_num_heads": 99}
     save_vllm(heads, tmp_path / "export" / VLLM, extra_config={**extra, **hostile})
     config = json.loads((tmp_path / "export" / VLLM / HEADS_CONFIG).read_text())
