@@ -360,10 +360,6 @@ class StaticDecoder:
             min_p=min_p, min_new_tokens=min_new_tokens, min_length=min_length,
         )  # fmt: skip
         check_one_device(model, "StaticDecoder")
-        # Each layer type's (window, chunk): the masks of the prefill and the step, one per rule; the
-        # step computes positions for them only where a rule reads positions.
-        self._rules = layer_mask_rules(model.config, capacity)
-        self._positional = any(rule != (None, None) for rule in self._rules.values())
         if capture == "cuda_graph" and host_synced_rope(model):
             raise ValueError(
                 "capture='cuda_graph' cannot capture this model's RoPE (it decides on the host, every "
@@ -389,6 +385,11 @@ class StaticDecoder:
             attention, self.device, context=capacity, captured=graphed, model=model
         )
         check_cache_positions(model, capacity + m)  # every forward counts from the capacity
+        # Each layer type's (window, chunk), read once the model is known to be one the decoders serve:
+        # the masks of the prefill and the step, one per rule; the step computes positions for them only
+        # where a rule reads positions.
+        self._rules = layer_mask_rules(model.config, capacity)
+        self._positional = any(rule != (None, None) for rule in self._rules.values())
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
         # Constants of the step (allocated once: nothing is built from host values inside a step).

@@ -307,12 +307,21 @@ ALIBI_MODEL_TYPES = ("bloom", "mpt")
 
 def tree_refusal(model: torch.nn.Module) -> str | None:
     """Why no tree attention, the decoders' dense masks included, can verify a tree on ``model`` (None:
-    nothing says so): ALiBi models (Bloom, MPT, Falcon with ``alibi``) build their biases themselves,
-    from the cache's columns (a tree node's column is not its position) or from a 2-D padding mask
-    (Bloom and Falcon fail on the 4-D mask a tree needs); models with layers of a type the decoders
-    do not serve (:func:`unserved_layer_types`)."""
+    nothing says so): a config that sets per layer what the decoders read once for the whole model
+    (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`); ALiBi models (Bloom, MPT, Falcon with
+    ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
+    position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
+    with layers of a type the decoders do not serve (:func:`unserved_layer_types`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
+    per_layer = [name for name in per_layer_attributes(config) if name in MODEL_WIDE_ATTRIBUTES]
+    if per_layer:
+        return (
+            f"{type(model).__name__} ({kind}) sets {', '.join(per_layer)} per layer (config.per_layer_config), "
+            "which the Medusa tree decoders read once for the whole model (their masks give every layer of a "
+            "type one window and one chunk), so they cannot verify trees on it: set it once for the whole "
+            "model, outside per_layer_config"
+        )
     if kind in ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         return (
             f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
@@ -338,6 +347,37 @@ def check_verifiable(model: torch.nn.Module) -> None:
     reason = tree_refusal(model)
     if reason is not None:
         raise AttentionBackendError(reason)
+
+
+MODEL_WIDE_ATTRIBUTES = (
+    "sliding_window",
+    "attention_chunk_size",
+    "layer_types",
+    "alibi",
+    "no_rope_layers",
+    "floor_scale",
+    "attn_temperature_tuning",
+)
+"""Text-config attributes the decoders read once for the whole model: the window and the chunk their masks
+and kernels give every layer of a type (:func:`layer_window`, :func:`attention_chunk`), the layer types,
+ALiBi and Llama 4's query scaling (``check_cache_positions``). A config that sets one per layer is
+refused (:func:`tree_refusal`); no stock causal LM of transformers 5.24 sets one per layer
+(transformers' own mask functions read the window and the chunk once for the whole model too)."""
+
+
+def per_layer_attributes(config) -> list[str]:
+    """The attributes ``config`` (its text config) sets per layer, sorted: transformers' ``per_layer_config``
+    (from 5.24; Gemma 4's ``head_dim``, Dots3's attention heads), whose global value is ambiguous: reading
+    one off the whole config raises ``AmbiguousGlobalPerLayerAttributeError``, a RuntimeError that
+    ``getattr``'s default does not catch. Empty for a config without."""
+    return sorted(getattr(config.get_text_config(), "per_layer_attributes", None) or ())
+
+
+def layer_configs(config) -> list:
+    """``config``'s text config as each of its layers reads it: transformers' per-layer views where it sets
+    attributes per layer (:func:`per_layer_attributes`), else the config itself, once."""
+    config = config.get_text_config()
+    return list(config.per_layer_config) if per_layer_attributes(config) else [config]
 
 
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -366,7 +406,8 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
         # implementation it builds no mask either: its tree would be attended without one.
         return f"{name} computes its attention itself, not through transformers' attention functions"
     config = model.config.get_text_config()
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    layers = layer_configs(config)  # Gemma 4 sets head_dim per layer
+    if any(getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers):
         return f"the tree kernels do not apply {name}'s attention softcapping (attn_logit_softcapping)"
     if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
         return f"{name} has attention sinks, which the tree kernels do not apply"
@@ -379,10 +420,11 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
             f"{name} mixes sliding-window and full layers, and the tree kernels cannot tell which is which "
             "(no module has a layer_idx, and no list of its decoder layers was found)"
         )
-    v_dim = getattr(config, "v_head_dim", None)
-    qk_dim = getattr(config, "qk_head_dim", None) or getattr(config, "head_dim", None)
-    if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
-        return f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim})"
+    for layer in layers:
+        v_dim = getattr(layer, "v_head_dim", None)
+        qk_dim = getattr(layer, "qk_head_dim", None) or getattr(layer, "head_dim", None)
+        if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
+            return f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim})"
     return None
 
 
@@ -727,6 +769,7 @@ __all__ = [
     "AUTO_MIN_CONTEXT_CAPTURED",
     "AUTO_ORDER",
     "KERNEL_NAME",
+    "MODEL_WIDE_ATTRIBUTES",
     "PACKED_SDPA_NAME",
     "SERVED_LAYER_TYPES",
     "STEP_KWARG",
@@ -741,6 +784,7 @@ __all__ = [
     "hf_tree_attention",
     "kernel_op",
     "kernel_refusal",
+    "layer_configs",
     "layer_positions",
     "layer_window",
     "mixes_windows",
@@ -748,6 +792,7 @@ __all__ = [
     "one_call_per_model",
     "on_device",
     "packed_sdpa",
+    "per_layer_attributes",
     "register",
     "resolve_attention",
     "tree_attention",

@@ -1,11 +1,11 @@
 """The three decoders on models whose attention masks or positions are not Llama's: chunked attention
-(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2 and 3, Cohere 2,
+(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2, 3 and 4, Cohere 2,
 gpt-oss, and Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk
 or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
 kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
 layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
-LFM2, Zaya), and Llama 4 where its NoPE layers' query scaling would count positions from the cache's
-length."""
+LFM2, Zaya), a window or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers'
+query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from medusa_train.decoding import (
 )
 from medusa_train.decoding.attention import (
     AttentionBackendError,
+    kernel_refusal,
     layer_positions,
+    per_layer_attributes,
     resolve_attention,
     unserved_layer_types,
 )
@@ -74,9 +76,19 @@ def gemma3(window: int = 6) -> tf.PretrainedConfig:
     return tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=window, layer_types=INTERLEAVED)
 
 
+def gemma4() -> tf.PretrainedConfig:
+    """Gemma 4's text model: its full layers' head_dim (global_head_dim) set per layer by transformers'
+    ``per_layer_config``, on which ``config.head_dim`` raises; small per-layer token embeddings."""
+    return tf.Gemma4TextConfig(
+        **SHAPE, head_dim=8, global_head_dim=16, sliding_window=6, layer_types=INTERLEAVED,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, initializer_range=0.2,
+    )  # fmt: skip
+
+
 MODELS = {
     "llama4": llama4,
     "gemma3": gemma3,
+    "gemma4": gemma4,
     # initializer_range 0.2: at the default 0.02 its tokens do not depend on the window
     "cohere2": lambda: tf.Cohere2Config(
         **SHAPE, sliding_window=6, layer_types=INTERLEAVED, initializer_range=0.2
@@ -529,6 +541,67 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
         assert "serve models whose layers are full, sliding-window or chunked attention" in message
         assert "\n" not in message
     assert not calls
+
+
+PER_LAYER = {  # a window or a chunk set per layer (transformers' per_layer_config): layers differ in it
+    "mistral": lambda: tf.MistralConfig(
+        **SHAPE, sliding_window=6, per_layer_config={1: {"sliding_window": 4}}
+    ),
+    "llama4": lambda: llama4(per_layer_config={0: {"attention_chunk_size": 4}}),
+}
+PER_LAYER_ATTRIBUTE = {"mistral": "sliding_window", "llama4": "attention_chunk_size"}
+
+
+@pytest.mark.parametrize("name", list(PER_LAYER))
+def test_models_with_a_window_or_chunk_per_layer_are_refused_before_any_forward(name, tmp_path):
+    """A config that sets the window or the chunk per layer, which reading it off the whole config raises
+    (``AmbiguousGlobalPerLayerAttributeError``, not an AttributeError: the static decoder raised it from
+    inside), while the decoders' masks give every layer of a type one: every decoder, and
+    ``custom_generate``'s ``generate``, refuses the model in one line naming the attribute, before any
+    forward."""
+    model = build(PER_LAYER[name]())
+    assert per_layer_attributes(model.config) == [PER_LAYER_ATTRIBUTE[name]]
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    decoders = [
+        *decoder_calls(model, heads),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError,
+            match=rf"sets {PER_LAYER_ATTRIBUTE[name]} per layer \(config.per_layer_config\)",
+        ) as err:
+            decode()
+        assert "\n" not in str(err.value) and "set it once for the whole model" in str(err.value)
+    assert not calls
+
+
+def test_gemma4_head_dim_per_layer_is_served():
+    """Gemma 4 sets its full layers' head_dim per layer: the decoders serve it (greedy parity past the
+    window: ``MODELS``), and the kernels' check reads each layer's head widths instead of raising on
+    ``config.head_dim``."""
+    model = build(gemma4())
+    assert per_layer_attributes(model.config) == ["head_dim"]
+    assert kernel_refusal(model) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gemma4_decodes_with_the_kernel():
+    """Gemma 4 (head_dim 8 on its sliding layers, 16 on its full ones) with the Triton kernel (CPU: its
+    interpreter): the static decoder's two rows and ``medusa_generate`` past the window equal
+    ``generate``."""
+    model = build(gemma4())
+    heads = random_heads(model, seed=1)
+    rows = prompts()[:2]
+    refs = [plain_greedy(model, p, 10) for p in rows]
+    decoder = StaticDecoder(model, heads, TREES["random8"], 32, batch_size=2, attention="triton")
+    assert [r.tokens.tolist() for r in decoder.generate_batch(rows, max_new_tokens=10).rows] == refs
+    out = medusa_generate(
+        model, heads, rows[1][None], max_new_tokens=10, tree=TREES["random8"], attention="triton"
+    )
+    assert out.tokens.tolist() == refs[1]
 
 
 def test_the_architectures_the_decoders_serve_are_not_refused():
