@@ -81,6 +81,26 @@ def _drop_setting(distill_dir: Path, key: str = "spaced_eos") -> None:
             path.write_text(json.dumps(content))
 
 
+def _earlier_copy(distill_dir: Path, dest: Path, key: str, *, finished: bool) -> Path:
+    """A copy of ``distill_dir`` at ``dest/distill`` as an earlier version left it without ``key``
+    recorded: unfinished (no manifest, its last shard missing) or finished."""
+    copy = dest / "distill"
+    shutil.copytree(distill_dir, copy)
+    if not finished:
+        (copy / "manifest.json").unlink()
+        shard_files(copy)[-1].unlink()
+    _drop_setting(copy, key)
+    return copy
+
+
+def _forget_settings_files(distill_dir: Path) -> None:
+    """Drop the settings files' record from ``distill_dir``'s manifest, as an older manifest lacks it:
+    the check before the model loads then misses, and the one after it decides."""
+    manifest = json.loads((distill_dir / "manifest.json").read_text())
+    del manifest["quick_settings"]["backbone_source"]["settings_files"]
+    (distill_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_a_template_with_a_space_before_eos_is_recorded_for_multi_turn_data_only(
     spaced_reference, reference, tmp_path
 ) -> None:
@@ -104,11 +124,7 @@ def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
     in later turns' contexts: unfinished, resuming would mix both renderings (refused, naming
     distill.overwrite=true); complete, its records are whole and kept, before and after the model loads."""
     workdir, backbone, prompts = spaced_reference
-    unfinished = tmp_path / "unfinished" / "distill"
-    shutil.copytree(workdir / "distill", unfinished)
-    (unfinished / "manifest.json").unlink()
-    shard_files(unfinished)[-1].unlink()
-    _drop_setting(unfinished)
+    unfinished = _earlier_copy(workdir / "distill", tmp_path / "unfinished", "spaced_eos", finished=False)
     with pytest.raises(
         UserError, match=r"whitespace before the template's EOS.*spaced_eos.*distill.overwrite=true"
     ):
@@ -116,15 +132,9 @@ def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
     assert not _run(unfinished.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
     assert _rows(unfinished.parent) == _rows(workdir)
 
-    complete = tmp_path / "complete" / "distill"
-    shutil.copytree(workdir / "distill", complete)
-    _drop_setting(complete)
+    complete = _earlier_copy(workdir / "distill", tmp_path / "complete", "spaced_eos", finished=True)
     assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check before the model loads
-    manifest = json.loads((complete / "manifest.json").read_text())
-    del manifest["quick_settings"]["backbone_source"][
-        "settings_files"
-    ]  # an older manifest: that check misses
-    (complete / "manifest.json").write_text(json.dumps(manifest))
+    _forget_settings_files(complete)  # an older manifest: that check misses
     assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check after it
     assert "settings_files" in read_manifest(complete)["quick_settings"]["backbone_source"]
     assert not _run(complete.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
@@ -148,21 +158,17 @@ def test_later_turns_quoting_a_special_token_are_recorded_and_an_older_unfinishe
     assert read_manifest(workdir / "distill")["settings"]["quoted_special_tokens"] == "text"
     assert "quoted_special_tokens" not in read_manifest(reference[0] / "distill")["settings"]
 
-    unfinished = tmp_path / "unfinished" / "distill"
-    shutil.copytree(workdir / "distill", unfinished)
-    (unfinished / "manifest.json").unlink()
-    shard_files(unfinished)[-1].unlink()
-    _drop_setting(unfinished, "quoted_special_tokens")
+    unfinished = _earlier_copy(
+        workdir / "distill", tmp_path / "unfinished", "quoted_special_tokens", finished=False
+    )
     with pytest.raises(
         UserError, match=r"quote a special-token string.*quoted_special_tokens.*overwrite=true"
     ):
         _run(unfinished.parent, tiny_backbone_dir, prompts)
-    complete = tmp_path / "complete" / "distill"
-    shutil.copytree(workdir / "distill", complete)
-    _drop_setting(complete, "quoted_special_tokens")
-    manifest = json.loads((complete / "manifest.json").read_text())
-    del manifest["quick_settings"]["backbone_source"]["settings_files"]  # the check before the model misses
-    (complete / "manifest.json").write_text(json.dumps(manifest))
+    complete = _earlier_copy(
+        workdir / "distill", tmp_path / "complete", "quoted_special_tokens", finished=True
+    )
+    _forget_settings_files(complete)  # the check before the model misses
     assert _run(complete.parent, tiny_backbone_dir, prompts)["already_complete"]  # the check after it
 
 
@@ -187,25 +193,19 @@ def test_a_server_chat_run_records_quoted_special_tokens_and_an_older_unfinished
             assert "quoted_special_tokens" not in settings
             return
         assert settings["quoted_special_tokens"] == "text"
-        unfinished = tmp_path / "unfinished" / "distill"
-        shutil.copytree(workdir / "distill", unfinished)
-        (unfinished / "manifest.json").unlink()
-        shard_files(unfinished)[-1].unlink()
-        _drop_setting(unfinished, "quoted_special_tokens")
+        unfinished = _earlier_copy(
+            workdir / "distill", tmp_path / "unfinished", "quoted_special_tokens", finished=False
+        )
         with pytest.raises(
             UserError,
             match=r"server's chat replies that quote a special-token.*quoted_special_tokens.*overwrite",
         ):
             _run(unfinished.parent, tiny_backbone_dir, prompts, *server)
-        complete = tmp_path / "complete" / "distill"
-        shutil.copytree(workdir / "distill", complete)
-        _drop_setting(complete, "quoted_special_tokens")
+        complete = _earlier_copy(
+            workdir / "distill", tmp_path / "complete", "quoted_special_tokens", finished=True
+        )
         assert _run(complete.parent, tiny_backbone_dir, prompts, *server)["already_complete"]
-        manifest = json.loads((complete / "manifest.json").read_text())
-        del manifest["quick_settings"]["backbone_source"][
-            "settings_files"
-        ]  # the check before the model misses
-        (complete / "manifest.json").write_text(json.dumps(manifest))
+        _forget_settings_files(complete)  # the check before the model misses
         assert _run(complete.parent, tiny_backbone_dir, prompts, *server)["already_complete"]  # the one after
     finally:
         srv.close()
