@@ -16,6 +16,20 @@ from tests.helpers.models import tiny_model
 VOCAB = 64
 
 
+def cpu_training_args(output_dir: Path, **settings) -> transformers.TrainingArguments:
+    """``TrainingArguments`` for a quiet in-process run on the CPU (no reporting, no progress bar, no
+    data-loader workers, the records' extra columns kept), with ``settings`` on top."""
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        report_to="none",
+        use_cpu=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **settings,
+    )
+
+
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     """A random 2-layer, 32-wide Llama over 64 tokens (pad 0, EOS 1, no BOS), in eval mode."""
     return tiny_model("llama", seed, vocab=VOCAB, max_pos=128, eos_token_id=1, bos_token_id=None)

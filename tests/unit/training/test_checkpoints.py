@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import TrainingArguments
 
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.model import MedusaTrainingModel
@@ -28,7 +27,7 @@ from medusa_train.training.trainer import (
     last_complete_checkpoint,
 )
 from tests.helpers.syncs import record_syncs
-from tests.helpers.training import VOCAB, tiny_llama, trainer_checkpoint
+from tests.helpers.training import VOCAB, cpu_training_args, tiny_llama, trainer_checkpoint
 
 
 def _truncate(file: Path, keep: float = 0.5) -> None:
@@ -255,17 +254,8 @@ def _train_saving_every_step(tmp_path: Path, monkeypatch, fsync_checkpoints: boo
     g = torch.Generator().manual_seed(0)
     records = [{"input_ids": torch.randint(2, VOCAB, (9,), generator=g).tolist(), "loss_mask": [1] * 9}] * 2
     train = tmp_path / "train"
-    args = TrainingArguments(
-        output_dir=str(train),
-        per_device_train_batch_size=1,
-        max_steps=2,
-        save_steps=1,
-        save_total_limit=1,
-        report_to="none",
-        use_cpu=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+    args = cpu_training_args(
+        train, per_device_train_batch_size=1, max_steps=2, save_steps=1, save_total_limit=1
     )
     trainer = MedusaTrainer(
         model=MedusaTrainingModel(heads, backbone, chunk_size=4),

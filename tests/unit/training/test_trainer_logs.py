@@ -15,7 +15,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.training.losses import HeadLoss, lm_targets
 from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, lm_cross_entropy
 from medusa_train.training.trainer import MedusaTrainer, MetricsScheduleCallback, PadCollator
-from tests.helpers.training import VOCAB, tiny_llama
+from tests.helpers.training import VOCAB, cpu_training_args, tiny_llama
 
 LENGTHS = [14, 5, 11, 7, 13, 6, 9, 12]
 """One record per micro-batch: their numbers of targets differ, so a mean of micro-batch means would
@@ -120,8 +120,8 @@ def test_logged_figures_cover_the_steps_since_the_previous_log(tmp_path, variant
             seen.append((trainer.state.global_step + 1, mod.with_metrics, _by_hand(mod, kwargs)))
 
     module.register_forward_pre_hook(record, with_kwargs=True)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
+    args = cpu_training_args(
+        tmp_path,
         per_device_train_batch_size=1,
         gradient_accumulation_steps=2,
         max_steps=4,
@@ -129,11 +129,6 @@ def test_logged_figures_cover_the_steps_since_the_previous_log(tmp_path, variant
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     trainer = MedusaTrainer(
         model=module,
