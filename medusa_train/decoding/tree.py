@@ -24,6 +24,7 @@ import torch
 
 from medusa_train.choices import TreeError, TreePath, normalise_choices
 from medusa_train.errors import UserError
+from medusa_train.formats import layout_dir
 from medusa_train.heads import MedusaHeads
 from medusa_train.workdir import CHOICES, atomic_write_text
 
@@ -284,9 +285,11 @@ def resolve_tree(
             try:
                 paths = load_choices(found[0])
             except TreeError as err:  # a damaged file: stage=train writes it again, stage=export its copy
+                # the heads' own: beside them, in a folder that holds no serving layout (an export does)
+                own = found[0].parent == heads_dir and layout_dir(heads_dir) == heads_dir
                 again = (
                     "run `python -m medusa_train stage=train` to calibrate again"
-                    if found[0].parent == heads_dir
+                    if own
                     else "run `python -m medusa_train stage=export` to copy the heads' tree into the export "
                     "again (stage=train first if theirs is damaged too)"
                 )

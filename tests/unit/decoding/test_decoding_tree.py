@@ -192,3 +192,17 @@ def test_a_damaged_calibrated_tree_names_the_stage_that_writes_it_again(tmp_path
         refused.value
     )
     assert "\n" not in str(refused.value)
+
+
+def test_a_damaged_tree_of_an_export_named_by_its_own_folder_names_stage_export(tmp_path: Path) -> None:
+    """``eval.heads_dir=<export>`` (the export folder itself, which holds ``medusa/``): the tree beside
+    it is the export's copy, which stage=export writes again, as for its ``medusa/`` folder."""
+    export = tmp_path / "export"
+    (export / "medusa").mkdir(parents=True)
+    (export / "medusa" / "config.json").write_text("{}")
+    (export / "medusa_choices.json").write_text("[[0], [0")
+    with pytest.raises(UserError) as refused:
+        resolve_tree("calibrated", export, 2)
+    assert "run `python -m medusa_train stage=export` to copy the heads' tree into the export again" in str(
+        refused.value
+    )
