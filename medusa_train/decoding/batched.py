@@ -27,12 +27,12 @@ row's plain greedy ``generate`` up to float rounding of the batched forward (see
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from ..heads import MedusaHeads
 from .acceptance import (
@@ -80,8 +80,9 @@ class PreallocatedLayer(CacheLayerMixin):
     whole model instead of two per layer (:func:`shared_storage`): 0.42 against 1.44 ms per compaction
     at the 8B shape (32 layers, 2,112 columns, 5 entries, fp32; 2-core AMD EPYC, 2026-11-27); on a GPU
     one gather and one scatter in place of four per layer (not timed there).
-    A layer of another shape keeps tensors of its own. The owner has ``layers``, ``capacity``,
-    ``shared`` (False: every layer its own tensors) and ``storage``.
+    A layer of another shape keeps tensors of its own. The owner has ``kv_layers`` (its layers of this
+    class, :func:`preallocated_layers`), ``capacity``, ``shared`` (False: every layer its own tensors)
+    and ``storage``; ``index`` is the layer's place among ``kv_layers``.
     """
 
     is_sliding = False
@@ -97,7 +98,7 @@ class PreallocatedLayer(CacheLayerMixin):
         shape = (self.rows(b), h, o.capacity, d)  # (B, H, C, D)
         same_kv = value_states.shape == key_states.shape and value_states.dtype == key_states.dtype
         if o.shared and o.storage is None and self.index == 0 and same_kv:
-            o.storage = key_states.new_zeros(len(o.layers), 2, *shape)  # (L, 2, B, H, C, D)
+            o.storage = key_states.new_zeros(len(o.kv_layers), 2, *shape)  # (L, 2, B, H, C, D)
         s = o.storage
         fits = s is not None and same_kv and s.shape[2:] == shape
         if fits and s.dtype == key_states.dtype and s.device == key_states.device:
@@ -114,9 +115,27 @@ class PreallocatedLayer(CacheLayerMixin):
         return batch
 
 
+def preallocated_layers(
+    owner: Cache, layer_class: type[PreallocatedLayer], num_layers: int, reusing: Collection[int]
+) -> list[PreallocatedLayer | DummyLayer]:
+    """The ``num_layers`` layers of a preallocated cache: ``layer_class`` for a layer with KV of its own,
+    transformers' ``DummyLayer`` (no KV, never written) for one in ``reusing`` (:func:`kv_reusing_layers`).
+    ``owner.kv_layers`` are then the former: what moving entries or rows moves, and what ``storage``
+    holds."""
+    layers: list[PreallocatedLayer | DummyLayer] = []
+    owner.kv_layers = []
+    for i in range(num_layers):
+        if i in reusing:
+            layers.append(DummyLayer())
+        else:
+            owner.kv_layers.append(layer_class(owner, len(owner.kv_layers)))
+            layers.append(owner.kv_layers[-1])
+    return layers
+
+
 def shared_storage(cache: Cache) -> torch.Tensor | None:
-    """The cache's ``(L, 2, B, H, C, D)`` storage if every layer lives in it, else None."""
-    if cache.storage is None or not all(layer.in_storage for layer in cache.layers):
+    """The cache's ``(L, 2, B, H, C, D)`` storage if every layer with KV lives in it, else None."""
+    if cache.storage is None or not all(layer.in_storage for layer in cache.kv_layers):
         return None
     return cache.storage
 
@@ -161,10 +180,15 @@ class RowKVCache(Cache):
     Args:
         num_layers: attention layers of the model.
         capacity: columns per row (longest padded prompt + largest budget + tree nodes).
+        shared: every layer's keys and values in one tensor when their shapes agree
+            (:class:`PreallocatedLayer`).
+        reusing: layers that read an earlier layer's KV and keep none (:func:`kv_reusing_layers`).
     """
 
-    def __init__(self, num_layers: int, capacity: int, shared: bool = True) -> None:
-        super().__init__(layers=[_RowLayer(self, i) for i in range(num_layers)])
+    def __init__(
+        self, num_layers: int, capacity: int, shared: bool = True, reusing: Collection[int] = ()
+    ) -> None:
+        super().__init__(layers=preallocated_layers(self, _RowLayer, num_layers, reusing))
         self.capacity = capacity
         self.shared = shared
         self.storage: torch.Tensor | None = None  # (L, 2, B, H, C, D): see PreallocatedLayer
@@ -181,7 +205,7 @@ class RowKVCache(Cache):
         if kv is not None:
             kv[:, :, rows, :, dst] = kv[:, :, rows, :, src]  # (N, L, 2, H, D)
             return
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.keys[rows, :, dst] = layer.keys[rows, :, src]  # (N, H, D)
             layer.values[rows, :, dst] = layer.values[rows, :, src]
 
@@ -193,7 +217,7 @@ class RowKVCache(Cache):
             for layer_kv in kv:  # (2, B, H, C, D)
                 layer_kv[:, :n] = layer_kv.index_select(1, keep)
             return
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.keys[:n] = layer.keys.index_select(0, keep)
             layer.values[:n] = layer.values.index_select(0, keep)
 
@@ -336,6 +360,17 @@ def _prefill_masks(
 def _num_layers(model: torch.nn.Module) -> int:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return cfg.num_hidden_layers
+
+
+def kv_reusing_layers(model: torch.nn.Module) -> frozenset[int]:
+    """The decoder layers of ``model`` that keep no KV of their own (its text config's
+    ``kv_sharing_modes`` "reuse": Gemma 4's last ``num_kv_shared_layers``). Such a layer attends the keys
+    and values that the last earlier layer of its type got back from its cache entry in the same forward,
+    under its type's mask, and transformers gives it a ``DummyLayer`` in the cache: moving or keeping that
+    layer's entries serves both."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    modes = getattr(cfg, "kv_sharing_modes", None) or ()
+    return frozenset(i for i, mode in enumerate(modes) if mode == "reuse")
 
 
 def model_devices(model: torch.nn.Module) -> list[str]:
@@ -503,7 +538,7 @@ def medusa_generate_batch(
     tree_mask = TreeMask.of(tree) if kernel else None
     # Each layer's place, for a model whose layers mix windows and whose attention does not say it.
     positions = layer_positions(model) if kernel else {}
-    cache = RowKVCache(_num_layers(model), capacity)
+    cache = RowKVCache(_num_layers(model), capacity, reusing=kv_reusing_layers(model))
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
 

@@ -50,7 +50,7 @@ import functools
 import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -71,7 +71,15 @@ from .attention import (
     resolve_attention,
     tree_step,
 )
-from .batched import MedusaBatchOutput, PreallocatedLayer, _num_layers, check_one_device, shared_storage
+from .batched import (
+    MedusaBatchOutput,
+    PreallocatedLayer,
+    _num_layers,
+    check_one_device,
+    kv_reusing_layers,
+    preallocated_layers,
+    shared_storage,
+)
 from .generate import (
     MedusaOutput,
     PackedHeads,
@@ -202,12 +210,19 @@ class StaticKVCache(Cache):
         device: where the row index lives.
         shared: every layer's keys and values in one tensor when their shapes agree
             (:class:`~.batched.PreallocatedLayer`).
+        reusing: layers that read an earlier layer's KV and keep none (:func:`~.batched.kv_reusing_layers`).
     """
 
     def __init__(
-        self, num_layers: int, capacity: int, batch_size: int, device: torch.device, shared: bool = True
+        self,
+        num_layers: int,
+        capacity: int,
+        batch_size: int,
+        device: torch.device,
+        shared: bool = True,
+        reusing: Collection[int] = (),
     ) -> None:
-        super().__init__(layers=[_StaticLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=preallocated_layers(self, _StaticLayer, num_layers, reusing))
         self.shared = shared
         self.capacity, self.num_rows = capacity, batch_size
         self.rows = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
@@ -225,7 +240,7 @@ class StaticKVCache(Cache):
         if kv is not None:
             kv[:, :, self.rows, :, dst] = kv[:, :, self.rows, :, src]  # (B, n, L, 2, H, D)
             return
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.keys[self.rows, :, dst] = layer.keys[self.rows, :, src]  # (B, n, H, D)
             layer.values[self.rows, :, dst] = layer.values[self.rows, :, src]
 
@@ -449,7 +464,14 @@ class StaticDecoder:
         self._step_kwargs = {STEP_KWARG: self._kernel_step} if passes else {}
         # State, updated in place by every step.
         with torch.inference_mode():
-            self.cache = StaticKVCache(_num_layers(model), capacity, b, dev, shared=capture != "compile")
+            self.cache = StaticKVCache(
+                _num_layers(model),
+                capacity,
+                b,
+                dev,
+                shared=capture != "compile",
+                reusing=kv_reusing_layers(model),
+            )
             self._cache_kwargs = cache_kwargs(model, self.cache)
             self.length = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) L: tokens in each row's cache
             self.root = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) next root token
@@ -481,7 +503,7 @@ class StaticDecoder:
             self.budget,
             self.step_lengths,
             self.num_steps,
-        ] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        ] + [t for layer in self.cache.kv_layers for t in (layer.keys, layer.values)]
         self._static += self.processors.state()
         if self._kernel_step is not None:  # the kernels' inputs: the past lengths change every step
             step = self._kernel_step

@@ -1,7 +1,8 @@
 """The three decoders on models whose attention masks or positions are not Llama's: chunked attention
 (Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2, 3 and 4, Cohere 2,
-gpt-oss, and Gemma 3's multimodal model, whose config nests the text one), each decoded past its chunk
-or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
+gpt-oss, and Gemma 3's multimodal model, whose config nests the text one) and layers that read an
+earlier layer's KV (Gemma 4's and Gemma 4 Unified's ``num_kv_shared_layers``), each decoded past its
+chunk or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
 kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
 layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
 LFM2, Zaya), a window or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers'
@@ -37,7 +38,7 @@ from medusa_train.decoding.attention import (
     resolve_attention,
     unserved_layer_types,
 )
-from medusa_train.decoding.batched import _BatchMask
+from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 
@@ -76,11 +77,15 @@ def gemma3(window: int = 6) -> tf.PretrainedConfig:
     return tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=window, layer_types=INTERLEAVED)
 
 
-def gemma4() -> tf.PretrainedConfig:
+def gemma4(num_kv_shared_layers: int = 0) -> tf.PretrainedConfig:
     """Gemma 4's text model: its full layers' head_dim (global_head_dim) set per layer by transformers'
-    ``per_layer_config``, on which ``config.head_dim`` raises; small per-layer token embeddings."""
+    ``per_layer_config``, on which ``config.head_dim`` raises; small per-layer token embeddings. With
+    ``num_kv_shared_layers``: twice the layers, the last that many attending the KV of the last earlier
+    layer of their type and keeping none of their own."""
+    layers = 4 if num_kv_shared_layers else 2
     return tf.Gemma4TextConfig(
-        **SHAPE, head_dim=8, global_head_dim=16, sliding_window=6, layer_types=INTERLEAVED,
+        **{**SHAPE, "num_hidden_layers": layers}, head_dim=8, global_head_dim=16, sliding_window=6,
+        layer_types=INTERLEAVED * (layers // 2), num_kv_shared_layers=num_kv_shared_layers,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, initializer_range=0.2,
     )  # fmt: skip
 
@@ -89,6 +94,12 @@ MODELS = {
     "llama4": llama4,
     "gemma3": gemma3,
     "gemma4": gemma4,
+    "gemma4_kv_shared": lambda: gemma4(num_kv_shared_layers=2),
+    # Gemma 4's text model of its unified multimodal checkpoints: the same KV sharing
+    "gemma4_unified_kv_shared": lambda: tf.Gemma4UnifiedTextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=8, global_head_dim=16, sliding_window=6,
+        layer_types=INTERLEAVED * 2, num_kv_shared_layers=2, initializer_range=0.2,
+    ),  # fmt: skip
     # initializer_range 0.2: at the default 0.02 its tokens do not depend on the window
     "cohere2": lambda: tf.Cohere2Config(
         **SHAPE, sliding_window=6, layer_types=INTERLEAVED, initializer_range=0.2
@@ -587,6 +598,29 @@ def test_gemma4_head_dim_per_layer_is_served():
     assert kernel_refusal(model) is None
 
 
+def test_gemma4_kv_shared_layers_keep_no_kv():
+    """Gemma 4's last two layers read the KV of layers 0 and 1: the batched and static decoders' caches
+    keep none for them (transformers' ``DummyLayer``), and moving entries or rows moves the others'
+    (greedy parity past the window: ``MODELS``): a row leaving the batch at its EOS moves the other rows
+    down, whose tokens stay ``generate``'s."""
+    model = build(gemma4(num_kv_shared_layers=2))
+    assert kv_reusing_layers(model) == {2, 3}
+    heads = random_heads(model, seed=1)
+    decoder = StaticDecoder(model, heads, chain_tree(2), 32)
+    assert [type(layer).__name__ for layer in decoder.cache.layers] == ["_StaticLayer"] * 2 + [
+        "DummyLayer"
+    ] * 2
+    assert decoder.cache.kv_layers == decoder.cache.layers[:2]
+    rows = prompts()
+    full = [plain_greedy(model, p) for p in rows]
+    eos = next(t for t in full[0][2:] if all(t not in r for r in full[1:]))  # row 0's alone
+    refs = [full[0][: full[0].index(eos) + 1], *full[1:]]
+    out = medusa_generate_batch(
+        model, heads, rows, max_new_tokens=NEW_TOKENS, tree=TREES["random8"], eos_token_id=eos
+    )
+    assert [r.tokens.tolist() for r in out.rows] == refs
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_gemma4_decodes_with_the_kernel():
     """Gemma 4 (head_dim 8 on its sliding layers, 16 on its full ones) with the Triton kernel (CPU: its
@@ -602,6 +636,24 @@ def test_gemma4_decodes_with_the_kernel():
         model, heads, rows[1][None], max_new_tokens=10, tree=TREES["random8"], attention="triton"
     )
     assert out.tokens.tolist() == refs[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gemma4_kv_shared_layers_decode_with_the_kernel():
+    """Gemma 4 with its last two layers reading the first two's KV, with the Triton kernel (CPU: its
+    interpreter): the static decoder's and ``medusa_generate_batch``'s two rows (one prompt past the
+    window, the other passing it) equal ``generate``; the shared layers' calls get the KV their source
+    layers wrote, windowed by their own layer type."""
+    model = build(gemma4(num_kv_shared_layers=2))
+    heads = random_heads(model, seed=1)
+    rows = prompts()[:2]
+    refs = [plain_greedy(model, p, 4) for p in rows]
+    decoder = StaticDecoder(model, heads, TREES["chain4"], 24, batch_size=2, attention="triton")
+    assert [r.tokens.tolist() for r in decoder.generate_batch(rows, max_new_tokens=4).rows] == refs
+    batch = medusa_generate_batch(
+        model, heads, rows, max_new_tokens=4, tree=TREES["chain4"], attention="triton"
+    )
+    assert [r.tokens.tolist() for r in batch.rows] == refs
 
 
 def test_the_architectures_the_decoders_serve_are_not_refused():
