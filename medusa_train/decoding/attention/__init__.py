@@ -311,7 +311,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`); ALiBi models (Bloom, MPT, Falcon with
     ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
-    with layers of a type the decoders do not serve (:func:`unserved_layer_types`)."""
+    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); Gemma 3n, whose
+    last hidden states are its AltUp streams stacked (``(altup_num_inputs, B, T, H)``)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [name for name in per_layer_attributes(config) if name in MODEL_WIDE_ATTRIBUTES]
@@ -326,6 +327,12 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
         return (
             f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
             "position ids and 4-D mask cannot set: the Medusa decoders cannot verify trees on it"
+        )
+    if getattr(config, "altup_num_inputs", None):  # Gemma 3n
+        return (
+            f"{type(model).__name__} ({kind}) returns as its last hidden states the altup_num_inputs streams of "
+            "its AltUp layers stacked, not the states its LM head reads: Medusa heads, which read those, "
+            "cannot be trained or verified on it"
         )
     unserved = unserved_layer_types(model.config)
     if unserved:

@@ -554,6 +554,35 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
     assert not calls
 
 
+def test_gemma3n_is_refused_before_any_forward(tmp_path):
+    """Gemma 3n's last hidden states are its AltUp streams stacked, ``(altup_num_inputs, B, T, H)``, not
+    the states its LM head reads (every decoder crashed in the heads): refused in one line, before any
+    forward, by every decoder and by ``custom_generate``."""
+    config = tf.Gemma3nTextConfig(
+        **{**SHAPE, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=16, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0, 0.0],
+    )  # fmt: skip
+    model = build(config)
+    with torch.no_grad():
+        stacked = model(torch.tensor([[3, 5, 7]]), output_hidden_states=True).hidden_states[-1]
+    assert stacked.shape == (2, 1, 3, 32)  # what the refusal says: the streams, not (B, T, H)
+    heads = random_heads(model, seed=1)
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    for decode in [
+        *decoder_calls(model, heads),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]:
+        with pytest.raises(
+            AttentionBackendError, match=r"\(gemma3n_text\) returns as its last hidden states"
+        ) as err:
+            decode()
+        assert "\n" not in str(err.value)
+    assert not calls
+
+
 PER_LAYER = {  # a window or a chunk set per layer (transformers' per_layer_config): layers differ in it
     "mistral": lambda: tf.MistralConfig(
         **SHAPE, sliding_window=6, per_layer_config={1: {"sliding_window": 4}}
