@@ -603,7 +603,8 @@ def _difference(previous: dict | None, current: dict) -> str:
         old.get("backbone_fingerprint"), new.get("backbone_fingerprint")
     ):
         text = (
-            "a backbone fingerprint of an earlier medusa_train, which read other bytes of the files: " + text
+            "a backbone fingerprint an earlier medusa_train computed from other bytes than this version reads: "
+            + text
         )
     elif "backbone_fingerprint" in differing:
         text = "a different backbone: " + text

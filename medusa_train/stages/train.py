@@ -179,8 +179,8 @@ def run(cfg: Config) -> dict:
         )
         if older_fingerprint(manifest["backbone"]["fingerprint"], identity["fingerprint"]):
             raise UserError(
-                f"{wd.distill} names its backbone by a fingerprint of an earlier medusa_train, which read "
-                "other bytes of the checkpoint files: run stage=distill with distill.overwrite=true to distill again"
+                f"{wd.distill} names its backbone by a fingerprint an earlier medusa_train computed from other "
+                "bytes than this version reads: run stage=distill with distill.overwrite=true to distill again"
             )
         check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
         if tc.head_projection == "truncated":  # a manifest without the vocabulary: checked on the loaded one

@@ -430,11 +430,13 @@ def test_overwrite_redoes_a_complete_folder_whose_weights_changed_under_the_same
 
 def test_a_folder_an_earlier_version_fingerprinted_says_so() -> None:
     """A folder whose settings record the backbone by a fingerprint of an earlier medusa_train (16 hex
-    digits: other bytes of the files) is refused as that, not as "a different backbone" (which the
-    refusal also says for a fingerprint of this version)."""
+    digits: other bytes of the files, or of a model's tensors) is refused as that, not as "a different
+    backbone" (which the refusal also says for a fingerprint of this version)."""
     old = {"backbone_fingerprint": "0123456789abcdef", "dtype": "float32"}
     new = {"backbone_fingerprint": "v2-0123456789abcdef", "dtype": "float32"}
-    assert distill._difference(old, new).startswith("a backbone fingerprint of an earlier medusa_train")
+    assert distill._difference(old, new).startswith(
+        "a backbone fingerprint an earlier medusa_train computed from other bytes than this version reads: "
+    )
     other = {**old, "backbone_fingerprint": "v2-fedcba9876543210"}
     assert distill._difference(other, new).startswith("a different backbone: backbone_fingerprint")
 
