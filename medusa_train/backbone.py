@@ -469,6 +469,23 @@ def checkpoint_fingerprint(
     )
 
 
+def other_code_fingerprint(
+    name_or_path: str, revision: str | None = None, *, trust_remote_code: bool = False
+) -> str | None:
+    """:func:`checkpoint_fingerprint` with ``model.trust_remote_code`` the other way: what a run that set
+    it otherwise recorded for these files. None where config.json names no remote code (no
+    ``auto_map``: the setting changes nothing) or there are no local files. Nothing is fetched: remote
+    code the Hub cache lacks counts as absent."""
+    path = Path(name_or_path).expanduser()
+    source = path if path.is_dir() else _hub_snapshot(name_or_path, revision)
+    if source is None:
+        return None
+    config = _read_config(source / CONFIG_NAME)
+    if not isinstance(config, dict) or not isinstance(config.get("auto_map"), dict):
+        return None
+    return _files_fingerprint(source, remote_code=not trust_remote_code)
+
+
 def local_fingerprint(name_or_path: str, *, trust_remote_code: bool = False) -> str | None:
     """The files fingerprint of a local checkpoint directory (cheap, no load, no network); None for
     anything else (a Hub id). The content stands in for the path: a moved or copied model is the same.

@@ -358,20 +358,42 @@ def read_manifest(distill_dir: str | Path) -> dict:
     return manifest
 
 
-def check_made_by(manifest: dict, identity: dict, distill_dir: str | Path, name_or_path: str) -> None:
+def check_made_by(
+    manifest: dict,
+    identity: dict,
+    distill_dir: str | Path,
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    other_code_fingerprint: str | None = None,
+) -> None:
     """Refuse distilled data made by another backbone than the one loaded (``identity``: its
     ``backbone.backbone_identity``), compared by weights fingerprint, not by name or place.
+
+    ``trust_remote_code``: this run's ``model.trust_remote_code``; ``other_code_fingerprint``: the
+    backbone's fingerprint with it the other way (``backbone.other_code_fingerprint``; None where the
+    setting changes nothing). The data of a run that set it otherwise is refused as that: the same
+    files, whose remote code counted in one fingerprint and not in the other.
 
     Raises:
         UserError: the fingerprints differ.
     """
     made_by = manifest.get("backbone", {})
-    if made_by.get("fingerprint") != identity["fingerprint"]:
+    if made_by.get("fingerprint") == identity["fingerprint"]:
+        return
+    if other_code_fingerprint is not None and made_by.get("fingerprint") == other_code_fingerprint:
+        distilled_with = str(not trust_remote_code).lower()
         raise UserError(
-            f"{distill_dir} was distilled from another backbone ({made_by.get('name_or_path')}, fingerprint "
-            f"{made_by.get('fingerprint')}) than {name_or_path} (fingerprint {identity['fingerprint']}): "
-            "run stage=distill with this model (distill.overwrite=true) or use the matching model"
+            f"{distill_dir} was distilled from {name_or_path} with model.trust_remote_code={distilled_with} and "
+            f"this run sets model.trust_remote_code={str(trust_remote_code).lower()} (the remote code its "
+            f"config.json's auto_map names counts only with it): set model.trust_remote_code={distilled_with} "
+            "as that run did, or run stage=distill with distill.overwrite=true to distill again"
         )
+    raise UserError(
+        f"{distill_dir} was distilled from another backbone ({made_by.get('name_or_path')}, fingerprint "
+        f"{made_by.get('fingerprint')}) than {name_or_path} (fingerprint {identity['fingerprint']}): "
+        "run stage=distill with this model (distill.overwrite=true) or use the matching model"
+    )
 
 
 def shard_files(distill_dir: str | Path) -> list[Path]:

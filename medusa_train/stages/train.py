@@ -61,6 +61,7 @@ from medusa_train.backbone import (
     identity_content,
     load_configured_backbone,
     older_fingerprint,
+    other_code_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -182,7 +183,21 @@ def run(cfg: Config) -> dict:
                 f"{wd.distill} names its backbone by a fingerprint an earlier medusa_train computed from other "
                 "bytes than this version reads: run stage=distill with distill.overwrite=true to distill again"
             )
-        check_made_by(manifest, identity, wd.distill, cfg.model.name_or_path)
+        other_code = None
+        if (
+            manifest["backbone"]["fingerprint"] != identity["fingerprint"]
+        ):  # distilled with the other setting?
+            other_code = other_code_fingerprint(
+                cfg.model.name_or_path, cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+            )
+        check_made_by(
+            manifest,
+            identity,
+            wd.distill,
+            cfg.model.name_or_path,
+            trust_remote_code=cfg.model.trust_remote_code,
+            other_code_fingerprint=other_code,
+        )
         if tc.head_projection == "truncated":  # a manifest without the vocabulary: checked on the loaded one
             check_draft_vocab_size(tc.draft_vocab_size, identity["vocab_size"])
 

@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 
 from medusa_train import __version__
 from medusa_train.__main__ import main
-from medusa_train.backbone import load_configured_backbone
+from medusa_train.backbone import load_configured_backbone, local_fingerprint
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.decoding import attention as attention_module
 from medusa_train.decoding.attention import AttentionBackendError
@@ -348,6 +348,32 @@ def test_distill_from_another_backbone_is_refused(tmp_path, recorded: str, messa
     (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=message):
         run(train_cfg(root))
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
+def test_distill_with_the_other_trust_remote_code_is_refused_as_that(tmp_path):
+    """The same backbone distilled with model.trust_remote_code=true (the remote code its config.json's
+    auto_map names counted in the fingerprint) and trained without it: the refusal names the setting,
+    not "another backbone" named twice."""
+    root = make_train_workdir(tmp_path)
+    backbone = root / "base_model"
+    config = json.loads((backbone / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (backbone / "config.json").write_text(json.dumps(config))
+    (backbone / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
+    manifest = json.loads((root / "distill" / "manifest.json").read_text())
+    manifest["backbone"]["fingerprint"] = local_fingerprint(str(backbone), trust_remote_code=True)
+    (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as err:
+        run(train_cfg(root))
+    assert str(err.value) == (
+        f"{root / 'distill'} was distilled from {backbone} with model.trust_remote_code=true and this run sets "
+        "model.trust_remote_code=false (the remote code its config.json's auto_map names counts only with "
+        "it): set model.trust_remote_code=true as that run did, or run stage=distill with "
+        "distill.overwrite=true to distill again"
+    )
     assert not (root / "heads").exists() and not (root / "train").exists()
 
 

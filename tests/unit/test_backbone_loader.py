@@ -21,6 +21,7 @@ from medusa_train.backbone import (
     load_backbone,
     local_fingerprint,
     older_fingerprint,
+    other_code_fingerprint,
     resolve_device,
     resolve_dtype,
 )
@@ -422,6 +423,20 @@ def test_the_remote_code_config_json_names_is_part_of_the_checkpoint(tmp_path: P
     without = local_fingerprint(str(plain))
     shutil.copy(model / "modeling_x.py", plain)
     assert local_fingerprint(str(plain)) == local_fingerprint(str(plain), trust_remote_code=True) == without
+
+
+def test_the_fingerprint_with_the_other_trust_remote_code(tmp_path: Path) -> None:
+    """What a run that set model.trust_remote_code the other way recorded for a remote-code model's
+    files; None for a model without auto_map (the setting changes nothing) and without files."""
+    model = tmp_path / "remote"
+    _remote_code_model(model)
+    trusted, untrusted = (local_fingerprint(str(model), trust_remote_code=t) for t in (True, False))
+    assert other_code_fingerprint(str(model), trust_remote_code=False) == trusted
+    assert other_code_fingerprint(str(model), trust_remote_code=True) == untrusted
+    plain = tmp_path / "plain"
+    make_backbone(plain)
+    assert other_code_fingerprint(str(plain)) is None
+    assert other_code_fingerprint(str(tmp_path / "absent")) is None
 
 
 def _config_only_snapshot(tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
