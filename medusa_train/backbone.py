@@ -593,6 +593,19 @@ _SPACED_SAMPLE, _SPACED_STRIDE, _SPACED_MAX = 64 << 10, 1 << 20, 1024
 at most this many."""
 
 
+def other_kinds(recorded: object, current: str | None) -> bool:
+    """``recorded`` and ``current`` are fingerprints of this medusa_train of two kinds, one of files and
+    one of a model's tensors (:data:`TENSORS_PREFIX`): they differ whatever the model, so where a
+    fingerprint only confirms a name the name decides."""
+    return (
+        isinstance(recorded, str)
+        and isinstance(current, str)
+        and recorded.startswith(FINGERPRINT_PREFIX)
+        and current.startswith(FINGERPRINT_PREFIX)
+        and recorded.startswith(TENSORS_PREFIX) != current.startswith(TENSORS_PREFIX)
+    )
+
+
 def is_files_fingerprint(value: object) -> bool:
     """``value`` is a files fingerprint this medusa_train computes: one a checkpoint's files can be
     compared with (not one of an earlier medusa_train, nor of a model's tensors)."""
@@ -862,7 +875,7 @@ def recorded_base(heads_dir: Path) -> dict | None:
     return None
 
 
-def _same_path(a: str, b: str) -> bool:
+def same_path(a: str, b: str) -> bool:
     """The same hub id, or the same local directory however spelt."""
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
     return a == b or (pa.exists() and pb.exists() and pa.resolve() == pb.resolve())
@@ -878,7 +891,7 @@ def _is_base(model_cfg: ModelConfig, base: dict, *, by_content: bool = False) ->
     one of the tensors of a base that had no files) compares nothing: the name decides, as without one.
     """
     recorded = base.get("fingerprint")
-    same_name = _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
+    same_name = same_path(model_cfg.name_or_path, str(base["name_or_path"]))
     if same_name and not (by_content and recorded):
         return True
     found = checkpoint_fingerprint(
@@ -917,7 +930,7 @@ def backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path) -> Path | None:
     if (
         base is None
         or _is_base(model_cfg, base, by_content=is_adapter_dir(trained))
-        or _same_path(model_cfg.name_or_path, str(trained))
+        or same_path(model_cfg.name_or_path, str(trained))
     ):
         return trained
     log.warning(
@@ -928,7 +941,7 @@ def backbone_for_heads(model_cfg: ModelConfig, heads_dir: Path) -> Path | None:
         model_cfg.name_or_path,
         base["name_or_path"],
         " (the same name, other checkpoint files: another model.revision?)"
-        if _same_path(model_cfg.name_or_path, str(base["name_or_path"]))
+        if same_path(model_cfg.name_or_path, str(base["name_or_path"]))
         else "",
         model_cfg.name_or_path,
     )

@@ -64,7 +64,9 @@ from medusa_train.backbone import (
     load_backbone_for_heads,
     load_configured_backbone,
     older_fingerprint,
+    other_kinds,
     resolve_device,
+    same_path,
 )
 from medusa_train.card_inputs import calibration_input, shape_problem
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
@@ -466,6 +468,8 @@ def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
 
 def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> None:
     """Warn when stage=train recorded a different backbone fingerprint (same shapes, other weights).
+    A fingerprint of a model's tensors (a model built in memory) and one of files compare nothing:
+    heads recorded with one kind and evaluated on the same name with the other pass.
 
     ``model`` is ``model.name_or_path`` at ``model.revision``, fingerprinted as stage=train did: a Hub
     id's files are those of that revision's snapshot (a pinned commit is read from the cache without
@@ -487,7 +491,11 @@ def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> No
                 heads_dir,
                 name_or_path,
             )
-        elif current != recorded["fingerprint"]:
+        elif current != recorded["fingerprint"] and not (
+            # one of a model's tensors and one of files compare nothing: the name decides
+            other_kinds(recorded["fingerprint"], current)
+            and same_path(name_or_path, str(recorded.get("name_or_path")))
+        ):
             log.warning(
                 "heads at %s were trained on backbone %s (fingerprint %s), evaluating on %s (%s): "
                 "outputs stay exact, but tau will be lower",

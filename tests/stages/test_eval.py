@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import constants
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from medusa_train.backbone import local_fingerprint
+from medusa_train.backbone import TENSORS_PREFIX, local_fingerprint
 from medusa_train.config import ModelConfig
 from medusa_train.decoding import attention as attention_module
 from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
@@ -574,3 +574,30 @@ def test_the_backbone_check_counts_remote_code_as_model_trust_remote_code_says(
         assert not caplog.records
         eval_stage.warn_if_other_backbone(tmp_path / "heads", model, ModelConfig(str(backbone)))
     assert len(caplog.records) == 1 and "were trained on backbone" in caplog.records[0].getMessage()
+
+
+def test_the_backbone_check_passes_over_a_fingerprint_of_the_other_kind(
+    tmp_path: Path, tiny_backbone_dir: Path, monkeypatch, caplog
+) -> None:
+    """Heads that recorded a model built in memory (its tensors' fingerprint) evaluated on a model
+    loaded from files, or the other way round: the two kinds compare nothing, so the name decides (no
+    warning under the same name, the warning under another)."""
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # acme/tiny has no files here
+    model = LlamaForCausalLM.from_pretrained(tiny_backbone_dir)
+    heads = MedusaHeads(32, model.get_output_embeddings().weight.shape[0], 2, 1)
+    tensors = {"name_or_path": str(tiny_backbone_dir), "fingerprint": TENSORS_PREFIX + "0123456789abcdef"}
+    files = {"name_or_path": "acme/tiny", "fingerprint": local_fingerprint(str(tiny_backbone_dir))}
+    other = {**tensors, "name_or_path": "acme/other"}
+    for name, trained_on in (("tensors", tensors), ("files", files), ("other", other)):
+        heads.save_pretrained(tmp_path / name, extra_config={"backbone": trained_on})
+    with caplog.at_level(logging.WARNING, logger=eval_stage.__name__):
+        eval_stage.warn_if_other_backbone(tmp_path / "tensors", model, ModelConfig(str(tiny_backbone_dir)))
+        eval_stage.warn_if_other_backbone(tmp_path / "files", model, ModelConfig("acme/tiny"))
+        assert not caplog.records
+        eval_stage.warn_if_other_backbone(tmp_path / "other", model, ModelConfig(str(tiny_backbone_dir)))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"heads at {tmp_path / 'other'} were trained on backbone acme/other (fingerprint "
+        f"{other['fingerprint']}), evaluating on {tiny_backbone_dir} ({files['fingerprint']}): "
+        "outputs stay exact, but tau will be lower"
+    ]
