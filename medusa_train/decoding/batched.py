@@ -538,6 +538,7 @@ def medusa_generate_batch(
     tree_mask = TreeMask.of(tree) if kernel else None
     # Each layer's place, for a model whose layers mix windows and whose attention does not say it.
     positions = layer_positions(model) if kernel else {}
+    text_config = model.config.get_text_config()  # the window, where its attention has no config
     cache = RowKVCache(_num_layers(model), capacity, reusing=kv_reusing_layers(model))
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
@@ -637,7 +638,11 @@ def medusa_generate_batch(
         cache.width = width
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
-        step = TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions) if kernel else None
+        step = (
+            TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions, text_config)
+            if kernel
+            else None
+        )
         if kernel:
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens, None, position_ids)

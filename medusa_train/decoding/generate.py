@@ -471,7 +471,9 @@ def verify_forward(
         device = tree_tokens.device
         past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
-        step = TreeStep(past, no_pad, TreeMask.of(tree), backend, layer_positions(model))
+        step = TreeStep(
+            past, no_pad, TreeMask.of(tree), backend, layer_positions(model), model.config.get_text_config()
+        )
         with tree_step(model, step):
             logits, hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
     return logits[0], hidden[0]  # (M, V), (M, d)
@@ -791,6 +793,7 @@ def medusa_generate(
         tree_mask = TreeMask.of(tree)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
         positions = layer_positions(model)  # each layer's type, where its attention does not say it
+        text_config = model.config.get_text_config()  # the window, where its attention has no config
     else:
         inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
     # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
@@ -872,7 +875,7 @@ def medusa_generate(
         if kernel:
             position_ids = (past_len + sub.depth)[None]  # (1, M)
             past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
-            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions)
+            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions, text_config)
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:

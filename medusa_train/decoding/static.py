@@ -448,7 +448,12 @@ class StaticDecoder:
             past = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) column of each row's first node
             starts = torch.zeros(b, dtype=torch.int32, device=dev)  # (B,) prompts start at column 0
             self._kernel_step = TreeStep(
-                past, starts, TreeMask.of(self.tree), self.attention, layer_positions(model)
+                past,
+                starts,
+                TreeMask.of(self.tree),
+                self.attention,
+                layer_positions(model),
+                model.config.get_text_config(),
             )
         # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
         # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.

@@ -525,12 +525,17 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
     return {id(module): i for i, layer in enumerate(layers) for module in layer.modules()}
 
 
-def layer_window(module: torch.nn.Module, positions: Mapping[int, int] | None = None) -> int | None:
+def layer_window(
+    module: torch.nn.Module, positions: Mapping[int, int] | None = None, config: object | None = None
+) -> int | None:
     """The sliding window of ``module``'s layer as its model's own masks apply it, from the config as
     the decoders' dense masks read it: ``sliding_window`` on every layer, or on the layers that
     ``layer_types`` calls "sliding_attention" (None: none). The one window the decoders' masks and the
     kernels' ancestor bits know for a layer (:func:`hf_tree_attention` refuses a layer that passes
     another).
+
+    The config is ``module.config``, else ``config`` (the model's text config): an attention module
+    of some remote code keeps no config of its own, and its model's masks read the model's.
 
     Where the layers mix window kinds, the layer's type is ``layer_types[i]`` for the layer's index i:
     its ``layer_idx``, else its decoder layer's place in ``positions`` (:func:`layer_positions`).
@@ -539,7 +544,7 @@ def layer_window(module: torch.nn.Module, positions: Mapping[int, int] | None = 
         AttentionBackendError: the layers mix window kinds and neither tells which layer
             ``module`` is.
     """
-    config = getattr(module, "config", None)
+    config = getattr(module, "config", config)
     window = getattr(config, "sliding_window", None)
     if not window:  # None, or Qwen2-MoE's 0 without use_sliding_window
         return None
@@ -571,6 +576,8 @@ class TreeStep:
         backend: "sdpa", "triton" or "cuda".
         positions: the model's :func:`layer_positions` (empty: its attention layers say which layer
             they are by ``layer_idx``, or need not).
+        config: the model's text config, whose window :func:`layer_window` reads for an attention
+            module without a ``config`` of its own (None: such a module has no window).
     """
 
     past_lens: torch.Tensor
@@ -578,6 +585,7 @@ class TreeStep:
     mask: TreeMask
     backend: str
     positions: dict[int, int] = field(default_factory=dict)
+    config: object | None = None
 
 
 def hf_tree_attention(
@@ -639,7 +647,7 @@ def hf_tree_attention(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
             f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
-    window = layer_window(module, step.positions)
+    window = layer_window(module, step.positions, step.config)
     if sliding_window is not None and sliding_window != window:
         masks = f"window by {window}" if window else "apply no window"
         raise AttentionBackendError(

@@ -158,23 +158,40 @@ def build(config: tf.PretrainedConfig) -> torch.nn.Module:
     return tf.AutoModelForCausalLM.from_config(config).eval()
 
 
+def gemma3_attention_reading(model: torch.nn.Module, attribute: str, name: str) -> torch.nn.Module:
+    """``model`` (Gemma 3) whose attention modules run Gemma 3's forward reading ``self.<name>`` where it
+    reads ``self.<attribute>``, each module holding its value there too."""
+    attention = tf.models.gemma3.modeling_gemma3.Gemma3Attention
+    source = textwrap.dedent(inspect.getsource(attention.forward))
+    scope: dict = {}
+    exec(source.replace(f"self.{attribute}", f"self.{name}"), vars(sys.modules[attention.__module__]), scope)
+    renamed = type(f"Gemma3AttentionReading_{name}", (attention,), {"forward": scope["forward"]})
+    for module in model.modules():
+        if type(module) is attention:
+            module.__class__ = renamed
+            setattr(module, name, getattr(module, attribute))
+    return model
+
+
 def without_layer_idx(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (Gemma 3) as a model of its own code may write it: no module has a ``layer_idx``, its
     attention modules keep their layer's index as ``layer_number`` (their forward is Gemma 3's,
     reading it there); the same weights, the same tokens."""
-    attention = tf.models.gemma3.modeling_gemma3.Gemma3Attention
-    source = textwrap.dedent(inspect.getsource(attention.forward))
-    scope: dict = {}
-    exec(
-        source.replace("self.layer_idx", "self.layer_number"), vars(sys.modules[attention.__module__]), scope
-    )
-    renamed = type("NumberedAttention", (attention,), {"forward": scope["forward"]})
+    gemma3_attention_reading(model, "layer_idx", "layer_number")
     for module in model.modules():
-        if type(module) is attention:
-            module.__class__ = renamed
-            module.layer_number = module.layer_idx
         if hasattr(module, "layer_idx"):
             del module.layer_idx
+    return model
+
+
+def without_attention_config(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (Gemma 3) as some remote code writes it: its attention modules keep no ``config`` (their
+    forward is Gemma 3's, reading the model's config as ``model_config``) and pass their layer's
+    ``sliding_window``; the same weights, the same tokens."""
+    gemma3_attention_reading(model, "config", "model_config")
+    for module in model.modules():
+        if hasattr(module, "model_config"):
+            del module.config
     return model
 
 
@@ -416,6 +433,29 @@ def test_static_kernel_places_layers_without_layer_idx():
     verification each)."""
     model = without_layer_idx(build(MODELS["gemma3"]()))
     assert not any(hasattr(m, "layer_idx") for m in model.modules())
+    prompt = prompts()[1]  # 11 tokens: past the window of 6
+    ref = plain_greedy(model, prompt, 10)
+    oracle = RowsOracle(model, [torch.cat([prompt, torch.tensor(ref)])])
+    decoder = StaticDecoder(model, oracle, chain_tree(4), 32, attention="triton")
+    out = decoder.generate(prompt[None], max_new_tokens=10)
+    assert out.tokens.tolist() == ref
+    assert out.accepted_lengths[0] == 5
+    heads, tree = random_heads(model, seed=1), chain_tree(2)
+    one = medusa_generate(model, heads, prompt[None], max_new_tokens=2, tree=tree, attention="triton")
+    batch = medusa_generate_batch(model, heads, [prompt], max_new_tokens=2, tree=tree, attention="triton")
+    assert one.tokens.tolist() == batch.rows[0].tokens.tolist() == ref[:2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_serves_attention_without_a_config():
+    """Gemma 3's attention modules without a ``config`` of their own, its sliding layers passing
+    ``sliding_window=6`` (the model config's): the kernel reads the window from the model's config, as
+    the decoders' masks do. The static decoder with the Triton kernel (CPU: its interpreter) equals
+    ``generate`` past the window, heads that know the continuation making every node's logits decide
+    tokens; so do ``medusa_generate`` and ``medusa_generate_batch``."""
+    model = without_attention_config(build(MODELS["gemma3"]()))
+    sliding = model.model.layers[0].self_attn
+    assert not hasattr(sliding, "config") and sliding.sliding_window == 6
     prompt = prompts()[1]  # 11 tokens: past the window of 6
     ref = plain_greedy(model, prompt, 10)
     oracle = RowsOracle(model, [torch.cat([prompt, torch.tensor(ref)])])
