@@ -64,6 +64,7 @@ from medusa_train.backbone import (
     load_backbone_for_heads,
     load_configured_backbone,
     older_fingerprint,
+    other_code_fingerprint,
     other_kinds,
     resolve_device,
     same_path,
@@ -496,6 +497,21 @@ def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> No
             other_kinds(recorded["fingerprint"], current)
             and same_path(name_or_path, str(recorded.get("name_or_path")))
         ):
+            trust = model_cfg.trust_remote_code
+            if same_path(name_or_path, str(recorded.get("name_or_path"))) and recorded[
+                "fingerprint"
+            ] == other_code_fingerprint(name_or_path, model_cfg.revision, trust_remote_code=trust):
+                log.warning(
+                    "heads at %s were trained on %s loaded with model.trust_remote_code=%s, evaluating "
+                    "with %s (another class may compute the model): outputs stay exact, but tau may be "
+                    "lower; set model.trust_remote_code=%s as training did",
+                    heads_dir,
+                    name_or_path,
+                    str(not trust).lower(),
+                    str(trust).lower(),
+                    str(not trust).lower(),
+                )
+                return
             log.warning(
                 "heads at %s were trained on backbone %s (fingerprint %s), evaluating on %s (%s): "
                 "outputs stay exact, but tau will be lower",

@@ -551,7 +551,8 @@ def test_the_backbone_check_counts_remote_code_as_model_trust_remote_code_says(
 ) -> None:
     """A model whose config.json has an ``auto_map``: its code is part of the backbone's fingerprint
     only with ``model.trust_remote_code`` (without it transformers never runs it). Heads trained with
-    it, evaluated with it: no warning; evaluated without it (another class computes the model): warned."""
+    it, evaluated with it: no warning; evaluated without it (another class computes the model): warned,
+    naming the setting, as evaluated with it after training without it."""
     backbone = tmp_path / "remote"
     shutil.copytree(tiny_backbone_dir, backbone)
     config = json.loads((backbone / "config.json").read_text())
@@ -573,7 +574,19 @@ def test_the_backbone_check_counts_remote_code_as_model_trust_remote_code_says(
         )
         assert not caplog.records
         eval_stage.warn_if_other_backbone(tmp_path / "heads", model, ModelConfig(str(backbone)))
-    assert len(caplog.records) == 1 and "were trained on backbone" in caplog.records[0].getMessage()
+        heads.save_pretrained(
+            tmp_path / "plain_heads",
+            extra_config={"backbone": {**trained_on, "fingerprint": local_fingerprint(str(backbone))}},
+        )
+        eval_stage.warn_if_other_backbone(
+            tmp_path / "plain_heads", model, ModelConfig(str(backbone), trust_remote_code=True)
+        )
+    assert [r.getMessage().split(" loaded with ")[1] for r in caplog.records] == [
+        "model.trust_remote_code=true, evaluating with false (another class may compute the model): outputs "
+        "stay exact, but tau may be lower; set model.trust_remote_code=true as training did",
+        "model.trust_remote_code=false, evaluating with true (another class may compute the model): outputs "
+        "stay exact, but tau may be lower; set model.trust_remote_code=false as training did",
+    ]
 
 
 def test_the_backbone_check_passes_over_a_fingerprint_of_the_other_kind(
