@@ -60,9 +60,16 @@ def _started(folder: Path) -> tuple[str, int]:
 
 
 def read_offline_runs(workdir: Path) -> list[OfflineRun]:
-    """Every offline run under ``workdir/wandb``, oldest first (as ``wandb sync`` uploads them)."""
+    """Every offline run under ``workdir/wandb``, oldest first (as ``wandb sync`` uploads them).
+
+    wandb's service writes a run's file on its own: ``finish()`` can return before the file holds the
+    run's records (a run file read then once held no axes, though they reached it a moment later). So
+    wandb's process-wide setup is torn down first, which waits for the service to finish writing.
+    """
+    import wandb
     from wandb.proto import wandb_internal_pb2 as pb
 
+    wandb.teardown()
     runs = []
     # offline-run-<second>-<id>; a second part started within the same second gets "-1", "-2", ...
     for folder in sorted((workdir / "wandb").glob("offline-run-*"), key=_started):
