@@ -423,39 +423,32 @@ def test_static_kernel_reads_each_layer_types_window(monkeypatch):
     assert all(bits.data_ptr() in static for bits, _ in seen)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_static_kernel_places_layers_without_layer_idx():
-    """Gemma 3's sliding and full layers with no ``layer_idx`` on any module: the kernel takes each
-    attention layer's type from its decoder layer's place in the model's list of layers (as the model's
-    own forward pairs layers and masks). The static decoder with the Triton kernel (CPU: its
-    interpreter) equals ``generate`` past the window, heads that know the continuation making every
-    node's logits decide tokens; so do ``medusa_generate`` and ``medusa_generate_batch`` (one
-    verification each)."""
-    model = without_layer_idx(build(MODELS["gemma3"]()))
+def _attention_without_layer_idx(model):
+    model = without_layer_idx(model)
     assert not any(hasattr(m, "layer_idx") for m in model.modules())
-    prompt = prompts()[1]  # 11 tokens: past the window of 6
-    ref = plain_greedy(model, prompt, 10)
-    oracle = RowsOracle(model, [torch.cat([prompt, torch.tensor(ref)])])
-    decoder = StaticDecoder(model, oracle, chain_tree(4), 32, attention="triton")
-    out = decoder.generate(prompt[None], max_new_tokens=10)
-    assert out.tokens.tolist() == ref
-    assert out.accepted_lengths[0] == 5
-    heads, tree = random_heads(model, seed=1), chain_tree(2)
-    one = medusa_generate(model, heads, prompt[None], max_new_tokens=2, tree=tree, attention="triton")
-    batch = medusa_generate_batch(model, heads, [prompt], max_new_tokens=2, tree=tree, attention="triton")
-    assert one.tokens.tolist() == batch.rows[0].tokens.tolist() == ref[:2]
+    return model
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_kernel_serves_attention_without_a_config():
-    """Gemma 3's attention modules without a ``config`` of their own, its sliding layers passing
-    ``sliding_window=6`` (the model config's): the kernel reads the window from the model's config, as
-    the decoders' masks do. The static decoder with the Triton kernel (CPU: its interpreter) equals
-    ``generate`` past the window, heads that know the continuation making every node's logits decide
-    tokens; so do ``medusa_generate`` and ``medusa_generate_batch``."""
-    model = without_attention_config(build(MODELS["gemma3"]()))
+def _attention_without_config(model):
+    model = without_attention_config(model)
     sliding = model.model.layers[0].self_attn
     assert not hasattr(sliding, "config") and sliding.sliding_window == 6
+    return model
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize(
+    "strip", [_attention_without_layer_idx, _attention_without_config], ids=["layer_idx", "config"]
+)
+def test_kernel_places_attention_without_its_layer_idx_or_config(strip):
+    """Gemma 3's sliding and full layers with no ``layer_idx`` on any module (the kernel takes each
+    attention layer's type from its decoder layer's place in the model's list of layers, as the model's
+    own forward pairs layers and masks), or attention modules without a ``config`` of their own, the
+    sliding ones passing ``sliding_window=6`` (the kernel reads the window from the model's config, as
+    the decoders' masks do). The static decoder with the Triton kernel (CPU: its interpreter) equals
+    ``generate`` past the window, heads that know the continuation making every node's logits decide
+    tokens; so do ``medusa_generate`` and ``medusa_generate_batch`` (one verification each)."""
+    model = strip(build(MODELS["gemma3"]()))
     prompt = prompts()[1]  # 11 tokens: past the window of 6
     ref = plain_greedy(model, prompt, 10)
     oracle = RowsOracle(model, [torch.cat([prompt, torch.tensor(ref)])])
