@@ -49,6 +49,7 @@ from .attention import (
     layer_positions,
     one_call_per_model,
     resolve_attention,
+    sliding_window_kinds,
     tree_step,
 )
 from .generate import (
@@ -60,7 +61,6 @@ from .generate import (
     _forward,
     _mask_slab,
     _now,
-    _sliding_window_kinds,
     check_cache_positions,
     check_tree_fits,
     context_limit,
@@ -342,7 +342,7 @@ def _prefill_masks(
     def to_float(a: torch.Tensor) -> torch.Tensor:
         return torch.zeros(a.shape, dtype=dtype, device=a.device).masked_fill_(~a, neg)[:, None]
 
-    window, kind = _sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model.config)
     chunk = attention_chunk(model.config)
     masks = {"full_attention": to_float(allowed)}
     if chunk is not None:

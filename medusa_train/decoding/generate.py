@@ -57,6 +57,7 @@ from .attention import (
     one_call_per_model,
     packed_sdpa,
     resolve_attention,
+    sliding_window_kinds,
     tree_step,
 )
 from .processors import RowProcessors
@@ -263,23 +264,6 @@ def check_cache_positions(model: torch.nn.Module, reach: int) -> None:
     )
 
 
-def _sliding_window_kinds(config) -> tuple[int | None, str]:
-    """(window, kind): kind is "full", "sliding" (every layer windowed) or "mixed" (per layer type). Read
-    from the text config (a multimodal model, Gemma 3 from 4B on, nests it)."""
-    config = config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None, "full"
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        return window, "sliding"
-    if all(t == "sliding_attention" for t in types):
-        return window, "sliding"
-    if any(t == "sliding_attention" for t in types):
-        return window, "mixed"
-    return None, "full"
-
-
 def _mask_slab(
     model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype: torch.dtype
 ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -305,7 +289,7 @@ def _mask_slab(
         out = torch.zeros(a.shape, dtype=dtype, device=device)
         return out.masked_fill_(~a, neg)[None, None]
 
-    window, kind = _sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model.config)
     chunked = attention_chunk(model.config) is not None
     full = to_float(allowed)
     masks = {"full_attention": full, "chunked_attention": full} if chunked else {"full_attention": full}
@@ -418,7 +402,7 @@ def _tree_inputs(model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype
     Kept on the tree (one per dtype / window kind) and rebuilt at least twice as wide when a call
     needs more: its size is ``M x (max_past + M)`` mask values (two for mixed sliding/full models).
     """
-    window, kind = _sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model.config)
     key = (dtype, window, kind, attention_chunk(model.config))
     store = tree.__dict__.setdefault("_inputs_cache", {})
     built = store.get(key)

@@ -69,6 +69,7 @@ from .attention import (
     one_call_per_model,
     packed_sdpa,
     resolve_attention,
+    sliding_window_kinds,
     tree_step,
 )
 from .batched import (
@@ -86,7 +87,6 @@ from .generate import (
     _check_settings,
     _forward,
     _now,
-    _sliding_window_kinds,
     check_cache_positions,
     check_tree_fits,
     context_limit,
@@ -251,7 +251,7 @@ def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int |
     by less than ``window``, and only from the first position of the query's chunk of ``chunk``
     positions on (None: no such limit).
 
-    Read from the text config as the dynamic decoders read it (:func:`_sliding_window_kinds`,
+    Read from the text config as the dynamic decoders read it (:func:`~.attention.sliding_window_kinds`,
     :func:`attention_chunk`): ``"sliding_attention"`` layers take ``sliding_window``,
     ``"chunked_attention"`` layers ``attention_chunk_size`` (none where the capacity stays inside the
     first chunk: no position there passes a chunk's end; no window either where it spans the
@@ -259,7 +259,7 @@ def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int |
     without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
     are left out: the decoders refuse a model that has them (:func:`~.attention.unserved_layer_types`).
     """
-    window, _ = _sliding_window_kinds(config)
+    window, _ = sliding_window_kinds(config)
     if window is not None and window >= capacity:  # no two positions of the cache are that far apart
         window = None
     chunk = attention_chunk(config)

@@ -478,15 +478,28 @@ SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "blo
 kernels and the packed SDPA do not apply them."""
 
 
-def mixes_windows(config) -> bool:
-    """Whether ``config`` (its text config) windows some of its layers and not others: a
-    ``sliding_window`` and ``layer_types`` with "sliding_attention" layers and layers of other types.
-    Such a model's attention layers differ in window by their layer's type, which the kernels must
-    then know (:func:`layer_window`)."""
+def sliding_window_kinds(config) -> tuple[int | None, str]:
+    """(window, kind): kind is "full", "sliding" (every layer windowed) or "mixed" (per layer type). Read
+    from the text config (a multimodal model, Gemma 3 from 4B on, nests it)."""
     config = config.get_text_config()
-    types = getattr(config, "layer_types", None) or ()
-    sliding = [t == "sliding_attention" for t in types]
-    return bool(getattr(config, "sliding_window", None)) and any(sliding) and not all(sliding)
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None, "full"
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return window, "sliding"
+    if all(t == "sliding_attention" for t in types):
+        return window, "sliding"
+    if any(t == "sliding_attention" for t in types):
+        return window, "mixed"
+    return None, "full"
+
+
+def mixes_windows(config) -> bool:
+    """Whether ``config`` (its text config) windows some of its layers and not others
+    (:func:`sliding_window_kinds`): such a model's attention layers differ in window by their layer's
+    type, which the kernels must then know (:func:`layer_window`)."""
+    return sliding_window_kinds(config)[1] == "mixed"
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -810,6 +823,7 @@ __all__ = [
     "per_layer_attributes",
     "register",
     "resolve_attention",
+    "sliding_window_kinds",
     "tree_attention",
     "tree_refusal",
     "tree_step",
