@@ -183,10 +183,8 @@ def run(cfg: Config) -> dict:
                 f"{wd.distill} names its backbone by a fingerprint an earlier medusa_train computed from other "
                 "bytes than this version reads: run stage=distill with distill.overwrite=true to distill again"
             )
-        other_code = None
-        if (
-            manifest["backbone"]["fingerprint"] != identity["fingerprint"]
-        ):  # distilled with the other setting?
+        other_code = None  # another fingerprint: was the data distilled with the other trust_remote_code?
+        if manifest["backbone"]["fingerprint"] != identity["fingerprint"]:
             other_code = other_code_fingerprint(
                 cfg.model.name_or_path, cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
             )
