@@ -271,8 +271,8 @@ def generate(
             a setting it does not apply such as ``bad_words_ids``, right padding, a ``max_length``
             that leaves the prompt no room, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
-            kernel that cannot run here; a model no tree decoder verifies (ALiBi, or layers of a type
-            other than full, sliding-window or chunked attention:
+            kernel that cannot run here; a model no tree decoder verifies (ALiBi, layers of a type
+            other than full, sliding-window or chunked attention, or a recurrent state:
             :func:`~medusa_train.decoding.attention.tree_refusal`), before anything else.
     """
     check_verifiable(model)  # a model no tree decoder verifies: refused before the export is read

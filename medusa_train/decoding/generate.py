@@ -710,8 +710,8 @@ def medusa_generate(
         ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
-            chunked attention: :func:`~.attention.unserved_layer_types`; Llama 4's query scaling past
-            ``floor_scale - 1``).
+            chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
+            :func:`~.attention.stateful_model`; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

@@ -318,32 +318,50 @@ def test_an_assistant_model_path_that_is_no_model_fails_before_the_backbone_load
         eval_stage.run(tiny_cfg(workdir, "stage=eval", f"eval.assistant_model={draft}"))
 
 
-def test_a_backbone_the_decoders_cannot_serve_is_refused_once_loaded(tmp_path: Path, monkeypatch) -> None:
-    """A backbone with layers of a type the tree decoders do not serve (here the tiny Llama's config
-    naming a linear-attention layer) is one line naming the type as soon as it is loaded: before the
-    backbone check fingerprints its weights and before any forward."""
+def _with_a_linear_attention_layer(model: LlamaForCausalLM) -> None:
+    layers = model.config.num_hidden_layers
+    model.config.layer_types = ["full_attention"] * (layers - 1) + ["linear_attention"]
+
+
+def _marked_stateful(model: LlamaForCausalLM) -> None:
+    model._is_stateful = True
+
+
+@pytest.mark.parametrize(
+    ("unservable", "says"),
+    [
+        (
+            _with_a_linear_attention_layer,
+            r"layers of type 'linear_attention' .*full, sliding-window or chunked",
+        ),
+        (_marked_stateful, r"LlamaForCausalLM \(llama\) keeps a recurrent state .*cannot verify trees"),
+    ],
+    ids=["layer-type", "stateful"],
+)
+def test_a_backbone_the_decoders_cannot_serve_is_refused_once_loaded(
+    tmp_path: Path, monkeypatch, unservable, says: str
+) -> None:
+    """A backbone the tree decoders do not serve (here the tiny Llama's config naming a linear-attention
+    layer, or the model marked stateful as transformers marks RWKV) is one line saying why as soon as it
+    is loaded: before the backbone check fingerprints its weights and before any forward."""
     workdir = make_workdir(tmp_path / "wd")
     forwards: list = []
     load = eval_stage.load_backbone_for_heads
 
-    def hybrid(*args, **kwargs):
+    def unserved(*args, **kwargs):
         model, *rest = load(*args, **kwargs)
-        model.config.layer_types = ["full_attention"] * (model.config.num_hidden_layers - 1) + [
-            "linear_attention"
-        ]
+        unservable(model)
         model.register_forward_pre_hook(lambda *_: forwards.append(1))
         return (model, *rest)
 
     def no_check(*args, **kwargs):
         raise AssertionError("the backbone was checked before the decoders' refusal")
 
-    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", hybrid)
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", unserved)
     monkeypatch.setattr(eval_stage, "warn_if_other_backbone", no_check)
-    with pytest.raises(
-        UserError, match=r"has layers of type 'linear_attention' \(config.layer_types\)"
-    ) as err:
+    with pytest.raises(UserError, match=says) as err:
         eval_stage.run(tiny_cfg(workdir, "stage=eval"))
-    assert "full, sliding-window or chunked attention" in str(err.value) and "\n" not in str(err.value)
+    assert "model.generate" in str(err.value) and "\n" not in str(err.value)
     assert not forwards
 
 

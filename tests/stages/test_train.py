@@ -28,6 +28,7 @@ from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import compute_head_accuracy
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
+from medusa_train.stages import train as train_stage
 from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
 from tests.helpers.syncs import record_syncs
@@ -390,6 +391,29 @@ def test_init_heads_of_another_backbone_is_refused(tmp_path):
     with pytest.raises(UserError, match="another backbone"):
         run(train_cfg(root, f"training.init_heads={tmp_path / 'other_heads'}"))
     assert not (root / "heads").exists()
+
+
+def test_a_backbone_no_tree_decoder_verifies_is_refused_before_training(tmp_path, monkeypatch):
+    """A backbone that keeps a recurrent state (the tiny Llama marked stateful, as transformers marks RWKV
+    and xLSTM): no tree decoder can verify its trees, so heads trained on it could never be used; it is
+    refused in one line as soon as it is loaded, before any forward and before training."""
+    root = make_train_workdir(tmp_path)
+    forwards: list = []
+    load = train_stage.load_configured_backbone
+
+    def stateful(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        model._is_stateful = True
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        return model, tokenizer
+
+    monkeypatch.setattr(train_stage, "load_configured_backbone", stateful)
+    with pytest.raises(
+        AttentionBackendError, match=r"LlamaForCausalLM \(llama\) keeps a recurrent state"
+    ) as err:
+        run(train_cfg(root))
+    assert "model.generate" in str(err.value) and "\n" not in str(err.value)
+    assert not forwards and not (root / "heads").exists() and not (root / "train").exists()
 
 
 def test_resuming_checkpoints_of_other_settings_is_refused(tmp_path):

@@ -312,7 +312,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
     with layers of a type the decoders do not serve (:func:`unserved_layer_types`); Gemma 3n, whose
-    last hidden states are its AltUp streams stacked (``(altup_num_inputs, B, T, H)``)."""
+    last hidden states are its AltUp streams stacked (``(altup_num_inputs, B, T, H)``); any other model
+    that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [name for name in per_layer_attributes(config) if name in MODEL_WIDE_ATTRIBUTES]
@@ -341,7 +342,26 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "(config.layer_types), which the Medusa tree decoders cannot verify: they serve models "
             "whose layers are full, sliding-window or chunked attention (decode this one with model.generate)"
         )
+    stateful = stateful_model(model)
+    if stateful is not None:
+        return (
+            f"{type(stateful).__name__} ({kind}) keeps a recurrent state (transformers marks it _is_stateful) "
+            "that a tree's forward advances over every node and no step can roll back to the accepted path: "
+            "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
+        )
     return None
+
+
+def stateful_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model that makes ``model`` stateful: ``model`` (under a PEFT wrapper: the model it wraps) or its
+    language model (``get_decoder()``) where transformers marks it ``_is_stateful`` (a state besides the KV
+    cache, or instead of one, that the forward advances over every token: the models whose assisted
+    generation ``generate`` refuses, as their state cannot be reset to the accepted tokens). None: neither
+    is marked."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else base
+    return next((m for m in (base, decoder) if getattr(m, "_is_stateful", False)), None)
 
 
 def check_verifiable(model: torch.nn.Module) -> None:
@@ -825,6 +845,7 @@ __all__ = [
     "resolve_attention",
     "sliding_window_kinds",
     "tree_attention",
+    "stateful_model",
     "tree_refusal",
     "tree_step",
     "unserved_layer_types",

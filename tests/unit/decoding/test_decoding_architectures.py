@@ -5,8 +5,9 @@ earlier layer's KV (Gemma 4's and Gemma 4 Unified's ``num_kv_shared_layers``), e
 chunk or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
 kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
 layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
-LFM2, Zaya), a window or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers'
-query scaling would count positions from the cache's length."""
+LFM2, Zaya, Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), a
+window or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling
+would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -142,13 +143,28 @@ UNSERVED = {  # architectures with layers of types the decoders do not serve (UN
         **{**SHAPE, "intermediate_size": None, "num_hidden_layers": 3}, head_dim=8, moe_intermediate_size=16,
         num_experts=2, router_hidden_size=16, sliding_window=6, layer_types=["hybrid_sliding", "hybrid", "hybrid"],
     ),
+    # selective state spaces only (its config names every layer linear_attention)
+    "mamba": lambda: tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, time_step_rank=4,
+    ),
 }  # fmt: skip
 UNSERVED_TYPES = {
     "qwen3_next": ["linear_attention"],
     "recurrent_gemma": ["linear_attention"],
     "lfm2": ["conv"],
     "zaya": ["hybrid_sliding", "hybrid"],
+    "mamba": ["linear_attention"],
 }
+STATEFUL = {  # a recurrent state and no config.layer_types: transformers marks the model _is_stateful
+    "rwkv": lambda: tf.RwkvConfig(
+        vocab_size=VOCAB, context_length=MAX_POS, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+        intermediate_size=64,
+    ),
+    "xlstm": lambda: tf.xLSTMConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_dim=32, num_heads=2, num_blocks=2, num_hidden_layers=2,
+        chunk_size=16,
+    ),
+}  # fmt: skip
 
 
 def build(config: tf.PretrainedConfig) -> torch.nn.Module:
@@ -583,6 +599,58 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
             decode()
         message = str(err.value)
         assert "serve models whose layers are full, sliding-window or chunked attention" in message
+        assert "\n" not in message
+    assert not calls
+
+
+def _peft_wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """RWKV under LoRA on its time-mixing keys and values (a Medusa-2 backbone)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["key", "value"]))
+
+
+def _language_model_marked(model: torch.nn.Module) -> torch.nn.Module:
+    """A Llama whose language model (``get_decoder()``) alone is marked stateful, as a wrapper's (a
+    multimodal model's) would be where only its language model keeps a state."""
+    model.model._is_stateful = True
+    assert not type(model)._is_stateful and model.get_decoder() is model.model
+    return model
+
+
+@pytest.mark.parametrize(
+    ("name", "wrap", "refused"),
+    [
+        ("rwkv", None, "RwkvForCausalLM"),
+        ("xlstm", None, "xLSTMForCausalLM"),
+        ("rwkv", _peft_wrapped, "RwkvForCausalLM"),
+        ("llama", _language_model_marked, "LlamaModel"),
+    ],
+    ids=["rwkv", "xlstm", "rwkv-peft", "stateful-language-model"],
+)
+def test_stateful_models_without_layer_types_are_refused_before_any_forward(name, wrap, refused, tmp_path):
+    """A model that keeps a recurrent state and names no layer types (RWKV: ``medusa_generate`` returned
+    other tokens than ``generate``; xLSTM crashed in every decoder), also under a PEFT wrapper, or whose
+    language model alone is marked: every decoder, and ``generate`` of an export's ``custom_generate``
+    before it looks for the export, refuses it in one line naming the model (transformers'
+    ``_is_stateful``), before any forward."""
+    model = build(STATEFUL[name]() if name in STATEFUL else tiny_config(name))
+    assert unserved_layer_types(model.config) == []
+    heads = random_heads(model, seed=1)
+    model = wrap(model) if wrap else model
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    decoders = [
+        *decoder_calls(model, heads),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError, match=rf"^{refused} \(\w+\) keeps a recurrent state"
+        ) as err:
+            decode()
+        message = str(err.value)
+        assert "cannot verify trees on it (decode it with model.generate)" in message
         assert "\n" not in message
     assert not calls
 
