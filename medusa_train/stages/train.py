@@ -68,7 +68,7 @@ from medusa_train.backbone import (
 from medusa_train.card_inputs import CALIBRATION_INPUT, shape_problem
 from medusa_train.config import Config, TrainingConfig
 from medusa_train.data.distilled import check_made_by, data_key, load_distilled, read_manifest
-from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.attention import AttentionBackendError, check_verifiable
 from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attention
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
@@ -383,7 +383,10 @@ def _check_logit_map(
 def _check_attention(cfg: Config, device: torch.device, model: PreTrainedModel | None = None) -> None:
     """Steps 1 and 2: ``eval.attention`` runs on ``device`` and, once it is loaded, computes ``model``'s
     attention (step 6 times the tree forwards with it: a kernel refused there would end the run after
-    its training)."""
+    its training). A model no tree decoder verifies (:func:`check_verifiable`) is refused first, in its own
+    words: no attention setting would serve it."""
+    if model is not None:
+        check_verifiable(model)
     try:
         timed_attention(cfg.eval.attention, device, cfg.tree.latency_context, model=model)
     except AttentionBackendError as err:

@@ -413,6 +413,7 @@ def test_a_backbone_no_tree_decoder_verifies_is_refused_before_training(tmp_path
     ) as err:
         run(train_cfg(root))
     assert "model.generate" in str(err.value) and "\n" not in str(err.value)
+    assert not str(err.value).startswith("eval.attention")  # no attention setting would serve it
     assert not forwards and not (root / "heads").exists() and not (root / "train").exists()
 
 
