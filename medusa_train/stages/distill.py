@@ -70,10 +70,11 @@ from medusa_train.backbone import (
     loading,
     local_fingerprint,
     older_fingerprint,
+    other_code_fingerprint,
     resolve_device,
     resolve_dtype,
 )
-from medusa_train.config import Config, DataConfig, DistillConfig
+from medusa_train.config import Config, DataConfig, DistillConfig, ModelConfig
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import (
     FORMAT_VERSION,
@@ -489,7 +490,12 @@ def _prepare_folder_everywhere(plan: _Plan) -> dict | None:
     if dist.is_main():
         try:
             complete = _prepare_folder(
-                plan.out, plan.settings, plan.quick, plan.num_shards, plan.cfg.distill.overwrite
+                plan.out,
+                plan.settings,
+                plan.quick,
+                plan.num_shards,
+                plan.cfg.distill.overwrite,
+                plan.cfg.model,
             )
         except UserError as err:
             error = str(err)
@@ -499,12 +505,14 @@ def _prepare_folder_everywhere(plan: _Plan) -> dict | None:
     return complete
 
 
-def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool) -> dict | None:
+def _prepare_folder(
+    out: Path, settings: dict, quick: dict, num_shards: int, overwrite: bool, model: ModelConfig
+) -> dict | None:
     """Refuse to resume with other settings (unless overwrite), then record the settings.
 
     Settings are compared by content (:func:`~medusa_train.data.distilled.comparable`): a copied or
     moved workdir or backbone is the same. A damaged ``progress.json`` falls back to the manifest's
-    settings.
+    settings. ``model``: the backbone's settings, which name a differing fingerprint (:func:`_difference`).
 
     Returns:
         The manifest when the folder is already complete with these settings (nothing to do: the
@@ -528,13 +536,14 @@ def _prepare_folder(out: Path, settings: dict, quick: dict, num_shards: int, ove
                 write_manifest(out, {**manifest, "quick_settings": quick})
             return manifest
         if comparable(previous) != comparable(settings) and (previous is not None or has_output(out)):
+            difference = _difference(previous, settings, model)
             if not overwrite:
                 raise UserError(
-                    f"{out} holds distilled data made with other settings ({_difference(previous, settings)}): "
+                    f"{out} holds distilled data made with other settings ({difference}): "
                     "run with the old values to keep and finish it, pass distill.overwrite=true to discard it, "
                     "or use another workdir="
                 )
-            log.warning("distill.overwrite=true: clearing %s (%s)", out, _difference(previous, settings))
+            log.warning("distill.overwrite=true: clearing %s (%s)", out, difference)
             shutil.rmtree(out)
     removed = start_run(out, {"settings": settings, "quick_settings": quick, "num_shards": num_shards})
     for path in removed:
@@ -592,8 +601,13 @@ def _settable(name: str) -> bool:
     return name in _SETTABLE_KEYS or field.partition(".")[0] in _SETTABLE.get(section, ())
 
 
-def _difference(previous: dict | None, current: dict) -> str:
-    """The differing settings, never empty (``a different backbone`` for the weights' fingerprint)."""
+def _difference(previous: dict | None, current: dict, model: ModelConfig | None = None) -> str:
+    """The differing settings, never empty (``a different backbone`` for the weights' fingerprint).
+
+    ``model``: this run's backbone settings. A fingerprint that differs and is the one the same
+    backbone has with ``model.trust_remote_code`` the other way (:func:`_other_code`) is named as that
+    setting.
+    """
     if previous is None:
         return f"no readable {PROGRESS} or {MANIFEST} says which"
     old, new = comparable(previous), comparable(current)
@@ -605,6 +619,17 @@ def _difference(previous: dict | None, current: dict) -> str:
         text = (
             "a backbone fingerprint an earlier medusa_train computed from other bytes than this version reads: "
             + text
+        )
+    elif (
+        "backbone_fingerprint" in differing
+        and model is not None
+        and _other_code(old.get("backbone_fingerprint"), model)
+    ):
+        trust = model.trust_remote_code
+        text = (
+            f"the same backbone loaded with model.trust_remote_code={str(not trust).lower()}, where this run "
+            f"sets model.trust_remote_code={str(trust).lower()} (the remote code its config.json's auto_map "
+            "names counts only with it): " + text
         )
     elif "backbone_fingerprint" in differing:
         text = "a different backbone: " + text
@@ -625,6 +650,15 @@ def _difference(previous: dict | None, current: dict) -> str:
             "special id: " + text
         )
     return text
+
+
+def _other_code(recorded: object, model: ModelConfig) -> bool:
+    """``recorded`` is the fingerprint of ``model``'s backbone loaded with ``model.trust_remote_code``
+    the other way (:func:`~medusa_train.backbone.other_code_fingerprint`: of a model with remote code
+    only, config.json all it reads of one without)."""
+    return isinstance(recorded, str) and recorded == other_code_fingerprint(
+        model.name_or_path, model.revision, trust_remote_code=model.trust_remote_code
+    )
 
 
 # ----------------------------------------------------------------------------------------------

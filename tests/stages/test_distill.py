@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from medusa_train.backbone import load_backbone
+from medusa_train.backbone import load_backbone, local_fingerprint
+from medusa_train.config import ModelConfig
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.data.regenerate import distill_records
@@ -439,6 +440,48 @@ def test_a_folder_an_earlier_version_fingerprinted_says_so() -> None:
     )
     other = {**old, "backbone_fingerprint": "v2-fedcba9876543210"}
     assert distill._difference(other, new).startswith("a different backbone: backbone_fingerprint")
+
+
+def test_a_folder_distilled_with_the_other_trust_remote_code_says_so(
+    prompts, tiny_backbone_dir, tmp_path
+) -> None:
+    """A backbone whose config.json's auto_map names remote code has one fingerprint loaded with
+    model.trust_remote_code and another without (its code counts only with it). A folder distilled with
+    one setting, resumed unfinished or rerun complete with the other, is refused naming that setting
+    (not as "a different backbone", naming the same model) and left as it is."""
+    backbone = tmp_path / "remote_code_backbone"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    config = json.loads((backbone / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (backbone / "config.json").write_text(json.dumps(config))
+    (backbone / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
+    trusted, plain = tmp_path / "trusted", tmp_path / "plain"
+    _run(trusted, backbone, prompts, "data.max_records=4", "model.trust_remote_code=true")
+    _run(plain, backbone, prompts, "data.max_records=4")
+    (trusted / "distill" / "manifest.json").unlink()  # unfinished: the next run resumes it
+    shard_files(trusted / "distill")[-1].unlink()
+    for workdir, distilled_with, now in ((trusted, "true", "false"), (plain, "false", "true")):
+        before = {p: p.read_bytes() for p in (workdir / "distill").rglob("*") if p.is_file()}
+        with pytest.raises(UserError) as err:
+            _run(workdir, backbone, prompts, "data.max_records=4", f"model.trust_remote_code={now}")
+        message = str(err.value)
+        assert message.startswith(
+            f"{workdir / 'distill'} holds distilled data made with other settings (the same backbone loaded "
+            f"with model.trust_remote_code={distilled_with}, where this run sets model.trust_remote_code={now} "
+            "(the remote code its config.json's auto_map names counts only with it): backbone_fingerprint ("
+        ), message
+        assert message.endswith(
+            "run with the old values to keep and finish it, pass distill.overwrite=true to discard it, or use "
+            "another workdir="
+        )
+        assert {p: p.read_bytes() for p in (workdir / "distill").rglob("*") if p.is_file()} == before
+    # another backbone's fingerprint, or none recorded, is a different backbone, remote code or not
+    current = {"backbone_fingerprint": local_fingerprint(str(backbone))}
+    for model in (ModelConfig(str(backbone)), ModelConfig(str(tiny_backbone_dir))):
+        for recorded in ({"backbone_fingerprint": "v2-0123456789abcdef"}, {}):
+            assert distill._difference(recorded, current, model).startswith("a different backbone: ")
 
 
 def test_a_complete_folder_is_refused_after_the_backbones_template_or_generation_config_changed(
