@@ -6,6 +6,7 @@ also uses the project's tokenizer trainer.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -123,6 +124,20 @@ def build_tiny_backbone(directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
+    return directory
+
+
+def add_remote_code(directory: Path) -> Path:
+    """Give the saved tiny Llama in ``directory`` remote code: config.json's ``auto_map`` names
+    ``modeling_x.XForCausalLM``, a ``LlamaForCausalLM`` that adds nothing (the same model loaded with
+    ``trust_remote_code`` or as the built-in class), so its fingerprint counts that code with
+    ``model.trust_remote_code`` only. Returns ``directory``."""
+    config = json.loads((directory / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
     return directory
 
 

@@ -29,6 +29,7 @@ from tests.helpers.distill import run_distill as _run
 from tests.helpers.distill import spans as _spans
 from tests.helpers.distill import write_prompts as _write_prompts
 from tests.helpers.fake_openai import FakeOpenAI
+from tests.helpers.models import add_remote_code
 
 
 @pytest.fixture(scope="module")
@@ -451,12 +452,7 @@ def test_a_folder_distilled_with_the_other_trust_remote_code_says_so(
     (not as "a different backbone", naming the same model) and left as it is."""
     backbone = tmp_path / "remote_code_backbone"
     shutil.copytree(tiny_backbone_dir, backbone)
-    config = json.loads((backbone / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
-    (backbone / "config.json").write_text(json.dumps(config))
-    (backbone / "modeling_x.py").write_text(
-        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
-    )
+    add_remote_code(backbone)
     trusted, plain = tmp_path / "trusted", tmp_path / "plain"
     _run(trusted, backbone, prompts, "data.max_records=4", "model.trust_remote_code=true")
     _run(plain, backbone, prompts, "data.max_records=4")

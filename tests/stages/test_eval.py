@@ -27,7 +27,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.report import recommend_speculative_tokens, summary_table
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
-from tests.helpers.models import build_tiny_backbone
+from tests.helpers.models import add_remote_code, build_tiny_backbone
 from tests.helpers.tiny_workdir import TOPK, make_workdir, tiny_cfg
 
 REPORT_KEYS = {
@@ -573,12 +573,7 @@ def test_the_backbone_check_counts_remote_code_as_model_trust_remote_code_says(
     naming the setting, as evaluated with it after training without it."""
     backbone = tmp_path / "remote"
     shutil.copytree(tiny_backbone_dir, backbone)
-    config = json.loads((backbone / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
-    (backbone / "config.json").write_text(json.dumps(config))
-    (backbone / "modeling_x.py").write_text(
-        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
-    )
+    add_remote_code(backbone)
     model = LlamaForCausalLM.from_pretrained(backbone)
     heads = MedusaHeads(32, model.get_output_embeddings().weight.shape[0], 2, 1)
     trained_on = {

@@ -31,6 +31,7 @@ from medusa_train.heads import MedusaHeads
 from medusa_train.stages import train as train_stage
 from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
+from tests.helpers.models import add_remote_code
 from tests.helpers.syncs import record_syncs
 from tests.helpers.train_workdir import (
     REPO,
@@ -358,12 +359,7 @@ def test_distill_with_the_other_trust_remote_code_is_refused_as_that(tmp_path):
     not "another backbone" named twice."""
     root = make_train_workdir(tmp_path)
     backbone = root / "base_model"
-    config = json.loads((backbone / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
-    (backbone / "config.json").write_text(json.dumps(config))
-    (backbone / "modeling_x.py").write_text(
-        "from transformers import LlamaForCausalLM\n\n\nclass XForCausalLM(LlamaForCausalLM):\n    pass\n"
-    )
+    add_remote_code(backbone)
     manifest = json.loads((root / "distill" / "manifest.json").read_text())
     manifest["backbone"]["fingerprint"] = local_fingerprint(str(backbone), trust_remote_code=True)
     (root / "distill" / "manifest.json").write_text(json.dumps(manifest))
