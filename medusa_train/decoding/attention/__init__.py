@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import sys
 import threading
@@ -313,7 +314,9 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
     with layers of a type the decoders do not serve (:func:`unserved_layer_types`); Gemma 3n, whose
     last hidden states are its AltUp streams stacked (``(altup_num_inputs, B, T, H)``); any other model
-    that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``)."""
+    that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
+    models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
+    cache columns."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [name for name in per_layer_attributes(config) if name in MODEL_WIDE_ATTRIBUTES]
@@ -349,7 +352,29 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "that a tree's forward advances over every node and no step can roll back to the accepted path: "
             "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
         )
+    positionless = positionless_model(model)
+    if positionless is not None:
+        return (
+            f"{type(positionless).__name__} ({kind}) takes no position_ids (neither its forward nor its "
+            "decoder's names them): it places a tree's nodes by their cache columns, not their depths, so "
+            "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
+        )
     return None
+
+
+def positionless_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` (under a PEFT wrapper: the model it wraps) where neither its forward nor its language
+    model's (``get_decoder()``) names ``position_ids``: such a model counts its tokens' positions from
+    its cache (learned or sinusoidal embeddings, rotary angles, offset by the cache's length: Bart, Marian,
+    Pegasus, TrOCR and the other encoder-decoder families' ForCausalLM, ProphetNet, Musicgen, RoFormer;
+    CpmAnt, XLNet) and drops the position ids a tree's nodes are given in its ``**kwargs``. A forward that names none
+    but hands its ``**kwargs`` to a decoder that does (WhisperForCausalLM) is served: the positions reach
+    it. None: one of the two names ``position_ids``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else base
+    named = any("position_ids" in inspect.signature(m.forward).parameters for m in (base, decoder))
+    return None if named else base
 
 
 def stateful_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -841,6 +866,7 @@ __all__ = [
     "on_device",
     "packed_sdpa",
     "per_layer_attributes",
+    "positionless_model",
     "register",
     "resolve_attention",
     "sliding_window_kinds",

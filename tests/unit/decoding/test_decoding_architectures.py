@@ -5,9 +5,10 @@ earlier layer's KV (Gemma 4's and Gemma 4 Unified's ``num_kv_shared_layers``), e
 chunk or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
 kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
 layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
-LFM2, Zaya, Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), a
-window or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling
-would count positions from the cache's length."""
+LFM2, Zaya, Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), models
+that take no position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM,
+whose decoder takes them, is served), a window or chunk set per layer (``per_layer_config``), and Llama 4
+where its NoPE layers' query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from medusa_train.decoding.attention import (
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
+from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -653,6 +655,130 @@ def test_stateful_models_without_layer_types_are_refused_before_any_forward(name
         assert "cannot verify trees on it (decode it with model.generate)" in message
         assert "\n" not in message
     assert not calls
+
+
+SEQ2SEQ_DECODER = dict(
+    d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=MAX_POS, bos_token_id=0,
+    eos_token_id=None, pad_token_id=0, decoder_start_token_id=0,
+)  # fmt: skip
+POSITIONLESS = {  # neither the forward nor its decoder's names position_ids: positions from cache columns
+    # learned positions (Bart), sinusoidal ones (Marian, TrOCR), each offset by the cache's length
+    "bart": lambda: tf.BartConfig(**SEQ2SEQ_DECODER),
+    "marian": lambda: tf.MarianConfig(**SEQ2SEQ_DECODER),
+    "trocr": lambda: tf.TrOCRConfig(
+        vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+        max_position_embeddings=MAX_POS, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    ),
+    "prophetnet": lambda: tf.ProphetNetConfig(
+        vocab_size=VOCAB, hidden_size=32, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4,
+        num_decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=MAX_POS,
+        ngram=2, pad_token_id=0, bos_token_id=0, eos_token_id=None,
+    ),
+    # rotary positions counted from the cache's length
+    "roformer": lambda: tf.RoFormerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=MAX_POS, is_decoder=True, pad_token_id=0, eos_token_id=None,
+        initializer_range=0.2,
+    ),
+    # relative position buckets from the cache's length (CpmAnt), relative attention over memories (XLNet)
+    "cpmant": lambda: tf.CpmAntConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, dim_head=8, dim_ff=64,
+        prompt_length=2, position_bias_max_distance=MAX_POS,
+    ),
+    "xlnet": lambda: tf.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64, pad_token_id=0),
+}  # fmt: skip
+
+
+def _bart_peft_wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """Bart's ForCausalLM under LoRA on its query projections (a Medusa-2 backbone): PEFT's forward names
+    no position_ids for any model."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize(
+    ("name", "wrap"),
+    [*((name, None) for name in POSITIONLESS), ("bart", _bart_peft_wrapped)],
+    ids=[*POSITIONLESS, "bart-peft"],
+)
+def test_models_that_take_no_position_ids_are_refused_before_any_forward(name, wrap, tmp_path):
+    """A model whose forward, and its decoder's, name no ``position_ids`` drops the positions a tree's
+    nodes are given (its logits do not move with them) and places the nodes by their cache columns:
+    every decoder, and ``generate`` of an export's ``custom_generate`` before it looks for the export,
+    refuses it in one line naming the model, before any forward; also under a PEFT wrapper."""
+    config = POSITIONLESS[name]()
+    model = build(config)
+    prompt = torch.tensor([3, 5, 7])
+    with torch.no_grad():
+        shifted = model(prompt[None], position_ids=torch.arange(3)[None] + 7).logits
+        assert torch.equal(shifted, model(prompt[None]).logits)
+    heads = random_heads(model, seed=1)
+    refused = type(model).__name__
+    model = wrap(model) if wrap else model
+    calls = count_forwards(model)
+    decoders = [
+        *decoder_calls(model, heads),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]
+    for decode in decoders:
+        with pytest.raises(
+            AttentionBackendError, match=rf"^{refused} \({config.model_type}\) takes no position_ids"
+        ) as err:
+            decode()
+        message = str(err.value)
+        assert "cannot verify trees on it (decode it with model.generate)" in message
+        assert "\n" not in message
+    assert not calls
+
+
+@pytest.mark.parametrize("name", ["marian", "roformer"])
+def test_models_that_take_no_position_ids_decode_other_tokens_unrefused(name, monkeypatch):
+    """Why they are refused: let through, with heads that know the continuation (a path not contiguous
+    in node order), the batched decoder returns other tokens than ``generate``."""
+    monkeypatch.setattr(tree_attention_module, "positionless_model", lambda model: None)
+    model = build(POSITIONLESS[name]())
+    rows = prompts()
+    refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
+    sequences = [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)]
+    branching = [[0], [1], [0, 0], [1, 0], [1, 0, 0], [1, 0, 0, 0]]
+    heads = RowsOracle(model, sequences, rank=1)
+    out = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=branching)
+    assert [r.tokens.tolist() for r in out.rows] != [r[:NEW_TOKENS] for r in refs]
+
+
+def test_whisper_causal_lm_is_served_its_decoder_takes_the_positions():
+    """WhisperForCausalLM's forward names no ``position_ids`` but hands them to its decoder, whose
+    forward does (its learned positions follow them): served, and with heads that know the continuation
+    (a path not contiguous in node order) every decoder accepts whole paths and equals ``generate``."""
+    model = build(
+        tf.WhisperConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_target_positions=MAX_POS,
+            max_source_positions=16, num_mel_bins=8, pad_token_id=0, bos_token_id=0, eos_token_id=None,
+            decoder_start_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
+        )
+    )  # fmt: skip
+    assert isinstance(model, tf.WhisperForCausalLM)
+    assert "position_ids" not in inspect.signature(model.forward).parameters
+    rows = prompts()
+    refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
+    sequences = [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)]
+    branching = [[0], [1], [0, 0], [1, 0], [1, 0, 0], [1, 0, 0, 0]]
+    heads = RowsOracle(model, sequences, rank=1)
+    expected = [r[:NEW_TOKENS] for r in refs]
+    for prompt, sequence, ref in zip(rows, sequences, expected, strict=True):
+        one = OracleHeads(model, sequence[None], rank=1)
+        out = medusa_generate(model, one, prompt[None], max_new_tokens=NEW_TOKENS, tree=branching)
+        assert out.tokens.tolist() == ref and out.accepted_lengths[:4] == [5] * 4
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=branching)
+    static = StaticDecoder(model, heads, branching, 2 * MAX_POS, batch_size=3).generate_batch(
+        rows, max_new_tokens=NEW_TOKENS
+    )
+    for out in (batch, static):
+        assert [r.tokens.tolist() for r in out.rows] == expected
+        assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows)
 
 
 def test_gemma3n_is_refused_before_any_forward(tmp_path):
