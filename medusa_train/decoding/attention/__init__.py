@@ -370,9 +370,7 @@ def positionless_model(model: torch.nn.Module) -> torch.nn.Module | None:
     CpmAnt, XLNet) and drops the position ids a tree's nodes are given in its ``**kwargs``. A forward that names none
     but hands its ``**kwargs`` to a decoder that does (WhisperForCausalLM) is served: the positions reach
     it. None: one of the two names ``position_ids``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    get_decoder = getattr(base, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else base
+    base, decoder = model_and_decoder(model)
     named = any("position_ids" in inspect.signature(m.forward).parameters for m in (base, decoder))
     return None if named else base
 
@@ -383,10 +381,16 @@ def stateful_model(model: torch.nn.Module) -> torch.nn.Module | None:
     cache, or instead of one, that the forward advances over every token: the models whose assisted
     generation ``generate`` refuses, as their state cannot be reset to the accepted tokens). None: neither
     is marked."""
+    return next((m for m in model_and_decoder(model) if getattr(m, "_is_stateful", False)), None)
+
+
+def model_and_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``model`` (under a PEFT wrapper: the model it wraps) and its language model (``get_decoder()``;
+    the model itself where it has none): the two places :func:`stateful_model` and
+    :func:`positionless_model` look."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     get_decoder = getattr(base, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else base
-    return next((m for m in (base, decoder) if getattr(m, "_is_stateful", False)), None)
+    return base, get_decoder() if callable(get_decoder) else base
 
 
 def check_verifiable(model: torch.nn.Module) -> None:
