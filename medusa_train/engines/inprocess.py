@@ -239,7 +239,11 @@ _HEADROOM = 128
 
 
 class _SlotCache:
-    """Preallocated KV buffers (slots, kv_heads, capacity, head_dim) per layer, shared by all rows.
+    """Preallocated KV buffers (slots, heads, capacity, dim) per layer, shared by all rows.
+
+    Each layer's keys and values keep the heads and dim its prefill gave them: they may differ
+    between layers, and between a layer's keys and values (multi-head latent attention, e.g.
+    DeepSeek-V2/V3, caches a latent of one width as keys and another as values).
 
     Every row is right-aligned: its real entries are the last ``length`` columns of the live window
     ``[start, end)``, and a decode step writes every slot's new entry at column ``end``. So a step
@@ -251,7 +255,11 @@ class _SlotCache:
 
     def __init__(self, prefill_cache, slots: int) -> None:
         first = prefill_cache.layers[0].keys  # (n, H, W, D)
-        self.shape = (slots, first.shape[1], first.shape[3])
+        # (heads, dim) of each layer's keys and of its values
+        self.shapes = [
+            ((layer.keys.shape[1], layer.keys.shape[3]), (layer.values.shape[1], layer.values.shape[3]))
+            for layer in prefill_cache.layers
+        ]
         self.dtype, self.device = first.dtype, first.device
         self.num_layers = len(prefill_cache.layers)
         self.start = self.end = 0
@@ -293,11 +301,9 @@ class _SlotCache:
         width = self.end - self.start
         end = max(capacity - _HEADROOM, width)
         new_k, new_v = [], []
-        for i in range(self.num_layers):
-            k = torch.zeros(
-                (slots, self.shape[1], end + _HEADROOM, self.shape[2]), dtype=self.dtype, device=self.device
-            )
-            v = torch.zeros_like(k)
+        for i, ((k_heads, k_dim), (v_heads, v_dim)) in enumerate(self.shapes):
+            k = torch.zeros((slots, k_heads, end + _HEADROOM, k_dim), dtype=self.dtype, device=self.device)
+            v = torch.zeros((slots, v_heads, end + _HEADROOM, v_dim), dtype=self.dtype, device=self.device)
             if self.k and width:
                 old_k, old_v = self.k[i][:, :, self.start : self.end], self.v[i][:, :, self.start : self.end]
                 if keep is not None:

@@ -2,8 +2,9 @@
 
 Rows join and leave the batch at different steps, the slot cache is re-laid out (a tiny headroom
 forces it every few steps), follow-up requests re-enter the queue, and the batch is compacted for
-the tail; none of it may change a single token. Models whose cache cannot be edited (sliding
-window) take the static ``generate`` fallback with the same results.
+the tail; none of it may change a single token, also where keys and values differ in width
+(multi-head latent attention). Models whose cache cannot be edited (sliding window) take the static
+``generate`` fallback with the same results.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 
 import pytest
 import torch
+import transformers as tf
 
 from medusa_train.engines import inprocess
 from medusa_train.engines.base import GenRequest
@@ -22,7 +24,24 @@ VOCAB = 96
 MAX_NEW = 9
 
 
+SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    initializer_range=0.2,
+)  # fmt: skip
+UNUSUAL = {
+    # multi-head latent attention: its cache keeps keys and values of different widths (continuous)
+    "deepseek_v3": lambda: tf.DeepseekV3Config(
+        **{**SHAPE, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=4, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2,
+    ),
+}  # fmt: skip
+
+
 def _model(arch: str) -> torch.nn.Module:
+    if arch in UNUSUAL:
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(UNUSUAL[arch]()).eval()
     if arch == "gpt2":
         return tiny_model("gpt2", vocab=VOCAB, max_pos=128, bos_token_id=1, eos_token_id=1)
     window = {"sliding_window": 6} if arch == "mistral-window" else {}
@@ -86,7 +105,7 @@ def _run(
     return replies
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "deepseek_v3"])
 def test_replies_equal_unbatched_generate(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inprocess, "_HEADROOM", 3)  # re-lay the slot cache out every few steps
     model = _model(arch)
