@@ -369,8 +369,10 @@ class ContinuousBatcher:
     passes the model's) applies over each row's own tokens (see the module docstring).
 
     Models whose cache layers are not plain ``DynamicLayer`` (sliding-window or hybrid caches, e.g.
-    Mistral with ``sliding_window`` set) cannot be edited this way; for them requests run in static
-    ``generate`` batches of ``batch_size`` (:func:`generate_batch`), with the same results.
+    Mistral with ``sliding_window`` set, Gemma 2/3; chunked attention, Llama 4; layers that read an
+    earlier layer's KV, Gemma 4's ``num_kv_shared_layers``) cannot be edited this way; for them
+    requests run in static ``generate`` batches of ``batch_size`` (:func:`generate_batch`), with the
+    same results.
     """
 
     def __init__(

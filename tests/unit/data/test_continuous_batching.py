@@ -3,8 +3,9 @@
 Rows join and leave the batch at different steps, the slot cache is re-laid out (a tiny headroom
 forces it every few steps), follow-up requests re-enter the queue, and the batch is compacted for
 the tail; none of it may change a single token, also where keys and values differ in width
-(multi-head latent attention). Models whose cache cannot be edited (sliding window) take the static
-``generate`` fallback with the same results.
+(multi-head latent attention). Models whose cache cannot be edited (sliding windows, alone or beside
+full layers, chunked attention, layers that read an earlier layer's KV) take the static ``generate``
+fallback with the same results, on prompts longer than the window or chunk.
 """
 
 from __future__ import annotations
@@ -27,13 +28,30 @@ MAX_NEW = 9
 SHAPE = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0, eos_token_id=None, pad_token_id=0,
-    initializer_range=0.2,
+    initializer_range=0.2,  # at the default 0.02 their tokens hardly depend on the window
 )  # fmt: skip
-UNUSUAL = {
+INTERLEAVED = ["sliding_attention", "full_attention"]
+UNUSUAL = {  # window 6 and chunk 8, well inside the prompts (up to 41 tokens) and their second turns
     # multi-head latent attention: its cache keeps keys and values of different widths (continuous)
     "deepseek_v3": lambda: tf.DeepseekV3Config(
         **{**SHAPE, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=4, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2,
+    ),
+    # Gemma 4: the last two of four layers read the KV of the last earlier layer of their type
+    "gemma4-kv-shared": lambda: tf.Gemma4TextConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=8, global_head_dim=16, sliding_window=6,
+        layer_types=INTERLEAVED * 2, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+    ),
+    "gemma3": lambda: tf.Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
+    # layers from max_window_layers on slide: a full layer, then a sliding one
+    "qwen2-window": lambda: tf.Qwen2Config(
+        **SHAPE, use_sliding_window=True, sliding_window=6, max_window_layers=1
+    ),
+    # Llama 4: a chunked layer (RoPE), then a global one (NoPE)
+    "llama4": lambda: tf.Llama4TextConfig(
+        **SHAPE, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, num_local_experts=2,
+        num_experts_per_tok=1, no_rope_layers=[1, 0],
     ),
 }  # fmt: skip
 
@@ -134,8 +152,9 @@ def test_first_token_eos_and_single_token_cap() -> None:
     assert batcher.stats["decode_steps"] == 0  # every row finished at its prefill
 
 
-def test_sliding_window_model_takes_the_static_fallback() -> None:
-    model = _model("mistral-window")
+@pytest.mark.parametrize("arch", ["mistral-window", "gemma4-kv-shared", "gemma3", "qwen2-window", "llama4"])
+def test_models_whose_cache_cannot_be_edited_take_the_static_fallback(arch: str) -> None:
+    model = _model(arch)
     prompts = _prompts(6, seed=1)
     eos = _pick_eos(model, prompts)
     assert not ContinuousBatcher(
