@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from huggingface_hub import constants as hub_constants
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from transformers.dynamic_module_utils import get_relative_imports
 from transformers.utils import (
     CONFIG_NAME,
@@ -845,6 +845,32 @@ def load_configured_backbone(model_cfg: ModelConfig, device=None, *, trainable: 
         revision=model_cfg.revision,
         trainable=trainable,
     )
+
+
+def meta_backbone(model_cfg: ModelConfig) -> torch.nn.Module | None:
+    """``cfg.model``'s model built from its config on the meta device: the class and config
+    :func:`load_configured_backbone` would load, without reading a weight or allocating memory, for a
+    check before the load (or where the model runs elsewhere: a server). The config is read as the load
+    reads it (revision, remote code), with :func:`loading`'s one-line errors.
+
+    Returns:
+        None where the model cannot be built so (remote code that computes in its ``__init__`` or needs
+        a package missing here, a config no causal LM class takes), logged at debug level: nothing to
+        check before the load.
+    """
+    m = model_cfg
+    with loading(m.name_or_path):
+        config = AutoConfig.from_pretrained(
+            hf_source(m.name_or_path), revision=m.revision, trust_remote_code=m.trust_remote_code
+        )
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - whatever it is, the model is only not checked before it loads
+        log.debug(
+            "%s cannot be built on the meta device (%s): not checked before it loads", m.name_or_path, err
+        )
+        return None
 
 
 # -- the backbone that goes with a set of heads (Medusa-2) -------------------------------------------

@@ -15,8 +15,11 @@ Steps (every rank):
     1. read the source (``data=``): a missing file or bad format fails here, before any model loads;
     2. if ``workdir/distill`` is already complete with the same settings, return its figures
        (``distill.overwrite=true``: decided in step 4, after the backbone loads);
-    3. load the frozen backbone, render every first prompt with the chat template, apply the
-       long-prompt rule (``data.max_prompt_tokens``, ``data.long_prompts``);
+    3. refuse a backbone no tree decoder verifies (:func:`~medusa_train.decoding.attention.tree_refusal`),
+       from the model built on the meta device from its config (no weights, nothing written yet; the
+       in-process engine checks the loaded model too); load the frozen backbone, render every first
+       prompt with the chat template, apply the long-prompt rule (``data.max_prompt_tokens``,
+       ``data.long_prompts``);
     4. rank 0 checks ``distill/progress.json`` (same backbone fingerprint, tokenizer, generation
        settings and data?) and refuses a mismatch unless ``distill.overwrite=true`` (clears the folder);
     5. records, in source order, form shards of ``distill.shard_size``; rank r owns the shards with
@@ -69,6 +72,7 @@ from medusa_train.backbone import (
     load_tokenizer,
     loading,
     local_fingerprint,
+    meta_backbone,
     older_fingerprint,
     other_code_fingerprint,
     resolve_device,
@@ -95,6 +99,7 @@ from medusa_train.data.distilled import (
 )
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation, ReadResult, read_records
+from medusa_train.decoding.attention import AttentionBackendError, tree_refusal
 from medusa_train.engines.inprocess import UNAPPLIED_SAMPLING_SETTINGS, UNAPPLIED_SETTINGS, ContinuousBatcher
 from medusa_train.engines.server import (
     ServerClient,
@@ -153,7 +158,12 @@ def run(cfg: Config) -> dict:
     if manifest is not None:
         return _figures(manifest, generated_now=0, resumed=True)
 
-    # 3. Backbone (distill.engine=server: its tokenizer and config only), prompts, long-prompt rule.
+    # 3. A backbone no tree decoder verifies is refused from its config, before its weights load and
+    #    anything is written; the backbone (distill.engine=server: its tokenizer and config only),
+    #    prompts, long-prompt rule.
+    meta = meta_backbone(cfg.model)
+    if meta is not None:
+        _check_verifiable(meta, cfg.model)
     plan, model, renderer = _load_and_plan(cfg, out, source, quick)
 
     created_group = dist.init_process_group()
@@ -241,6 +251,7 @@ def _load_and_plan(
         model, tokenizer, identity = _served_backbone(cfg)
     else:
         model, tokenizer = load_configured_backbone(cfg.model)
+        _check_verifiable(model, cfg.model)  # the model itself, where it could not be built on meta
         identity = backbone_identity(
             model, cfg.model.name_or_path, cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
@@ -290,6 +301,27 @@ def _load_and_plan(
         num_shards, server,
     )  # fmt: skip
     return plan, model, renderer
+
+
+def _check_verifiable(model, model_cfg: ModelConfig) -> None:
+    """Step 3: refuse a backbone no tree decoder can verify trees on (:func:`tree_refusal`: ALiBi, layers
+    of a type the decoders do not serve, a recurrent state, no position ids, ...): heads trained on the
+    data distilled from it could never be used, and stage=train refuses it.
+
+    Args:
+        model: the backbone built on the meta device (:func:`~medusa_train.backbone.meta_backbone`),
+            or loaded.
+
+    Raises:
+        AttentionBackendError: the backbone, why, and what to do, in one line.
+    """
+    reason = tree_refusal(model)
+    if reason is not None:
+        raise AttentionBackendError(
+            f"model.name_or_path={model_cfg.name_or_path}: {reason}; heads trained on data distilled from it "
+            "could never be verified by the tree decoders (stage=train refuses it): distill from another "
+            "backbone"
+        )
 
 
 def _generation_config_settings(model, sampled: bool) -> dict:

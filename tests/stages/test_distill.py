@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, BartConfig, RwkvConfig
 
 from medusa_train.backbone import load_backbone, local_fingerprint
 from medusa_train.config import ModelConfig
@@ -18,6 +21,7 @@ from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import read_manifest, shard_files
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
+from medusa_train.decoding.attention import AttentionBackendError
 from medusa_train.engines.base import GenRequest
 from medusa_train.engines.inprocess import ContinuousBatcher
 from medusa_train.errors import UserError
@@ -558,6 +562,118 @@ def test_cli_error_is_one_line(tmp_path, tiny_backbone_dir) -> None:
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "nope.jsonl does not exist" in errors[0]
+
+
+def _rwkv(directory: Path) -> None:
+    RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64).save_pretrained(
+        directory
+    )
+
+
+def _bart(directory: Path) -> None:
+    BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1).save_pretrained(directory)
+
+
+def _a_linear_attention_layer(directory: Path) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * (config["num_hidden_layers"] - 1) + ["linear_attention"]
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def _stateful_remote_code(directory: Path) -> None:
+    add_remote_code(directory)
+    code = directory / "modeling_x.py"
+    code.write_text(code.read_text().replace("    pass\n", "    _is_stateful = True\n"))
+
+
+_UNVERIFIABLE = {
+    "rwkv": (_rwkv, (), r"RwkvForCausalLM \(rwkv\) keeps a recurrent state"),
+    "bart": (_bart, (), r"BartForCausalLM \(bart\) takes no position_ids"),
+    "layer-type": (
+        _a_linear_attention_layer,
+        (),
+        r"LlamaForCausalLM \(llama\) has layers of type 'linear_attention'",
+    ),
+    "remote-code": (
+        _stateful_remote_code,
+        ("model.trust_remote_code=true",),
+        r"XForCausalLM \(llama\) keeps a recurrent state",
+    ),
+}
+"""Backbones no tree decoder verifies, as a change to a copy of the tiny backbone's folder: the
+overrides they need, and the start of tree_refusal's reason."""
+
+
+def _unverifiable_backbone(tiny_backbone_dir: Path, tmp_path: Path, case: str) -> Path:
+    """A copy of the tiny backbone's folder (its tokenizer and weights) changed by :data:`_UNVERIFIABLE`."""
+    backbone = tmp_path / f"unverifiable_{case.replace('-', '_')}"  # remote code: a module name of its own
+    shutil.copytree(tiny_backbone_dir, backbone)
+    _UNVERIFIABLE[case][0](backbone)
+    return backbone
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "server"])
+@pytest.mark.parametrize("case", list(_UNVERIFIABLE))
+def test_a_backbone_no_tree_decoder_verifies_is_refused_before_it_loads(
+    case: str, engine: str, tiny_backbone_dir, prompts, tmp_path, monkeypatch
+) -> None:
+    """A backbone whose heads no tree decoder could verify (stateful RWKV, positionless Bart, a layer type
+    the decoders do not serve, remote code marked stateful) is refused in one line saying why and what to
+    do, from its config on the meta device: before its weights load (in-process) or a server is asked
+    anything, and before anything is written in workdir/distill."""
+    _, extra, says = _UNVERIFIABLE[case]
+    backbone = _unverifiable_backbone(tiny_backbone_dir, tmp_path, case)
+    monkeypatch.setattr(
+        distill, "load_configured_backbone", lambda *a, **k: pytest.fail("must not load the model")
+    )
+    srv = FakeOpenAI(str(backbone))
+    server = ("distill.engine=server", f"distill.server.urls=[{srv.url}]") if engine == "server" else ()
+    try:
+        with pytest.raises(
+            AttentionBackendError, match=f"^model.name_or_path={re.escape(str(backbone))}: {says}"
+        ) as err:
+            _run(tmp_path / "workdir", backbone, prompts, *extra, *server)
+        assert srv.requests == []
+    finally:
+        srv.close()
+    message = str(err.value)
+    assert "\n" not in message and message.endswith(
+        "heads trained on data distilled from it could never be verified by the tree decoders (stage=train "
+        "refuses it): distill from another backbone"
+    )
+    assert not (tmp_path / "workdir" / "distill").exists()
+
+
+def test_a_backbone_that_cannot_be_built_on_meta_is_checked_once_loaded(
+    tiny_backbone_dir, prompts, tmp_path, monkeypatch, caplog
+) -> None:
+    """A model that cannot be built on the meta device (some remote code) is not refused for that (a debug
+    line says it): the in-process engine checks the loaded model, before anything is written."""
+    backbone = _unverifiable_backbone(tiny_backbone_dir, tmp_path, "layer-type")
+
+    def no_meta(*args, **kwargs):
+        raise RuntimeError("cannot run on meta tensors")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", no_meta)
+    with caplog.at_level(logging.DEBUG, logger="medusa_train.backbone"):
+        with pytest.raises(
+            AttentionBackendError, match=r"has layers of type 'linear_attention'.*another backbone"
+        ):
+            _run(tmp_path / "workdir", backbone, prompts)
+    assert "cannot be built on the meta device (cannot run on meta tensors)" in caplog.text
+    assert not (tmp_path / "workdir" / "distill").exists()
+
+
+def test_cli_refuses_a_backbone_no_tree_decoder_verifies_in_one_line(
+    tiny_backbone_dir, prompts, tmp_path
+) -> None:
+    backbone = _unverifiable_backbone(tiny_backbone_dir, tmp_path, "rwkv")
+    result = run_cli(_overrides(tmp_path / "workdir", backbone, prompts), dict(os.environ))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "RwkvForCausalLM (rwkv) keeps a recurrent state" in errors[0]
+    assert "distill from another backbone" in errors[0]
+    assert not (tmp_path / "workdir" / "distill").exists()
 
 
 @pytest.mark.distributed
