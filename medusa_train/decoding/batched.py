@@ -47,6 +47,7 @@ from .attention import (
     TreeStep,
     attention_chunk,
     layer_positions,
+    model_window,
     one_call_per_model,
     resolve_attention,
     sliding_window_kinds,
@@ -342,7 +343,7 @@ def _prefill_masks(
     def to_float(a: torch.Tensor) -> torch.Tensor:
         return torch.zeros(a.shape, dtype=dtype, device=a.device).masked_fill_(~a, neg)[:, None]
 
-    window, kind = sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model)
     chunk = attention_chunk(model.config)
     masks = {"full_attention": to_float(allowed)}
     if chunk is not None:
@@ -538,7 +539,8 @@ def medusa_generate_batch(
     tree_mask = TreeMask.of(tree) if kernel else None
     # Each layer's place, for a model whose layers mix windows and whose attention does not say it.
     positions = layer_positions(model) if kernel else {}
-    text_config = model.config.get_text_config()  # the window, where its attention has no config
+    text_config = model.config.get_text_config()  # its layer_types: the layers the window applies to
+    window = model_window(model) if kernel else None  # the window its masks apply
     cache = RowKVCache(_num_layers(model), capacity, reusing=kv_reusing_layers(model))
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
@@ -639,7 +641,7 @@ def medusa_generate_batch(
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
         step = (
-            TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions, text_config)
+            TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions, text_config, window)
             if kernel
             else None
         )

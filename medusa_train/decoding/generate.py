@@ -54,6 +54,7 @@ from .attention import (
     TreeStep,
     attention_chunk,
     layer_positions,
+    model_window,
     one_call_per_model,
     packed_sdpa,
     resolve_attention,
@@ -289,7 +290,7 @@ def _mask_slab(
         out = torch.zeros(a.shape, dtype=dtype, device=device)
         return out.masked_fill_(~a, neg)[None, None]
 
-    window, kind = sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model)
     chunked = attention_chunk(model.config) is not None
     full = to_float(allowed)
     masks = {"full_attention": full, "chunked_attention": full} if chunked else {"full_attention": full}
@@ -402,7 +403,7 @@ def _tree_inputs(model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype
     Kept on the tree (one per dtype / window kind) and rebuilt at least twice as wide when a call
     needs more: its size is ``M x (max_past + M)`` mask values (two for mixed sliding/full models).
     """
-    window, kind = sliding_window_kinds(model.config)
+    window, kind = sliding_window_kinds(model)
     key = (dtype, window, kind, attention_chunk(model.config))
     store = tree.__dict__.setdefault("_inputs_cache", {})
     built = store.get(key)
@@ -455,8 +456,9 @@ def verify_forward(
         device = tree_tokens.device
         past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
+        text = model.config.get_text_config()
         step = TreeStep(
-            past, no_pad, TreeMask.of(tree), backend, layer_positions(model), model.config.get_text_config()
+            past, no_pad, TreeMask.of(tree), backend, layer_positions(model), text, model_window(model)
         )
         with tree_step(model, step):
             logits, hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
@@ -777,7 +779,8 @@ def medusa_generate(
         tree_mask = TreeMask.of(tree)
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
         positions = layer_positions(model)  # each layer's type, where its attention does not say it
-        text_config = model.config.get_text_config()  # the window, where its attention has no config
+        text_config = model.config.get_text_config()  # its layer_types: the layers the window applies to
+        window = model_window(model)  # the window its masks apply (once: it reads the model's classes)
     else:
         inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
     # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
@@ -859,7 +862,7 @@ def medusa_generate(
         if kernel:
             position_ids = (past_len + sub.depth)[None]  # (1, M)
             past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
-            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions, text_config)
+            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions, text_config, window)
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:

@@ -65,6 +65,7 @@ from .attention import (
     attention_chunk,
     layer_positions,
     model_lock,
+    model_window,
     on_device,
     one_call_per_model,
     packed_sdpa,
@@ -245,21 +246,23 @@ class StaticKVCache(Cache):
             layer.values[self.rows, :, dst] = layer.values[self.rows, :, src]
 
 
-def layer_mask_rules(config, capacity: int) -> dict[str, tuple[int | None, int | None]]:
+def layer_mask_rules(model: torch.nn.Module, capacity: int) -> dict[str, tuple[int | None, int | None]]:
     """Each attention layer type of a model and the rule ``(window, chunk)`` its masks add to the causal
     or tree rule on a cache of ``capacity`` columns: a query sees a key only if their positions differ
     by less than ``window``, and only from the first position of the query's chunk of ``chunk``
     positions on (None: no such limit).
 
-    Read from the text config as the dynamic decoders read it (:func:`~.attention.sliding_window_kinds`,
-    :func:`attention_chunk`): ``"sliding_attention"`` layers take ``sliding_window``,
-    ``"chunked_attention"`` layers ``attention_chunk_size`` (none where the capacity stays inside the
+    Read as the dynamic decoders read them: ``"sliding_attention"`` layers take the window the model
+    applies (:func:`~.attention.sliding_window_kinds`: the text config's ``sliding_window``, where the
+    model's code reads it), ``"chunked_attention"`` layers the text config's ``attention_chunk_size``
+    (:func:`attention_chunk`; none where the capacity stays inside the
     first chunk: no position there passes a chunk's end; no window either where it spans the
     capacity, so such a model's layers share one mask), ``"full_attention"`` layers neither; a model
     without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
     are left out: the decoders refuse a model that has them (:func:`~.attention.unserved_layer_types`).
     """
-    window, _ = sliding_window_kinds(config)
+    config = model.config
+    window, _ = sliding_window_kinds(model)
     if window is not None and window >= capacity:  # no two positions of the cache are that far apart
         window = None
     chunk = attention_chunk(config)
@@ -403,7 +406,7 @@ class StaticDecoder:
         # Each layer type's (window, chunk), read once the model is known to be one the decoders serve:
         # the masks of the prefill and the step, one per rule; the step computes positions for them only
         # where a rule reads positions.
-        self._rules = layer_mask_rules(model.config, capacity)
+        self._rules = layer_mask_rules(model, capacity)
         self._positional = any(rule != (None, None) for rule in self._rules.values())
 
         dev, d_depth, b = self.device, self.tree.max_depth, batch_size
@@ -454,6 +457,7 @@ class StaticDecoder:
                 self.attention,
                 layer_positions(model),
                 model.config.get_text_config(),
+                model_window(model),
             )
         # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
         # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.

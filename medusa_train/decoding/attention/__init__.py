@@ -52,7 +52,7 @@ import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -309,7 +309,8 @@ ALIBI_MODEL_TYPES = ("bloom", "mpt")
 def tree_refusal(model: torch.nn.Module) -> str | None:
     """Why no tree attention, the decoders' dense masks included, can verify a tree on ``model`` (None:
     nothing says so): a config that sets per layer what the decoders read once for the whole model
-    (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`); ALiBi models (Bloom, MPT, Falcon with
+    (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`; a window only where the model's code
+    reads it, :func:`code_reads_window`); ALiBi models (Bloom, MPT, Falcon with
     ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
     with layers of a type the decoders do not serve (:func:`unserved_layer_types`); Gemma 3n, whose
@@ -319,7 +320,11 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     cache columns."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
-    per_layer = [name for name in per_layer_attributes(config) if name in MODEL_WIDE_ATTRIBUTES]
+    per_layer = [
+        name
+        for name in per_layer_attributes(config)
+        if name in MODEL_WIDE_ATTRIBUTES and (name != "sliding_window" or code_reads_window(model))
+    ]
     if per_layer:
         return (
             f"{type(model).__name__} ({kind}) sets {', '.join(per_layer)} per layer (config.per_layer_config), "
@@ -468,7 +473,7 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
     if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
         return f"{name} has attention sinks, which the tree kernels do not apply"
     if (
-        mixes_windows(config)
+        mixes_windows(model)
         and decoder_layers(model) is None
         and not any(isinstance(getattr(m, "layer_idx", None), int) for m in model.modules())
     ):
@@ -527,14 +532,86 @@ SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "blo
 kernels and the packed SDPA do not apply them."""
 
 
-def sliding_window_kinds(config) -> tuple[int | None, str]:
-    """(window, kind): kind is "full", "sliding" (every layer windowed) or "mixed" (per layer type). Read
-    from the text config (a multimodal model, Gemma 3 from 4B on, nests it)."""
-    config = config.get_text_config()
+def model_window(model: torch.nn.Module) -> int | None:
+    """The sliding window ``model`` applies: the one function every decoder asks (the dense masks through
+    :func:`sliding_window_kinds`, the static decoder's rules, the kernels through the step's
+    :func:`layer_window`). Its text config's ``sliding_window`` (a multimodal model, Gemma 3 from 4B on,
+    nests it), where the model's code reads that attribute (:func:`code_reads_window`); None where the
+    config sets none (or Qwen2-MoE's 0 without ``use_sliding_window``) or the code never reads it: a
+    Llama whose config.json carries a ``sliding_window`` key (some fine-tunes' do) attends every
+    position, as its forward does.
+
+    transformers' ``generate`` is not that forward there: its default cache (transformers 5.24's
+    ``DynamicCache(config=...)``) gives every layer of a config with a ``sliding_window`` a
+    sliding-window cache layer, whatever the model, which keeps only the last ``window - 1`` positions,
+    so such a Llama's prefill attends the whole prompt and each later token only the window; on a cache
+    without the config (``generate(..., cache=DynamicCache())``) it attends everything, as the decoders
+    do.
+    """
+    config = model.config.get_text_config()
+    if "sliding_window" in per_layer_attributes(config) and not code_reads_window(model):
+        return None  # set per layer (reading it off the config raises), and nothing reads it
     window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    return window if code_reads_window(model) else None
+
+
+def code_reads_window(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s code may apply its config's ``sliding_window``: whether the source of a Python
+    module defining the class of ``model`` or of one of its submodules mentions ``sliding_window``
+    (remote code included; torch's modules and transformers' own outside ``transformers.models`` left
+    out; read once per class). A module whose source cannot be read counts as mentioning it.
+
+    A model applies the window through its masks (``create_sliding_window_causal_mask``, its own mask
+    code in older remote code) or its attention call (``sliding_window=``), each of which names it.
+    Checked on transformers 5.24's causal LMs (each tiny model's forward, SDPA or eager, with a window of
+    4 against 1,000 on 14 tokens; 142 model types built): every model that windows mentions it (Mistral,
+    Mixtral, Ministral, Phi-3, PhiMoE, Starcoder2, Doge, Qwen2/3 and Qwen3-MoE with
+    ``use_sliding_window``, Gemma 2/3/4, Cohere 2, gpt-oss, Granite SWA, OLMo 3, Exaone 4, ...), and
+    those that do not mention it ignore it (Llama, Gemma, Cohere, Granite, OLMo 2, GLM, Phi, GPT-2, ...).
+    The exceptions mention it and are served as windowed, but do not window under SDPA or eager
+    attention: OLMoE passes the window to its attention function, which only flash attention applies,
+    and Moshi keeps it on its attention module. A model whose ``layer_types`` name no
+    "sliding_attention" layer takes no window whatever its code says (SmolLM3, Laguna and Mellum in the
+    check: their layers were all full attention, and so were their forwards).
+    """
+    return any(_class_reads_window(cls) for cls in {type(module) for module in model.modules()})
+
+
+_READS_WINDOW: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _class_reads_window(cls: type) -> bool:
+    """Whether the source of ``cls``'s Python module mentions ``sliding_window`` (False for torch's and
+    transformers' shared modules; True where the source cannot be read), cached per class."""
+    reads = _READS_WINDOW.get(cls)
+    if reads is None:
+        name = cls.__module__
+        shared = name.split(".", 1)[0] == "torch" or (
+            name.startswith("transformers.") and not name.startswith("transformers.models.")
+        )
+        reads = _READS_WINDOW[cls] = not shared and _source_mentions(name, "sliding_window")
+    return reads
+
+
+def _source_mentions(module_name: str, word: str) -> bool:
+    """Whether the source of the Python module ``module_name`` contains ``word`` (True where it cannot
+    be read)."""
+    try:
+        return word in inspect.getsource(sys.modules[module_name])
+    except (KeyError, TypeError, OSError):
+        return True
+
+
+def sliding_window_kinds(model: torch.nn.Module) -> tuple[int | None, str]:
+    """(window, kind) of ``model``'s attention as its masks apply it: the window is :func:`model_window`;
+    kind is "full" (no window), "sliding" (every layer windowed: its text config has no ``layer_types``,
+    or they are all "sliding_attention") or "mixed" (the "sliding_attention" layers of ``layer_types``)."""
+    window = model_window(model)
     if window is None:
         return None, "full"
-    types = getattr(config, "layer_types", None)
+    types = getattr(model.config.get_text_config(), "layer_types", None)
     if types is None:
         return window, "sliding"
     if all(t == "sliding_attention" for t in types):
@@ -544,11 +621,11 @@ def sliding_window_kinds(config) -> tuple[int | None, str]:
     return None, "full"
 
 
-def mixes_windows(config) -> bool:
-    """Whether ``config`` (its text config) windows some of its layers and not others
-    (:func:`sliding_window_kinds`): such a model's attention layers differ in window by their layer's
-    type, which the kernels must then know (:func:`layer_window`)."""
-    return sliding_window_kinds(config)[1] == "mixed"
+def mixes_windows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` windows some of its layers and not others (:func:`sliding_window_kinds`): such a
+    model's attention layers differ in window by their layer's type, which the kernels must then know
+    (:func:`layer_window`)."""
+    return sliding_window_kinds(model)[1] == "mixed"
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -579,7 +656,7 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
     layer of an attention module that does not say it (no ``layer_idx``). Empty for any other model,
     whose layers all window alike, or where no list of decoder layers is found. Ids, not modules:
     ``torch.compile`` reads ``id(module)`` as a constant of the trace."""
-    if not mixes_windows(model.config):
+    if not mixes_windows(model):
         return {}
     layers = decoder_layers(model)
     if layers is None:
@@ -588,16 +665,15 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
 
 
 def layer_window(
-    module: torch.nn.Module, positions: Mapping[int, int] | None = None, config: object | None = None
+    module: torch.nn.Module,
+    positions: Mapping[int, int] | None = None,
+    window: int | None = None,
+    layer_types: Sequence[str] | None = None,
 ) -> int | None:
-    """The sliding window of ``module``'s layer as its model's own masks apply it, from the config as
-    the decoders' dense masks read it: ``sliding_window`` on every layer, or on the layers that
-    ``layer_types`` calls "sliding_attention" (None: none). The one window the decoders' masks and the
-    kernels' ancestor bits know for a layer (:func:`hf_tree_attention` refuses a layer that passes
-    another).
-
-    The config is ``module.config``, else ``config`` (the model's text config): an attention module
-    of some remote code keeps no config of its own, and its model's masks read the model's.
+    """The sliding window of ``module``'s layer as its model's masks apply it: ``window`` (the model's,
+    :func:`model_window`; None: none) on every layer, or on the layers that ``layer_types`` (its text
+    config's) calls "sliding_attention". The one window the decoders' masks and the kernels' ancestor
+    bits know for a layer (:func:`hf_tree_attention` refuses a layer that passes another).
 
     Where the layers mix window kinds, the layer's type is ``layer_types[i]`` for the layer's index i:
     its ``layer_idx``, else its decoder layer's place in ``positions`` (:func:`layer_positions`).
@@ -606,25 +682,22 @@ def layer_window(
         AttentionBackendError: the layers mix window kinds and neither tells which layer
             ``module`` is.
     """
-    config = getattr(module, "config", config)
-    window = getattr(config, "sliding_window", None)
-    if not window:  # None, or Qwen2-MoE's 0 without use_sliding_window
+    if window is None:
         return None
-    types = getattr(config, "layer_types", None)
-    if types is None or all(t == "sliding_attention" for t in types):
+    if layer_types is None or all(t == "sliding_attention" for t in layer_types):
         return window
-    if not any(t == "sliding_attention" for t in types):
+    if not any(t == "sliding_attention" for t in layer_types):
         return None
     layer = getattr(module, "layer_idx", None)
     if layer is None and positions:
         layer = positions.get(id(module))
-    if not isinstance(layer, int) or not 0 <= layer < len(types):
+    if not isinstance(layer, int) or not 0 <= layer < len(layer_types):
         raise AttentionBackendError(
             f"{type(module).__name__} does not say which layer it is (no layer_idx, not inside a decoder "
             "layer of its model's list), and its model mixes sliding-window and full layers: use "
             "attention=sdpa"
         )
-    return window if types[layer] == "sliding_attention" else None
+    return window if layer_types[layer] == "sliding_attention" else None
 
 
 @dataclass
@@ -638,8 +711,10 @@ class TreeStep:
         backend: "sdpa", "triton" or "cuda".
         positions: the model's :func:`layer_positions` (empty: its attention layers say which layer
             they are by ``layer_idx``, or need not).
-        config: the model's text config, whose window :func:`layer_window` reads for an attention
-            module without a ``config`` of its own (None: such a module has no window).
+        config: the model's text config, whose ``layer_types`` say which layers ``window`` applies to
+            (:func:`layer_window`, also for an attention module without a ``config`` of its own).
+        window: the sliding window the model applies (:func:`model_window`; None: none), read once
+            per call (not per step: it looks at the model's classes).
     """
 
     past_lens: torch.Tensor
@@ -648,6 +723,7 @@ class TreeStep:
     backend: str
     positions: dict[int, int] = field(default_factory=dict)
     config: object | None = None
+    window: int | None = None
 
 
 def hf_tree_attention(
@@ -709,7 +785,7 @@ def hf_tree_attention(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
             f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
-    window = layer_window(module, step.positions, step.config)
+    window = layer_window(module, step.positions, step.window, getattr(step.config, "layer_types", None))
     if sliding_window is not None and sliding_window != window:
         masks = f"window by {window}" if window else "apply no window"
         raise AttentionBackendError(
@@ -865,6 +941,8 @@ __all__ = [
     "layer_positions",
     "layer_window",
     "mixes_windows",
+    "model_window",
+    "code_reads_window",
     "model_lock",
     "one_call_per_model",
     "on_device",

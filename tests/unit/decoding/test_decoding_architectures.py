@@ -3,12 +3,14 @@
 gpt-oss, and Gemma 3's multimodal model, whose config nests the text one) and layers that read an
 earlier layer's KV (Gemma 4's and Gemma 4 Unified's ``num_kv_shared_layers``), each decoded past its
 chunk or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
-kernel); and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT),
-layers of another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma,
-LFM2, Zaya, Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), models
-that take no position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM,
-whose decoder takes them, is served), a window or chunk set per layer (``per_layer_config``), and Llama 4
-where its NoPE layers' query scaling would count positions from the cache's length."""
+kernel); a window that only the config carries (a Llama's ``sliding_window``, which its code never
+reads: full attention, also set per layer) against Mistral's; and the models they refuse before any
+forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of another type than full, sliding-window or
+chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya, Mamba), models that keep a recurrent state
+without naming layer types (RWKV, xLSTM), models that take no position ids (Bart, Marian, TrOCR,
+ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose decoder takes them, is served), a window
+or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling would
+count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import textwrap
 import pytest
 import torch
 import transformers as tf
+from transformers import DynamicCache
 
 import medusa_train.decoding.attention as tree_attention_module
 import medusa_train.decoding.static as static_module
@@ -36,6 +39,7 @@ from medusa_train.decoding.attention import (
     AttentionBackendError,
     kernel_refusal,
     layer_positions,
+    model_window,
     per_layer_attributes,
     resolve_attention,
     unserved_layer_types,
@@ -292,6 +296,63 @@ def test_static_decoder_accepts_whole_paths_past_the_chunk_or_window(name):
         out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
         assert [r.tokens.tolist() for r in out.rows] == [r[:NEW_TOKENS] for r in refs], (name, rank)
         assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows), (name, rank)
+
+
+def greedy_on_a_full_cache(model, prompt: torch.Tensor) -> list[int]:
+    """Plain greedy ``generate`` on a cache built without the config (``DynamicCache()``), whose layers
+    keep every position: the model's masks alone decide what a token attends. transformers' default cache
+    gives every layer of a config with a ``sliding_window`` a sliding-window cache layer, whatever the
+    model's code: a Llama whose config carries one would attend its whole prompt at the prefill and
+    only the window after it."""
+    out = model.generate(
+        prompt[None],
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        cache=DynamicCache(),
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(("arch", "applied"), [("llama", None), ("mistral", 6)])
+def test_a_window_the_models_code_does_not_read_is_not_applied(arch, applied):
+    """A Llama whose config carries ``sliding_window=6`` (some fine-tunes' config.json do), which its code
+    never reads: its forward attends every position (the same weights without the key give the same
+    tokens), and so do the three decoders' masks, each equal plain greedy ``generate`` with contexts past
+    the window. Mistral with the same window applies it (without it the tokens differ), and so do the
+    decoders."""
+    model = build(tiny_config(arch, sliding_window=6, initializer_range=0.2))
+    assert model_window(model) == applied
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [greedy_on_a_full_cache(model, p) for p in rows]
+    without_key = build(tiny_config(arch, sliding_window=None, initializer_range=0.2))
+    assert ([greedy_on_a_full_cache(without_key, p) for p in rows] == refs) == (applied is None)
+    for tree_name, tree in TREES.items():
+        for prompt, ref in zip(rows, refs, strict=True):
+            out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree)
+            assert out.tokens.tolist() == ref, (arch, tree_name, len(prompt))
+        batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
+        assert [r.tokens.tolist() for r in batch.rows] == refs, (arch, tree_name)
+        decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3)
+        static = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in static.rows] == refs, (arch, tree_name)
+
+
+def test_a_window_per_layer_the_models_code_does_not_read_is_served():
+    """A Llama whose config sets ``sliding_window`` per layer (``per_layer_config``), which its code never
+    reads: not refused (Mistral's is: the masks cannot give its layers their own windows), and decoded
+    with full attention, equal plain greedy ``generate``."""
+    model = build(tiny_config("llama", sliding_window=6, per_layer_config={1: {"sliding_window": 4}}))
+    assert per_layer_attributes(model.config) == ["sliding_window"] and model_window(model) is None
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [greedy_on_a_full_cache(model, p) for p in rows]
+    for prompt, ref in zip(rows, refs, strict=True):
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=TREES["random8"])
+        assert out.tokens.tolist() == ref
+    decoder = StaticDecoder(model, heads, TREES["random8"], 2 * MAX_POS, batch_size=3)
+    assert [r.tokens.tolist() for r in decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS).rows] == refs
 
 
 @pytest.mark.parametrize(
@@ -989,13 +1050,12 @@ def test_a_window_spanning_the_capacity_adds_no_mask():
     """Gemma 3's sliding layers with a window at least the static decoder's capacity see every cached
     position: one mask for every layer (no second mask built per step); a narrower window: one per
     layer type."""
-    config = MODELS["gemma3"]()
-    assert static_module.layer_mask_rules(config, 6) == {
+    model = build(MODELS["gemma3"]())
+    assert static_module.layer_mask_rules(model, 6) == {
         "sliding_attention": (None, None),
         "full_attention": (None, None),
     }
-    assert static_module.layer_mask_rules(config, 7)["sliding_attention"] == (6, None)
-    model = build(config)
+    assert static_module.layer_mask_rules(model, 7)["sliding_attention"] == (6, None)
     decoder = StaticDecoder(model, random_heads(model), chain_tree(2), 6)
     with torch.inference_mode():
         assert isinstance(decoder._tree_mask(), torch.Tensor)

@@ -729,6 +729,26 @@ def test_kernel_windows_layers_that_pass_no_window(name):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # without the window: ~2e-1
 
 
+@needs_triton
+def test_kernel_applies_no_window_the_models_code_does_not_read():
+    """A Llama whose config carries ``sliding_window=4``, which its code never reads: the kernel attends
+    the whole past, as the dense masks and the model's forward do (its verification forward equals the
+    same weights' without the key; a context of 11 + 7 nodes crosses the window)."""
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=7))
+    prompt = torch.randint(1, VOCAB, (1, 11), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for window, backend in ((None, "sdpa"), (4, "triton"), (4, "sdpa")):
+        model = tiny_model("llama", seed=1, sliding_window=window, initializer_range=0.2)
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 11, backend))
+    for out in outs[1:]:
+        for ref, got in zip(outs[0], out, strict=True):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("call", "reason"),
     [
