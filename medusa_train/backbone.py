@@ -176,15 +176,62 @@ def hf_source(name_or_path: str) -> str:
     return str(path) if name_or_path.startswith("~") and path.exists() else name_or_path
 
 
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""Files that make a checkpoint's tokenizer a Hugging Face one (vocabulary; class, special tokens, chat template)."""
+_TEKKEN_FILE = "tekken.json"
+"""Mistral's own tokenizer file (mistral-common's format), which Mistral's checkpoints ship."""
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
-    """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation."""
+    """The backbone's tokenizer, with a pad token (eos if it has none) and left padding for batched generation.
+
+    Always the Hugging Face tokenizer of the checkpoint's files (``mistral_format=False``), whatever is
+    installed: for a ``mistral``, ``mixtral``, ``ministral``, ... checkpoint that also ships
+    ``tekken.json``, transformers gives a ``MistralCommonBackend`` wherever the ``mistral-common``
+    package is installed (vLLM installs it), which has no chat template, no ``split_special_tokens`` and
+    no added-token table (what :class:`~medusa_train.data.chat.ChatRenderer` uses). So every machine,
+    stage and engine renders with the same ``tokenizer.json`` and chat template, and the tokenizer the
+    pipeline saves (Medusa-2's ``backbone/``, the export) is that one.
+
+    Raises:
+        UserError: the checkpoint's tokenizer is only ``tekken.json`` (no ``tokenizer.json`` or
+            ``tokenizer_config.json``): there is no chat template to render conversations with.
+    """
+    source = hf_source(name_or_path)
+    if _only_tekken(source, revision):
+        raise UserError(
+            f"{name_or_path} ships its tokenizer only as Mistral's {_TEKKEN_FILE} (mistral-common's format, "
+            f"no chat template): medusa_train needs the Hugging Face tokenizer files next to it "
+            f"({' and '.join(_HF_TOKENIZER_FILES)} with a chat template): use a checkpoint or conversion "
+            "that ships them"
+        )
     tok = AutoTokenizer.from_pretrained(
-        hf_source(name_or_path), trust_remote_code=trust_remote_code, revision=revision
+        source, trust_remote_code=trust_remote_code, revision=revision, mistral_format=False
     )
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def _only_tekken(source: str, revision: str | None) -> bool:
+    """Whether checkpoint ``source`` has ``tekken.json`` and none of :data:`_HF_TOKENIZER_FILES`
+    (looked up as transformers does: a directory, or the Hub and its cache; one that cannot be had
+    counts as absent, and the load then says why)."""
+
+    def has(name: str) -> bool:
+        return (
+            cached_file(
+                source,
+                name,
+                revision=revision,
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
+            is not None
+        )
+
+    return not any(has(name) for name in _HF_TOKENIZER_FILES) and has(_TEKKEN_FILE)
 
 
 def load_backbone(

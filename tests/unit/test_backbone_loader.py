@@ -19,6 +19,7 @@ from medusa_train.backbone import (
     backbone_identity,
     checkpoint_fingerprint,
     load_backbone,
+    load_tokenizer,
     local_fingerprint,
     older_fingerprint,
     other_code_fingerprint,
@@ -26,8 +27,10 @@ from medusa_train.backbone import (
     resolve_dtype,
 )
 from medusa_train.config import ModelConfig, compose_config
+from medusa_train.data.chat import ChatRenderer
+from medusa_train.data.sources import Conversation
 from medusa_train.errors import DamagedArtefactError, UserError
-from tests.helpers.train_workdir import make_backbone
+from tests.helpers.train_workdir import make_backbone, make_tokenizer
 
 
 def test_identity_is_the_checkpoint_whatever_the_dtype(tmp_path: Path) -> None:
@@ -281,6 +284,99 @@ def test_a_tokenizer_without_pad_or_eos_pads_with_the_generation_configs_eos(
     assert tok.eos_token is None and isinstance(eos, int)
     assert tok.pad_token_id == eos and model.generation_config.pad_token_id == eos
     assert tok(["a b", "a"], padding=True).input_ids[1][0] == eos  # left padding with it
+
+
+_TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+
+
+def _mistral_config(directory: Path, vocab: int) -> None:
+    """config.json of a Mistral checkpoint (no weights: only its tokenizer is loaded)."""
+    from transformers import MistralConfig
+
+    MistralConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    ).save_pretrained(directory)  # fmt: skip
+
+
+def test_a_mistral_checkpoint_loads_its_hugging_face_tokenizer_where_mistral_common_is_installed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Mistral's checkpoints ship tekken.json next to tokenizer.json and tokenizer_config.json; where
+    mistral-common is installed (vLLM installs it) transformers loads a MistralCommonBackend for them
+    (no chat template, no split_special_tokens), here the Hugging Face tokenizer, as without it.
+    mistral-common is simulated installed as transformers sees it (its auto-tokenizer table and the
+    probe for tekken.json; the package itself is no dependency), tekken.json is a placeholder: nothing
+    may read it."""
+    from transformers.integrations.mistral import tokenizer as mistral_integration
+    from transformers.models.auto import tokenization_auto
+
+    monkeypatch.setitem(tokenization_auto.TOKENIZER_MAPPING_NAMES, "mistral", "MistralCommonBackend")
+    monkeypatch.setattr(mistral_integration, "is_mistral_common_available", lambda: True)
+    backbone = tmp_path / "mistral"
+    _mistral_config(backbone, vocab=64)
+    hf = make_tokenizer()
+    hf.chat_template = _TEMPLATE
+    hf.save_pretrained(backbone)
+    (backbone / "tekken.json").write_text("{}")
+    assert tokenization_auto._use_mistral_format(str(backbone))  # transformers' own choice: mistral-common
+
+    tok = load_tokenizer(str(backbone))
+    assert type(tok).__name__ == "TokenizersBackend" and tok.is_fast
+    assert tok.chat_template == _TEMPLATE and tok.eos_token == "<eos>"
+    assert tok("w2 w3").input_ids == hf("w2 w3").input_ids
+
+
+def test_a_checkpoint_with_only_tekken_json_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer is only Mistral's tekken.json has no chat template to render
+    conversations with: one line saying which files to bring, with or without mistral-common (it gave
+    a MistralCommonBackend there, and distillation said the model was no chat model)."""
+    backbone = tmp_path / "tekken_only"
+    _mistral_config(backbone, vocab=64)
+    (backbone / "tekken.json").write_text("{}")
+    with pytest.raises(UserError) as err:
+        load_tokenizer(str(backbone))
+    assert str(err.value) == (
+        f"{backbone} ships its tokenizer only as Mistral's tekken.json (mistral-common's format, no chat "
+        "template): medusa_train needs the Hugging Face tokenizer files next to it (tokenizer.json and "
+        "tokenizer_config.json with a chat template): use a checkpoint or conversion that ships them"
+    )
+
+
+def test_with_mistral_common_a_mistral_checkpoint_renders_as_mistral_common_does(tmp_path: Path) -> None:
+    """With mistral-common really installed (not a dependency: skipped without it), on Mistral's
+    tekken tokenizer (the file mistral-common ships, 131072 tokens) and the chat template mistral-common
+    generates for it, written as Mistral's repos ship them: transformers itself loads a
+    MistralCommonBackend (what ``transformers serve`` renders with there), the loader the Hugging Face
+    tokenizer, whose records' prompts are the ids MistralCommonBackend renders, over several turns and
+    a system prompt; tekken.json alone is refused."""
+    mistral_common = pytest.importorskip("mistral_common")
+    from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template
+    from transformers import AutoTokenizer
+
+    tekken = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+    backbone = tmp_path / "mistral"
+    _mistral_config(backbone, vocab=131072)
+    shutil.copy(tekken, backbone / "tekken.json")
+    with pytest.raises(UserError, match="only as Mistral's tekken.json"):
+        load_tokenizer(str(backbone))
+    hf = AutoTokenizer.from_pretrained(backbone, mistral_format=False)  # converted from tekken.json
+    hf.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    hf.chat_template = convert_tokenizer_to_chat_template(tekken)
+    hf.save_pretrained(backbone)
+
+    theirs = AutoTokenizer.from_pretrained(backbone)
+    assert type(theirs).__name__ == "MistralCommonBackend"
+    tok = load_tokenizer(str(backbone))
+    assert type(tok).__name__ == "TokenizersBackend" and tok.eos_token_id == theirs.eos_token_id == 2
+    renderer = ChatRenderer(tok)
+    for conv, replies in [
+        (Conversation("a", ["Hello there!"]), []),
+        (Conversation("b", ["What is 2+2?", "And 3+3?"], system="Be brief."), ["4."]),
+        (Conversation("c", ["one", "two", "three"]), ["uno", "dos"]),
+    ]:
+        expected = theirs.apply_chat_template(renderer.messages(conv, replies, True), tokenize=True)
+        assert renderer.turn_prompt_ids(conv, replies) == list(expected["input_ids"]), conv.source_id
 
 
 def test_a_lora_adapter_is_not_merged_into_another_revision_of_its_base(
