@@ -19,9 +19,10 @@ not copied (the whole path, for a chain).
 Why ``model(..., output_hidden_states=True)`` rather than ``get_decoder()`` + ``lm_head``: the full
 forward applies whatever the architecture does after the decoder (logit soft-capping or scaling in
 Gemma-2, Cohere, Granite, ...), so the verification logits are exactly those ``generate`` sees;
-``hidden_states[-1]`` is what ``lm_head`` reads (checked per architecture in the tests). The tuple
-only holds references to activations computed anyway; the prefill keeps one position of logits
-(``logits_to_keep=1``).
+``hidden_states[-1]`` is what ``lm_head`` reads and training reads, the decoder's ``last_hidden_state``
+(checked per architecture in the tests), made so for Gemma 3n, whose decoder returns its AltUp streams
+stacked there (:func:`last_hidden_state_tied`). The tuple only holds references to activations
+computed anyway; the prefill keeps one position of logits (``logits_to_keep=1``).
 """
 
 from __future__ import annotations
@@ -489,7 +490,7 @@ def _forward(
     # A masked forward of a grouped-query model (a tree's nodes) stacks each KV head's query heads
     # instead of expanding K/V (packed_sdpa); an unmasked one is the model's own causal attention.
     packing = contextlib.nullcontext() if mask is None else packed_sdpa(model)
-    with attention_backends(input_ids.device), packing:
+    with attention_backends(input_ids.device), packing, last_hidden_state_tied(model):
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -500,6 +501,47 @@ def _forward(
             **cache_kwargs(model, cache),
         )
     return out.logits, out.hidden_states[-1]
+
+
+UNTIED_LAST_HIDDEN_STATES = ("gemma3n", "gemma3n_text")
+"""Model types (``config.model_type``) whose decoder returns as ``hidden_states[-1]`` other states than
+its ``last_hidden_state``, what ``lm_head`` reads: Gemma 3n (its multimodal model, how its checkpoints
+load, and its text model), whose decoder opts out of transformers' tie
+(``capture_outputs(tie_last_hidden_states=False)``) and returns its AltUp streams stacked,
+``(altup_num_inputs, B, T, d)``, which it unembeds and norms into ``last_hidden_state``. transformers
+5.24's other language models tie the two."""
+
+
+def last_hidden_state_tied(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Inside the block, ``model``'s forward returns as ``hidden_states[-1]`` its decoder's
+    ``last_hidden_state``, what ``lm_head`` reads and the heads are trained on
+    (:func:`~medusa_train.head_targets.last_hidden_state`): a forward hook on the decoder
+    (``get_decoder()``) ties them as transformers does for its other language models, for the model
+    types of :data:`UNTIED_LAST_HIDDEN_STATES`; nothing for the others, which tie them already (held on
+    every model, ``get_decoder()``'s lookup and the hook would add ~45 us to each eager step, 4% of a
+    2-layer model's on a CPU). The hook is the same function at every call: a step under
+    ``torch.compile`` traces it into its one graph."""
+    if getattr(model.config, "model_type", None) not in UNTIED_LAST_HIDDEN_STATES:
+        return contextlib.nullcontext()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    return _forward_hook(base.get_decoder(), _tie_last_hidden_state)
+
+
+@contextlib.contextmanager
+def _forward_hook(module: torch.nn.Module, hook: Callable) -> Iterator[None]:
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _tie_last_hidden_state(module: torch.nn.Module, args: tuple, out) -> None:
+    """The decoder's forward hook of :func:`last_hidden_state_tied`: its output's ``hidden_states[-1]``
+    set to its ``last_hidden_state`` where it returned both."""
+    last, states = getattr(out, "last_hidden_state", None), getattr(out, "hidden_states", None)
+    if last is not None and states:
+        out.hidden_states = (*states[:-1], last)
 
 
 def compact_cache(cache: DynamicCache, past_len: int, path: Sequence[int]) -> None:

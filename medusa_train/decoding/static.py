@@ -92,6 +92,7 @@ from .generate import (
     check_tree_fits,
     context_limit,
     eos_ids,
+    last_hidden_state_tied,
 )
 from .processors import RowProcessors
 from .tree import TreeBuffers, as_tree
@@ -541,6 +542,12 @@ class StaticDecoder:
         }
         return sdpa_kernel(names[self.sdpa_backend])
 
+    def _tied(self) -> contextlib.AbstractContextManager:
+        """The step's forward returning as ``hidden_states[-1]`` what the heads read, its decoder's
+        ``last_hidden_state`` (:func:`last_hidden_state_tied`). Held around every run of the step, its
+        capture and its compilation."""
+        return last_hidden_state_tied(self.model)
+
     def _tree_attention(self) -> contextlib.AbstractContextManager:
         """Where the step's forward runs: the model's SDPA on the step's mask (:func:`packed_sdpa`:
         a grouped-query layer's K/V not expanded), or the kernel of ``attention`` (:func:`tree_step`).
@@ -556,12 +563,12 @@ class StaticDecoder:
         every call's prefill, so the warm-up steps leave nothing behind)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream), self._backend(), self._tree_attention():
+        with torch.cuda.stream(stream), self._backend(), self._tree_attention(), self._tied():
             for _ in range(3):
                 self._step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), self._backend(), self._tree_attention():
+        with torch.cuda.graph(graph), self._backend(), self._tree_attention(), self._tied():
             self._step()
         torch.cuda.synchronize(self.device)
         self._graph = graph
@@ -844,7 +851,7 @@ class StaticDecoder:
             self.num_steps.zero_()
             prefill_s = _now(self.device) - t0
             while any(active):
-                with self._backend(), self._tree_attention():
+                with self._backend(), self._tree_attention(), self._tied():
                     for _ in range(self.sync_every):
                         self._run()
                 steps += self.sync_every

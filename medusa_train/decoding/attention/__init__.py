@@ -313,8 +313,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     reads it, :func:`code_reads_window`); ALiBi models (Bloom, MPT, Falcon with
     ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
-    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); Gemma 3n, whose
-    last hidden states are its AltUp streams stacked (``(altup_num_inputs, B, T, H)``); any other model
+    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); any other model
     that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
     models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
     cache columns."""
@@ -336,12 +335,6 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
         return (
             f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
             "position ids and 4-D mask cannot set: the Medusa decoders cannot verify trees on it"
-        )
-    if getattr(config, "altup_num_inputs", None):  # Gemma 3n
-        return (
-            f"{type(model).__name__} ({kind}) returns as its last hidden states the altup_num_inputs streams of "
-            "its AltUp layers stacked, not the states its LM head reads: Medusa heads, which read those, "
-            "cannot be trained or verified on it"
         )
     unserved = unserved_layer_types(model.config)
     if unserved:

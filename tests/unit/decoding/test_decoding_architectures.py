@@ -1,16 +1,17 @@
 """The three decoders on models whose attention masks or positions are not Llama's: chunked attention
-(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2, 3 and 4, Cohere 2,
-gpt-oss, and Gemma 3's multimodal model, whose config nests the text one) and layers that read an
-earlier layer's KV (Gemma 4's and Gemma 4 Unified's ``num_kv_shared_layers``), each decoded past its
-chunk or window, the static decoder with one mask per layer type (eager, compiled, and with the Triton
-kernel); a window that only the config carries (a Llama's ``sliding_window``, which its code never
-reads: full attention, also set per layer) against Mistral's; and the models they refuse before any
-forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of another type than full, sliding-window or
-chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya, Mamba), models that keep a recurrent state
-without naming layer types (RWKV, xLSTM), models that take no position ids (Bart, Marian, TrOCR,
-ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose decoder takes them, is served), a window
-or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling would
-count positions from the cache's length."""
+(Llama 4: chunked layers and global NoPE layers), interleaved sliding windows (Gemma 2, 3, 3n and 4,
+Cohere 2, gpt-oss, and Gemma 3's multimodal model, whose config nests the text one) and layers that read
+an earlier layer's KV (Gemma 4's, Gemma 4 Unified's and Gemma 3n's ``num_kv_shared_layers``), each
+decoded past its chunk or window (Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked,
+with heads that read what its LM head reads), the static decoder with one mask per layer type (eager,
+compiled, and with the Triton kernel); a window that only the config carries (a Llama's
+``sliding_window``, which its code never reads: full attention, also set per layer) against Mistral's;
+and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of
+another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya,
+Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), models that take no
+position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose
+decoder takes them, is served), a window or chunk set per layer (``per_layer_config``), and Llama 4
+where its NoPE layers' query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -42,10 +43,12 @@ from medusa_train.decoding.attention import (
     model_window,
     per_layer_attributes,
     resolve_attention,
+    tree_refusal,
     unserved_layer_types,
 )
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads
+from medusa_train.head_targets import last_hidden_state
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
@@ -97,6 +100,20 @@ def gemma4(num_kv_shared_layers: int = 0) -> tf.PretrainedConfig:
     )  # fmt: skip
 
 
+def gemma3n() -> tf.PretrainedConfig:
+    """Gemma 3n's text model: two AltUp streams (``hidden_states[-1]`` is them stacked,
+    ``(altup_num_inputs, B, T, d)``; ``last_hidden_state``, what its LM head reads, unembeds and norms
+    them), per-layer token embeddings, LAuReL blocks, activation sparsity on its first layer, sliding
+    and full layers, the last two attending the KV of the first two (``num_kv_shared_layers``). Untied
+    embeddings: with tied ones its greedy tokens repeat the last one."""
+    return tf.Gemma3nTextConfig(
+        **{**SHAPE, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=16,
+        sliding_window=6, layer_types=INTERLEAVED * 2, num_kv_shared_layers=2, altup_num_inputs=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, laurel_rank=4,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0], initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 MODELS = {
     "llama4": llama4,
     "gemma3": gemma3,
@@ -112,6 +129,7 @@ MODELS = {
         **SHAPE, sliding_window=6, layer_types=INTERLEAVED, initializer_range=0.2
     ),
     "gemma3_multimodal": gemma3_multimodal,
+    "gemma3n": gemma3n,
     # attention logit softcapping (eager attention)
     "gemma2": lambda: tf.Gemma2Config(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
     # attention sinks (eager attention)
@@ -233,30 +251,47 @@ def count_forwards(model: torch.nn.Module) -> list:
     return calls
 
 
+def lm_head_inputs(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
+    """``(T, d)``: what the LM head reads at each position of ``seq`` ``(T,)``, in a forward over it."""
+    seen: list = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        model(seq[None])
+    finally:
+        hook.remove()
+    return seen[0][0]
+
+
 class RowsOracle(PackedHeads):
     """Heads that know the greedy continuation of several sequences: at the position t of a sequence
-    whose last hidden state is nearest the given one, head k ranks that sequence's token t + k + 2 at
-    ``rank`` (head 0; the others at 0). Tensor operations only (no host read): a step can hold them."""
+    whose last hidden state (what the LM head reads) is the given one, up to rounding, head k ranks that
+    sequence's token t + k + 2 at ``rank`` (head 0; the others at 0); given other states, they know
+    nothing (every logit 0). Tensor operations only (no host read): a step can hold them."""
 
     def __init__(self, model, sequences: list[torch.Tensor], num_heads: int = 4, rank: int = 0) -> None:
         self.num_heads, self.draft_vocab_size, self.rank = num_heads, VOCAB, rank
         hidden, targets = [], []
         with torch.no_grad():
             for seq in sequences:  # (T,)
-                hidden.append(model(seq[None], output_hidden_states=True).hidden_states[-1][0])  # (T, d)
+                hidden.append(lm_head_inputs(model, seq))  # (T, d)
                 ahead = torch.cat([seq, seq.new_zeros(num_heads + 2)])  # (T + K + 2,)
                 targets.append(torch.stack([ahead[k + 2 : k + 2 + len(seq)] for k in range(num_heads)], 1))
         self.hidden, self.targets = torch.cat(hidden), torch.cat(targets)  # (N, d), (N, K)
 
+    def logits(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        return self.logits_rows(hidden[None], num_heads)[0]  # (k, V)
+
     def logits_rows(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         k = self.num_heads if num_heads is None else num_heads
-        nearest = torch.cdist(hidden.float(), self.hidden.float()).argmin(dim=1)  # (B,)
+        exact = "donot_use_mm_for_euclid_dist"  # the matrix-product form errs by ~1e-3 here
+        distance, nearest = torch.cdist(hidden.float(), self.hidden.float(), compute_mode=exact).min(dim=1)
         target = self.targets[nearest, :k]  # (B, k)
+        known = (distance < 1e-3)[:, None, None]  # (B, 1, 1): a state it recorded, up to rounding
         out = torch.zeros(*target.shape, VOCAB).scatter_(2, target[..., None], 10.0)  # (B, k, V)
         if self.rank:  # head 0: rank tokens target + 1 .. target + rank above its target
             above = (target[:, :1, None] + torch.arange(1, self.rank + 1)) % VOCAB  # (B, 1, rank)
             out[:, :1].scatter_(2, above, 11.0)
-        return out
+        return out * known
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -842,33 +877,118 @@ def test_whisper_causal_lm_is_served_its_decoder_takes_the_positions():
         assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows)
 
 
-def test_gemma3n_is_refused_before_any_forward(tmp_path):
-    """Gemma 3n's last hidden states are its AltUp streams stacked, ``(altup_num_inputs, B, T, H)``, not
-    the states its LM head reads (every decoder crashed in the heads): refused in one line, before any
-    forward, by every decoder and by ``custom_generate``."""
-    config = tf.Gemma3nTextConfig(
-        **{**SHAPE, "num_attention_heads": 2, "num_key_value_heads": 1}, head_dim=16, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2,
-        activation_sparsity_pattern=[0.0, 0.0],
-    )  # fmt: skip
-    model = build(config)
+def assert_every_decoder_reads_what_lm_head_reads(model: torch.nn.Module) -> None:
+    """Heads that know the continuation of three rows, keyed by what ``model``'s LM head reads, get
+    whole paths accepted at the first four steps of ``medusa_generate``, ``medusa_generate_batch`` and
+    the static decoder (past the window), whose tokens are ``generate``'s."""
+    rows = prompts()
+    refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
+    oracle = RowsOracle(model, [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)])
+    refs = [r[:NEW_TOKENS] for r in refs]
+    tree = chain_tree(4)
+    one = [medusa_generate(model, oracle, p[None], max_new_tokens=NEW_TOKENS, tree=tree) for p in rows]
+    batch = medusa_generate_batch(model, oracle, rows, max_new_tokens=NEW_TOKENS, tree=tree).rows
+    static = StaticDecoder(model, oracle, tree, 2 * MAX_POS, batch_size=3)
+    for outs in (one, batch, static.generate_batch(rows, max_new_tokens=NEW_TOKENS).rows):
+        assert [o.tokens.tolist() for o in outs] == refs
+        assert all(o.accepted_lengths[:4] == [5] * 4 for o in outs)
+
+
+def test_gemma3n_heads_read_what_its_lm_head_reads():
+    """Gemma 3n's ``hidden_states[-1]`` is its AltUp streams stacked, ``(altup_num_inputs, B, T, d)``
+    (every decoder crashed in the heads reading it); its LM head reads its ``last_hidden_state``, which
+    training reads: every decoder hands the heads those."""
+    model = build(gemma3n())
+    assert tree_refusal(model) is None
+    ids = torch.tensor([[3, 5, 7]])
     with torch.no_grad():
-        stacked = model(torch.tensor([[3, 5, 7]]), output_hidden_states=True).hidden_states[-1]
-    assert stacked.shape == (2, 1, 3, 32)  # what the refusal says: the streams, not (B, T, H)
+        out = model(ids, output_hidden_states=True)
+        states = last_hidden_state(model, ids, torch.ones_like(ids))  # (1, 3, d)
+    assert out.hidden_states[-1].shape == (2, 1, 3, 32)  # the streams, not (B, T, d)
+    cap = model.config.final_logit_softcapping
+    torch.testing.assert_close(torch.tanh(model.lm_head(states) / cap) * cap, out.logits)
+    assert_every_decoder_reads_what_lm_head_reads(model)
+
+
+class _TextOnlyTowers:
+    """``AutoModel`` for Gemma 3n's multimodal model with its vision tower (a timm MobileNet, which
+    needs timm, and which text never reaches) an empty module."""
+
+    @staticmethod
+    def from_config(config, **kwargs) -> torch.nn.Module:
+        if isinstance(config, tf.Gemma3nVisionConfig):
+            return torch.nn.Module()
+        return tf.AutoModel.from_config(config, **kwargs)
+
+
+def test_gemma3n_multimodal_heads_read_what_its_lm_head_reads(monkeypatch):
+    """Gemma 3n's checkpoints load as ``Gemma3nForConditionalGeneration`` (its text model the language
+    model of its multimodal one, ``get_decoder()``): on text, heads that know the continuation, keyed by
+    what its LM head reads (training's ``last_hidden_state`` too), get whole paths accepted at every
+    step of ``medusa_generate``, ``medusa_generate_batch`` and the static decoder (three rows past the
+    window), whose tokens are ``generate``'s."""
+    monkeypatch.setattr(tf.models.gemma3n.modeling_gemma3n, "AutoModel", _TextOnlyTowers)
+    audio = dict(hidden_size=16, conf_num_attention_heads=2, conf_num_hidden_layers=1, vocab_size=8)
+    config = tf.Gemma3nConfig(
+        text_config=gemma3n().to_dict(), audio_config={**audio, "sscp_conv_channel_size": [4, 4]},
+        vision_config=dict(hidden_size=16, vocab_size=8),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.Gemma3nForConditionalGeneration(config).eval()
+    ids = prompts()[0][None]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            last_hidden_state(model, ids, torch.ones_like(ids))[0], lm_head_inputs(model, ids[0])
+        )
+    assert_every_decoder_reads_what_lm_head_reads(model)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_gemma3n_decodes_with_the_kernel():
+    """Gemma 3n with the Triton kernel (CPU: its interpreter): heads that know the continuation get
+    whole paths accepted in the static decoder's two rows (one prompt past the window, the other
+    passing it) and in ``medusa_generate_batch``'s, whose tokens equal ``generate``'s; so do
+    ``medusa_generate``'s with random heads."""
+    model = build(gemma3n())
+    rows = prompts()[:2]
+    refs = [plain_greedy(model, p, 14) for p in rows]
+    oracle = RowsOracle(model, [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)])
+    refs = [r[:8] for r in refs]
+    decoder = StaticDecoder(model, oracle, chain_tree(4), 24, batch_size=2, attention="triton")
+    batch = medusa_generate_batch(
+        model, oracle, rows, max_new_tokens=8, tree=chain_tree(4), attention="triton"
+    )
+    for outs in (decoder.generate_batch(rows, max_new_tokens=8).rows, batch.rows):
+        assert [o.tokens.tolist() for o in outs] == refs
+        assert all(o.accepted_lengths == [5, 3] for o in outs)
     heads = random_heads(model, seed=1)
-    calls = count_forwards(model)
-    prompt = torch.tensor([3, 5, 7])
-    for decode in [
-        *decoder_calls(model, heads),
-        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
-    ]:
-        with pytest.raises(
-            AttentionBackendError, match=r"\(gemma3n_text\) returns as its last hidden states"
-        ) as err:
-            decode()
-        assert "\n" not in str(err.value)
-    assert not calls
+    out = medusa_generate(
+        model, heads, rows[1][None], max_new_tokens=4, tree=TREES["random8"], attention="triton"
+    )
+    assert out.tokens.tolist() == refs[1][:4]
+
+
+@pytest.mark.slow
+def test_static_compiled_gemma3n():
+    """The step under torch.compile (inductor, default mode) on Gemma 3n: the hook that ties its
+    ``hidden_states[-1]`` to its ``last_hidden_state`` is traced into one graph, no break, and a second
+    call, hooked again, compiles nothing more; heads that know the continuation get whole paths
+    accepted and three rows of different lengths equal ``generate`` (about 2 min on 2 cores)."""
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build(gemma3n())
+    rows = prompts()
+    refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
+    oracle = RowsOracle(model, [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, refs, strict=True)])
+    decoder = StaticDecoder(model, oracle, chain_tree(4), 2 * MAX_POS, batch_size=3, capture="compile")
+    for _ in range(2):
+        out = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in out.rows] == [r[:NEW_TOKENS] for r in refs]
+        assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters)
 
 
 PER_LAYER = {  # a window or a chunk set per layer (transformers' per_layer_config): layers differ in it
