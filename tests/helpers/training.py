@@ -46,15 +46,16 @@ def batch(seed: int = 0, b: int = 3, t: int = 14) -> dict[str, torch.Tensor]:
     return PadCollator(0)(records)
 
 
-LOGIT_STEP_ARCHS = ("gemma2", "cohere", "granite")
+LOGIT_STEP_ARCHS = ("gemma2", "gemma3n", "cohere", "granite")
 """Architectures whose forward changes ``lm_head(h)`` before its logits (``tiny_logit_step_model``)."""
 
 
 def tiny_logit_step_model(arch: str, seed: int = 0) -> torch.nn.Module:
     """A random 2-layer, 32-wide model over 64 tokens (pad 0, EOS 1) of ``arch``, whose forward changes
-    ``lm_head(h)``: Gemma-2 caps the logits, Cohere multiplies them, Granite divides them. The constants
-    are sized to this model's logits (~0.3), so the step changes its distribution (real models' constants,
-    a cap of 30 or a factor of 1/16, act on logits of tens); in eval mode."""
+    ``lm_head(h)``: Gemma-2 and Gemma 3n cap the logits, Cohere multiplies them, Granite divides them.
+    The constants are sized to this model's logits (~0.3), so the step changes its distribution (real
+    models' constants, a cap of 30 or a factor of 1/16, act on logits of tens); in eval mode. Gemma 3n's
+    ``h`` is not its ``hidden_states[-1]`` (its AltUp streams stacked) but its ``last_hidden_state``."""
     shape = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -69,6 +70,13 @@ def tiny_logit_step_model(arch: str, seed: int = 0) -> torch.nn.Module:
     )
     if arch == "gemma2":
         config = transformers.Gemma2Config(**shape, head_dim=8, final_logit_softcapping=0.2)
+    elif arch == "gemma3n":
+        config = transformers.Gemma3nTextConfig(
+            **shape, head_dim=8, final_logit_softcapping=0.2, sliding_window=6, num_kv_shared_layers=0,
+            layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.95, 0.0],
+            altup_num_inputs=2, laurel_rank=4, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+        )  # fmt: skip
     elif arch == "cohere":
         config = transformers.CohereConfig(**shape, logit_scale=4.0)
     elif arch == "granite":

@@ -38,6 +38,7 @@ from medusa_train.decoding.calibrate import (  # noqa: E402
     pick_size,
 )
 from tests.helpers.models import VOCAB, random_heads, tiny_model  # noqa: E402
+from tests.helpers.training import tiny_logit_step_model  # noqa: E402
 
 
 def test_head_topk_accuracy_by_hand():
@@ -278,3 +279,22 @@ def test_calibrate_measures_and_chooses_a_tree():
     assert saved["tree"]["grown_nodes"] == len(saved["tree"]["table"]) and "1" in saved["latency"]
     label = {"device": device_label(model, "sdpa")["device"], "dtype": "float32", "attention": "sdpa"}
     assert saved["tree"]["calibrated_for"] == label  # the default: SDPA with the dense mask
+
+
+def test_calibrate_scores_gemma3n_heads_on_what_its_lm_head_reads():
+    """Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked: calibration times its tree
+    forwards and scores the heads on the states its LM head reads (its ``last_hidden_state``)."""
+    model = tiny_logit_step_model("gemma3n")
+    heads = random_heads(model, num_heads=3)
+    batches = [torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(2))]
+    cal = calibrate(model, heads, batches, max_nodes=5, topk=4, context_len=8)
+    assert 1 <= len(cal.choices) <= 5 and "1" in cal.to_json()["latency"]
+    seen: list = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(batches[0])
+    hook.remove()
+    with torch.no_grad():
+        logits = heads(seen[0])[0, :, :-2]  # (B, T - 2, V): head 0 at t, scored on token t + 2
+    manual = head_topk_accuracy(logits.reshape(1, -1, 64), batches[0][:, 2:].reshape(1, -1))[0]
+    torch.testing.assert_close(cal.acc[0], manual)

@@ -55,6 +55,20 @@ def test_last_hidden_state_is_what_lm_head_reads(arch):
 _LOGIT_STEPS = {  # a config class and the step its forward takes after lm_head, sized to tiny logits
     "llama": ("LlamaConfig", {}),
     "gemma2": ("Gemma2Config", {"head_dim": 8, "final_logit_softcapping": 0.2}),
+    "gemma3n": (  # lm_head reads its last_hidden_state, not its hidden_states[-1] (its AltUp streams)
+        "Gemma3nTextConfig",
+        {
+            "head_dim": 8,
+            "final_logit_softcapping": 0.2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 6,
+            "num_kv_shared_layers": 0,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 64,
+            "laurel_rank": 4,
+            "activation_sparsity_pattern": [0.95, 0.0],
+        },
+    ),
     "cohere": ("CohereConfig", {"logit_scale": 4.0}),
     "cohere2": ("Cohere2Config", {"logit_scale": 4.0}),
     "granite": ("GraniteConfig", {"logits_scaling": 0.25}),

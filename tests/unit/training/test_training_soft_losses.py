@@ -13,7 +13,13 @@ import torch
 
 from medusa_train.errors import ConfigError
 from medusa_train.head_loss import parse_head_loss
-from medusa_train.head_targets import IGNORE_INDEX, logit_map, medusa_targets, soft_target_sources
+from medusa_train.head_targets import (
+    IGNORE_INDEX,
+    last_hidden_state,
+    logit_map,
+    medusa_targets,
+    soft_target_sources,
+)
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import build_hidden_cache
 from medusa_train.training.losses import (
@@ -182,10 +188,9 @@ def _reference_model_loss(model: MedusaTrainingModel, b: dict, temperature: floa
     """The Medusa-1 KL loss written position by position from the backbone's logits at t+k."""
     heads, k = model.heads, model.heads.num_heads
     with torch.no_grad():
-        out = model.frozen_backbone(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], output_hidden_states=True
-        )
-    h, logits = out.hidden_states[-1], out.logits  # (B, T, d), (B, T, V)
+        logits = model.frozen_backbone(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        # what lm_head reads (Gemma 3n's hidden_states[-1] is its AltUp streams stacked)
+        h = last_hidden_state(model.frozen_backbone, b["input_ids"], b["attention_mask"])  # (B, T, d)
     tgt = medusa_targets(b["input_ids"], b["loss_mask"], b["attention_mask"], k)  # (B, T, K)
     head_logits = heads(h)  # (K, B, T, V)
     total = torch.zeros(())
