@@ -91,13 +91,15 @@ def packed_gqa_sdpa(
 
     Args:
         query: ``(B, Hq, M, D)``, ``Hq = g * Hkv``.
-        key, value: ``(B, Hkv, W, D)``.
+        key: ``(B, Hkv, W, D)``.
+        value: ``(B, Hkv, W, Dv)``: as wide as the keys, or narrower (MiMo-V2-Flash's grouped layers:
+            keys 192 wide, values 128).
         mask: ``(B, 1, M, W)`` float (added to the scores) or bool (True: attend), shared by every head.
         scale: score scale (None: ``1 / sqrt(D)``).
         dropout: attention dropout probability.
 
     Returns:
-        ``(B, M, Hq, D)``: the layout transformers' attention functions return.
+        ``(B, M, Hq, Dv)``: the layout transformers' attention functions return.
     """
     bsz, hq, m, d = query.shape
     hkv, width = key.shape[1], mask.shape[-1]
@@ -107,7 +109,7 @@ def packed_gqa_sdpa(
     # (contiguous from an aligned start; a strided view made cuDNN's attention fault on an H100).
     packed = mask[:, :, None].expand(bsz, 1, g, m, width).reshape(bsz, 1, g * m, width)
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=packed, dropout_p=dropout, scale=scale)
-    # SDPA's output is (B, Hkv, g * M, D) in shape, not always in memory: CUDA's efficient and flash
-    # kernels return a transposed (B, g * M, Hkv, D) buffer, which no view of (B, Hq, M, D) reads.
-    # Splitting the rows is a view of any layout; the one copy makes (B, M, Hq, D), head kvh * g + j.
-    return out.unflatten(2, (g, m)).permute(0, 3, 1, 2, 4).reshape(bsz, m, hq, d).contiguous()
+    # SDPA's output is (B, Hkv, g * M, Dv) in shape, not always in memory: CUDA's efficient and flash
+    # kernels return a transposed (B, g * M, Hkv, Dv) buffer, which no view of (B, Hq, M, Dv) reads.
+    # Splitting the rows is a view of any layout; the one copy makes (B, M, Hq, Dv), head kvh * g + j.
+    return out.unflatten(2, (g, m)).permute(0, 3, 1, 2, 4).reshape(bsz, m, hq, value.shape[-1]).contiguous()

@@ -334,10 +334,12 @@ class _GroupedLayer(torch.nn.Module):
         self.is_causal = True
 
 
+@pytest.mark.parametrize("dv", [16, 8], ids=["values-as-wide", "values-narrower"])
 @pytest.mark.parametrize("kind", ["float", "bool"])
 @pytest.mark.parametrize(("hkv", "group", "m"), [(2, 4, 7), (1, 8, 1), (4, 2, 33)])
-def test_packed_gqa_sdpa_equals_transformers_sdpa_with_expanded_kv(kind, hkv, group, m):
-    """Query heads stacked per KV head give transformers' repeat_kv SDPA output (same layout)."""
+def test_packed_gqa_sdpa_equals_transformers_sdpa_with_expanded_kv(kind, hkv, group, m, dv):
+    """Query heads stacked per KV head give transformers' repeat_kv SDPA output (same layout), also with
+    values narrower than the keys (the output as wide as the values)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     gen = torch.Generator().manual_seed(hkv * 100 + group * 10 + m)
@@ -345,13 +347,13 @@ def test_packed_gqa_sdpa_equals_transformers_sdpa_with_expanded_kv(kind, hkv, gr
     q = torch.randn(bsz, m, hkv * group, d, generator=gen).transpose(
         1, 2
     )  # (B, Hq, M, D), as the models give it
-    k, v = torch.randn(bsz, hkv, width, d, generator=gen), torch.randn(bsz, hkv, width, d, generator=gen)
+    k, v = torch.randn(bsz, hkv, width, d, generator=gen), torch.randn(bsz, hkv, width, dv, generator=gen)
     allowed = torch.rand(bsz, 1, m, width, generator=gen) > 0.3
     allowed[..., 0] = True  # every query sees something
     mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo().min)
     out = packed_gqa_sdpa(q, k, v, mask, 0.3)
     ref, _ = sdpa_attention_forward(_GroupedLayer(group), q, k, v, mask, scaling=0.3)
-    assert out.shape == ref.shape == (bsz, m, hkv * group, d)
+    assert out.shape == ref.shape == (bsz, m, hkv * group, dv)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
