@@ -74,16 +74,19 @@ from .tree import TreeBuffers, as_tree
 
 class PreallocatedLayer(CacheLayerMixin):
     """One layer of a preallocated cache (:class:`RowKVCache`, ``StaticKVCache``): ``(B, H, C, D)``
-    keys and values allocated on its first update.
+    keys and ``(B, H, C, Dv)`` values (``Dv``: the width its first update's values have) allocated on
+    its first update.
 
     Every layer whose shape and dtype match the first layer's is a view of one ``(L, 2, B, H, C, D)``
     tensor, the owner's ``storage``, so moving entries or rows is one indexed read and write for the
     whole model instead of two per layer (:func:`shared_storage`): 0.42 against 1.44 ms per compaction
     at the 8B shape (32 layers, 2,112 columns, 5 entries, fp32; 2-core AMD EPYC, 2026-11-27); on a GPU
     one gather and one scatter in place of four per layer (not timed there).
-    A layer of another shape keeps tensors of its own. The owner has ``kv_layers`` (its layers of this
-    class, :func:`preallocated_layers`), ``capacity``, ``shared`` (False: every layer its own tensors)
-    and ``storage``; ``index`` is the layer's place among ``kv_layers``.
+    A layer of another shape keeps tensors of its own, and so does every layer where the first layer's
+    keys and values differ in shape (multi-head latent attention caches a latent and a rotary key of
+    different widths). The owner has ``kv_layers`` (its layers of this class,
+    :func:`preallocated_layers`), ``capacity``, ``shared`` (False: every layer its own tensors) and
+    ``storage``; ``index`` is the layer's place among ``kv_layers``.
     """
 
     is_sliding = False

@@ -4,7 +4,8 @@ Cohere 2, gpt-oss, and Gemma 3's multimodal model, whose config nests the text o
 an earlier layer's KV (Gemma 4's, Gemma 4 Unified's and Gemma 3n's ``num_kv_shared_layers``), each
 decoded past its chunk or window (Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked,
 with heads that read what its LM head reads), the static decoder with one mask per layer type (eager,
-compiled, and with the Triton kernel); a window that only the config carries (a Llama's
+compiled, and with the Triton kernel); multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3), whose
+cache keeps keys and values of different widths; a window that only the config carries (a Llama's
 ``sliding_window``, which its code never reads: full attention, also set per layer) against Mistral's;
 and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of
 another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya,
@@ -32,6 +33,7 @@ from medusa_train.decoding import (
     StaticDecoder,
     TreeBuffers,
     chain_tree,
+    measure_forward_latency,
     medusa_generate,
     medusa_generate_batch,
     tree_attention_mask,
@@ -114,6 +116,26 @@ def gemma3n() -> tf.PretrainedConfig:
     )  # fmt: skip
 
 
+LATENT = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, initializer_range=1.0)
+"""Multi-head latent attention (transformers 5.24): the cache holds, for each token, one head of its
+compressed latent (16 wide, as the keys) and of its rotary key (8, as the values), which every layer
+expands into 4 heads of keys 16 + 8 = 24 wide and values 12 wide for its attention. Dense layers
+only; initializer_range 1.0: at 0.2 MiniCPM3 repeats one token."""
+YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, beta_fast=32,
+    beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+)  # fmt: skip
+
+
+def deepseek_v3() -> tf.PretrainedConfig:
+    """DeepSeek-V3's architecture (also Kimi-K2's and Moonlight's): queries through a low-rank
+    projection, YaRN positions whose ``mscale_all_dim`` scales the scores."""
+    return tf.DeepseekV3Config(
+        **{**SHAPE, "num_key_value_heads": 4}, **LATENT, q_lora_rank=16, first_k_dense_replace=2,
+        rope_parameters=YARN,
+    )  # fmt: skip
+
+
 MODELS = {
     "llama4": llama4,
     "gemma3": gemma3,
@@ -137,7 +159,15 @@ MODELS = {
         **SHAPE, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=6,
         layer_types=INTERLEAVED,
     ),
+    # multi-head latent attention (no window): cached keys 16 wide and values 8 (LATENT)
+    "deepseek_v3": deepseek_v3,
+    # DeepSeek-V2(-Lite): queries without the low-rank projection
+    "deepseek_v2": lambda: tf.DeepseekV2Config(
+        **{**SHAPE, "num_key_value_heads": 4}, **LATENT, q_lora_rank=None, first_k_dense_replace=2
+    ),
+    "minicpm3": lambda: tf.MiniCPM3Config(**{**SHAPE, "num_key_value_heads": 4}, **LATENT, q_lora_rank=16),
 }  # fmt: skip
+LATENT_MODELS = ("deepseek_v3", "deepseek_v2", "minicpm3")
 ALIBI = {
     "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB),
     "falcon": lambda: tf.FalconConfig(
@@ -298,7 +328,7 @@ class RowsOracle(PackedHeads):
 def test_greedy_parity_past_the_chunk_or_window(name):
     """``medusa_generate``, ``medusa_generate_batch`` (ragged rows: left padding shifts no chunk) and the
     static decoder (three rows of different lengths, one mask per layer type) equal ``generate`` with
-    contexts past the chunk (8) or window (6)."""
+    contexts past the chunk (8) or window (6); the latent-attention models have neither."""
     model = build(MODELS[name]())
     heads = random_heads(model, seed=1)
     rows = prompts()
@@ -619,14 +649,16 @@ def test_kernel_refuses_a_window_its_layers_masks_do_not_apply():
 
 
 @pytest.mark.slow
-def test_static_compiled_on_mixed_layers():
-    """The step under torch.compile (inductor, default mode) with Gemma 3's per-layer-type masks: one
-    graph, no break, three rows of different lengths equal ``generate`` (about 2 min on 2 cores)."""
+@pytest.mark.parametrize("name", ["gemma3", "deepseek_v3"])
+def test_static_compiled_on_mixed_layers_and_latent_attention(name):
+    """The step under torch.compile (inductor, default mode) with Gemma 3's per-layer-type masks, and on
+    DeepSeek-V3's latent attention (cached keys and values of different widths): one graph, no break,
+    three rows of different lengths equal ``generate`` (Gemma 3: about 2 min on 2 cores)."""
     import torch._dynamo.utils
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = build(MODELS["gemma3"]())
+    model = build(MODELS[name]())
     rows = prompts()
     decoder = StaticDecoder(
         model, random_heads(model, seed=1), TREES["random8"], 2 * MAX_POS, batch_size=3, capture="compile"
@@ -1091,6 +1123,39 @@ def test_gemma4_kv_shared_layers_decode_with_the_kernel():
         model, heads, rows, max_new_tokens=4, tree=TREES["chain4"], attention="triton"
     )
     assert [r.tokens.tolist() for r in batch.rows] == refs
+
+
+@pytest.mark.parametrize("name", LATENT_MODELS)
+def test_latent_attention_keeps_values_at_their_width(name):
+    """Multi-head latent attention caches one head of keys 16 wide and values 8 (``LATENT``; greedy parity
+    of the three decoders and oracle heads: ``MODELS``): the static decoder's cache holds each layer's
+    at their own widths (in tensors of their own: no storage shared by keys and values), a row leaving
+    the batched decoder at its EOS moves the other rows' keys and values down, whose tokens stay
+    ``generate``'s; ``auto`` keeps SDPA (the kernels refuse the attention's values, 12 wide, narrower
+    than its keys, 24); the calibration's latency measurement runs on it, and the hidden states the
+    heads train on are the model's own."""
+    model = build(MODELS[name]())
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    decoder = StaticDecoder(model, heads, chain_tree(2), 40, batch_size=3)
+    decoder.generate_batch(rows, max_new_tokens=2)
+    widths = {(layer.keys.shape, layer.values.shape) for layer in decoder.cache.kv_layers}
+    assert widths == {((3, 1, 40, 16), (3, 1, 40, 8))} and decoder.cache.storage is None
+    full = [plain_greedy(model, p) for p in rows]
+    eos = next(t for t in full[0][2:] if all(t not in r for r in full[1:]))  # row 0's alone
+    refs = [full[0][: full[0].index(eos) + 1], *full[1:]]
+    out = medusa_generate_batch(
+        model, heads, rows, max_new_tokens=NEW_TOKENS, tree=TREES["random8"], eos_token_id=eos
+    )
+    assert [r.tokens.tolist() for r in out.rows] == refs and len(refs[0]) < NEW_TOKENS
+    assert "value heads (12)" in kernel_refusal(model)
+    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
+    assert set(measure_forward_latency(model, [4], context_len=8, warmup=0, repeats=1)) == {1, 4}
+    ids = torch.tensor([[3, 5, 7, 9], [0, 0, 4, 6]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        torch.testing.assert_close(last_hidden_state(model, ids, mask), expected)
 
 
 def test_the_architectures_the_decoders_serve_are_not_refused():
