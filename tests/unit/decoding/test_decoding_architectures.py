@@ -49,7 +49,7 @@ from medusa_train.decoding.attention import (
     unserved_layer_types,
 )
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
-from medusa_train.decoding.generate import PackedHeads
+from medusa_train.decoding.generate import PackedHeads, last_hidden_state_tied
 from medusa_train.head_targets import last_hidden_state
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
@@ -294,16 +294,19 @@ def lm_head_inputs(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
 
 class RowsOracle(PackedHeads):
     """Heads that know the greedy continuation of several sequences: at the position t of a sequence
-    whose last hidden state (what the LM head reads) is the given one, up to rounding, head k ranks that
-    sequence's token t + k + 2 at ``rank`` (head 0; the others at 0); given other states, they know
-    nothing (every logit 0). Tensor operations only (no host read): a step can hold them."""
+    whose last hidden state (what the decoders hand the heads and training reads: the decoder's
+    ``last_hidden_state``, the LM head's input but for a scaling some models apply, MiniCPM3's) is the
+    given one, up to rounding, head k ranks that sequence's token t + k + 2 at ``rank`` (head 0; the
+    others at 0); given other states, they know nothing (every logit 0). Tensor operations only (no host
+    read): a step can hold them."""
 
     def __init__(self, model, sequences: list[torch.Tensor], num_heads: int = 4, rank: int = 0) -> None:
         self.num_heads, self.draft_vocab_size, self.rank = num_heads, VOCAB, rank
         hidden, targets = [], []
         with torch.no_grad():
             for seq in sequences:  # (T,)
-                hidden.append(lm_head_inputs(model, seq))  # (T, d)
+                with last_hidden_state_tied(model):  # what every decoder hands the heads
+                    hidden.append(model(seq[None], output_hidden_states=True).hidden_states[-1][0])  # (T, d)
                 ahead = torch.cat([seq, seq.new_zeros(num_heads + 2)])  # (T + K + 2,)
                 targets.append(torch.stack([ahead[k + 2 : k + 2 + len(seq)] for k in range(num_heads)], 1))
         self.hidden, self.targets = torch.cat(hidden), torch.cat(targets)  # (N, d), (N, K)
