@@ -17,7 +17,7 @@ from medusa_train.heads import MedusaHeads
 
 VOCAB = 128
 MAX_POS = 64
-ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "llama4")
 
 _WORDS = (
     "the a cat dog sat on mat red blue green one two three tell me story about why how what is are you "
@@ -40,7 +40,9 @@ def tiny_config(
     """A small random-model config of ``arch`` (2 layers, 32 wide, 128 tokens, 64 positions by default).
 
     Args:
-        arch: llama | qwen2 | mistral (sliding window 8 unless overridden) | gpt2.
+        arch: llama | qwen2 | mistral (sliding window 8 unless overridden) | gpt2 | llama4 (its text model:
+            a mixture of 2 experts, 1 per token, in every layer; attention in chunks of 8 with RoPE and
+            global without, alternating, unless overridden).
         vocab, hidden, layers, heads, kv_heads, max_pos: the shape (gpt2: no grouped KV heads).
         intermediate: MLP width; defaults to ``2 * hidden`` (gpt2: its own 4x).
         **overrides: any field of the transformers config. Token ids default to bos 0, pad 0 and no
@@ -67,6 +69,16 @@ def tiny_config(
         return tf.Qwen2Config(**{**fields, **overrides})
     if arch == "mistral":
         return tf.MistralConfig(**{**fields, "sliding_window": 8, **overrides})
+    if arch == "llama4":
+        experts = dict(
+            head_dim=hidden // heads,
+            intermediate_size_mlp=fields["intermediate_size"],
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            attention_chunk_size=8,
+            no_rope_layer_interval=2,
+        )
+        return tf.Llama4TextConfig(**{**fields, **experts, **overrides})
     raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 
 

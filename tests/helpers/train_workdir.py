@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from medusa_train.backbone import backbone_identity, load_backbone
 from medusa_train.config import Config, compose_config
@@ -44,11 +44,18 @@ def make_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
 
 
 def make_backbone(
-    directory: Path, seed: int = 0, hidden: int = HIDDEN, kv_heads: int = 2, tie: bool = False
+    directory: Path,
+    seed: int = 0,
+    hidden: int = HIDDEN,
+    kv_heads: int = 2,
+    tie: bool = False,
+    arch: str = "llama",
 ) -> None:
-    """``tie``: lm_head shares the input embedding (as the embedded tiny backbone and many small models)."""
+    """``tie``: lm_head shares the input embedding (as the embedded tiny backbone and many small models);
+    ``arch``: one of :func:`tests.helpers.models.tiny_config`'s."""
     torch.manual_seed(seed)
     config = tiny_config(
+        arch,
         vocab=VOCAB,
         hidden=hidden,
         kv_heads=kv_heads,
@@ -57,7 +64,7 @@ def make_backbone(
         bos_token_id=None,
         tie_word_embeddings=tie,
     )
-    LlamaForCausalLM(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     make_tokenizer().save_pretrained(directory)
 
 
@@ -104,7 +111,7 @@ def write_distill(workdir: Path, records: list[dict], backbone_dir: Path) -> Non
     (distill / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
-def make_train_workdir(root: Path, n_records: int = 48, **backbone: int | bool) -> Path:
+def make_train_workdir(root: Path, n_records: int = 48, **backbone: int | bool | str) -> Path:
     """Create ``root`` with base_model/ and distill/ (``backbone``: make_backbone options); returns ``root``."""
     make_backbone(root / "base_model", **backbone)
     write_distill(root, make_records(n_records), root / "base_model")
