@@ -3,9 +3,9 @@
 One definition of the targets (head k at position t predicts token t+k+1), shared by the training
 loss (``training/losses.py``), the hidden-state cache (``training/hidden_cache.py``) and the held-out
 accuracy that calibrates the tree (``decoding/calibrate.py``); the backbone's last hidden state the
-heads read; what the backbone's forward does to ``lm_head`` of it before its logits (:class:`LogitMap`:
-the soft targets and Medusa-2's LM losses are the distribution that forward gives); and the top-k
-correctness count both training metrics and calibration use.
+heads read, and the language model that returns it; what the backbone's forward does to ``lm_head`` of
+it before its logits (:class:`LogitMap`: the soft targets and Medusa-2's LM losses are the distribution
+that forward gives); and the top-k correctness count both training metrics and calibration use.
 
 Torch only (no Hydra, no training code): decoding imports it.
 """
@@ -95,12 +95,47 @@ def select_trained_rows(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return hidden.reshape(-1, d)[keep], flat_t[keep]  # (N, d), (N, K)
 
 
+def language_model(model: nn.Module) -> nn.Module:
+    """The language model of ``model`` without its LM head: the module whose forward returns as
+    ``last_hidden_state`` what ``lm_head`` reads.
+
+    ``get_decoder()``, followed while what it returns has an LM head of its own (a multimodal model's
+    language model that is a causal LM: Llama 4's). Where transformers' lookup finds no submodule, as
+    for a causal LM whose ``base_model_prefix`` names the attribute of its multimodal parent (Llama 4's
+    and Mllama's ``language_model``: ``get_decoder()`` is the causal LM itself), or finds a layer
+    (ModernBERT's decoder: its output embeddings), the one model inside it.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft model around one).
+    """
+    module = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    while (head := _output_embeddings(module)) is not None:
+        decoder = module.get_decoder()
+        if decoder is module or decoder is head:
+            inner = [m for m in module.children() if callable(getattr(m, "get_decoder", None))]
+            if len(inner) != 1:
+                found = type(decoder).__name__
+                raise ValueError(
+                    f"{type(module).__name__}: no one model under its LM head (get_decoder(): {found})"
+                )
+            decoder = inner[0]
+        module = decoder
+    return module
+
+
+def _output_embeddings(module: nn.Module) -> nn.Module | None:
+    """``module``'s LM head (``get_output_embeddings()``); None for a module without one."""
+    get = getattr(module, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def last_hidden_state(
     backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """The decoder's final (post-norm) hidden state, i.e. exactly what ``lm_head`` and the heads read.
 
-    Calls the decoder submodule (``get_decoder()``) so the ``(B, T, V)`` logits are never computed.
+    Calls the language model under the LM head (:func:`language_model`) so the ``(B, T, V)`` logits are
+    never computed.
 
     Args:
         backbone: a Hugging Face causal LM (or a peft model around one).
@@ -109,8 +144,7 @@ def last_hidden_state(
     Returns:
         ``(B, T, d)``.
     """
-    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
-    decoder = base.get_decoder()
+    decoder = language_model(backbone)
     return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 

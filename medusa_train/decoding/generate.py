@@ -16,7 +16,7 @@ kept on the tree (the mask copied to a fresh aligned block when the cut is not o
 device-to-host copy and a walk over host-side children lists, and KV entries already in place are
 not copied (the whole path, for a chain).
 
-Why ``model(..., output_hidden_states=True)`` rather than ``get_decoder()`` + ``lm_head``: the full
+Why ``model(..., output_hidden_states=True)`` rather than the language model + ``lm_head``: the full
 forward applies whatever the architecture does after the decoder (logit soft-capping or scaling in
 Gemma-2, Cohere, Granite, ...), so the verification logits are exactly those ``generate`` sees;
 ``hidden_states[-1]`` is what ``lm_head`` reads and training reads, the decoder's ``last_hidden_state``
@@ -40,6 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from ..head_targets import language_model
 from ..heads import MedusaHeads
 from ..hf_compat import cache_kwargs
 from .acceptance import (
@@ -515,16 +516,15 @@ load, and its text model), whose decoder opts out of transformers' tie
 def last_hidden_state_tied(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """Inside the block, ``model``'s forward returns as ``hidden_states[-1]`` its decoder's
     ``last_hidden_state``, what ``lm_head`` reads and the heads are trained on
-    (:func:`~medusa_train.head_targets.last_hidden_state`): a forward hook on the decoder
-    (``get_decoder()``) ties them as transformers does for its other language models, for the model
-    types of :data:`UNTIED_LAST_HIDDEN_STATES`; nothing for the others, which tie them already (held on
-    every model, ``get_decoder()``'s lookup and the hook would add ~45 us to each eager step, 4% of a
-    2-layer model's on a CPU). The hook is the same function at every call: a step under
+    (:func:`~medusa_train.head_targets.last_hidden_state`): a forward hook on its language model
+    (:func:`~medusa_train.head_targets.language_model`) ties them as transformers does for its other
+    language models, for the model types of :data:`UNTIED_LAST_HIDDEN_STATES`; nothing for the others,
+    which tie them already (held on every model, the lookup and the hook would add ~45 us to each eager
+    step, 4% of a 2-layer model's on a CPU). The hook is the same function at every call: a step under
     ``torch.compile`` traces it into its one graph."""
     if getattr(model.config, "model_type", None) not in UNTIED_LAST_HIDDEN_STATES:
         return contextlib.nullcontext()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    return _forward_hook(base.get_decoder(), _tie_last_hidden_state)
+    return _forward_hook(language_model(model), _tie_last_hidden_state)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from medusa_train.backbone import frozen
 from medusa_train.head_targets import (
     IGNORE_INDEX,
     LogitMap,
+    language_model,
     last_hidden_state,
     logit_map,
     medusa_targets,
@@ -139,7 +140,8 @@ def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | No
     else by how much it does not (a clause for a message).
 
     One forward, in eval mode (4-bit layers in training mode: they would repack in eval mode); ``h`` is
-    what the decoder (``get_decoder()``, which :func:`last_hidden_state` calls) returned inside it.
+    what the language model under its LM head (:func:`~medusa_train.head_targets.language_model`, which
+    :func:`last_hidden_state` calls) returned inside it.
     Compared in float32 up to a constant per position (the softmax does not see one), within 8 rounding
     steps of the coarser of the logits' and ``lm_head``'s dtype at the logits' magnitude: a bfloat16
     forward rounds its own cap or scale, and a step whose effect stays below that is lost in it anyway.
@@ -148,10 +150,10 @@ def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | No
         backbone: a Hugging Face causal LM (or a peft model around one), whole (not ZeRO-3 partitioned).
         input_ids: ``(1, T)`` a few tokens, on the backbone's device.
     """
-    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
     mask = torch.ones_like(input_ids)  # (1, T)
     caught: list[torch.Tensor] = []
-    hook = base.get_decoder().register_forward_hook(lambda m, args, out: caught.append(out.last_hidden_state))
+    decoder = language_model(backbone)
+    hook = decoder.register_forward_hook(lambda m, args, out: caught.append(out.last_hidden_state))
     try:
         with _eval_mode(backbone):
             logits = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).logits  # (1, T', V)

@@ -329,6 +329,17 @@ def test_soft_head_loss_trains_from_the_cache(tmp_path):
     assert result["final_loss"] == pytest.approx(losses[-1], abs=1e-4)
 
 
+@pytest.mark.parametrize("cache", ["false", "true"])
+def test_medusa1_trains_the_heads_of_llama4(tmp_path, cache):
+    """Llama 4, whose ``get_decoder()`` is its causal LM itself (the output has logits, no
+    ``last_hidden_state``): the heads train on what its LM head reads, online and from the hidden-state
+    cache, learn, and the tree is calibrated on their held-out accuracy."""
+    root = make_train_workdir(tmp_path, arch="llama4")
+    result = run(train_cfg(root, f"training.cache_hidden_states={cache}"))
+    assert result["steps"] == 6 and 0 < result["tree_size"] <= 6
+    _assert_heads_learned(root, result)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("recorded", "message"),

@@ -281,10 +281,12 @@ def test_calibrate_measures_and_chooses_a_tree():
     assert saved["tree"]["calibrated_for"] == label  # the default: SDPA with the dense mask
 
 
-def test_calibrate_scores_gemma3n_heads_on_what_its_lm_head_reads():
-    """Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked: calibration times its tree
-    forwards and scores the heads on the states its LM head reads (its ``last_hidden_state``)."""
-    model = tiny_logit_step_model("gemma3n")
+@pytest.mark.parametrize("arch", ["gemma3n", "llama4"])
+def test_calibrate_scores_the_heads_on_what_the_lm_head_reads(arch):
+    """Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked, and Llama 4, whose
+    ``get_decoder()`` is its causal LM itself: calibration times their tree forwards and scores the heads
+    on the states their LM head reads (the ``last_hidden_state`` of the model under it)."""
+    model = tiny_logit_step_model(arch) if arch == "gemma3n" else tiny_model(arch, vocab=64, eos_token_id=1)
     heads = random_heads(model, num_heads=3)
     batches = [torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(2))]
     cal = calibrate(model, heads, batches, max_nodes=5, topk=4, context_len=8)

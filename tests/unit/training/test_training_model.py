@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from medusa_train.errors import UserError
 from medusa_train.head_targets import (
     LogitMap,
+    language_model,
     last_hidden_state,
     logit_map,
     medusa_targets,
@@ -27,21 +28,38 @@ from tests.helpers.syncs import flushed_before, record_syncs
 from tests.helpers.training import LOGIT_STEP_ARCHS, batch, tiny_llama, tiny_logit_step_model
 
 
-def make_model(seed: int = 0, k: int = 3) -> tuple[MedusaTrainingModel, LlamaForCausalLM]:
-    backbone = tiny_llama(seed)
+def make_model(
+    seed: int = 0, k: int = 3, arch: str = "llama"
+) -> tuple[MedusaTrainingModel, LlamaForCausalLM]:
+    backbone = tiny_llama(seed) if arch == "llama" else tiny_model(arch, seed, vocab=64, eos_token_id=1)
     torch.manual_seed(seed)
     heads = MedusaHeads(32, 64, k, 1)
     heads.init_from_lm_head(backbone.get_output_embeddings().weight)
     return MedusaTrainingModel(heads, backbone, decay=0.8, chunk_size=8), backbone
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def tiny_mllama() -> torch.nn.Module:
+    """Mllama's causal LM (its text model under an LM head; layer 1 cross-attends, to no image here)."""
+    import transformers
+
+    config = transformers.MllamaTextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, pad_token_id=0, cross_attention_layers=[1],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.MllamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "llama4", "mllama"])
 def test_last_hidden_state_is_what_lm_head_reads(arch):
+    """Also for Llama 4's and Mllama's causal LMs, whose ``get_decoder()`` is the causal LM itself."""
     torch.manual_seed(0)
     if arch == "llama":
         model = tiny_llama()
-    elif arch == "qwen2":
-        model = tiny_model("qwen2", vocab=64)
+    elif arch in ("qwen2", "llama4"):
+        model = tiny_model(arch, vocab=64)
+    elif arch == "mllama":
+        model = tiny_mllama()
     else:
         model = tiny_model("gpt2", vocab=64, bos_token_id=1, eos_token_id=1)
     b = batch()
@@ -50,6 +68,47 @@ def test_last_hidden_state_is_what_lm_head_reads(arch):
         h = last_hidden_state(model, b["input_ids"], b["attention_mask"])
     torch.testing.assert_close(model.get_output_embeddings()(h), out.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h, out.hidden_states[-1])
+
+
+def test_the_language_model_is_the_model_under_the_lm_head():
+    """Where ``get_decoder()`` is a causal LM (Llama 4's multimodal model: its language model's causal
+    LM, whose own ``get_decoder()`` is itself) or the LM head (ModernBERT's decoder), the model under
+    it; through a PEFT wrapper too; a model without an LM head is its own."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    text = tiny_model("llama4", vocab=64).config
+    vision = dict(
+        hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+        patch_size=8, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16,
+    )  # fmt: skip
+    multimodal = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision)
+    )
+    assert multimodal.get_decoder() is multimodal.language_model  # a causal LM
+    assert language_model(multimodal) is multimodal.language_model.model
+    llama4 = tiny_model("llama4", vocab=64)
+    assert llama4.get_decoder() is llama4 and language_model(llama4) is llama4.model
+    lora = get_peft_model(llama4, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert language_model(lora) is llama4.model
+    modernbert = transformers.ModernBertDecoderForCausalLM(
+        transformers.ModernBertDecoderConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=1,
+            cls_token_id=1,
+            sep_token_id=1,
+        )  # fmt: skip
+    )
+    assert modernbert.get_decoder() is modernbert.get_output_embeddings()
+    assert language_model(modernbert) is modernbert.model
+    plain = tiny_llama()
+    assert language_model(plain) is plain.model and language_model(plain.model) is plain.model
 
 
 _LOGIT_STEPS = {  # a config class and the step its forward takes after lm_head, sized to tiny logits
@@ -111,6 +170,8 @@ def _logits_after(monkeypatch, cls: type, factor: float = 1.0, shift: float = 0.
 
 
 def _logit_step_model(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    if arch == "llama4":
+        return tiny_model("llama4", vocab=64, eos_token_id=1).to(dtype)
     return (tiny_llama() if arch == "llama" else tiny_logit_step_model(arch)).to(dtype)
 
 
@@ -118,10 +179,11 @@ _IDS = torch.tensor([[5, 9, 2, 33, 17, 60, 8, 41]])  # (1, T)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", *LOGIT_STEP_ARCHS])
+@pytest.mark.parametrize("arch", ["llama", "llama4", *LOGIT_STEP_ARCHS])
 def test_the_logit_map_check_passes_the_families_it_knows(arch, dtype):
     """The families ``logit_map`` knows give their forward's distribution, in bfloat16 within the
-    rounding of the forward's own cap or scale."""
+    rounding of the forward's own cap or scale (Llama 4: the states its LM head reads found under its
+    causal LM, which is its own ``get_decoder()``)."""
     assert logit_map_mismatch(_logit_step_model(arch, dtype), _IDS) is None
 
 
@@ -205,8 +267,10 @@ def test_medusa1_state_dict_and_parameters_are_heads_only():
     assert model.frozen_backbone is backbone and not any(p.requires_grad for p in backbone.parameters())
 
 
-def test_backbone_bit_identical_and_every_head_parameter_moves():
-    model, backbone = make_model()
+@pytest.mark.parametrize("arch", ["llama", "llama4"])
+def test_backbone_bit_identical_and_every_head_parameter_moves(arch):
+    """Medusa-1 steps; on Llama 4 too (its MoE backbone frozen, the heads reading what its LM head reads)."""
+    model, backbone = make_model(arch=arch)
     before = {k: v.clone() for k, v in backbone.state_dict().items()}
     heads_before = {k: v.clone() for k, v in model.heads.state_dict().items()}
     opt = torch.optim.AdamW(param_groups(model, 1e-2), lr=1e-2)
@@ -297,8 +361,9 @@ def test_micro_batches_add_up_to_the_whole_batch(variant):
         torch.testing.assert_close(p.grad, w, atol=1e-6, rtol=1e-4)
 
 
-def test_hidden_cache_rows_equal_online(tmp_path):
-    model, backbone = make_model()
+@pytest.mark.parametrize("arch", ["llama", "llama4"])
+def test_hidden_cache_rows_equal_online(tmp_path, arch):
+    model, backbone = make_model(arch=arch)
     b = batch()
     records = []
     for i in range(b["input_ids"].shape[0]):
