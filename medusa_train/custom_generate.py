@@ -272,7 +272,7 @@ def generate(
             that leaves the prompt no room, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here; a model no tree decoder verifies (ALiBi, layers of a type
-            other than full, sliding-window or chunked attention, or a recurrent state:
+            other than full, sliding-window or chunked attention, a recurrent state, no position ids:
             :func:`~medusa_train.decoding.attention.tree_refusal`), before anything else.
     """
     check_verifiable(model)  # a model no tree decoder verifies: refused before the export is read

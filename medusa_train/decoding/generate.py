@@ -755,7 +755,8 @@ def medusa_generate(
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
             chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
-            :func:`~.attention.stateful_model`; Llama 4's query scaling past ``floor_scale - 1``).
+            :func:`~.attention.stateful_model`; no position ids: :func:`~.attention.positionless_model`;
+            Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

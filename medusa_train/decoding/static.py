@@ -330,7 +330,8 @@ class StaticDecoder:
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
             chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
-            :func:`~.attention.stateful_model`; Llama 4's query scaling past ``floor_scale - 1``).
+            :func:`~.attention.stateful_model`; no position ids: :func:`~.attention.positionless_model`;
+            Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree does not fit the heads.
     """
 

@@ -8,11 +8,12 @@ Run as:
         eval.heads_dir=path/to/heads tree=medusa63 eval.all_turns=true     # one GPU
     python -m medusa_train stage=eval eval.batch_sizes=[1,8,32] eval.assistant_model=path/to/small-draft-lm
 
-Steps: (1) backbone (one the tree decoders refuse, ALiBi, layers of a type they do not serve or a
-recurrent state, is refused as soon as it is loaded), heads (either export layout; checked against the backbone) and the
-tree (`tree=calibrated|medusa63|chain|custom`); after `training=medusa2` the backbone is the one trained
-with the heads (`<heads>/backbone`, a LoRA adapter merged into `model.name_or_path`) unless
-`model.name_or_path` names another checkpoint than their base (see `medusa_train.backbone`); (2)
+Steps: (1) backbone (one the tree decoders refuse, ALiBi, layers of a type they do not serve, a
+recurrent state or no position ids, is refused as soon as it is loaded), heads (either export layout;
+checked against the backbone) and the tree (`tree=calibrated|medusa63|chain|custom`); after
+`training=medusa2` the backbone is the one trained with the heads (`<heads>/backbone`, a LoRA adapter
+merged into `model.name_or_path`) unless `model.name_or_path` names another checkpoint than their base
+(see `medusa_train.backbone`); (2)
 prompts: held-out embedded prompts, MT-bench questions or any prompt JSONL, rendered with the
 backbone's chat template (first turn, or every turn conditioned on the model's own earlier answers
 with `eval.all_turns=true`); (3) warm-up: the first turns through every decoder at their full budget,
@@ -195,7 +196,7 @@ def _evaluate(
     log.info(
         "eval: backbone %s%s", backbone, " (trained with the heads: training=medusa2)" if trained else ""
     )
-    check_verifiable(model)  # a model the decoders refuse (ALiBi, layers of another type, stateful): now
+    check_verifiable(model)  # a model the decoders refuse (tree_refusal): refused now
     check_heads_match(heads, model, heads_dir, backbone)
     if not trained:  # a trained Medusa-2 backbone is the heads' own
         warn_if_other_backbone(heads_dir, model, cfg.model)
