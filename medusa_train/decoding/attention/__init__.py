@@ -554,7 +554,10 @@ def code_reads_window(model: torch.nn.Module) -> bool:
     """Whether ``model``'s code may apply its config's ``sliding_window``: whether the source of a Python
     module defining the class of ``model`` or of one of its submodules mentions ``sliding_window``
     (remote code included; torch's modules and transformers' own outside ``transformers.models`` left
-    out; read once per class). A module whose source cannot be read counts as mentioning it.
+    out; read once per class). A module whose source cannot be read counts as mentioning it. The answer
+    is kept per model (its classes are those it was built with; a PEFT wrapper is another model): a walk
+    over its modules per call (~0.3 ms at 32 layers on a CPU) would be timed in every verification
+    forward the calibration times (``verify_forward`` asks for the window at each call).
 
     A model applies the window through its masks (``create_sliding_window_causal_mask``, its own mask
     code in older remote code) or its attention call (``sliding_window=``), each of which names it.
@@ -569,9 +572,14 @@ def code_reads_window(model: torch.nn.Module) -> bool:
     "sliding_attention" layer takes no window whatever its code says (SmolLM3, Laguna and Mellum in the
     check: their layers were all full attention, and so were their forwards).
     """
-    return any(_class_reads_window(cls) for cls in {type(module) for module in model.modules()})
+    reads = _MODEL_READS_WINDOW.get(model)
+    if reads is None:
+        classes = {type(module) for module in model.modules()}
+        reads = _MODEL_READS_WINDOW[model] = any(_class_reads_window(cls) for cls in classes)
+    return reads
 
 
+_MODEL_READS_WINDOW: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 _READS_WINDOW: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 

@@ -137,6 +137,22 @@ def test_latency_is_timed_in_rounds_over_every_size(monkeypatch: pytest.MonkeyPa
     assert order == [1, 2, 4, 4, 2, 1, 1, 2, 4]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_latency_times_no_walk_over_the_models_modules(attention, monkeypatch: pytest.MonkeyPatch):
+    """A windowed model (Mistral, window 8): whether its code reads the window is decided once per model,
+    not in each timed forward (``verify_forward`` asks for the window at every call, the dense mask's
+    and the kernel's step alike), whose time would include a walk over the model's modules (~0.3 ms at
+    32 layers on a CPU, 3 to 4% of such a model's forward there)."""
+    if attention == "triton" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    model = tiny_model("mistral")
+    walks: list[int] = []
+    real = model.modules
+    monkeypatch.setattr(model, "modules", lambda: walks.append(1) or real())
+    measure_forward_latency(model, [2, 4], context_len=8, attention=attention, warmup=1, repeats=2)
+    assert len(walks) <= 2  # resolve_attention's (the kernels' check) and the first forward's
+
+
 def test_latency_is_timed_on_the_decoders_attention_backends(monkeypatch: pytest.MonkeyPatch):
     """Every forward (the context's prefill and each timed one) runs under ``attention_backends`` of
     the model's device, as the decoders' calls do: on CUDA the default would time cuDNN's kernel, not
