@@ -685,6 +685,26 @@ def decoder_calls(model, heads) -> list:
     ]
 
 
+def refusals_before_any_forward(model, heads, tmp_path, match: str) -> list[str]:
+    """Each tree decoder (:func:`decoder_calls`) and ``generate`` of an export's ``custom_generate``,
+    before it looks for the export, refuse ``model`` with an :class:`AttentionBackendError` of one line
+    matching ``match``, and no forward runs: their messages."""
+    calls = count_forwards(model)
+    prompt = torch.tensor([3, 5, 7])
+    decoders = [
+        *decoder_calls(model, heads),
+        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
+    ]
+    messages = []
+    for decode in decoders:
+        with pytest.raises(AttentionBackendError, match=match) as err:
+            decode()
+        messages.append(str(err.value))
+    assert not any("\n" in message for message in messages)
+    assert not calls
+    return messages
+
+
 @pytest.mark.parametrize("name", list(ALIBI))
 def test_alibi_models_are_refused_before_any_forward(name):
     """Bloom, Falcon with ``alibi`` and MPT build their biases themselves, from a 2-D padding mask (Bloom
@@ -718,22 +738,10 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
     model = build(UNSERVED[name]())
     assert unserved_layer_types(model.config) == UNSERVED_TYPES[name]
     heads = random_heads(model, seed=1)
-    calls = count_forwards(model)
-    prompt = torch.tensor([3, 5, 7])
-    decoders = [
-        *decoder_calls(model, heads),
-        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
-    ]
     named = ", ".join(repr(t) for t in UNSERVED_TYPES[name])
-    for decode in decoders:
-        with pytest.raises(
-            AttentionBackendError, match=rf"has layers of type {named} \(config.layer_types\)"
-        ) as err:
-            decode()
-        message = str(err.value)
+    match = rf"has layers of type {named} \(config.layer_types\)"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
         assert "serve models whose layers are full, sliding-window or chunked attention" in message
-        assert "\n" not in message
-    assert not calls
 
 
 def _peft_wrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -771,21 +779,9 @@ def test_stateful_models_without_layer_types_are_refused_before_any_forward(name
     assert unserved_layer_types(model.config) == []
     heads = random_heads(model, seed=1)
     model = wrap(model) if wrap else model
-    calls = count_forwards(model)
-    prompt = torch.tensor([3, 5, 7])
-    decoders = [
-        *decoder_calls(model, heads),
-        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
-    ]
-    for decode in decoders:
-        with pytest.raises(
-            AttentionBackendError, match=rf"^{refused} \(\w+\) keeps a recurrent state"
-        ) as err:
-            decode()
-        message = str(err.value)
+    match = rf"^{refused} \(\w+\) keeps a recurrent state"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
         assert "cannot verify trees on it (decode it with model.generate)" in message
-        assert "\n" not in message
-    assert not calls
 
 
 SEQ2SEQ_DECODER = dict(
@@ -848,20 +844,9 @@ def test_models_that_take_no_position_ids_are_refused_before_any_forward(name, w
     heads = random_heads(model, seed=1)
     refused = type(model).__name__
     model = wrap(model) if wrap else model
-    calls = count_forwards(model)
-    decoders = [
-        *decoder_calls(model, heads),
-        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
-    ]
-    for decode in decoders:
-        with pytest.raises(
-            AttentionBackendError, match=rf"^{refused} \({config.model_type}\) takes no position_ids"
-        ) as err:
-            decode()
-        message = str(err.value)
+    match = rf"^{refused} \({config.model_type}\) takes no position_ids"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
         assert "cannot verify trees on it (decode it with model.generate)" in message
-        assert "\n" not in message
-    assert not calls
 
 
 @pytest.mark.parametrize("name", ["marian", "roformer"])
@@ -1045,20 +1030,9 @@ def test_models_with_a_window_or_chunk_per_layer_are_refused_before_any_forward(
     model = build(PER_LAYER[name]())
     assert per_layer_attributes(model.config) == [PER_LAYER_ATTRIBUTE[name]]
     heads = random_heads(model, seed=1)
-    calls = count_forwards(model)
-    prompt = torch.tensor([3, 5, 7])
-    decoders = [
-        *decoder_calls(model, heads),
-        lambda: custom_generate(model, prompt[None], export_dir=str(tmp_path / "no_export")),
-    ]
-    for decode in decoders:
-        with pytest.raises(
-            AttentionBackendError,
-            match=rf"sets {PER_LAYER_ATTRIBUTE[name]} per layer \(config.per_layer_config\)",
-        ) as err:
-            decode()
-        assert "\n" not in str(err.value) and "set it once for the whole model" in str(err.value)
-    assert not calls
+    match = rf"sets {PER_LAYER_ATTRIBUTE[name]} per layer \(config.per_layer_config\)"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
+        assert "set it once for the whole model" in message
 
 
 def test_gemma4_head_dim_per_layer_is_served():
