@@ -327,6 +327,20 @@ class RowsOracle(PackedHeads):
         return out * known
 
 
+def assert_decoders_return(model, heads, rows: list[torch.Tensor], refs: list[list[int]], label: str) -> None:
+    """On every tree of :data:`TREES`, ``medusa_generate`` (each row), ``medusa_generate_batch`` and the
+    static decoder (the rows together) return ``refs``, each row's new tokens."""
+    for tree_name, tree in TREES.items():
+        for prompt, ref in zip(rows, refs, strict=True):
+            out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree)
+            assert out.tokens.tolist() == ref, (label, tree_name, len(prompt))
+        batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
+        assert [r.tokens.tolist() for r in batch.rows] == refs, (label, tree_name)
+        decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=len(rows))
+        static = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
+        assert [r.tokens.tolist() for r in static.rows] == refs, (label, tree_name)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_parity_past_the_chunk_or_window(name):
     """``medusa_generate``, ``medusa_generate_batch`` (ragged rows: left padding shifts no chunk) and the
@@ -336,15 +350,7 @@ def test_greedy_parity_past_the_chunk_or_window(name):
     heads = random_heads(model, seed=1)
     rows = prompts()
     refs = [plain_greedy(model, p) for p in rows]
-    for tree_name, tree in TREES.items():
-        for prompt, ref in zip(rows, refs, strict=True):
-            out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree)
-            assert out.tokens.tolist() == ref, (name, tree_name, len(prompt))
-        batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
-        assert [r.tokens.tolist() for r in batch.rows] == refs, (name, tree_name)
-        decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3)
-        static = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
-        assert [r.tokens.tolist() for r in static.rows] == refs, (name, tree_name)
+    assert_decoders_return(model, heads, rows, refs, name)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -396,15 +402,7 @@ def test_a_window_the_models_code_does_not_read_is_not_applied(arch, applied):
     refs = [greedy_on_a_full_cache(model, p) for p in rows]
     without_key = build(tiny_config(arch, sliding_window=None, initializer_range=0.2))
     assert ([greedy_on_a_full_cache(without_key, p) for p in rows] == refs) == (applied is None)
-    for tree_name, tree in TREES.items():
-        for prompt, ref in zip(rows, refs, strict=True):
-            out = medusa_generate(model, heads, prompt[None], max_new_tokens=NEW_TOKENS, tree=tree)
-            assert out.tokens.tolist() == ref, (arch, tree_name, len(prompt))
-        batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=tree)
-        assert [r.tokens.tolist() for r in batch.rows] == refs, (arch, tree_name)
-        decoder = StaticDecoder(model, heads, tree, 2 * MAX_POS, batch_size=3)
-        static = decoder.generate_batch(rows, max_new_tokens=NEW_TOKENS)
-        assert [r.tokens.tolist() for r in static.rows] == refs, (arch, tree_name)
+    assert_decoders_return(model, heads, rows, refs, arch)
 
 
 def test_a_window_per_layer_the_models_code_does_not_read_is_served():
