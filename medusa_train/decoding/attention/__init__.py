@@ -656,13 +656,22 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
     inside its decoder layer i (:func:`decoder_layers`) -> i, which tells :func:`layer_window` the
     layer of an attention module that does not say it (no ``layer_idx``). Empty for any other model,
     whose layers all window alike, or where no list of decoder layers is found. Ids, not modules:
-    ``torch.compile`` reads ``id(module)`` as a constant of the trace."""
-    if not mixes_windows(model):
-        return {}
-    layers = decoder_layers(model)
-    if layers is None:
-        return {}
-    return {id(module): i for i, layer in enumerate(layers) for module in layer.modules()}
+    ``torch.compile`` reads ``id(module)`` as a constant of the trace.
+
+    Kept per model (read-only: the same mapping at every call), as :func:`code_reads_window` is: the
+    walk over the model's modules would otherwise be timed in every verification forward the
+    calibration times through a kernel (``verify_forward`` asks at each call)."""
+    positions = _LAYER_POSITIONS.get(model)
+    if positions is None:
+        layers = decoder_layers(model) if mixes_windows(model) else None
+        positions = (
+            {} if layers is None else {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
+        )
+        _LAYER_POSITIONS[model] = positions
+    return positions
+
+
+_LAYER_POSITIONS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 def layer_window(

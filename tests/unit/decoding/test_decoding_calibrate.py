@@ -153,6 +153,21 @@ def test_latency_times_no_walk_over_the_models_modules(attention, monkeypatch: p
     assert len(walks) <= 2  # resolve_attention's (the kernels' check) and the first forward's
 
 
+def test_latency_through_a_kernel_places_a_mixed_models_layers_once(monkeypatch: pytest.MonkeyPatch):
+    """Gemma 3n (a sliding and a full layer) timed through the Triton kernel: the place of each attention
+    module among the decoder layers (``layer_positions``) is found once per model, not in each timed
+    forward (a walk over the model's modules, as above)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    model = tiny_logit_step_model("gemma3n")
+    walks: list[int] = []
+    real = attention_module.decoder_layers
+    monkeypatch.setattr(attention_module, "decoder_layers", lambda m: walks.append(1) or real(m))
+    measure_forward_latency(model, [2, 4], context_len=8, attention="triton", warmup=1, repeats=2)
+    assert attention_module.layer_positions(model)
+    assert len(walks) <= 2  # resolve_attention's (the kernels' check) and the first forward's
+
+
 def test_latency_is_timed_on_the_decoders_attention_backends(monkeypatch: pytest.MonkeyPatch):
     """Every forward (the context's prefill and each timed one) runs under ``attention_backends`` of
     the model's device, as the decoders' calls do: on CUDA the default would time cuDNN's kernel, not
