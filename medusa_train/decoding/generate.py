@@ -846,7 +846,11 @@ def medusa_generate(
     # 1. Prefill: the prompt goes into the cache; keep the last position's logits and hidden state.
     t0 = _now(device)
     cache = DynamicCache()
-    logits, hidden = _forward(model, cache, input_ids, logits_to_keep=1)  # (1, 1, V), (1, T, d)
+    # positions 0..T-1 given, as generate and the tree steps give them (RoBERTa's own start past its pad id)
+    prompt_positions = torch.arange(input_ids.shape[1], device=device)[None]  # (1, T)
+    logits, hidden = _forward(
+        model, cache, input_ids, None, prompt_positions, logits_to_keep=1
+    )  # (1, 1, V), (1, T, d)
     hidden = hidden[0, -1]  # (d,)
     last = logits[0, -1]  # (V,)
     processors = RowProcessors(

@@ -405,6 +405,23 @@ def test_a_window_the_models_code_does_not_read_is_not_applied(arch, applied):
     assert_decoders_return(model, heads, rows, refs, arch)
 
 
+def test_a_model_whose_own_positions_start_past_zero():
+    """RoBERTa as a decoder: given no position ids, its embeddings count positions from its pad id + 1;
+    ``generate`` and the tree steps give them from 0. Every decoder's prefill gives them too (without,
+    ``medusa_generate``'s prompt sat one position further than its tree nodes and ``generate``'s), and
+    the three decoders equal plain greedy ``generate``."""
+    config = tf.RobertaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=2 * MAX_POS, is_decoder=True, bos_token_id=0, eos_token_id=None,
+        pad_token_id=0, initializer_range=1.0,
+    )  # fmt: skip
+    model = build(config)
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [plain_greedy(model, p) for p in rows]
+    assert_decoders_return(model, heads, rows, refs, "roberta")
+
+
 def test_a_window_per_layer_the_models_code_does_not_read_is_served():
     """A Llama whose config sets ``sliding_window`` per layer (``per_layer_config``), which its code never
     reads: not refused (Mistral's is: the masks cannot give its layers their own windows), and decoded
