@@ -313,7 +313,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     reads it, :func:`code_reads_window`); ALiBi models (Bloom, MPT, Falcon with
     ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
     position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
-    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); any other model
+    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); models that run layers
+    several times in one forward (:func:`recurrent_loops`: Dory); any other model
     that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
     models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
     cache columns."""
@@ -343,6 +344,14 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "(config.layer_types), which the Medusa tree decoders cannot verify: they serve models "
             "whose layers are full, sliding-window or chunked attention (decode this one with model.generate)"
         )
+    loops = recurrent_loops(config)
+    if loops > 1:
+        return (
+            f"{type(model).__name__} ({kind}) runs its recurrent layers {loops} times in each forward "
+            "(config.n_recurrent_loops), each pass with KV its own forward adds to the cache or reads beside "
+            "it, which the Medusa tree decoders' caches and masks do not hold: they cannot verify trees on it "
+            "(decode it with model.generate; with n_recurrent_loops=1 they serve it)"
+        )
     stateful = stateful_model(model)
     if stateful is not None:
         return (
@@ -358,6 +367,16 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
         )
     return None
+
+
+def recurrent_loops(config) -> int:
+    """How many times ``config`` (a text config) has its model run its recurrent layers in one forward:
+    its ``n_recurrent_loops`` (Dory), else 1. Past 1, the forward keeps KV beyond the layers a cache
+    has (per loop: it appends copies of the recurrent layers' cache layers, which the preallocated
+    caches of the batched and static decoders do not own) or reads the cache's keys beside its update
+    (the earlier loops of ``recurrent_kv_cache_mode="last_loop"``: every column a preallocated cache
+    holds, none that a tree step's mask counts); with one loop it is a plain decoder."""
+    return getattr(config, "n_recurrent_loops", None) or 1
 
 
 def positionless_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -960,6 +979,7 @@ __all__ = [
     "packed_sdpa",
     "per_layer_attributes",
     "positionless_model",
+    "recurrent_loops",
     "register",
     "resolve_attention",
     "sliding_window_kinds",

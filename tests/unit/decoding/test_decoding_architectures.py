@@ -9,7 +9,8 @@ cache keeps keys and values of different widths; a window that only the config c
 ``sliding_window``, which its code never reads: full attention, also set per layer) against Mistral's;
 and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of
 another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya,
-Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), models that take no
+Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), Dory run with
+more than one recurrent loop (with one, served), models that take no
 position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose
 decoder takes them, is served), a window or chunk set per layer (``per_layer_config``), and Llama 4
 where its NoPE layers' query scaling would count positions from the cache's length."""
@@ -116,6 +117,18 @@ def gemma3n() -> tf.PretrainedConfig:
     )  # fmt: skip
 
 
+def dory(loops: int = 1, mode: str = "per_loop") -> tf.PretrainedConfig:
+    """Dory (nGPT on the unit sphere, a recurrent section): an input, two recurrent and an output layer,
+    sliding and full, the recurrent two run ``loops`` times in each forward, their KV kept per loop
+    (``mode`` "per_loop": the forward appends cache layers) or by the last loop only ("last_loop": the
+    earlier loops read the cache's keys beside its update)."""
+    return tf.DoryConfig(
+        **{**SHAPE, "num_hidden_layers": 4}, head_dim=8, sliding_window=6, layer_types=INTERLEAVED * 2,
+        n_input_layers=1, n_recurrent_layers=2, n_output_layers=1, n_recurrent_loops=loops,
+        recurrent_kv_cache_mode=mode, initializer_range=0.2,
+    )  # fmt: skip
+
+
 LATENT = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, initializer_range=1.0)
 """Multi-head latent attention (transformers 5.24): the cache holds, for each token, one head of its
 compressed latent (16 wide, as the keys) and of its rotary key (8, as the values), which every layer
@@ -152,6 +165,8 @@ MODELS = {
     ),
     "gemma3_multimodal": gemma3_multimodal,
     "gemma3n": gemma3n,
+    # nGPT, a recurrent section run once (n_recurrent_loops=1: a plain decoder; more are refused)
+    "dory": dory,
     # attention logit softcapping (eager attention)
     "gemma2": lambda: tf.Gemma2Config(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
     # attention sinks (eager attention)
@@ -757,6 +772,20 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
     match = rf"has layers of type {named} \(config.layer_types\)"
     for message in refusals_before_any_forward(model, heads, tmp_path, match):
         assert "serve models whose layers are full, sliding-window or chunked attention" in message
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+def test_models_that_loop_their_layers_are_refused_before_any_forward(mode, tmp_path):
+    """Dory run with two recurrent loops, whose forward keeps KV the decoders' caches do not hold (per
+    loop: cache layers it appends, which the batched decoder's deep copies cut off from the cache it
+    sets; the last loop's: the earlier loops read every preallocated column beside the update; each
+    crashed or parted from ``generate``): every decoder refuses it in one line, before any forward;
+    with one loop it decodes (:data:`MODELS`)."""
+    model = build(dory(loops=2, mode=mode))
+    heads = random_heads(model, seed=1)
+    match = r"\(dory\) runs its recurrent layers 2 times in each forward \(config.n_recurrent_loops\)"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
+        assert "with n_recurrent_loops=1 they serve it" in message
 
 
 def _peft_wrapped(model: torch.nn.Module) -> torch.nn.Module:
