@@ -317,7 +317,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     several times in one forward (:func:`recurrent_loops`: Dory); any other model
     that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
     models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
-    cache columns."""
+    cache columns; models that take no KV cache (:func:`uncached_model`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [
@@ -366,6 +366,13 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "decoder's names them): it places a tree's nodes by their cache columns, not their depths, so "
             "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
         )
+    uncached = uncached_model(model)
+    if uncached is not None:
+        return (
+            f"{type(uncached).__name__} ({kind}) takes no KV cache (neither its forward nor its decoder's names "
+            "cache or past_key_values): the Medusa tree decoders verify each tree on the cache of the tokens "
+            "before it, so they cannot verify trees on it (decode it with model.generate)"
+        )
     return None
 
 
@@ -377,6 +384,17 @@ def recurrent_loops(config) -> int:
     (the earlier loops of ``recurrent_kv_cache_mode="last_loop"``: every column a preallocated cache
     holds, none that a tree step's mask counts); with one loop it is a plain decoder."""
     return getattr(config, "n_recurrent_loops", None) or 1
+
+
+def uncached_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` (under a PEFT wrapper: the model it wraps) where neither its forward nor its language
+    model's (``get_decoder()``) names a KV cache argument (``cache``, transformers' name from 5.24, or
+    ``past_key_values``): it recomputes every position at each call (GPT-1, Reformer's LM head, Gemma 4's
+    assistant drafters in transformers 5.24). None: one of the two names one."""
+    base, decoder = model_and_decoder(model)
+    names = ("cache", "past_key_values")
+    named = any(name in inspect.signature(m.forward).parameters for m in (base, decoder) for name in names)
+    return None if named else base
 
 
 def positionless_model(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -987,5 +1005,6 @@ __all__ = [
     "tree_attention",
     "tree_refusal",
     "tree_step",
+    "uncached_model",
     "unserved_layer_types",
 ]

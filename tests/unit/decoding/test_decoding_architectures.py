@@ -861,6 +861,17 @@ POSITIONLESS = {  # neither the forward nor its decoder's names position_ids: po
 }  # fmt: skip
 
 
+def test_models_that_take_no_kv_cache_are_refused_before_any_forward(tmp_path):
+    """GPT-1's forward (and its decoder's) names no KV cache, ``cache`` or ``past_key_values``: it
+    recomputes every position at each call (it crashed in every decoder on the tree's 4-D mask): every
+    decoder, and ``generate`` of an export's ``custom_generate``, refuses it in one line, before any
+    forward."""
+    model = build(tf.OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=MAX_POS))
+    heads = random_heads(model, seed=1)
+    match = r"^OpenAIGPTLMHeadModel \(openai-gpt\) takes no KV cache .*model\.generate\)$"
+    refusals_before_any_forward(model, heads, tmp_path, match)
+
+
 def _bart_peft_wrapped(model: torch.nn.Module) -> torch.nn.Module:
     """Bart's ForCausalLM under LoRA on its query projections (a Medusa-2 backbone): PEFT's forward names
     no position_ids for any model."""
