@@ -1,11 +1,12 @@
-"""The model-call arguments whose name depends on the installed transformers release.
+"""The model-call arguments (and ``generate``'s output field) whose name depends on the installed
+transformers release.
 
 transformers 5.24 renamed the cache argument of every model ``forward`` from ``past_key_values`` to
 ``cache`` (``@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`` on the forwards, the
 decoder layers and ``prepare_inputs_for_generation``); 5.17-5.23, which our range admits (the GPU
 image has 5.17), take only ``past_key_values``. Passing the old name to a new release warns on every
 call and stops working at 5.40, so our decoders ask once per model class which name its ``forward``
-declares and pass the cache under that name.
+declares and pass the cache under that name. ``generate``'s output field was renamed with it.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
 def passed_cache(model: torch.nn.Module, kwargs: dict[str, Any]) -> Any:
     """The cache a forward hook with ``with_kwargs=True`` received, whichever name it came under."""
     return kwargs.get(cache_keyword(model), kwargs.get(OLD_NAME, kwargs.get(NEW_NAME)))
+
+
+@functools.cache
+def output_cache_field() -> str:
+    """``"cache"`` or ``"past_key_values"``: the field of ``generate``'s output
+    (``GenerateDecoderOnlyOutput``) that holds its cache in the installed transformers (renamed with the
+    argument in 5.24)."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return NEW_NAME if NEW_NAME in GenerateDecoderOnlyOutput.__dataclass_fields__ else OLD_NAME

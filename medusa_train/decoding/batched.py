@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicCache
 
 from ..heads import MedusaHeads
 from .acceptance import (
@@ -65,6 +65,7 @@ from .generate import (
     check_cache_positions,
     check_tree_fits,
     context_limit,
+    dynamic_entries,
     eos_ids,
     medusa_generate,
 )
@@ -135,6 +136,19 @@ def preallocated_layers(
             owner.kv_layers.append(layer_class(owner, len(owner.kv_layers)))
             layers.append(owner.kv_layers[-1])
     return layers
+
+
+def row_entries(
+    cache: Cache, row: int, columns: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Row ``row``'s KV entries at ``columns`` ``(n,)`` of a preallocated cache (:class:`RowKVCache`,
+    ``StaticKVCache``): per layer of the cache ``(H, n, D)`` keys and ``(H, n, Dv)`` values, copies (the
+    cache is written again), or None for a layer that keeps none (:func:`preallocated_layers`)."""
+    own = {id(layer) for layer in cache.kv_layers}
+    return [
+        (layer.keys[row, :, columns], layer.values[row, :, columns]) if id(layer) in own else None
+        for layer in cache.layers
+    ]
 
 
 def shared_storage(cache: Cache) -> torch.Tensor | None:
@@ -423,6 +437,8 @@ def medusa_generate_batch(
     min_p: float = 0.0,
     min_new_tokens: int = 0,
     min_length: int = 0,
+    keep_kv: bool = False,
+    stop_at_context: bool = True,
 ) -> MedusaBatchOutput:
     """Generate with Medusa heads for several prompts of any lengths at once.
 
@@ -431,7 +447,8 @@ def medusa_generate_batch(
             position ids; "sdpa" or "eager" attention).
         heads: the Medusa heads (or :class:`PackedHeads`).
         prompts: B prompts, each 1-D token ids (a list or a ``(T,)`` / ``(1, T)`` tensor), T >= 1.
-        max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``.
+        max_new_tokens: most tokens per row; each row also stops before ``max_position_embeddings``
+            with ``stop_at_context``.
         tree: one tree for every row.
         acceptance, temperature, top_p, top_k, min_p, posterior_threshold, posterior_alpha, eos_token_id,
             repetition_penalty, min_new_tokens, min_length: as for
@@ -446,6 +463,9 @@ def medusa_generate_batch(
         attention: tree attention of the verification forwards, as for
             :func:`~medusa_train.decoding.medusa_generate` ("sdpa", "triton", "cuda" or "auto"); a
             kernel reads each row's past length and left padding instead of a ``(B, 1, M, W)`` mask.
+        keep_kv: keep each row's KV entries as ``generate``'s cache holds them after it (its output's
+            ``kv``: copied from the cache as the row finishes).
+        stop_at_context: as for :func:`~medusa_train.decoding.medusa_generate`.
 
     Returns:
         :class:`MedusaBatchOutput`, rows in the prompts' order.
@@ -505,10 +525,13 @@ def medusa_generate_batch(
 
     if bsz == 1 and batch1_fast_path:
         ids = torch.tensor([rows_in[0]], device=device)  # (1, T)
+        kept = DynamicCache() if keep_kv else None
         one = medusa_generate(
             model, packed, ids, max_new_tokens=max_new_tokens, tree=tree, generator=gens[0],
-            attention=backend, **rule,
+            attention=backend, stop_at_context=stop_at_context, cache=kept, **rule,
         )  # fmt: skip
+        if kept is not None and len(one.tokens):
+            one.kv = dynamic_entries(kept)
         timing = dict(prefill_s=one.prefill_s, forward_s=one.forward_s)
         one.prefill_s = one.forward_s = one.total_s = 0.0
         return MedusaBatchOutput(
@@ -516,7 +539,7 @@ def medusa_generate_batch(
         )
 
     eos = set(eos_ids(eos_token_id))
-    limit = context_limit(model)
+    limit = context_limit(model) if stop_at_context else None
     lengths = [len(r) for r in rows_in]
     budgets = [max_new_tokens if limit is None else min(max_new_tokens, limit - t) for t in lengths]
     outs = [MedusaOutput(tokens=torch.empty(0, dtype=torch.long)) for _ in range(bsz)]
@@ -602,6 +625,14 @@ def medusa_generate_batch(
     node_range = torch.arange(tree.num_nodes, device=device)  # (M,)
     forwards = SpanTimer(device)
 
+    def keep(i: int, b: int, path: Sequence[int] = ()) -> None:
+        """With keep_kv: row b's (slot i's) entries of generate's cache as it finishes: its columns
+        [pad, L) and those of the nodes ``path`` (its emitted tokens but the last) of the step's tree."""
+        if keep_kv:
+            base = int(cache_len[i])
+            cols = [*range(int(pad_np[i]), base), *(base + p for p in path)]
+            outs[b].kv = row_entries(cache, i, torch.tensor(cols, device=device))
+
     while live:
         n = len(live)
         # 3. Rows whose root is EOS or their last allowed token emit it without a forward and leave.
@@ -614,6 +645,7 @@ def medusa_generate_batch(
                 if roots[i] in eos:
                     outs[b].stop_reason = "eos"
                 done.append(i)
+                keep(i, b)
         if done:
             if len(done) == n:
                 break
@@ -698,6 +730,7 @@ def medusa_generate_batch(
                 steps[b].append(cut)
                 outs[b].stop_reason = "eos"
                 finished.append(i)
+                keep(i, b, path[: cut - 1])
                 new_roots.append(0)
                 last_nodes.append(0)
                 continue
@@ -709,6 +742,7 @@ def medusa_generate_batch(
             last_nodes.append(path[-1])
             if len(emitted[b]) >= budgets[b]:
                 finished.append(i)
+                keep(i, b, path[:-1])
                 continue
             # 8. The accepted entries out of place move to [L_b, L_b + n_b).
             base = int(cache_len[i])

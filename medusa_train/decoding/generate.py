@@ -84,6 +84,10 @@ class MedusaOutput:
             heads and everything else around them count as overhead); on CUDA the device's time from
             each call's first kernel to its last, timed with events (:class:`SpanTimer`).
         total_s: wall-clock seconds of the whole call, argument checks included.
+        kv: the row's KV entries that ``generate``'s cache would hold after it (the prompt's and the
+            new tokens' but the last token's), for a batched or static decoder asked to keep them
+            (``keep_kv``): one ``(keys, values)`` pair of ``(H, n, D)`` copies per layer of its cache, None for
+            a layer that keeps none (a KV-sharing layer); None otherwise, or without new tokens.
     """
 
     tokens: torch.Tensor
@@ -93,6 +97,7 @@ class MedusaOutput:
     prefill_s: float = 0.0
     forward_s: float = 0.0
     total_s: float = 0.0
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -238,6 +243,36 @@ def context_limit(model: torch.nn.Module) -> int | None:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+
+
+def position_bound(model: torch.nn.Module) -> str | None:
+    """Why the decoders must stop at the model's ``max_position_embeddings`` (:func:`context_limit`) to
+    decode what ``generate`` decodes; None where they may go on past it, as ``generate`` does (with a
+    warning) for a model whose positions go on (RoPE and its static scalings; no such limit).
+
+    They must stop where the model looks its positions up in a table of that many rows: learned
+    absolute positions (GPT-2's and GPT-BigCode's ``wpe``, OPT's and BioGPT's ``embed_positions``,
+    which keep 2 rows more, the position embeddings of BERT-like decoders), found as an
+    ``nn.Embedding`` other than the input embeddings with that many rows (up to 2 more): ``generate``
+    fails past the table (an IndexError). And where its RoPE is dynamic NTK (a rotary embedding's
+    ``rope_type`` "dynamic"): past that length every forward recomputes the frequencies from its
+    largest position, which a tree's deeper nodes raise, so the tokens would not be ``generate``'s.
+    """
+    limit = context_limit(model)
+    if limit is None:
+        return None
+    inputs = model.get_input_embeddings()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module is not inputs:
+            if limit <= module.num_embeddings <= limit + 2:
+                return f"its positions are a learned table of {module.num_embeddings} rows (plain generate fails past it)"
+        kind = getattr(module, "rope_type", None)
+        if "dynamic" in (kind.values() if isinstance(kind, dict) else [kind]):
+            return (
+                "past it, its dynamic NTK RoPE recomputes the frequencies from each forward's largest "
+                "position, which a tree's deeper nodes raise (plain generate goes on, with other tokens)"
+            )
+    return None
 
 
 def check_cache_positions(model: torch.nn.Module, reach: int) -> None:
@@ -545,6 +580,17 @@ def _tie_last_hidden_state(module: torch.nn.Module, args: tuple, out) -> None:
         out.hidden_states = (*states[:-1], last)
 
 
+def dynamic_entries(cache: DynamicCache, row: int = 0) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Row ``row``'s KV entries of a ``DynamicCache``: per layer ``(H, n, D)`` keys and ``(H, n, Dv)``
+    values (views), None for a layer that holds none (a KV-sharing layer's, never written)."""
+    return [
+        (layer.keys[row], layer.values[row])
+        if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4
+        else None
+        for layer in cache.layers
+    ]
+
+
 def compact_cache(cache: DynamicCache, past_len: int, path: Sequence[int]) -> None:
     """Keep the KV entries of the accepted ``path`` (tree node indices) right after ``past_len``.
 
@@ -712,6 +758,8 @@ def medusa_generate(
     min_p: float = 0.0,
     min_new_tokens: int = 0,
     min_length: int = 0,
+    cache: DynamicCache | None = None,
+    stop_at_context: bool = True,
 ) -> MedusaOutput:
     """Generate with Medusa heads and tree verification (batch size 1).
 
@@ -723,7 +771,7 @@ def medusa_generate(
         heads: the Medusa heads (or :class:`PackedHeads` built once from them).
         input_ids: ``(1, T)`` prompt.
         max_new_tokens: most tokens to generate; generation also stops before the model's
-            ``max_position_embeddings`` (prompt + new tokens never exceed it).
+            ``max_position_embeddings`` (prompt + new tokens never exceed it) with ``stop_at_context``.
         tree: :class:`TreeBuffers` or a list of index paths; depth must not exceed the number of heads.
         acceptance: "greedy" (identical to ``generate(do_sample=False)``), "typical" (Medusa's
             rule) or "sample" (same distribution as ``generate(do_sample=True)``); see
@@ -747,12 +795,22 @@ def medusa_generate(
             logits before any rule (:mod:`medusa_train.decoding.processors`).
         min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
             prompt counted): EOS cannot end the reply earlier (0: none).
+        cache: a ``DynamicCache`` whose layers hold every token (no sliding-window layer) to decode
+            on: it holds the keys and values of the first ``cache.get_seq_length()`` tokens of
+            ``input_ids`` (a cache this function or ``generate`` left), and only the others are
+            prefilled. On return it holds what ``generate``'s cache holds after it: the entries of
+            the prompt and of the new tokens but the last (the tree's other columns cut off); where
+            no token was generated, as given. None: a cache of the call's own.
+        stop_at_context: stop before the model's ``max_position_embeddings`` (``stop_reason``
+            "context"); False: go on past it, as ``generate`` does, for a model whose positions go on
+            (:func:`position_bound` None).
 
     Returns:
         :class:`MedusaOutput`.
 
     Raises:
-        ValueError: batch size is not 1, an unknown acceptance rule, or bad sampling settings.
+        ValueError: batch size is not 1, an unknown acceptance rule, bad sampling settings, or a
+            ``cache`` that holds as many tokens as ``input_ids`` or more.
         AttentionBackendError: ``attention`` names a kernel that cannot run here, or the model is one
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
             chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
@@ -781,7 +839,14 @@ def medusa_generate(
     eos = set(eos_ids(eos_token_id))
 
     prompt_len = input_ids.shape[1]
-    limit = context_limit(model)
+    cached = 0 if cache is None else cache.get_seq_length()
+    if cached >= prompt_len:
+        raise ValueError(
+            f"the cache holds {cached} tokens and input_ids {prompt_len}: pass input_ids that go on from "
+            "the cached tokens (the cached ones, then at least one more)"
+        )
+    keep_cache = cache is not None  # left as generate's cache would be (otherwise: dropped at return)
+    limit = context_limit(model) if stop_at_context else None
     budget = max_new_tokens if limit is None else min(max_new_tokens, limit - prompt_len)
     backend = resolve_attention(attention, device, context=prompt_len + max(budget, 0), model=model)
     if tree.num_nodes > tree.max_depth + 1:  # a chain's node indices are its depths
@@ -846,12 +911,13 @@ def medusa_generate(
 
     # 1. Prefill: the prompt goes into the cache; keep the last position's logits and hidden state.
     t0 = _now(device)
-    cache = DynamicCache()
-    # positions 0..T-1 given, as generate and the tree steps give them (RoBERTa's own start past its pad id)
-    prompt_positions = torch.arange(input_ids.shape[1], device=device)[None]  # (1, T)
+    cache = DynamicCache() if cache is None else cache
+    # positions 0..T-1 given, as generate and the tree steps give them (RoBERTa's own start past its pad id);
+    # those of the tokens a given cache holds, [0, cached), are not run again
+    prompt_positions = torch.arange(cached, prompt_len, device=device)[None]  # (1, T - cached)
     logits, hidden = _forward(
-        model, cache, input_ids, None, prompt_positions, logits_to_keep=1
-    )  # (1, 1, V), (1, T, d)
+        model, cache, input_ids[:, cached:], None, prompt_positions, logits_to_keep=1
+    )  # (1, 1, V), (1, T - cached, d)
     hidden = hidden[0, -1]  # (d,)
     last = logits[0, -1]  # (V,)
     processors = RowProcessors(
@@ -926,7 +992,8 @@ def medusa_generate(
         #    one device-to-host copy.
         result = accept(tree_tokens if host_tokens is None else host_tokens, tree_tokens, logits, sub)
         path, path_tokens = result.path, result.tokens
-        # 7. EOS inside the path: emit up to and including it, then stop.
+        # 7. EOS inside the path: emit up to and including it, then stop (a kept cache: with the
+        #    entries of the emitted tokens but the last, generate's).
         if eos and not eos.isdisjoint(path_tokens):
             cut = next(j + 1 for j, tok in enumerate(path_tokens) if tok in eos)
             tokens.extend(path_tokens[:cut])
@@ -934,6 +1001,8 @@ def medusa_generate(
             if on_tokens is not None:
                 on_tokens(path_tokens[:cut])
             stop_reason = "eos"
+            if keep_cache:
+                compact_cache(cache, past_len, path[: cut - 1])
             break
         tokens.extend(path_tokens)
         lengths.append(len(path))
@@ -942,6 +1011,8 @@ def medusa_generate(
         if processors.active:
             processors.accepted([0], torch.tensor([path_tokens], device=device))
         if len(tokens) >= budget:
+            if keep_cache:
+                compact_cache(cache, past_len, path[:-1])
             break
         # 8. Keep the accepted nodes' KV entries in place; no re-forward (a chain prefix moves nothing).
         compact_cache(cache, past_len, path)

@@ -80,6 +80,7 @@ from .batched import (
     check_one_device,
     kv_reusing_layers,
     preallocated_layers,
+    row_entries,
     shared_storage,
 )
 from .generate import (
@@ -322,6 +323,9 @@ class StaticDecoder:
             the step, as its cache is).
         min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
             prompt counted): EOS is masked in the step where it would end a row earlier (0: none).
+        stop_at_context: rows stop before the model's ``max_position_embeddings``; False: they go on
+            past it, as ``generate`` does, for a model whose positions go on
+            (:func:`~medusa_train.decoding.generate.position_bound` None).
 
     Raises:
         ValueError: an unknown capture, backend or acceptance rule, a negative temperature or
@@ -358,6 +362,7 @@ class StaticDecoder:
         min_p: float = 0.0,
         min_new_tokens: int = 0,
         min_length: int = 0,
+        stop_at_context: bool = True,
     ) -> None:
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
@@ -397,7 +402,7 @@ class StaticDecoder:
             raise ValueError(f"capacity {capacity} cannot hold a prompt, a token and the {m}-node tree")
         self.model, self.capacity, self.batch_size, self.sync_every = model, capacity, batch_size, sync_every
         self.packed = heads if isinstance(heads, PackedHeads) else PackedHeads(heads)
-        self.limit = context_limit(model)
+        self.limit = context_limit(model) if stop_at_context else None
         self.sdpa_backend = sdpa_backend
         self.capture = capture
         graphed = capture == "cuda_graph" or (capture == "compile" and compile_mode in GRAPHED_COMPILE_MODES)
@@ -797,6 +802,7 @@ class StaticDecoder:
         max_new_tokens: int,
         eos_token_id: int | Sequence[int] | None = None,
         on_tokens: Callable[[int, list[int]], object] | None = None,
+        keep_kv: bool = False,
     ) -> MedusaBatchOutput:
         """Medusa generation of up to B prompts of any lengths, one row each.
 
@@ -806,6 +812,9 @@ class StaticDecoder:
             eos_token_id: one id or several; an EOS is emitted and ends its row.
             on_tokens: called as ``on_tokens(row, new_tokens)`` with each row's newly emitted tokens
                 at each read of the device, in order.
+            keep_kv: copy out each row's KV entries as ``generate``'s cache holds them after it (the
+                rows' ``kv``): a row's cache columns before its last token are its prompt's and its
+                tokens' (the steps after it only write further on).
 
         Returns:
             :class:`MedusaBatchOutput`: a row's tokens equal its plain greedy ``generate`` (typical: its
@@ -891,6 +900,9 @@ class StaticDecoder:
                 accepted_lengths=_cut_lengths(per_step[r], len(tokens[r])),
                 num_forwards=len(_cut_lengths(per_step[r], len(tokens[r]))),
                 stop_reason=reasons[r],
+                kv=row_entries(self.cache, r, self._cols[: lens[r] + len(tokens[r]) - 1])
+                if keep_kv and tokens[r]
+                else None,
             )
             for r in range(len(ids))
         ]

@@ -20,6 +20,7 @@ from medusa_train.decoding import (
 )
 from medusa_train.hf_compat import passed_cache
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
+from tests.unit.decoding.test_decoding_greedy import assert_kv_close, generate_kv, oracle_eos
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(1)}
@@ -125,6 +126,25 @@ def test_batched_oracle_heads_accept_and_compact_per_row():
     )
     assert [r.tokens.tolist() for r in out.rows] == [r[:budgets] for r in refs]
     assert all(r.accepted_lengths == [4, 4, 4, 4, 4, 1] for r in out.rows)
+
+
+def test_each_row_keeps_the_kv_generates_cache_holds_after_it():
+    """keep_kv: each row's KV entries as its own generate's cache holds them after the call, copied as
+    the row leaves the batch (paths not contiguous in node order; rows ended by the budget inside a
+    step or at a root emitted without a forward, or by an EOS inside a path)."""
+    model = tiny_model("llama", seed=3)
+    prompts = prompts_for(3, seed=4)
+    refs = [torch.tensor(plain_greedy(model, p, 40)) for p in prompts]
+    fulls = [torch.cat([p, r]) for p, r in zip(prompts, refs, strict=True)]
+    heads = OracleRows(model, fulls, rank=1)
+    for n, eos in ((19, None), (21, None), (30, oracle_eos(refs[1], 4, 8))):
+        out = medusa_generate_batch(
+            model, heads, prompts, max_new_tokens=n, tree=MEDUSA_63, eos_token_id=eos, keep_kv=True
+        )
+        for prompt, row in zip(prompts, out.rows, strict=True):
+            assert row.tokens.tolist() == plain_greedy(model, prompt, n, eos)
+            assert_kv_close(row.kv, generate_kv(model, prompt[None], n, eos))
+        assert out.rows[1].stop_reason == ("eos" if eos else "max_new_tokens")
 
 
 def test_finished_rows_leave_the_batch_and_cache_is_never_reallocated():

@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, TreeError, chain_tree, medusa_generate
+from medusa_train.decoding.generate import dynamic_entries
 from medusa_train.heads import MedusaHeads
+from medusa_train.hf_compat import cache_kwargs, output_cache_field
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
@@ -181,6 +184,67 @@ def test_oracle_heads_give_tau_above_one():
         temperature=1e-3,
     )
     assert out.tokens.tolist() == ref[:21].tolist() and out.accepted_lengths == [5, 5, 5, 5, 1]
+
+
+def generate_kv(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> list:
+    """What plain greedy ``generate``'s cache holds after the call: per layer ``(H, n, D)`` keys and
+    values of the ``(1, T)`` prompt's row."""
+    out = model.generate(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
+    return [(layer.keys[0], layer.values[0]) for layer in getattr(out, output_cache_field()).layers]
+
+
+def assert_kv_close(kv: list, expected: list) -> None:
+    assert kv is not None and len(kv) == len(expected)
+    for (keys, values), (want_keys, want_values) in zip(kv, expected, strict=True):
+        torch.testing.assert_close(keys, want_keys)
+        torch.testing.assert_close(values, want_values)
+
+
+def oracle_eos(ref: torch.Tensor, steps_of: int, after: int) -> int:
+    """A token of ``ref`` that is the third of a step of ``steps_of`` tokens, from ``after`` on, and does
+    not occur before it: an EOS the decoder meets inside an accepted path, after a node out of place."""
+    return int(next(ref[k] for k in range(after, len(ref)) if k % steps_of == 2 and ref[k] not in ref[:k]))
+
+
+def test_a_given_cache_is_left_as_generates_cache():
+    """medusa_generate(cache=...) decodes on the cache it is given and leaves in it what generate's cache
+    holds after the same call: the prompt's and the new tokens' entries but the last one's, the
+    accepted path's moved into place and the tree's other nodes cut off (paths not contiguous in node
+    order; the call ended by the budget inside a step or at a root emitted without a forward, or by an
+    EOS inside a path). A cache that holds the prompt's first tokens: only the others are prefilled on
+    it."""
+    model = tiny_model("llama", seed=3)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    ref = plain_greedy(model, prompt, 40)
+    full = torch.cat([prompt[0], ref])[None]
+    heads = OracleHeads(model, full, rank=1)  # paths (1,), (1, 0), ...: not contiguous in MEDUSA_63
+    for n, eos in ((19, None), (21, None), (30, oracle_eos(ref, 4, 8))):
+        cache = DynamicCache()
+        out = medusa_generate(
+            model, heads, prompt, max_new_tokens=n, tree=MEDUSA_63, eos_token_id=eos, cache=cache
+        )
+        expected = plain_greedy(model, prompt, n, eos)
+        assert (
+            out.tokens.tolist() == expected.tolist() and out.accepted_lengths[-1] == {19: 3, 21: 1, 30: 3}[n]
+        )
+        assert cache.get_seq_length() == prompt.shape[1] + len(expected) - 1
+        assert_kv_close(dynamic_entries(cache), generate_kv(model, prompt, n, eos))
+    longer = full[:, :12]
+    first = DynamicCache()
+    with torch.no_grad():
+        model(longer[:, :7], use_cache=True, **cache_kwargs(model, first))
+    out = medusa_generate(model, heads, longer, max_new_tokens=6, tree=MEDUSA_63, cache=first)
+    assert out.tokens.tolist() == ref[7:13].tolist()
+    assert_kv_close(dynamic_entries(first), generate_kv(model, longer, 6))
+    with pytest.raises(ValueError, match="the cache holds 17 tokens and input_ids 12: pass input_ids that"):
+        medusa_generate(model, heads, longer, max_new_tokens=4, tree=MEDUSA_63, cache=first)
 
 
 def test_typical_accepts_and_counts():

@@ -25,7 +25,8 @@ from medusa_train.decoding.static import (
     typical_path,
 )
 from tests.helpers.models import MAX_POS, VOCAB, random_heads, random_tree, tiny_model
-from tests.unit.decoding.test_decoding_greedy import OracleHeads
+from tests.unit.decoding.test_decoding_batched import OracleRows, prompts_for
+from tests.unit.decoding.test_decoding_greedy import OracleHeads, assert_kv_close, generate_kv, oracle_eos
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 TREES = {"chain4": chain_tree(4), "medusa63": MEDUSA_63, "random": random_tree(0), "root": []}
@@ -179,6 +180,23 @@ def test_static_oracle_heads_accept_whole_paths():
         model, RowOracleHeads(model, full, rank=1), prompt, max_new_tokens=21, tree=MEDUSA_63
     )
     assert out.tokens.tolist() == ref[:21] and out.accepted_lengths == [4, 4, 4, 4, 4, 1]
+
+
+def test_static_rows_keep_the_kv_generates_cache_holds_after_them():
+    """keep_kv: each row's entries as its own generate's cache holds them after the call (its columns
+    before its last token; paths not contiguous in node order, rows ended by the budget inside a step or
+    by an EOS inside a path while the other row goes on)."""
+    model = tiny_model("llama", seed=3)
+    prompts = [p[None] for p in prompts_for(2, seed=4)]
+    refs = [torch.tensor(plain_greedy(model, p, 40)) for p in prompts]
+    fulls = [torch.cat([p[0], r]) for p, r in zip(prompts, refs, strict=True)]
+    decoder = StaticDecoder(model, OracleRows(model, fulls, rank=1), MEDUSA_63, 128, batch_size=2)
+    for n, eos in ((19, None), (21, None), (30, oracle_eos(refs[0], 4, 8))):
+        out = decoder.generate_batch(prompts, max_new_tokens=n, eos_token_id=eos, keep_kv=True)
+        for prompt, row in zip(prompts, out.rows, strict=True):
+            assert row.tokens.tolist() == plain_greedy(model, prompt, n, eos)
+            assert_kv_close(row.kv, generate_kv(model, prompt, n, eos))
+        assert out.rows[0].stop_reason == ("eos" if eos else "max_new_tokens")
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
