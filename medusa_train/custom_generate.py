@@ -47,8 +47,25 @@ written again into the same folder), checks they belong to the model, and decode
   tree was calibrated with where ``auto`` would take another at the calibration's context
   (:func:`_calibrated_attention`), else "auto";
 - returns what ``generate`` returns: ``(B, T + n)`` long ids, prompt as given then the new tokens,
-  rows that stopped early padded with ``pad_token_id`` (a ``GenerateDecoderOnlyOutput`` with only
-  ``sequences`` when ``return_dict_in_generate``).
+  rows that stopped early padded with ``pad_token_id``; with ``return_dict_in_generate`` a
+  ``GenerateDecoderOnlyOutput`` with ``sequences`` and, with ``use_cache`` (the default), the cache
+  ``generate``'s carries (field ``cache``; ``past_key_values`` before transformers 5.24): the keys and
+  values of ``sequences[:, :-1]`` and nothing else (the tree's other columns cut off), a batch in the
+  left-padded layout (the padding's entries zeros: every later forward masks them), a ``DynamicCache``,
+  or for ``cache_implementation="static"`` a ``StaticCache`` of ``generate``'s size (prompt +
+  ``max_new_tokens`` - 1 columns, or ``max_cache_len``). The decoders' own KV goes into it
+  (:func:`_generate_cache`); what none computed, a row of a batch that stopped before the longest (its
+  last token and the padding ``generate`` runs through the model after it), by one forward;
+- a cache to go on from (``past_key_values``, ``cache`` from transformers 5.24): a ``DynamicCache`` whose
+  layers keep every token (one this function returned, or plain ``generate``'s of a model without
+  sliding-window layers) of one unpadded prompt; only the prompt's tokens it does not hold are
+  prefilled, and it is returned gone on, as ``generate`` returns the cache it gets. Any other (a
+  batch's, a ``StaticCache``, or with ``cache_implementation="static"``, which ``generate`` refuses
+  too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
+- past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
+  this, once), the same tokens; stopped there, with a warning saying why, only where decoding must stop
+  to be ``generate``'s (:func:`~medusa_train.decoding.generate.position_bound`: positions a learned
+  table of that many rows, past which plain ``generate`` fails; or a dynamic NTK RoPE).
 
 Needs torch, transformers and this package only (no Hydra): it runs wherever ``generate`` runs.
 """
@@ -65,6 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
@@ -84,7 +102,14 @@ from medusa_train.decoding.attention import (
     resolve_attention,
 )
 from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
-from medusa_train.decoding.generate import PackedHeads, context_limit, eos_ids, medusa_generate
+from medusa_train.decoding.generate import (
+    PackedHeads,
+    context_limit,
+    dynamic_entries,
+    eos_ids,
+    medusa_generate,
+    position_bound,
+)
 from medusa_train.decoding.static import (
     StaticDecoder,
     capacity_for,
@@ -95,6 +120,7 @@ from medusa_train.decoding.static import (
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
+from medusa_train.hf_compat import NEW_NAME, OLD_NAME, cache_kwargs, output_cache_field
 from medusa_train.workdir import CALIBRATION, CHOICES, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -159,7 +185,8 @@ Written by `python -m medusa_train stage=export`. It needs torch, transformers a
 `custom_generate` value `generate` was called with, else EXPORT_DIR; `medusa_heads=<dir>` overrides).
 Arguments: those of `generate` (max_new_tokens, do_sample, temperature, top_k, top_p, min_p,
 repetition_penalty, min_new_tokens, eos_token_id, a left-padded batch with its attention_mask,
-cache_implementation="static" for the decoder captured as a CUDA graph), plus medusa_acceptance="typical",
+cache_implementation="static" for the decoder captured as a CUDA graph, return_dict_in_generate for the
+cache too, past_key_values to go on from one), plus medusa_acceptance="typical",
 medusa_attention="auto"|"sdpa"|"triton"|"cuda" (default: the one the tree was calibrated with where auto
 would take another), medusa_choices=<paths>.
 See medusa_train.custom_generate.
@@ -259,17 +286,19 @@ def generate(
             ``repetition_penalty``, ``eos_token_id``,
             a ``streamer`` for one prompt;
             ``cache_implementation="static"`` with ``disable_compile`` and ``compile_config``: the
-            static-shape decoder, see the module docstring).
+            static-shape decoder; ``past_key_values`` (``cache``): a ``DynamicCache`` of one
+            prompt to go on from; see the module docstring).
 
     Returns:
         ``(B, T + n)`` long ids on the prompt's device, or a ``GenerateDecoderOnlyOutput`` with
-        ``sequences`` only (``return_dict_in_generate=True``).
+        ``sequences`` and the cache ``generate``'s carries (``return_dict_in_generate=True``; the
+        cache with ``use_cache``, see the module docstring).
 
     Raises:
         ValueError: the heads do not belong to ``model``, no export is found, or an argument Medusa
             decoding cannot honour (beam search, several sequences per prompt, logits processors,
             a setting it does not apply such as ``bad_words_ids``, right padding, a ``max_length``
-            that leaves the prompt no room, an unknown
+            that leaves the prompt no room, a cache it cannot go on from, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here; a model no tree decoder verifies (ALiBi, layers of a type
             other than full, sliding-window or chunked attention, a recurrent state, no position ids:
@@ -297,13 +326,17 @@ def generate(
     )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     model_kwargs.pop("use_cache", None)
+    # the cache to go on from: generate's argument under either name (transformers 5.24 renamed it)
+    passed = [model_kwargs.pop(name, None) for name in (NEW_NAME, OLD_NAME)]
+    passed = next((c for c in passed if c is not None), None)
     for name in ("output_attentions", "output_hidden_states"):  # for the forwards: outputs not returned
         model_kwargs.pop(name, None)  # (named in a warning with return_dict_in_generate, as output_scores)
     # as in generate (_validate_model_kwargs), a model argument given as None is no argument
     model_kwargs = {name: value for name, value in model_kwargs.items() if value is not None}
     if model_kwargs:
         raise ValueError(
-            f"Medusa decoding takes input_ids and attention_mask only, not {sorted(model_kwargs)}"
+            "Medusa decoding takes input_ids, attention_mask and past_key_values only, not "
+            f"{sorted(model_kwargs)}"
         )
     rule = _acceptance(config, medusa_acceptance)
     if medusa_attention is not None and medusa_attention not in ATTENTION_CHOICES:
@@ -312,16 +345,21 @@ def generate(
     eos = eos_ids(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = input_ids.shape[1]
-    max_new = _max_new_tokens(config, width, default_length, context_limit(model))
+    limit, bound = context_limit(model), position_bound(model)
+    max_new = _max_new_tokens(config, width, default_length, limit)
     loaded = _load(model, source, medusa_choices, check_base=medusa_check_base)
 
     if attention_mask is None:  # as generate: its padding masked when the prompt holds pad_token_id
         attention_mask = _inferred_mask(input_ids, config.pad_token_id, eos)
     device = model.get_output_embeddings().weight.device
     rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
+    _check_passed_cache(passed, static, rows, width)
+    # generate's output carries its cache with return_dict_in_generate (and use_cache, the default)
+    want_cache = bool(config.return_dict_in_generate and config.use_cache)
     attention = _calibrated_attention(loaded, device) if medusa_attention is None else medusa_attention
     settings = dict(
         max_new_tokens=max(0, max_new),
+        stop_at_context=bound is not None,  # else past max_position_embeddings, as generate goes on
         tree=loaded.tree,
         acceptance=rule,
         temperature=1.0 if config.temperature is None else float(config.temperature),  # None: no warper
@@ -351,25 +389,29 @@ def generate(
             model, 'cache_implementation="static"', "generate without it decodes such a model row by row"
         )
         decoder = _static_decoder(model, loaded, rows, config, settings, attention)
-        out = decoder.generate_batch(
+        outs = decoder.generate_batch(
             rows,
             max_new_tokens=settings["max_new_tokens"],
             eos_token_id=eos,
             on_tokens=None if stream is None else (lambda row, new_tokens: stream(new_tokens)),
-        )
-        new = [row.tokens for row in out.rows]
+            keep_kv=want_cache,
+        ).rows
     elif len(rows) == 1 or len(model_devices(model)) > 1:  # the batched decoder needs one device
-        new = [
-            medusa_generate(
-                model, loaded.packed, row, attention=attention, on_tokens=stream, **settings
-            ).tokens
-            for row in rows
-        ]
+        outs, kept = [], None
+        for row in rows:
+            kept = passed if passed is not None else DynamicCache() if want_cache else None
+            outs.append(
+                medusa_generate(
+                    model, loaded.packed, row, attention=attention, on_tokens=stream, cache=kept, **settings
+                )
+            )
+            entries = [] if kept is None else dynamic_entries(kept)
+            outs[-1].kv = entries if any(e is not None for e in entries) else None
     else:
-        out = medusa_generate_batch(
-            model, loaded.packed, rows, pad_token_id=pad, attention=attention, **settings
-        )
-        new = [row.tokens for row in out.rows]
+        outs = medusa_generate_batch(
+            model, loaded.packed, rows, pad_token_id=pad, attention=attention, keep_kv=want_cache, **settings
+        ).rows
+    new = [row.tokens for row in outs]
     # The prompt as given, then each row's new tokens, right-padded like plain generate's finished rows.
     longest = max(len(t) for t in new)
     sequences = torch.full((len(rows), width + longest), pad, dtype=torch.long, device=input_ids.device)
@@ -378,12 +420,25 @@ def generate(
         sequences[i, width : width + len(tokens)] = tokens.to(input_ids.device)  # (n_i,)
     if streamer is not None:
         streamer.end()
+    _warn_positions(limit, bound, sequences.shape[1], [row.stop_reason for row in outs])
     if config.return_dict_in_generate:
         _warn_once(
             [f"{name}=True" for name in _NOT_RETURNED if getattr(config, name, False)],
-            "Medusa decoding returns the sequences only, not {}: those fields are None",
+            "Medusa decoding returns the sequences and the cache only, not {}: those fields are None",
         )
-        return GenerateDecoderOnlyOutput(sequences=sequences)
+        cache = None
+        if want_cache:
+            whole = len(rows) == 1 and rows[0].shape[1] == width  # one prompt, unpadded
+            if whole and not static and kept.get_seq_length() == sequences.shape[1] - 1:
+                cache = kept  # the decoder's own cache, complete: generate returns its own (the one passed)
+            else:
+                cache = _generate_cache(model, sequences, attention_mask, [row.kv for row in outs], width)
+            if static:  # generate's static cache, of its size: prompt + max_new_tokens - 1 columns
+                size = max(
+                    width + max_new - 1, sequences.shape[1] - 1, getattr(config, "max_cache_len", 0) or 0
+                )
+                cache = _static_copy(model, cache, size)
+        return GenerateDecoderOnlyOutput(sequences=sequences, **{output_cache_field(): cache})
     return sequences
 
 
@@ -644,7 +699,8 @@ def _static_decoder(
         settings["min_new_tokens"],
         settings["min_length"],
     )
-    nodes, limit = loaded.tree.num_nodes, context_limit(model)
+    nodes = loaded.tree.num_nodes
+    limit = context_limit(model) if settings["stop_at_context"] else None
     lens = [r.shape[1] for r in rows]
     need = columns_needed(lens, row_budgets(lens, settings["max_new_tokens"], limit), nodes)
     decoders = vars(model).setdefault(_STATIC_ATTR, _StaticDecoders())
@@ -675,6 +731,7 @@ def _static_decoder(
             repetition_penalty=settings["repetition_penalty"],
             min_new_tokens=settings["min_new_tokens"],
             min_length=settings["min_length"],
+            stop_at_context=settings["stop_at_context"],
         )
     decoders[key] = decoder
     return decoder
@@ -809,3 +866,127 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
             )
         rows.append(input_ids[i : i + 1, input_ids.shape[1] - n :])  # (1, n)
     return rows
+
+
+# -- the cache ------------------------------------------------------------------------------------
+def _check_passed_cache(passed, static: bool, rows: list[torch.Tensor], width: int) -> None:
+    """Refuse a cache to go on from (``past_key_values`` / ``cache``) that Medusa decoding cannot take:
+    it takes a ``DynamicCache`` whose layers keep every token (the one it returns without
+    ``cache_implementation="static"``, or plain generate's of a model without sliding-window layers),
+    of one unpadded prompt; the static decoder starts from a cache of its own.
+
+    Raises:
+        ValueError: one line saying what to pass instead.
+    """
+    if passed is None:
+        return
+    if static:
+        raise ValueError(
+            'cache_implementation="static" decodes on a cache of its own (plain generate refuses a cache '
+            "with it too): call without past_key_values, or without cache_implementation to go on from it"
+        )
+    layers = getattr(passed, "layers", [])
+    if (
+        not isinstance(passed, DynamicCache)
+        or getattr(passed, "offloading", False)
+        or any(type(layer) is not DynamicLayer for layer in layers)
+    ):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise ValueError(
+            f"Medusa decoding goes on from a DynamicCache whose layers keep every token, not a "
+            f"{type(passed).__name__} of {', '.join(kinds) or 'no layers'}: pass the cache a Medusa "
+            "generate call returned (return_dict_in_generate=True, without cache_implementation), or "
+            "call without past_key_values"
+        )
+    rows_cached = {layer.keys.shape[0] for layer in layers if layer.is_initialized and layer.keys.dim() == 4}
+    if len(rows) != 1 or rows[0].shape[1] != width or rows_cached - {1}:
+        raise ValueError(
+            "Medusa decoding goes on from a cache of one prompt without padding: pass past_key_values "
+            "with one prompt, or call without it"
+        )
+
+
+def _generate_cache(
+    model,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kv: list[list[tuple[torch.Tensor, torch.Tensor] | None] | None],
+    width: int,
+) -> DynamicCache:
+    """The cache plain ``generate`` returns with ``sequences`` ``(B, S)``: the keys and values of
+    ``sequences[:, :-1]``, each row in the layout of the left-padded prompt (``width`` columns).
+
+    Each row's entries are its decoder's ``kv`` (the prompt's and the new tokens' but the last; None:
+    none), at the columns after its padding (whose entries are zeros: ``attention_mask`` masks them in
+    every later forward). What no decoder computed is computed by one forward of the model over the
+    columns from the first any row lacks, with the mask and positions ``generate`` gives them: a row
+    that stopped before the longest has the entries of its last token and of the padding ``generate``
+    ran through the model after it (its mask 1 there, as ``generate`` extends it).
+    """
+    b, end = sequences.shape[0], sequences.shape[1] - 1
+    mask = torch.ones(b, sequences.shape[1], dtype=torch.long, device=sequences.device)  # (B, S)
+    if attention_mask is not None:
+        mask[:, :width] = attention_mask
+    pads = (width - mask[:, :width].sum(dim=1)).tolist()  # each row's left padding
+    template = next((row for row in kv if row is not None), None)
+    known = [
+        pads[i] + next(layer[0].shape[1] for layer in row if layer is not None)
+        if row is not None
+        else pads[i]
+        for i, row in enumerate(kv)
+    ]
+    start = 0 if template is None else min(*known, end)  # every row's entries are known up to here
+    cache = DynamicCache()
+    for index, layer in enumerate(template or []):
+        if layer is None or start == 0:
+            continue
+        keys = layer[0].new_zeros(b, layer[0].shape[0], start, layer[0].shape[2])  # (B, H, start, D)
+        values = layer[1].new_zeros(b, layer[1].shape[0], start, layer[1].shape[2])  # (B, H, start, Dv)
+        for i, row in enumerate(kv):
+            if row is not None and start > pads[i]:
+                keys[i, :, pads[i] :] = row[index][0][:, : start - pads[i]]
+                values[i, :, pads[i] :] = row[index][1][:, : start - pads[i]]
+        cache.update(keys, values, index)
+    if start < end:
+        device = model.get_input_embeddings().weight.device
+        mask = mask[:, :end].to(device)  # (B, S - 1)
+        positions = (mask.cumsum(dim=1) - 1).masked_fill_(mask == 0, 1)  # as generate gives them
+        with torch.no_grad():
+            model(
+                input_ids=sequences[:, start:end].to(device),
+                attention_mask=mask,
+                position_ids=positions[:, start:],
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(model, cache),
+            )
+    return cache
+
+
+def _static_copy(model, cache: DynamicCache, size: int) -> StaticCache:
+    """``cache`` in a ``StaticCache`` of ``size`` columns, the kind ``generate`` returns for
+    ``cache_implementation="static"`` (its sliding-window layers keep the last window)."""
+    static = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=size)
+    for index, (layer, target) in enumerate(zip(cache.layers, static.layers, strict=False)):
+        if isinstance(target, DummyLayer) or not layer.is_initialized or layer.keys is None:
+            continue
+        columns = torch.arange(layer.keys.shape[2], device=layer.keys.device)
+        static.update(layer.keys, layer.values, index, {"cache_position": columns})  # 5.17 reads positions
+    return static
+
+
+def _warn_positions(limit: int | None, bound: str | None, length: int, stop_reasons: list[str]) -> None:
+    """Warn, once, where the sequences went past the model's ``max_position_embeddings`` (as plain
+    generate warns: its positions go on), or where a row stopped there (``bound``: why it must)."""
+    if limit is None:
+        return
+    if bound is None and length > limit:
+        _warn_message(
+            f"the sequences went past the model's max_position_embeddings ({limit}), as plain generate's "
+            "go on past it: depending on the model, outputs may degrade there"
+        )
+    elif bound is not None and "context" in stop_reasons:
+        _warn_message(
+            f"Medusa decoding stopped at the model's max_position_embeddings ({limit}): {bound}; "
+            "shorten the prompt to leave room"
+        )

@@ -33,13 +33,15 @@ from medusa_train.backbone import local_fingerprint
 from medusa_train.card_inputs import CALIBRATION_INPUT, EXPORTED_CALIBRATION_INPUT
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
 from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
+from medusa_train.custom_generate import generate as generate_with_heads
 from medusa_train.decoding.generate import PackedHeads
 from medusa_train.errors import DamagedArtefactError
-from medusa_train.formats import load_heads
+from medusa_train.formats import MEDUSA, load_heads, save_medusa
+from medusa_train.hf_compat import cache_keyword, output_cache_field
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
-from medusa_train.workdir import HEADS_WEIGHTS
-from tests.helpers.models import tiny_model
+from medusa_train.workdir import CHOICES, HEADS_WEIGHTS
+from tests.helpers.models import random_heads, tiny_model
 from tests.helpers.scripts import load_script
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
 
@@ -371,7 +373,10 @@ def test_generate_settings_apply_as_in_generate(workdir: Path, model, tok, caplo
             return_dict_in_generate=True,
             output_scores=True,
         )
-    assert out.scores is None and "returns the sequences only, not output_scores=True" in caplog.text
+    assert (
+        out.scores is None
+        and "returns the sequences and the cache only, not output_scores=True" in caplog.text
+    )
     # attentions and hidden states, like scores: the sequences of plain generate, those fields named
     more = dict(output_attentions=True, output_hidden_states=True)
     out = _medusa(model, workdir / "export", **one, max_new_tokens=4, **more)
@@ -391,7 +396,7 @@ def test_model_arguments_given_as_none_are_no_arguments_as_in_generate(workdir: 
     none = dict(past_key_values=None, position_ids=None, token_type_ids=None)
     plain = model.generate(**one, do_sample=False, max_new_tokens=8, **none)
     assert torch.equal(_medusa(model, workdir / "export", **one, max_new_tokens=8, **none), plain)
-    with pytest.raises(ValueError, match=r"input_ids and attention_mask only, not \['position_ids'\]"):
+    with pytest.raises(ValueError, match=r"attention_mask and past_key_values only, not \['position_ids'\]"):
         positions = torch.arange(one["input_ids"].shape[1])[None]  # (1, T)
         _medusa(model, workdir / "export", **one, max_new_tokens=8, position_ids=positions)
 
@@ -428,13 +433,13 @@ def test_static_cache_decodes_with_the_static_decoder_kept_on_the_model(workdir:
     again = _medusa(model, workdir / "export", **one, max_new_tokens=12, cache_implementation="static")
     assert torch.equal(again, plain[:, : one["input_ids"].shape[1] + 12])
     assert list(kept.values()) == [first]  # reused, not rebuilt
-    # the longest call the model's 256 positions allow needs 256 + the tree's 6 nodes (root included): a
-    # larger decoder replaces it
+    # a call of 400 new tokens needs the prompt + 400 + the tree's 6 nodes (root included), past the
+    # model's 256 positions as plain generate goes past them: a larger decoder replaces it
     long_plain = model.generate(**one, do_sample=False, max_new_tokens=400)
     long_ours = _medusa(model, workdir / "export", **one, max_new_tokens=400, cache_implementation="static")
-    assert torch.equal(long_ours, long_plain)  # (the reply ends at an EOS; the room was for 256 positions)
+    assert torch.equal(long_ours, long_plain)  # (the reply ends at an EOS; the room was for 400 tokens)
     (grown,) = kept.values()
-    assert grown is not first and grown.capacity == 256 + first.tree.num_nodes == 262
+    assert grown is not first and grown.capacity == 512  # the next power of two
     # a left-padded batch: its own decoder of 2 rows, each row exact
     plain_batch = model.generate(**batch, do_sample=False, max_new_tokens=30)
     ours = _medusa(model, workdir / "export", **batch, max_new_tokens=30, cache_implementation="static")
@@ -1017,3 +1022,185 @@ def test_check_script_leaves_no_temporary_folder(outcome: str, tmp_path: Path, m
     assert list(scratch.iterdir()) == []
     assert str(scratch) not in capsys.readouterr().out
     assert not any(Path(entry).is_relative_to(scratch) for entry in sys.path)
+
+
+def _cache_of(out):
+    """The cache of a ``return_dict_in_generate`` output, in the field the installed transformers names."""
+    return getattr(out, output_cache_field())
+
+
+def _with_cache(model, cache) -> dict:
+    """A copy of ``cache`` (generate writes into the one it gets) under the name generate takes here."""
+    return {cache_keyword(model): copy.deepcopy(cache)}
+
+
+@pytest.mark.parametrize("static", [{}, {"cache_implementation": "static", "max_cache_len": 64}])
+def test_the_returned_cache_goes_on_as_generates_own(workdir: Path, model, tok, static: dict) -> None:
+    """With return_dict_in_generate, the output carries the cache plain generate's does (dynamic, or
+    static of its size): the keys and values of the sequences but the last token, the tree's other
+    columns cut off; plain generate goes on from it as from its own, and so does Medusa decoding
+    (dynamic: from plain generate's cache too, which it returns gone on), each reply as plain
+    generate's."""
+    follow = tok(" the dog", return_tensors="pt")["input_ids"]
+    for prompt in PROMPTS:  # the second reply is EOS at once
+        one = tok(prompt, return_tensors="pt")
+        plain = model.generate(
+            **one, do_sample=False, max_new_tokens=12, return_dict_in_generate=True, **static
+        )
+        ours = _medusa(
+            model, workdir / "export", **one, max_new_tokens=12, return_dict_in_generate=True, **static
+        )
+        assert torch.equal(ours.sequences, plain.sequences)
+        mine, theirs = _cache_of(ours), _cache_of(plain)
+        assert type(mine) is type(theirs)
+        assert int(mine.get_seq_length()) == int(theirs.get_seq_length()) == plain.sequences.shape[1] - 1
+        for a, b in zip(mine.layers, theirs.layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys)
+            torch.testing.assert_close(a.values, b.values)
+        ids = torch.cat([plain.sequences, follow], dim=1)
+        expected = model.generate(ids, do_sample=False, max_new_tokens=10, **_with_cache(model, theirs))
+        assert torch.equal(
+            model.generate(ids, do_sample=False, max_new_tokens=10, **_with_cache(model, mine)), expected
+        )
+        if static:
+            continue
+        for cache in (mine, theirs):
+            given = _with_cache(model, cache)
+            again = _medusa(
+                model,
+                workdir / "export",
+                input_ids=ids,
+                max_new_tokens=10,
+                return_dict_in_generate=True,
+                **given,
+            )
+            assert torch.equal(again.sequences, expected)
+            # the cache given, gone on in place, as generate returns the one it gets
+            assert _cache_of(again) is next(iter(given.values()))
+            assert _cache_of(again).get_seq_length() == expected.shape[1] - 1
+
+
+@pytest.mark.parametrize("static", [{}, {"cache_implementation": "static", "max_cache_len": 64}])
+def test_the_cache_of_a_left_padded_batch_is_generates(workdir: Path, model, tok, static: dict) -> None:
+    """A batch's cache holds each row as generate's does, in the left-padded layout (the padding's
+    entries, masked in every later forward, aside), the row that stopped at once with its EOS and the
+    padding generate ran after it: plain generate goes on from it as from its own. Medusa decoding does
+    not go on from a batch's cache: refused in one line."""
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    plain = model.generate(
+        **batch, do_sample=False, max_new_tokens=12, return_dict_in_generate=True, **static
+    )
+    ours = _medusa(
+        model, workdir / "export", **batch, max_new_tokens=12, return_dict_in_generate=True, **static
+    )
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert (ours.sequences[1, -1] == tok.pad_token_id).item()  # the second row stopped early
+    mine, theirs = _cache_of(ours), _cache_of(plain)
+    end = plain.sequences.shape[1] - 1
+    assert type(mine) is type(theirs) and int(mine.get_seq_length()) == int(theirs.get_seq_length()) == end
+    width = batch["input_ids"].shape[1]
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, end + 1 - width, dtype=torch.long)], dim=1)
+    kept = mask[:, :end].bool()  # (B, S - 1) the columns a later forward reads
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            torch.testing.assert_close(
+                x[:, :, :end].transpose(1, 2)[kept], y[:, :, :end].transpose(1, 2)[kept]
+            )
+    follow = tok([" the dog", " a cat"], return_tensors="pt", padding=True)
+    ids = torch.cat([plain.sequences, follow["input_ids"]], dim=1)
+    go_on = dict(attention_mask=torch.cat([mask, follow["attention_mask"]], dim=1), do_sample=False)
+    expected = model.generate(ids, **go_on, max_new_tokens=10, **_with_cache(model, theirs))
+    assert torch.equal(model.generate(ids, **go_on, max_new_tokens=10, **_with_cache(model, mine)), expected)
+    refusal = (
+        "a DynamicCache whose layers keep every token" if static else "a cache of one prompt without padding"
+    )
+    with pytest.raises(ValueError, match=f"Medusa decoding goes on from {refusal}.*: pass"):
+        _medusa(
+            model, workdir / "export", input_ids=ids, **go_on, max_new_tokens=4, **_with_cache(model, mine)
+        )
+
+
+def test_a_cache_medusa_decoding_cannot_go_on_from_is_refused(workdir: Path, model, tok) -> None:
+    """The static decoder decodes on a cache of its own (plain generate refuses a cache with it too);
+    the dynamic one goes on from a DynamicCache whose layers keep every token, shorter than the prompt:
+    anything else is refused in one line saying what to pass."""
+    one = tok(PROMPTS[0], return_tensors="pt")
+    out = _medusa(model, workdir / "export", **one, max_new_tokens=6, return_dict_in_generate=True)
+    ids = torch.cat([out.sequences, one["input_ids"]], dim=1)
+    with pytest.raises(
+        ValueError, match='static" decodes on a cache of its own .*without cache_implementation'
+    ):
+        _medusa(
+            model,
+            workdir / "export",
+            input_ids=ids,
+            max_new_tokens=4,
+            cache_implementation="static",
+            **_with_cache(model, _cache_of(out)),
+        )
+    static = _medusa(
+        model,
+        workdir / "export",
+        **one,
+        max_new_tokens=6,
+        return_dict_in_generate=True,
+        cache_implementation="static",
+    )
+    with pytest.raises(
+        ValueError, match="a DynamicCache whose layers keep every token, not a StaticCache of"
+    ):
+        _medusa(
+            model,
+            workdir / "export",
+            input_ids=ids,
+            max_new_tokens=4,
+            **_with_cache(model, _cache_of(static)),
+        )
+    cached = out.sequences.shape[1] - 1
+    with pytest.raises(
+        ValueError, match=f"the cache holds {cached} tokens and input_ids {cached}: pass input_ids"
+    ):
+        _medusa(
+            model,
+            workdir / "export",
+            input_ids=out.sequences[:, :-1],
+            max_new_tokens=4,
+            **_with_cache(model, _cache_of(out)),
+        )
+
+
+def test_decoding_goes_past_the_positions_where_generate_does_and_stops_where_it_cannot(
+    workdir: Path, model, tok, tmp_path: Path, caplog
+) -> None:
+    """Plain generate goes on past max_position_embeddings (a warning) on a RoPE model: so does Medusa
+    decoding, the same tokens (one prompt, a batch, the static decoder). A model of learned absolute
+    positions cannot index past its table (plain generate fails there): Medusa decoding stops at it,
+    with a warning that says why."""
+    ids = tok(PROMPTS[0], return_tensors="pt")["input_ids"]
+    long = ids.repeat(1, 250 // ids.shape[1] + 1)[:, :250]  # of the model's 256 positions
+    batch = {"input_ids": torch.cat([long, long]), "attention_mask": torch.ones(2, 250, dtype=torch.long)}
+    batch["attention_mask"][1, :3] = 0
+    with caplog.at_level(logging.WARNING):
+        for inputs in ({"input_ids": long}, batch):
+            plain = model.generate(**inputs, do_sample=False, max_new_tokens=20)
+            assert plain.shape[1] == 270
+            for extra in ({}, {"cache_implementation": "static"}):
+                assert torch.equal(
+                    _medusa(model, workdir / "export", **inputs, max_new_tokens=20, **extra), plain
+                )
+    assert "went past the model's max_position_embeddings (256), as plain generate's go on" in caplog.text
+    release(model)
+    gpt2 = tiny_model("gpt2", seed=3)  # 64 learned positions
+    heads_dir = tmp_path / "gpt2_heads"
+    save_medusa(random_heads(gpt2, num_heads=3), heads_dir / MEDUSA)
+    (heads_dir / CHOICES).write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0]]))
+    prompt = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(IndexError):
+        gpt2.generate(prompt, do_sample=False, max_new_tokens=30)
+    with caplog.at_level(logging.WARNING):
+        ours = generate_with_heads(gpt2, prompt, medusa_heads=heads_dir, max_new_tokens=30)
+    assert torch.equal(ours, gpt2.generate(prompt, do_sample=False, max_new_tokens=14))  # 64 in all
+    assert (
+        "stopped at the model's max_position_embeddings (64): its positions are a learned table"
+        in caplog.text
+    )
