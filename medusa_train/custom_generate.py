@@ -301,8 +301,9 @@ def generate(
             that leaves the prompt no room, a cache it cannot go on from, an unknown
             ``medusa_acceptance`` or ``medusa_attention``); an attention
             kernel that cannot run here; a model no tree decoder verifies (ALiBi, layers of a type
-            other than full, sliding-window or chunked attention, a recurrent state, no position ids:
-            :func:`~medusa_train.decoding.attention.tree_refusal`), before anything else.
+            other than full, sliding-window or chunked attention, a recurrent state, no position ids,
+            attention both ways: :func:`~medusa_train.decoding.attention.tree_refusal`), before
+            anything else.
     """
     check_verifiable(model)  # a model no tree decoder verifies: refused before the export is read
     hub = {name: kwargs.pop(name) for name in _HUB_ARGUMENTS if name in kwargs}

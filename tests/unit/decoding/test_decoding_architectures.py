@@ -12,8 +12,10 @@ another type than full, sliding-window or chunked attention (Qwen3-Next, Recurre
 Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), Dory run with
 more than one recurrent loop (with one, served), models that take no
 position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose
-decoder takes them, is served), a window or chunk set per layer (``per_layer_config``), and Llama 4
-where its NoPE layers' query scaling would count positions from the cache's length."""
+decoder takes them, is served), the BERT family loaded without ``is_decoder=True``, which attends
+both ways (with it, served; Llama, GPT-NeoX and Whisper, whose code never reads it, served), a window
+or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling would
+count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from medusa_train.decoding import (
 )
 from medusa_train.decoding.attention import (
     AttentionBackendError,
+    attends_both_ways,
     kernel_refusal,
     layer_positions,
     model_window,
@@ -950,6 +953,114 @@ def test_whisper_causal_lm_is_served_its_decoder_takes_the_positions():
     for out in (batch, static):
         assert [r.tokens.tolist() for r in out.rows] == expected
         assert all(r.accepted_lengths[:4] == [5] * 4 for r in out.rows)
+
+
+BERT_SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+    max_position_embeddings=MAX_POS, bos_token_id=0, eos_token_id=None, pad_token_id=0, initializer_range=1.0,
+)  # fmt: skip
+BOTH_WAYS = {  # the BERT family's causal LMs: a causal or a bidirectional mask by config.is_decoder
+    "bert": lambda **kw: tf.BertConfig(**{**BERT_SHAPE, **kw}),
+    "roberta": lambda **kw: tf.RobertaConfig(**{**BERT_SHAPE, **kw}),
+    "megatron-bert": lambda **kw: tf.MegatronBertConfig(
+        **{**BERT_SHAPE, **kw}
+    ),  # no is_causal on its modules
+}
+
+
+def earlier_logits_move_with_the_last_token(model) -> bool:
+    """Whether ``model``'s logits at positions 0..T-2 of a prompt change when its last token does."""
+    ids = prompts()[1][None]  # (1, 11)
+    other = ids.clone()
+    other[0, -1] = (ids[0, -1] + 1) % VOCAB
+    with torch.no_grad():
+        return not torch.allclose(model(ids).logits[:, :-1], model(other).logits[:, :-1])
+
+
+@pytest.mark.parametrize("name", list(BOTH_WAYS))
+def test_models_that_attend_both_ways_are_refused_before_any_forward(name, tmp_path):
+    """The BERT family's causal LMs loaded with ``is_decoder=False`` (every config's default) attend both
+    ways (each token's logits move with the tokens after it): every decoder, and ``generate`` of an
+    export's ``custom_generate``, refuses them in one line saying to load them with
+    ``is_decoder=True``, before any forward."""
+    config = BOTH_WAYS[name](is_decoder=False)
+    model = build(config)
+    assert earlier_logits_move_with_the_last_token(model)
+    heads = random_heads(model, seed=1)
+    match = rf"^{type(model).__name__} \({config.model_type}\) attends both ways \(config.is_decoder=False"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
+        assert message.endswith(
+            "load it with is_decoder=True (from_pretrained(..., is_decoder=True), or in its "
+            "config.json) to make it a causal decoder"
+        )
+
+
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_models_that_attend_both_ways_decode_other_tokens_unrefused(name, monkeypatch):
+    """Why they are refused: let through, the batched and static decoders return other tokens than
+    ``generate`` (which recomputes every position at each step: such a model takes no cache)."""
+    monkeypatch.setattr(tree_attention_module, "attends_both_ways", lambda model: False)
+    model = build(BOTH_WAYS[name](is_decoder=False))
+    rows = prompts()
+    refs = [plain_greedy(model, p) for p in rows]
+    heads = random_heads(model, seed=1)
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=NEW_TOKENS, tree=TREES["random8"])
+    static = StaticDecoder(model, heads, TREES["random8"], 2 * MAX_POS, batch_size=3)
+    assert [r.tokens.tolist() for r in batch.rows] != refs
+    assert [r.tokens.tolist() for r in static.generate_batch(rows, max_new_tokens=NEW_TOKENS).rows] != refs
+
+
+@pytest.mark.parametrize("name", list(BOTH_WAYS))
+def test_models_that_attend_both_ways_are_served_with_is_decoder(name):
+    """The same models loaded with ``is_decoder=True`` attend one way and are served: the three decoders
+    equal plain greedy ``generate``, with a static capacity five times the model's 24 positions (their
+    position tables and token-type buffers end there) and rows that reach them."""
+    model = build(BOTH_WAYS[name](is_decoder=True, max_position_embeddings=24))
+    assert tree_refusal(model) is None and not earlier_logits_move_with_the_last_token(model)
+    rows = prompts()
+    refs = [plain_greedy(model, p, min(NEW_TOKENS, 24 - len(p))) for p in rows]
+    assert [len(r) for r in refs] == [19, 13, 20]  # two rows stop at the model's last position
+    assert_decoders_return(model, random_heads(model, seed=1), rows, refs, name)
+
+
+@pytest.mark.parametrize(
+    "build_model",
+    [
+        lambda: build(tiny_config("llama")),
+        lambda: build(tf.GPTNeoXConfig(**BERT_SHAPE)),  # mentions config.is_decoder in a docstring only
+        lambda: build(
+            tf.WhisperConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_target_positions=MAX_POS,
+                max_source_positions=16,
+                num_mel_bins=8,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=None,
+                decoder_start_token_id=0,
+                begin_suppress_tokens=None,
+                suppress_tokens=None,
+            )
+        ),  # fmt: skip
+    ],
+    ids=["llama", "gpt-neox", "whisper"],
+)
+def test_is_decoder_false_is_served_where_the_code_never_reads_it(build_model):
+    """Models whose code never reads ``is_decoder`` attend one way whatever their config says (or where it
+    has none) and are served: Llama, GPT-NeoX (whose config has it, False, and whose source names
+    ``config.is_decoder`` in a docstring's example) and WhisperForCausalLM (cross-attention modules
+    marked ``is_causal=False``)."""
+    model = build_model()
+    assert not getattr(model.config.get_text_config(), "is_decoder", False)
+    assert not attends_both_ways(model) and tree_refusal(model) is None
+    assert not earlier_logits_move_with_the_last_token(model)
 
 
 def assert_every_decoder_reads_what_lm_head_reads(model: torch.nn.Module) -> None:
