@@ -477,8 +477,8 @@ def medusa_generate_batch(
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
             chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
             :func:`~.attention.stateful_model`; no position ids: :func:`~.attention.positionless_model`;
-            attention both ways: :func:`~.attention.attends_both_ways`, the BERT family without
-            ``is_decoder=True``; Llama 4's query scaling past ``floor_scale - 1``).
+            masks of its own: XLM; attention both ways: :func:`~.attention.attends_both_ways`, the BERT
+            family without ``is_decoder=True``; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree is malformed, deeper than the number of heads, or asks for a rank >= V.
     """
     t_start = time.perf_counter()

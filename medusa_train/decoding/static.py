@@ -335,8 +335,8 @@ class StaticDecoder:
             no tree verification computes (ALiBi; layers of a type other than full, sliding-window or
             chunked attention: :func:`~.attention.unserved_layer_types`; a recurrent state:
             :func:`~.attention.stateful_model`; no position ids: :func:`~.attention.positionless_model`;
-            attention both ways: :func:`~.attention.attends_both_ways`, the BERT family without
-            ``is_decoder=True``; Llama 4's query scaling past ``floor_scale - 1``).
+            masks of its own: XLM; attention both ways: :func:`~.attention.attends_both_ways`, the BERT
+            family without ``is_decoder=True``; Llama 4's query scaling past ``floor_scale - 1``).
         TreeError: the tree does not fit the heads.
     """
 

@@ -306,6 +306,10 @@ def _why_not(backend: str, device: torch.device) -> str | None:
 
 ALIBI_MODEL_TYPES = ("bloom", "mpt")
 """Model types whose attention always adds ALiBi biases (Falcon does where its config sets ``alibi``)."""
+OWN_MASK_MODEL_TYPES = ("xlm", "flaubert")
+"""Model types that build their attention masks themselves, from their tokens' lengths or a 2-D padding
+mask (XLM's ``get_masks``, which Flaubert shares): the tree's 4-D mask fails there (an assertion, in
+every decoder), and with ``config.causal`` False, their default, every token attends the ones after it."""
 
 
 def tree_refusal(model: torch.nn.Module) -> str | None:
@@ -319,7 +323,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     several times in one forward (:func:`recurrent_loops`: Dory); any other model
     that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
     models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
-    cache columns; models that take no KV cache (:func:`uncached_model`); models whose tokens
+    cache columns; models that take no KV cache (:func:`uncached_model`); models that build their
+    attention masks themselves (:data:`OWN_MASK_MODEL_TYPES`: XLM, Flaubert); models whose tokens
     attend the ones after them (:func:`attends_both_ways`: the BERT family's causal LMs loaded without
     ``is_decoder=True``), last, as the one reason a user can lift by loading the model otherwise."""
     config = model.config.get_text_config()
@@ -340,6 +345,13 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
         return (
             f"{type(model).__name__} ({kind}) adds ALiBi position biases it builds itself, which a tree's "
             "position ids and 4-D mask cannot set: the Medusa decoders cannot verify trees on it"
+        )
+    if kind in OWN_MASK_MODEL_TYPES:
+        both = "" if getattr(config, "causal", False) else ", and attends both ways (config.causal=False)"
+        return (
+            f"{type(model).__name__} ({kind}) builds its attention masks itself from its tokens' lengths "
+            f"or a 2-D padding mask{both}: a tree's 4-D mask cannot reach them, so the Medusa tree "
+            "decoders cannot verify trees on it"
         )
     unserved = unserved_layer_types(model.config)
     if unserved:
@@ -401,7 +413,7 @@ def attends_both_ways(model: torch.nn.Module) -> bool:
     ``is_decoder`` False and with True, its logits at positions 0..T-2 compared with the same input's
     whose last token differs (attention mask all ones): of the 196 model types, 178 built (357 models:
     335 causal, 22 not), and the rule says "both ways" of exactly 16, the families above with False;
-    the other non-causal ones are XLM with ``causal=False`` (whose own masks fail on a tree's), CpmAnt and
+    the other non-causal ones are XLM with ``causal=False`` (:data:`OWN_MASK_MODEL_TYPES`), CpmAnt and
     XLNet (whatever ``is_decoder``; refused first, taking no position ids). Of the 18 types that did not
     build, only Reformer's modules load ``config.is_decoder`` (its LM head requires True). The modules'
     ``is_causal`` attributes would have missed MegatronBERT, BigBird, RemBERT and RoFormer and said
@@ -1059,6 +1071,7 @@ __all__ = [
     "AUTO_ORDER",
     "KERNEL_NAME",
     "MODEL_WIDE_ATTRIBUTES",
+    "OWN_MASK_MODEL_TYPES",
     "PACKED_SDPA_NAME",
     "SERVED_LAYER_TYPES",
     "STEP_KWARG",

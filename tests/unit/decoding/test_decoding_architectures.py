@@ -12,10 +12,10 @@ another type than full, sliding-window or chunked attention (Qwen3-Next, Recurre
 Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), Dory run with
 more than one recurrent loop (with one, served), models that take no
 position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose
-decoder takes them, is served), the BERT family loaded without ``is_decoder=True``, which attends
-both ways (with it, served; Llama, GPT-NeoX and Whisper, whose code never reads it, served), a window
-or chunk set per layer (``per_layer_config``), and Llama 4 where its NoPE layers' query scaling would
-count positions from the cache's length."""
+decoder takes them, is served), models that build their masks themselves (XLM, Flaubert), the BERT
+family loaded without ``is_decoder=True``, which attends both ways (with it, served; Llama, GPT-NeoX
+and Whisper, whose code never reads it, served), a window or chunk set per layer (``per_layer_config``),
+and Llama 4 where its NoPE layers' query scaling would count positions from the cache's length."""
 
 from __future__ import annotations
 
@@ -1061,6 +1061,35 @@ def test_is_decoder_false_is_served_where_the_code_never_reads_it(build_model):
     assert not getattr(model.config.get_text_config(), "is_decoder", False)
     assert not attends_both_ways(model) and tree_refusal(model) is None
     assert not earlier_logits_move_with_the_last_token(model)
+
+
+XLM_SHAPE = dict(vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=MAX_POS)
+
+
+@pytest.mark.parametrize(
+    ("config", "model_class", "causal"),
+    [
+        (tf.XLMConfig, tf.XLMWithLMHeadModel, False),
+        (tf.XLMConfig, tf.XLMWithLMHeadModel, True),
+        (tf.FlaubertConfig, tf.FlaubertWithLMHeadModel, False),
+    ],
+    ids=["xlm", "xlm-causal", "flaubert"],
+)
+def test_models_that_build_their_masks_themselves_are_refused_before_any_forward(
+    config, model_class, causal, tmp_path
+):
+    """XLM (and Flaubert, its code) builds its masks from its tokens' lengths or a 2-D padding mask (each
+    decoder failed on the tree's 4-D mask with an AssertionError), and attends both ways unless
+    ``config.causal``: every decoder, and ``custom_generate``'s ``generate``, refuses it in one line
+    saying so, before any forward."""
+    config = config(**XLM_SHAPE, causal=causal)
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    assert earlier_logits_move_with_the_last_token(model) is not causal
+    heads = random_heads(model, seed=1)
+    match = rf"^{type(model).__name__} \({config.model_type}\) builds its attention masks itself"
+    for message in refusals_before_any_forward(model, heads, tmp_path, match):
+        assert ("attends both ways (config.causal=False)" in message) is not causal
 
 
 def assert_every_decoder_reads_what_lm_head_reads(model: torch.nn.Module) -> None:
