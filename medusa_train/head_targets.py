@@ -7,7 +7,7 @@ heads read, and the language model that returns it; what the backbone's forward 
 it before its logits (:class:`LogitMap`: the soft targets and Medusa-2's LM losses are the distribution
 that forward gives); and the top-k correctness count both training metrics and calibration use.
 
-Torch only (no Hydra, no training code): decoding imports it.
+Torch and the project's errors only (no Hydra, no training code): decoding imports it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from medusa_train.errors import UserError
 
 IGNORE_INDEX = -100
 """Target value of a position that is not trained (nor scored) for a head."""
@@ -107,16 +109,27 @@ def language_model(model: nn.Module) -> nn.Module:
 
     Args:
         model: a Hugging Face causal LM (or a peft model around one).
+
+    Raises:
+        UserError: no one such model (none inside the causal LM, or several): its architecture is not
+            one medusa_train can train or score heads on, in one line naming its class.
     """
-    module = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    module = base
     while (head := _output_embeddings(module)) is not None:
         decoder = module.get_decoder()
         if decoder is module or decoder is head:
             inner = [m for m in module.children() if callable(getattr(m, "get_decoder", None))]
             if len(inner) != 1:
-                found = type(decoder).__name__
-                raise ValueError(
-                    f"{type(module).__name__}: no one model under its LM head (get_decoder(): {found})"
+                kind = getattr(getattr(base, "config", None), "model_type", None)
+                names = ", ".join(type(m).__name__ for m in inner)
+                found = f"{len(inner)} models inside ({names})" if inner else "no model inside"
+                raise UserError(
+                    f"{type(base).__name__}{f' ({kind})' if kind else ''}: medusa_train cannot train or "
+                    "score Medusa heads on this architecture: the heads read the last_hidden_state of the one "
+                    f"language model under its LM head, and {type(module).__name__}'s get_decoder() returns "
+                    f"{'itself' if decoder is module else 'its LM head'}, with {found}: use a model whose "
+                    "get_decoder() returns its language model, or report the architecture to medusa_train"
                 )
             decoder = inner[0]
         module = decoder

@@ -15,8 +15,9 @@ Steps:
        that `eval.attention` runs here (step 6 times with it) and that a truncated draft vocabulary is
        smaller than the backbone's the manifest names.
     2. Load the backbone (ZeRO-3 with a backbone that trains: partitioned as it loads, no rank
-       holding it whole); the distilled data must have been made by it, and a tree-attention kernel
-       named by `eval.attention` must compute its attention.
+       holding it whole); the distilled data must have been made by it, a tree-attention kernel
+       named by `eval.attention` must compute its attention, and one language model under its LM head
+       must return the hidden state the heads read (`head_targets.language_model`).
     3. Skip if workdir/heads already holds heads trained and calibrated with the same settings
        (unless overwrite); if only the calibration's settings differ (`tree.max_nodes`, `tree.topk`,
        `tree.latency_context`, `tree.tolerance`, `training.calibration_max_records`), calibrate the
@@ -73,7 +74,7 @@ from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attent
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import MEDUSA_TRAIN_VERSION
-from medusa_train.head_targets import logit_map
+from medusa_train.head_targets import language_model, logit_map
 from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
@@ -172,6 +173,9 @@ def run(cfg: Config) -> dict:
                 cfg.model, device, trainable=recipe.trains_backbone
             )
         _check_attention(cfg, device, backbone)
+        language_model(
+            backbone
+        )  # the heads train and calibrate on its last_hidden_state: none is refused now
         identity = backbone_identity(
             backbone,
             cfg.model.name_or_path,

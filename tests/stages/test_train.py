@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import logging
@@ -421,6 +422,35 @@ def test_a_backbone_no_tree_decoder_verifies_is_refused_before_training(tmp_path
         run(train_cfg(root))
     assert "model.generate" in str(err.value) and "\n" not in str(err.value)
     assert not str(err.value).startswith("eval.attention")  # no attention setting would serve it
+    assert not forwards and not (root / "heads").exists() and not (root / "train").exists()
+
+
+def test_a_backbone_without_one_language_model_under_its_lm_head_is_refused_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    """The heads read the last_hidden_state of the one language model under the LM head
+    (``head_targets.language_model``); a causal LM whose ``get_decoder()`` is itself and that holds two
+    models has none: refused in one line, exit code 2, as soon as it is loaded, before any forward and
+    before anything is written."""
+    root = make_train_workdir(tmp_path)
+    forwards: list = []
+    load = train_stage.load_configured_backbone
+
+    def two_models(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        model.get_decoder = lambda: model
+        model.other = copy.deepcopy(model.model)
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        return model, tokenizer
+
+    monkeypatch.setattr(train_stage, "load_configured_backbone", two_models)
+    capsys.readouterr()
+    code = main(train_overrides(root, "stage=train"))
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the loading progress bar
+    assert code == 2 and "Traceback" not in err, err
+    assert line.startswith("error: LlamaForCausalLM (llama): medusa_train cannot train or score Medusa heads")
+    assert "2 models inside (LlamaModel, LlamaModel)" in line and "report the architecture" in line
     assert not forwards and not (root / "heads").exists() and not (root / "train").exists()
 
 

@@ -73,7 +73,8 @@ def test_last_hidden_state_is_what_lm_head_reads(arch):
 def test_the_language_model_is_the_model_under_the_lm_head():
     """Where ``get_decoder()`` is a causal LM (Llama 4's multimodal model: its language model's causal
     LM, whose own ``get_decoder()`` is itself) or the LM head (ModernBERT's decoder), the model under
-    it; through a PEFT wrapper too; a model without an LM head is its own."""
+    it; through a PEFT wrapper too; a model without an LM head is its own; one with no one model under its
+    LM head is refused in one line."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
@@ -109,6 +110,13 @@ def test_the_language_model_is_the_model_under_the_lm_head():
     assert language_model(modernbert) is modernbert.model
     plain = tiny_llama()
     assert language_model(plain) is plain.model and language_model(plain.model) is plain.model
+    twice = tiny_llama()  # its own get_decoder(), holding two models: none is the one under its LM head
+    twice.get_decoder = lambda: twice
+    twice.other = copy.deepcopy(twice.model)
+    with pytest.raises(
+        UserError, match=r"^LlamaForCausalLM \(llama\): .* returns itself, with 2 models inside"
+    ):
+        language_model(twice)
 
 
 _LOGIT_STEPS = {  # a config class and the step its forward takes after lm_head, sized to tiny logits
