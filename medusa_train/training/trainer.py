@@ -144,6 +144,10 @@ class MedusaTrainer(Trainer):
         if not self.fsync_checkpoints:
             super()._save_checkpoint(model, trial)
             return
+        # transformers 5.24's _save_checkpoint reads save_total_limit only as it rotates, at its end, through
+        # trainer_utils.rotate_checkpoints, a module function (no Trainer method to override); nothing it
+        # calls before reads it (save_model, the optimizer's, RNG and state files, push_to_hub), and the
+        # callbacks that do (ClearML's) run after it returns. Setting it aside for the call is the hook.
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # the Trainer's rotation: below, once the new one is on disk
         try:
