@@ -24,7 +24,8 @@ marker characters; :meth:`ChatRenderer._encode` encodes the text between them as
 marked string as plain text on its own, as transformers'
 ``apply_chat_template(..., sanitize_control_tokens=True)`` does (tested equal). A rendering with
 no such string is one tokenizer call. Added tokens that are not special (Qwen's ``<think>``) keep
-their ids in a message, also with a slow (Python) tokenizer (:func:`text_ids`); transformers'
+their ids in a message, also with a slow (Python) tokenizer (:func:`text_ids`, which applies their
+``lstrip``, ``rstrip`` and ``single_word`` as the tokenizer does); transformers'
 ``sanitize_control_tokens`` encodes as text those its chat template writes too.
 """
 
@@ -50,18 +51,61 @@ def text_ids(tokenizer, text: str) -> list[int]:
 
     A fast tokenizer does both in one call. A slow (Python) one ignores every added token under
     ``split_special_tokens``, special or not: its text is cut at the added tokens that are not
-    special, each encoded as itself and the text between them as plain text (:func:`_encode_pieces`).
+    special, with their ``lstrip``, ``rstrip`` and ``single_word`` applied as the tokenizer's own call
+    applies them (:func:`_added_token_pieces`), each token kept as its id and the text between encoded
+    as plain text (:func:`_encode_after_cut` after a cut).
     """
     if not tokenizer.is_fast:
-        kept = sorted(
-            {t.content for t in tokenizer.added_tokens_decoder.values() if not t.special and t.content},
-            key=len,
-            reverse=True,
-        )  # longest first: a token takes priority over one it contains
-        pieces = re.split(f"({'|'.join(map(re.escape, kept))})", text) if kept else [text]
-        if len(pieces) > 1:  # [text, added token, text, ..., text]
-            return _encode_pieces(pieces, lambda piece, added: _tokenize(tokenizer, piece, plain=not added))
+        added = {t.content: t for t in tokenizer.added_tokens_decoder.values() if not t.special and t.content}
+        pieces = _added_token_pieces(text, added)
+        if pieces != [(text, False)]:  # cut at an added token (or one's flags changed the text)
+
+            def plain(piece: str) -> list[int]:
+                return _tokenize(tokenizer, piece, plain=True)
+
+            newline, ids = plain("\n"), []
+            for i, (piece, is_token) in enumerate(pieces):
+                if is_token:
+                    ids.append(tokenizer.convert_tokens_to_ids(piece))
+                else:
+                    ids += _encode_after_cut(plain, piece, newline) if i else plain(piece)
+            return ids
     return _tokenize(tokenizer, text, plain=True)
+
+
+def _added_token_pieces(text: str, added: dict) -> list[tuple[str, bool]]:
+    """``text`` cut at the strings of ``added`` (content -> ``AddedToken``; longest first: a token takes
+    priority over one it contains): ``(piece, is_token)`` in order, no empty piece.
+
+    Each token's flags as transformers' Python tokenizers apply them (``PreTrainedTokenizer.tokenize``,
+    transformers 5.24), token by token from the left: ``rstrip`` drops the whitespace at the start of the
+    piece after it, ``lstrip`` at the end of the piece before it, and a ``single_word`` token next to a
+    piece (text or another token) that does not end, or start, with a space (the one before it is looked
+    at first, as it was before this token's strips) is text, joined to that piece (still cut from the other).
+    """
+    if not added:
+        return [(text, False)] if text else []
+    kept = sorted(added, key=len, reverse=True)
+    split = re.split(f"({'|'.join(map(re.escape, kept))})", text)  # [text, token, text, ..., text]
+    pieces = [[piece, i % 2 == 1] for i, piece in enumerate(split) if piece]
+    for i, (piece, is_token) in enumerate(pieces):
+        if not is_token:
+            continue
+        token = added[piece]
+        left = pieces[i - 1][0] if i > 0 else None
+        right = pieces[i + 1][0] if i + 1 < len(pieces) else None
+        if token.rstrip and right:
+            pieces[i + 1][0] = right.lstrip()
+        if token.lstrip and left:
+            pieces[i - 1][0] = left.rstrip()
+        if token.single_word:
+            if left and left[-1] != " ":
+                pieces[i - 1] = [pieces[i - 1][0] + piece, False]
+                pieces[i][0] = ""
+            elif right and right[0] != " ":
+                pieces[i + 1] = [piece + pieces[i + 1][0], False]
+                pieces[i][0] = ""
+    return [(piece, is_token) for piece, is_token in pieces if piece]
 
 
 def _tokenize(tokenizer, text: str, plain: bool) -> list[int]:
@@ -69,13 +113,20 @@ def _tokenize(tokenizer, text: str, plain: bool) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
 
 
+def _encode_after_cut(encode: Callable[[str], list[int]], piece: str, newline: list[int]) -> list[int]:
+    """Token ids of ``piece``, text that follows a cut: encoded after a newline (``newline``: its ids)
+    that is then removed, so a SentencePiece tokenizer adds no prefix space at the cut (the piece alone
+    where the newline merges with it), as transformers does."""
+    after = encode("\n" + piece)
+    if newline and after[: len(newline)] == newline:
+        return after[len(newline) :]
+    return encode(piece)
+
+
 def _encode_pieces(pieces: list[str | None], encode: Callable[[str, bool], list[int]]) -> list[int]:
     """Token ids of ``pieces``, ``[text, odd, text, odd, ..., text]``, each encoded on its own by
-    ``encode(piece, odd)`` (an empty or None piece: nothing).
-
-    A piece after the first is encoded after a newline that is then removed, so a SentencePiece
-    tokenizer adds no prefix space at the cut (falling back to the piece alone where the newline
-    merges with it), as transformers does.
+    ``encode(piece, odd)`` (an empty or None piece: nothing), a piece after the first as text after a
+    cut (:func:`_encode_after_cut`).
     """
     newline = {odd: encode("\n", odd) for odd in (False, True)}
     ids: list[int] = []
@@ -83,10 +134,8 @@ def _encode_pieces(pieces: list[str | None], encode: Callable[[str, bool], list[
         if not piece:
             continue
         odd = i % 2 == 1
-        after = encode("\n" + piece, odd) if i else []
-        cut = len(newline[odd])
-        if i and cut and after[:cut] == newline[odd]:
-            ids += after[cut:]
+        if i:
+            ids += _encode_after_cut(lambda text, odd=odd: encode(text, odd), piece, newline[odd])
         else:
             ids += encode(piece, odd)
     return ids

@@ -15,23 +15,25 @@ THINK = "<think>"
 """The added token that is not special."""
 
 
-def fast_chat_tokenizer():
-    """The project's byte-level BPE chat tokenizer (fast) with :data:`THINK` added, not special."""
+def fast_chat_tokenizer(**think: bool):
+    """The project's byte-level BPE chat tokenizer (fast) with :data:`THINK` added, not special
+    (``think``: its ``AddedToken`` flags, ``lstrip=True``, ...)."""
     tok = train_tokenizer(
         ["why is the cat on the mat?", "tell me more about the dog.", "it is big"] * 20, 300
     )
-    tok.add_tokens([AddedToken(THINK, special=False, normalized=False)])
+    tok.add_tokens([AddedToken(THINK, special=False, normalized=False, **think)])
     return tok
 
 
-def slow_chat_tokenizer():
+def slow_chat_tokenizer(**think: bool):
     """ByT5's byte tokenizer (transformers' Python backend: no files, nothing downloaded) with the
-    project's chat special tokens and template, and :data:`THINK` added, not special."""
+    project's chat special tokens and template, and :data:`THINK` added, not special (``think``: its
+    ``AddedToken`` flags, ``lstrip=True``, ...)."""
     tok = ByT5Tokenizer(extra_ids=0)
     tok.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True
     )
-    tok.add_tokens([AddedToken(THINK, special=False, normalized=False)])
+    tok.add_tokens([AddedToken(THINK, special=False, normalized=False, **think)])
     tok.bos_token, tok.eos_token, tok.pad_token = BOS, END, PAD
     tok.chat_template = CHAT_TEMPLATE
     assert not tok.is_fast

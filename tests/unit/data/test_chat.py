@@ -224,3 +224,27 @@ def test_added_tokens_that_are_not_special_keep_their_ids_with_a_slow_tokenizer_
             renderer.messages(conv, [], True), add_generation_prompt=True, sanitize_control_tokens=True
         )["input_ids"]
         assert prompt == sanitized
+
+
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
+def test_a_slow_tokenizer_applies_the_flags_of_its_added_tokens_in_plain_text(flag: str) -> None:
+    """``<think>`` (added, not special) with ``lstrip``, ``rstrip`` or ``single_word``: ``text_ids`` of
+    text around it is the slow tokenizer's own encoding, which applies the flag (drops the whitespace
+    before or after it; inside a word, or next to another added token, a single-word token is text),
+    also after a special-token string encoded as text; and it keeps the text the fast tokenizer with the
+    same flag keeps (a stripped space is not in the decoded ids)."""
+    slow, fast = slow_chat_tokenizer(**{flag: True}), fast_chat_tokenizer(**{flag: True})
+
+    def own(text: str) -> list[int]:  # no special-token string in text: the tokenizer's one call
+        return slow(text, add_special_tokens=False)["input_ids"]
+
+    texts = ["a <think> b", "a<think>b", "x <think>b", "x<think> b", "a  <think><think>  b", "a\n<think>\tb"]
+    for text in texts:
+        assert text_ids(slow, text) == own(text), text
+        end = slow(" <|end|> ", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        assert text_ids(slow, " <|end|> " + text) == end + own(text), text
+    for text in texts[:2]:  # where the fast tokenizer's rule for the flag is the slow one's
+        assert slow.decode(text_ids(slow, text)) == fast.decode(text_ids(fast, text)), text
+    assert slow.decode(text_ids(slow, "a <think> b")) == {
+        "lstrip": "a<think> b", "rstrip": "a <think>b", "single_word": "a <think> b"
+    }[flag]  # fmt: skip
