@@ -299,7 +299,7 @@ class _BatchMask:
         self.max_past = max_past
         self.neg = torch.finfo(dtype).min
         self.depth = tree.depth  # (M,)
-        self.chunk = attention_chunk(model.config)
+        self.chunk = attention_chunk(model)
         slab = _mask_slab(model, tree, max_past, dtype)
         slabs = slab if isinstance(slab, dict) else {"": slab}
         extended: dict[int, torch.Tensor] = {}  # one per slab (chunked layers share the full one)
@@ -361,7 +361,7 @@ def _prefill_masks(
         return torch.zeros(a.shape, dtype=dtype, device=a.device).masked_fill_(~a, neg)[:, None]
 
     window, kind = sliding_window_kinds(model)
-    chunk = attention_chunk(model.config)
+    chunk = attention_chunk(model)
     masks = {"full_attention": to_float(allowed)}
     if chunk is not None:
         chunks = positions // chunk  # (n, T)

@@ -328,7 +328,7 @@ def _mask_slab(
         return out.masked_fill_(~a, neg)[None, None]
 
     window, kind = sliding_window_kinds(model)
-    chunked = attention_chunk(model.config) is not None
+    chunked = attention_chunk(model) is not None
     full = to_float(allowed)
     masks = {"full_attention": full, "chunked_attention": full} if chunked else {"full_attention": full}
     if kind == "full":
@@ -364,7 +364,7 @@ class _TreeInputs:
         self.max_past = max_past
         self.num_nodes = tree.num_nodes
         self.depth, self.max_depth = tree.depth, tree.max_depth
-        self.chunk = attention_chunk(model.config)
+        self.chunk = attention_chunk(model)
         self.slab = _mask_slab(model, tree, max_past, dtype)  # (1, 1, M, max_past + M) or a dict
         # positions[p] = p + depth: the position ids on p cached tokens.
         self.positions = (
@@ -441,7 +441,7 @@ def _tree_inputs(model: torch.nn.Module, tree: TreeBuffers, max_past: int, dtype
     needs more: its size is ``M x (max_past + M)`` mask values (two for mixed sliding/full models).
     """
     window, kind = sliding_window_kinds(model)
-    key = (dtype, window, kind, attention_chunk(model.config))
+    key = (dtype, window, kind, attention_chunk(model))
     store = tree.__dict__.setdefault("_inputs_cache", {})
     built = store.get(key)
     if built is None or built.max_past < max_past:

@@ -257,7 +257,7 @@ def layer_mask_rules(model: torch.nn.Module, capacity: int) -> dict[str, tuple[i
     Read as the dynamic decoders read them: ``"sliding_attention"`` layers take the window the model
     applies (:func:`~.attention.sliding_window_kinds`: the text config's ``sliding_window``, where the
     model's code reads it), ``"chunked_attention"`` layers the text config's ``attention_chunk_size``
-    (:func:`attention_chunk`; none where the capacity stays inside the
+    (:func:`attention_chunk`, where the model's code reads it; none where the capacity stays inside the
     first chunk: no position there passes a chunk's end; no window either where it spans the
     capacity, so such a model's layers share one mask), ``"full_attention"`` layers neither; a model
     without ``layer_types`` has one type, sliding if it has a window, else full. Types of other kinds
@@ -267,7 +267,7 @@ def layer_mask_rules(model: torch.nn.Module, capacity: int) -> dict[str, tuple[i
     window, _ = sliding_window_kinds(model)
     if window is not None and window >= capacity:  # no two positions of the cache are that far apart
         window = None
-    chunk = attention_chunk(config)
+    chunk = attention_chunk(model)
     if chunk is not None and capacity <= chunk:
         chunk = None
     known = {

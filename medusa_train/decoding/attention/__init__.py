@@ -315,12 +315,12 @@ every decoder), and with ``config.causal`` False, their default, every token att
 def tree_refusal(model: torch.nn.Module) -> str | None:
     """Why no tree attention, the decoders' dense masks included, can verify a tree on ``model`` (None:
     nothing says so): a config that sets per layer what the decoders read once for the whole model
-    (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`; a window only where the model's code
-    reads it, :func:`code_reads_window`); ALiBi models (Bloom, MPT, Falcon with
-    ``alibi``) build their biases themselves, from the cache's columns (a tree node's column is not its
-    position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree needs); models
-    with layers of a type the decoders do not serve (:func:`unserved_layer_types`); models that run layers
-    several times in one forward (:func:`recurrent_loops`: Dory); any other model
+    (:data:`MODEL_WIDE_ATTRIBUTES`, :func:`per_layer_attributes`; a window or a chunk only where the
+    model's code reads it, :func:`code_reads_window`, :func:`code_reads_chunk`); ALiBi models (Bloom,
+    MPT, Falcon with ``alibi``) build their biases themselves, from the cache's columns (a tree node's
+    column is not its position) or from a 2-D padding mask (Bloom and Falcon fail on the 4-D mask a tree
+    needs); models with layers of a type the decoders do not serve (:func:`unserved_layer_types`);
+    models that run layers several times in one forward (:func:`recurrent_loops`: Dory); any other model
     that keeps a recurrent state (:func:`stateful_model`: RWKV, xLSTM, which set no ``layer_types``);
     models that take no position ids (:func:`positionless_model`), which place a tree's nodes by their
     cache columns; models that take no KV cache (:func:`uncached_model`); models that build their
@@ -332,7 +332,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     per_layer = [
         name
         for name in per_layer_attributes(config)
-        if name in MODEL_WIDE_ATTRIBUTES and (name != "sliding_window" or code_reads_window(model))
+        if name in MODEL_WIDE_ATTRIBUTES and (name not in _CODE_READS or _CODE_READS[name](model))
     ]
     if per_layer:
         return (
@@ -618,22 +618,27 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def attention_chunk(config) -> int | None:
-    """The chunk size of a model whose ``layer_types`` name "chunked_attention" layers (Llama 4's
-    ``attention_chunk_size``): such a layer's query at position p sees the key at position j only if
-    ``j // chunk == p // chunk``, within the causal or tree rule. None: no chunked layer. Read from the
-    text config (a multimodal model nests it)."""
-    config = config.get_text_config()
-    chunk = getattr(config, "attention_chunk_size", None)
+def attention_chunk(model: torch.nn.Module) -> int | None:
+    """The chunk size of ``model``'s "chunked_attention" layers (Llama 4's ``attention_chunk_size``): such
+    a layer's query at position p sees the key at position j only if ``j // chunk == p // chunk``,
+    within the causal or tree rule; the one function every decoder asks (the dense masks, the static
+    decoder's rules, the kernels' refusal). Read from the text config (a multimodal model nests it),
+    where its ``layer_types`` name such a layer and the model's code reads the chunk
+    (:func:`code_reads_chunk`, the rule :func:`model_window` applies to the window). None: no chunked
+    layer, or a chunk the model never applies: a Llama whose config carries the key and such layer
+    types attends every position, as its forward does."""
+    config = model.config.get_text_config()
     types = getattr(config, "layer_types", None) or ()
-    return chunk if chunk and "chunked_attention" in types else None
+    if "chunked_attention" not in types or not code_reads_chunk(model):
+        return None  # also where it is set per layer, which reading it off the config would raise
+    return getattr(config, "attention_chunk_size", None) or None
 
 
 def chunk_refusal(model: torch.nn.Module, context: int | None) -> str | None:
     """Why the tree kernels cannot compute ``model``'s attention on a call of ``context`` positions (None:
     unknown, taken as long): chunked layers (:func:`attention_chunk`) whose chunks the call passes. A
     call that stays inside the first chunk sees no chunk boundary, and the kernels compute it."""
-    chunk = attention_chunk(model.config)
+    chunk = attention_chunk(model)
     if chunk is None or (context is not None and context <= chunk):
         return None
     return (
@@ -705,25 +710,65 @@ def code_reads_window(model: torch.nn.Module) -> bool:
     "sliding_attention" layer takes no window whatever its code says (SmolLM3, Laguna and Mellum in the
     check: their layers were all full attention, and so were their forwards).
     """
-    reads = _MODEL_READS_WINDOW.get(model)
-    if reads is None:
+    return _code_mentions(model, _WINDOW_WORDS)
+
+
+def code_reads_chunk(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s code may apply its config's ``attention_chunk_size``, found as
+    :func:`code_reads_window` finds the window (kept per model, read once per class): whether the source
+    of a Python module defining the class of ``model`` or of one of its submodules mentions the chunk
+    (``attention_chunk_size``), a chunked layer (``chunked_attention``: Llama 4 maps its layer type to
+    transformers' ``create_chunked_causal_mask``, which reads the chunk) or
+    ``create_masks_for_generate`` (transformers' masks for every layer type of the config, the chunked
+    ones from the chunk).
+
+    Checked on transformers 5.24's causal LMs (each tiny model's forward, SDPA or eager, with a chunk of
+    4 against 1,000 on 14 tokens, with and without every layer "chunked_attention": 143 model types
+    built, 98 with such layers; the multimodal ones too large for the check left out): Llama 4 alone
+    applies the chunk, and its code mentions it. Of the others that mention one of these, Doge does not
+    apply it (it defines a ``create_masks_for_generate`` of its own, for ``generate``) and is served as
+    chunked; Bloom, DeepSeek-V4, Falcon-H1, Nemotron-H and Zaya are refused for what else they are. The
+    rest ignore it (Llama, Mistral, Mixtral, Phi-3, Gemma, GPT-2, OLMoE, ...) or fail on such a layer
+    type (Gemma 2, Gemma 3's text model, Qwen2/3, Cohere 2, gpt-oss, ...: no mask for it). Gemma 3's
+    multimodal model builds its masks with ``create_masks_for_generate``, which would chunk such layers.
+    """
+    return _code_mentions(model, _CHUNK_WORDS)
+
+
+_WINDOW_WORDS = ("sliding_window",)
+_CHUNK_WORDS = ("attention_chunk_size", "chunked_attention", "create_masks_for_generate")
+_CODE_READS: dict[str, Callable[[torch.nn.Module], bool]] = {
+    "sliding_window": code_reads_window,
+    "attention_chunk_size": code_reads_chunk,
+}
+"""The :data:`MODEL_WIDE_ATTRIBUTES` a model's code may ignore, and the function that says whether it
+reads them: a config's window or chunk applies only where it does."""
+_MODEL_MENTIONS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[str, ...], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+_CLASS_MENTIONS: weakref.WeakKeyDictionary[type, dict[tuple[str, ...], bool]] = weakref.WeakKeyDictionary()
+
+
+def _code_mentions(model: torch.nn.Module, words: tuple[str, ...]) -> bool:
+    """Whether the source of a Python module defining the class of ``model`` or of one of its submodules
+    mentions one of ``words`` (:func:`_class_mentions`), kept per model."""
+    kept = _MODEL_MENTIONS.setdefault(model, {})
+    found = kept.get(words)
+    if found is None:
         classes = {type(module) for module in model.modules()}
-        reads = _MODEL_READS_WINDOW[model] = any(_class_reads_window(cls) for cls in classes)
-    return reads
+        found = kept[words] = any(_class_mentions(cls, words) for cls in classes)
+    return found
 
 
-_MODEL_READS_WINDOW: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-_READS_WINDOW: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def _class_reads_window(cls: type) -> bool:
-    """Whether the source of ``cls``'s Python module mentions ``sliding_window`` (False for torch's and
+def _class_mentions(cls: type, words: tuple[str, ...]) -> bool:
+    """Whether the source of ``cls``'s Python module mentions one of ``words`` (False for torch's and
     transformers' shared modules; True where the source cannot be read), cached per class."""
-    reads = _READS_WINDOW.get(cls)
-    if reads is None:
+    kept = _CLASS_MENTIONS.setdefault(cls, {})
+    found = kept.get(words)
+    if found is None:
         name = cls.__module__
-        reads = _READS_WINDOW[cls] = not _shared_module(name) and _source_mentions(name, "sliding_window")
-    return reads
+        found = kept[words] = not _shared_module(name) and any(_source_mentions(name, word) for word in words)
+    return found
 
 
 def _shared_module(name: str) -> bool:
@@ -1082,6 +1127,7 @@ __all__ = [
     "attention_chunk",
     "check_verifiable",
     "chunk_refusal",
+    "code_reads_chunk",
     "code_reads_is_decoder",
     "code_reads_window",
     "decoder_layers",

@@ -5,17 +5,18 @@ an earlier layer's KV (Gemma 4's, Gemma 4 Unified's and Gemma 3n's ``num_kv_shar
 decoded past its chunk or window (Gemma 3n, whose ``hidden_states[-1]`` is its AltUp streams stacked,
 with heads that read what its LM head reads), the static decoder with one mask per layer type (eager,
 compiled, and with the Triton kernel); multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3), whose
-cache keeps keys and values of different widths; a window that only the config carries (a Llama's
-``sliding_window``, which its code never reads: full attention, also set per layer) against Mistral's;
-and the models they refuse before any forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of
-another type than full, sliding-window or chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya,
-Mamba), models that keep a recurrent state without naming layer types (RWKV, xLSTM), Dory run with
-more than one recurrent loop (with one, served), models that take no
-position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet; WhisperForCausalLM, whose
-decoder takes them, is served), models that build their masks themselves (XLM, Flaubert), the BERT
-family loaded without ``is_decoder=True``, which attends both ways (with it, served; Llama, GPT-NeoX
-and Whisper, whose code never reads it, served), a window or chunk set per layer (``per_layer_config``),
-and Llama 4 where its NoPE layers' query scaling would count positions from the cache's length."""
+cache keeps keys and values of different widths; a window or a chunk that only the config carries (a
+Llama's ``sliding_window`` or ``attention_chunk_size``, which its code never reads: full attention, also
+set per layer) against Mistral's window and Llama 4's chunk; and the models they refuse before any
+forward: ALiBi (Bloom, Falcon with ``alibi``, MPT), layers of another type than full, sliding-window or
+chunked attention (Qwen3-Next, RecurrentGemma, LFM2, Zaya, Mamba), models that keep a recurrent state
+without naming layer types (RWKV, xLSTM), Dory run with more than one recurrent loop (with one, served),
+models that take no position ids (Bart, Marian, TrOCR, ProphetNet, RoFormer, CpmAnt, XLNet;
+WhisperForCausalLM, whose decoder takes them, is served), models that build their masks themselves (XLM,
+Flaubert), the BERT family loaded without ``is_decoder=True``, which attends both ways (with it, served;
+Llama, GPT-NeoX and Whisper, whose code never reads it, served), a window or chunk set per layer
+(``per_layer_config``), and Llama 4 where its NoPE layers' query scaling would count positions from the
+cache's length."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ from medusa_train.decoding import (
 from medusa_train.decoding.attention import (
     AttentionBackendError,
     attends_both_ways,
+    attention_chunk,
+    chunk_refusal,
     kernel_refusal,
     layer_positions,
     model_window,
@@ -423,6 +426,33 @@ def test_a_window_the_models_code_does_not_read_is_not_applied(arch, applied):
     assert_decoders_return(model, heads, rows, refs, arch)
 
 
+@pytest.mark.parametrize(("arch", "applied"), [("llama", None), ("llama4", 6)])
+def test_a_chunk_the_models_code_does_not_read_is_not_applied(arch, applied):
+    """A Llama whose config carries ``attention_chunk_size=6`` and a "chunked_attention" layer type, which
+    its code never reads: its forward attends every position (the same weights with a chunk past every
+    position give the same tokens), and so do the three decoders' masks, each equal plain greedy
+    ``generate`` with contexts past the chunk, and the tree kernels are not refused for its chunk. Llama 4
+    with the same chunk and layer types applies it (with one past every position the tokens differ),
+    and so do the decoders; the kernels are refused past its chunk.
+
+    transformers' default cache gives every "chunked_attention" layer (and every layer of a config with
+    an ``attention_chunk_size`` and no ``layer_types``) a cache of the chunk's last positions, whatever
+    the model's code: the references run on a cache without the config, whose layers keep them all."""
+    kw = dict(attention_chunk_size=6, initializer_range=0.2)
+    if arch == "llama":
+        kw["layer_types"] = ["chunked_attention", "full_attention"]  # Llama 4's, by its no_rope_layers
+    model = build(tiny_config(arch, **kw))
+    assert model.config.layer_types == ["chunked_attention", "full_attention"]
+    assert attention_chunk(model) == applied
+    assert (chunk_refusal(model, None) is None) == (applied is None)
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [greedy_on_a_full_cache(model, p) for p in rows]
+    unchunked = build(tiny_config(arch, **{**kw, "attention_chunk_size": 4 * MAX_POS}))
+    assert ([greedy_on_a_full_cache(unchunked, p) for p in rows] == refs) == (applied is None)
+    assert_decoders_return(model, heads, rows, refs, arch)
+
+
 def test_a_model_whose_own_positions_start_past_zero():
     """RoBERTa as a decoder: given no position ids, its embeddings count positions from its pad id + 1;
     ``generate`` and the tree steps give them from 0. Every decoder's prefill gives them too (without,
@@ -440,12 +470,20 @@ def test_a_model_whose_own_positions_start_past_zero():
     assert_decoders_return(model, heads, rows, refs, "roberta")
 
 
-def test_a_window_per_layer_the_models_code_does_not_read_is_served():
-    """A Llama whose config sets ``sliding_window`` per layer (``per_layer_config``), which its code never
-    reads: not refused (Mistral's is: the masks cannot give its layers their own windows), and decoded
-    with full attention, equal plain greedy ``generate``."""
-    model = build(tiny_config("llama", sliding_window=6, per_layer_config={1: {"sliding_window": 4}}))
-    assert per_layer_attributes(model.config) == ["sliding_window"] and model_window(model) is None
+@pytest.mark.parametrize(
+    ("attribute", "types"),
+    [("sliding_window", None), ("attention_chunk_size", ["chunked_attention", "full_attention"])],
+)
+def test_a_window_or_chunk_per_layer_the_models_code_does_not_read_is_served(attribute, types):
+    """A Llama whose config sets ``sliding_window`` or ``attention_chunk_size`` per layer
+    (``per_layer_config``; the chunk with "chunked_attention" layer types), which its code never reads:
+    not refused (Mistral's window and Llama 4's chunk are: the masks cannot give its layers their own),
+    and decoded with full attention, equal plain greedy ``generate``."""
+    model = build(
+        tiny_config("llama", **{attribute: 6}, per_layer_config={1: {attribute: 4}}, layer_types=types)
+    )
+    assert per_layer_attributes(model.config) == [attribute] and tree_refusal(model) is None
+    assert model_window(model) is None and attention_chunk(model) is None
     heads = random_heads(model, seed=1)
     rows = prompts()
     refs = [greedy_on_a_full_cache(model, p) for p in rows]
