@@ -14,8 +14,10 @@ The continuation is found by rendering the conversation with a sentinel in place
 and taking the text after it; when the reply ended with an EOS whose text starts that continuation
 (``<|end|>``, ``<|im_end|>``, ``<|eot_id|>``; after whitespace in Llama-2's ``' ' + eos_token``),
 that text is dropped, with the whitespace before it, since the generated EOS token already closes
-the turn. A reply cut by ``max_new_tokens`` gets no EOS in its masked span; the
-template's end-of-turn text follows unmasked when another turn comes.
+the turn; so is the whitespace after it where the EOS token has ``rstrip`` (Phi-3's ``<|end|>`` and
+newline), which the tokenizer's own call on the whole conversation drops. A reply cut by
+``max_new_tokens`` gets no EOS in its masked span; the template's end-of-turn text follows unmasked
+when another turn comes.
 Special-token strings inside a message (a prompt or an earlier reply that quotes ``<|im_end|>``,
 ``</s>``) are text, not markup: they are encoded as plain text (``split_special_tokens``), so a
 record holds a special id only where the chat template itself writes one, and the model never sees
@@ -245,20 +247,42 @@ class ChatRenderer:
         """
         suffix = self._closing(conv, replies)
         if eos_id is not None:
-            eos_text = self.tokenizer.decode([eos_id])
-            head = suffix.lstrip()  # Llama-2's template closes a reply with ' ' + eos_token
-            if eos_text and head.startswith(eos_text):
-                suffix = head[len(eos_text) :]
+            after = self._after_eos(suffix, eos_id)
+            if after is not None:
+                suffix = after.lstrip() if self._rstrips(eos_id) else after
         return self._encode(suffix)
+
+    def _after_eos(self, suffix: str, eos_id: int) -> str | None:
+        """``suffix`` (a closing text) after the text of ``eos_id`` that starts it after whitespace
+        (Llama-2's template closes a reply with ``' ' + eos_token``); None where it does not start so."""
+        eos_text = self.tokenizer.decode([eos_id])
+        head = suffix.lstrip()
+        return head[len(eos_text) :] if eos_text and head.startswith(eos_text) else None
+
+    def _rstrips(self, eos_id: int) -> bool:
+        """Whether the tokenizer's own call drops the whitespace after ``eos_id``'s text (an added token
+        with ``rstrip=True``: Phi-3's ``<|end|>``), as it does in the text of a whole conversation."""
+        token = self.tokenizer.added_tokens_decoder.get(eos_id)
+        return token is not None and token.rstrip
 
     def spaced_eos(self, conv: Conversation, eos_ids: list[int]) -> bool:
         """Whether the template closes the first reply of ``conv`` (which has a second user turn) with
         whitespace before the text of one of ``eos_ids``, as Llama-2's ``' ' + eos_token`` does: the
         whitespace :meth:`continuation_ids` drops with that text after a reply the EOS ended."""
         suffix = self._closing(conv, [""])
-        head = suffix.lstrip()
-        texts = (self.tokenizer.decode([eos_id]) for eos_id in eos_ids)
-        return head != suffix and any(text and head.startswith(text) for text in texts)
+        return suffix[:1].isspace() and any(self._after_eos(suffix, eos_id) is not None for eos_id in eos_ids)
+
+    def stripped_eos(self, conv: Conversation, eos_ids: list[int]) -> bool:
+        """Whether the template follows the text of one of ``eos_ids`` that closes the first reply of
+        ``conv`` (which has a second user turn) with whitespace the token's ``rstrip`` drops, as Phi-3's
+        ``<|end|>`` + newline: the whitespace :meth:`continuation_ids` drops after a reply the EOS ended,
+        as the tokenizer's own call on the whole conversation does."""
+        suffix = self._closing(conv, [""])
+        for eos_id in eos_ids:
+            after = self._after_eos(suffix, eos_id)
+            if after is not None and after[:1].isspace() and self._rstrips(eos_id):
+                return True
+        return False
 
     def _closing(self, conv: Conversation, replies: list[str]) -> str:
         """The template's text after reply ``len(replies) - 1`` up to the next turn's generation prompt."""

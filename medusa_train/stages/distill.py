@@ -38,7 +38,9 @@ files before it loads, weights fingerprint after), dtype, quantization, tokenize
 read. Greedy runs ignore ``distill.top_p`` and ``distill.seed`` (neither changes a greedy reply),
 and ``data.eval_fraction`` belongs to stage=train. A chat template that puts whitespace before EOS
 after a reply (Llama-2), with data that has a later turn, adds ``spaced_eos`` (its contexts drop that
-whitespace with the EOS text); data whose later user turns quote a special-token string, and every
+whitespace with the EOS text); one that puts whitespace after an EOS whose token has ``rstrip`` (Phi-3's
+``<|end|>`` and newline), with such data, adds ``eos_rstrip`` (its contexts drop that whitespace, as the
+tokenizer's own call does); data whose later user turns quote a special-token string, and every
 run through a server's chat API (its replies may quote one), add ``quoted_special_tokens`` (encoded
 as text; earlier versions encoded the special id). A folder
 recorded without such an entry is refused while unfinished (resuming would mix two renderings) and
@@ -272,6 +274,12 @@ def _load_and_plan(
         # data without it holds EOS, space, EOS there: unfinished, it does not resume into a mix of
         # both; complete, it is kept as it is (_complete_settings).
         settings[_SPACED_EOS] = "dropped"
+    if later is not None and renderer.stripped_eos(later, eos_ids):
+        # The contexts of later turns drop the whitespace the template puts after an EOS whose token has
+        # rstrip (Phi-3's <|end|> and newline), as the tokenizer's own call on the whole conversation
+        # does (ChatRenderer.continuation_ids). Recorded where that applies only, with the same rule as
+        # spaced_eos (_complete_settings): a folder without it holds that whitespace there.
+        settings[_EOS_RSTRIP] = "applied"
     chat_replies = cfg.distill.engine == "server" and cfg.distill.server.api == "chat"
     if chat_replies or any(renderer.quotes_special(turn) for conv in records for turn in conv.turns[1:]):
         # A later user turn quoting a special-token string ("<|im_end|>"): its context holds that text
@@ -586,21 +594,24 @@ def _prepare_folder(
 _SPACED_EOS = "spaced_eos"
 """The settings entry of a template that puts whitespace before EOS after a reply, for data with a
 later turn (:meth:`~medusa_train.data.chat.ChatRenderer.spaced_eos`)."""
+_EOS_RSTRIP = "eos_rstrip"
+"""The settings entry of a template that puts whitespace after an EOS whose token has ``rstrip``, for
+data with a later turn (:meth:`~medusa_train.data.chat.ChatRenderer.stripped_eos`)."""
 _QUOTED_SPECIALS = "quoted_special_tokens"
 """The settings entry of data whose later user turns quote a special-token string
 (:meth:`~medusa_train.data.chat.ChatRenderer.quotes_special`), and of every ``distill.server.api=chat``
 run (a reply may quote one): such strings are encoded as text."""
-_RENDERINGS = (_SPACED_EOS, _QUOTED_SPECIALS)
+_RENDERINGS = (_SPACED_EOS, _EOS_RSTRIP, _QUOTED_SPECIALS)
 """Entries recorded for the data they apply to, which earlier versions rendered otherwise."""
 
 
 def _complete_settings(settings: dict, manifest: dict) -> dict:
     """``settings`` as the complete folder of ``manifest`` is compared with them: without the entries of
     :data:`_RENDERINGS` its settings lack. Its later turns' contexts then hold the earlier rendering
-    (the whitespace before the template's EOS: EOS, space, EOS; a quoted special-token string as the
-    special id), every record alike: whole data the heads can train on, reused as it is
-    (``distill.overwrite=true`` redoes it); an unfinished folder is refused instead, since resuming it
-    would mix both kinds of records."""
+    (the whitespace before the template's EOS: EOS, space, EOS; the whitespace after an EOS with
+    ``rstrip``: EOS, newline; a quoted special-token string as the special id), every record alike:
+    whole data the heads can train on, reused as it is (``distill.overwrite=true`` redoes it); an
+    unfinished folder is refused instead, since resuming it would mix both kinds of records."""
     recorded = manifest.get("settings")
     if isinstance(recorded, dict):
         return {key: value for key, value in settings.items() if key not in _RENDERINGS or key in recorded}
@@ -671,6 +682,11 @@ def _difference(previous: dict | None, current: dict, model: ModelConfig | None 
         text = (
             "later turns' contexts that keep the whitespace before the template's EOS (EOS, space, EOS): "
             + text
+        )
+    elif _EOS_RSTRIP in differing:
+        text = (
+            "later turns' contexts that keep the whitespace after an EOS whose rstrip drops it "
+            "(EOS, newline): " + text
         )
     elif (
         _QUOTED_SPECIALS in differing

@@ -34,6 +34,7 @@ from tests.helpers.distill import spans as _spans
 from tests.helpers.distill import write_prompts as _write_prompts
 from tests.helpers.fake_openai import FakeOpenAI
 from tests.helpers.models import add_remote_code
+from tests.helpers.tokenizers import phi3_style
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,23 @@ def spaced_reference(
     _, tok = load_backbone(str(tiny_backbone_dir))
     tok.chat_template = LLAMA2_STYLE
     tok.save_pretrained(backbone)
+    _run(root / "workdir", backbone, prompts)
+    return root / "workdir", backbone, prompts
+
+
+@pytest.fixture(scope="module")
+def rstrip_reference(
+    tmp_path_factory: pytest.TempPathFactory, tiny_backbone_dir: Path
+) -> tuple[Path, Path, Path]:
+    """The tiny backbone with Phi-3's chat shape (:func:`~tests.helpers.tokenizers.phi3_style`: a newline
+    after its EOS, which has ``rstrip``), four prompts of one to three turns and a workdir distilled from
+    them with it."""
+    root = tmp_path_factory.mktemp("rstrip")
+    prompts = _write_prompts(root / "prompts.jsonl", n=4)
+    backbone = root / "backbone"
+    shutil.copytree(tiny_backbone_dir, backbone)
+    _, tok = load_backbone(str(tiny_backbone_dir))
+    phi3_style(tok).save_pretrained(backbone)
     _run(root / "workdir", backbone, prompts)
     return root / "workdir", backbone, prompts
 
@@ -123,28 +141,52 @@ def test_a_template_with_a_space_before_eos_is_recorded_for_multi_turn_data_only
     assert "spaced_eos" not in read_manifest(tmp_path / "distill")["settings"]
 
 
-def test_a_folder_without_spaced_eos_is_refused_unfinished_and_kept_complete(
-    spaced_reference, tmp_path
+def test_an_eos_with_rstrip_and_whitespace_after_it_is_recorded_for_multi_turn_data_only(
+    rstrip_reference, reference, tmp_path
+) -> None:
+    """Later turns' contexts drop the newline Phi-3's template puts after its EOS, whose token has
+    ``rstrip``: recorded in the settings where it applies, not for a template without whitespace after
+    EOS nor for single-turn data (their settings are unchanged). The records themselves: the unit tests
+    of ChatRenderer (the tiny random backbone's replies seldom end with EOS before a later turn)."""
+    workdir, backbone, _ = rstrip_reference
+    assert read_manifest(workdir / "distill")["settings"]["eos_rstrip"] == "applied"
+    assert "eos_rstrip" not in read_manifest(reference[0] / "distill")["settings"]
+    _, tok = load_backbone(str(backbone))
+    assert tok.added_tokens_decoder[tok.eos_token_id].rstrip  # saved and loaded with the flag
+    single = tmp_path / "single.jsonl"
+    single.write_text('{"prompt": "why is the cat big?"}\n{"prompt": ["tell me a story"]}\n')
+    _run(tmp_path, backbone, single)
+    assert "eos_rstrip" not in read_manifest(tmp_path / "distill")["settings"]
+
+
+@pytest.mark.parametrize(
+    ("folder", "key", "value", "says"),
+    [
+        ("spaced_reference", "spaced_eos", "dropped", "whitespace before the template's EOS"),
+        ("rstrip_reference", "eos_rstrip", "applied", "whitespace after an EOS whose rstrip drops it"),
+    ],
+)
+def test_a_folder_without_its_rendering_entry_is_refused_unfinished_and_kept_complete(
+    folder: str, key: str, value: str, says: str, request, tmp_path
 ) -> None:
     """A folder of that template and multi-turn data whose settings lack the entry holds EOS, space, EOS
-    in later turns' contexts: unfinished, resuming would mix both renderings (refused, naming
+    (Llama-2's space before EOS) or EOS, newline (Phi-3's newline after an EOS with ``rstrip``) in later
+    turns' contexts: unfinished, resuming would mix both renderings (refused, naming
     distill.overwrite=true); complete, its records are whole and kept, before and after the model loads."""
-    workdir, backbone, prompts = spaced_reference
-    unfinished = _earlier_copy(workdir / "distill", tmp_path / "unfinished", "spaced_eos", finished=False)
-    with pytest.raises(
-        UserError, match=r"whitespace before the template's EOS.*spaced_eos.*distill.overwrite=true"
-    ):
+    workdir, backbone, prompts = request.getfixturevalue(folder)
+    unfinished = _earlier_copy(workdir / "distill", tmp_path / "unfinished", key, finished=False)
+    with pytest.raises(UserError, match=rf"{re.escape(says)}.*{key}.*distill.overwrite=true"):
         _run(unfinished.parent, backbone, prompts)
     assert not _run(unfinished.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
     assert _rows(unfinished.parent) == _rows(workdir)
 
-    complete = _earlier_copy(workdir / "distill", tmp_path / "complete", "spaced_eos", finished=True)
+    complete = _earlier_copy(workdir / "distill", tmp_path / "complete", key, finished=True)
     assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check before the model loads
     _forget_settings_files(complete)  # an older manifest: that check misses
     assert _run(complete.parent, backbone, prompts)["already_complete"]  # the check after it
     assert "settings_files" in read_manifest(complete)["quick_settings"]["backbone_source"]
     assert not _run(complete.parent, backbone, prompts, "distill.overwrite=true")["already_complete"]
-    assert read_manifest(complete)["settings"]["spaced_eos"] == "dropped"
+    assert read_manifest(complete)["settings"][key] == value
 
 
 def test_later_turns_quoting_a_special_token_are_recorded_and_an_older_unfinished_folder_refused(

@@ -9,9 +9,9 @@ import pytest
 from medusa_train.data.chat import ChatRenderer, text_ids
 from medusa_train.data.regenerate import distill_records
 from medusa_train.data.sources import Conversation
-from medusa_train.data.tokenizer import train_tokenizer
+from medusa_train.data.tokenizer import CHAT_TEMPLATE, train_tokenizer
 from medusa_train.errors import UserError
-from tests.helpers.tokenizers import THINK, fast_chat_tokenizer, slow_chat_tokenizer
+from tests.helpers.tokenizers import PHI3_STYLE, THINK, fast_chat_tokenizer, phi3_style, slow_chat_tokenizer
 
 LLAMA2_STYLE = (
     "{% for message in messages %}"
@@ -51,6 +51,28 @@ def test_spaced_eos_is_true_for_a_template_with_whitespace_before_its_eos_only(t
     conv = Conversation("r", ["why is the cat big?", "and the dog?"], system=None)
     assert ChatRenderer(tok).spaced_eos(conv, [tok.eos_token_id]) is (template == "llama2")
     assert not ChatRenderer(tok).spaced_eos(conv, [tok.bos_token_id])  # not the text the reply closes with
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_stripped_eos_is_true_for_whitespace_after_an_eos_with_rstrip_only(kind: str) -> None:
+    """What distill records in its settings: whether the whitespace after EOS is dropped (Phi-3's
+    ``<|end|>`` and newline with ``rstrip``); not where the token keeps it, nor where the template writes
+    none after it, nor for an id that is not the text the reply closes with; a token that keeps it keeps
+    it in the continuation."""
+    make = fast_chat_tokenizer if kind == "fast" else slow_chat_tokenizer
+    conv = Conversation("r", ["why is the cat big?", "and the dog?"], system=None)
+    phi3 = phi3_style(make())
+    assert ChatRenderer(phi3).stripped_eos(conv, [phi3.eos_token_id])
+    assert not ChatRenderer(phi3).stripped_eos(conv, [phi3.bos_token_id])
+    phi3.chat_template = CHAT_TEMPLATE  # the project's: <|user|> right after EOS
+    assert not ChatRenderer(phi3).stripped_eos(conv, [phi3.eos_token_id])
+    kept = make()  # its own template: no whitespace after EOS
+    assert not ChatRenderer(kept).stripped_eos(conv, [kept.eos_token_id])
+    kept.chat_template = PHI3_STYLE  # a newline after EOS, which the token keeps
+    assert not ChatRenderer(kept).stripped_eos(conv, [kept.eos_token_id])
+    assert not ChatRenderer(kept).spaced_eos(conv, [kept.eos_token_id])
+    cont = ChatRenderer(kept).continuation_ids(conv, ["it is"], kept.eos_token_id)
+    assert kept.decode(cont) == "\n<|user|>\nand the dog?<|end|>\n<|assistant|>\n"  # as its own call keeps it
 
 
 REFUSES_SYSTEM = (
@@ -117,6 +139,42 @@ def test_a_distilled_record_is_the_template_rendering_with_its_generation_mask()
     assert record.input_ids == rendered["input_ids"]
     assert record.loss_mask == rendered["assistant_masks"] and sum(record.loss_mask) == sum(
         len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies
+    )
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_a_record_drops_the_whitespace_after_an_eos_with_rstrip_as_the_tokenizer_does(kind: str) -> None:
+    """Phi-3's ``<|end|>`` has ``rstrip=True``: the tokenizer's own call on the whole conversation drops
+    the newline the template writes after it. A multi-turn record (prompt, reply and its EOS,
+    continuation, ...) is that call's ids, with a fast and a slow tokenizer; a reply cut without EOS
+    keeps the template's own closing text, which the tokenizer encodes with the same rule."""
+    tok = phi3_style(fast_chat_tokenizer() if kind == "fast" else slow_chat_tokenizer())
+    renderer = ChatRenderer(tok)
+    conv = Conversation("r", ["why is the cat big?", "and the dog?", "ok"], system="be brief")
+    replies = ["it is big", "the dog is red", "more"]
+    (record,) = distill_records(
+        _Scripted(tok, replies),
+        renderer,
+        [conv],
+        [renderer.prompt_ids(conv)],
+        max_context=10_000,
+        eos_ids=[tok.eos_token_id],
+    )
+    whole = tok.apply_chat_template(renderer.messages(conv, replies, False), tokenize=True, return_dict=True)
+    assert record.input_ids == whole["input_ids"]
+    assert "\n" not in tok.decode(record.input_ids).replace("|>\n", "")  # no newline after an EOS
+    assert sum(record.loss_mask) == sum(
+        len(tok(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies
+    )
+    cut = renderer.continuation_ids(conv, ["it is"], None)
+    assert (
+        cut
+        == tok("<|end|>\n<|user|>\nand the dog?<|end|>\n<|assistant|>\n", add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
+    assert cut[0] == tok.eos_token_id and cut[1:] == renderer.continuation_ids(
+        conv, ["it is"], tok.eos_token_id
     )
 
 
