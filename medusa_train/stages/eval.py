@@ -104,6 +104,7 @@ from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
+from medusa_train.head_targets import language_model
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
@@ -197,6 +198,9 @@ def _evaluate(
         "eval: backbone %s%s", backbone, " (trained with the heads: training=medusa2)" if trained else ""
     )
     check_verifiable(model)  # a model the decoders refuse (tree_refusal): refused now
+    if stored_topk(heads_dir) is None and (wd.distill / MANIFEST).is_file():
+        # 6. scores the heads through it: a model with none is refused now, not once 3.-5. have decoded
+        language_model(model)
     check_heads_match(heads, model, heads_dir, backbone)
     if not trained:  # a trained Medusa-2 backbone is the heads' own
         warn_if_other_backbone(heads_dir, model, cfg.model)

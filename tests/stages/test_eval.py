@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import shutil
@@ -363,6 +364,32 @@ def test_a_backbone_the_decoders_cannot_serve_is_refused_once_loaded(
         eval_stage.run(tiny_cfg(workdir, "stage=eval"))
     assert "model.generate" in str(err.value) and "\n" not in str(err.value)
     assert not forwards
+
+
+def test_heads_a_backbone_cannot_score_are_refused_before_any_turn_decodes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Without a calibration.json, eval scores the heads on held-out distilled records through the one
+    language model under the LM head (``head_targets.language_model``); a backbone with none (its own
+    ``get_decoder()``, holding two models) is refused in one line once loaded, before any forward (it
+    was refused after every turn had decoded)."""
+    workdir = make_workdir(tmp_path / "wd", calibration=False)
+    (workdir / "distill").mkdir()
+    (workdir / "distill" / "manifest.json").write_text("{}")  # scored on held-out records: refused first
+    forwards: list = []
+    load = eval_stage.load_backbone_for_heads
+
+    def two_models(*args, **kwargs):
+        model, *rest = load(*args, **kwargs)
+        model.get_decoder = lambda: model
+        model.other = copy.deepcopy(model.model)
+        model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        return (model, *rest)
+
+    monkeypatch.setattr(eval_stage, "load_backbone_for_heads", two_models)
+    with pytest.raises(UserError, match=r"^LlamaForCausalLM \(llama\): .* 2 models inside") as err:
+        eval_stage.run(tiny_cfg(workdir, "stage=eval"))
+    assert "\n" not in str(err.value) and not forwards and not (workdir / "eval").exists()
 
 
 def test_a_tree_calibrated_on_another_device_is_calibrated_again(tmp_path: Path) -> None:
