@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DummyLayer, DynamicCache, DynamicLayer, StaticCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
@@ -120,7 +120,7 @@ from medusa_train.decoding.static import (
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import MEDUSA, VLLM, load_heads
-from medusa_train.hf_compat import NEW_NAME, OLD_NAME, cache_kwargs, output_cache_field
+from medusa_train.hf_compat import NEW_NAME, OLD_NAME, NoKVLayer, cache_kwargs, output_cache_field
 from medusa_train.workdir import CALIBRATION, CHOICES, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -969,7 +969,7 @@ def _static_copy(model, cache: DynamicCache, size: int) -> StaticCache:
     ``cache_implementation="static"`` (its sliding-window layers keep the last window)."""
     static = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=size)
     for index, (layer, target) in enumerate(zip(cache.layers, static.layers, strict=False)):
-        if isinstance(target, DummyLayer) or not layer.is_initialized or layer.keys is None:
+        if isinstance(target, NoKVLayer) or not layer.is_initialized or layer.keys is None:
             continue
         columns = torch.arange(layer.keys.shape[2], device=layer.keys.device)
         static.update(layer.keys, layer.values, index, {"cache_position": columns})  # 5.17 reads positions

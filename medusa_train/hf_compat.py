@@ -1,5 +1,5 @@
 """The model-call arguments (and ``generate``'s output field) whose name depends on the installed
-transformers release.
+transformers release, and the cache layer of a layer that keeps no KV.
 
 transformers 5.24 renamed the cache argument of every model ``forward`` from ``past_key_values`` to
 ``cache`` (``@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`` on the forwards, the
@@ -7,6 +7,12 @@ decoder layers and ``prepare_inputs_for_generation``); 5.17-5.23, which our rang
 image has 5.17), take only ``past_key_values``. Passing the old name to a new release warns on every
 call and stops working at 5.40, so our decoders ask once per model class which name its ``forward``
 declares and pass the cache under that name. ``generate``'s output field was renamed with it.
+
+A decoder layer that reads an earlier layer's KV and keeps none (Gemma 3n's and Gemma 4's last
+``num_kv_shared_layers``) is named by its text config's ``kv_sharing_modes`` ("reuse") and holds a
+``DummyLayer`` in transformers' caches; 5.17 has neither (its caches stop before those layers, which
+never touch the cache), so :func:`kv_reusing_layers` reads ``num_kv_shared_layers`` there and
+:data:`NoKVLayer` is a layer of our own that keeps nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +22,35 @@ import inspect
 from typing import Any
 
 import torch
+
+try:
+    from transformers.cache_utils import DummyLayer as NoKVLayer
+except ImportError:  # transformers without DummyLayer (5.17): its models never touch such a layer
+
+    class NoKVLayer:
+        """A cache layer that keeps no KV (transformers' ``DummyLayer`` where it has one)."""
+
+        is_compileable = True
+        is_croppable = True
+        is_sliding = False
+        supports_early_init = False
+
+        def __init__(self, **kwargs: Any) -> None:
+            self.is_initialized = True
+            self.keys = None
+            self.values = None
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def offload(self) -> None: ...
+        def prefetch(self) -> None: ...
+        def reset(self) -> None: ...
+        def crop(self, tokens_to_remove: int) -> None: ...
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None: ...
+        def batch_repeat_interleave(self, repeats: int) -> None: ...
+        def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+
 
 NEW_NAME = "cache"
 OLD_NAME = "past_key_values"
@@ -67,3 +102,14 @@ def output_cache_field() -> str:
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     return NEW_NAME if NEW_NAME in GenerateDecoderOnlyOutput.__dataclass_fields__ else OLD_NAME
+
+
+def kv_reusing_layers(config: Any) -> frozenset[int]:
+    """The decoder layers that keep no KV of their own under a text config: those its
+    ``kv_sharing_modes`` marks "reuse", or, in a release without that property (5.17), the last
+    ``num_kv_shared_layers`` (what its Gemma 3n and Gemma 4 layers read then)."""
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is not None:
+        return frozenset(i for i, mode in enumerate(modes) if mode == "reuse")
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    return frozenset(range(config.num_hidden_layers - shared, config.num_hidden_layers))

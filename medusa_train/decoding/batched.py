@@ -32,9 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from .. import hf_compat
 from ..heads import MedusaHeads
+from ..hf_compat import NoKVLayer
 from .acceptance import (
     accept_sample,
     accept_typical,
@@ -122,16 +124,17 @@ class PreallocatedLayer(CacheLayerMixin):
 
 def preallocated_layers(
     owner: Cache, layer_class: type[PreallocatedLayer], num_layers: int, reusing: Collection[int]
-) -> list[PreallocatedLayer | DummyLayer]:
+) -> list[PreallocatedLayer | NoKVLayer]:
     """The ``num_layers`` layers of a preallocated cache: ``layer_class`` for a layer with KV of its own,
-    transformers' ``DummyLayer`` (no KV, never written) for one in ``reusing`` (:func:`kv_reusing_layers`).
+    a ``NoKVLayer`` (transformers' ``DummyLayer``: no KV, never written) for one in ``reusing``
+    (:func:`kv_reusing_layers`).
     ``owner.kv_layers`` are then the former: what moving entries or rows moves, and what ``storage``
     holds."""
-    layers: list[PreallocatedLayer | DummyLayer] = []
+    layers: list[PreallocatedLayer | NoKVLayer] = []
     owner.kv_layers = []
     for i in range(num_layers):
         if i in reusing:
-            layers.append(DummyLayer())
+            layers.append(NoKVLayer())
         else:
             owner.kv_layers.append(layer_class(owner, len(owner.kv_layers)))
             layers.append(owner.kv_layers[-1])
@@ -382,13 +385,13 @@ def _num_layers(model: torch.nn.Module) -> int:
 
 def kv_reusing_layers(model: torch.nn.Module) -> frozenset[int]:
     """The decoder layers of ``model`` that keep no KV of their own (its text config's
-    ``kv_sharing_modes`` "reuse": Gemma 4's last ``num_kv_shared_layers``). Such a layer attends the keys
-    and values that the last earlier layer of its type got back from its cache entry in the same forward,
-    under its type's mask, and transformers gives it a ``DummyLayer`` in the cache: moving or keeping that
+    ``kv_sharing_modes`` "reuse": Gemma 4's last ``num_kv_shared_layers``; read by
+    :func:`~medusa_train.hf_compat.kv_reusing_layers`). Such a layer attends the keys and values that the
+    last earlier layer of its type got back from its cache entry in the same forward, under its type's
+    mask, and never touches its own (transformers gives it a ``DummyLayer``): moving or keeping that
     layer's entries serves both."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    modes = getattr(cfg, "kv_sharing_modes", None) or ()
-    return frozenset(i for i, mode in enumerate(modes) if mode == "reuse")
+    return hf_compat.kv_reusing_layers(cfg)
 
 
 def model_devices(model: torch.nn.Module) -> list[str]:

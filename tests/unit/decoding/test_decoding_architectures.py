@@ -58,6 +58,7 @@ from medusa_train.decoding.attention import (
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads, last_hidden_state_tied
 from medusa_train.head_targets import last_hidden_state
+from medusa_train.hf_compat import NoKVLayer
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
@@ -1279,15 +1280,15 @@ def test_gemma4_head_dim_per_layer_is_served():
 
 def test_gemma4_kv_shared_layers_keep_no_kv():
     """Gemma 4's last two layers read the KV of layers 0 and 1: the batched and static decoders' caches
-    keep none for them (transformers' ``DummyLayer``), and moving entries or rows moves the others'
-    (greedy parity past the window: ``MODELS``): a row leaving the batch at its EOS moves the other rows
-    down, whose tokens stay ``generate``'s."""
+    keep none for them (``NoKVLayer``: transformers' ``DummyLayer``), and moving entries or rows moves the
+    others' (greedy parity past the window: ``MODELS``): a row leaving the batch at its EOS moves the
+    other rows down, whose tokens stay ``generate``'s."""
     model = build(gemma4(num_kv_shared_layers=2))
     assert kv_reusing_layers(model) == {2, 3}
     heads = random_heads(model, seed=1)
     decoder = StaticDecoder(model, heads, chain_tree(2), 32)
-    assert [type(layer).__name__ for layer in decoder.cache.layers] == ["_StaticLayer"] * 2 + [
-        "DummyLayer"
+    assert [type(layer) for layer in decoder.cache.layers] == [static_module._StaticLayer] * 2 + [
+        NoKVLayer
     ] * 2
     assert decoder.cache.kv_layers == decoder.cache.layers[:2]
     rows = prompts()
