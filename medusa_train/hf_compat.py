@@ -68,18 +68,17 @@ def _library_name() -> str:
 @functools.cache
 def _name_for_class(cls: type) -> str:
     params = inspect.signature(cls.forward).parameters
-    if NEW_NAME in params:
-        return NEW_NAME
-    if OLD_NAME in params:
-        return OLD_NAME
-    return _library_name()
+    declared = [name for name in (NEW_NAME, OLD_NAME) if name in params]
+    # One name declared: that one. Both (a forward written for either release, handing its cache on to
+    # transformers' own forward) or neither: the installed library's.
+    return declared[0] if len(declared) == 1 else _library_name()
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """``"cache"`` or ``"past_key_values"``: the name under which ``model``'s forward takes its KV cache.
 
     Decided from the forward's signature once per model class (a wrapper whose forward only takes
-    ``**kwargs``, such as a PEFT model, gets the installed library's name).
+    ``**kwargs``, such as a PEFT model, or declares both names, gets the installed library's name).
     """
     return _name_for_class(type(model))
 

@@ -47,6 +47,19 @@ def test_the_keyword_is_the_one_the_forward_declares():
     assert cache_keyword(model) == expected
 
 
+def test_a_forward_declaring_both_names_gets_the_installed_library_s():
+    """A forward written for either release (taking both names and handing its cache on to transformers'
+    forward) gets the name transformers' own forwards take: the other one would reach a forward that
+    drops it into ``**kwargs`` and runs without a cache."""
+
+    class Both(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, cache=None):
+            raise NotImplementedError
+
+    library = inspect.signature(tf.LlamaForCausalLM.forward).parameters
+    assert cache_keyword(Both()) == (NEW_NAME if NEW_NAME in library else OLD_NAME)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_decoder_calls_emit_no_deprecation_warning(arch):
     model = tiny_model(arch)
