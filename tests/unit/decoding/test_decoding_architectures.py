@@ -58,7 +58,7 @@ from medusa_train.decoding.attention import (
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads, last_hidden_state_tied
 from medusa_train.head_targets import last_hidden_state
-from medusa_train.hf_compat import NoKVLayer
+from medusa_train.hf_compat import NoKVLayer, cache_kwargs
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
 
@@ -124,6 +124,9 @@ def gemma3n() -> tf.PretrainedConfig:
     )  # fmt: skip
 
 
+HAS_DORY = hasattr(tf, "DoryConfig")  # transformers 5.17 has no Dory
+
+
 def dory(loops: int = 1, mode: str = "per_loop") -> tf.PretrainedConfig:
     """Dory (nGPT on the unit sphere, a recurrent section): an input, two recurrent and an output layer,
     sliding and full, the recurrent two run ``loops`` times in each forward, their KV kept per loop
@@ -172,8 +175,9 @@ MODELS = {
     ),
     "gemma3_multimodal": gemma3_multimodal,
     "gemma3n": gemma3n,
-    # nGPT, a recurrent section run once (n_recurrent_loops=1: a plain decoder; more are refused)
-    "dory": dory,
+    # nGPT, a recurrent section run once (n_recurrent_loops=1: a plain decoder; more are refused); from
+    # transformers 5.24 on
+    **({"dory": dory} if HAS_DORY else {}),
     # attention logit softcapping (eager attention)
     "gemma2": lambda: tf.Gemma2Config(**SHAPE, head_dim=8, sliding_window=6, layer_types=INTERLEAVED),
     # attention sinks (eager attention)
@@ -405,7 +409,7 @@ def greedy_on_a_full_cache(model, prompt: torch.Tensor) -> list[int]:
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
         pad_token_id=0,
-        cache=DynamicCache(),
+        **cache_kwargs(model, DynamicCache()),
     )
     return out[0, len(prompt) :].tolist()
 
@@ -808,14 +812,23 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
     export's ``custom_generate`` before it looks for the export, refuses the model in one line naming
     the types, before any forward."""
     model = build(UNSERVED[name]())
-    assert unserved_layer_types(model.config) == UNSERVED_TYPES[name]
     heads = random_heads(model, seed=1)
+    if getattr(model.config, "layer_types", None) is None:
+        # transformers 5.17's RecurrentGemmaConfig names no layer types (its block_types only): the model
+        # is refused for the recurrent state transformers marks
+        assert name == "recurrent_gemma" and unserved_layer_types(model.config) == []
+        refusals_before_any_forward(
+            model, heads, tmp_path, r"keeps a recurrent state \(transformers marks it"
+        )
+        return
+    assert unserved_layer_types(model.config) == UNSERVED_TYPES[name]
     named = ", ".join(repr(t) for t in UNSERVED_TYPES[name])
     match = rf"has layers of type {named} \(config.layer_types\)"
     for message in refusals_before_any_forward(model, heads, tmp_path, match):
         assert "serve models whose layers are full, sliding-window or chunked attention" in message
 
 
+@pytest.mark.skipif(not HAS_DORY, reason="this transformers has no Dory")
 @pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
 def test_models_that_loop_their_layers_are_refused_before_any_forward(mode, tmp_path):
     """Dory run with two recurrent loops, whose forward keeps KV the decoders' caches do not hold (per
@@ -1389,7 +1402,9 @@ def test_llama4_query_scaling_by_cache_length_is_refused(monkeypatch):
     width or the static decoder's capacity is not the position: each decoder refuses a call that could
     get there (floor_scale 4) before any forward; the static decoder would decode it wrongly. A chain's
     node indices are its depths: ``medusa_generate`` decodes it as ``generate`` does."""
-    model = build(llama4(chunk=None, floor_scale=4, attn_scale=1.0, initializer_range=0.3))
+    # A chunk no position reaches: its RoPE layer attends as a full one (transformers 5.17 runs no Llama 4
+    # without attention_chunk_size).
+    model = build(llama4(chunk=4 * MAX_POS, floor_scale=4, attn_scale=1.0, initializer_range=0.3))
     heads = random_heads(model, seed=1)
     calls = count_forwards(model)
     rows = prompts()
