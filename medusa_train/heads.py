@@ -50,7 +50,7 @@ from torch.nn import functional as F
 
 from medusa_train.draft_vocab import TOKEN_MAP, check_token_map
 from medusa_train.errors import HeadsFormatError
-from medusa_train.head_targets import IGNORE_INDEX
+from medusa_train.head_targets import IGNORE_INDEX, hidden_width
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
@@ -219,9 +219,15 @@ class MedusaHeads(nn.Module):
     def attach(self, backbone: nn.Module) -> MedusaHeads:
         """Check the heads fit ``backbone`` and bind its lm_head to shared heads.
 
+        The hidden size is that of what the heads read, the backbone's last hidden state
+        (:func:`~medusa_train.head_targets.hidden_width`), which is not the width of the vectors its
+        lm_head reads where a prediction head of another width sits between the two (ELECTRA, RemBERT):
+        shared heads, which project with that lm_head, need both.
+
         Raises:
             HeadsFormatError: other hidden/vocab sizes, a token map with ids outside the backbone's
-                vocabulary, or shared heads over a backbone without an output embedding (lm_head).
+                vocabulary, or shared heads over a backbone without an output embedding (lm_head) or
+                whose lm_head reads vectors of another width than its last hidden state.
         """
         out = backbone.get_output_embeddings()
         if out is None or getattr(out, "weight", None) is None:
@@ -231,7 +237,7 @@ class MedusaHeads(nn.Module):
                     "embedding (get_output_embeddings() is None): use head_projection own or truncated"
                 )
             return self
-        vocab, hidden = out.weight.shape
+        vocab, hidden = out.weight.shape[0], hidden_width(backbone)
         if self.token_map is not None and int(self.token_map.max()) >= vocab:
             raise HeadsFormatError(
                 f"the heads' token_map holds ids up to {int(self.token_map.max())}, but the backbone's vocabulary "
@@ -243,6 +249,13 @@ class MedusaHeads(nn.Module):
                 f"has hidden_size={hidden}, vocab_size={vocab}"
             )
         if self.head_projection == SHARED:
+            if out.weight.shape[1] != hidden:
+                raise HeadsFormatError(
+                    f"shared heads project with the backbone's lm_head, but {type(backbone).__name__}'s "
+                    f"reads {out.weight.shape[1]}-wide vectors (a prediction head's output), not its "
+                    f"{hidden}-wide last hidden state, which the heads read: use head_projection own or "
+                    "truncated"
+                )
             self.bind_lm_head(out)
         return self
 

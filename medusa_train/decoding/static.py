@@ -492,8 +492,10 @@ class StaticDecoder:
             self._cache_kwargs = cache_kwargs(model, self.cache)
             self.length = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) L: tokens in each row's cache
             self.root = torch.zeros(b, dtype=torch.long, device=dev)  # (B,) next root token
-            hidden_size = model.get_output_embeddings().weight.shape[1]
-            self.hidden = torch.zeros(b, hidden_size, dtype=self.dtype, device=dev)  # (B, d)
+            # (B, d) each row's last hidden state, what the heads read: sized by the one-token forward
+            # below (d is what the forward returns, not what the LM head reads: ELECTRA's and RemBERT's
+            # prediction heads map it to another width first)
+            self.hidden = torch.zeros(b, 0, dtype=self.dtype, device=dev)
             self.out_tokens = torch.zeros(b, capacity, dtype=torch.long, device=dev)  # (B, C) emitted
             self.num_out = torch.zeros(b, dtype=torch.long, device=dev)  # (B,)
             # (B,) each row's first new-token index drawn from NaN probabilities (capacity: none); the
@@ -755,6 +757,8 @@ class StaticDecoder:
         root, drawn = self._predict(last)  # the argmax, or a draw
         self.root[row] = root
         self.bad_from[row] = self.capacity if drawn is None else torch.where(drawn, self.capacity, 0)
+        if self.hidden.shape[1] != hidden.shape[-1]:  # the allocating forward (before any capture)
+            self.hidden = self.hidden.new_zeros(self.batch_size, hidden.shape[-1])  # (B, d)
         self.hidden[row] = hidden[0, -1]
         self.length[row] = t
         self.num_out[row] = 0

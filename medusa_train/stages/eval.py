@@ -104,7 +104,7 @@ from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
-from medusa_train.head_targets import language_model
+from medusa_train.head_targets import hidden_width, language_model
 from medusa_train.heads import MedusaHeads
 from medusa_train.report import (
     HEADS_FINGERPRINT,
@@ -459,7 +459,7 @@ def _load_heads(heads_dir: Path, own: bool = False):
 def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
     """Raise :class:`UserError` when the heads do not fit the backbone (hidden/vocab sizes, a token map
     outside its vocabulary, shared heads without an lm_head to use); bind shared heads to its lm_head."""
-    vocab, hidden = model.get_output_embeddings().weight.shape
+    vocab, hidden = model.get_output_embeddings().weight.shape[0], hidden_width(model)
     if (heads.hidden_size, heads.vocab_size) != (hidden, vocab):
         raise UserError(
             f"heads at {heads_dir} were trained for hidden_size={heads.hidden_size}, vocab_size={heads.vocab_size} "

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from medusa_train.errors import DamagedArtefactError
-from medusa_train.head_targets import IGNORE_INDEX, last_hidden_state, medusa_targets, soft_target_sources
+from medusa_train.head_targets import (
+    IGNORE_INDEX,
+    hidden_width,
+    last_hidden_state,
+    medusa_targets,
+    soft_target_sources,
+)
 from medusa_train.training.trainer import PadCollator
 from medusa_train.workdir import atomic_write, atomic_write_json, fsync_file, read_json
 
@@ -176,7 +182,7 @@ def build_hidden_cache(
         return HiddenCache(directory)
     progress_path = directory / CACHE_PROGRESS
     weight = backbone.get_output_embeddings().weight
-    dtype, d = weight.dtype, weight.shape[1]
+    dtype, d = weight.dtype, hidden_width(backbone)  # d: the last hidden state's, which the heads read
     device = weight.device
     try:  # resumable: same settings, and the files a killed build left are whole
         resumable = read_json(progress_path, repair="").get("settings") == settings

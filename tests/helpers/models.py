@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+from medusa_train.head_targets import hidden_width
 from medusa_train.heads import MedusaHeads
 
 VOCAB = 128
@@ -42,7 +43,10 @@ def tiny_config(
     Args:
         arch: llama | qwen2 | mistral (sliding window 8 unless overridden) | gpt2 | llama4 (its text model:
             a mixture of 2 experts, 1 per token, in every layer; attention in chunks of 8 with RoPE and
-            global without, alternating, unless overridden).
+            global without, alternating, unless overridden) | electra, rembert (causal, ``is_decoder=True``;
+            a prediction head maps the last hidden state to half its width before the LM head) |
+            modernbert_decoder (a prediction head of its own width) | opt350m (OPT-350m's shape: the
+            decoder's last hidden state projected to half the hidden size, which the LM head reads).
         vocab, hidden, layers, heads, kv_heads, max_pos: the shape (gpt2: no grouped KV heads).
         intermediate: MLP width; defaults to ``2 * hidden`` (gpt2: its own 4x).
         **overrides: any field of the transformers config. Token ids default to bos 0, pad 0 and no
@@ -79,6 +83,26 @@ def tiny_config(
             no_rope_layer_interval=2,
         )
         return tf.Llama4TextConfig(**{**fields, **experts, **overrides})
+    shape = {k: v for k, v in fields.items() if k != "num_key_value_heads"}
+    if arch == "electra":  # causal; a prediction head maps h to half its width before the LM head
+        return tf.ElectraConfig(**{**shape, "embedding_size": hidden // 2, "is_decoder": True, **overrides})
+    if arch == "rembert":  # causal; the LM head's own dense layer maps h to half its width first
+        widths = {"input_embedding_size": hidden // 2, "output_embedding_size": hidden // 2}
+        return tf.RemBertConfig(
+            **{**shape, **widths, "is_decoder": True, "tie_word_embeddings": False, **overrides}
+        )
+    if arch == "modernbert_decoder":  # a prediction head of h's own width before the LM head; no None ids
+        given = {k: v for k, v in {**shape, **overrides}.items() if v is not None}
+        return tf.ModernBertDecoderConfig(
+            **{"global_attn_every_n_layers": 1, "cls_token_id": 0, "sep_token_id": 0, **given}
+        )
+    if arch == "opt350m":  # OPT-350m's shape: the decoder projects h to half its width at its end
+        opt = dict(
+            hidden_size=hidden, word_embed_proj_dim=hidden // 2, ffn_dim=fields["intermediate_size"],
+            num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab,
+            max_position_embeddings=max_pos, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+        return tf.OPTConfig(**{**opt, **overrides})
     raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHS)}")
 
 
@@ -156,7 +180,7 @@ def add_remote_code(directory: Path) -> Path:
 def random_heads(model: torch.nn.Module, num_heads: int = 4, seed: int = 0, std: float = 0.5) -> MedusaHeads:
     """Heads with random (not identity) blocks and random projections, sized for ``model``."""
     torch.manual_seed(seed)
-    d = model.get_output_embeddings().weight.shape[1]
+    d = hidden_width(model)
     v = model.get_output_embeddings().weight.shape[0]
     heads = MedusaHeads(d, v, num_heads=num_heads, num_layers=1)
     with torch.no_grad():

@@ -387,6 +387,33 @@ def test_shared_heads_files(tmp_path: Path, model):
     assert back.is_bound and torch.equal(back(hidden), heads(hidden))
 
 
+def test_heads_fit_the_last_hidden_state_not_what_the_lm_head_reads():
+    """ELECTRA's causal LM: its LM head reads a prediction head's 16-wide output of the 32-wide last
+    hidden state the heads read. Heads 32 wide fit it, in ``attach`` (export, custom_generate, train) and
+    in stage=eval's check (16-wide ones were the ones taken); shared heads, which would project that last
+    hidden state with its LM head, are refused."""
+    from medusa_train.stages.eval import check_heads_match
+
+    model = tiny_model("electra")
+    MedusaHeads(D, VOCAB, 2, 1).attach(model)
+    check_heads_match(MedusaHeads(D, VOCAB, 2, 1), model, Path("heads"), "electra")
+    with pytest.raises(
+        HeadsFormatError,
+        match=f"heads are for hidden_size=16, vocab_size={VOCAB} but the backbone has hidden_size=32",
+    ):
+        MedusaHeads(16, VOCAB, 2, 1).attach(model)
+    with pytest.raises(UserError, match="trained for hidden_size=16"):
+        check_heads_match(MedusaHeads(16, VOCAB, 2, 1), model, Path("heads"), "electra")
+    shared = (
+        "shared heads project with the backbone's lm_head, but ElectraForCausalLM's reads 16-wide vectors "
+        "(a prediction head's output), not its 32-wide last hidden state, which the heads read: use "
+        "head_projection own or truncated"
+    )
+    with pytest.raises(HeadsFormatError) as err:
+        MedusaHeads(D, VOCAB, 2, 1, head_projection="shared").attach(model)
+    assert str(err.value) == shared
+
+
 # -- bad input --------------------------------------------------------------------------------------
 def test_bad_token_maps_and_backbones_are_refused(model):
     with pytest.raises(HeadsFormatError, match="outside the vocabulary"):

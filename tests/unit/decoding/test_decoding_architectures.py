@@ -57,7 +57,7 @@ from medusa_train.decoding.attention import (
 )
 from medusa_train.decoding.batched import _BatchMask, kv_reusing_layers
 from medusa_train.decoding.generate import PackedHeads, last_hidden_state_tied
-from medusa_train.head_targets import last_hidden_state
+from medusa_train.head_targets import hidden_width, last_hidden_state
 from medusa_train.hf_compat import NoKVLayer, cache_kwargs
 from tests.helpers.models import ARCHS, MAX_POS, VOCAB, random_heads, random_tree, tiny_config
 from tests.unit.decoding.test_decoding_greedy import OracleHeads
@@ -321,10 +321,11 @@ def lm_head_inputs(model: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
 class RowsOracle(PackedHeads):
     """Heads that know the greedy continuation of several sequences: at the position t of a sequence
     whose last hidden state (what the decoders hand the heads and training reads: the decoder's
-    ``last_hidden_state``, the LM head's input but for a scaling some models apply, MiniCPM3's) is the
-    given one, up to rounding, head k ranks that sequence's token t + k + 2 at ``rank`` (head 0; the
-    others at 0); given other states, they know nothing (every logit 0). Tensor operations only (no host
-    read): a step can hold them."""
+    ``last_hidden_state``, the LM head's input but for a scaling some models apply, MiniCPM3's, or a
+    prediction head some put between the two, ELECTRA's and RemBERT's) is the given one, up to rounding,
+    head k ranks that sequence's token t + k + 2 at ``rank`` (head 0; the others at 0); given other
+    states, they know nothing (every logit 0). Tensor operations only (no host read): a step can hold
+    them."""
 
     def __init__(self, model, sequences: list[torch.Tensor], num_heads: int = 4, rank: int = 0) -> None:
         self.num_heads, self.draft_vocab_size, self.rank = num_heads, VOCAB, rank
@@ -1079,6 +1080,22 @@ def test_models_that_attend_both_ways_are_served_with_is_decoder(name):
     assert_decoders_return(model, random_heads(model, seed=1), rows, refs, name)
 
 
+@pytest.mark.parametrize("arch", ["electra", "rembert"])
+def test_models_whose_lm_head_reads_a_prediction_heads_output_of_another_width_are_served(arch):
+    """ELECTRA's and RemBERT's causal LMs (``is_decoder=True``) map the decoder's last hidden state
+    through a prediction head to half its width before their LM head: the heads read that last hidden
+    state (32 wide, not 16), and the three decoders, with random heads of its width and with heads that
+    know each row's continuation, return ``generate``'s tokens (the static decoder sized its rows'
+    states by what the LM head reads, and failed)."""
+    model = build(tiny_config(arch, initializer_range=0.2))
+    assert tree_refusal(model) is None
+    assert model.get_output_embeddings().weight.shape[1] == 16 and hidden_width(model) == 32
+    rows = prompts()
+    refs = [plain_greedy(model, p) for p in rows]
+    assert_decoders_return(model, random_heads(model, seed=1), rows, refs, arch)
+    assert_every_decoder_reads_what_lm_head_reads(model)
+
+
 @pytest.mark.parametrize(
     "build_model",
     [
@@ -1149,7 +1166,8 @@ def test_models_that_build_their_masks_themselves_are_refused_before_any_forward
 
 
 def assert_every_decoder_reads_what_lm_head_reads(model: torch.nn.Module) -> None:
-    """Heads that know the continuation of three rows, keyed by what ``model``'s LM head reads, get
+    """Heads that know the continuation of three rows, keyed by the last hidden state every decoder hands
+    them (:class:`RowsOracle`: what ``model``'s LM head reads, but for a scaling or a prediction head), get
     whole paths accepted at the first four steps of ``medusa_generate``, ``medusa_generate_batch`` and
     the static decoder (past the window), whose tokens are ``generate``'s."""
     rows = prompts()
