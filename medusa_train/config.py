@@ -432,7 +432,9 @@ class TrainingConfig:
     """Residual blocks per head, >= 0."""
     init_from_lm_head: bool = True
     """Initialise every head's vocab projection from the backbone's lm_head (truncated: its rows of the
-    draft vocabulary; shared heads use the lm_head itself whatever this says)."""
+    draft vocabulary; shared heads use the lm_head itself whatever this says). Refused over a backbone
+    whose lm_head reads a prediction head's output of another width than the last hidden state the heads
+    read (ELECTRA, RemBERT): set false there."""
     head_projection: str = "own"
     """How each head maps its features to tokens: own (a d x V projection per head, the paper's) | shared
     (every head reuses the backbone's lm_head: only the residual blocks are stored and trained; needs a

@@ -165,20 +165,24 @@ def hidden_width(model: nn.Module) -> int:
     """d, the width of what the heads read: the :func:`last_hidden_state` of ``model``'s language model,
     which the decoders' forwards return as ``hidden_states[-1]``.
 
-    The width of the vectors its LM head reads where that is the config's ``hidden_size``. Where the two
-    differ, the LM head reads either the last hidden state itself, projected at the decoder's end (OPT-350m's
-    ``project_out``, to its ``word_embed_proj_dim``), or the output of a prediction head of another width
-    (ELECTRA's generators, RemBERT: their ``embedding_size``, ``output_embedding_size``): a forward of one
-    token of the language model says which. A model ZeRO-3 loaded partitioned runs no forward outside its
-    engine: its LM head's width, the only one its LM loss (Medusa-2) serves.
+    The width of the vectors its LM head reads where that is the config's ``hidden_size`` (the latter
+    for a model without an LM head). Where the two differ, the LM head reads either the last hidden
+    state itself, projected at the decoder's end (OPT-350m's ``project_out``, to its
+    ``word_embed_proj_dim``), or the output of a prediction head of another width (ELECTRA's generators,
+    RemBERT: their ``embedding_size``, ``output_embedding_size``): a forward of one token of the language
+    model says which. A model ZeRO-3 loaded partitioned runs no forward outside its engine: its LM head's
+    width, the only one its LM loss (Medusa-2) serves.
 
     Args:
         model: a Hugging Face causal LM (or a peft model around one).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-    weight = base.get_output_embeddings().weight
+    hidden_size = int(base.config.get_text_config().hidden_size)
+    weight = getattr(_output_embeddings(base), "weight", None)
+    if weight is None:  # no LM head to compare with (a remote-code model's)
+        return hidden_size
     head_width = int(getattr(weight, "ds_shape", weight.shape)[1])  # ds_shape: a ZeRO-3 partition's whole
-    if head_width == int(base.config.get_text_config().hidden_size) or hasattr(weight, "ds_shape"):
+    if head_width == hidden_size or hasattr(weight, "ds_shape"):
         return head_width
     ids = torch.zeros(1, 1, dtype=torch.long, device=base.get_input_embeddings().weight.device)  # (1, 1)
     with torch.no_grad():

@@ -74,12 +74,12 @@ from medusa_train.decoding.calibrate import Calibration, calibrate, timed_attent
 from medusa_train.decoding.tree import save_choices
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import MEDUSA_TRAIN_VERSION
-from medusa_train.head_targets import language_model, logit_map
+from medusa_train.head_targets import hidden_width, language_model, logit_map
 from medusa_train.heads import MedusaHeads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
-from medusa_train.training.model import logit_map_mismatch
+from medusa_train.training.model import lm_head_input_mismatch, logit_map_mismatch
 from medusa_train.training.recipes import Recipe, recipe_for
 from medusa_train.training.records import Records, check_draft_vocab_size, draft_vocabulary, training_data
 from medusa_train.training.trainer import (
@@ -219,7 +219,7 @@ def run(cfg: Config) -> dict:
 
         # 5. Train (all ranks), or take the published heads as they are (calibration settings changed).
         if done is None:
-            _check_logit_map(recipe, backbone, data.train, partitioned)
+            _check_lm_head(tc, recipe, backbone, data.train, partitioned)
             result, heads, trained, state = _train(
                 cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
             )
@@ -356,31 +356,66 @@ def _published_heads(
     return heads, recipe.published_backbone(heads_dir, backbone, device)
 
 
-def _check_logit_map(
-    recipe: Recipe, backbone: PreTrainedModel, train_set: Records, partitioned: bool
+def _check_lm_head(
+    tc: TrainingConfig, recipe: Recipe, backbone: PreTrainedModel, train_set: Records, partitioned: bool
 ) -> None:
-    """Step 5, before training: where the loss reads the backbone's distribution from ``lm_head(h)``
-    (``Recipe.reads_distribution``), what ``head_targets.logit_map`` makes of it is the distribution
-    the backbone's forward gives, on the first 16 tokens of the first training record (one forward);
-    else one-line UserError. A backbone ZeRO-3 loaded partitioned is not checked: no rank holds it
-    whole, and gathering it would hold it whole on every rank."""
+    """Step 5, before training: what reads the backbone's lm_head over the heads' ``h`` (its decoder's
+    last hidden state) -- the heads' projections copied from it (``training.init_from_lm_head``) or
+    projecting with it (``shared``) where it reads vectors of another width than ``h``, the soft targets
+    and Medusa-2's LM loss (``Recipe.reads_distribution``) -- reads it where it reads ``h`` (not a prediction head's output: ELECTRA, RemBERT, ModernBERT's
+    decoder, the BERT family's causal LMs); and for the latter two, what ``head_targets.logit_map`` makes
+    of it is the distribution the backbone's forward gives. On the first 16 tokens of the first training
+    record (a forward each); else one-line UserError. A backbone ZeRO-3 loaded partitioned is not
+    checked: no rank holds it whole, and gathering it would hold it whole on every rank."""
+    readers = []  # (what reads lm_head over h, the setting that reads nothing of it)
+    # Heads copied from lm_head or projecting with it over a prediction head of h's own width (ModernBERT's
+    # decoder, the BERT family's) start from, or map through, a head of vectors h is not: a starting point
+    # training moves from, trained as before. Over one of another width (ELECTRA, RemBERT) they cannot.
+    weight = backbone.get_output_embeddings().weight  # ds_shape: a ZeRO-3 partition's whole
+    other_width = hidden_width(backbone) != int(getattr(weight, "ds_shape", weight.shape)[1])
+    if other_width and tc.head_projection == "shared":
+        readers.append(
+            (
+                "training.head_projection=shared (whose heads project with it)",
+                "use training.head_projection=own",
+            )
+        )
+    elif other_width and tc.init_from_lm_head and not tc.init_heads:
+        readers.append(
+            (
+                "training.init_from_lm_head=true (which copies it into the heads)",
+                "set training.init_from_lm_head=false",
+            )
+        )
     reads = recipe.reads_distribution()
-    if reads is None:  # hard targets only: decoding and calibration read the forward or a top-k
+    if reads is not None:
+        readers.append(reads)
+    if not readers:
         return
     if partitioned:
-        log.info("the backbone's logits after lm_head are not checked: it is partitioned (ZeRO-3)")
+        log.info("the backbone's lm_head and logits are not checked: it is partitioned (ZeRO-3)")
         return
     ids = torch.tensor([train_set[0]["input_ids"][:16]], device=backbone.device)  # (1, T)
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
+    kind = getattr(base.config, "model_type", None)
+    name = f"{type(base).__name__}{f' ({kind})' if kind else ''}"
+    problem = lm_head_input_mismatch(backbone, ids)
+    if problem is not None:
+        raise UserError(
+            f"{name}: {problem}, the heads' input (a prediction head sits between the two), so "
+            f"{' and '.join(what for what, _ in readers)} would apply the LM head to vectors it does not "
+            f"read: {' and '.join(instead for _, instead in readers)}"
+        )
+    if reads is None:  # hard targets only: decoding and calibration read the forward or a top-k
+        return
     problem = logit_map_mismatch(backbone, ids)
     if problem is None:
         return
     what, instead = reads
-    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
-    kind = getattr(base.config, "model_type", None)
     raise UserError(
-        f"{type(base).__name__}{f' ({kind})' if kind else ''}: its forward changes its logits after lm_head "
-        f"in a way medusa_train does not know ({problem}), so {what} would not read the distribution it "
-        f"decodes from: {instead}, or report the architecture to medusa_train"
+        f"{name}: its forward changes its logits after lm_head in a way medusa_train does not know "
+        f"({problem}), so {what} would not read the distribution it decodes from: {instead}, or report the "
+        "architecture to medusa_train"
     )
 
 
@@ -644,7 +679,9 @@ def _initial_heads(
             ``training.init_heads`` keep their own.
     """
     tc = cfg.training
-    want = (identity["hidden_size"], identity["vocab_size"], tc.num_heads, tc.num_layers)
+    # d: the width of the last hidden state the heads read, not of what the LM head reads (ELECTRA's
+    # prediction head maps it to another), nor always the config's hidden_size (OPT-350m projects it)
+    want = (hidden_width(backbone), identity["vocab_size"], tc.num_heads, tc.num_layers)
     if tc.init_heads:
         try:
             heads = MedusaHeads.from_pretrained(tc.init_heads)

@@ -134,14 +134,46 @@ def _repacks_in_eval(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
+def lm_head_input_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | None:
+    """Whether ``backbone``'s LM head reads its decoder's last hidden state ``h``, what the heads read
+    (:func:`~medusa_train.head_targets.last_hidden_state`), as its forward runs on ``input_ids``: None
+    when it does (or a positive multiple of it: MiniCPM3 divides ``h`` by its ``logits_scaling`` first;
+    or the forward does not call its LM head as a module, where nothing says otherwise), else what it
+    reads instead (a clause for a message): the output of a prediction head between the two (ELECTRA,
+    RemBERT, ModernBERT's decoder, the BERT family's causal LMs), of the same width or not.
+
+    One forward, as :func:`logit_map_mismatch`'s. Compared in float32 within 8 rounding steps of the
+    LM head's input dtype at its magnitude.
+
+    Args:
+        backbone: a Hugging Face causal LM (or a peft model around one), whole (not ZeRO-3 partitioned).
+        input_ids: ``(1, T)`` a few tokens, on the backbone's device.
+    """
+    _, h, x = _lm_head_forward(backbone, input_ids)
+    if x is None:
+        return None
+    h = h[:, -x.shape[1] :] if x.dim() == h.dim() else h  # (1, T', d): logits_to_keep keeps the last T'
+    if x.shape != h.shape:
+        width = f"{x.shape[-1]}-wide vectors, not its decoder's {h.shape[-1]}-wide last hidden state"
+        return f"its LM head reads {width}"
+    xf, hf = x.float(), h.float()  # (1, T', d)
+    factor = float((xf * hf).sum() / (hf * hf).sum().clamp_min(torch.finfo(torch.float32).tiny))
+    err = float((xf - factor * hf).abs().amax())
+    if factor > 0 and err <= 8 * torch.finfo(x.dtype).eps * float(xf.abs().amax()):
+        return None
+    return "its LM head reads other vectors than its decoder's last hidden state"
+
+
+@torch.no_grad()
 def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | None:
     """Whether ``logit_map(backbone)(lm_head(h))``, the logits the soft head targets and the LM losses
     read, gives the distribution ``backbone``'s own forward gives on ``input_ids``: None when it does,
     else by how much it does not (a clause for a message).
 
-    One forward, in eval mode (4-bit layers in training mode: they would repack in eval mode); ``h`` is
-    what the language model under its LM head (:func:`~medusa_train.head_targets.language_model`, which
-    :func:`last_hidden_state` calls) returned inside it.
+    One forward (:func:`_lm_head_forward`); ``h`` is what the language model under its LM head
+    (:func:`~medusa_train.head_targets.language_model`, which :func:`last_hidden_state` calls) returned
+    inside it. An LM head that reads vectors of another width than ``h`` is that clause
+    (:func:`lm_head_input_mismatch`).
     Compared in float32 up to a constant per position (the softmax does not see one), within 8 rounding
     steps of the coarser of the logits' and ``lm_head``'s dtype at the logits' magnitude: a bfloat16
     forward rounds its own cap or scale, and a step whose effect stays below that is lost in it anyway.
@@ -150,18 +182,14 @@ def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | No
         backbone: a Hugging Face causal LM (or a peft model around one), whole (not ZeRO-3 partitioned).
         input_ids: ``(1, T)`` a few tokens, on the backbone's device.
     """
-    mask = torch.ones_like(input_ids)  # (1, T)
-    caught: list[torch.Tensor] = []
-    decoder = language_model(backbone)
-    hook = decoder.register_forward_hook(lambda m, args, out: caught.append(out.last_hidden_state))
-    try:
-        with _eval_mode(backbone):
-            logits = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).logits  # (1, T', V)
-            if not caught:  # a forward that does not call its decoder: the state training reads, apart
-                caught.append(last_hidden_state(backbone, input_ids, mask))
-    finally:
-        hook.remove()
-    z = backbone.get_output_embeddings()(caught[0][:, -logits.shape[1] :])  # (1, T', V)
+    logits, h, _ = _lm_head_forward(backbone, input_ids)
+    lm_head = backbone.get_output_embeddings()
+    if h.shape[-1] != lm_head.weight.shape[1]:
+        width = (
+            f"{lm_head.weight.shape[1]}-wide vectors, not its decoder's {h.shape[-1]}-wide last hidden state"
+        )
+        return f"its LM head reads {width}"
+    z = lm_head(h[:, -logits.shape[1] :])  # (1, T', V)
     if z.shape != logits.shape:
         return f"its logits are {tuple(logits.shape)}, lm_head(h) {tuple(z.shape)}"
     mapped, got = logit_map(backbone)(z.float()), logits.float()  # (1, T', V)
@@ -174,6 +202,34 @@ def logit_map_mismatch(backbone: nn.Module, input_ids: torch.Tensor) -> str | No
         return None
     step = _formula(logit_map(backbone))
     return f"its logits differ from {step} by up to {err:.3g} where they reach {scale:.3g}"
+
+
+def _lm_head_forward(
+    backbone: nn.Module, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward of ``backbone`` on ``input_ids`` ``(1, T)``, in eval mode (4-bit layers in training
+    mode: they would repack in eval mode): ``(logits (1, T', V), h (1, T, d), x)``, ``h`` the last
+    hidden state its language model returned inside it (or, for a forward that does not call it, the
+    one training reads, apart), ``x`` ``(1, T', d')`` what its LM head read (None: not called as a
+    module)."""
+    mask = torch.ones_like(input_ids)  # (1, T)
+    caught: list[torch.Tensor] = []
+    read: list[torch.Tensor] = []
+    decoder = language_model(backbone)
+    hook = decoder.register_forward_hook(lambda m, args, out: caught.append(out.last_hidden_state))
+    head_hook = backbone.get_output_embeddings().register_forward_pre_hook(
+        lambda m, args, kwargs: read.append(args[0] if args else next(iter(kwargs.values()))),
+        with_kwargs=True,
+    )
+    try:
+        with _eval_mode(backbone):
+            logits = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).logits  # (1, T', V)
+            if not caught:  # a forward that does not call its decoder: the state training reads, apart
+                caught.append(last_hidden_state(backbone, input_ids, mask))
+    finally:
+        hook.remove()
+        head_hook.remove()
+    return logits, caught[0], read[0] if read else None
 
 
 def _formula(step: LogitMap) -> str:

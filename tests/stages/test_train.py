@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from medusa_train import __version__
 from medusa_train.__main__ import main
@@ -29,6 +29,7 @@ from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import compute_head_accuracy
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
+from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import train as train_stage
 from medusa_train.stages.train import run
 from medusa_train.training.trainer import MedusaTrainer
@@ -341,6 +342,43 @@ def test_medusa1_trains_the_heads_of_llama4(tmp_path, cache):
     _assert_heads_learned(root, result)
 
 
+def _with_chat_template(backbone_dir: Path) -> None:
+    """The tokenizer in ``backbone_dir`` given a chat template, which stage=eval renders prompts with."""
+    tokenizer = AutoTokenizer.from_pretrained(backbone_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(backbone_dir)
+
+
+@pytest.mark.parametrize(("arch", "cache"), [("electra", "false"), ("rembert", "true")])
+def test_medusa1_trains_heads_over_a_prediction_head_of_another_width(tmp_path, arch, cache):
+    """ELECTRA's and RemBERT's causal LMs map the decoder's 32-wide last hidden state through a
+    prediction head to 16 before their LM head. The heads read that last hidden state, online and from
+    the hidden-state cache, their projections starting random (``init_from_lm_head=false``: the LM head
+    reads other vectors): 32-wide heads train, learn (chance is 1/64), and stage=eval decodes with them
+    what plain greedy decodes."""
+    root = make_train_workdir(tmp_path, arch=arch)
+    overrides = (
+        "training.init_from_lm_head=false",
+        f"training.cache_hidden_states={cache}",
+        "training.max_steps=24",
+        "training.lr=3e-2",
+    )
+    result = run(train_cfg(root, *overrides))
+    assert result["steps"] == 24 and min(result["heldout_top1"]) > 0.4, result["heldout_top1"]
+    assert MedusaHeads.from_pretrained(root / "heads").hidden_size == 32
+    _with_chat_template(root / "base_model")
+    assert eval_stage.run(train_cfg(root, "stage=eval", *overrides))["greedy_identical"] == 1.0
+
+
+def test_medusa1_trains_heads_over_the_last_hidden_state_opt350m_projects(tmp_path):
+    """OPT-350m's decoder projects its last hidden state to half the hidden size, 16 of 32 here, which
+    its LM head reads: heads 16 wide, their projections copied from that LM head, train (built at the
+    config's hidden_size they were refused)."""
+    root = make_train_workdir(tmp_path, arch="opt350m")
+    assert run(train_cfg(root))["steps"] == 6
+    assert MedusaHeads.from_pretrained(root / "heads").hidden_size == 16
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("recorded", "message"),
@@ -497,6 +535,73 @@ def test_a_loss_reading_logits_the_backbone_changes_unknown_after_lm_head_is_ref
     assert line.startswith("error: LlamaForCausalLM (llama): its forward changes its logits after lm_head")
     assert reader in line and "report the architecture" in line
     assert not (root / "heads").exists() and not (root / "train").exists()
+
+
+_OVER_ELECTRA = (
+    "ElectraForCausalLM (electra): its LM head reads 16-wide vectors, not its decoder's 32-wide last hidden "
+    "state, the heads' input (a prediction head sits between the two), so "
+)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "line"),
+    [
+        (
+            "electra",
+            (),
+            _OVER_ELECTRA
+            + "training.init_from_lm_head=true (which copies it into the heads) would apply the LM "
+            "head to vectors it does not read: set training.init_from_lm_head=false",
+        ),
+        (
+            "electra",
+            ("training.head_projection=shared",),
+            _OVER_ELECTRA
+            + "training.head_projection=shared (whose heads project with it) would apply the LM "
+            "head to vectors it does not read: use training.head_projection=own",
+        ),
+        (
+            "electra",
+            ("training.init_from_lm_head=false", "training.head_loss=kl"),
+            _OVER_ELECTRA
+            + "the soft head targets of training.head_loss=kl would apply the LM head to vectors "
+            "it does not read: train on hard targets (training.head_loss=ce)",
+        ),
+        (
+            "modernbert_decoder",
+            ("training=medusa2", "training.lm_loss=ce"),
+            "ModernBertDecoderForCausalLM (modernbert-decoder): its LM head reads other vectors than its "
+            "decoder's last hidden state, the heads' input (a prediction head sits between the two), so "
+            "Medusa-2's LM loss (training.lm_loss=ce) would apply the LM head to vectors it does not read: "
+            "train Medusa-1 heads on hard targets (training=medusa1 training.head_loss=ce)",
+        ),
+    ],
+)
+def test_what_reads_the_lm_head_over_a_prediction_head_is_refused_before_anything_is_written(
+    tmp_path, capsys, arch, overrides, line
+):
+    """ELECTRA's LM head reads a prediction head's 16-wide output, not the 32-wide state the heads read:
+    heads copied from it (the default) or projecting with it cannot be; soft targets and Medusa-2's LM
+    loss read it over vectors it is not made for, there and over ModernBERT's decoder's prediction head
+    (of the last hidden state's own width).
+    Refused in one line, exit 2, saying what to set instead, before anything is written (a
+    copy went unnoticed; the other widths failed in the heads' check or in a traceback)."""
+    root = make_train_workdir(tmp_path, arch=arch)
+    capsys.readouterr()
+    code = main(train_overrides(root, "stage=train", *overrides))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"error: {line}"  # after the loading progress bar
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
+def test_heads_copied_from_an_lm_head_over_a_prediction_head_of_their_width_train(tmp_path):
+    """ModernBERT's decoder: its LM head reads a prediction head's output as wide as the last hidden
+    state the heads read. Heads copied from it (the default) start there and train, as before (only
+    what needs the LM head to read ``h`` itself is refused: above)."""
+    root = make_train_workdir(tmp_path, arch="modernbert_decoder")
+    assert main(train_overrides(root, "stage=train")) == 0
+    assert (root / "heads" / "config.json").is_file()
 
 
 def test_hard_targets_train_over_logits_the_backbone_changes_after_lm_head(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from medusa_train.errors import UserError
 from medusa_train.head_targets import (
     LogitMap,
+    hidden_width,
     language_model,
     last_hidden_state,
     logit_map,
@@ -20,7 +21,12 @@ from medusa_train.head_targets import (
 from medusa_train.heads import MedusaHeads
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
 from medusa_train.training.losses import HeadLoss
-from medusa_train.training.model import KLToOriginal, MedusaTrainingModel, logit_map_mismatch
+from medusa_train.training.model import (
+    KLToOriginal,
+    MedusaTrainingModel,
+    lm_head_input_mismatch,
+    logit_map_mismatch,
+)
 from medusa_train.training.optim import param_groups
 from medusa_train.training.zero import SHM_OP, deepspeed_config, deepspeed_process
 from tests.helpers.models import tiny_model
@@ -145,10 +151,8 @@ _LOGIT_STEPS = {  # a config class and the step its forward takes after lm_head,
 }
 
 
-@pytest.mark.parametrize("arch", list(_LOGIT_STEPS))
-def test_logit_map_of_lm_head_is_the_logits_of_the_backbone_forward(arch):
-    """What the soft targets and the LM losses read as the backbone's logits: its forward's, also where
-    that forward caps or scales ``lm_head(h)``; the map changes them there (not the identity)."""
+def _logit_steps_model(arch: str) -> torch.nn.Module:
+    """A random model of ``arch`` in :data:`_LOGIT_STEPS`, its step after lm_head as given there."""
     import transformers
 
     name, step = _LOGIT_STEPS[arch]
@@ -156,7 +160,14 @@ def test_logit_map_of_lm_head_is_the_logits_of_the_backbone_forward(arch):
     ids = dict(vocab_size=64, pad_token_id=0, bos_token_id=None, eos_token_id=1)
     config = getattr(transformers, name)(**shape, **ids, **{"num_key_value_heads": 2, **step})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("arch", list(_LOGIT_STEPS))
+def test_logit_map_of_lm_head_is_the_logits_of_the_backbone_forward(arch):
+    """What the soft targets and the LM losses read as the backbone's logits: its forward's, also where
+    that forward caps or scales ``lm_head(h)``; the map changes them there (not the identity)."""
+    model = _logit_steps_model(arch)
     b = batch()
     with torch.no_grad():
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
@@ -234,6 +245,60 @@ def test_a_constant_added_to_the_logits_is_no_mismatch(monkeypatch):
     model = tiny_llama()
     _logits_after(monkeypatch, type(model), shift=7.0)
     assert logit_map_mismatch(model, _IDS) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "llama4", "opt350m", *_LOGIT_STEPS])
+def test_an_lm_head_reading_the_last_hidden_state_is_found_to(arch, dtype):
+    """The LM head of these families reads the decoder's last hidden state, the heads' input: MiniCPM3's
+    divided by its ``logits_scaling`` (0.25 here) first, a positive factor; OPT-350m's projected to half
+    the hidden size at the decoder's end (that projection is the last hidden state)."""
+    if arch in ("opt350m", "llama4"):
+        model = tiny_model(arch, vocab=64, eos_token_id=1)
+    else:
+        model = _logit_steps_model(arch)
+    assert lm_head_input_mismatch(model.to(dtype), _IDS) is None
+
+
+@pytest.mark.parametrize(
+    ("arch", "found"),
+    [
+        ("electra", "its LM head reads 16-wide vectors, not its decoder's 32-wide last hidden state"),
+        ("rembert", "its LM head reads 16-wide vectors, not its decoder's 32-wide last hidden state"),
+        ("modernbert_decoder", "its LM head reads other vectors than its decoder's last hidden state"),
+    ],
+)
+def test_an_lm_head_over_a_prediction_head_is_found(arch, found):
+    """ELECTRA's and RemBERT's causal LMs put a prediction head to half the width between the decoder's
+    last hidden state and their LM head, ModernBERT's decoder one of the same width: found, and the
+    logit-map check says so for the first two (it applied their LM head to 32-wide vectors)."""
+    model = tiny_model(arch, vocab=64, eos_token_id=1)
+    assert lm_head_input_mismatch(model, _IDS) == found
+    if arch != "modernbert_decoder":
+        assert logit_map_mismatch(model, _IDS) == found
+
+
+@pytest.mark.parametrize(
+    ("arch", "width", "forwards"),
+    [
+        ("llama", 32, 0),
+        ("modernbert_decoder", 32, 0),
+        ("electra", 32, 1),
+        ("rembert", 32, 1),
+        ("opt350m", 16, 1),
+    ],
+)
+def test_the_heads_width_is_the_last_hidden_states(arch, width, forwards):
+    """What the heads read is the decoder's last hidden state, whatever the LM head reads (ELECTRA's and
+    RemBERT's a prediction head's 16-wide output) and whatever the config's hidden_size (OPT-350m's: 32);
+    one forward of one token says which where the two widths differ, none where they agree."""
+    model = tiny_model(arch, vocab=64, eos_token_id=1)
+    calls = []
+    language_model(model).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(1), with_kwargs=True
+    )
+    assert hidden_width(model) == width == last_hidden_state(model, _IDS, torch.ones_like(_IDS)).shape[-1]
+    assert len(calls) == forwards + 1
 
 
 def test_the_logit_map_check_runs_one_forward_and_leaves_the_modes():
