@@ -14,7 +14,7 @@ LOCK := requirements/lock.txt
 TORCH ?= $(shell sed -n 's/^torch==//p' $(LOCK))
 TRITON ?= $(shell sed -n 's/^triton==//p' $(LOCK))
 
-.PHONY: help install lock demo test eval lint format clean gpu-wheels gpu-demo gpu-check
+.PHONY: help install lock demo test test-oldest eval lint format clean gpu-wheels gpu-demo gpu-check
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-8s %s\n", $$1, $$2}'
@@ -49,6 +49,19 @@ demo: install  ## the whole pipeline on the embedded tiny backbone (CPU, offline
 
 test: install  ## run the test suite on TEST_WORKERS processes (pytest's "no tests collected", exit 5, is not a failure)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The oldest transformers pyproject admits (the GPU image's) and the huggingface_hub it needs (<2), laid
+# over the venv's newer ones on PYTHONPATH (two wheels, ~10 s): the decoders, custom_generate and the
+# version-dependent names are tested on it too (CI runs it after `make test`; ~3 min on 2 cores).
+OLDEST := transformers==5.17.0 huggingface_hub==1.33.0
+OLDEST_DIR := $(VENV)/oldest
+OLDEST_TESTS := tests/unit/decoding tests/stages/test_export_custom_generate.py tests/unit/test_hf_compat.py
+
+test-oldest: install  ## the decoders' tests on the oldest transformers pyproject admits (5.17, the GPU image's)
+	grep -qxF '$(OLDEST)' $(OLDEST_DIR)/.installed 2>/dev/null || { rm -rf $(OLDEST_DIR) && \
+	  $(BIN)/pip install -q --no-deps --target $(OLDEST_DIR) $(OLDEST) && echo '$(OLDEST)' > $(OLDEST_DIR)/.installed; }
+	PYTHONPATH=$(OLDEST_DIR) $(BIN)/python -c 'import transformers as t; assert t.__version__ == "5.17.0", t.__version__'
+	PYTHONPATH=$(OLDEST_DIR) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider $(OLDEST_TESTS)
 
 eval: install  ## tree decoding vs plain greedy on held-out prompts (after `make demo`)
 	$(BIN)/python -m medusa_train stage=eval workdir=$(WORKDIR)

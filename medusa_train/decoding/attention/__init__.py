@@ -60,6 +60,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -326,7 +327,8 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     cache columns; models that take no KV cache (:func:`uncached_model`); models that build their
     attention masks themselves (:data:`OWN_MASK_MODEL_TYPES`: XLM, Flaubert); models whose tokens
     attend the ones after them (:func:`attends_both_ways`: the BERT family's causal LMs loaded without
-    ``is_decoder=True``), last, as the one reason a user can lift by loading the model otherwise."""
+    ``is_decoder=True``), last, as the one reason a user can lift by loading the model otherwise, then
+    the two that transformers 5.17 builds bidirectional whatever it says (:data:`BOTH_WAYS_IN_517`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [
@@ -396,7 +398,20 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "reproduce, so the Medusa tree decoders cannot verify trees on it: load it with is_decoder=True "
             "(from_pretrained(..., is_decoder=True), or in its config.json) to make it a causal decoder"
         )
+    if kind in BOTH_WAYS_IN_517 and transformers.__version__.startswith("5.17."):
+        return (
+            f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers "
+            f"{transformers.__version__} attends both ways even with is_decoder=True (each token attends the "
+            "tokens after it too; causal from transformers 5.18), so the Medusa tree decoders cannot verify "
+            "trees on it: upgrade transformers (pip install 'transformers>=5.18')"
+        )
     return None
+
+
+BOTH_WAYS_IN_517 = ("megatron-bert", "rembert")
+"""Model types whose causal LM transformers 5.17 builds bidirectional whatever ``is_decoder`` says (each
+tiny model's logits at positions 0..T-2 moved with the last token; the BERT family's others were causal
+with ``is_decoder=True`` there, and all of them in 5.18 to 5.24: checked 2026-12-07)."""
 
 
 def attends_both_ways(model: torch.nn.Module) -> bool:
