@@ -122,17 +122,7 @@ def test_a_distilled_record_is_the_template_rendering_with_its_generation_mask()
     tok = train_tokenizer(
         ["why is the cat on the mat?", "tell me more about the dog.", "it is big"] * 20, 300
     )
-    renderer = ChatRenderer(tok)
-    conv = Conversation("r", ["why is the cat big?", "and the dog?", "ok"], system="be brief")
-    replies = ["it is big", "the dog is red", "more"]
-    (record,) = distill_records(
-        _Scripted(tok, replies),
-        renderer,
-        [conv],
-        [renderer.prompt_ids(conv)],
-        max_context=10_000,
-        eos_ids=[tok.eos_token_id],
-    )
+    renderer, conv, replies, record = _three_turn_record(tok)
     rendered = tok.apply_chat_template(
         renderer.messages(conv, replies, False), return_dict=True, return_assistant_tokens_mask=True
     )
@@ -142,13 +132,9 @@ def test_a_distilled_record_is_the_template_rendering_with_its_generation_mask()
     )
 
 
-@pytest.mark.parametrize("kind", ["fast", "slow"])
-def test_a_record_drops_the_whitespace_after_an_eos_with_rstrip_as_the_tokenizer_does(kind: str) -> None:
-    """Phi-3's ``<|end|>`` has ``rstrip=True``: the tokenizer's own call on the whole conversation drops
-    the newline the template writes after it. A multi-turn record (prompt, reply and its EOS,
-    continuation, ...) is that call's ids, with a fast and a slow tokenizer; a reply cut without EOS
-    keeps the template's own closing text, which the tokenizer encodes with the same rule."""
-    tok = phi3_style(fast_chat_tokenizer() if kind == "fast" else slow_chat_tokenizer())
+def _three_turn_record(tok):
+    """A system prompt and three turns answered by scripted replies, each ending with EOS: the renderer,
+    the conversation, the replies and its one distilled record."""
     renderer = ChatRenderer(tok)
     conv = Conversation("r", ["why is the cat big?", "and the dog?", "ok"], system="be brief")
     replies = ["it is big", "the dog is red", "more"]
@@ -160,6 +146,17 @@ def test_a_record_drops_the_whitespace_after_an_eos_with_rstrip_as_the_tokenizer
         max_context=10_000,
         eos_ids=[tok.eos_token_id],
     )
+    return renderer, conv, replies, record
+
+
+@pytest.mark.parametrize("kind", ["fast", "slow"])
+def test_a_record_drops_the_whitespace_after_an_eos_with_rstrip_as_the_tokenizer_does(kind: str) -> None:
+    """Phi-3's ``<|end|>`` has ``rstrip=True``: the tokenizer's own call on the whole conversation drops
+    the newline the template writes after it. A multi-turn record (prompt, reply and its EOS,
+    continuation, ...) is that call's ids, with a fast and a slow tokenizer; a reply cut without EOS
+    keeps the template's own closing text, which the tokenizer encodes with the same rule."""
+    tok = phi3_style(fast_chat_tokenizer() if kind == "fast" else slow_chat_tokenizer())
+    renderer, conv, replies, record = _three_turn_record(tok)
     whole = tok.apply_chat_template(renderer.messages(conv, replies, False), tokenize=True, return_dict=True)
     assert record.input_ids == whole["input_ids"]
     assert "\n" not in tok.decode(record.input_ids).replace("|>\n", "")  # no newline after an EOS

@@ -24,15 +24,18 @@ def arch_model(request):
     return request.param, tiny_model(request.param, seed=ARCHS.index(request.param))
 
 
-def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None, **extra):
+    """Plain greedy ``generate``'s new tokens of the ``(1, T)`` prompt (its whole output with ``extra``
+    such as ``return_dict_in_generate=True``)."""
     out = model.generate(
         prompt,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=eos_token_id,
         pad_token_id=0,
+        **extra,
     )
-    return out[0, prompt.shape[1] :]
+    return out if extra else out[0, prompt.shape[1] :]
 
 
 def test_hidden_states_last_is_lm_head_input(arch_model):
@@ -189,14 +192,7 @@ def test_oracle_heads_give_tau_above_one():
 def generate_kv(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> list:
     """What plain greedy ``generate``'s cache holds after the call: per layer ``(H, n, D)`` keys and
     values of the ``(1, T)`` prompt's row."""
-    out = model.generate(
-        prompt,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-    )
+    out = plain_greedy(model, prompt, max_new_tokens, eos_token_id, return_dict_in_generate=True)
     return [(layer.keys[0], layer.values[0]) for layer in getattr(out, output_cache_field()).layers]
 
 
