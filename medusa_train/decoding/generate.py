@@ -609,6 +609,8 @@ def compact_cache(cache: DynamicCache, past_len: int, path: Sequence[int]) -> No
         src = [past_len + p for p in path[first:]]
         lo, hi = past_len + first, past_len + n
         for layer in cache.layers:
+            if layer.keys is None:  # a layer that keeps no KV (a KV-sharing layer's DummyLayer)
+                continue
             dev = layer.keys.device
             if dev not in index:
                 index[dev] = torch.tensor(src, device=dev)  # (n - first,)
@@ -795,8 +797,8 @@ def medusa_generate(
             logits before any rule (:mod:`medusa_train.decoding.processors`).
         min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
             prompt counted): EOS cannot end the reply earlier (0: none).
-        cache: a ``DynamicCache`` whose layers hold every token (no sliding-window layer) to decode
-            on: it holds the keys and values of the first ``cache.get_seq_length()`` tokens of
+        cache: a ``DynamicCache`` whose layers hold every token (no sliding-window layer; a layer
+            that keeps no KV, a KV-sharing layer's, holds none) to decode on: it holds the keys and values of the first ``cache.get_seq_length()`` tokens of
             ``input_ids`` (a cache this function or ``generate`` left), and only the others are
             prefilled. On return it holds what ``generate``'s cache holds after it: the entries of
             the prompt and of the new tokens but the last (the tree's other columns cut off); where

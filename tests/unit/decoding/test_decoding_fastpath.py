@@ -30,6 +30,7 @@ from medusa_train.decoding import (
 from medusa_train.decoding.acceptance import argmax_list, walk_matches
 from medusa_train.decoding.generate import _tree_inputs, compact_cache
 from medusa_train.decoding.tree import as_tree
+from medusa_train.hf_compat import NoKVLayer
 from tests.helpers.models import VOCAB, random_heads, random_tree, tiny_model
 from tests.helpers.numerics import FP32
 
@@ -191,6 +192,21 @@ def test_compact_cache_keeps_the_path(path):
         assert torch.equal(layer.keys, k[:, :, index]) and torch.equal(layer.values, v[:, :, index])
         if chain_prefix:  # already in place: nothing copied, the cache is a view of the same memory
             assert layer.keys.data_ptr() == ptr
+
+
+def test_compact_cache_passes_over_a_layer_that_keeps_no_kv():
+    """A cache to go on from that plain generate made for a model whose last layers read an earlier
+    layer's KV (Gemma 3n's, Gemma 4's) holds a layer without KV for each (transformers 5.24's
+    DummyLayer): the accepted path's entries move in the others, that one is left as it is."""
+    past_len, path = 3, [0, 2, 5]
+    cache, originals = filled_cache(2, past_len + 8)
+    cache.layers.append(NoKVLayer())
+    compact_cache(cache, past_len, path)
+    index = list(range(past_len)) + [past_len + p for p in path]
+    assert cache.get_seq_length() == past_len + len(path)
+    for layer, (k, v) in zip(cache.layers[:2], originals, strict=True):
+        assert torch.equal(layer.keys, k[:, :, index]) and torch.equal(layer.values, v[:, :, index])
+    assert cache.layers[2].keys is None
 
 
 def test_packed_heads_first_k_rows_are_the_full_rows():
