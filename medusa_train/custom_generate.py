@@ -51,17 +51,25 @@ written again into the same folder), checks they belong to the model, and decode
   ``GenerateDecoderOnlyOutput`` with ``sequences`` and, with ``use_cache`` (the default), the cache
   ``generate``'s carries (field ``cache``; ``past_key_values`` before transformers 5.24): the keys and
   values of ``sequences[:, :-1]`` and nothing else (the tree's other columns cut off), a batch in the
-  left-padded layout (the padding's entries zeros: every later forward masks them), a ``DynamicCache``,
-  or for ``cache_implementation="static"`` a ``StaticCache`` of ``generate``'s size (prompt +
-  ``max_new_tokens`` - 1 columns, or ``max_cache_len``). The decoders' own KV goes into it
-  (:func:`_generate_cache`); what none computed, a row of a batch that stopped before the longest (its
-  last token and the padding ``generate`` runs through the model after it), by one forward;
-- a cache to go on from (``past_key_values``, ``cache`` from transformers 5.24): a ``DynamicCache`` whose
-  layers keep every token (one this function returned, or plain ``generate``'s of a model without
-  sliding-window layers) of one unpadded prompt; only the prompt's tokens it does not hold are
-  prefilled, and it is returned gone on, as ``generate`` returns the cache it gets. Any other (a
-  batch's, a ``StaticCache``, or with ``cache_implementation="static"``, which ``generate`` refuses
-  too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
+  left-padded layout (the padding's entries zeros: every later forward masks them), a ``DynamicCache``
+  in the layers of ``generate``'s (``DynamicCache(config=...)``: a sliding-window or chunked layer keeps
+  the last ``window - 1`` tokens, a layer that reads an earlier layer's KV, Gemma 3n's and Gemma 4's
+  ``num_kv_shared_layers``, none; a window the config carries and the model's code never reads, a
+  Llama's, keeps every token, as the model attends them, where ``generate``'s keeps the window's
+  last: :func:`_in_generates_layers`), or for ``cache_implementation="static"`` a ``StaticCache`` of
+  ``generate``'s size (prompt + ``max_new_tokens`` - 1 columns, or ``max_cache_len``). The decoders'
+  own KV goes into it (:func:`_generate_cache`); what none computed, a row of a batch that stopped
+  before the longest (its last token and the padding ``generate`` runs through the model after it),
+  by one forward;
+- a cache to go on from (``past_key_values``, ``cache`` from transformers 5.24): a ``DynamicCache`` of
+  one unpadded prompt whose layers keep every token, or the last tokens of the window the model applies
+  there, or no KV (one this function returned, or plain ``generate``'s); only the prompt's tokens it
+  does not hold are prefilled (its window layers decoded on as layers that keep every token, the
+  tokens they no longer hold zeros, which the window masks: :func:`_unwindowed`), and it is returned
+  gone on, in its own layers, as ``generate`` returns the cache it gets. Any other (a batch's, a
+  ``StaticCache``, a window layer of a window the model does not apply, such as plain ``generate``'s
+  of that Llama, which lost tokens the model attends, or with ``cache_implementation="static"``, which
+  ``generate`` refuses too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
 - past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
   this, once), the same tokens; stopped there, with a warning saying why, only where decoding must stop
   to be ``generate``'s (:func:`~medusa_train.decoding.generate.position_bound`: positions a learned
@@ -82,7 +90,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
@@ -97,9 +105,11 @@ from medusa_train.card_inputs import calibration_input, read_checked
 from medusa_train.decoding.attention import (
     ATTENTION_CHOICES,
     AttentionBackendError,
+    attention_chunk,
     check_verifiable,
     one_call_per_model,
     resolve_attention,
+    sliding_window_kinds,
 )
 from medusa_train.decoding.batched import check_one_device, medusa_generate_batch, model_devices
 from medusa_train.decoding.generate import (
@@ -354,7 +364,7 @@ def generate(
         attention_mask = _inferred_mask(input_ids, config.pad_token_id, eos)
     device = model.get_output_embeddings().weight.device
     rows = [row.to(device) for row in _unpadded_rows(input_ids, attention_mask)]  # B x (1, T_i)
-    _check_passed_cache(passed, static, rows, width)
+    _check_passed_cache(model, passed, static, rows, width)
     # generate's output carries its cache with return_dict_in_generate (and use_cache, the default)
     want_cache = bool(config.return_dict_in_generate and config.use_cache)
     attention = _calibrated_attention(loaded, device) if medusa_attention is None else medusa_attention
@@ -399,15 +409,26 @@ def generate(
         ).rows
     elif len(rows) == 1 or len(model_devices(model)) > 1:  # the batched decoder needs one device
         outs, kept = [], None
-        for row in rows:
-            kept = passed if passed is not None else DynamicCache() if want_cache else None
-            outs.append(
-                medusa_generate(
-                    model, loaded.packed, row, attention=attention, on_tokens=stream, cache=kept, **settings
+        windows = [] if passed is None else _unwindowed(passed)  # its sliding layers keep every token
+        try:
+            for row in rows:
+                kept = passed if passed is not None else DynamicCache() if want_cache else None
+                outs.append(
+                    medusa_generate(
+                        model,
+                        loaded.packed,
+                        row,
+                        attention=attention,
+                        on_tokens=stream,
+                        cache=kept,
+                        **settings,
+                    )
                 )
-            )
-            entries = [] if kept is None else dynamic_entries(kept)
-            outs[-1].kv = entries if any(e is not None for e in entries) else None
+                entries = [] if kept is None else dynamic_entries(kept)
+                outs[-1].kv = entries if any(e is not None for e in entries) else None
+        finally:
+            if passed is not None:
+                _rewindowed(passed, windows)  # in the layers it came in, as generate leaves it
     else:
         outs = medusa_generate_batch(
             model, loaded.packed, rows, pad_token_id=pad, attention=attention, keep_kv=want_cache, **settings
@@ -430,15 +451,22 @@ def generate(
         cache = None
         if want_cache:
             whole = len(rows) == 1 and rows[0].shape[1] == width  # one prompt, unpadded
-            if whole and not static and kept.get_seq_length() == sequences.shape[1] - 1:
-                cache = kept  # the decoder's own cache, complete: generate returns its own (the one passed)
-            else:
-                cache = _generate_cache(model, sequences, attention_mask, [row.kv for row in outs], width)
-            if static:  # generate's static cache, of its size: prompt + max_new_tokens - 1 columns
-                size = max(
-                    width + max_new - 1, sequences.shape[1] - 1, getattr(config, "max_cache_len", 0) or 0
+            complete = whole and not static and kept.get_seq_length() == sequences.shape[1] - 1
+            if complete and passed is not None:
+                cache = passed  # gone on, in its own layers: generate returns the cache it gets
+            else:  # the decoder's own cache where complete; layers that keep every token
+                full = (
+                    kept
+                    if complete
+                    else _generate_cache(model, sequences, attention_mask, [row.kv for row in outs], width)
                 )
-                cache = _static_copy(model, cache, size)
+                if static:  # generate's static cache, of its size: prompt + max_new_tokens - 1 columns
+                    size = max(
+                        width + max_new - 1, sequences.shape[1] - 1, getattr(config, "max_cache_len", 0) or 0
+                    )
+                    cache = _static_copy(model, full, size)
+                else:
+                    cache = _in_generates_layers(model, full)
         return GenerateDecoderOnlyOutput(sequences=sequences, **{output_cache_field(): cache})
     return sequences
 
@@ -870,11 +898,12 @@ def _unpadded_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None)
 
 
 # -- the cache ------------------------------------------------------------------------------------
-def _check_passed_cache(passed, static: bool, rows: list[torch.Tensor], width: int) -> None:
+def _check_passed_cache(model, passed, static: bool, rows: list[torch.Tensor], width: int) -> None:
     """Refuse a cache to go on from (``past_key_values`` / ``cache``) that Medusa decoding cannot take:
-    it takes a ``DynamicCache`` whose layers keep every token (the one it returns without
-    ``cache_implementation="static"``, or plain generate's of a model without sliding-window layers),
-    of one unpadded prompt; the static decoder starts from a cache of its own.
+    it takes a ``DynamicCache`` of one unpadded prompt whose layers keep every token, or the last window
+    of the window the model applies there (:func:`_layer_windows`), or no KV (a layer reading an earlier
+    layer's): the one it returns without ``cache_implementation="static"``, or plain generate's; the
+    static decoder starts from a cache of its own.
 
     Raises:
         ValueError: one line saying what to pass instead.
@@ -887,23 +916,130 @@ def _check_passed_cache(passed, static: bool, rows: list[torch.Tensor], width: i
             "with it too): call without past_key_values, or without cache_implementation to go on from it"
         )
     layers = getattr(passed, "layers", [])
+    windows = _layer_windows(model)
     if (
         not isinstance(passed, DynamicCache)
         or getattr(passed, "offloading", False)
-        or any(type(layer) is not DynamicLayer for layer in layers)
+        or not all(
+            type(layer) is DynamicLayer
+            or isinstance(layer, NoKVLayer)
+            or (
+                type(layer) is DynamicSlidingWindowLayer
+                and i < len(windows)
+                and layer.sliding_window == windows[i]
+            )
+            for i, layer in enumerate(layers)
+        )
     ):
         kinds = sorted({type(layer).__name__ for layer in layers})
         raise ValueError(
-            f"Medusa decoding goes on from a DynamicCache whose layers keep every token, not a "
-            f"{type(passed).__name__} of {', '.join(kinds) or 'no layers'}: pass the cache a Medusa "
-            "generate call returned (return_dict_in_generate=True, without cache_implementation), or "
-            "call without past_key_values"
+            f"Medusa decoding goes on from a DynamicCache whose layers keep every token or the model's "
+            f"window, not a {type(passed).__name__} of {', '.join(kinds) or 'no layers'}: pass the cache a "
+            "Medusa or plain generate call returned (return_dict_in_generate=True, without "
+            "cache_implementation), or call without past_key_values"
         )
-    rows_cached = {layer.keys.shape[0] for layer in layers if layer.is_initialized and layer.keys.dim() == 4}
+    rows_cached = {layer.keys.shape[0] for layer in layers if layer.is_initialized and layer.keys is not None}
     if len(rows) != 1 or rows[0].shape[1] != width or rows_cached - {1}:
         raise ValueError(
             "Medusa decoding goes on from a cache of one prompt without padding: pass past_key_values "
             "with one prompt, or call without it"
+        )
+
+
+def _layer_windows(model) -> list[int | None]:
+    """Per decoder layer (of the text config's ``layer_types``), the positions its attention reaches
+    back, as the model's masks apply them: the window of a sliding-window layer
+    (:func:`~medusa_train.decoding.attention.sliding_window_kinds`), the chunk of a chunked one
+    (:func:`~medusa_train.decoding.attention.attention_chunk`: a query sees its chunk, within the last
+    chunk-size positions); None for a layer that attends every position, which a window the config
+    carries and the model's code never reads does not change (a Llama whose config.json has a
+    ``sliding_window``)."""
+    text = model.config.get_text_config(decoder=True)
+    window, kind = sliding_window_kinds(model)
+    chunk = attention_chunk(model)
+    windows: list[int | None] = []
+    for layer_type in getattr(text, "layer_types", None) or [None] * text.num_hidden_layers:
+        if layer_type == "chunked_attention" and chunk is not None:
+            windows.append(chunk)
+        elif window is not None and (kind == "sliding" or layer_type == "sliding_attention"):
+            windows.append(window)
+        else:
+            windows.append(None)
+    return windows
+
+
+def _in_generates_layers(model, full: DynamicCache) -> DynamicCache:
+    """``full`` (layers that keep every token, as the decoders' caches do) in the layers of the cache
+    plain ``generate`` makes (``DynamicCache(config=...)``): a sliding-window or chunked layer keeps the
+    last ``window - 1`` tokens (where the model's masks apply that window: :func:`_layer_windows`; a
+    window the model's code never reads keeps every token, as the model attends them), a layer that
+    keeps no KV (transformers 5.24's ``DummyLayer`` of a KV-sharing layer) none; full layers are
+    ``full``'s own."""
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    windows = _layer_windows(model)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, NoKVLayer):
+            continue
+        source = full.layers[index] if index < len(full.layers) else DynamicLayer()
+        if (
+            type(layer) is DynamicSlidingWindowLayer
+            and index < len(windows)
+            and layer.sliding_window == windows[index]
+        ):
+            if source.is_initialized and source.keys is not None:
+                cache.layers[index] = _window_layer(layer.sliding_window, source.keys, source.values)
+        else:
+            cache.layers[index] = source
+    return cache
+
+
+def _window_layer(window: int, keys: torch.Tensor, values: torch.Tensor) -> DynamicSlidingWindowLayer:
+    """A sliding-window cache layer of ``window`` that has seen ``keys`` ``(B, H, n, D)`` and ``values``
+    ``(B, H, n, Dv)``: it keeps their last ``window - 1`` tokens, in tensors of their own (its update
+    keeps a view into all n, which would hold them until the next forward)."""
+    layer = DynamicSlidingWindowLayer(sliding_window=window)
+    layer.update(keys, values)
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    return layer
+
+
+def _unwindowed(cache: DynamicCache) -> list[int | None]:
+    """Make each sliding-window layer of a cache to go on from (``generate``'s, checked by
+    :func:`_check_passed_cache`) a layer that keeps every token, in place, as the decoders' caches
+    are: the tokens it no longer holds, before its window, zeros (the model's window masks them in
+    every later forward, the tree's too). Returns each layer's window (None: a full layer or one that
+    keeps no KV), for :func:`_rewindowed`."""
+    windows: list[int | None] = []
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicSlidingWindowLayer:
+            windows.append(None)
+            continue
+        windows.append(layer.sliding_window)
+        whole = DynamicLayer()
+        if layer.is_initialized and layer.keys is not None:
+            keys, values = layer.keys, layer.values  # (B, H, n, D): the last n of its tokens
+            gone = layer.get_seq_length() - keys.shape[2]
+            if gone > 0:
+                keys = torch.cat([keys.new_zeros(*keys.shape[:2], gone, keys.shape[3]), keys], dim=2)
+                values = torch.cat(
+                    [values.new_zeros(*values.shape[:2], gone, values.shape[3]), values], dim=2
+                )
+            whole.update(keys, values)
+        cache.layers[index] = whole
+    return windows
+
+
+def _rewindowed(cache: DynamicCache, windows: list[int | None]) -> None:
+    """Give back the sliding-window layers :func:`_unwindowed` made keep every token, in place: each
+    keeps its last ``window - 1`` tokens again, as ``generate`` leaves the cache it gets."""
+    for index, window in enumerate(windows):
+        if window is None:
+            continue
+        whole = cache.layers[index]
+        cache.layers[index] = (
+            _window_layer(window, whole.keys, whole.values)
+            if whole.is_initialized and whole.keys is not None
+            else DynamicSlidingWindowLayer(sliding_window=window)
         )
 
 

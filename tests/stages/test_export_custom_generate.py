@@ -2,7 +2,9 @@
 greedy output identical to plain greedy `generate` (one prompt and a left-padded batch), sampling and
 typical acceptance from the usual arguments, the static-shape decoder behind `cache_implementation="static"`,
 the tree attention chosen by `medusa_attention`, and a one-line error for a base model the heads do not
-belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained`, as a user would."""
+belong to. A saved tiny Llama, loaded with `AutoModelForCausalLM.from_pretrained`, as a user would; the
+returned cache (and going on from it) also on tiny random models with sliding-window, chunked and
+KV-sharing layers, whose plain `generate` cache keeps a window's last tokens or none in those layers."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import copy
 import functools
 import gc
 import importlib.metadata
+import inspect
 import json
 import logging
 import re
@@ -24,7 +27,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    TextIteratorStreamer,
+    masking_utils,
+)
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -32,7 +41,14 @@ import medusa_train.decoding.attention as tree_attention_module
 from medusa_train.backbone import local_fingerprint
 from medusa_train.card_inputs import CALIBRATION_INPUT, EXPORTED_CALIBRATION_INPUT
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
-from medusa_train.custom_generate import FOLDER, MAX_STATIC_DECODERS, MIN_TORCH, MIN_TRANSFORMERS, release
+from medusa_train.custom_generate import (
+    FOLDER,
+    MAX_STATIC_DECODERS,
+    MIN_TORCH,
+    MIN_TRANSFORMERS,
+    release,
+    write_custom_generate,
+)
 from medusa_train.custom_generate import generate as generate_with_heads
 from medusa_train.decoding.generate import PackedHeads
 from medusa_train.errors import DamagedArtefactError
@@ -41,9 +57,10 @@ from medusa_train.hf_compat import cache_keyword, output_cache_field
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export
 from medusa_train.workdir import CHOICES, HEADS_WEIGHTS
-from tests.helpers.models import random_heads, tiny_model
+from tests.helpers.models import random_heads, tiny_config, tiny_model
 from tests.helpers.scripts import load_script
 from tests.helpers.tiny_workdir import make_workdir, tiny_cfg
+from tests.unit.decoding import test_decoding_architectures as architectures
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["the cat sat on", "why is the red sun a big happy moon"]  # the second reply is EOS at once
@@ -1122,8 +1139,8 @@ def test_the_cache_of_a_left_padded_batch_is_generates(workdir: Path, model, tok
 
 def test_a_cache_medusa_decoding_cannot_go_on_from_is_refused(workdir: Path, model, tok) -> None:
     """The static decoder decodes on a cache of its own (plain generate refuses a cache with it too);
-    the dynamic one goes on from a DynamicCache whose layers keep every token, shorter than the prompt:
-    anything else is refused in one line saying what to pass."""
+    the dynamic one goes on from a DynamicCache whose layers keep every token (or the model's window),
+    shorter than the prompt: anything else is refused in one line saying what to pass."""
     one = tok(PROMPTS[0], return_tensors="pt")
     out = _medusa(model, workdir / "export", **one, max_new_tokens=6, return_dict_in_generate=True)
     ids = torch.cat([out.sequences, one["input_ids"]], dim=1)
@@ -1147,7 +1164,8 @@ def test_a_cache_medusa_decoding_cannot_go_on_from_is_refused(workdir: Path, mod
         cache_implementation="static",
     )
     with pytest.raises(
-        ValueError, match="a DynamicCache whose layers keep every token, not a StaticCache of"
+        ValueError,
+        match="a DynamicCache whose layers keep every token or the model.s window, not a StaticCache of",
     ):
         _medusa(
             model,
@@ -1204,3 +1222,188 @@ def test_decoding_goes_past_the_positions_where_generate_does_and_stops_where_it
         "stopped at the model's max_position_embeddings (64): its positions are a learned table"
         in caplog.text
     )
+
+
+WINDOWED = {  # window 6 (Llama 4: chunks of 8), passed by the 9 + 12 + 4 + 10 tokens of the tests below
+    "mistral": lambda: tiny_config("mistral", sliding_window=6, initializer_range=0.2),  # every layer
+    "qwen2": lambda: tiny_config(  # layer 0 full, layer 1 sliding
+        "qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, initializer_range=0.2
+    ),
+    "gemma2": architectures.MODELS["gemma2"],
+    "gemma3": architectures.MODELS["gemma3"],
+    "gemma3n": architectures.MODELS["gemma3n"],  # its last two layers read the first two's KV
+    "gemma4_kv_shared": architectures.MODELS["gemma4_kv_shared"],
+    "llama4": lambda: architectures.llama4(chunk=8),  # a chunked layer and a global one
+}
+"""Models whose plain ``generate`` cache has layers that keep only their window's last tokens
+(``DynamicSlidingWindowLayer``), or none (a KV-sharing layer's ``DummyLayer``, transformers 5.24)."""
+STATIC_CHUNKS = "block_sequence_ids" in inspect.signature(masking_utils.create_chunked_causal_mask).parameters
+"""Whether plain ``generate`` runs a static cache over chunked layers: transformers 5.17's passes its chunked
+mask a ``block_sequence_ids`` it does not take (a TypeError on Llama 4's)."""
+
+
+def _heads_for(model, folder: Path) -> Path:
+    """``folder`` with random heads for ``model``, a tree and ``custom_generate/``, as an export has them."""
+    save_medusa(random_heads(model, num_heads=3, seed=1), folder / MEDUSA)
+    (folder / CHOICES).write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0]]))
+    write_custom_generate(folder, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory: pytest.TempPathFactory):
+    """``name`` -> a tiny random model of :data:`WINDOWED` and its heads folder, built once per module."""
+    root, built = tmp_path_factory.mktemp("windowed"), {}
+
+    def get(name: str) -> tuple[torch.nn.Module, Path]:
+        if name not in built:
+            model = architectures.build(WINDOWED[name]())
+            built[name] = model, _heads_for(model, root / name)
+        return built[name]
+
+    return get
+
+
+def _kinds(cache) -> list[str]:
+    return [type(layer).__name__ for layer in cache.layers]
+
+
+def _assert_same_entries(mine, theirs, kept: torch.Tensor | None = None) -> None:
+    """The same layers, holding the same keys and values (where ``kept`` ``(B, S)`` marks the columns a
+    later forward reads; a sliding-window layer holds the last of them, in no more memory than
+    generate's)."""
+    assert _kinds(mine) == _kinds(theirs)
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
+        if b.keys is None:  # a layer that keeps no KV
+            assert a.keys is None
+            continue
+        assert a.keys.shape == b.keys.shape
+        if type(b).__name__ == "DynamicSlidingWindowLayer":
+            held = [t.untyped_storage().nbytes() for t in (a.keys, a.values, b.keys, b.values)]
+            assert held[0] <= held[2] and held[1] <= held[3]
+        read = None if kept is None else kept[:, kept.shape[1] - b.keys.shape[2] :]  # (B, n)
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            if read is None:
+                torch.testing.assert_close(x, y)
+            else:
+                torch.testing.assert_close(x.transpose(1, 2)[read], y.transpose(1, 2)[read])
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_cache_of_a_windowed_or_kv_sharing_model_is_generates(name: str, windowed) -> None:
+    """Sliding-window and chunked layers (past their window) and layers that read an earlier layer's KV:
+    the returned cache has plain generate's layers (a window layer keeps its last tokens, a KV-sharing
+    layer none) and entries; plain generate goes on from it as from its own, and so does Medusa decoding
+    from either, returning it gone on in the layers it came in, from which plain generate goes on again
+    as from its own."""
+    model, folder = windowed(name)
+    gen = torch.Generator().manual_seed(5)
+    prompt, follow, more = (torch.randint(1, 100, (1, n), generator=gen) for n in (9, 4, 3))
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
+    ours = _medusa(model, folder, input_ids=prompt, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(ours.sequences, plain.sequences)
+    mine, theirs = _cache_of(ours), _cache_of(plain)
+    assert type(mine) is type(theirs)
+    _assert_same_entries(mine, theirs)
+    ids = torch.cat([plain.sequences, follow], dim=1)
+    going_on = dict(do_sample=False, max_new_tokens=10, return_dict_in_generate=True)
+    expected = model.generate(ids, **going_on, **_with_cache(model, theirs))
+    assert torch.equal(
+        model.generate(ids, **going_on, **_with_cache(model, mine)).sequences, expected.sequences
+    )
+    again_ids = torch.cat([expected.sequences, more], dim=1)
+    again_expected = model.generate(
+        again_ids, do_sample=False, max_new_tokens=6, **_with_cache(model, _cache_of(expected))
+    )
+    for cache in (mine, theirs):
+        given = _with_cache(model, cache)
+        again = _medusa(
+            model, folder, input_ids=ids, max_new_tokens=10, return_dict_in_generate=True, **given
+        )
+        assert torch.equal(again.sequences, expected.sequences)
+        assert _cache_of(again) is next(iter(given.values()))  # gone on in place, in its own layers
+        _assert_same_entries(_cache_of(again), _cache_of(expected))
+        assert torch.equal(
+            model.generate(
+                again_ids, do_sample=False, max_new_tokens=6, **_with_cache(model, _cache_of(again))
+            ),
+            again_expected,
+        )
+
+
+@pytest.mark.parametrize("static", [{}, {"cache_implementation": "static", "max_cache_len": 64}])
+@pytest.mark.parametrize("name", WINDOWED)
+def test_the_cache_of_a_windowed_or_kv_sharing_models_batch_is_generates(
+    name: str, static: dict, windowed
+) -> None:
+    """A left-padded batch (one row stopped early, by one forward for its tail) and the static cache:
+    plain generate's layers and entries (dynamic: the columns a later forward reads), and plain generate
+    goes on from it as from its own."""
+    if static and name == "llama4" and not STATIC_CHUNKS:
+        pytest.skip("plain generate of this transformers fails on a static cache over chunked layers")
+    model, folder = windowed(name)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 100, (2, 9), generator=gen)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12)
+    eos = next(t for t in free[1, 9:12].tolist() if t not in free[0, 9:].tolist())  # ends row 1 alone
+    batch = dict(attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    plain = model.generate(ids, **batch, do_sample=False, return_dict_in_generate=True, **static)
+    ours = _medusa(model, folder, input_ids=ids, **batch, return_dict_in_generate=True, **static)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert ours.sequences.shape[1] == 21 and ours.sequences[1, -1] == 0  # the second row stopped early
+    mine, theirs = _cache_of(ours), _cache_of(plain)
+    assert type(mine) is type(theirs) and _kinds(mine) == _kinds(theirs)
+    end = plain.sequences.shape[1] - 1
+    whole = torch.cat([mask, torch.ones(2, end + 1 - 9, dtype=torch.long)], dim=1)  # (B, S)
+    if not static:
+        _assert_same_entries(mine, theirs, whole[:, :end].bool())
+    follow = torch.randint(1, 100, (2, 4), generator=gen)
+    go_on = dict(
+        attention_mask=torch.cat([whole, torch.ones(2, 4, dtype=torch.long)], dim=1), do_sample=False
+    )
+    longer = torch.cat([plain.sequences, follow], dim=1)
+    expected = model.generate(longer, **go_on, max_new_tokens=10, **_with_cache(model, theirs))
+    assert torch.equal(
+        model.generate(longer, **go_on, max_new_tokens=10, **_with_cache(model, mine)), expected
+    )
+
+
+def test_a_window_the_models_code_does_not_read_keeps_every_token_in_the_returned_cache(
+    tmp_path: Path,
+) -> None:
+    """A Llama whose config carries a sliding_window (its code never reads it: it attends every token, and
+    so do the decoders) gets from plain generate a cache whose layers keep the window's last tokens, which
+    that Llama then attends alone. The returned cache keeps every token, as the model attends them:
+    plain generate goes on from it as from a cache that keeps every token; Medusa decoding goes on from it,
+    and refuses plain generate's, which lost tokens the model attends, in one line."""
+    model = architectures.build(tiny_config("llama", sliding_window=6, initializer_range=0.2))
+    folder = _heads_for(model, tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompt, follow = (torch.randint(1, 100, (1, n), generator=gen) for n in (9, 4))
+    on_full = model.generate(  # on a cache whose layers keep every token
+        prompt,
+        do_sample=False,
+        max_new_tokens=12,
+        return_dict_in_generate=True,
+        **_with_cache(model, DynamicCache()),
+    )
+    ours = _medusa(model, folder, input_ids=prompt, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(ours.sequences, on_full.sequences)
+    mine = _cache_of(ours)
+    assert set(_kinds(mine)) == {"DynamicLayer"}
+    _assert_same_entries(mine, _cache_of(on_full))
+    ids = torch.cat([ours.sequences, follow], dim=1)
+    expected = model.generate(
+        ids, do_sample=False, max_new_tokens=10, **_with_cache(model, _cache_of(on_full))
+    )
+    assert torch.equal(
+        model.generate(ids, do_sample=False, max_new_tokens=10, **_with_cache(model, mine)), expected
+    )
+    again = _medusa(model, folder, input_ids=ids, max_new_tokens=10, **_with_cache(model, mine))
+    assert torch.equal(again, expected)
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
+    assert "DynamicSlidingWindowLayer" in _kinds(_cache_of(plain))
+    with pytest.raises(ValueError, match="keep every token or the model's window, not a DynamicCache of Dyn"):
+        _medusa(model, folder, input_ids=ids, max_new_tokens=4, **_with_cache(model, _cache_of(plain)))
