@@ -976,18 +976,21 @@ def test_models_that_take_no_position_ids_decode_other_tokens_unrefused(name, mo
     assert [r.tokens.tolist() for r in out.rows] != [r[:NEW_TOKENS] for r in refs]
 
 
+def tiny_whisper_config() -> tf.WhisperConfig:
+    """A tiny Whisper, whose ``AutoModelForCausalLM`` is WhisperForCausalLM (its decoder alone)."""
+    return tf.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_target_positions=MAX_POS,
+        max_source_positions=16, num_mel_bins=8, pad_token_id=0, bos_token_id=0, eos_token_id=None,
+        decoder_start_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+
+
 def test_whisper_causal_lm_is_served_its_decoder_takes_the_positions():
     """WhisperForCausalLM's forward names no ``position_ids`` but hands them to its decoder, whose
     forward does (its learned positions follow them): served, and with heads that know the continuation
     (a path not contiguous in node order) every decoder accepts whole paths and equals ``generate``."""
-    model = build(
-        tf.WhisperConfig(
-            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_target_positions=MAX_POS,
-            max_source_positions=16, num_mel_bins=8, pad_token_id=0, bos_token_id=0, eos_token_id=None,
-            decoder_start_token_id=0, begin_suppress_tokens=None, suppress_tokens=None,
-        )
-    )  # fmt: skip
+    model = build(tiny_whisper_config())
     assert isinstance(model, tf.WhisperForCausalLM)
     assert "position_ids" not in inspect.signature(model.forward).parameters
     rows = prompts()
@@ -1127,27 +1130,7 @@ def test_models_whose_lm_head_reads_a_prediction_heads_output_of_another_width_a
     [
         lambda: build(tiny_config("llama")),
         lambda: build(tf.GPTNeoXConfig(**BERT_SHAPE)),  # mentions config.is_decoder in a docstring only
-        lambda: build(
-            tf.WhisperConfig(
-                vocab_size=VOCAB,
-                d_model=32,
-                encoder_layers=2,
-                decoder_layers=2,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=64,
-                decoder_ffn_dim=64,
-                max_target_positions=MAX_POS,
-                max_source_positions=16,
-                num_mel_bins=8,
-                pad_token_id=0,
-                bos_token_id=0,
-                eos_token_id=None,
-                decoder_start_token_id=0,
-                begin_suppress_tokens=None,
-                suppress_tokens=None,
-            )
-        ),  # fmt: skip
+        lambda: build(tiny_whisper_config()),
     ],
     ids=["llama", "gpt-neox", "whisper"],
 )
