@@ -265,7 +265,8 @@ def position_bound(model: torch.nn.Module) -> str | None:
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module is not inputs:
             if limit <= module.num_embeddings <= limit + 2:
-                return f"its positions are a learned table of {module.num_embeddings} rows (plain generate fails past it)"
+                rows = module.num_embeddings
+                return f"its positions are a learned table of {rows} rows (plain generate fails past it)"
         kind = getattr(module, "rope_type", None)
         if "dynamic" in (kind.values() if isinstance(kind, dict) else [kind]):
             return (
@@ -798,9 +799,9 @@ def medusa_generate(
         min_new_tokens, min_length: ``generate``'s minimum lengths (new tokens; tokens in all, the
             prompt counted): EOS cannot end the reply earlier (0: none).
         cache: a ``DynamicCache`` whose layers hold every token (no sliding-window layer; a layer
-            that keeps no KV, a KV-sharing layer's, holds none) to decode on: it holds the keys and values of the first ``cache.get_seq_length()`` tokens of
-            ``input_ids`` (a cache this function or ``generate`` left), and only the others are
-            prefilled. On return it holds what ``generate``'s cache holds after it: the entries of
+            that keeps no KV, a KV-sharing layer's, holds none) to decode on: it holds the keys and
+            values of the first ``cache.get_seq_length()`` tokens of ``input_ids`` (a cache this
+            function or ``generate`` left), and only the others are prefilled. On return it holds what ``generate``'s cache holds after it: the entries of
             the prompt and of the new tokens but the last (the tree's other columns cut off); where
             no token was generated, as given. None: a cache of the call's own.
         stop_at_context: stop before the model's ``max_position_embeddings`` (``stop_reason``
