@@ -66,8 +66,10 @@ written again into the same folder), checks they belong to the model, and decode
   there, or no KV (one this function returned, or plain ``generate``'s); only the prompt's tokens it
   does not hold are prefilled (its window layers decoded on as layers that keep every token, the
   tokens they no longer hold zeros, which the window masks: :func:`_unwindowed`), and it is returned
-  gone on, in its own layers, as ``generate`` returns the cache it gets. Any other (a batch's, a
-  ``StaticCache``, a window layer of a window the model does not apply, such as plain ``generate``'s
+  gone on, in its own layers, as ``generate`` returns the cache it gets (a window layer recording its
+  past recording it again). An empty one (``DynamicCache(config=...)`` before any forward) is taken
+  whatever window its layers were made with and given back in the model's windows. Any other (a
+  batch's, a ``StaticCache``, a window layer holding tokens of a window the model does not apply, such as plain ``generate``'s
   of that Llama, which lost tokens the model attends, or with ``cache_implementation="static"``, which
   ``generate`` refuses too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
 - past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
@@ -409,7 +411,7 @@ def generate(
         ).rows
     elif len(rows) == 1 or len(model_devices(model)) > 1:  # the batched decoder needs one device
         outs, kept = [], None
-        windows = [] if passed is None else _unwindowed(passed)  # its sliding layers keep every token
+        windows = [] if passed is None else _unwindowed(passed, _layer_windows(model))  # keep every token
         try:
             for row in rows:
                 kept = passed if passed is not None else DynamicCache() if want_cache else None
@@ -925,8 +927,7 @@ def _check_passed_cache(model, passed, static: bool, rows: list[torch.Tensor], w
             or isinstance(layer, NoKVLayer)
             or (
                 type(layer) is DynamicSlidingWindowLayer
-                and i < len(windows)
-                and layer.sliding_window == windows[i]
+                and (not _holds_tokens(layer) or (i < len(windows) and layer.sliding_window == windows[i]))
             )
             for i, layer in enumerate(layers)
         )
@@ -1003,18 +1004,30 @@ def _window_layer(window: int, keys: torch.Tensor, values: torch.Tensor) -> Dyna
     return layer
 
 
-def _unwindowed(cache: DynamicCache) -> list[int | None]:
+def _holds_tokens(layer) -> bool:
+    """Whether a cache layer has seen any token (an empty one, ``DynamicCache(config=...)``'s before a
+    forward, loses none to a window it was made with)."""
+    return layer.is_initialized and layer.keys is not None and layer.get_seq_length() > 0
+
+
+def _unwindowed(cache: DynamicCache, applied: list[int | None]) -> list[tuple[int, bool] | None]:
     """Make each sliding-window layer of a cache to go on from (``generate``'s, checked by
     :func:`_check_passed_cache`) a layer that keeps every token, in place, as the decoders' caches
     are: the tokens it no longer holds, before its window, zeros (the model's window masks them in
-    every later forward, the tree's too). Returns each layer's window (None: a full layer or one that
-    keeps no KV), for :func:`_rewindowed`."""
-    windows: list[int | None] = []
+    every later forward, the tree's too). Returns, per layer, the window to give it back
+    (:func:`_rewindowed`) and whether it recorded its past (``activate_past_recording``); None for a
+    full layer, one that keeps no KV, or an empty one whose window the model does not apply there
+    (``applied``: :func:`_layer_windows`; it is given back keeping every token, as the model attends
+    them). An empty layer is given back the model's window, whichever it was made with."""
+    windows: list[tuple[int, bool] | None] = []
     for index, layer in enumerate(cache.layers):
         if type(layer) is not DynamicSlidingWindowLayer:
             windows.append(None)
             continue
-        windows.append(layer.sliding_window)
+        window = (
+            layer.sliding_window if _holds_tokens(layer) else applied[index] if index < len(applied) else None
+        )
+        windows.append(None if window is None else (window, layer.record_past))
         whole = DynamicLayer()
         if layer.is_initialized and layer.keys is not None:
             keys, values = layer.keys, layer.values  # (B, H, n, D): the last n of its tokens
@@ -1029,18 +1042,22 @@ def _unwindowed(cache: DynamicCache) -> list[int | None]:
     return windows
 
 
-def _rewindowed(cache: DynamicCache, windows: list[int | None]) -> None:
+def _rewindowed(cache: DynamicCache, windows: list[tuple[int, bool] | None]) -> None:
     """Give back the sliding-window layers :func:`_unwindowed` made keep every token, in place: each
-    keeps its last ``window - 1`` tokens again, as ``generate`` leaves the cache it gets."""
-    for index, window in enumerate(windows):
-        if window is None:
+    keeps its last ``window - 1`` tokens again, as ``generate`` leaves the cache it gets (recording its
+    past again where it did)."""
+    for index, kept in enumerate(windows):
+        if kept is None:
             continue
-        whole = cache.layers[index]
-        cache.layers[index] = (
+        (window, record_past), whole = kept, cache.layers[index]
+        layer = (
             _window_layer(window, whole.keys, whole.values)
             if whole.is_initialized and whole.keys is not None
             else DynamicSlidingWindowLayer(sliding_window=window)
         )
+        if record_past:
+            layer.activate_past_recording()
+        cache.layers[index] = layer
 
 
 def _generate_cache(

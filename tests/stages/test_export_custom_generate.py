@@ -1407,3 +1407,53 @@ def test_a_window_the_models_code_does_not_read_keeps_every_token_in_the_returne
     assert "DynamicSlidingWindowLayer" in _kinds(_cache_of(plain))
     with pytest.raises(ValueError, match="keep every token or the model's window, not a DynamicCache of Dyn"):
         _medusa(model, folder, input_ids=ids, max_new_tokens=4, **_with_cache(model, _cache_of(plain)))
+    given = _with_cache(model, DynamicCache(config=model.config))  # its unread window's layers, empty
+    empty = next(iter(given.values()))
+    assert "DynamicSlidingWindowLayer" in _kinds(empty)
+    fresh = _medusa(model, folder, input_ids=prompt, max_new_tokens=12, return_dict_in_generate=True, **given)
+    assert torch.equal(fresh.sequences, on_full.sequences)
+    assert _cache_of(fresh) is empty
+    assert set(_kinds(empty)) == {"DynamicLayer"}  # given back keeping every token, as the model attends
+    _assert_same_entries(empty, _cache_of(on_full))
+
+
+def test_an_empty_cache_made_from_a_config_is_gone_on_from_in_the_models_windows(windowed) -> None:
+    """``DynamicCache(config=...)`` before any token, the cache a user makes to pass to generate: Medusa
+    decoding goes on from it (nothing lost to the window it was made with) and gives it back in the
+    layers plain generate's own ends in, with its entries, a window other than the model's included."""
+    model, folder = windowed("mistral")
+    prompt = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(5))
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
+    narrow = copy.deepcopy(model.config)
+    narrow.sliding_window = 3
+    for config in (model.config, narrow):
+        given = _with_cache(model, DynamicCache(config=config))
+        ours = _medusa(
+            model, folder, input_ids=prompt, max_new_tokens=12, return_dict_in_generate=True, **given
+        )
+        assert torch.equal(ours.sequences, plain.sequences)
+        empty = next(iter(given.values()))
+        assert _cache_of(ours) is empty
+        assert {layer.sliding_window for layer in empty.layers} == {6}
+        _assert_same_entries(empty, _cache_of(plain))
+
+
+def test_a_window_layer_recording_its_past_records_it_again_when_given_back(windowed) -> None:
+    """A sliding-window layer that records its past (``activate_past_recording``, as assisted decoding
+    leaves it) is given back recording it, holding its window's last tokens, as after its ``crop``."""
+    model, folder = windowed("mistral")
+    gen = torch.Generator().manual_seed(5)
+    prompt, follow = (torch.randint(1, 100, (1, n), generator=gen) for n in (9, 4))
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
+    ids = torch.cat([plain.sequences, follow], dim=1)
+    going_on = dict(do_sample=False, max_new_tokens=10, return_dict_in_generate=True)
+    expected = model.generate(ids, **going_on, **_with_cache(model, _cache_of(plain)))
+    given = _with_cache(model, _cache_of(plain))
+    recording = next(iter(given.values()))
+    for layer in recording.layers:
+        layer.activate_past_recording()
+    again = _medusa(model, folder, input_ids=ids, **going_on, **given)
+    assert torch.equal(again.sequences, expected.sequences)
+    assert _cache_of(again) is recording
+    assert all(layer.record_past for layer in recording.layers)
+    _assert_same_entries(recording, _cache_of(expected))
