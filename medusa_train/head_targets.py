@@ -142,6 +142,23 @@ def _output_embeddings(module: nn.Module) -> nn.Module | None:
     return get() if callable(get) else None
 
 
+def _reads_h_outside(model: nn.Module, hidden_size: int) -> bool:
+    """Whether a parameter of ``model`` outside its language model (:func:`language_model`) and its LM
+    head has a dimension of ``hidden_size``: a prediction head between the two that reads the last
+    hidden state at that width (ELECTRA's ``generator_predictions``, RemBERT's ``cls.predictions``),
+    where the language model of an LM head of another width projects to it inside (OPT-350m's
+    ``project_out``) and nothing else reads ``h``. Shapes only (ZeRO-3's ``ds_shape`` where partitioned):
+    no forward. On the causal LMs of transformers 5.24 whose LM head reads another width than
+    ``hidden_size`` (ELECTRA, RemBERT; OPT with ``word_embed_proj_dim``), it says what a forward says."""
+    inside = {id(p) for p in language_model(model).parameters()}
+    inside |= {id(p) for p in _output_embeddings(model).parameters()}
+    return any(
+        hidden_size in tuple(getattr(p, "ds_shape", p.shape))
+        for p in model.parameters()
+        if id(p) not in inside
+    )
+
+
 def last_hidden_state(
     backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -170,8 +187,8 @@ def hidden_width(model: nn.Module) -> int:
     state itself, projected at the decoder's end (OPT-350m's ``project_out``, to its
     ``word_embed_proj_dim``), or the output of a prediction head of another width (ELECTRA's generators,
     RemBERT: their ``embedding_size``, ``output_embedding_size``): a forward of one token of the language
-    model says which. A model ZeRO-3 loaded partitioned runs no forward outside its engine: its LM head's
-    width, the only one its LM loss (Medusa-2) serves.
+    model says which. A model ZeRO-3 loaded partitioned runs no forward outside its engine: its modules
+    say which (:func:`_reads_h_outside`).
 
     Args:
         model: a Hugging Face causal LM (or a peft model around one).
@@ -182,8 +199,10 @@ def hidden_width(model: nn.Module) -> int:
     if weight is None:  # no LM head to compare with (a remote-code model's)
         return hidden_size
     head_width = int(getattr(weight, "ds_shape", weight.shape)[1])  # ds_shape: a ZeRO-3 partition's whole
-    if head_width == hidden_size or hasattr(weight, "ds_shape"):
+    if head_width == hidden_size:
         return head_width
+    if hasattr(weight, "ds_shape"):
+        return hidden_size if _reads_h_outside(base, hidden_size) else head_width
     ids = torch.zeros(1, 1, dtype=torch.long, device=base.get_input_embeddings().weight.device)  # (1, 1)
     with torch.no_grad():
         return int(last_hidden_state(base, ids, torch.ones_like(ids)).shape[-1])

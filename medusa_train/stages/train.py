@@ -362,17 +362,20 @@ def _check_lm_head(
     """Step 5, before training: what reads the backbone's lm_head over the heads' ``h`` (its decoder's
     last hidden state) -- the heads' projections copied from it (``training.init_from_lm_head``) or
     projecting with it (``shared``) where it reads vectors of another width than ``h``, the soft targets
-    and Medusa-2's LM loss (``Recipe.reads_distribution``) -- reads it where it reads ``h`` (not a prediction head's output: ELECTRA, RemBERT, ModernBERT's
-    decoder, the BERT family's causal LMs); and for the latter two, what ``head_targets.logit_map`` makes
+    and Medusa-2's LM loss (``Recipe.reads_distribution``) -- reads it where it reads ``h`` (not a
+    prediction head's output: ELECTRA, RemBERT, ModernBERT's decoder, the BERT family's causal LMs);
+    and for the latter two, what ``head_targets.logit_map`` makes
     of it is the distribution the backbone's forward gives. On the first 16 tokens of the first training
     record (a forward each); else one-line UserError. A backbone ZeRO-3 loaded partitioned is not
-    checked: no rank holds it whole, and gathering it would hold it whole on every rank."""
+    checked by a forward: no rank holds it whole, and gathering it would hold it whole on every rank
+    (an LM head of another width than ``h`` is refused from the weights' shapes there too)."""
     readers = []  # (what reads lm_head over h, the setting that reads nothing of it)
     # Heads copied from lm_head or projecting with it over a prediction head of h's own width (ModernBERT's
     # decoder, the BERT family's) start from, or map through, a head of vectors h is not: a starting point
     # training moves from, trained as before. Over one of another width (ELECTRA, RemBERT) they cannot.
     weight = backbone.get_output_embeddings().weight  # ds_shape: a ZeRO-3 partition's whole
-    other_width = hidden_width(backbone) != int(getattr(weight, "ds_shape", weight.shape)[1])
+    read, hidden = int(getattr(weight, "ds_shape", weight.shape)[1]), hidden_width(backbone)
+    other_width = read != hidden
     if other_width and tc.head_projection == "shared":
         readers.append(
             (
@@ -392,22 +395,25 @@ def _check_lm_head(
         readers.append(reads)
     if not readers:
         return
-    if partitioned:
-        log.info("the backbone's lm_head and logits are not checked: it is partitioned (ZeRO-3)")
-        return
-    ids = torch.tensor([train_set[0]["input_ids"][:16]], device=backbone.device)  # (1, T)
     base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone  # peft
     kind = getattr(base.config, "model_type", None)
     name = f"{type(base).__name__}{f' ({kind})' if kind else ''}"
-    problem = lm_head_input_mismatch(backbone, ids)
+    if other_width:  # the weights' shapes say it, partitioned or not
+        problem = f"its LM head reads {read}-wide vectors, not its decoder's {hidden}-wide last hidden state"
+    elif partitioned:
+        log.info("the backbone's lm_head and logits are not checked: it is partitioned (ZeRO-3)")
+        return
+    else:
+        ids = torch.tensor([train_set[0]["input_ids"][:16]], device=backbone.device)  # (1, T)
+        problem = lm_head_input_mismatch(backbone, ids)
     if problem is not None:
         raise UserError(
             f"{name}: {problem}, the heads' input (a prediction head sits between the two), so "
             f"{' and '.join(what for what, _ in readers)} would apply the LM head to vectors it does not "
             f"read: {' and '.join(instead for _, instead in readers)}"
         )
-    if reads is None:  # hard targets only: decoding and calibration read the forward or a top-k
-        return
+    if reads is None or partitioned:  # hard targets only: decoding and calibration read the forward or
+        return  # a top-k; a partitioned backbone (ZeRO-3) is not run whole
     problem = logit_map_mismatch(backbone, ids)
     if problem is None:
         return

@@ -604,6 +604,21 @@ def test_heads_copied_from_an_lm_head_over_a_prediction_head_of_their_width_trai
     assert (root / "heads" / "config.json").is_file()
 
 
+def test_medusa2_over_a_prediction_head_of_another_width_is_refused_under_zero3(tmp_path, monkeypatch):
+    """Under ZeRO-3 Medusa-2's backbone loads partitioned, where no forward checks what its LM head
+    reads: ELECTRA's reads a 16-wide prediction head's output, which the LM head's partitioned weight's
+    whole shape says. Refused in that one line before anything is written (a traceback in the training
+    forward before)."""
+    root = make_train_workdir(tmp_path, arch="electra")
+    with zero3_partitioning_everything(monkeypatch), pytest.raises(UserError) as err:
+        run(train_cfg(root, "training=medusa2", "deepspeed=zero3", "training.init_from_lm_head=false"))
+    assert str(err.value) == (
+        _OVER_ELECTRA + "Medusa-2's LM loss (training.lm_loss=ce) would apply the LM head to vectors it "
+        "does not read: train Medusa-1 heads on hard targets (training=medusa1 training.head_loss=ce)"
+    )
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
 def test_hard_targets_train_over_logits_the_backbone_changes_after_lm_head(tmp_path, monkeypatch):
     """``training.head_loss=ce`` reads no distribution (decoding and calibration read the forward's
     logits or a top-k): the same backbone trains."""

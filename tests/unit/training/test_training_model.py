@@ -301,6 +301,25 @@ def test_the_heads_width_is_the_last_hidden_states(arch, width, forwards):
     assert len(calls) == forwards + 1
 
 
+@pytest.mark.parametrize(
+    ("arch", "width"),
+    [("llama", 32), ("modernbert_decoder", 32), ("electra", 32), ("rembert", 32), ("opt350m", 16)],
+)
+def test_the_heads_width_of_a_partitioned_backbone_is_read_from_its_shapes(arch, width):
+    """ZeRO-3 partitions every parameter (``ds_shape`` its whole shape, its data empty), so no forward
+    runs: the modules' shapes say the width, as the forward does (a prediction head reading the
+    hidden_size-wide state outside the language model: ELECTRA, RemBERT; OPT-350m projects inside)."""
+    model = tiny_model(arch, vocab=64, eos_token_id=1)
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = p.data.new_empty(0)
+    calls = []
+    language_model(model).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(1), with_kwargs=True
+    )
+    assert hidden_width(model) == width and not calls
+
+
 def test_the_logit_map_check_runs_one_forward_and_leaves_the_modes():
     """One decoder forward (its output caught on the way to lm_head), no gradient, every module's mode
     as it was (a trainable backbone stays in training mode)."""
