@@ -69,9 +69,9 @@ written again into the same folder), checks they belong to the model, and decode
   gone on, in its own layers, as ``generate`` returns the cache it gets (a window layer recording its
   past recording it again). An empty one (``DynamicCache(config=...)`` before any forward) is taken
   whatever window its layers were made with and given back in the model's windows. Any other (a
-  batch's, a ``StaticCache``, a window layer holding tokens of a window the model does not apply, such as plain ``generate``'s
-  of that Llama, which lost tokens the model attends, or with ``cache_implementation="static"``, which
-  ``generate`` refuses too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
+  batch's, a ``StaticCache``, a window layer holding tokens of a window the model does not apply,
+  such as plain ``generate``'s of that Llama, which lost tokens the model attends, or with
+  ``cache_implementation="static"``, which ``generate`` refuses too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
 - past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
   this, once), the same tokens; stopped there, with a warning saying why, only where decoding must stop
   to be ``generate``'s (:func:`~medusa_train.decoding.generate.position_bound`: positions a learned
@@ -1024,9 +1024,10 @@ def _unwindowed(cache: DynamicCache, applied: list[int | None]) -> list[tuple[in
         if type(layer) is not DynamicSlidingWindowLayer:
             windows.append(None)
             continue
-        window = (
-            layer.sliding_window if _holds_tokens(layer) else applied[index] if index < len(applied) else None
-        )
+        if _holds_tokens(layer):
+            window = layer.sliding_window  # checked: the model's
+        else:  # nothing lost to the window it was made with: the model's, if it applies one there
+            window = applied[index] if index < len(applied) else None
         windows.append(None if window is None else (window, layer.record_past))
         whole = DynamicLayer()
         if layer.is_initialized and layer.keys is not None:
