@@ -328,7 +328,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     attention masks themselves (:data:`OWN_MASK_MODEL_TYPES`: XLM, Flaubert); models whose tokens
     attend the ones after them (:func:`attends_both_ways`: the BERT family's causal LMs loaded without
     ``is_decoder=True``), last, as the one reason a user can lift by loading the model otherwise, then
-    the two that transformers 5.17 builds bidirectional whatever it says (:data:`BOTH_WAYS_IN_517`)."""
+    those transformers 5.17 builds bidirectional whatever it says (:data:`BOTH_WAYS_IN_517`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [
@@ -398,20 +398,38 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "reproduce, so the Medusa tree decoders cannot verify trees on it: load it with is_decoder=True "
             "(from_pretrained(..., is_decoder=True), or in its config.json) to make it a causal decoder"
         )
-    if kind in BOTH_WAYS_IN_517 and transformers.__version__.startswith("5.17."):
+    causal_with = BOTH_WAYS_IN_517.get(kind)
+    implementation = getattr(config, "_attn_implementation", None)
+    if (
+        causal_with is not None
+        and implementation not in causal_with
+        and transformers.__version__.startswith("5.17.")
+    ):
+        even = (
+            f" with attn_implementation={implementation!r}" if causal_with else " even with is_decoder=True"
+        )
+        instead = "".join(f' or load it with attn_implementation="{name}"' for name in causal_with)
         return (
             f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers "
-            f"{transformers.__version__} attends both ways even with is_decoder=True (each token attends the "
-            "tokens after it too; causal from transformers 5.18), so the Medusa tree decoders cannot verify "
-            "trees on it: upgrade transformers (pip install 'transformers>=5.18')"
+            f"{transformers.__version__} attends both ways{even} (each token attends the tokens after it "
+            "too; causal from transformers 5.18), so the Medusa tree decoders cannot verify trees on it: "
+            f"upgrade transformers (pip install 'transformers>=5.18'){instead}"
         )
     return None
 
 
-BOTH_WAYS_IN_517 = ("megatron-bert", "rembert")
-"""Model types whose causal LM transformers 5.17 builds bidirectional whatever ``is_decoder`` says (each
-tiny model's logits at positions 0..T-2 moved with the last token; the BERT family's others were causal
-with ``is_decoder=True`` there, and all of them in 5.18 to 5.24: checked 2026-12-07)."""
+BOTH_WAYS_IN_517: dict[str, tuple[str, ...]] = {
+    "megatron-bert": (),
+    "rembert": (),
+    "big_bird": (),
+    "doge": ("eager",),
+}
+"""Model types whose causal LM transformers 5.17 builds bidirectional (with ``is_decoder=True`` where the
+config has it), and the attention implementations it is causal with there (Doge's SDPA forward skips its
+causal mask, to which it adds its dynamic one; eager builds it). Found by building every causal LM type of
+5.17 tiny (``is_decoder=True``, its default attention) and moving the last token: the logits at positions
+0..T-2 moved for these four (and for CpmAnt, RoFormer, XLM and XLNet, refused for what else they are);
+all four are causal from 5.18 to 5.24 (checked 2026-12-07)."""
 
 
 def attends_both_ways(model: torch.nn.Module) -> bool:
@@ -741,8 +759,9 @@ def code_reads_chunk(model: torch.nn.Module) -> bool:
     4 against 1,000 on 14 tokens, with and without every layer "chunked_attention": 143 model types
     built, 98 with such layers; the multimodal ones too large for the check left out): Llama 4 alone
     applies the chunk, and its code mentions it. Of the others that mention one of these, Doge does not
-    apply it (it defines a ``create_masks_for_generate`` of its own, for ``generate``) and is served as
-    chunked; Bloom, DeepSeek-V4, Falcon-H1, Nemotron-H and Zaya are refused for what else they are. The
+    apply it: it defines a ``create_masks_for_generate`` of its own, for ``generate``, and a module's
+    definition of a function of that name alone is no mention (:func:`_source_mentions`); Bloom,
+    DeepSeek-V4, Falcon-H1, Nemotron-H and Zaya are refused for what else they are. The
     rest ignore it (Llama, Mistral, Mixtral, Phi-3, Gemma, GPT-2, OLMoE, ...) or fail on such a layer
     type (Gemma 2, Gemma 3's text model, Qwen2/3, Cohere 2, gpt-oss, ...: no mask for it). Gemma 3's
     multimodal model builds its masks with ``create_masks_for_generate``, which would chunk such layers.
@@ -795,12 +814,14 @@ def _shared_module(name: str) -> bool:
 
 
 def _source_mentions(module_name: str, word: str) -> bool:
-    """Whether the source of the Python module ``module_name`` contains ``word`` (True where it cannot
-    be read)."""
+    """Whether the source of the Python module ``module_name`` contains ``word`` other than as the name
+    of a function it defines (Doge's own ``create_masks_for_generate``, which no transformers code
+    reads; True where the source cannot be read)."""
     try:
-        return word in inspect.getsource(sys.modules[module_name])
+        text = inspect.getsource(sys.modules[module_name])
     except (KeyError, TypeError, OSError):
         return True
+    return text.count(word) > text.count(f"def {word}(")
 
 
 def sliding_window_kinds(model: torch.nn.Module) -> tuple[int | None, str]:

@@ -460,6 +460,31 @@ def test_a_chunk_the_models_code_does_not_read_is_not_applied(arch, applied):
     assert_decoders_return(model, heads, rows, refs, arch)
 
 
+def test_a_model_that_defines_its_own_mask_function_for_generate_is_not_chunked():
+    """Doge defines a ``create_masks_for_generate`` of its own (for ``generate``, which calls it) and never
+    reads a chunk: with ``attention_chunk_size=6`` and "chunked_attention" layer types its forward attends
+    every position, and so do the decoders, each equal plain greedy ``generate`` on a cache that keeps
+    every position (a definition of that name was taken for a use of transformers' masks, which chunk
+    such layers: the decoders chunked where the model does not)."""
+    config = tf.DogeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2 * MAX_POS,
+        attention_chunk_size=6, layer_types=["chunked_attention", "chunked_attention"],
+        initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"  # causal in transformers 5.17 too (its SDPA forward is not)
+    model = build(config)
+    assert attention_chunk(model) is None and chunk_refusal(model, None) is None
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [greedy_on_a_full_cache(model, p) for p in rows]
+    wide = tf.DogeConfig(**{**config.to_dict(), "attention_chunk_size": 4 * MAX_POS})
+    wide._attn_implementation = "eager"
+    unchunked = build(wide)
+    assert [greedy_on_a_full_cache(unchunked, p) for p in rows] == refs
+    assert_decoders_return(model, heads, rows, refs, "doge")
+
+
 def test_a_model_whose_own_positions_start_past_zero():
     """RoBERTa as a decoder: given no position ids, its embeddings count positions from its pad id + 1;
     ``generate`` and the tree steps give them from 0. Every decoder's prefill gives them too (without,
@@ -1084,23 +1109,55 @@ def test_models_that_attend_both_ways_are_served_with_is_decoder(name):
 
 def _both_ways_here(kind: str) -> bool:
     """Whether the installed transformers builds ``kind``'s causal LM bidirectional whatever
-    ``is_decoder`` says (5.17's MegatronBERT and RemBERT: refused)."""
-    return kind in BOTH_WAYS_IN_517 and tf.__version__.startswith("5.17.")
+    ``is_decoder`` says (5.17's MegatronBERT, RemBERT and BigBird: refused)."""
+    return BOTH_WAYS_IN_517.get(kind) == () and tf.__version__.startswith("5.17.")
 
 
-@pytest.mark.parametrize("kind", ["megatron-bert", "rembert", "bert"])
-def test_models_transformers_5_17_builds_both_ways_are_refused_there(kind, monkeypatch):
-    """transformers 5.17's MegatronBERT and RemBERT causal LMs attend both ways with ``is_decoder=True``
-    too (their earlier logits move with the last token; causal from 5.18): refused there in one line
-    saying to upgrade, before any forward; BERT, causal there, is served; on the installed transformers
-    each is refused exactly where it attends both ways."""
-    model = build(BOTH_WAYS[kind](is_decoder=True) if kind in BOTH_WAYS else tiny_config(kind))
+_BUILT_BOTH_WAYS_IN_517 = {  # tiny configs of the causal LMs 5.17 builds both ways, and a causal one
+    "megatron-bert": lambda **kw: BOTH_WAYS["megatron-bert"](is_decoder=True, **kw),
+    "rembert": lambda **kw: tiny_config("rembert", **kw),
+    "big_bird": lambda **kw: tf.BigBirdConfig(**{**BERT_SHAPE, "is_decoder": True, **kw}),
+    "doge": lambda **kw: tf.DogeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=2 * MAX_POS,
+        initializer_range=0.2,
+        **kw,
+    ),  # fmt: skip
+    "bert": lambda **kw: BOTH_WAYS["bert"](is_decoder=True, **kw),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "implementation"), [*((k, None) for k in _BUILT_BOTH_WAYS_IN_517), ("doge", "eager")]
+)
+def test_models_transformers_5_17_builds_both_ways_are_refused_there(kind, implementation, monkeypatch):
+    """transformers 5.17's MegatronBERT, RemBERT and BigBird causal LMs attend both ways with
+    ``is_decoder=True`` too, and Doge with SDPA (its forward skips the causal mask it adds its dynamic one
+    to; eager builds it): their earlier logits move with the last token (causal from 5.18). Refused there
+    in one line saying to upgrade (Doge: or to load it eager), before any forward; BERT, causal there, is
+    served, and so is Doge loaded eager; on the installed transformers each is refused exactly where it
+    attends both ways."""
+    config = _BUILT_BOTH_WAYS_IN_517[kind]()
+    if implementation is not None:
+        config._attn_implementation = implementation
+    model = build(config)
     assert (tree_refusal(model) is not None) == earlier_logits_move_with_the_last_token(model)
     # the transformers the refusal reads (patched there: the suite's other tests may leave another in tf)
     monkeypatch.setattr(tree_refusal.__globals__["transformers"], "__version__", "5.17.0")
     says = tree_refusal(model)
-    if kind == "bert":
+    if kind == "bert" or implementation == "eager":
         assert says is None
+    elif kind == "doge":
+        assert says is not None and "\n" not in says
+        assert "of transformers 5.17.0 attends both ways with attn_implementation='sdpa'" in says
+        assert says.endswith(
+            """pip install 'transformers>=5.18') or load it with attn_implementation="eager\""""
+        )
     else:
         assert says is not None and "\n" not in says
         assert "of transformers 5.17.0 attends both ways even with is_decoder=True" in says
