@@ -460,27 +460,37 @@ def test_a_chunk_the_models_code_does_not_read_is_not_applied(arch, applied):
     assert_decoders_return(model, heads, rows, refs, arch)
 
 
+def doge_config(attn_implementation: str | None = None, **kw) -> tf.DogeConfig:
+    """A tiny Doge config (``attn_implementation``: the one the model is built with; None, its default)."""
+    config = tf.DogeConfig(
+        **{
+            **dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2 * MAX_POS,
+                initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=0,
+            ),
+            **kw,
+        }
+    )  # fmt: skip
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    return config
+
+
 def test_a_model_that_defines_its_own_mask_function_for_generate_is_not_chunked():
     """Doge defines a ``create_masks_for_generate`` of its own (for ``generate``, which calls it) and never
     reads a chunk: with ``attention_chunk_size=6`` and "chunked_attention" layer types its forward attends
     every position, and so do the decoders, each equal plain greedy ``generate`` on a cache that keeps
     every position (a definition of that name was taken for a use of transformers' masks, which chunk
-    such layers: the decoders chunked where the model does not)."""
-    config = tf.DogeConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2 * MAX_POS,
-        attention_chunk_size=6, layer_types=["chunked_attention", "chunked_attention"],
-        initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    config._attn_implementation = "eager"  # causal in transformers 5.17 too (its SDPA forward is not)
-    model = build(config)
+    such layers: the decoders chunked where the model does not). Eager: causal in transformers 5.17 too
+    (its SDPA forward is not)."""
+    chunked = dict(layer_types=["chunked_attention", "chunked_attention"])
+    model = build(doge_config("eager", attention_chunk_size=6, **chunked))
     assert attention_chunk(model) is None and chunk_refusal(model, None) is None
     heads = random_heads(model, seed=1)
     rows = prompts()
     refs = [greedy_on_a_full_cache(model, p) for p in rows]
-    wide = tf.DogeConfig(**{**config.to_dict(), "attention_chunk_size": 4 * MAX_POS})
-    wide._attn_implementation = "eager"
-    unchunked = build(wide)
+    unchunked = build(doge_config("eager", attention_chunk_size=4 * MAX_POS, **chunked))
     assert [greedy_on_a_full_cache(unchunked, p) for p in rows] == refs
     assert_decoders_return(model, heads, rows, refs, "doge")
 
@@ -1117,17 +1127,7 @@ _BUILT_BOTH_WAYS_IN_517 = {  # tiny configs of the causal LMs 5.17 builds both w
     "megatron-bert": lambda **kw: BOTH_WAYS["megatron-bert"](is_decoder=True, **kw),
     "rembert": lambda **kw: tiny_config("rembert", **kw),
     "big_bird": lambda **kw: tf.BigBirdConfig(**{**BERT_SHAPE, "is_decoder": True, **kw}),
-    "doge": lambda **kw: tf.DogeConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=2 * MAX_POS,
-        initializer_range=0.2,
-        **kw,
-    ),  # fmt: skip
+    "doge": doge_config,
     "bert": lambda **kw: BOTH_WAYS["bert"](is_decoder=True, **kw),
 }
 
