@@ -328,7 +328,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     attention masks themselves (:data:`OWN_MASK_MODEL_TYPES`: XLM, Flaubert); models whose tokens
     attend the ones after them (:func:`attends_both_ways`: the BERT family's causal LMs loaded without
     ``is_decoder=True``), last, as the one reason a user can lift by loading the model otherwise, then
-    those transformers 5.17 builds bidirectional whatever it says (:data:`BOTH_WAYS_IN_517`)."""
+    those transformers 5.17 computes otherwise than it means to (:data:`WRONG_IN_517`)."""
     config = model.config.get_text_config()
     kind = getattr(config, "model_type", None)
     per_layer = [
@@ -398,38 +398,43 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
             "reproduce, so the Medusa tree decoders cannot verify trees on it: load it with is_decoder=True "
             "(from_pretrained(..., is_decoder=True), or in its config.json) to make it a causal decoder"
         )
-    causal_with = BOTH_WAYS_IN_517.get(kind)
+    defect = WRONG_IN_517.get(kind)
     implementation = getattr(config, "_attn_implementation", None)
     if (
-        causal_with is not None
-        and implementation not in causal_with
+        defect is not None
+        and implementation not in defect[1]
         and transformers.__version__.startswith("5.17.")
     ):
-        even = (
-            f" with attn_implementation={implementation!r}" if causal_with else " even with is_decoder=True"
-        )
-        instead = "".join(f' or load it with attn_implementation="{name}"' for name in causal_with)
+        what, right_with = defect
+        instead = "".join(f' or load it with attn_implementation="{name}"' for name in right_with)
         return (
-            f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers "
-            f"{transformers.__version__} attends both ways{even} (each token attends the tokens after it "
-            "too; causal from transformers 5.18), so the Medusa tree decoders cannot verify trees on it: "
-            f"upgrade transformers (pip install 'transformers>=5.18'){instead}"
+            f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers {transformers.__version__} "
+            f"{what.format(implementation=implementation)}, fixed in transformers 5.18, so the Medusa tree "
+            f"decoders cannot verify trees on it: upgrade transformers (pip install 'transformers>=5.18'){instead}"
         )
     return None
 
 
-BOTH_WAYS_IN_517: dict[str, tuple[str, ...]] = {
-    "megatron-bert": (),
-    "rembert": (),
-    "big_bird": (),
-    "doge": ("eager",),
+_BOTH_WAYS = "attends both ways{} (each token attends the tokens after it too)"
+WRONG_IN_517: dict[str, tuple[str, tuple[str, ...]]] = {
+    "megatron-bert": (_BOTH_WAYS.format(" even with is_decoder=True"), ()),
+    "rembert": (_BOTH_WAYS.format(" even with is_decoder=True"), ()),
+    "big_bird": (_BOTH_WAYS.format(" even with is_decoder=True"), ()),
+    "doge": (_BOTH_WAYS.format(" with attn_implementation={implementation!r}"), ("eager",)),
+    "git": (
+        "adds its cache's length to the positions of a one-token forward (so its own generate decodes at "
+        "twice the positions)",
+        (),
+    ),
 }
-"""Model types whose causal LM transformers 5.17 builds bidirectional (with ``is_decoder=True`` where the
-config has it), and the attention implementations it is causal with there (Doge's SDPA forward skips its
-causal mask, to which it adds its dynamic one; eager builds it). Found by building every causal LM type of
-5.17 tiny (``is_decoder=True``, its default attention) and moving the last token: the logits at positions
-0..T-2 moved for these four (and for CpmAnt, RoFormer, XLM and XLNet, refused for what else they are);
-all four are causal from 5.18 to 5.24 (checked 2026-12-07)."""
+"""Model types whose causal LM transformers 5.17 computes otherwise than it means to, and every release
+from 5.18 to 5.24 computes as meant (checked 2026-12-07): what it does (a clause), and the attention
+implementations it does not do it with. Found by building every causal LM type of 5.17 tiny and
+running it (``is_decoder=True``, its default attention): the logits at positions 0..T-2 moved with the
+last token for the first four (and for CpmAnt, RoFormer, XLM and XLNet, refused for what else they are;
+Doge's SDPA forward skips the causal mask it adds its dynamic mask to, its eager one builds it); GIT's
+plain greedy ``generate`` differed from 5.18's, and from the three decoders, which place each token at
+its position."""
 
 
 def attends_both_ways(model: torch.nn.Module) -> bool:

@@ -43,7 +43,7 @@ from medusa_train.decoding import (
     tree_attention_mask,
 )
 from medusa_train.decoding.attention import (
-    BOTH_WAYS_IN_517,
+    WRONG_IN_517,
     AttentionBackendError,
     attends_both_ways,
     attention_chunk,
@@ -1120,48 +1120,88 @@ def test_models_that_attend_both_ways_are_served_with_is_decoder(name):
 def _both_ways_here(kind: str) -> bool:
     """Whether the installed transformers builds ``kind``'s causal LM bidirectional whatever
     ``is_decoder`` says (5.17's MegatronBERT, RemBERT and BigBird: refused)."""
-    return BOTH_WAYS_IN_517.get(kind) == () and tf.__version__.startswith("5.17.")
+    return kind in WRONG_IN_517 and not WRONG_IN_517[kind][1] and tf.__version__.startswith("5.17.")
 
 
-_BUILT_BOTH_WAYS_IN_517 = {  # tiny configs of the causal LMs 5.17 builds both ways, and a causal one
+def one_token_forwards_move_their_positions(model) -> bool:
+    """Whether a one-token forward after a prompt in the cache gives other logits than the same token at
+    the end of the whole sequence's forward, given the same positions (5.17's GIT adds the cache's
+    length to them)."""
+    ids = prompts()[1][None]  # (1, 11)
+    t, cache = ids.shape[1], DynamicCache()
+
+    def forward(cols: slice, **kw) -> torch.Tensor:
+        positions = torch.arange(t)[None, cols]
+        mask = torch.ones(1, positions[0, -1] + 1, dtype=torch.long)  # as generate passes it
+        return model(ids[:, cols], position_ids=positions, attention_mask=mask, use_cache=True, **kw).logits
+
+    with torch.no_grad():
+        whole = forward(slice(0, t))[:, -1]
+        forward(slice(0, t - 1), **cache_kwargs(model, cache))
+        last = forward(slice(t - 1, t), **cache_kwargs(model, cache))[:, -1]
+    return not torch.allclose(last, whole, atol=1e-5)
+
+
+_WRONG_IN_517_BUILT = {  # tiny configs of the causal LMs 5.17 computes otherwise, and a right one
     "megatron-bert": lambda **kw: BOTH_WAYS["megatron-bert"](is_decoder=True, **kw),
     "rembert": lambda **kw: tiny_config("rembert", **kw),
     "big_bird": lambda **kw: tf.BigBirdConfig(**{**BERT_SHAPE, "is_decoder": True, **kw}),
     "doge": doge_config,
+    "git": lambda **kw: tf.GitConfig(
+        **{
+            **BERT_SHAPE,
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            },
+            **kw,
+        }
+    ),
     "bert": lambda **kw: BOTH_WAYS["bert"](is_decoder=True, **kw),
 }
 
 
 @pytest.mark.parametrize(
-    ("kind", "implementation"), [*((k, None) for k in _BUILT_BOTH_WAYS_IN_517), ("doge", "eager")]
+    ("kind", "implementation"), [*((k, None) for k in _WRONG_IN_517_BUILT), ("doge", "eager")]
 )
-def test_models_transformers_5_17_builds_both_ways_are_refused_there(kind, implementation, monkeypatch):
+def test_models_transformers_5_17_computes_otherwise_are_refused_there(kind, implementation, monkeypatch):
     """transformers 5.17's MegatronBERT, RemBERT and BigBird causal LMs attend both ways with
     ``is_decoder=True`` too, and Doge with SDPA (its forward skips the causal mask it adds its dynamic one
-    to; eager builds it): their earlier logits move with the last token (causal from 5.18). Refused there
-    in one line saying to upgrade (Doge: or to load it eager), before any forward; BERT, causal there, is
-    served, and so is Doge loaded eager; on the installed transformers each is refused exactly where it
-    attends both ways."""
-    config = _BUILT_BOTH_WAYS_IN_517[kind]()
+    to; eager builds it): their earlier logits move with the last token; GIT moves a one-token forward's
+    positions by its cache's length (all fixed in 5.18). Refused there in one line saying to upgrade
+    (Doge: or to load it eager), before any forward; BERT, right there, is served, and so is Doge loaded
+    eager; on the installed transformers each is refused exactly where it computes otherwise."""
+    config = _WRONG_IN_517_BUILT[kind]()
     if implementation is not None:
         config._attn_implementation = implementation
     model = build(config)
-    assert (tree_refusal(model) is not None) == earlier_logits_move_with_the_last_token(model)
+    wrong = (
+        one_token_forwards_move_their_positions if kind == "git" else earlier_logits_move_with_the_last_token
+    )
+    assert (tree_refusal(model) is not None) == wrong(model)
     # the transformers the refusal reads (patched there: the suite's other tests may leave another in tf)
     monkeypatch.setattr(tree_refusal.__globals__["transformers"], "__version__", "5.17.0")
     says = tree_refusal(model)
     if kind == "bert" or implementation == "eager":
         assert says is None
-    elif kind == "doge":
-        assert says is not None and "\n" not in says
+        return
+    assert says is not None and "\n" not in says
+    assert ", fixed in transformers 5.18, so the Medusa tree decoders cannot verify trees on it" in says
+    if kind == "doge":
         assert "of transformers 5.17.0 attends both ways with attn_implementation='sdpa'" in says
         assert says.endswith(
             """pip install 'transformers>=5.18') or load it with attn_implementation="eager\""""
         )
+        return
+    assert says.endswith("upgrade transformers (pip install 'transformers>=5.18')")
+    if kind == "git":
+        assert (
+            "of transformers 5.17.0 adds its cache's length to the positions of a one-token forward" in says
+        )
     else:
-        assert says is not None and "\n" not in says
         assert "of transformers 5.17.0 attends both ways even with is_decoder=True" in says
-        assert says.endswith("upgrade transformers (pip install 'transformers>=5.18')")
 
 
 @pytest.mark.parametrize("arch", ["electra", "rembert"])
