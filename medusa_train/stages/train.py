@@ -366,9 +366,9 @@ def _check_lm_head(
     prediction head's output: ELECTRA, RemBERT, ModernBERT's decoder, the BERT family's causal LMs);
     and for the latter two, what ``head_targets.logit_map`` makes of it is the distribution the
     backbone's forward gives. On the first 16 tokens of the first training record (a forward each);
-    else one-line UserError. A backbone ZeRO-3 loaded partitioned is not
-    checked by a forward: no rank holds it whole, and gathering it would hold it whole on every rank
-    (an LM head of another width than ``h`` is refused from the weights' shapes there too)."""
+    else one-line UserError. A backbone ZeRO-3 loaded partitioned is not checked by a forward: no rank
+    holds it whole, and gathering it would hold it whole on every rank (an LM head of another width than
+    ``h`` is refused from the weights' shapes there too)."""
     readers = []  # (what reads lm_head over h, the setting that reads nothing of it)
     # Heads copied from lm_head or projecting with it over a prediction head of h's own width (ModernBERT's
     # decoder, the BERT family's) start from, or map through, a head of vectors h is not: a starting point

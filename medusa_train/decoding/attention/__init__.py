@@ -820,8 +820,8 @@ def _shared_module(name: str) -> bool:
 
 def _source_mentions(module_name: str, word: str) -> bool:
     """Whether the source of the Python module ``module_name`` contains ``word`` other than as the name
-    of a function it defines (Doge's own ``create_masks_for_generate``, which no transformers code
-    reads; True where the source cannot be read)."""
+    of a function it defines (Doge's own ``create_masks_for_generate``, which ``generate`` calls and its
+    forward does not; True where the source cannot be read)."""
     try:
         text = inspect.getsource(sys.modules[module_name])
     except (KeyError, TypeError, OSError):
