@@ -75,7 +75,7 @@ written again into the same folder), checks they belong to the model, and decode
 - past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
   this, once), the same tokens; stopped there, with a warning saying why, only where decoding must stop
   to be ``generate``'s (:func:`~medusa_train.decoding.generate.position_bound`: positions a learned
-  table of that many rows, past which plain ``generate`` fails; or a dynamic NTK RoPE).
+  or fixed table of that many rows, past which plain ``generate`` fails; or a dynamic NTK RoPE).
 
 Needs torch, transformers and this package only (no Hydra): it runs wherever ``generate`` runs.
 """

@@ -253,11 +253,15 @@ def position_bound(model: torch.nn.Module) -> str | None:
     They must stop where the model looks its positions up in a table of that many rows: learned
     absolute positions (GPT-2's and GPT-BigCode's ``wpe``, OPT's and BioGPT's ``embed_positions``,
     which keep 2 rows more, the position embeddings of BERT-like decoders), found as an
-    ``nn.Embedding`` other than the input embeddings with that many rows (up to 2 more): ``generate``
-    fails past the table (an IndexError). And where its RoPE is dynamic NTK (a rotary embedding's
-    ``rope_type`` "dynamic"): past that length every forward recomputes the frequencies from its
-    largest position, which a tree's deeper nodes raise, so the tokens would not be ``generate``'s.
-    """
+    ``nn.Embedding`` other than the input embeddings with that many rows (up to 2 more), or a fixed
+    table (CTRL's sinusoidal ``pos_encoding``, GPT-J's and CodeGen's rotary ``embed_positions``), found as
+    a 2-D floating-point buffer of that many rows (not of a module that grows it: XGLM's ``make_weights``):
+    ``generate`` fails past the table (an IndexError). And where its RoPE is dynamic NTK (a rotary
+    embedding's ``rope_type`` "dynamic"): past that length every forward recomputes the frequencies from
+    its largest position, which a tree's deeper nodes raise, so the tokens would not be ``generate``'s.
+    Checked on transformers 5.24's causal LMs the decoders serve (each tiny, 128 positions, greedy
+    ``generate`` from 120 tokens to 140; GPT-J and CodeGen with a ``rotary_dim`` their heads fit): this
+    names exactly those whose ``generate`` fails past the limit (2026-12-07)."""
     limit = context_limit(model)
     if limit is None:
         return None
@@ -273,6 +277,13 @@ def position_bound(model: torch.nn.Module) -> str | None:
                 "past it, its dynamic NTK RoPE recomputes the frequencies from each forward's largest "
                 "position, which a tree's deeper nodes raise (plain generate goes on, with other tokens)"
             )
+    for module in model.modules():
+        if callable(getattr(module, "make_weights", None)):
+            continue  # fairseq's sinusoidal tables (XGLM's) grow past it
+        for buffer in module.buffers(recurse=False):
+            if buffer.dim() == 2 and buffer.is_floating_point() and limit <= buffer.shape[0] <= limit + 2:
+                rows = buffer.shape[0]
+                return f"its positions are a fixed table of {rows} rows (plain generate fails past it)"
     return None
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers as tf
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -1222,6 +1223,48 @@ def test_decoding_goes_past_the_positions_where_generate_does_and_stops_where_it
         "stopped at the model's max_position_embeddings (64): its positions are a learned table"
         in caplog.text
     )
+
+
+_TABLES = {  # 64 positions each
+    "ctrl": lambda: tf.CTRLConfig(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, dff=64),
+    "gptj": lambda: tf.GPTJConfig(
+        vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4
+    ),
+    "xglm": lambda: tf.XGLMConfig(
+        vocab_size=128, max_position_embeddings=64, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64
+    ),
+}
+
+
+@pytest.mark.parametrize("name", _TABLES)
+def test_decoding_stops_at_a_fixed_table_of_positions_where_generate_fails(
+    name, tmp_path: Path, caplog, monkeypatch
+) -> None:
+    """Positions read from a fixed table of max_position_embeddings rows, a buffer rather than an
+    embedding (CTRL's sinusoidal ``pos_encoding``, GPT-J's rotary ``embed_positions``): plain generate fails
+    past it, and Medusa decoding stops there with a warning (it failed in the tree's forward); XGLM's
+    sinusoidal table grows past it (``make_weights``): generate goes on, and so does Medusa decoding."""
+    config = _TABLES[name]()
+    config.update(dict(bos_token_id=0, eos_token_id=None, pad_token_id=0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    heads_dir = tmp_path / "heads"
+    save_medusa(random_heads(model, num_heads=3), heads_dir / MEDUSA)
+    (heads_dir / CHOICES).write_text(json.dumps([[0], [0, 0], [1], [0, 0, 0]]))
+    prompt = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(4))
+    import medusa_train.custom_generate as custom_generate
+
+    grows = name == "xglm"
+    monkeypatch.setattr(custom_generate, "_WARNED", set())  # warned once per process
+    if not grows:
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds"):  # 5.17: RuntimeError
+            model.generate(prompt, do_sample=False, max_new_tokens=30)
+    with caplog.at_level(logging.WARNING):
+        ours = generate_with_heads(model, prompt, medusa_heads=heads_dir, max_new_tokens=30)
+    plain = model.generate(prompt, do_sample=False, max_new_tokens=30 if grows else 14)  # 64 in all
+    assert torch.equal(ours, plain)
+    stopped = "stopped at the model's max_position_embeddings (64): its positions are a fixed table"
+    assert (stopped in caplog.text) != grows
 
 
 WINDOWED = {  # window 6 (Llama 4: chunks of 8), passed by the 9 + 12 + 4 + 10 tokens of the tests below
