@@ -71,7 +71,8 @@ written again into the same folder), checks they belong to the model, and decode
   whatever window its layers were made with and given back in the model's windows. Any other (a
   batch's, a ``StaticCache``, a window layer holding tokens of a window the model does not apply,
   such as plain ``generate``'s of that Llama, which lost tokens the model attends, or with
-  ``cache_implementation="static"``, which ``generate`` refuses too) is a ``ValueError`` saying what to pass (:func:`_check_passed_cache`);
+  ``cache_implementation="static"``, which ``generate`` refuses too) is a ``ValueError`` saying what
+  to pass (:func:`_check_passed_cache`);
 - past the model's ``max_position_embeddings``: on, as plain ``generate`` goes on (it warns; so does
   this, once), the same tokens; stopped there, with a warning saying why, only where decoding must stop
   to be ``generate``'s (:func:`~medusa_train.decoding.generate.position_bound`: positions a learned

@@ -277,7 +277,6 @@ def position_bound(model: torch.nn.Module) -> str | None:
                 "past it, its dynamic NTK RoPE recomputes the frequencies from each forward's largest "
                 "position, which a tree's deeper nodes raise (plain generate goes on, with other tokens)"
             )
-    for module in model.modules():
         if callable(getattr(module, "make_weights", None)):
             continue  # fairseq's sinusoidal tables (XGLM's) grow past it
         for buffer in module.buffers(recurse=False):
@@ -812,7 +811,8 @@ def medusa_generate(
         cache: a ``DynamicCache`` whose layers hold every token (no sliding-window layer; a layer
             that keeps no KV, a KV-sharing layer's, holds none) to decode on: it holds the keys and
             values of the first ``cache.get_seq_length()`` tokens of ``input_ids`` (a cache this
-            function or ``generate`` left), and only the others are prefilled. On return it holds what ``generate``'s cache holds after it: the entries of
+            function or ``generate`` left), and only the others are prefilled. On return it holds
+            what ``generate``'s cache holds after it: the entries of
             the prompt and of the new tokens but the last (the tree's other columns cut off); where
             no token was generated, as given. None: a cache of the call's own.
         stop_at_context: stop before the model's ``max_position_embeddings`` (``stop_reason``

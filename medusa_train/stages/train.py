@@ -173,9 +173,8 @@ def run(cfg: Config) -> dict:
                 cfg.model, device, trainable=recipe.trains_backbone
             )
         _check_attention(cfg, device, backbone)
-        language_model(
-            backbone
-        )  # the heads train and calibrate on its last_hidden_state: none is refused now
+        # the heads train and calibrate on its language model's last_hidden_state: none is refused now
+        language_model(backbone)
         identity = backbone_identity(
             backbone,
             cfg.model.name_or_path,
@@ -412,9 +411,9 @@ def _check_lm_head(
             f"{' and '.join(what for what, _ in readers)} would apply the LM head to vectors it does not "
             f"read: {' and '.join(instead for _, instead in readers)}"
         )
-    if reads is None or partitioned:  # hard targets only: decoding and calibration read the forward or
-        return  # a top-k; a partitioned backbone (ZeRO-3) is not run whole
-    problem = logit_map_mismatch(backbone, ids)
+    if reads is None:  # hard targets only: decoding and calibration read the forward or a top-k
+        return
+    problem = logit_map_mismatch(backbone, ids)  # (not partitioned: that returned above)
     if problem is None:
         return
     what, instead = reads

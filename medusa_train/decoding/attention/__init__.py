@@ -408,9 +408,10 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
         what, right_with = defect
         instead = "".join(f' or load it with attn_implementation="{name}"' for name in right_with)
         return (
-            f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers {transformers.__version__} "
-            f"{what.format(implementation=implementation)}, fixed in transformers 5.18, so the Medusa tree "
-            f"decoders cannot verify trees on it: upgrade transformers (pip install 'transformers>=5.18'){instead}"
+            f"{type(model_and_decoder(model)[0]).__name__} ({kind}) of transformers "
+            f"{transformers.__version__} {what.format(implementation=implementation)}, fixed in transformers "
+            "5.18, so the Medusa tree decoders cannot verify trees on it: upgrade transformers "
+            f"(pip install 'transformers>=5.18'){instead}"
         )
     return None
 
