@@ -572,6 +572,7 @@ def medusa_generate_batch(
     positions = layer_positions(model) if kernel else {}
     text_config = model.config.get_text_config()  # its layer_types: the layers the window applies to
     window = model_window(model) if kernel else None  # the window its masks apply
+    chunk = attention_chunk(model) if kernel else None  # the chunk of its chunked layers
     cache = RowKVCache(_num_layers(model), capacity, reusing=kv_reusing_layers(model))
     depth = tree.depth  # (M,)
     pos_cap = None if limit is None else limit - 1
@@ -681,7 +682,9 @@ def medusa_generate_batch(
         cache.write_cols = lens[:, None] + node_range[:m]  # (n, m)
         cache.row_index = torch.arange(n, device=device)[:, None]  # (n, 1)
         step = (
-            TreeStep(lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions, text_config, window)
+            TreeStep(
+                lens.int(), pads_t.int(), tree_mask.prefix(m), backend, positions, text_config, window, chunk
+            )
             if kernel
             else None
         )

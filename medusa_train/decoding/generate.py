@@ -506,7 +506,14 @@ def verify_forward(
         no_pad = torch.zeros(1, dtype=torch.int32, device=device)  # (1,)
         text = model.config.get_text_config()
         step = TreeStep(
-            past, no_pad, TreeMask.of(tree), backend, layer_positions(model), text, model_window(model)
+            past,
+            no_pad,
+            TreeMask.of(tree),
+            backend,
+            layer_positions(model),
+            text,
+            model_window(model),
+            attention_chunk(model),
         )
         with tree_step(model, step):
             logits, hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
@@ -905,6 +912,7 @@ def medusa_generate(
         positions = layer_positions(model)  # each layer's type, where its attention does not say it
         text_config = model.config.get_text_config()  # its layer_types: the layers the window applies to
         window = model_window(model)  # the window its masks apply (once: it reads the model's classes)
+        chunk = attention_chunk(model)  # the chunk of its chunked layers
     else:
         inputs = _tree_inputs(model, tree, prompt_len + budget, next(model.parameters()).dtype)
     # A chain (every node is rank 0) on the CPU: topk(1) of each head writes straight into a buffer
@@ -991,7 +999,7 @@ def medusa_generate(
         if kernel:
             position_ids = (past_len + sub.depth)[None]  # (1, M)
             past = torch.full((1,), past_len, dtype=torch.int32, device=device)  # (1,)
-            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions, text_config, window)
+            step = TreeStep(past, no_pad, tree_mask.prefix(m), backend, positions, text_config, window, chunk)
             with forwards.span(), tree_step(model, step):
                 logits, node_hidden = _forward(model, cache, tree_tokens[None], None, position_ids)
         else:

@@ -466,9 +466,10 @@ class StaticDecoder:
                 layer_positions(model),
                 model.config.get_text_config(),
                 model_window(model),
+                self._rules.get("chunked_attention", (None, None))[1],  # none where the capacity stays inside
             )
-        # The ancestor bits of every window a layer may ask the kernel for (chunks are refused there:
-        # chunk_refusal), built now, not inside a capture or a trace; one tensor per distinct window.
+        # The ancestor bits of every window a layer may ask the kernel for (a chunk's are the kernel's:
+        # they depend on the past), built now, not inside a capture or a trace; one per distinct window.
         # A layer's window is its type's rule here (layer_window; a layer passing another is refused);
         # one spanning the capacity spans the tree too, whose own bits it then reads.
         self._kernel_bits: list[torch.Tensor] = []

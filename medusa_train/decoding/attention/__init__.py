@@ -176,6 +176,7 @@ def tree_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     backend: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of M tree nodes per row over the row's past and the tree (see the module docstring).
@@ -189,6 +190,9 @@ def tree_attention(
         scale: score scale; None: ``1 / sqrt(D)``.
         window: sliding window of the layer (a query sees a key iff their positions differ by less
             than ``window``); None: none.
+        chunk: chunk size of the layer (a query sees a key iff their positions, counted from the row's
+            first visible column, lie in one chunk of ``chunk``: Llama 4's chunked layers); None: none.
+            The CUDA kernel takes none.
         backend: "sdpa", "triton" or "cuda".
 
     Returns:
@@ -211,13 +215,13 @@ def tree_attention(
     bits = mask.bits_for(window)
     args = (query, key, value, past_lens.to(torch.int32), starts.to(torch.int32), bits, mask.depth, scale)
     if backend in ("triton", "cuda") and torch.compiler.is_compiling():
-        return kernel_op(*args, window, backend)
+        return kernel_op(*args, window, chunk, backend)
     if backend == "triton":
-        return triton_tree_attention(*args, window=window)
+        return triton_tree_attention(*args, window=window, chunk=chunk)
     if backend == "cuda":
-        return cuda_tree_attention(*args, window=window)
+        return cuda_tree_attention(*args, window=window, chunk=chunk)
     if backend == "sdpa":
-        return sdpa_tree_attention(*args, window=window)
+        return sdpa_tree_attention(*args, window=window, chunk=chunk)
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
 
 
@@ -232,6 +236,7 @@ def kernel_op(
     depth: torch.Tensor,
     scale: float,
     window: int | None,
+    chunk: int | None,
     backend: str,
 ) -> torch.Tensor:
     """A kernel's call as one custom op (``torch.ops.medusa_train.tree_attention``), for
@@ -239,11 +244,11 @@ def kernel_op(
     eager mode. Arguments as :func:`~.triton_kernel.triton_tree_attention`; ``backend``: "triton" or
     "cuda". Eager callers call the kernels directly (a custom op costs a dispatch per call)."""
     kernel = triton_tree_attention if backend == "triton" else cuda_tree_attention
-    return kernel(query, key, value, past_lens, starts, bits, depth, scale, window=window)
+    return kernel(query, key, value, past_lens, starts, bits, depth, scale, window=window, chunk=chunk)
 
 
 @kernel_op.register_fake
-def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, backend):
+def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, chunk, backend):
     bsz, hq, m, d = query.shape
     return query.new_empty(bsz, m, hq, d).transpose(1, 2)  # the kernels' layout: (B, M, Hq, D) transposed
 
@@ -262,8 +267,9 @@ def resolve_attention(
     prompt + new tokens; None: unknown, taken as long) reaches :data:`AUTO_MIN_CONTEXT`
     (:data:`AUTO_MIN_CONTEXT_CAPTURED` for a ``captured`` step, replayed as a CUDA graph), else ``sdpa``
     (always on a CPU). A kernel named for a ``model`` it cannot compute is refused here, before any work
-    (chunked attention layers: where the call's ``context`` passes their chunk, :func:`chunk_refusal`),
-    and so is every choice for a model no tree attention can verify (:func:`tree_refusal`).
+    (the CUDA kernel for chunked attention layers where the call's ``context`` passes their chunk,
+    :func:`chunk_refusal`), and so is every choice for a model no tree attention can verify
+    (:func:`tree_refusal`).
 
     Raises:
         AttentionBackendError: an unknown choice, or one that cannot run here or cannot compute
@@ -281,12 +287,12 @@ def resolve_attention(
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
-        if model is not None and (kernel_refusal(model) or chunk_refusal(model, context)) is not None:
+        if model is not None and kernel_refusal(model) is not None:
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
     if reason is None and model is not None:
-        reason = kernel_refusal(model) or chunk_refusal(model, context)
+        reason = kernel_refusal(model) or (chunk_refusal(model, context) if attention == "cuda" else None)
     if reason is not None:
         raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
     return attention
@@ -641,12 +647,13 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
     if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
         return f"{name} has attention sinks, which the tree kernels do not apply"
     if (
-        mixes_windows(model)
+        mixes_layer_kinds(model)
         and decoder_layers(model) is None
         and not any(isinstance(getattr(m, "layer_idx", None), int) for m in model.modules())
     ):
+        kinds = "sliding-window" if mixes_windows(model) else "chunked"
         return (
-            f"{name} mixes sliding-window and full layers, and the tree kernels cannot tell which is which "
+            f"{name} mixes {kinds} and other layers, and the tree kernels cannot tell which is which "
             "(no module has a layer_idx, and no list of its decoder layers was found)"
         )
     for layer in layers:
@@ -674,15 +681,17 @@ def attention_chunk(model: torch.nn.Module) -> int | None:
 
 
 def chunk_refusal(model: torch.nn.Module, context: int | None) -> str | None:
-    """Why the tree kernels cannot compute ``model``'s attention on a call of ``context`` positions (None:
+    """Why the CUDA kernel cannot compute ``model``'s attention on a call of ``context`` positions (None:
     unknown, taken as long): chunked layers (:func:`attention_chunk`) whose chunks the call passes. A
-    call that stays inside the first chunk sees no chunk boundary, and the kernels compute it."""
+    call that stays inside the first chunk sees no chunk boundary, and the kernel computes it. (The
+    Triton kernel applies chunks, and ``auto`` never takes the CUDA kernel.)"""
     chunk = attention_chunk(model)
     if chunk is None or (context is not None and context <= chunk):
         return None
     return (
-        f"{type(model).__name__}'s chunked attention layers (attention_chunk_size={chunk}), which the tree "
-        f"kernels do not apply, see only their chunk of positions, and {_positions(context)} pass it"
+        f"{type(model).__name__}'s chunked attention layers (attention_chunk_size={chunk}), which the CUDA "
+        f"kernel does not apply, see only their chunk of positions, and {_positions(context)} pass it: use "
+        "attention=triton or sdpa"
     )
 
 
@@ -854,6 +863,17 @@ def mixes_windows(model: torch.nn.Module) -> bool:
     return sliding_window_kinds(model)[1] == "mixed"
 
 
+def mixes_layer_kinds(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention layers differ in what the kernels apply by their layer's type: some
+    windowed and others not (:func:`mixes_windows`), or some chunked and others not (Llama 4's chunked
+    and global layers, :func:`attention_chunk`). The kernels must then know each layer's type
+    (:func:`layer_window`, :func:`layer_chunk`)."""
+    if mixes_windows(model):
+        return True
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    return attention_chunk(model) is not None and any(t != "chunked_attention" for t in types)
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The list of ``model``'s decoder layers, entry i the layer of ``layer_types[i]`` (of the text
     config; ``num_hidden_layers`` entries without ``layer_types``), as the model's own forward pairs
@@ -877,10 +897,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 
 def layer_positions(model: torch.nn.Module) -> dict[int, int]:
-    """For a model whose layers mix window kinds (:func:`mixes_windows`): the ``id`` of every module
-    inside its decoder layer i (:func:`decoder_layers`) -> i, which tells :func:`layer_window` the
-    layer of an attention module that does not say it (no ``layer_idx``). Empty for any other model,
-    whose layers all window alike, or where no list of decoder layers is found. Ids, not modules:
+    """For a model whose layers mix window or chunk kinds (:func:`mixes_layer_kinds`): the ``id`` of every
+    module inside its decoder layer i (:func:`decoder_layers`) -> i, which tells :func:`layer_window`
+    and :func:`layer_chunk` the layer of an attention module that does not say it (no ``layer_idx``).
+    Empty for any other model, whose layers all window and chunk alike, or where no list of decoder
+    layers is found. Ids, not modules:
     ``torch.compile`` reads ``id(module)`` as a constant of the trace.
 
     Kept per model (read-only: the same mapping at every call), as :func:`code_reads_window` is: the
@@ -888,7 +909,7 @@ def layer_positions(model: torch.nn.Module) -> dict[int, int]:
     calibration times through a kernel (``verify_forward`` asks at each call)."""
     positions = _LAYER_POSITIONS.get(model)
     if positions is None:
-        layers = decoder_layers(model) if mixes_windows(model) else None
+        layers = decoder_layers(model) if mixes_layer_kinds(model) else None
         positions = (
             {} if layers is None else {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
         )
@@ -923,16 +944,45 @@ def layer_window(
         return window
     if not any(t == "sliding_attention" for t in layer_types):
         return None
+    layer = _layer_index(module, positions, layer_types, "sliding-window")
+    return window if layer_types[layer] == "sliding_attention" else None
+
+
+def layer_chunk(
+    module: torch.nn.Module,
+    positions: Mapping[int, int] | None = None,
+    chunk: int | None = None,
+    layer_types: Sequence[str] | None = None,
+) -> int | None:
+    """The chunk of ``module``'s layer as its model's masks apply it: ``chunk`` (the model's,
+    :func:`attention_chunk`; None: none) on the layers that ``layer_types`` (its text config's) calls
+    "chunked_attention" (the layer's type found as :func:`layer_window` finds it).
+
+    Raises:
+        AttentionBackendError: the layers mix chunked and other layers and neither the layer's
+            ``layer_idx`` nor ``positions`` tells which layer ``module`` is.
+    """
+    if chunk is None or not layer_types:
+        return None
+    if all(t == "chunked_attention" for t in layer_types):
+        return chunk
+    layer = _layer_index(module, positions, layer_types, "chunked")
+    return chunk if layer_types[layer] == "chunked_attention" else None
+
+
+def _layer_index(
+    module: torch.nn.Module, positions: Mapping[int, int] | None, layer_types: Sequence[str], kind: str
+) -> int:
+    """``module``'s layer: its ``layer_idx``, else its decoder layer's place in ``positions``."""
     layer = getattr(module, "layer_idx", None)
     if layer is None and positions:
         layer = positions.get(id(module))
     if not isinstance(layer, int) or not 0 <= layer < len(layer_types):
         raise AttentionBackendError(
             f"{type(module).__name__} does not say which layer it is (no layer_idx, not inside a decoder "
-            "layer of its model's list), and its model mixes sliding-window and full layers: use "
-            "attention=sdpa"
+            f"layer of its model's list), and its model mixes {kind} and other layers: use attention=sdpa"
         )
-    return window if layer_types[layer] == "sliding_attention" else None
+    return layer
 
 
 @dataclass
@@ -950,6 +1000,8 @@ class TreeStep:
             (:func:`layer_window`, also for an attention module without a ``config`` of its own).
         window: the sliding window the model applies (:func:`model_window`; None: none), read once
             per call (not per step: it looks at the model's classes).
+        chunk: the chunk of the model's "chunked_attention" layers (:func:`attention_chunk`; None:
+            none, or a call whose positions stay inside the first chunk), read once per call.
     """
 
     past_lens: torch.Tensor
@@ -959,6 +1011,7 @@ class TreeStep:
     positions: dict[int, int] = field(default_factory=dict)
     config: object | None = None
     window: int | None = None
+    chunk: int | None = None
 
 
 def hf_tree_attention(
@@ -1020,7 +1073,8 @@ def hf_tree_attention(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
             f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
         )
-    window = layer_window(module, step.positions, step.window, getattr(step.config, "layer_types", None))
+    layer_types = getattr(step.config, "layer_types", None)
+    window = layer_window(module, step.positions, step.window, layer_types)
     if sliding_window is not None and sliding_window != window:
         masks = f"window by {window}" if window else "apply no window"
         raise AttentionBackendError(
@@ -1028,9 +1082,10 @@ def hf_tree_attention(
             '(config.sliding_window on "sliding_attention" layers), the one window the tree kernels '
             "apply: use attention=sdpa"
         )
+    chunk = layer_chunk(module, step.positions, step.chunk, layer_types)
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
-        scale=scaling, window=window, backend=step.backend,
+        scale=scaling, window=window, chunk=chunk, backend=step.backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
 
@@ -1177,9 +1232,11 @@ __all__ = [
     "hf_tree_attention",
     "kernel_op",
     "kernel_refusal",
+    "layer_chunk",
     "layer_configs",
     "layer_positions",
     "layer_window",
+    "mixes_layer_kinds",
     "mixes_windows",
     "model_and_decoder",
     "model_lock",

@@ -133,15 +133,22 @@ def cuda_tree_attention(
     scale: float,
     window: int | None = None,
     num_splits: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the CUDA kernel; arguments and result as
-    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`.
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`, without chunks (the
+    decoders refuse this kernel for chunked layers a call's positions pass:
+    :func:`~medusa_train.decoding.attention.chunk_refusal`).
 
     Raises:
-        ValueError: a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike (the
-            kernel reads them as the query's dtype, anything else as fp32), or tensors not on a CUDA
-            device.
+        ValueError: a chunk, a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike
+            (the kernel reads them as the query's dtype, anything else as fp32), or tensors not on a
+            CUDA device.
     """
+    if chunk is not None:
+        raise ValueError(
+            f"the CUDA tree kernel applies no chunk (got {chunk}): use the Triton kernel or SDPA"
+        )
     bsz, hq, m, d = query.shape
     dtypes = {query.dtype, key.dtype, value.dtype}
     if len(dtypes) > 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):

@@ -35,12 +35,16 @@ def dense_tree_mask(
     depth: torch.Tensor,
     width: int,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The boolean mask the kernels apply, written out: ``(B, 1, M, W)``, True where a query may attend.
 
     Row b's query node i sees columns ``[start_b, past_b)`` (the past; with a window only those whose
     position is less than ``window`` before its own, ``past_b + depth_i``) and the tree columns
-    ``past_b + j`` of the nodes j whose bit is set in ``bits[i]``; every other column is masked.
+    ``past_b + j`` of the nodes j whose bit is set in ``bits[i]``; every other column is masked. With a
+    chunk, only keys whose position (a past column's is the column, a tree node's ``past_b + depth_j``;
+    each less ``start_b``) lies in the query's chunk of ``chunk`` positions. ``bits`` carry the window's
+    tree part (:meth:`~medusa_train.decoding.attention.TreeMask.bits_for`), not the chunk's.
     """
     m = depth.shape[0]
     col = torch.arange(width, device=bits.device)  # (W,)
@@ -52,6 +56,13 @@ def dense_tree_mask(
     ancestors = unpack_bits(bits, m)  # (M, M)
     in_tree = (rel >= 0) & (rel < m)  # (B, W)
     tree_ok = ancestors[:, rel.clamp(0, m - 1)].permute(1, 0, 2) & in_tree[:, None, :]  # (B, M, W)
+    if chunk is not None:
+        first = starts[:, None].long()  # (B, 1): the column of each row's position 0
+        node_col = past_lens[:, None].long() + depth.long()[None, :]  # (B, M): a node's position's column
+        key = torch.where(in_tree, node_col.gather(1, rel.clamp(0, m - 1)), col[None, :]) - first  # (B, W)
+        query = node_col - first  # (B, M)
+        same = (key[:, None, :] // chunk) == (query[:, :, None] // chunk)  # (B, M, W)
+        past_ok, tree_ok = past_ok & same, tree_ok & same
     return (past_ok | tree_ok)[:, None]  # (B, 1, M, W)
 
 
@@ -65,6 +76,7 @@ def sdpa_tree_attention(
     depth: torch.Tensor,
     scale: float,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention through SDPA with the dense boolean mask (same arguments and result as
     :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`).
@@ -72,7 +84,7 @@ def sdpa_tree_attention(
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype.
     """
-    mask = dense_tree_mask(past_lens, starts, bits, depth, key.shape[2], window)  # (B, 1, M, W)
+    mask = dense_tree_mask(past_lens, starts, bits, depth, key.shape[2], window, chunk)  # (B, 1, M, W)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )  # (B, Hq, M, D)

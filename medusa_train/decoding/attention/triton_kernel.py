@@ -13,6 +13,13 @@ are fp32 (exp2 with the scale folded in). With several KV splits (long contexts,
 split writes its unnormalised partial output and (max, sum) to fp32 scratch and a second kernel
 combines them (flash-decoding).
 
+A sliding window or a chunk (Llama 4's chunked layers) gives each query row a first visible column,
+from its position ``past_b - start_b + depth_i`` (row b's positions count from its first visible column
+``start_b``): ``WINDOW - 1`` positions before it, or its chunk's first position. The past tiles mask the
+columns before it (a program starts at the lowest such column of its rows); the window's tree part is in
+the ancestor bits (depths differ by the same every step), the chunk's is not (where a chunk ends depends
+on the row's past): the tree tiles mask a node whose position ``past_b + depth_j`` lies before it.
+
 Launch configuration (query rows and keys per tile, warps, pipeline stages). On a CUDA device the first
 call of each shape class (:func:`tuning_key`) times every candidate of :func:`candidate_configs` on its
 own inputs, in GPU time (:func:`gpu_ms`) over a few rounds (:func:`fastest`), and keeps the fastest for
@@ -74,12 +81,13 @@ def _kernels():
     @triton.jit
     def _past_tile(
         q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
-        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, ROW_LO: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """One tile of past keys ``[n0, n0 + BLOCK_N)`` into the online softmax: ``(m_i, l_i, acc)``.
-        ``BOUNDED``: the tile may pass ``c_hi`` (the last one), so its columns are checked; otherwise
-        every score is finite (without a window) and no mask is built at all."""
+        ``BOUNDED``: the tile may pass ``c_hi`` (the last one), so its columns are checked; ``ROW_LO``:
+        each row's first visible column ``lo_row`` is checked (a window or a chunk); otherwise every score
+        is finite and no mask is built at all."""
         cols = n0 + tl.arange(0, BLOCK_N)
         k_ptr = k_base + cols[None, :] * skn + dofs[:, None] * skd  # (BLOCK_D, BLOCK_N)
         v_ptr = v_base + cols[:, None] * svn + dofs[None, :] * svd  # (BLOCK_N, BLOCK_D)
@@ -93,10 +101,10 @@ def _kernels():
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        if BOUNDED or HAS_WINDOW:
+        if BOUNDED or ROW_LO:
             if BOUNDED:
                 valid = col_ok[None, :]
-                if HAS_WINDOW:
+                if ROW_LO:
                     valid = valid & (cols[None, :] >= lo_row[:, None])
             else:
                 valid = cols[None, :] >= lo_row[:, None]
@@ -126,9 +134,10 @@ def _kernels():
     def tree_attn_fwd(
         Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-        num_words, qk_scale, M, G, HKV, WINDOW, S,
+        num_words, qk_scale, M, G, HKV, WINDOW, CHUNK, S,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -157,10 +166,17 @@ def _kernels():
             # Query i (position past + depth_i) sees key column j iff past + depth_i - j < WINDOW.
             lo = tl.maximum(start, past - WINDOW + 1)
             lo_row = tl.maximum(lo_row, past + depth - WINDOW + 1)
+        if HAS_CHUNK:
+            # Query i sees key column j iff both positions (columns less start) lie in one chunk: from
+            # the first column of its chunk on. The root (depth 0) has the lowest.
+            pos0 = past - start
+            lo = tl.maximum(lo, start + pos0 - pos0 % CHUNK)
+            pos = pos0 + depth  # (BLOCK_M,)
+            lo_row = tl.maximum(lo_row, start + pos - pos % CHUNK)
         span = tl.maximum(past - lo, 0)
-        chunk = tl.cdiv(tl.cdiv(span, S), BLOCK_N) * BLOCK_N
-        c_lo = lo + split * chunk
-        c_hi = tl.minimum(c_lo + chunk, past)
+        share = tl.cdiv(tl.cdiv(span, S), BLOCK_N) * BLOCK_N  # each split's columns, whole tiles
+        c_lo = lo + split * share
+        c_hi = tl.minimum(c_lo + share, past)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -173,12 +189,12 @@ def _kernels():
         for n0 in range(c_lo, n_full, BLOCK_N):
             m_i, l_i, acc = _past_tile(
                 q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
-                BLOCK_N, HAS_WINDOW, False, D == BLOCK_D, DOT_PREC, UPCAST,
+                BLOCK_N, HAS_WINDOW or HAS_CHUNK, False, D == BLOCK_D, DOT_PREC, UPCAST,
             )  # fmt: skip
         if n_full < c_hi:
             m_i, l_i, acc = _past_tile(
                 q, k_base, v_base, n_full, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd,
-                qk_scale, BLOCK_N, HAS_WINDOW, True, D == BLOCK_D, DOT_PREC, UPCAST,
+                qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, True, D == BLOCK_D, DOT_PREC, UPCAST,
             )  # fmt: skip
         # 2. The tree: M columns from past, masked by the ancestor bits (last split only). A node's
         #    ancestors precede it, so the block's rows see no node after its last one: a block of one
@@ -211,7 +227,11 @@ def _kernels():
                         other=0,
                     )  # (BLOCK_M, BLOCK_N) int64
                     bit = (words >> (nodes[None, :] % 64).to(tl.int64)) & 1
-                s = tl.where(bit != 0, s, float("-inf"))
+                seen = bit != 0
+                if HAS_CHUNK:  # an ancestor in an earlier chunk than the node's (column past + its depth)
+                    node_depth = tl.load(DEPTH + nodes, mask=n_ok, other=0)  # (BLOCK_N,)
+                    seen = seen & ((past + node_depth)[None, :] >= lo_row[:, None])
+                s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
@@ -357,14 +377,17 @@ def tuned_configs() -> dict[tuple, LaunchConfig]:
     return dict(_TUNED)
 
 
-def tuning_key(query: torch.Tensor, key: torch.Tensor, splits: int, window: int | None) -> tuple:
+def tuning_key(
+    query: torch.Tensor, key: torch.Tensor, splits: int, window: int | None, chunk: int | None = None
+) -> tuple:
     """The shape class a tuned configuration is kept for: device, dtype, head dim, GQA group, tree
-    nodes, batch, KV splits, sliding window or not, and the past's width rounded up to a power of two
-    (an eager decoder's growing cache re-tunes a few times per generation, not every step)."""
+    nodes, batch, KV splits, sliding window or not, chunks or not, and the past's width rounded up to a
+    power of two (an eager decoder's growing cache re-tunes a few times per generation, not every
+    step)."""
     bsz, hq, m, d = query.shape
     hkv = key.shape[1]
     width = max(1, key.shape[2] - m)
-    shape = (d, hq // hkv, m, bsz, splits, window is not None, width.bit_length())
+    shape = (d, hq // hkv, m, bsz, splits, window is not None, chunk is not None, width.bit_length())
     return (str(query.device), query.dtype, *shape)
 
 
@@ -483,6 +506,7 @@ def triton_tree_attention(
     window: int | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (see the module docstring and
     :func:`medusa_train.decoding.attention.tree_attention` for the contract).
@@ -496,9 +520,12 @@ def triton_tree_attention(
         depth: ``(M,)`` int32 node depths.
         scale: softmax scale of the scores.
         window: sliding window (query sees a key iff their positions differ by less), None for none.
+            ``bits`` must have it applied (:meth:`~medusa_train.decoding.attention.TreeMask.bits_for`).
         num_splits: KV splits (None: chosen from the shape and the device).
         config: launch configuration (None: tuned on CUDA, see the module docstring; the default in
             the interpreter).
+        chunk: chunk size (a query sees a key iff their positions, counted from the row's first
+            visible column, lie in one chunk of ``chunk``), None for none.
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
@@ -528,9 +555,9 @@ def triton_tree_attention(
         fwd[(math.ceil(g * m / cfg.block_m), bsz * hkv, splits)](
             query, key, value, out, part, ml, past_lens, starts, bits, depth,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-            bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, splits,
-            D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            HAS_WINDOW=window is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
+            bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, chunk or 1, splits,
+            D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=window is not None,
+            HAS_CHUNK=chunk is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
@@ -544,7 +571,7 @@ def triton_tree_attention(
         if config is None:
             config = default
             if device_type == "cuda" and not torch.compiler.is_compiling():
-                key_ = tuning_key(query, key, splits, window)
+                key_ = tuning_key(query, key, splits, window, chunk)
                 config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
                     key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
                 )

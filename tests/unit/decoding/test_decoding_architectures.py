@@ -724,14 +724,18 @@ def test_kernel_places_attention_without_its_layer_idx_or_config(strip):
 
 def test_layer_positions_are_the_text_decoders_layers():
     """The layer of every module inside the text decoder's layers, none of the vision tower's (Gemma 3
-    multimodal: its vision encoder has its own list of layers); nothing for a model whose layers all
-    window alike (Llama 4's chunks and global layers: no sliding window)."""
+    multimodal: its vision encoder has its own list of layers; Llama 4's chunked and global layers);
+    nothing for a model whose layers all window and chunk alike (Llama 4 with every layer chunked)."""
     model = build(gemma3_multimodal())
     positions = layer_positions(model)
     for i, layer in enumerate(model.model.language_model.layers):
         assert {positions[id(m)] for m in layer.modules()} == {i}
     assert not any(id(m) in positions for m in model.model.vision_tower.modules())
-    assert layer_positions(build(llama4())) == {}
+    model = build(llama4())
+    positions = layer_positions(model)
+    for i, layer in enumerate(model.model.layers):
+        assert {positions[id(m)] for m in layer.modules()} == {i}
+    assert layer_positions(build(llama4(no_rope_layers=(1, 1)))) == {}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

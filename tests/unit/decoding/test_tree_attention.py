@@ -18,11 +18,13 @@ if not torch.cuda.is_available():
 import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import transformers as tf  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+import medusa_train.decoding.attention as attention_module  # noqa: E402
 from medusa_train.decoding import (  # noqa: E402
     StaticDecoder,
     TreeBuffers,
@@ -181,6 +183,63 @@ def test_triton_kernel_split_past_combines_exactly(pasts, starts, window, splits
     args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, 32**-0.5)
     out = triton_tree_attention(*args, window=window, num_splits=splits, config=LaunchConfig(16, 16, 4, 1))
     assert_matches(out, reference(q, k, v, past, start, mask, window), torch.float32)
+
+
+def chunk_rule(past: int, start: int, tree: TreeBuffers, width: int, chunk: int) -> torch.Tensor:
+    """``(M, width)`` bool, written out key by key: node i (position ``past - start + depth_i``) sees a
+    past column j in ``[start, past)`` (position ``j - start``) or an ancestor node k (position
+    ``past - start + depth_k``) only if the two positions lie in one chunk."""
+    m = tree.num_nodes
+    allowed = torch.zeros(m, width, dtype=torch.bool)
+    for i in range(m):
+        query = past - start + int(tree.depth[i])
+        for j in range(start, past):
+            allowed[i, j] = (j - start) // chunk == query // chunk
+        for k in range(m):
+            key = past - start + int(tree.depth[k])
+            allowed[i, past + k] = bool(tree.attn_mask[i, k]) and key // chunk == query // chunk
+    return allowed
+
+
+def test_dense_mask_applies_chunks_by_position():
+    """The reference's chunked mask is the rule: positions count from each row's first visible column,
+    and a tree node's position is the row's past plus its depth, not its column."""
+    tree = TreeBuffers.from_choices(random_tree(4, nodes=10, max_depth=4))
+    mask = TreeMask.of(tree)
+    pasts, starts, width = [9, 14, 5, 3], [2, 0, 5, 0], 14 + tree.num_nodes + 2
+    for chunk in (3, 4, 7):
+        dense = dense_tree_mask(
+            torch.tensor(pasts), torch.tensor(starts), mask.bits, mask.depth, width, chunk=chunk
+        )
+        for b, (past, start) in enumerate(zip(pasts, starts, strict=True)):
+            assert torch.equal(dense[b, 0], chunk_rule(past, start, tree, width, chunk)), (chunk, b)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("pasts", "starts", "chunk", "window", "splits"),
+    [
+        ([37, 20, 9], [0, 5, 0], 8, None, 1),  # rows whose trees cross a chunk's end, and one that does not
+        ([300, 129], [0, 50], 64, None, 3),  # splits, some of which see none of a row's chunk
+        ([70, 33, 5], [0, 9, 2], 4, 6, 1),  # a window and chunks together (the tighter bound wins)
+        ([200], [190], 8, None, 4),  # left padding shifts the chunk ends (positions 8.. from column 198)
+    ],
+)
+def test_triton_kernel_applies_chunks(pasts, starts, chunk, window, splits):
+    """The kernel with a chunk against the reference, on small tiles (several past tiles and tree tiles
+    per row), unsplit and split."""
+    tree = random_tree(5, nodes=20, max_depth=5)
+    q, k, v, past, start, mask = random_case(21, tree, pasts, starts, 2, 2, 32, torch.float32)
+    ref = tree_attention(
+        q.float(), k.nan_to_num(), v.nan_to_num(), past, start, mask, window=window, chunk=chunk
+    )
+    assert not torch.allclose(ref, reference(q, k, v, past, start, mask, window))  # the chunk cuts keys
+    args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, 32**-0.5)
+    for config in (LaunchConfig(16, 16, 4, 1), LaunchConfig(64, 32, 4, 1)):
+        out = triton_tree_attention(*args, window=window, chunk=chunk, num_splits=splits, config=config)
+        assert_matches(out, ref, torch.float32)
+    out = tree_attention(q, k, v, past, start, mask, window=window, chunk=chunk, backend="triton")
+    assert_matches(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
@@ -684,31 +743,94 @@ def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason)
         assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=served) == "triton"
 
 
-@needs_triton
-def test_kernels_refuse_chunked_attention_past_its_chunk():
-    """Llama 4's chunked layers (chunk 8, every layer): a call whose positions pass the chunk is refused
-    with a kernel before any forward (the kernels attend the whole past), ``auto`` keeps SDPA there; a
-    call inside the chunk sees no boundary, and the kernel decodes it as ``generate`` does."""
+def chunked_llama4(no_rope_layers=(1, 1), chunk=8):
+    """Llama 4's text model, 2 layers: chunked (RoPE) where ``no_rope_layers`` has 1, global (NoPE) where 0."""
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(
+    return tf.AutoModelForCausalLM.from_config(
         tf.Llama4TextConfig(
-            **_SMALL, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64, attention_chunk_size=8,
-            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1], max_position_embeddings=64,
+            **_SMALL, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64, attention_chunk_size=chunk,
+            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=list(no_rope_layers),
+            max_position_embeddings=64, initializer_range=0.2,
         )
     ).eval()  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "no_rope_layers", [(1, 1), (1, 0)], ids=["every-layer-chunked", "chunked-and-global"]
+)
+def test_triton_kernel_decodes_chunked_layers_past_the_chunk(no_rope_layers):
+    """Llama 4's chunked layers (chunk 8) with the Triton kernel, prompts and new tokens well past the
+    chunk: the three decoders return ``generate``'s tokens (ragged rows in the batched and static
+    decoders), and with heads that know each row's continuation the static decoder accepts whole paths
+    across chunk boundaries. ``auto`` takes the kernel for such a model; the CUDA kernel, which applies
+    no chunk, is refused before any forward where the call's positions pass the chunk."""
+    from tests.unit.decoding.test_decoding_architectures import RowsOracle
+
+    model = chunked_llama4(no_rope_layers)
     heads = random_heads(model, seed=1)
-    calls = count_forwards(model)
-    prompt, tree = torch.tensor([3, 5, 7]), chain_tree(2)
-    for decode in _triton_decoder_calls(model, heads, max_new_tokens=6):
-        with pytest.raises(
-            AttentionBackendError, match=r"chunked attention layers \(attention_chunk_size=8\)"
-        ):
-            decode()
-    assert not calls
-    assert chunk_refusal(model, 8) is None and chunk_refusal(model, None) is not None
-    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
-    out = medusa_generate(model, heads, prompt[None], max_new_tokens=5, tree=tree, attention="triton")
-    assert out.tokens.tolist() == plain_greedy(model, prompt, 5)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (13, 5, 22)]
+    refs = [plain_greedy(model, p, 14) for p in rows]
+    tree = random_tree(2, nodes=8)
+    for prompt, ref in zip(rows, refs, strict=True):
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=14, tree=tree, attention="triton")
+        assert out.tokens.tolist() == ref, len(prompt)
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=14, tree=tree, attention="triton")
+    assert [r.tokens.tolist() for r in batch.rows] == refs
+    static = StaticDecoder(model, heads, tree, 48, batch_size=3, attention="triton")
+    assert [r.tokens.tolist() for r in static.generate_batch(rows, max_new_tokens=14).rows] == refs
+    longer = [plain_greedy(model, p, 20) for p in rows]
+    oracle = RowsOracle(model, [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, longer, strict=True)])
+    static = StaticDecoder(model, oracle, chain_tree(4), 48, batch_size=3, attention="triton")
+    out = static.generate_batch(rows, max_new_tokens=14)
+    assert [r.tokens.tolist() for r in out.rows] == [r[:14] for r in longer]
+    assert all(r.accepted_lengths[:2] == [5, 5] for r in out.rows)  # 10 positions: across a chunk's end
+    if triton_available():
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "triton"
+    assert chunk_refusal(model, 8) is None
+    assert "attention_chunk_size=8" in chunk_refusal(model, 9) and "attention=triton" in chunk_refusal(
+        model, None
+    )
+
+
+def test_the_cuda_kernel_is_refused_for_chunked_layers_past_the_chunk(monkeypatch):
+    """Where the CUDA kernel could run (its device check passed here), a chunked model is refused for it
+    before any forward in every decoder once the call's positions pass the chunk, in one line naming the
+    chunk; a call inside the chunk runs it (no chunk boundary to apply); ``sdpa`` is never refused."""
+    monkeypatch.setattr(attention_module, "_why_not", lambda backend, device: None)
+    model = chunked_llama4((1, 0))
+    for context in (9, None):
+        with pytest.raises(AttentionBackendError, match=r"attention=cuda cannot run here: .*chunk_size=8"):
+            resolve_attention("cuda", torch.device("cpu"), context=context, model=model)
+    assert resolve_attention("cuda", torch.device("cpu"), context=8, model=model) == "cuda"
+    assert resolve_attention("triton", torch.device("cpu"), context=None, model=model) == "triton"
+    assert resolve_attention("sdpa", torch.device("cpu"), context=None, model=model) == "sdpa"
+    with pytest.raises(ValueError, match="applies no chunk"):
+        cuda_tree_attention(*[torch.zeros(1)] * 7, 1.0, chunk=8)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "no_rope_layers", [(1, 1), (1, 0)], ids=["every-layer-chunked", "chunked-and-global"]
+)
+def test_verify_forward_through_the_kernel_applies_chunks(no_rope_layers):
+    """``verify_forward`` with the kernel gives the dense-mask forward's logits and hidden states for a
+    12-node tree of depth 4 at every past length from 0 to 11 (chunk 4: the tree crosses one or two
+    chunk ends, at different nodes each time)."""
+    model = chunked_llama4(no_rope_layers, chunk=4)
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=11, max_depth=4)).to(DEVICE)
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    for past in range(1, 12):
+        prompt = torch.randint(1, VOCAB, (1, past), generator=torch.Generator().manual_seed(past))
+        outs = []
+        for backend in ("sdpa", "triton"):
+            cache = DynamicCache()
+            with torch.no_grad():
+                model(input_ids=prompt, use_cache=True, **cache_kwargs(model, cache))
+                outs.append(verify_forward(model, cache, tokens, tree, past, backend))
+        for ref, out in zip(outs[0], outs[1], strict=True):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"past {past}")
 
 
 @needs_triton
@@ -809,6 +931,24 @@ def test_kernels_refuse_inputs_they_would_misread():
             cuda_tree_attention(q_, k_, v_, *args)
 
 
+@needs_triton
+def test_triton_kernels_compile_for_hopper(tmp_path):
+    """The Triton kernels compile for sm_90 down to a cubin, as at their first launch on an H100 (no GPU
+    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, split, dtypes, head
+    dims, tiles of 32 to 128 keys). The interpreter the tests above run does not generate this code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.triton_compile"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("tree_attn_fwd") == 3 and "tree_attn_combine" in done.stdout, done.stdout
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
 def test_cuda_source_compiles(tmp_path):
     """The kernel source compiles for Hopper (nothing runs: no GPU needed)."""
@@ -851,6 +991,28 @@ def test_gpu_kernels_long_context_split(backend):
     err = (out.float() - ref).abs().max().item()
     torch_err = (torch_bf16.float() - ref).abs().max().item()
     assert err <= max(2 * torch_err, TOLERANCE[torch.bfloat16][0] * ref.abs().max().item()), (err, torch_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_triton_kernel_applies_chunks(dtype):
+    """Llama 4's chunks of 8,192 on CUDA (the launcher's own splits and tuned tiles): two rows whose
+    64-node trees cross a chunk's end (one left-padded) and one long past the chunk, 32/8 heads, head
+    dim 128, as close to the fp32 reference as PyTorch's own SDPA in that dtype (or the short cases'
+    tolerance)."""
+    tree = random_tree(9, nodes=63)
+    q, k, v, past, start, mask = random_case(
+        10, tree, [8190, 8292, 12000], [0, 100, 0], 8, 4, 128, dtype, "cuda"
+    )
+    ref = tree_attention(
+        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, chunk=8192
+    )
+    out = tree_attention(q, k, v, past, start, mask, chunk=8192, backend="triton")
+    torch_same = tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, chunk=8192)
+    err = (out.float() - ref).abs().max().item()
+    torch_err = (torch_same.float() - ref).abs().max().item()
+    assert err <= max(2 * torch_err, TOLERANCE[dtype][0] * ref.abs().max().item()), (err, torch_err)
 
 
 # The CUDA kernel's tensor-core path (fp16/bf16, head dims in (32, 128]) on what the shared cases leave

@@ -1,0 +1,61 @@
+"""Compile the Triton tree-attention kernels for a GPU that is not here: ``python -m
+tests.helpers.triton_compile`` (with ``TRITON_INTERPRET`` unset) compiles each variant below for Hopper
+(sm_90) down to a cubin, as triton does on an H100 at the first launch, and prints one line per variant.
+triton's compiler and the ptxas its wheel bundles run on a CPU; the interpreter the other kernel tests
+use runs the kernels' Python, not this code generation."""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from medusa_train.decoding.attention.triton_kernel import _kernels
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# (dtype, head dim, keys per tile, window, chunks, split): the code paths the constexprs choose (a
+# tile of more than 64 keys reads its ancestor bits per score; a head dim under its block masks it).
+VARIANTS = [
+    ("bf16", 128, 64, False, True, True),
+    ("fp16", 80, 128, True, False, False),
+    ("fp32", 64, 32, True, True, True),
+]
+_POINTERS = {"PART": "*fp32", "ML": "*fp32", "PAST": "*i32", "START": "*i32", "BITS": "*i64", "DEPTH": "*i32"}
+
+
+def source(fn, tensors: str, constexprs: dict) -> ASTSource:
+    """``fn``'s source for the compiler: tensor arguments of dtype ``tensors`` (Q, K, V, OUT), the
+    others' pointers as :data:`_POINTERS`, ``qk_scale`` fp32, every other argument an int32."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "OUT"):
+            signature[name] = "*" + tensors
+        else:
+            signature[name] = _POINTERS.get(name, "fp32" if name == "qk_scale" else "i32")
+    return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+
+
+def main() -> int:
+    fwd, combine = _kernels()
+    for dtype, d, block_n, window, chunk, split in VARIANTS:
+        block_d = triton.next_power_of_2(d)
+        constexprs = dict(
+            D=d, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=block_n, HAS_WINDOW=window, HAS_CHUNK=chunk, SPLIT=split,
+            DOT_PREC="ieee" if dtype == "fp32" else "tf32", UPCAST=False,
+        )  # fmt: skip
+        kernel = triton.compile(source(fwd, dtype, constexprs), target=HOPPER, options={"num_stages": 2})
+        print(f"tree_attn_fwd {dtype} d{d} n{block_n} window={window} chunk={chunk} split={split}: "
+              f"{len(kernel.asm['cubin'])} bytes, {kernel.metadata.shared} B shared")  # fmt: skip
+        if split:
+            constexprs = dict(D=d, BLOCK_D=block_d, BLOCK_M=64)
+            kernel = triton.compile(source(combine, dtype, constexprs), target=HOPPER)
+            print(f"tree_attn_combine {dtype} d{d}: {len(kernel.asm['cubin'])} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
