@@ -19,6 +19,7 @@ import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import transformers as tf  # noqa: E402
@@ -940,6 +941,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "tests.helpers.triton_compile"],
+        cwd=Path(__file__).resolve().parents[3],  # the repository, where tests.helpers is
         capture_output=True,
         text=True,
         timeout=600,
