@@ -177,6 +177,7 @@ def tree_attention(
     scale: float | None = None,
     window: int | None = None,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of M tree nodes per row over the row's past and the tree (see the module docstring).
@@ -193,6 +194,8 @@ def tree_attention(
         chunk: chunk size of the layer (a query sees a key iff their positions, counted from the row's
             first visible column, lie in one chunk of ``chunk``: Llama 4's chunked layers); None: none.
             The CUDA kernel takes none.
+        sinks: ``(Hq,)`` attention sinks (gpt-oss's): each query head's logit, unscaled, of a key with
+            no value that joins its softmax; None: none. The CUDA kernel takes none.
         backend: "sdpa", "triton" or "cuda".
 
     Returns:
@@ -215,13 +218,13 @@ def tree_attention(
     bits = mask.bits_for(window)
     args = (query, key, value, past_lens.to(torch.int32), starts.to(torch.int32), bits, mask.depth, scale)
     if backend in ("triton", "cuda") and torch.compiler.is_compiling():
-        return kernel_op(*args, window, chunk, backend)
+        return kernel_op(*args, window, chunk, sinks, backend)
     if backend == "triton":
-        return triton_tree_attention(*args, window=window, chunk=chunk)
+        return triton_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
     if backend == "cuda":
-        return cuda_tree_attention(*args, window=window, chunk=chunk)
+        return cuda_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
     if backend == "sdpa":
-        return sdpa_tree_attention(*args, window=window, chunk=chunk)
+        return sdpa_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
 
 
@@ -237,6 +240,7 @@ def kernel_op(
     scale: float,
     window: int | None,
     chunk: int | None,
+    sinks: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
     """A kernel's call as one custom op (``torch.ops.medusa_train.tree_attention``), for
@@ -244,11 +248,13 @@ def kernel_op(
     eager mode. Arguments as :func:`~.triton_kernel.triton_tree_attention`; ``backend``: "triton" or
     "cuda". Eager callers call the kernels directly (a custom op costs a dispatch per call)."""
     kernel = triton_tree_attention if backend == "triton" else cuda_tree_attention
-    return kernel(query, key, value, past_lens, starts, bits, depth, scale, window=window, chunk=chunk)
+    return kernel(
+        query, key, value, past_lens, starts, bits, depth, scale, window=window, chunk=chunk, sinks=sinks
+    )
 
 
 @kernel_op.register_fake
-def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, chunk, backend):
+def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, chunk, sinks, backend):
     bsz, hq, m, d = query.shape
     return query.new_empty(bsz, m, hq, d).transpose(1, 2)  # the kernels' layout: (B, M, Hq, D) transposed
 
@@ -287,12 +293,14 @@ def resolve_attention(
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
-        if model is not None and kernel_refusal(model) is not None:
+        if model is not None and kernel_refusal(model, "triton") is not None:
             return "sdpa"
         return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
     reason = _why_not(attention, device)
     if reason is None and model is not None:
-        reason = kernel_refusal(model) or (chunk_refusal(model, context) if attention == "cuda" else None)
+        reason = kernel_refusal(model, attention) or (
+            chunk_refusal(model, context) if attention == "cuda" else None
+        )
     if reason is not None:
         raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
     return attention
@@ -632,9 +640,10 @@ def unserved_layer_types(config) -> list[str]:
     return [kind for kind in dict.fromkeys(types) if kind not in SERVED_LAYER_TYPES]
 
 
-def kernel_refusal(model: torch.nn.Module) -> str | None:
-    """Why the tree kernels cannot compute ``model``'s attention, as its class and config tell (None:
-    nothing tells so; :func:`hf_tree_attention` refuses what only a layer's call shows)."""
+def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | None:
+    """Why the tree kernel ``backend`` ("triton" or "cuda") cannot compute ``model``'s attention, as its
+    class and config tell (None: nothing tells so; :func:`hf_tree_attention` refuses what only a
+    layer's call shows). Attention sinks: the Triton kernel applies them, the CUDA kernel does not."""
     name = type(model).__name__
     if not any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()}):
         # Such a model (GPT-Neo, Bloom, Falcon, MPT) never calls the kernel, and under the kernel's
@@ -644,8 +653,12 @@ def kernel_refusal(model: torch.nn.Module) -> str | None:
     layers = layer_configs(config)  # Gemma 4 sets head_dim per layer
     if any(getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers):
         return f"the tree kernels do not apply {name}'s attention softcapping (attn_logit_softcapping)"
-    if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
-        return f"{name} has attention sinks, which the tree kernels do not apply"
+    if backend == "cuda" and any(
+        param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()
+    ):
+        return (
+            f"{name} has attention sinks, which the CUDA kernel does not apply: use attention=triton or sdpa"
+        )
     if (
         mixes_layer_kinds(model)
         and decoder_layers(model) is None
@@ -711,7 +724,8 @@ _STEP: ContextVar[TreeStep | None] = ContextVar("medusa_tree_step", default=None
 SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "block_indices")
 """Attention arguments some models pass that change the scores, the softmax or the keys attended
 (Gemma-2's softcap, gpt-oss's sinks, T5-style biases, the key indices of sparse attention): the tree
-kernels and the packed SDPA do not apply them."""
+kernels and the packed SDPA do not apply them, but for ``s_aux`` (attention sinks, one logit per query
+head, as transformers' flash and flex attention read it), which the Triton kernel applies."""
 
 
 def model_window(model: torch.nn.Module) -> int | None:
@@ -1046,7 +1060,8 @@ def hf_tree_attention(
 
     Raises:
         AttentionBackendError: in a step, a call the kernels would compute wrongly: one passing
-            :data:`SCORE_MODIFIERS` or a mask of its own, dropout, value heads narrower or wider
+            :data:`SCORE_MODIFIERS` (but for the Triton kernel sinks of one logit per query head,
+            ``s_aux``, which it applies) or a mask of its own, dropout, value heads narrower or wider
             than the query heads, or a sliding window its layer's masks do not apply.
     """
     step = kwargs.pop(STEP_KWARG, None)
@@ -1055,7 +1070,13 @@ def hf_tree_attention(
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     name = type(module).__name__
-    extra = [k for k in SCORE_MODIFIERS if kwargs.get(k) is not None]
+    # Attention sinks (transformers' s_aux: gpt-oss's one logit per query head): the Triton kernel's.
+    sinks = kwargs.get("s_aux") if step.backend == "triton" else None
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        sinks = None  # not one logit per query head: refused below
+    extra = [
+        k for k in SCORE_MODIFIERS if kwargs.get(k) is not None and not (k == "s_aux" and sinks is not None)
+    ]
     if attention_mask is not None:  # the model makes none for the kernel's implementation: its own
         extra.append("a mask of its own")
     if extra:
@@ -1085,7 +1106,7 @@ def hf_tree_attention(
     chunk = layer_chunk(module, step.positions, step.chunk, layer_types)
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
-        scale=scaling, window=window, chunk=chunk, backend=step.backend,
+        scale=scaling, window=window, chunk=chunk, sinks=sinks, backend=step.backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
 

@@ -134,20 +134,22 @@ def cuda_tree_attention(
     window: int | None = None,
     num_splits: int | None = None,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with the CUDA kernel; arguments and result as
-    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`, without chunks (the
-    decoders refuse this kernel for chunked layers a call's positions pass:
-    :func:`~medusa_train.decoding.attention.chunk_refusal`).
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`, without chunks or
+    sinks (the decoders refuse this kernel for chunked layers a call's positions pass,
+    :func:`~medusa_train.decoding.attention.chunk_refusal`, and for models with sinks,
+    :func:`~medusa_train.decoding.attention.kernel_refusal`).
 
     Raises:
-        ValueError: a chunk, a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike
+        ValueError: a chunk or sinks, a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike
             (the kernel reads them as the query's dtype, anything else as fp32), or tensors not on a
             CUDA device.
     """
-    if chunk is not None:
+    if chunk is not None or sinks is not None:
         raise ValueError(
-            f"the CUDA tree kernel applies no chunk (got {chunk}): use the Triton kernel or SDPA"
+            "the CUDA tree kernel applies no chunk and no attention sinks: use the Triton kernel or SDPA"
         )
     bsz, hq, m, d = query.shape
     dtypes = {query.dtype, key.dtype, value.dtype}

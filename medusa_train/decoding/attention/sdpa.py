@@ -77,14 +77,27 @@ def sdpa_tree_attention(
     scale: float,
     window: int | None = None,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention through SDPA with the dense boolean mask (same arguments and result as
-    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`).
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`). With ``sinks`` the
+    softmax is written out instead (SDPA takes no sink): each head's sink logit appended to its scores
+    as gpt-oss's eager attention appends it, in fp32.
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype.
     """
     mask = dense_tree_mask(past_lens, starts, bits, depth, key.shape[2], window, chunk)  # (B, 1, M, W)
+    if sinks is not None:
+        g = query.shape[1] // key.shape[1]
+        keys, values = (
+            key.float().repeat_interleave(g, 1),
+            value.float().repeat_interleave(g, 1),
+        )  # (B, Hq, W, D)
+        scores = (query.float() @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, Hq, M, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]  # (B, Hq, M, W)
+        return (probs @ values.nan_to_num()).to(query.dtype)  # a stale column's 0 weight times NaN is NaN
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )  # (B, Hq, M, D)

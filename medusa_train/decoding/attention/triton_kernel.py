@@ -20,6 +20,10 @@ columns before it (a program starts at the lowest such column of its rows); the 
 the ancestor bits (depths differ by the same every step), the chunk's is not (where a chunk ends depends
 on the row's past): the tree tiles mask a node whose position ``past_b + depth_j`` lies before it.
 
+Attention sinks (gpt-oss's ``sinks``, passed to the attention as ``s_aux``): one learned logit per query
+head joins each row's softmax as a key with no value; it is added to the row's max and sum once, at the
+end of an unsplit program or in the combine kernel.
+
 Launch configuration (query rows and keys per tile, warps, pipeline stages). On a CUDA device the first
 call of each shape class (:func:`tuning_key`) times every candidate of :func:`candidate_configs` on its
 own inputs, in GPU time (:func:`gpu_ms`) over a few rounds (:func:`fastest`), and keeps the fastest for
@@ -132,12 +136,12 @@ def _kernels():
 
     @triton.jit
     def tree_attn_fwd(
-        Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH,
+        Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH, SINKS,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
         num_words, qk_scale, M, G, HKV, WINDOW, CHUNK, S,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-        UPCAST: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -256,6 +260,12 @@ def _kernels():
             tl.store(ML + r_base * 2, m_i, mask=row_ok)
             tl.store(ML + r_base * 2 + 1, l_i, mask=row_ok)
         else:
+            if HAS_SINKS:  # the sink's logit (natural units) joins the row's max and sum
+                sink = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_fin)
+                l_i = l_i * alpha + tl.exp2(sink - m_fin)
+                acc = acc * alpha[:, None]
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding rows
             tl.store(
                 OUT + b * sob + head[:, None] * soh + node[:, None] * som + dofs[None, :] * sod,
@@ -265,8 +275,8 @@ def _kernels():
 
     @triton.jit
     def tree_attn_combine(
-        OUT, PART, ML, sob, soh, som, sod, M, G, HKV, S,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        OUT, PART, ML, SINKS, sob, soh, som, sod, M, G, HKV, S,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -282,8 +292,13 @@ def _kernels():
         for s in range(0, S):
             r = (pid_bh * S + s) * (G * M) + rows
             m_all = tl.maximum(m_all, tl.load(ML + r * 2, mask=row_ok, other=float("-inf")))
+        if HAS_SINKS:  # the sink's logit (natural units) joins the row's max and sum
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_all = tl.maximum(m_all, sink)
         m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
         l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS:
+            l_all = tl.exp2(sink - m_use)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for s in range(0, S):
             r = (pid_bh * S + s) * (G * M) + rows
@@ -378,16 +393,22 @@ def tuned_configs() -> dict[tuple, LaunchConfig]:
 
 
 def tuning_key(
-    query: torch.Tensor, key: torch.Tensor, splits: int, window: int | None, chunk: int | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    splits: int,
+    window: int | None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple:
     """The shape class a tuned configuration is kept for: device, dtype, head dim, GQA group, tree
-    nodes, batch, KV splits, sliding window or not, chunks or not, and the past's width rounded up to a
-    power of two (an eager decoder's growing cache re-tunes a few times per generation, not every
-    step)."""
+    nodes, batch, KV splits, sliding window or not, chunks or not, sinks or not, and the past's width
+    rounded up to a power of two (an eager decoder's growing cache re-tunes a few times per generation,
+    not every step)."""
     bsz, hq, m, d = query.shape
     hkv = key.shape[1]
     width = max(1, key.shape[2] - m)
-    shape = (d, hq // hkv, m, bsz, splits, window is not None, chunk is not None, width.bit_length())
+    kinds = (window is not None, chunk is not None, sinks is not None)
+    shape = (d, hq // hkv, m, bsz, splits, *kinds, width.bit_length())
     return (str(query.device), query.dtype, *shape)
 
 
@@ -507,6 +528,7 @@ def triton_tree_attention(
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (see the module docstring and
     :func:`medusa_train.decoding.attention.tree_attention` for the contract).
@@ -526,6 +548,8 @@ def triton_tree_attention(
             the interpreter).
         chunk: chunk size (a query sees a key iff their positions, counted from the row's first
             visible column, lie in one chunk of ``chunk``), None for none.
+        sinks: ``(Hq,)`` attention sinks: each query head's logit (unscaled) of a key without a value
+            that joins its softmax; None for none.
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
@@ -550,20 +574,22 @@ def triton_tree_attention(
         ml = torch.empty(bsz * hkv * splits * g * m, 2, dtype=torch.float32, device=query.device)
     else:
         part = ml = out  # unused
+    sink_arg = depth if sinks is None else sinks.contiguous()  # (Hq,); depth: a pointer never read
 
     def launch(cfg: LaunchConfig) -> None:
         fwd[(math.ceil(g * m / cfg.block_m), bsz * hkv, splits)](
-            query, key, value, out, part, ml, past_lens, starts, bits, depth,
+            query, key, value, out, part, ml, past_lens, starts, bits, depth, sink_arg,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
             bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, chunk or 1, splits,
             D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=window is not None,
-            HAS_CHUNK=chunk is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
+            HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None, SPLIT=splits > 1, DOT_PREC=prec,
+            UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             combine[(math.ceil(g * m / default.block_m), bsz * hkv)](
-                out, part, ml, *out.stride(), m, g, hkv, splits,
-                D=d, BLOCK_D=block_d, BLOCK_M=default.block_m,
+                out, part, ml, sink_arg, *out.stride(), m, g, hkv, splits,
+                D=d, BLOCK_D=block_d, BLOCK_M=default.block_m, HAS_SINKS=sinks is not None,
             )  # fmt: skip
 
     # triton launches (and the tuner times) on the current CUDA device: make it the tensors'.
@@ -571,7 +597,7 @@ def triton_tree_attention(
         if config is None:
             config = default
             if device_type == "cuda" and not torch.compiler.is_compiling():
-                key_ = tuning_key(query, key, splits, window, chunk)
+                key_ = tuning_key(query, key, splits, window, chunk, sinks)
                 config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
                     key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
                 )

@@ -243,6 +243,48 @@ def test_triton_kernel_applies_chunks(pasts, starts, chunk, window, splits):
     assert_matches(out, ref, torch.float32)
 
 
+def test_reference_with_sinks_scales_the_attention_by_its_share_of_the_softmax():
+    """The reference's sinks against another form of the same thing (Granite SWA's): attention without
+    sinks times ``sigmoid(lse - sink)``, lse the log-sum-exp of the row's visible scores."""
+    tree = random_tree(3, nodes=9)
+    q, k, v, past, start, mask = random_case(3, tree, [30, 12], [0, 4], 2, 2, 16, torch.float32)
+    k, v = k.nan_to_num(), v.nan_to_num()
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 8.0])
+    with_sinks = tree_attention(q, k, v, past, start, mask, sinks=sinks)
+    dense = dense_tree_mask(past, start, mask.bits, mask.depth, k.shape[2])  # (B, 1, M, W)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 16**-0.5
+    lse = scores.masked_fill(~dense, float("-inf")).logsumexp(-1)  # (B, Hq, M)
+    share = torch.sigmoid(lse - sinks[None, :, None])[..., None]
+    torch.testing.assert_close(with_sinks, tree_attention(q, k, v, past, start, mask) * share)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("pasts", "starts", "window", "chunk", "splits", "dtype"),
+    [
+        ([37, 20], [0, 5], None, None, 1, torch.float32),
+        ([300, 129], [0, 50], None, None, 3, torch.float32),  # the combine kernel adds the sink
+        ([70, 33, 5], [0, 9, 2], 6, None, 1, torch.float32),  # with a window
+        ([70, 33], [0, 9], None, 16, 2, torch.bfloat16),
+    ],
+)
+def test_triton_kernel_applies_sinks(pasts, starts, window, chunk, splits, dtype):
+    """Sinks from -10 to +10 (a sink that takes nearly all of a row's softmax, and one that takes
+    none) against the reference, unsplit and split, with a window or chunks, fp32 and bf16."""
+    tree = random_tree(6, nodes=12)
+    q, k, v, past, start, mask = random_case(22, tree, pasts, starts, 2, 3, 32, dtype)
+    sinks = torch.linspace(-10, 10, 6).to(DEVICE)
+    ref = tree_attention(
+        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask,
+        window=window, chunk=chunk, sinks=sinks,
+    )  # fmt: skip
+    kwargs = dict(window=window, chunk=chunk, sinks=sinks, num_splits=splits)
+    args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, 32**-0.5)
+    for config in (LaunchConfig(16, 16, 4, 1), LaunchConfig(64, 32, 4, 1)):
+        assert_matches(triton_tree_attention(*args, **kwargs, config=config), ref, dtype)
+    assert not torch.allclose(ref, reference(q, k, v, past, start, mask, window), atol=1e-2)
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_kernels_keep_large_fp16_scores_finite(backend):
     """fp16 queries and keys whose scores reach ~1e2 (a scale the softmax must subtract its running
@@ -677,8 +719,10 @@ OTHER_MODELS = {
     ),
     "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
     "gemma2_softcap": lambda: tf.Gemma2Config(**_SMALL, head_dim=16, attn_logit_softcapping=50.0),
+    # attention sinks; sliding-window (6) and full layers
     "gpt_oss_sinks": lambda: tf.GptOssConfig(
         **_SMALL, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=6,
     ),
     # multi-head latent attention: value heads of 16, query and key heads of 24
     "deepseek_v3_mla": lambda: tf.DeepseekV3Config(
@@ -721,14 +765,13 @@ def _triton_decoder_calls(model, heads, max_new_tokens: int) -> list:
     [
         ("gpt_neo", "computes its attention itself"),
         ("gemma2_softcap", "softcapping"),
-        ("gpt_oss_sinks", "attention sinks"),
         ("deepseek_v3_mla", r"value heads \(16\).*\(24\)"),
     ],
 )
 def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason):
     """A kernel named for a model it would compute wrongly (GPT-Neo's layers never call it, and would
-    attend the tree without a mask; softcapping; sinks; value heads narrower than the keys, which the
-    kernels would read past) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
+    attend the tree without a mask; softcapping; value heads narrower than the keys, which the kernels
+    would read past) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
     there, where it takes the kernel for a model it computes."""
     model = other_model(name)
     heads = random_heads(model, seed=1)
@@ -834,6 +877,51 @@ def test_verify_forward_through_the_kernel_applies_chunks(no_rope_layers):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"past {past}")
 
 
+def gpt_oss_with_sinks() -> torch.nn.Module:
+    """gpt-oss (sliding-window and full layers) whose sinks are large enough to move its outputs."""
+    model = other_model("gpt_oss_sinks")
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(3 * torch.randn(layer.self_attn.sinks.shape, generator=gen))
+    return model
+
+
+@needs_triton
+def test_triton_kernel_decodes_a_model_with_attention_sinks():
+    """gpt-oss's attention sinks (one logit per query head joining the softmax) with the Triton kernel:
+    the three decoders return ``generate``'s tokens past its window (ragged rows in the batched and
+    static decoders), and a verification forward equals the dense mask's (its own eager attention).
+    ``auto`` takes the kernel; the CUDA kernel, which applies no sinks, is refused before any forward."""
+    model = gpt_oss_with_sinks()
+    heads = random_heads(model, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (9, 4, 13)]
+    refs = [plain_greedy(model, p, 10) for p in rows]
+    tree = random_tree(2, nodes=8)
+    for prompt, ref in zip(rows, refs, strict=True):
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=10, tree=tree, attention="triton")
+        assert out.tokens.tolist() == ref, len(prompt)
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=10, tree=tree, attention="triton")
+    assert [r.tokens.tolist() for r in batch.rows] == refs
+    static = StaticDecoder(model, heads, tree, 32, batch_size=3, attention="triton")
+    assert [r.tokens.tolist() for r in static.generate_batch(rows, max_new_tokens=10).rows] == refs
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=7))
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=gen)
+    outs = []
+    for backend in ("sdpa", "triton"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=rows[2][None], use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 13, backend))
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # sinks left out: ~1e-1
+    if triton_available():
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "triton"
+    assert "attention sinks, which the CUDA kernel does not apply" in kernel_refusal(model, "cuda")
+    assert kernel_refusal(model, "triton") is None
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["qwen2_moe", "phimoe"])
 def test_kernel_windows_layers_that_pass_no_window(name):
@@ -935,7 +1023,7 @@ def test_kernels_refuse_inputs_they_would_misread():
 @needs_triton
 def test_triton_kernels_compile_for_hopper(tmp_path):
     """The Triton kernels compile for sm_90 down to a cubin, as at their first launch on an H100 (no GPU
-    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, split, dtypes, head
+    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, sinks, split, dtypes, head
     dims, tiles of 32 to 128 keys). The interpreter the tests above run does not generate this code."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
@@ -998,20 +1086,31 @@ def test_gpu_kernels_long_context_split(backend):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_triton_kernel_applies_chunks(dtype):
-    """Llama 4's chunks of 8,192 on CUDA (the launcher's own splits and tuned tiles): two rows whose
-    64-node trees cross a chunk's end (one left-padded) and one long past the chunk, 32/8 heads, head
-    dim 128, as close to the fp32 reference as PyTorch's own SDPA in that dtype (or the short cases'
+@pytest.mark.parametrize(
+    ("shape", "kinds"),
+    [
+        ((8, 4, 128), {"chunk": 8192}),
+        ((8, 8, 64), {"sinks": True}),
+        ((8, 8, 64), {"sinks": True, "window": 128}),
+    ],
+    ids=["llama4-chunks", "gpt-oss-sinks", "gpt-oss-sinks-window"],
+)
+def test_gpu_triton_kernel_applies_chunks_and_sinks(dtype, shape, kinds):
+    """On CUDA (the launcher's own splits and tuned tiles), 64-node trees on two rows crossing a chunk's
+    end (8,190 and 8,292 keys, one left-padded) and one long past it (12,000): Llama 4's chunks of 8,192
+    (32/8 heads, head dim 128), gpt-oss's sinks (64/8 heads, head dim 64), alone and with its window of
+    128; as close to the fp32 reference as PyTorch's own attention in that dtype (or the short cases'
     tolerance)."""
-    tree = random_tree(9, nodes=63)
+    hkv, group, head_dim = shape
     q, k, v, past, start, mask = random_case(
-        10, tree, [8190, 8292, 12000], [0, 100, 0], 8, 4, 128, dtype, "cuda"
+        10, random_tree(9, nodes=63), [8190, 8292, 12000], [0, 100, 0], hkv, group, head_dim, dtype, "cuda"
     )
-    ref = tree_attention(
-        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, chunk=8192
-    )
-    out = tree_attention(q, k, v, past, start, mask, chunk=8192, backend="triton")
-    torch_same = tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, chunk=8192)
+    gen = torch.Generator().manual_seed(1)
+    sinks = 3 * torch.randn(hkv * group, generator=gen).cuda() if kinds.get("sinks") else None
+    kw = dict(window=kinds.get("window"), chunk=kinds.get("chunk"), sinks=sinks)
+    ref = tree_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, **kw)
+    out = tree_attention(q, k, v, past, start, mask, backend="triton", **kw)
+    torch_same = tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, **kw)
     err = (out.float() - ref).abs().max().item()
     torch_err = (torch_same.float() - ref).abs().max().item()
     assert err <= max(2 * torch_err, TOLERANCE[dtype][0] * ref.abs().max().item()), (err, torch_err)
