@@ -15,12 +15,14 @@ from triton.compiler import ASTSource
 from medusa_train.decoding.attention.triton_kernel import _kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
-# (dtype, head dim, keys per tile, window, chunks, sinks, split): the code paths the constexprs choose
-# (a tile of more than 64 keys reads its ancestor bits per score; a head dim under its block masks it).
+# (dtype, head dims of the keys and the values, keys per tile, window, chunks, sinks, split): the code
+# paths the constexprs choose (a tile of more than 64 keys reads its ancestor bits per score; a head dim
+# under its block masks it; values narrower than the keys: DeepSeek-V3's 192 and 128).
 VARIANTS = [
-    ("bf16", 128, 64, False, True, True, True),
-    ("fp16", 80, 128, True, False, True, False),
-    ("fp32", 64, 32, True, True, False, True),
+    ("bf16", 128, 128, 64, False, True, True, True),
+    ("fp16", 80, 80, 128, True, False, True, False),
+    ("fp32", 64, 64, 32, True, True, False, True),
+    ("bf16", 192, 128, 32, False, False, False, True),
 ]
 _POINTERS = {
     "PART": "*fp32", "ML": "*fp32", "PAST": "*i32", "START": "*i32", "BITS": "*i64", "DEPTH": "*i32",
@@ -44,19 +46,19 @@ def source(fn, tensors: str, constexprs: dict) -> ASTSource:
 
 def main() -> int:
     fwd, combine = _kernels()
-    for dtype, d, block_n, window, chunk, sinks, split in VARIANTS:
-        block_d = triton.next_power_of_2(d)
+    for dtype, d, dv, block_n, window, chunk, sinks, split in VARIANTS:
+        block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
         constexprs = dict(
-            D=d, BLOCK_D=block_d, BLOCK_M=64, BLOCK_N=block_n, HAS_WINDOW=window, HAS_CHUNK=chunk,
+            D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=64, BLOCK_N=block_n, HAS_WINDOW=window, HAS_CHUNK=chunk,
             HAS_SINKS=sinks, SPLIT=split, DOT_PREC="ieee" if dtype == "fp32" else "tf32", UPCAST=False,
         )  # fmt: skip
         kernel = triton.compile(source(fwd, dtype, constexprs), target=HOPPER, options={"num_stages": 2})
-        print(f"tree_attn_fwd {dtype} d{d} n{block_n} window={window} chunk={chunk} sinks={sinks} split={split}: "
+        print(f"tree_attn_fwd {dtype} d{d}/{dv} n{block_n} window={window} chunk={chunk} sinks={sinks} split={split}: "
               f"{len(kernel.asm['cubin'])} bytes, {kernel.metadata.shared} B shared")  # fmt: skip
         if split:
-            constexprs = dict(D=d, BLOCK_D=block_d, BLOCK_M=64, HAS_SINKS=sinks)
+            constexprs = dict(D=dv, BLOCK_D=block_dv, BLOCK_M=64, HAS_SINKS=sinks)
             kernel = triton.compile(source(combine, dtype, constexprs), target=HOPPER)
-            print(f"tree_attn_combine {dtype} d{d} sinks={sinks}: {len(kernel.asm['cubin'])} bytes")
+            print(f"tree_attn_combine {dtype} d{dv} sinks={sinks}: {len(kernel.asm['cubin'])} bytes")
     return 0
 
 

@@ -184,7 +184,8 @@ def tree_attention(
 
     Args:
         query: ``(B, Hq, M, D)``.
-        key, value: ``(B, Hkv, W, D)`` with ``W >= past_b + M`` for every row; ``Hq % Hkv == 0``.
+        key, value: ``(B, Hkv, W, D)`` and ``(B, Hkv, W, Dv)`` with ``W >= past_b + M`` for every row;
+            ``Hq % Hkv == 0``.
         past_lens: ``(B,)`` integer, the column of each row's first tree node.
         starts: ``(B,)`` integer, each row's first visible column (0 without left padding).
         mask: the tree (``mask.num_nodes == M``).
@@ -199,7 +200,8 @@ def tree_attention(
         backend: "sdpa", "triton" or "cuda".
 
     Returns:
-        ``(B, Hq, M, D)`` in the query's dtype.
+        ``(B, Hq, M, Dv)`` in the query's dtype: ``Dv`` the values' head dim (the keys' ``D``, or, in
+        multi-head latent attention, narrower: DeepSeek-V3's 128 against 192; not the CUDA kernel's).
     """
     m, d = query.shape[2:]
     if (
@@ -207,12 +209,12 @@ def tree_attention(
         or query.shape[1] % key.shape[1]
         or key.shape[2] < m
         or key.shape[-1] != d
-        or value.shape[-1] != d
+        or value.shape[:3] != key.shape[:3]
     ):
         raise ValueError(
             f"tree attention got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
             f"{tuple(value.shape)} and a tree of {mask.num_nodes} nodes: need M tree nodes, Hq a multiple "
-            "of Hkv, W >= M and one head dim D"
+            "of Hkv, W >= M, one head dim D for queries and keys, values as many as the keys"
         )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     bits = mask.bits_for(window)
@@ -255,8 +257,10 @@ def kernel_op(
 
 @kernel_op.register_fake
 def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, chunk, sinks, backend):
-    bsz, hq, m, d = query.shape
-    return query.new_empty(bsz, m, hq, d).transpose(1, 2)  # the kernels' layout: (B, M, Hq, D) transposed
+    bsz, hq, m, _ = query.shape
+    return query.new_empty(bsz, m, hq, value.shape[-1]).transpose(
+        1, 2
+    )  # the kernels' (B, M, Hq, Dv) transposed
 
 
 def resolve_attention(
@@ -643,7 +647,8 @@ def unserved_layer_types(config) -> list[str]:
 def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | None:
     """Why the tree kernel ``backend`` ("triton" or "cuda") cannot compute ``model``'s attention, as its
     class and config tell (None: nothing tells so; :func:`hf_tree_attention` refuses what only a
-    layer's call shows). Attention sinks: the Triton kernel applies them, the CUDA kernel does not."""
+    layer's call shows). Attention sinks and values narrower than the keys (multi-head latent
+    attention): the Triton kernel computes them, the CUDA kernel does not."""
     name = type(model).__name__
     if not any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()}):
         # Such a model (GPT-Neo, Bloom, Falcon, MPT) never calls the kernel, and under the kernel's
@@ -669,11 +674,14 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
             f"{name} mixes {kinds} and other layers, and the tree kernels cannot tell which is which "
             "(no module has a layer_idx, and no list of its decoder layers was found)"
         )
-    for layer in layers:
+    for layer in layers if backend == "cuda" else ():
         v_dim = getattr(layer, "v_head_dim", None)
         qk_dim = getattr(layer, "qk_head_dim", None) or getattr(layer, "head_dim", None)
         if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
-            return f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim})"
+            return (
+                f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim}), which "
+                "the CUDA kernel needs: use attention=triton or sdpa"
+            )
     return None
 
 
@@ -1056,13 +1064,14 @@ def hf_tree_attention(
     ancestor bits for the masks' windows alone, before any capture.
 
     Returns:
-        ``(B, M, Hq, D)`` attention output and no weights.
+        ``(B, M, Hq, Dv)`` attention output (``Dv`` the values' head dim) and no weights.
 
     Raises:
         AttentionBackendError: in a step, a call the kernels would compute wrongly: one passing
             :data:`SCORE_MODIFIERS` (but for the Triton kernel sinks of one logit per query head,
             ``s_aux``, which it applies) or a mask of its own, dropout, value heads narrower or wider
-            than the query heads, or a sliding window its layer's masks do not apply.
+            than the query heads (for the CUDA kernel), or a sliding window its layer's masks do not
+            apply.
     """
     step = kwargs.pop(STEP_KWARG, None)
     if step is None:
@@ -1089,10 +1098,10 @@ def hf_tree_attention(
             f"{name} asks for attention dropout {dropout} (the model is in training mode), which the tree "
             "kernels do not apply: call model.eval()"
         )
-    if value.shape[-1] != query.shape[-1]:
+    if step.backend == "cuda" and value.shape[-1] != query.shape[-1]:
         raise AttentionBackendError(
             f"{name}'s value heads ({value.shape[-1]}) are not as wide as its query heads "
-            f"({query.shape[-1]}), which the tree kernels need: use attention=sdpa"
+            f"({query.shape[-1]}), which the CUDA kernel needs: use attention=triton or sdpa"
         )
     layer_types = getattr(step.config, "layer_types", None)
     window = layer_window(module, step.positions, step.window, layer_types)

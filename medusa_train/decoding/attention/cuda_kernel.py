@@ -147,6 +147,11 @@ def cuda_tree_attention(
             (the kernel reads them as the query's dtype, anything else as fp32), or tensors not on a
             CUDA device.
     """
+    if value.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"the CUDA tree kernel reads values as wide as the queries ({query.shape[-1]}), got "
+            f"{value.shape[-1]}: use the Triton kernel or SDPA"
+        )
     if chunk is not None or sinks is not None:
         raise ValueError(
             "the CUDA tree kernel applies no chunk and no attention sinks: use the Triton kernel or SDPA"

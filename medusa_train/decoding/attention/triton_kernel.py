@@ -84,9 +84,9 @@ def _kernels():
 
     @triton.jit
     def _past_tile(
-        q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
-        BLOCK_N: tl.constexpr, ROW_LO: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn, svd,
+        qk_scale, BLOCK_N: tl.constexpr, ROW_LO: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         """One tile of past keys ``[n0, n0 + BLOCK_N)`` into the online softmax: ``(m_i, l_i, acc)``.
         ``BOUNDED``: the tile may pass ``c_hi`` (the last one), so its columns are checked; ``ROW_LO``:
@@ -94,7 +94,7 @@ def _kernels():
         is finite and no mask is built at all."""
         cols = n0 + tl.arange(0, BLOCK_N)
         k_ptr = k_base + cols[None, :] * skn + dofs[:, None] * skd  # (BLOCK_D, BLOCK_N)
-        v_ptr = v_base + cols[:, None] * svn + dofs[None, :] * svd  # (BLOCK_N, BLOCK_D)
+        v_ptr = v_base + cols[:, None] * svn + vofs[None, :] * svd  # (BLOCK_N, BLOCK_DV)
         if BOUNDED:
             col_ok = cols < c_hi
             k = tl.load(k_ptr, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
@@ -122,11 +122,11 @@ def _kernels():
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if BOUNDED:
-            v = tl.load(v_ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        elif EVEN_D:
+            v = tl.load(v_ptr, mask=col_ok[:, None] & v_ok[None, :], other=0.0)
+        elif EVEN_DV:
             v = tl.load(v_ptr)
         else:
-            v = tl.load(v_ptr, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptr, mask=v_ok[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         else:
@@ -139,7 +139,8 @@ def _kernels():
         Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH, SINKS,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
         num_words, qk_scale, M, G, HKV, WINDOW, CHUNK, S,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr,
         DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
@@ -154,6 +155,8 @@ def _kernels():
         head = kvh * G + rows // M
         dofs = tl.arange(0, BLOCK_D)
         d_ok = dofs < D
+        vofs = tl.arange(0, BLOCK_DV)  # the values' head dim: the keys' or narrower (latent attention)
+        v_ok = vofs < DV
         q = tl.load(
             Q + b * sqb + head[:, None] * sqh + node[:, None] * sqm + dofs[None, :] * sqd,
             mask=row_ok[:, None] & d_ok[None, :],
@@ -184,7 +187,7 @@ def _kernels():
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         k_base = K + b * skb + kvh * skh
         v_base = V + b * svb + kvh * svh
         # 1. The past: fully visible, no mask read. Whole tiles without bounds checks (nor head-dim
@@ -192,13 +195,14 @@ def _kernels():
         n_full = c_lo + tl.maximum(c_hi - c_lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(c_lo, n_full, BLOCK_N):
             m_i, l_i, acc = _past_tile(
-                q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd, qk_scale,
-                BLOCK_N, HAS_WINDOW or HAS_CHUNK, False, D == BLOCK_D, DOT_PREC, UPCAST,
+                q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn, svd,
+                qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, False, D == BLOCK_D, DV == BLOCK_DV, DOT_PREC, UPCAST,
             )  # fmt: skip
         if n_full < c_hi:
             m_i, l_i, acc = _past_tile(
-                q, k_base, v_base, n_full, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, skn, skd, svn, svd,
-                qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, True, D == BLOCK_D, DOT_PREC, UPCAST,
+                q, k_base, v_base, n_full, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn,
+                svd, qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, True, D == BLOCK_D, DV == BLOCK_DV, DOT_PREC,
+                UPCAST,
             )  # fmt: skip
         # 2. The tree: M columns from past, masked by the ancestor bits (last split only). A node's
         #    ancestors precede it, so the block's rows see no node after its last one: a block of one
@@ -242,10 +246,10 @@ def _kernels():
                 p = tl.exp2(s - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(
-                    v_base + cols[:, None] * svn + dofs[None, :] * svd,
-                    mask=n_ok[:, None] & d_ok[None, :],
+                    v_base + cols[:, None] * svn + vofs[None, :] * svd,
+                    mask=n_ok[:, None] & v_ok[None, :],
                     other=0.0,
-                )  # (BLOCK_N, BLOCK_D)
+                )  # (BLOCK_N, BLOCK_DV)
                 if UPCAST:
                     v = v.to(tl.float32)
                 else:
@@ -255,7 +259,7 @@ def _kernels():
         if SPLIT:
             r_base = (pid_bh * S + split) * (G * M) + rows  # (BLOCK_M,) rows of the scratch
             tl.store(
-                PART + r_base[:, None] * BLOCK_D + dofs[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
+                PART + r_base[:, None] * BLOCK_DV + vofs[None, :], acc, mask=row_ok[:, None] & v_ok[None, :]
             )
             tl.store(ML + r_base * 2, m_i, mask=row_ok)
             tl.store(ML + r_base * 2 + 1, l_i, mask=row_ok)
@@ -268,13 +272,13 @@ def _kernels():
                 acc = acc * alpha[:, None]
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0 only in padding rows
             tl.store(
-                OUT + b * sob + head[:, None] * soh + node[:, None] * som + dofs[None, :] * sod,
+                OUT + b * sob + head[:, None] * soh + node[:, None] * som + vofs[None, :] * sod,
                 out.to(OUT.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
+                mask=row_ok[:, None] & v_ok[None, :],
             )
 
     @triton.jit
-    def tree_attn_combine(
+    def tree_attn_combine(  # D, BLOCK_D: the values' head dim
         OUT, PART, ML, SINKS, sob, soh, som, sod, M, G, HKV, S,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
@@ -304,7 +308,9 @@ def _kernels():
             r = (pid_bh * S + s) * (G * M) + rows
             w = tl.exp2(tl.load(ML + r * 2, mask=row_ok, other=float("-inf")) - m_use)  # (BLOCK_M,)
             l_all += w * tl.load(ML + r * 2 + 1, mask=row_ok, other=0.0)
-            part = tl.load(PART + r[:, None] * BLOCK_D + dofs[None, :], mask=row_ok[:, None], other=0.0)
+            part = tl.load(  # columns past D were never written
+                PART + r[:, None] * BLOCK_D + dofs[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+            )
             acc += w[:, None] * part
         out = acc / tl.where(l_all == 0.0, 1.0, l_all)[:, None]  # 0 only in padding rows
         tl.store(
@@ -399,16 +405,18 @@ def tuning_key(
     window: int | None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    value_dim: int | None = None,
 ) -> tuple:
-    """The shape class a tuned configuration is kept for: device, dtype, head dim, GQA group, tree
-    nodes, batch, KV splits, sliding window or not, chunks or not, sinks or not, and the past's width
-    rounded up to a power of two (an eager decoder's growing cache re-tunes a few times per generation,
-    not every step)."""
+    """The shape class a tuned configuration is kept for: device, dtype, head dims (the values' where
+    they differ), GQA group, tree nodes, batch, KV splits, sliding window or not, chunks or not, sinks or
+    not, and the past's width rounded up to a power of two (an eager decoder's growing cache re-tunes a
+    few times per generation, not every step)."""
     bsz, hq, m, d = query.shape
     hkv = key.shape[1]
     width = max(1, key.shape[2] - m)
     kinds = (window is not None, chunk is not None, sinks is not None)
-    shape = (d, hq // hkv, m, bsz, splits, *kinds, width.bit_length())
+    dims = d if value_dim in (None, d) else (d, value_dim)
+    shape = (dims, hq // hkv, m, bsz, splits, *kinds, width.bit_length())
     return (str(query.device), query.dtype, *shape)
 
 
@@ -552,14 +560,18 @@ def triton_tree_attention(
             that joins its softmax; None for none.
 
     Returns:
-        ``(B, Hq, M, D)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, D)``.
+        ``(B, Hq, M, Dv)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, Dv)``
+        (``Dv``: the values' head dim, the keys' ``D`` or another: multi-head latent attention's).
     """
     fwd, combine = _kernels()
     bsz, hq, m, d = query.shape
-    hkv = key.shape[1]
+    hkv, dv = key.shape[1], value.shape[-1]
     g = hq // hkv
-    out = torch.empty(bsz, m, hq, d, dtype=query.dtype, device=query.device).transpose(1, 2)  # (B, Hq, M, D)
+    out = torch.empty(bsz, m, hq, dv, dtype=query.dtype, device=query.device).transpose(
+        1, 2
+    )  # (B, Hq, M, Dv)
     block_d = max(16, triton_next_pow2(d))
+    block_dv = max(16, triton_next_pow2(dv))
     device_type = query.device.type
     default = default_config(g * m, block_d, query.dtype, device_type)
     past_width = key.shape[2] - m
@@ -570,7 +582,7 @@ def triton_tree_attention(
     # triton's CPU interpreter multiplies bf16 matrices wrongly: it gets them as fp32 there.
     upcast = query.dtype == torch.bfloat16 and device_type != "cuda"
     if splits > 1:
-        part = torch.empty(bsz * hkv * splits * g * m, block_d, dtype=torch.float32, device=query.device)
+        part = torch.empty(bsz * hkv * splits * g * m, block_dv, dtype=torch.float32, device=query.device)
         ml = torch.empty(bsz * hkv * splits * g * m, 2, dtype=torch.float32, device=query.device)
     else:
         part = ml = out  # unused
@@ -581,7 +593,8 @@ def triton_tree_attention(
             query, key, value, out, part, ml, past_lens, starts, bits, depth, sink_arg,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
             bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, chunk or 1, splits,
-            D=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=window is not None,
+            D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HAS_WINDOW=window is not None,
             HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None, SPLIT=splits > 1, DOT_PREC=prec,
             UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -589,7 +602,7 @@ def triton_tree_attention(
         if splits > 1:
             combine[(math.ceil(g * m / default.block_m), bsz * hkv)](
                 out, part, ml, sink_arg, *out.stride(), m, g, hkv, splits,
-                D=d, BLOCK_D=block_d, BLOCK_M=default.block_m, HAS_SINKS=sinks is not None,
+                D=dv, BLOCK_D=block_dv, BLOCK_M=default.block_m, HAS_SINKS=sinks is not None,
             )  # fmt: skip
 
     # triton launches (and the tuner times) on the current CUDA device: make it the tensors'.
@@ -597,7 +610,7 @@ def triton_tree_attention(
         if config is None:
             config = default
             if device_type == "cuda" and not torch.compiler.is_compiling():
-                key_ = tuning_key(query, key, splits, window, chunk, sinks)
+                key_ = tuning_key(query, key, splits, window, chunk, sinks, dv)
                 config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
                     key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
                 )

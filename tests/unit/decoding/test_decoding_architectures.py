@@ -1487,9 +1487,9 @@ def test_latent_attention_keeps_values_at_their_width(name):
     of the three decoders and oracle heads: ``MODELS``): the static decoder's cache holds each layer's
     at their own widths (in tensors of their own: no storage shared by keys and values), a row leaving
     the batched decoder at its EOS moves the other rows' keys and values down, whose tokens stay
-    ``generate``'s; ``auto`` keeps SDPA (the kernels refuse the attention's values, 12 wide, narrower
-    than its keys, 24); the calibration's latency measurement runs on it, and the hidden states the
-    heads train on are the model's own."""
+    ``generate``'s; the CUDA kernel refuses the attention's values, 12 wide, narrower than its keys, 24
+    (the Triton kernel computes them, and ``auto`` takes it); the calibration's latency measurement runs
+    on it, and the hidden states the heads train on are the model's own."""
     model = build(MODELS[name]())
     heads = random_heads(model, seed=1)
     rows = prompts()
@@ -1504,14 +1504,39 @@ def test_latent_attention_keeps_values_at_their_width(name):
         model, heads, rows, max_new_tokens=NEW_TOKENS, tree=TREES["random8"], eos_token_id=eos
     )
     assert [r.tokens.tolist() for r in out.rows] == refs and len(refs[0]) < NEW_TOKENS
-    assert "value heads (12)" in kernel_refusal(model)
-    assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
+    assert "value heads (12)" in kernel_refusal(model, "cuda") and kernel_refusal(model, "triton") is None
+    if importlib.util.find_spec("triton") is not None:
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "triton"
     assert set(measure_forward_latency(model, [4], context_len=8, warmup=0, repeats=1)) == {1, 4}
     ids = torch.tensor([[3, 5, 7, 9], [0, 0, 4, 6]])
     mask = (ids != 0).long()
     with torch.no_grad():
         expected = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
         torch.testing.assert_close(last_hidden_state(model, ids, mask), expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("name", LATENT_MODELS)
+def test_latent_attention_through_the_triton_kernel(name):
+    """The Triton kernel on values narrower than the keys (12 against 24): the three decoders (ragged
+    rows in the batched and static decoders) return ``generate``'s tokens, and the static decoder with
+    heads that know the continuation accepts whole paths (every node's output decides a token)."""
+    model = build(MODELS[name]())
+    heads = random_heads(model, seed=1)
+    rows = prompts()
+    refs = [plain_greedy(model, p, 8) for p in rows]
+    tree = TREES["random8"]
+    for prompt, ref in zip(rows, refs, strict=True):
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=8, tree=tree, attention="triton")
+        assert out.tokens.tolist() == ref, len(prompt)
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=8, tree=tree, attention="triton")
+    assert [r.tokens.tolist() for r in batch.rows] == refs
+    longer = [plain_greedy(model, p, 14) for p in rows]
+    oracle = RowsOracle(model, [torch.cat([p, torch.tensor(r)]) for p, r in zip(rows, longer, strict=True)])
+    static = StaticDecoder(model, oracle, chain_tree(4), 32, batch_size=3, attention="triton")
+    out = static.generate_batch(rows, max_new_tokens=8)
+    assert [r.tokens.tolist() for r in out.rows] == [r[:8] for r in longer]
+    assert all(r.accepted_lengths[0] == 5 for r in out.rows)
 
 
 def test_the_architectures_the_decoders_serve_are_not_refused():

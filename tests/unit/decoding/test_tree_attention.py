@@ -285,6 +285,32 @@ def test_triton_kernel_applies_sinks(pasts, starts, window, chunk, splits, dtype
     assert not torch.allclose(ref, reference(q, k, v, past, start, mask, window), atol=1e-2)
 
 
+@needs_triton
+@pytest.mark.parametrize(("head_dim", "value_dim"), [(24, 12), (192, 128), (16, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_reads_values_of_their_own_width(head_dim, value_dim, dtype):
+    """Values narrower than the keys (multi-head latent attention: the tiny models' 24 and 12,
+    DeepSeek-V3's 192 and 128) or wider, against the reference, unsplit and split, with sinks too;
+    the output is as wide as the values."""
+    tree = random_tree(4, nodes=10)
+    q, k, _, past, start, mask = random_case(23, tree, [40, 7], [0, 3], 2, 2, head_dim, dtype)
+    v = torch.randn(*k.shape[:3], value_dim, generator=torch.Generator().manual_seed(5)).to(k)
+    v[:, :, -3:] = float("nan")  # stale columns
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 5.0], device=DEVICE)
+    args = (q, k, v, past.int(), start.int(), mask.bits, mask.depth, head_dim**-0.5)
+    for with_sinks in (None, sinks):
+        ref = tree_attention(
+            q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, sinks=with_sinks
+        )
+        assert ref.shape == (*q.shape[:3], value_dim)
+        for splits in (1, 3):
+            out = triton_tree_attention(
+                *args, sinks=with_sinks, num_splits=splits, config=LaunchConfig(16, 16, 4, 1)
+            )
+            assert out.shape == ref.shape
+            assert_matches(out, ref, dtype)
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_kernels_keep_large_fp16_scores_finite(backend):
     """fp16 queries and keys whose scores reach ~1e2 (a scale the softmax must subtract its running
@@ -765,13 +791,11 @@ def _triton_decoder_calls(model, heads, max_new_tokens: int) -> list:
     [
         ("gpt_neo", "computes its attention itself"),
         ("gemma2_softcap", "softcapping"),
-        ("deepseek_v3_mla", r"value heads \(16\).*\(24\)"),
     ],
 )
 def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason):
     """A kernel named for a model it would compute wrongly (GPT-Neo's layers never call it, and would
-    attend the tree without a mask; softcapping; value heads narrower than the keys, which the kernels
-    would read past) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
+    attend the tree without a mask; softcapping) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
     there, where it takes the kernel for a model it computes."""
     model = other_model(name)
     heads = random_heads(model, seed=1)
@@ -969,7 +993,9 @@ def test_kernel_applies_no_window_the_models_code_does_not_read():
         ({"indices": torch.zeros(1, 3, 2, dtype=torch.long)}, "passes indices"),
         ({"attention_mask": torch.zeros(1, 1, 3, 8)}, "a mask of its own"),
         ({"dropout": 0.1}, "dropout 0.1"),
-        ({"value_dim": 8}, r"value heads \(8\).*\(16\)"),
+        ({"value_dim": 8, "backend": "cuda"}, r"value heads \(8\).*\(16\), which the CUDA kernel needs"),
+        ({"s_aux": torch.zeros(4), "backend": "cuda"}, "passes s_aux"),
+        ({"s_aux": torch.zeros(2), "backend": "triton"}, "passes s_aux"),
         (
             {"sliding_window": 4},
             "passes sliding_window=4 to its attention, but its layer's masks apply no window",
@@ -977,16 +1003,17 @@ def test_kernel_applies_no_window_the_models_code_does_not_read():
     ],
 )
 def test_tree_attention_refuses_calls_it_would_compute_wrongly(call, reason):
-    """In a step, a layer's call with what the kernels do not apply (attention sinks, the keys of sparse
-    attention, a mask or bias it built itself, dropout), value heads not as wide as its query heads or
-    a window its config gives no layer is one AttentionBackendError, not a result without them."""
+    """In a step, a layer's call with what the kernels do not apply (attention sinks under another name,
+    the keys of sparse attention, a mask or bias it built itself, dropout; for the CUDA kernel sinks
+    and value heads not as wide as its query heads; sinks not one per query head), or a window its
+    config gives no layer is one AttentionBackendError, not a result without them."""
     call = dict(call)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 3, 16, generator=gen)  # (B, Hq, M, D)
     k = torch.randn(1, 2, 8, 16, generator=gen)  # (B, Hkv, W, D)
     v = torch.randn(1, 2, 8, call.pop("value_dim", 16), generator=gen)
     mask = TreeMask.of(TreeBuffers.from_choices(chain_tree(2)))
-    step = TreeStep(torch.tensor([5]), torch.tensor([0]), mask, "sdpa")
+    step = TreeStep(torch.tensor([5]), torch.tensor([0]), mask, call.pop("backend", "sdpa"))
     module = torch.nn.Module()
     attention_mask = call.pop("attention_mask", None)
     with pytest.raises(AttentionBackendError, match=reason):
@@ -994,27 +1021,37 @@ def test_tree_attention_refuses_calls_it_would_compute_wrongly(call, reason):
 
 
 @needs_triton
-def test_verify_forward_through_the_kernel_refuses_narrow_value_heads():
-    """DeepSeek-V3's value heads (16) are narrower than its queries and keys (24): the layer's call is
-    refused (the kernels would read the values past their width and return heads of the query's)."""
+def test_verify_forward_through_the_kernel_reads_narrow_value_heads():
+    """DeepSeek-V3's value heads (16) are narrower than its queries and keys (24): the Triton kernel's
+    verification forward equals the dense mask's (values read at their own width, heads returned at
+    theirs)."""
     model = other_model("deepseek_v3_mla")
     tree = TreeBuffers.from_choices(random_tree(3, nodes=4))
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[3, 5, 7]]), use_cache=True, **cache_kwargs(model, cache))
-        with pytest.raises(AttentionBackendError, match="value heads"):
-            verify_forward(model, cache, torch.arange(1, tree.num_nodes + 1), tree, 3, "triton")
+    tokens = torch.arange(1, tree.num_nodes + 1)
+    outs = []
+    for backend in ("sdpa", "triton"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3, 5, 7]]), use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 3, backend))
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_kernels_refuse_inputs_they_would_misread():
-    """The kernels read values as wide as the queries: narrower ones are refused (not read past their
-    width). The CUDA kernel reads K/V as the query's dtype and any dtype but fp16/bf16 as fp32: fp64,
-    or K/V of another dtype than the query, is refused before the launch (not read as garbage)."""
+    """Keys narrower than the queries, or values for fewer columns than the keys, are refused by every
+    backend (not read past their width); the CUDA kernel reads values as wide as the queries, and
+    refuses narrower ones. It reads K/V as the query's dtype and any dtype but fp16/bf16 as fp32:
+    fp64, or K/V of another dtype than the query, is refused before the launch (not read as
+    garbage)."""
     q, k, v, past, start, mask = random_case(1, chain_tree(2), [5], [0], 1, 2, 16, torch.float32, "cpu")
     for backend in ("sdpa", "triton", "cuda"):
-        with pytest.raises(ValueError, match="one head dim D"):
-            tree_attention(q, k, v[..., :8], past, start, mask, backend=backend)
+        for k_, v_ in ((k[..., :8], v), (k, v[:, :, :-1])):
+            with pytest.raises(ValueError, match="one head dim D for queries and keys"):
+                tree_attention(q, k_, v_, past, start, mask, backend=backend)
     args = (past.int(), start.int(), mask.bits, mask.depth, 0.25)
+    with pytest.raises(ValueError, match="values as wide as the queries"):
+        cuda_tree_attention(q, k, v[..., :8], *args)
     for q_, k_, v_ in ((q.double(), k.double(), v.double()), (q.half(), k, v)):
         with pytest.raises(ValueError, match="fp16, bf16 or fp32 query, key and value of one dtype"):
             cuda_tree_attention(q_, k_, v_, *args)
@@ -1023,7 +1060,7 @@ def test_kernels_refuse_inputs_they_would_misread():
 @needs_triton
 def test_triton_kernels_compile_for_hopper(tmp_path):
     """The Triton kernels compile for sm_90 down to a cubin, as at their first launch on an H100 (no GPU
-    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, sinks, split, dtypes, head
+    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, sinks, split, dtypes, values narrower than the keys, head
     dims, tiles of 32 to 128 keys). The interpreter the tests above run does not generate this code."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
@@ -1036,7 +1073,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path):
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("tree_attn_fwd") == 3 and "tree_attn_combine" in done.stdout, done.stdout
+    assert done.stdout.count("tree_attn_fwd") == 4 and "tree_attn_combine" in done.stdout, done.stdout
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc is not installed")
