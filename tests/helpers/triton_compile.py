@@ -15,14 +15,14 @@ from triton.compiler import ASTSource
 from medusa_train.decoding.attention.triton_kernel import _kernels
 
 HOPPER = GPUTarget("cuda", 90, 32)
-# (dtype, head dims of the keys and the values, keys per tile, window, chunks, sinks, split): the code
-# paths the constexprs choose (a tile of more than 64 keys reads its ancestor bits per score; a head dim
-# under its block masks it; values narrower than the keys: DeepSeek-V3's 192 and 128).
+# (dtype, head dims of the keys and the values, keys per tile, window, chunks, sinks, softcap, split): the
+# code paths the constexprs choose (a tile of more than 64 keys reads its ancestor bits per score; a head
+# dim under its block masks it; values narrower than the keys: DeepSeek-V3's 192 and 128).
 VARIANTS = [
-    ("bf16", 128, 128, 64, False, True, True, True),
-    ("fp16", 80, 80, 128, True, False, True, False),
-    ("fp32", 64, 64, 32, True, True, False, True),
-    ("bf16", 192, 128, 32, False, False, False, True),
+    ("bf16", 128, 128, 64, False, True, True, False, True),
+    ("fp16", 80, 80, 128, True, False, True, True, False),
+    ("fp32", 64, 64, 32, True, True, False, True, True),
+    ("bf16", 192, 128, 32, False, False, False, False, True),
 ]
 _POINTERS = {
     "PART": "*fp32", "ML": "*fp32", "PAST": "*i32", "START": "*i32", "BITS": "*i64", "DEPTH": "*i32",
@@ -32,7 +32,7 @@ _POINTERS = {
 
 def source(fn, tensors: str, constexprs: dict) -> ASTSource:
     """``fn``'s source for the compiler: tensor arguments of dtype ``tensors`` (Q, K, V, OUT), the
-    others' pointers as :data:`_POINTERS`, ``qk_scale`` fp32, every other argument an int32."""
+    others' pointers as :data:`_POINTERS`, ``qk_scale`` and ``cap`` fp32, every other argument an int32."""
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -40,21 +40,23 @@ def source(fn, tensors: str, constexprs: dict) -> ASTSource:
         elif name in ("Q", "K", "V", "OUT"):
             signature[name] = "*" + tensors
         else:
-            signature[name] = _POINTERS.get(name, "fp32" if name == "qk_scale" else "i32")
+            signature[name] = _POINTERS.get(name, "fp32" if name in ("qk_scale", "cap") else "i32")
     return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
 
 
 def main() -> int:
     fwd, combine = _kernels()
-    for dtype, d, dv, block_n, window, chunk, sinks, split in VARIANTS:
+    for dtype, d, dv, block_n, window, chunk, sinks, softcap, split in VARIANTS:
         block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
         constexprs = dict(
-            D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=64, BLOCK_N=block_n, HAS_WINDOW=window, HAS_CHUNK=chunk,
-            HAS_SINKS=sinks, SPLIT=split, DOT_PREC="ieee" if dtype == "fp32" else "tf32", UPCAST=False,
+            D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=64, BLOCK_N=block_n,
+            HAS_WINDOW=window, HAS_CHUNK=chunk, HAS_SINKS=sinks, HAS_SOFTCAP=softcap, SPLIT=split,
+            DOT_PREC="ieee" if dtype == "fp32" else "tf32", UPCAST=False,
         )  # fmt: skip
         kernel = triton.compile(source(fwd, dtype, constexprs), target=HOPPER, options={"num_stages": 2})
-        print(f"tree_attn_fwd {dtype} d{d}/{dv} n{block_n} window={window} chunk={chunk} sinks={sinks} split={split}: "
-              f"{len(kernel.asm['cubin'])} bytes, {kernel.metadata.shared} B shared")  # fmt: skip
+        kinds = f"window={window} chunk={chunk} sinks={sinks} softcap={softcap} split={split}"
+        print(f"tree_attn_fwd {dtype} d{d}/{dv} n{block_n} {kinds}: {len(kernel.asm['cubin'])} bytes, "
+              f"{kernel.metadata.shared} B shared")  # fmt: skip
         if split:
             constexprs = dict(D=dv, BLOCK_D=block_dv, BLOCK_M=64, HAS_SINKS=sinks)
             kernel = triton.compile(source(combine, dtype, constexprs), target=HOPPER)

@@ -178,6 +178,7 @@ def tree_attention(
     window: int | None = None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     backend: str = "sdpa",
 ) -> torch.Tensor:
     """Attention of M tree nodes per row over the row's past and the tree (see the module docstring).
@@ -197,6 +198,8 @@ def tree_attention(
             The CUDA kernel takes none.
         sinks: ``(Hq,)`` attention sinks (gpt-oss's): each query head's logit, unscaled, of a key with
             no value that joins its softmax; None: none. The CUDA kernel takes none.
+        softcap: each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` (Gemma 2's
+            ``attn_logit_softcapping``); None: none. The CUDA kernel takes none.
         backend: "sdpa", "triton" or "cuda".
 
     Returns:
@@ -220,13 +223,14 @@ def tree_attention(
     bits = mask.bits_for(window)
     args = (query, key, value, past_lens.to(torch.int32), starts.to(torch.int32), bits, mask.depth, scale)
     if backend in ("triton", "cuda") and torch.compiler.is_compiling():
-        return kernel_op(*args, window, chunk, sinks, backend)
+        return kernel_op(*args, window, chunk, sinks, softcap, backend)
+    kinds = dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap)
     if backend == "triton":
-        return triton_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
+        return triton_tree_attention(*args, **kinds)
     if backend == "cuda":
-        return cuda_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
+        return cuda_tree_attention(*args, **kinds)
     if backend == "sdpa":
-        return sdpa_tree_attention(*args, window=window, chunk=chunk, sinks=sinks)
+        return sdpa_tree_attention(*args, **kinds)
     raise ValueError(f"backend must be sdpa, triton or cuda, got {backend!r}")
 
 
@@ -243,6 +247,7 @@ def kernel_op(
     window: int | None,
     chunk: int | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
     backend: str,
 ) -> torch.Tensor:
     """A kernel's call as one custom op (``torch.ops.medusa_train.tree_attention``), for
@@ -250,17 +255,16 @@ def kernel_op(
     eager mode. Arguments as :func:`~.triton_kernel.triton_tree_attention`; ``backend``: "triton" or
     "cuda". Eager callers call the kernels directly (a custom op costs a dispatch per call)."""
     kernel = triton_tree_attention if backend == "triton" else cuda_tree_attention
-    return kernel(
-        query, key, value, past_lens, starts, bits, depth, scale, window=window, chunk=chunk, sinks=sinks
-    )
+    kinds = dict(window=window, chunk=chunk, sinks=sinks, softcap=softcap)
+    return kernel(query, key, value, past_lens, starts, bits, depth, scale, **kinds)
 
 
 @kernel_op.register_fake
-def _kernel_op_shape(query, key, value, past_lens, starts, bits, depth, scale, window, chunk, sinks, backend):
+def _kernel_op_shape(
+    query, key, value, past_lens, starts, bits, depth, scale, window, chunk, sinks, softcap, backend
+):
     bsz, hq, m, _ = query.shape
-    return query.new_empty(bsz, m, hq, value.shape[-1]).transpose(
-        1, 2
-    )  # the kernels' (B, M, Hq, Dv) transposed
+    return query.new_empty(bsz, m, hq, value.shape[-1]).transpose(1, 2)  # the kernels' (B, M, Hq, Dv)
 
 
 def resolve_attention(
@@ -647,8 +651,8 @@ def unserved_layer_types(config) -> list[str]:
 def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | None:
     """Why the tree kernel ``backend`` ("triton" or "cuda") cannot compute ``model``'s attention, as its
     class and config tell (None: nothing tells so; :func:`hf_tree_attention` refuses what only a
-    layer's call shows). Attention sinks and values narrower than the keys (multi-head latent
-    attention): the Triton kernel computes them, the CUDA kernel does not."""
+    layer's call shows). Softcapped scores, attention sinks and values narrower than the keys
+    (multi-head latent attention): the Triton kernel computes them, the CUDA kernel does not."""
     name = type(model).__name__
     if not any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()}):
         # Such a model (GPT-Neo, Bloom, Falcon, MPT) never calls the kernel, and under the kernel's
@@ -656,8 +660,13 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
         return f"{name} computes its attention itself, not through transformers' attention functions"
     config = model.config.get_text_config()
     layers = layer_configs(config)  # Gemma 4 sets head_dim per layer
-    if any(getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers):
-        return f"the tree kernels do not apply {name}'s attention softcapping (attn_logit_softcapping)"
+    if backend == "cuda" and any(
+        getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers
+    ):
+        return (
+            f"the CUDA kernel does not apply {name}'s attention softcapping (attn_logit_softcapping): use "
+            "attention=triton or sdpa"
+        )
     if backend == "cuda" and any(
         param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()
     ):
@@ -679,8 +688,8 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
         qk_dim = getattr(layer, "qk_head_dim", None) or getattr(layer, "head_dim", None)
         if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
             return (
-                f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim}), which "
-                "the CUDA kernel needs: use attention=triton or sdpa"
+                f"{name}'s value heads ({v_dim}) are not as wide as its query and key heads ({qk_dim}), "
+                "which the CUDA kernel needs: use attention=triton or sdpa"
             )
     return None
 
@@ -733,7 +742,8 @@ SCORE_MODIFIERS = ("softcap", "s_aux", "sinks", "position_bias", "indices", "blo
 """Attention arguments some models pass that change the scores, the softmax or the keys attended
 (Gemma-2's softcap, gpt-oss's sinks, T5-style biases, the key indices of sparse attention): the tree
 kernels and the packed SDPA do not apply them, but for ``s_aux`` (attention sinks, one logit per query
-head, as transformers' flash and flex attention read it), which the Triton kernel applies."""
+head, as transformers' flash and flex attention read it) and ``softcap`` (a number), which the Triton
+kernel applies."""
 
 
 def model_window(model: torch.nn.Module) -> int | None:
@@ -1069,9 +1079,9 @@ def hf_tree_attention(
     Raises:
         AttentionBackendError: in a step, a call the kernels would compute wrongly: one passing
             :data:`SCORE_MODIFIERS` (but for the Triton kernel sinks of one logit per query head,
-            ``s_aux``, which it applies) or a mask of its own, dropout, value heads narrower or wider
-            than the query heads (for the CUDA kernel), or a sliding window its layer's masks do not
-            apply.
+            ``s_aux``, and a ``softcap``, which it applies) or a mask of its own, dropout, value heads
+            narrower or wider than the query heads (for the CUDA kernel), or a sliding window its
+            layer's masks do not apply.
     """
     step = kwargs.pop(STEP_KWARG, None)
     if step is None:
@@ -1079,13 +1089,15 @@ def hf_tree_attention(
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     name = type(module).__name__
-    # Attention sinks (transformers' s_aux: gpt-oss's one logit per query head): the Triton kernel's.
-    sinks = kwargs.get("s_aux") if step.backend == "triton" else None
+    # Attention sinks (transformers' s_aux: gpt-oss's one logit per query head) and softcapped scores
+    # (Gemma 2's softcap, a number): the Triton kernel's.
+    triton = step.backend == "triton"
+    sinks = kwargs.get("s_aux") if triton else None
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         sinks = None  # not one logit per query head: refused below
-    extra = [
-        k for k in SCORE_MODIFIERS if kwargs.get(k) is not None and not (k == "s_aux" and sinks is not None)
-    ]
+    softcap = kwargs.get("softcap") if triton and isinstance(kwargs.get("softcap"), (int, float)) else None
+    applied = {"s_aux": sinks, "softcap": softcap}
+    extra = [k for k in SCORE_MODIFIERS if kwargs.get(k) is not None and applied.get(k) is None]
     if attention_mask is not None:  # the model makes none for the kernel's implementation: its own
         extra.append("a mask of its own")
     if extra:
@@ -1115,7 +1127,7 @@ def hf_tree_attention(
     chunk = layer_chunk(module, step.positions, step.chunk, layer_types)
     out = tree_attention(
         query, key, value, step.past_lens, step.starts, step.mask,
-        scale=scaling, window=window, chunk=chunk, sinks=sinks, backend=step.backend,
+        scale=scaling, window=window, chunk=chunk, sinks=sinks, softcap=softcap, backend=step.backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, M, Hq, D)
 

@@ -135,26 +135,28 @@ def cuda_tree_attention(
     num_splits: int | None = None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention with the CUDA kernel; arguments and result as
-    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`, without chunks or
-    sinks (the decoders refuse this kernel for chunked layers a call's positions pass,
-    :func:`~medusa_train.decoding.attention.chunk_refusal`, and for models with sinks,
-    :func:`~medusa_train.decoding.attention.kernel_refusal`).
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`, without chunks,
+    sinks, softcapping or values of another width than the queries (the decoders refuse this kernel
+    for chunked layers a call's positions pass, :func:`~medusa_train.decoding.attention.chunk_refusal`,
+    and for models with the others, :func:`~medusa_train.decoding.attention.kernel_refusal`).
 
     Raises:
-        ValueError: a chunk or sinks, a head dim above 256, query, key and value not all fp16, bf16 or fp32 alike
-            (the kernel reads them as the query's dtype, anything else as fp32), or tensors not on a
-            CUDA device.
+        ValueError: a chunk, sinks or a softcap, values of another width, a head dim above 256,
+            query, key and value not all fp16, bf16 or fp32 alike (the kernel reads them as the
+            query's dtype, anything else as fp32), or tensors not on a CUDA device.
     """
     if value.shape[-1] != query.shape[-1]:
         raise ValueError(
             f"the CUDA tree kernel reads values as wide as the queries ({query.shape[-1]}), got "
             f"{value.shape[-1]}: use the Triton kernel or SDPA"
         )
-    if chunk is not None or sinks is not None:
+    if chunk is not None or sinks is not None or softcap is not None:
         raise ValueError(
-            "the CUDA tree kernel applies no chunk and no attention sinks: use the Triton kernel or SDPA"
+            "the CUDA tree kernel applies no chunk, attention sinks or softcapping: use the Triton kernel "
+            "or SDPA"
         )
     bsz, hq, m, d = query.shape
     dtypes = {query.dtype, key.dtype, value.dtype}

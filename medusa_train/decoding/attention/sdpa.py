@@ -78,25 +78,29 @@ def sdpa_tree_attention(
     window: int | None = None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention through SDPA with the dense boolean mask (same arguments and result as
-    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`). With ``sinks`` the
-    softmax is written out instead (SDPA takes no sink): each head's sink logit appended to its scores
-    as gpt-oss's eager attention appends it, in fp32.
+    :func:`~medusa_train.decoding.attention.triton_kernel.triton_tree_attention`). With ``sinks`` or
+    ``softcap`` the softmax is written out instead, in fp32 (SDPA takes neither): the scores capped
+    as Gemma 2's eager attention caps them, each head's sink logit appended as gpt-oss's appends it.
 
     Returns:
         ``(B, Hq, M, D)`` in the query's dtype.
     """
     mask = dense_tree_mask(past_lens, starts, bits, depth, key.shape[2], window, chunk)  # (B, 1, M, W)
-    if sinks is not None:
+    if sinks is not None or softcap is not None:
         g = query.shape[1] // key.shape[1]
-        keys, values = (
-            key.float().repeat_interleave(g, 1),
-            value.float().repeat_interleave(g, 1),
-        )  # (B, Hq, W, D)
-        scores = (query.float() @ keys.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, Hq, M, 1)
-        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]  # (B, Hq, M, W)
+        keys = key.float().repeat_interleave(g, 1)  # (B, Hq, W, D)
+        values = value.float().repeat_interleave(g, 1)  # (B, Hq, W, Dv)
+        scores = query.float() @ keys.transpose(-1, -2) * scale  # (B, Hq, M, W)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)  # (B, Hq, M, 1)
+            scores = torch.cat([scores, sink], -1)
+        probs = torch.softmax(scores, -1)[..., : keys.shape[2]]  # (B, Hq, M, W): the sink's column dropped
         return (probs @ values.nan_to_num()).to(query.dtype)  # a stale column's 0 weight times NaN is NaN
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]

@@ -20,6 +20,9 @@ columns before it (a program starts at the lowest such column of its rows); the 
 the ancestor bits (depths differ by the same every step), the chunk's is not (where a chunk ends depends
 on the row's past): the tree tiles mask a node whose position ``past_b + depth_j`` lies before it.
 
+Softcapped scores (Gemma 2's ``attn_logit_softcapping``): each scaled score ``x`` becomes
+``cap * tanh(x / cap)`` before the mask and the softmax (tanh through exp2).
+
 Attention sinks (gpt-oss's ``sinks``, passed to the attention as ``s_aux``): one learned logit per query
 head joins each row's softmax as a key with no value; it is added to the row's max and sum once, at the
 end of an unsplit program or in the combine kernel.
@@ -80,13 +83,25 @@ def _kernels():
 
     tl = language
 
-    global _past_tile
+    global _past_tile, _scores
+
+    @triton.jit
+    def _scores(q, k, qk_scale, cap, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+        """``q @ k`` scaled, in log2 units; softcapped, ``cap * tanh(s / cap)`` (``cap`` in log2 units
+        too), where ``HAS_SOFTCAP``: tanh(y) = 1 - 2 / (e^(2y) + 1), 1 to fp32 precision from 2y = 44
+        (2^64 in the exponent's place), -1 where e^(2y) vanishes."""
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        if HAS_SOFTCAP:
+            e = tl.exp2(tl.minimum(s / cap * 2.8853900817779268, 64.0))  # e^(2y); 2.885...: 2 log2(e)
+            s = cap * (1.0 - 2.0 / (e + 1.0))
+        return s
 
     @triton.jit
     def _past_tile(
         q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn, svd,
-        qk_scale, BLOCK_N: tl.constexpr, ROW_LO: tl.constexpr, BOUNDED: tl.constexpr, EVEN_D: tl.constexpr,
-        EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        qk_scale, cap, BLOCK_N: tl.constexpr, ROW_LO: tl.constexpr, BOUNDED: tl.constexpr,
+        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         """One tile of past keys ``[n0, n0 + BLOCK_N)`` into the online softmax: ``(m_i, l_i, acc)``.
         ``BOUNDED``: the tile may pass ``c_hi`` (the last one), so its columns are checked; ``ROW_LO``:
@@ -104,7 +119,7 @@ def _kernels():
             k = tl.load(k_ptr, mask=d_ok[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = _scores(q, k, qk_scale, cap, DOT_PREC, HAS_SOFTCAP)  # (BLOCK_M, BLOCK_N), log2 units
         if BOUNDED or ROW_LO:
             if BOUNDED:
                 valid = col_ok[None, :]
@@ -138,11 +153,11 @@ def _kernels():
     def tree_attn_fwd(
         Q, K, V, OUT, PART, ML, PAST, START, BITS, DEPTH, SINKS,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-        num_words, qk_scale, M, G, HKV, WINDOW, CHUNK, S,
+        num_words, qk_scale, cap, M, G, HKV, WINDOW, CHUNK, S,
         D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr,
-        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -195,14 +210,15 @@ def _kernels():
         n_full = c_lo + tl.maximum(c_hi - c_lo, 0) // BLOCK_N * BLOCK_N
         for n0 in range(c_lo, n_full, BLOCK_N):
             m_i, l_i, acc = _past_tile(
-                q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn, svd,
-                qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, False, D == BLOCK_D, DV == BLOCK_DV, DOT_PREC, UPCAST,
+                q, k_base, v_base, n0, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn,
+                svd, qk_scale, cap, BLOCK_N, HAS_WINDOW or HAS_CHUNK, False, D == BLOCK_D, DV == BLOCK_DV,
+                DOT_PREC, UPCAST, HAS_SOFTCAP,
             )  # fmt: skip
         if n_full < c_hi:
             m_i, l_i, acc = _past_tile(
                 q, k_base, v_base, n_full, c_hi, lo_row, m_i, l_i, acc, dofs, d_ok, vofs, v_ok, skn, skd, svn,
-                svd, qk_scale, BLOCK_N, HAS_WINDOW or HAS_CHUNK, True, D == BLOCK_D, DV == BLOCK_DV, DOT_PREC,
-                UPCAST,
+                svd, qk_scale, cap, BLOCK_N, HAS_WINDOW or HAS_CHUNK, True, D == BLOCK_D, DV == BLOCK_DV,
+                DOT_PREC, UPCAST, HAS_SOFTCAP,
             )  # fmt: skip
         # 2. The tree: M columns from past, masked by the ancestor bits (last split only). A node's
         #    ancestors precede it, so the block's rows see no node after its last one: a block of one
@@ -222,7 +238,7 @@ def _kernels():
                 )  # (BLOCK_D, BLOCK_N)
                 if UPCAST:
                     k = k.to(tl.float32)
-                s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+                s = _scores(q, k, qk_scale, cap, DOT_PREC, HAS_SOFTCAP)
                 if BLOCK_N <= 64:
                     # The tile's columns lie in one 64-bit word of each row's bits (t0 is a multiple
                     # of BLOCK_N, which divides 64): one load per row, not one per score.
@@ -406,15 +422,16 @@ def tuning_key(
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
     value_dim: int | None = None,
+    softcap: float | None = None,
 ) -> tuple:
     """The shape class a tuned configuration is kept for: device, dtype, head dims (the values' where
-    they differ), GQA group, tree nodes, batch, KV splits, sliding window or not, chunks or not, sinks or
-    not, and the past's width rounded up to a power of two (an eager decoder's growing cache re-tunes a
-    few times per generation, not every step)."""
+    they differ), GQA group, tree nodes, batch, KV splits, sliding window, chunks, sinks and softcapping
+    or not, and the past's width rounded up to a power of two (an eager decoder's growing cache re-tunes
+    a few times per generation, not every step)."""
     bsz, hq, m, d = query.shape
     hkv = key.shape[1]
     width = max(1, key.shape[2] - m)
-    kinds = (window is not None, chunk is not None, sinks is not None)
+    kinds = (window is not None, chunk is not None, sinks is not None, softcap is not None)
     dims = d if value_dim in (None, d) else (d, value_dim)
     shape = (dims, hq // hkv, m, bsz, splits, *kinds, width.bit_length())
     return (str(query.device), query.dtype, *shape)
@@ -537,6 +554,7 @@ def triton_tree_attention(
     config: LaunchConfig | None = None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel (see the module docstring and
     :func:`medusa_train.decoding.attention.tree_attention` for the contract).
@@ -558,6 +576,8 @@ def triton_tree_attention(
             visible column, lie in one chunk of ``chunk``), None for none.
         sinks: ``(Hq,)`` attention sinks: each query head's logit (unscaled) of a key without a value
             that joins its softmax; None for none.
+        softcap: each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` (Gemma 2); None for
+            none.
 
     Returns:
         ``(B, Hq, M, Dv)`` in the query's dtype, a transposed view of a contiguous ``(B, M, Hq, Dv)``
@@ -592,10 +612,12 @@ def triton_tree_attention(
         fwd[(math.ceil(g * m / cfg.block_m), bsz * hkv, splits)](
             query, key, value, out, part, ml, past_lens, starts, bits, depth, sink_arg,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-            bits.shape[1], scale * math.log2(math.e), m, g, hkv, window or 0, chunk or 1, splits,
+            bits.shape[1], scale * math.log2(math.e), (softcap or 1.0) * math.log2(math.e), m, g, hkv,
+            window or 0, chunk or 1, splits,
             D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             HAS_WINDOW=window is not None,
-            HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None, SPLIT=splits > 1, DOT_PREC=prec,
+            HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
+            SPLIT=splits > 1, DOT_PREC=prec,
             UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -610,7 +632,7 @@ def triton_tree_attention(
         if config is None:
             config = default
             if device_type == "cuda" and not torch.compiler.is_compiling():
-                key_ = tuning_key(query, key, splits, window, chunk, sinks, dv)
+                key_ = tuning_key(query, key, splits, window, chunk, sinks, dv, softcap)
                 config = _TUNED.get(key_) or select_config(  # the candidates only for a new shape class
                     key_, candidate_configs(g * m, block_d, query.dtype), launch, query.device
                 )

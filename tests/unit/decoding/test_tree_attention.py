@@ -286,6 +286,42 @@ def test_triton_kernel_applies_sinks(pasts, starts, window, chunk, splits, dtype
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    ("cap", "window", "chunk", "with_sinks", "splits", "dtype"),
+    [
+        (1.0, None, None, False, 1, torch.float32),  # every score capped
+        (0.3, 6, None, True, 3, torch.float32),  # with a window, sinks, splits
+        (30.0, None, 8, False, 2, torch.float32),  # a cap few scores reach, chunks
+        (2.0, None, None, False, 1, torch.bfloat16),
+    ],
+)
+def test_triton_kernel_softcaps_scores(cap, window, chunk, with_sinks, splits, dtype):
+    """Softcapped scores (``cap * tanh(x / cap)``, Gemma 2's) against the reference, on scores of a few
+    units and up to ~30 (queries scaled up), unsplit and split, with the other score and mask options."""
+    tree = random_tree(7, nodes=14)
+    q, k, v, past, start, mask = random_case(24, tree, [60, 17], [0, 4], 2, 2, 32, dtype)
+    q = q * 4.0
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE) if with_sinks else None
+    kinds = dict(window=window, chunk=chunk, sinks=sinks, softcap=cap)
+    ref = tree_attention(
+        q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, **kinds
+    )
+    args = (q, k, v, past.int(), start.int(), mask.bits_for(window), mask.depth, 32**-0.5)
+    for config in (LaunchConfig(16, 16, 4, 1), LaunchConfig(64, 32, 4, 1)):
+        assert_matches(triton_tree_attention(*args, **kinds, num_splits=splits, config=config), ref, dtype)
+    uncapped = tree_attention(
+        q.float(),
+        k.float().nan_to_num(),
+        v.float().nan_to_num(),
+        past,
+        start,
+        mask,
+        **{**kinds, "softcap": None},
+    )
+    assert not torch.allclose(ref, uncapped, atol=1e-2)
+
+
+@needs_triton
 @pytest.mark.parametrize(("head_dim", "value_dim"), [(24, 12), (192, 128), (16, 40)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_kernel_reads_values_of_their_own_width(head_dim, value_dim, dtype):
@@ -744,7 +780,11 @@ OTHER_MODELS = {
         max_window_layers=1, num_experts=4, shared_expert_intermediate_size=32,
     ),
     "phimoe": lambda: tf.PhimoeConfig(**_SMALL, num_key_value_heads=2, sliding_window=6, num_local_experts=4),
-    "gemma2_softcap": lambda: tf.Gemma2Config(**_SMALL, head_dim=16, attn_logit_softcapping=50.0),
+    # softcapped scores (a cap of 1 with large weights: every score is capped), a window of 6 on layer 0
+    "gemma2_softcap": lambda: tf.Gemma2Config(
+        **_SMALL, head_dim=16, num_key_value_heads=2, attn_logit_softcapping=1.0, sliding_window=6,
+        initializer_range=0.3,
+    ),
     # attention sinks; sliding-window (6) and full layers
     "gpt_oss_sinks": lambda: tf.GptOssConfig(
         **_SMALL, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -790,12 +830,11 @@ def _triton_decoder_calls(model, heads, max_new_tokens: int) -> list:
     ("name", "reason"),
     [
         ("gpt_neo", "computes its attention itself"),
-        ("gemma2_softcap", "softcapping"),
     ],
 )
 def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason):
     """A kernel named for a model it would compute wrongly (GPT-Neo's layers never call it, and would
-    attend the tree without a mask; softcapping) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
+    attend the tree without a mask) is one AttentionBackendError before any forward; ``auto`` keeps SDPA
     there, where it takes the kernel for a model it computes."""
     model = other_model(name)
     heads = random_heads(model, seed=1)
@@ -812,13 +851,14 @@ def test_kernels_refuse_models_they_cannot_compute_before_any_work(name, reason)
 
 
 def chunked_llama4(no_rope_layers=(1, 1), chunk=8):
-    """Llama 4's text model, 2 layers: chunked (RoPE) where ``no_rope_layers`` has 1, global (NoPE) where 0."""
+    """Llama 4's text model, 2 layers: chunked (RoPE) where ``no_rope_layers`` has 1, global (NoPE)
+    where 0."""
     torch.manual_seed(0)
     return tf.AutoModelForCausalLM.from_config(
         tf.Llama4TextConfig(
-            **_SMALL, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64, attention_chunk_size=chunk,
-            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=list(no_rope_layers),
-            max_position_embeddings=64, initializer_range=0.2,
+            **_SMALL, num_key_value_heads=2, head_dim=16, intermediate_size_mlp=64,
+            attention_chunk_size=chunk, num_local_experts=2, num_experts_per_tok=1,
+            no_rope_layers=list(no_rope_layers), max_position_embeddings=64, initializer_range=0.2,
         )
     ).eval()  # fmt: skip
 
@@ -899,6 +939,41 @@ def test_verify_forward_through_the_kernel_applies_chunks(no_rope_layers):
                 outs.append(verify_forward(model, cache, tokens, tree, past, backend))
         for ref, out in zip(outs[0], outs[1], strict=True):
             torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, msg=f"past {past}")
+
+
+@needs_triton
+def test_triton_kernel_decodes_a_model_with_softcapped_scores():
+    """Gemma 2's softcapped scores (cap 1, every score capped; its window of 6 crossed) with the Triton
+    kernel: the three decoders return ``generate``'s tokens (ragged rows in the batched and static
+    decoders), and a verification forward equals the dense mask's (Gemma 2's own eager attention,
+    which caps the scores itself). ``auto`` takes the kernel; the CUDA kernel is refused."""
+    model = other_model("gemma2_softcap")
+    heads = random_heads(model, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (9, 4, 13)]
+    refs = [plain_greedy(model, p, 10) for p in rows]
+    tree = random_tree(2, nodes=8)
+    for prompt, ref in zip(rows, refs, strict=True):
+        out = medusa_generate(model, heads, prompt[None], max_new_tokens=10, tree=tree, attention="triton")
+        assert out.tokens.tolist() == ref, len(prompt)
+    batch = medusa_generate_batch(model, heads, rows, max_new_tokens=10, tree=tree, attention="triton")
+    assert [r.tokens.tolist() for r in batch.rows] == refs
+    static = StaticDecoder(model, heads, tree, 32, batch_size=3, attention="triton")
+    assert [r.tokens.tolist() for r in static.generate_batch(rows, max_new_tokens=10).rows] == refs
+    tree = TreeBuffers.from_choices(random_tree(3, nodes=7))
+    tokens = torch.randint(1, VOCAB, (tree.num_nodes,), generator=gen)
+    outs = []
+    for backend in ("sdpa", "triton"):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=rows[2][None], use_cache=True, **cache_kwargs(model, cache))
+            outs.append(verify_forward(model, cache, tokens, tree, 13, backend))
+    for ref, out in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if triton_available():
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "triton"
+    assert "softcapping, which" not in (kernel_refusal(model, "cuda") or "")
+    assert "CUDA kernel does not apply" in kernel_refusal(model, "cuda") and kernel_refusal(model) is None
 
 
 def gpt_oss_with_sinks() -> torch.nn.Module:
@@ -1060,8 +1135,9 @@ def test_kernels_refuse_inputs_they_would_misread():
 @needs_triton
 def test_triton_kernels_compile_for_hopper(tmp_path):
     """The Triton kernels compile for sm_90 down to a cubin, as at their first launch on an H100 (no GPU
-    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, sinks, split, dtypes, values narrower than the keys, head
-    dims, tiles of 32 to 128 keys). The interpreter the tests above run does not generate this code."""
+    needed; ~20 s): the variants of ``tests.helpers.triton_compile`` (window, chunks, sinks, softcaps,
+    split, dtypes, values narrower than the keys, head dims, tiles of 32 to 128 keys). The interpreter
+    the tests above run does not generate this code."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run(
@@ -1129,22 +1205,32 @@ def test_gpu_kernels_long_context_split(backend):
         ((8, 4, 128), {"chunk": 8192}),
         ((8, 8, 64), {"sinks": True}),
         ((8, 8, 64), {"sinks": True, "window": 128}),
+        ((8, 2, 256), {"softcap": 50.0, "window": 4096}),
+        ((16, 1, 192), {"value_dim": 128}),
     ],
-    ids=["llama4-chunks", "gpt-oss-sinks", "gpt-oss-sinks-window"],
+    ids=[
+        "llama4-chunks",
+        "gpt-oss-sinks",
+        "gpt-oss-sinks-window",
+        "gemma2-softcap-window",
+        "deepseek-values",
+    ],
 )
-def test_gpu_triton_kernel_applies_chunks_and_sinks(dtype, shape, kinds):
+def test_gpu_triton_kernel_computes_the_models_attention(dtype, shape, kinds):
     """On CUDA (the launcher's own splits and tuned tiles), 64-node trees on two rows crossing a chunk's
     end (8,190 and 8,292 keys, one left-padded) and one long past it (12,000): Llama 4's chunks of 8,192
     (32/8 heads, head dim 128), gpt-oss's sinks (64/8 heads, head dim 64), alone and with its window of
-    128; as close to the fp32 reference as PyTorch's own attention in that dtype (or the short cases'
-    tolerance)."""
+    128, Gemma 2's softcap of 50 with its window of 4,096 (16/8 heads, head dim 256), DeepSeek-V3's values
+    of 128 under keys of 192 (16 heads); as close to the fp32 reference as PyTorch's own attention in
+    that dtype (or the short cases' tolerance)."""
     hkv, group, head_dim = shape
     q, k, v, past, start, mask = random_case(
         10, random_tree(9, nodes=63), [8190, 8292, 12000], [0, 100, 0], hkv, group, head_dim, dtype, "cuda"
     )
+    v = v[..., : kinds.get("value_dim", head_dim)]
     gen = torch.Generator().manual_seed(1)
     sinks = 3 * torch.randn(hkv * group, generator=gen).cuda() if kinds.get("sinks") else None
-    kw = dict(window=kinds.get("window"), chunk=kinds.get("chunk"), sinks=sinks)
+    kw = dict(window=kinds.get("window"), chunk=kinds.get("chunk"), sinks=sinks, softcap=kinds.get("softcap"))
     ref = tree_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), past, start, mask, **kw)
     out = tree_attention(q, k, v, past, start, mask, backend="triton", **kw)
     torch_same = tree_attention(q, k.nan_to_num(), v.nan_to_num(), past, start, mask, **kw)
