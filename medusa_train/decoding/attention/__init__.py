@@ -1034,6 +1034,8 @@ class TreeStep:
             per call (not per step: it looks at the model's classes).
         chunk: the chunk of the model's "chunked_attention" layers (:func:`attention_chunk`; None:
             none, or a call whose positions stay inside the first chunk), read once per call.
+        model_attention: the model's own attention implementation, which :func:`tree_step` switches
+            from (its SDPA computes no softcap and no sinks: the kernel then computes none either).
     """
 
     past_lens: torch.Tensor
@@ -1044,6 +1046,14 @@ class TreeStep:
     config: object | None = None
     window: int | None = None
     chunk: int | None = None
+    model_attention: str | None = None
+
+
+SDPA_IMPLEMENTATIONS = ("sdpa", PACKED_SDPA_NAME)
+"""Attention implementations that run transformers' ``sdpa_attention_forward`` on a softcap or sinks,
+which computes neither: transformers 5.17 drops a ``softcap`` and ``s_aux`` silently (and loads Gemma 2
+with SDPA by default), 5.24 raises on a softcap and drops ``s_aux``. A model running one of these in
+``generate`` attends without them, and so does the kernel (:func:`hf_tree_attention`)."""
 
 
 def hf_tree_attention(
@@ -1090,7 +1100,10 @@ def hf_tree_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     name = type(module).__name__
     # Attention sinks (transformers' s_aux: gpt-oss's one logit per query head) and softcapped scores
-    # (Gemma 2's softcap, a number): the Triton kernel's.
+    # (Gemma 2's softcap, a number): the Triton kernel's; none where the model's own attention is SDPA,
+    # which computes neither, so that the tree is verified as generate decodes.
+    if step.model_attention in SDPA_IMPLEMENTATIONS:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
     triton = step.backend == "triton"
     sinks = kwargs.get("s_aux") if triton else None
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
@@ -1232,11 +1245,13 @@ def tree_step(model: torch.nn.Module, step: TreeStep) -> Iterator[None]:
     """Run the model's forwards inside this block with tree attention for ``step``.
 
     Switches ``model.config``'s attention implementation to :data:`KERNEL_NAME` and back afterwards
-    (also when the forward raises), with the model's device current (:func:`on_device`).
+    (also when the forward raises), with the model's device current (:func:`on_device`); the step
+    keeps the implementation switched from (``step.model_attention``).
     """
     register()
     config = model.config
     previous = config._attn_implementation
+    step.model_attention = previous
     token = _STEP.set(step)
     config._attn_implementation = KERNEL_NAME
     try:
@@ -1257,6 +1272,7 @@ __all__ = [
     "MODEL_WIDE_ATTRIBUTES",
     "OWN_MASK_MODEL_TYPES",
     "PACKED_SDPA_NAME",
+    "SDPA_IMPLEMENTATIONS",
     "SERVED_LAYER_TYPES",
     "STEP_KWARG",
     "AttentionBackendError",

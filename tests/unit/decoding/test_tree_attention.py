@@ -976,6 +976,30 @@ def test_triton_kernel_decodes_a_model_with_softcapped_scores():
     assert "CUDA kernel does not apply" in kernel_refusal(model, "cuda") and kernel_refusal(model) is None
 
 
+@needs_triton
+def test_the_kernel_computes_a_softcap_or_sinks_only_where_the_models_own_attention_does():
+    """A layer's softcap and sinks, where the model's own implementation (recorded by ``tree_step``) is
+    SDPA, which computes neither (transformers 5.17 loads Gemma 2 with it and drops the softcap): the
+    kernel drops them too, as the model's ``generate`` does; under eager attention it applies them."""
+    gen = torch.Generator().manual_seed(0)
+    q = 4 * torch.randn(1, 4, 3, 16, generator=gen)  # (B, Hq, M, D): scores a cap of 1 changes
+    k, v = torch.randn(1, 2, 8, 16, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
+    mask = TreeMask.of(TreeBuffers.from_choices(chain_tree(2)))
+    past, start = torch.tensor([5]), torch.tensor([0])
+    modifiers = {"softcap": 1.0, "s_aux": torch.tensor([3.0, -1.0, 0.0, 2.0])}
+    plain = tree_attention(q, k, v, past, start, mask, scale=0.25).transpose(1, 2)
+    applied = tree_attention(
+        q, k, v, past, start, mask, scale=0.25, softcap=1.0, sinks=modifiers["s_aux"]
+    ).transpose(1, 2)
+    assert not torch.allclose(plain, applied, atol=1e-2)
+    for own, expected in (("sdpa", plain), (PACKED_SDPA_NAME, plain), ("eager", applied)):
+        step = TreeStep(past, start, mask, "triton", model_attention=own)
+        out, _ = hf_tree_attention(
+            torch.nn.Module(), q, k, v, None, scaling=0.25, medusa_tree_step=step, **modifiers
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=own)
+
+
 def gpt_oss_with_sinks() -> torch.nn.Module:
     """gpt-oss (sliding-window and full layers) whose sinks are large enough to move its outputs."""
     model = other_model("gpt_oss_sinks")
