@@ -301,17 +301,19 @@ def resolve_attention(
         least = AUTO_MIN_CONTEXT_CAPTURED if captured else AUTO_MIN_CONTEXT
         if device.type != "cuda" or (context is not None and context < least):
             return "sdpa"
-        if model is not None and kernel_refusal(model, "triton") is not None:
-            return "sdpa"
-        return next((b for b in AUTO_ORDER if _why_not(b, device) is None), "sdpa")
-    reason = _why_not(attention, device)
-    if reason is None and model is not None:
-        reason = kernel_refusal(model, attention) or (
-            chunk_refusal(model, context) if attention == "cuda" else None
-        )
+        runs = (b for b in AUTO_ORDER if (_why_not(b, device) or _cannot_compute(b, model, context)) is None)
+        return next(runs, "sdpa")
+    reason = _why_not(attention, device) or _cannot_compute(attention, model, context)
     if reason is not None:
         raise AttentionBackendError(f"attention={attention} cannot run here: {reason}")
     return attention
+
+
+def _cannot_compute(backend: str, model: torch.nn.Module | None, context: int | None) -> str | None:
+    """Why kernel ``backend`` cannot compute ``model``'s attention on a call of ``context`` positions."""
+    if model is None:
+        return None
+    return kernel_refusal(model, backend) or (chunk_refusal(model, context) if backend == "cuda" else None)
 
 
 def _why_not(backend: str, device: torch.device) -> str | None:

@@ -587,9 +587,8 @@ def triton_tree_attention(
     bsz, hq, m, d = query.shape
     hkv, dv = key.shape[1], value.shape[-1]
     g = hq // hkv
-    out = torch.empty(bsz, m, hq, dv, dtype=query.dtype, device=query.device).transpose(
-        1, 2
-    )  # (B, Hq, M, Dv)
+    out = torch.empty(bsz, m, hq, dv, dtype=query.dtype, device=query.device)  # (B, M, Hq, Dv)
+    out = out.transpose(1, 2)  # (B, Hq, M, Dv)
     block_d = max(16, triton_next_pow2(d))
     block_dv = max(16, triton_next_pow2(dv))
     device_type = query.device.type
@@ -615,10 +614,8 @@ def triton_tree_attention(
             bits.shape[1], scale * math.log2(math.e), (softcap or 1.0) * math.log2(math.e), m, g, hkv,
             window or 0, chunk or 1, splits,
             D=d, BLOCK_D=block_d, DV=dv, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            HAS_WINDOW=window is not None,
-            HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None,
-            SPLIT=splits > 1, DOT_PREC=prec,
-            UPCAST=upcast,
+            HAS_WINDOW=window is not None, HAS_CHUNK=chunk is not None, HAS_SINKS=sinks is not None,
+            HAS_SOFTCAP=softcap is not None, SPLIT=splits > 1, DOT_PREC=prec, UPCAST=upcast,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
