@@ -656,9 +656,12 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
     layer's call shows). Softcapped scores, attention sinks and values narrower than the keys
     (multi-head latent attention): the Triton kernel computes them, the CUDA kernel does not."""
     name = type(model).__name__
-    if not any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()}):
-        # Such a model (GPT-Neo, Bloom, Falcon, MPT) never calls the kernel, and under the kernel's
-        # implementation it builds no mask either: its tree would be attended without one.
+    dispatches = layers_dispatch(model)
+    if dispatches is None:  # no list of decoder layers, or no class source to read: their Python modules
+        dispatches = any(_dispatches(module) for module in {type(m).__module__ for m in model.modules()})
+    if not dispatches:
+        # Such a model (GPT-Neo, Bloom, Falcon, MPT, GIT's text layers) never calls the kernel, and under
+        # the kernel's implementation it builds no mask either: its tree would be attended without one.
         return f"{name} computes its attention itself, not through transformers' attention functions"
     config = model.config.get_text_config()
     layers = layer_configs(config)  # Gemma 4 sets head_dim per layer
@@ -729,6 +732,39 @@ def chunk_refusal(model: torch.nn.Module, context: int | None) -> str | None:
 
 def _positions(context: int | None) -> str:
     return "the call's positions may" if context is None else f"the call's {context} positions"
+
+
+def layers_dispatch(model: torch.nn.Module) -> bool | None:
+    """Whether a module inside ``model``'s decoder layers (:func:`decoder_layers`) looks its attention
+    function up in transformers' registry: the source of its class, or of a class it derives from, names
+    ``ALL_ATTENTION_FUNCTIONS``. None where no list of decoder layers is found or no such source can be
+    read. A Python module's mention is not enough: GIT's vision attention dispatches, its text
+    attention (the decoder's) computes itself, in one file."""
+    layers = decoder_layers(model)
+    if layers is None:
+        return None
+    found = [_class_dispatches(cls) for cls in {type(m) for layer in layers for m in layer.modules()}]
+    if True in found:
+        return True
+    return False if False in found else None
+
+
+@functools.cache
+def _class_dispatches(cls: type) -> bool | None:
+    """Whether the source of ``cls`` or of a class it derives from (not torch's) names
+    ``ALL_ATTENTION_FUNCTIONS``; None where none of them can be read."""
+    read = False
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] in ("torch", "builtins"):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        read = True
+        if "ALL_ATTENTION_FUNCTIONS" in source:
+            return True
+    return False if read else None
 
 
 def _dispatches(module_name: str) -> bool:
@@ -1296,6 +1332,7 @@ __all__ = [
     "layer_configs",
     "layer_positions",
     "layer_window",
+    "layers_dispatch",
     "mixes_layer_kinds",
     "mixes_windows",
     "model_and_decoder",

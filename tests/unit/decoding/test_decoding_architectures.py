@@ -50,6 +50,7 @@ from medusa_train.decoding.attention import (
     chunk_refusal,
     kernel_refusal,
     layer_positions,
+    layers_dispatch,
     model_window,
     per_layer_attributes,
     resolve_attention,
@@ -1206,6 +1207,29 @@ def test_models_transformers_5_17_computes_otherwise_are_refused_there(kind, imp
         )
     else:
         assert "of transformers 5.17.0 attends both ways even with is_decoder=True" in says
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_kernels_refuse_a_model_whose_decoder_layers_compute_their_attention_themselves():
+    """GIT's text layers compute their attention themselves (its vision encoder's, in the same Python
+    module, call transformers' attention functions): under the kernel's implementation they would get
+    no mask and attend the tree whole. The kernels are refused for it in one line before any forward
+    (on transformers 5.17 every decoder refuses GIT first, for its positions); a Llama's layers call
+    the attention functions."""
+    model = build(_WRONG_IN_517_BUILT["git"]())
+    assert layers_dispatch(model) is False and hasattr(
+        sys.modules[type(model).__module__], "ALL_ATTENTION_FUNCTIONS"
+    )
+    assert "GitForCausalLM computes its attention itself" in kernel_refusal(model)
+    assert layers_dispatch(build(tiny_config("llama"))) is True
+    if tree_refusal(model) is None:
+        calls = count_forwards(model)
+        with pytest.raises(
+            AttentionBackendError, match="attention=triton cannot run here: .*computes its attention itself"
+        ):
+            StaticDecoder(model, random_heads(model), chain_tree(2), 32, attention="triton")
+        assert not calls
+        assert resolve_attention("auto", torch.device("cuda"), context=10**6, model=model) == "sdpa"
 
 
 @pytest.mark.parametrize("arch", ["electra", "rembert"])
