@@ -466,7 +466,8 @@ class StaticDecoder:
                 layer_positions(model),
                 model.config.get_text_config(),
                 model_window(model),
-                self._rules.get("chunked_attention", (None, None))[1],  # none where the capacity stays inside
+                # the chunk of the masks' rule: none where the capacity stays inside the first chunk
+                self._rules.get("chunked_attention", (None, None))[1],
             )
         # The ancestor bits of every window a layer may ask the kernel for (a chunk's are the kernel's:
         # they depend on the past), built now, not inside a capture or a trace; one per distinct window.

@@ -86,7 +86,7 @@ def sdpa_tree_attention(
     as Gemma 2's eager attention caps them, each head's sink logit appended as gpt-oss's appends it.
 
     Returns:
-        ``(B, Hq, M, D)`` in the query's dtype.
+        ``(B, Hq, M, Dv)`` in the query's dtype (``Dv``: the values' head dim).
     """
     mask = dense_tree_mask(past_lens, starts, bits, depth, key.shape[2], window, chunk)  # (B, 1, M, W)
     if sinks is not None or softcap is not None:
@@ -104,7 +104,7 @@ def sdpa_tree_attention(
         return (probs @ values.nan_to_num()).to(query.dtype)  # a stale column's 0 weight times NaN is NaN
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )  # (B, Hq, M, D)
+    )  # (B, Hq, M, Dv)
 
 
 def packed_gqa_sdpa(
