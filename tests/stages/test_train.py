@@ -198,7 +198,9 @@ def test_the_calibration_times_the_tree_attention_eval_decodes_with(reference, t
     with pytest.raises(AttentionBackendError, match="eval.attention=cuda.*CUDA device"):
         run(train_cfg(root, "eval.attention=cuda"))
     # a kernel that cannot compute the backbone's attention: refused once it is loaded, before training
-    monkeypatch.setattr(attention_module, "kernel_refusal", lambda model: "its layers do something else")
+    monkeypatch.setattr(
+        attention_module, "kernel_refusal", lambda model, backend: "its layers do something else"
+    )
     with pytest.raises(AttentionBackendError, match="eval.attention=triton.*do something else"):
         run(train_cfg(root, "eval.attention=triton", "training.overwrite=true"))
 
