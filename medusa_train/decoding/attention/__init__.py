@@ -663,21 +663,8 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
         # Such a model (GPT-Neo, Bloom, Falcon, MPT, GIT's text layers) never calls the kernel, and under
         # the kernel's implementation it builds no mask either: its tree would be attended without one.
         return f"{name} computes its attention itself, not through transformers' attention functions"
-    config = model.config.get_text_config()
-    layers = layer_configs(config)  # Gemma 4 sets head_dim per layer
-    if backend == "cuda" and any(
-        getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers
-    ):
-        return (
-            f"the CUDA kernel does not apply {name}'s attention softcapping (attn_logit_softcapping): use "
-            "attention=triton or sdpa"
-        )
-    if backend == "cuda" and any(
-        param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()
-    ):
-        return (
-            f"{name} has attention sinks, which the CUDA kernel does not apply: use attention=triton or sdpa"
-        )
+    if backend == "cuda" and (reason := _cuda_refusal(model)) is not None:
+        return reason
     if (
         mixes_layer_kinds(model)
         and decoder_layers(model) is None
@@ -688,7 +675,24 @@ def kernel_refusal(model: torch.nn.Module, backend: str = "triton") -> str | Non
             f"{name} mixes {kinds} and other layers, and the tree kernels cannot tell which is which "
             "(no module has a layer_idx, and no list of its decoder layers was found)"
         )
-    for layer in layers if backend == "cuda" else ():
+    return None
+
+
+def _cuda_refusal(model: torch.nn.Module) -> str | None:
+    """What the CUDA kernel does not compute and the Triton kernel does: softcapped scores, attention
+    sinks, values of another width than the keys."""
+    name = type(model).__name__
+    layers = layer_configs(model.config.get_text_config())  # Gemma 4 sets head_dim per layer
+    if any(getattr(layer, "attn_logit_softcapping", None) is not None for layer in layers):
+        return (
+            f"the CUDA kernel does not apply {name}'s attention softcapping (attn_logit_softcapping): use "
+            "attention=triton or sdpa"
+        )
+    if any(param.rsplit(".", 1)[-1] == "sinks" for param, _ in model.named_parameters()):
+        return (
+            f"{name} has attention sinks, which the CUDA kernel does not apply: use attention=triton or sdpa"
+        )
+    for layer in layers:
         v_dim = getattr(layer, "v_head_dim", None)
         qk_dim = getattr(layer, "qk_head_dim", None) or getattr(layer, "head_dim", None)
         if v_dim is not None and qk_dim is not None and v_dim != qk_dim:
