@@ -421,17 +421,23 @@ def _assert_same_training(root: Path, ref: Path, tuning: str) -> None:
         torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
 
 
+# Each tuning with one data-parallel engine: full tuning under ZeRO-2 (its partitioned gradients over the
+# backbone's and the heads' parameter groups), LoRA under plain DDP (most parameters frozen). The other two
+# pairings passed too and were left out for CI time; test_deepspeed_resume.py runs ZeRO-2 and ZeRO-3 with
+# either tuning in one process.
+TWO_PROCESS_ENGINE = {"full": "zero2", "lora": "none"}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("deepspeed", ["zero2", "none"])
-def test_two_process_equals_one_process(plain, tmp_path: Path, deepspeed: str) -> None:
+def test_two_process_equals_one_process(plain, tmp_path: Path) -> None:
     """2 ranks x batch 2 (torchrun; ZeRO-2, or plain DDP) == 1 process x batch 2 x 2 accumulation steps."""
     tuning, ref, _ = plain
+    deepspeed = TWO_PROCESS_ENGINE[tuning]
     root = make_train_workdir(tmp_path, tie=True)
     args = train_overrides(
         root, "stage=train", "training=medusa2", *TUNING[tuning], *PER_RANK, f"deepspeed={deepspeed}"
     )
-    port = {("full", "zero2"): "29633", ("lora", "zero2"): "29634", ("full", "none"): "29635"}
-    port = port.get((tuning, deepspeed), "29636")
+    port = {"full": "29633", "lora": "29634"}[tuning]
     torchrun = Path(sys.executable).parent / "torchrun"
     launch([str(torchrun), "--nproc_per_node", "2", "--master_port", port, "-m", "medusa_train", *args])
     assert json.loads((root / "heads" / "config.json").read_text())["training_result"]["steps"] == 6

@@ -123,6 +123,7 @@ def _nucleus_cases(vocab: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("top_p", [1e-6, 0.3, 0.9, 0.999, 0.99995, 1 - 2**-24])
+@pytest.mark.torch_only
 def test_warp_probs_top_p_equals_the_sorted_rule_bit_for_bit(top_p):
     for vocab in (3000, 32000):
         for name, logits in _nucleus_cases(vocab).items():
