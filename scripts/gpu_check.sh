@@ -24,7 +24,8 @@
 #   1. wheels: pip install --no-index --no-deps --target the carried wheels (hydra, omegaconf, datasets, ...)
 #   2. gpu tests: pytest -m gpu on tests/gpu and the tree-attention kernels' tests (greedy parity fp32,
 #      bf16/fp16 identical fraction, eval stage, the Triton and CUDA kernels against SDPA)
-#   3. bench_attention.py: the tree-attention kernels against SDPA and flash attention
+#   3. bench_attention.py: the tree-attention kernels against SDPA and flash attention; then on the layers
+#      of Llama 4 (chunks), gpt-oss (sinks), Gemma 2 (softcap) and DeepSeek-V3 (narrower values)
 #   4. stage=eval on the demo workdir in --dtype, with the compiled decoders on CUDA (the headline:
 #      speed-up against eager and compiled plain greedy, tree forward vs plain step)
 #   5. bench_static.py: the static-shape step (CUDA graph) against transformers' compiled static cache,
@@ -176,6 +177,12 @@ if [ -f scripts/bench_attention.py ]; then
     ARGS=(--device "$DEVICE" --json "$OUTDIR/bench_attention.json")
     [ $QUICK = 1 ] && ARGS+=(--quick)
     step bench-attention 120 "tree attention kernels vs SDPA" "$PY" scripts/bench_attention.py "${ARGS[@]}"
+    # The layers of models whose attention the Triton kernel computes more of: Llama 4's chunks, gpt-oss's
+    # sinks, Gemma 2's softcap, DeepSeek-V3's narrower values (each at 2K and 8K, 64 nodes, batch 1 and 8).
+    ARGS=(--device "$DEVICE" --models llama4 gpt-oss gemma2 deepseek-v3 --json "$OUTDIR/bench_attention_models.json")
+    [ $QUICK = 1 ] && ARGS+=(--quick)
+    step bench-attention-models 120 "the kernel on chunks, sinks, softcaps, narrower values" \
+        "$PY" scripts/bench_attention.py "${ARGS[@]}"
 fi
 
 CLI=("$PY" -m medusa_train tracking=disabled "model.device=$DEVICE")

@@ -1385,8 +1385,31 @@ def test_bench_attention_dry_run_reports_every_method():
     assert all(row[m] is not None for m in ("sdpa_float", "sdpa_bool", "flash_nomask", "triton"))
     assert row["triton_err"] < 1e-2  # bf16
     assert row["cuda"] is None and "CUDA device" in row["cuda_error"]
-    assert "| 40 | 8 | 2 |" in bench.markdown(rows)
+    assert "| llama | 40 | 8 | 2 |" in bench.markdown(rows)
     # K/V bytes and dense products of the case: rows of past 40 and 35 (ragged), 8 nodes each, 4 query
     # and 2 KV heads of dim 16, bf16
     keys = 40 + 35 + 2 * 8
     assert row["kv_bytes"] == 2 * keys * 2 * 16 * 2 and row["dense_flop"] == 4 * keys * 8 * 4 * 16
+
+
+@needs_triton
+def test_bench_attention_times_the_layers_of_models_with_chunks_sinks_softcaps_or_narrower_values():
+    """``--models``: each model's layer at the dry run's size with its option applied by the kernel (an
+    error of bf16 rounding against the written-out reference; leaving the option out gives ~1e-1), SDPA's
+    methods only where SDPA computes the layer, the model's eager attention as the baseline elsewhere."""
+    bench = load_script("bench_attention")
+    models = ["llama4", "gpt-oss", "gemma2", "deepseek-v3"]
+    args = bench.parse_args(
+        ["--device", "cpu", "--quick", "--batches", "2", "--iters", "1", "--models", *models]
+    )
+    rows = bench.run(args)
+    assert [r["model"] for r in rows] == models
+    for row in rows:
+        assert row["triton_err"] < 1e-2 and row["triton_default_err"] < 1e-2, row
+        sdpa_computes = row["model"] in ("llama4", "deepseek-v3")
+        assert ("sdpa_float" in row) == sdpa_computes and ("eager" in row) != sdpa_computes, row
+        assert row.get("sdpa_float", row.get("eager")) is not None
+    latent = rows[3]  # keys 16 wide, values 8, one KV head per query head
+    keys = 40 + 35 + 2 * 8
+    assert latent["kv_bytes"] == keys * 4 * (16 + 8) * 2
+    assert "| gpt-oss | 40 | 8 | 2 |" in bench.markdown(rows)
