@@ -47,7 +47,13 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 import torch  # noqa: E402
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -108,21 +114,37 @@ def build(
     return model, heads.eval()
 
 
+class StepClock(LogitsProcessor):
+    """Stamps the time at each of ``generate``'s decoding steps, once the step's logits are on hand (the
+    device synchronised first): the steps between the first token's and the last one's, prefill left
+    out, measured directly rather than as the difference of two calls (which a busy machine made
+    negative, one slow call sufficing)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
 def generate_ms_per_token(model, ids: torch.Tensor, new: int, repeats: int = 3, **kwargs) -> float:
-    """Plain greedy ``generate``: (time of ``new`` tokens - time of 1) / (new - 1), after a warm-up, each
-    time the best of ``repeats`` (one slow call on a busy machine made the difference negative)."""
+    """Plain greedy ``generate``: ms per token after the first (the ``new - 1`` steps between the first
+    and the last token's logits, :class:`StepClock`), the median of ``repeats`` calls after a warm-up."""
+    if new < 2:
+        raise ValueError(f"a time per token after the first needs 2 new tokens or more, not {new}")
 
-    def timed(n: int) -> float:
-        sync(ids.device)
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
-        sync(ids.device)
-        return time.perf_counter() - t0
+    def timed() -> float:
+        clock = StepClock(ids.device)
+        model.generate(
+            ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            logits_processor=LogitsProcessorList([clock]), **kwargs,
+        )  # fmt: skip
+        return 1000 * (clock.stamps[-1] - clock.stamps[0]) / (len(clock.stamps) - 1)
 
-    timed(new)  # warm-up (and, when compiled, compilation)
-    return (
-        1000 * (min(timed(new) for _ in range(repeats)) - min(timed(1) for _ in range(repeats))) / (new - 1)
-    )
+    timed()  # warm-up (and, when compiled, compilation)
+    return statistics.median(timed() for _ in range(repeats))
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 
 import pytest
 import torch
 
+from tests.helpers.models import tiny_model
 from tests.helpers.scripts import load_script
 
 
@@ -145,3 +147,26 @@ def test_bench_sampling_times_every_setting_against_transformers(tmp_path, capsy
     assert settings == [(4.0, 0.6, 0.9, 50), (4.0, 0.6, 0.9, 0), (0.5, 0.6, 0.9, 0), (4.0, 1.0, 1.0, 50)]
     assert all(ms > 0 for r in results["results"] for ms in r["ms"].values())
     assert "| rows | spread | temperature |" in capsys.readouterr().out
+
+
+def test_plain_generate_is_timed_per_decoding_step_without_the_prefill():
+    """``generate_ms_per_token`` times the steps between the first and the last token: each step's 20 ms
+    counts, the prompt's forward does not, however slow it is in one call and not in another (every
+    other prompt forward takes 300 ms here: told apart by subtracting calls, ~100 ms per token, or less
+    than zero)."""
+    bench = load_script("bench_static")
+    model = tiny_model("llama")
+    forward, prompts = model.forward, []
+
+    def busy_forward(input_ids=None, **kwargs):
+        if input_ids.shape[1] > 1:  # a call's prompt
+            prompts.append(1)
+        time.sleep(0.3 if input_ids.shape[1] > 1 and len(prompts) % 2 == 0 else 0.02)
+        return forward(input_ids=input_ids, **kwargs)
+
+    model.forward = busy_forward
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    ms = bench.generate_ms_per_token(model, ids, 4, repeats=1, pad_token_id=0)
+    assert 20 <= ms < 60, ms
+    with pytest.raises(ValueError, match="2 new tokens"):
+        bench.generate_ms_per_token(model, ids, 1)
