@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_train.backbone import TENSORS_PREFIX, local_fingerprint
 from medusa_train.config import ModelConfig
 from medusa_train.decoding import attention as attention_module
+from medusa_train.decoding.attention import function as attention_function
 from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import grow_tree, per_rank_accuracy
 from medusa_train.decoding.timing import Decoded
@@ -452,7 +453,7 @@ def test_a_tree_timed_with_another_attention_is_calibrated_again(tmp_path: Path,
     monkeypatch.setattr(attention_module, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(
-        attention_module,
+        attention_function,
         "triton_tree_attention",
         lambda query, *args, **kwargs: (
             nodes.append(query.shape[2]) or sdpa_tree_attention(query, *args, **kwargs)

@@ -39,6 +39,7 @@ from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
 import medusa_train.decoding.attention as tree_attention_module
+import medusa_train.decoding.attention.function as attention_function
 from medusa_train.backbone import local_fingerprint
 from medusa_train.card_inputs import CALIBRATION_INPUT, EXPORTED_CALIBRATION_INPUT
 from medusa_train.custom_generate import _STATIC_ATTR as STATIC_ATTR
@@ -617,13 +618,13 @@ def test_tree_attention_is_chosen_with_medusa_attention(workdir: Path, model, to
     one = tok(PROMPTS[0], return_tensors="pt")
     plain = model.generate(**one, do_sample=False, max_new_tokens=16)
     calls = []
-    kernel = tree_attention_module.triton_tree_attention
+    kernel = attention_function.triton_tree_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", counted)
     # the Triton kernel (triton's interpreter on a CPU), eagerly and in the static decoder; auto: sdpa here
     for extra in ({}, {"cache_implementation": "static"}):
         for attention, runs_kernel in (("triton", True), ("auto", False)):
@@ -683,9 +684,9 @@ def test_the_default_attention_is_the_one_the_exported_tree_was_calibrated_with(
 
     monkeypatch.setattr(custom_generate, "_calibrated_attention", recording)
     calls: list[int] = []
-    kernel = tree_attention_module.triton_tree_attention
+    kernel = attention_function.triton_tree_attention
     monkeypatch.setattr(
-        tree_attention_module, "triton_tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        attention_function, "triton_tree_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     one = tok(PROMPTS[0], return_tensors="pt")
     batch = tok(PROMPTS, return_tensors="pt", padding=True)

@@ -25,6 +25,7 @@ from medusa_train.backbone import load_configured_backbone, local_fingerprint
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.decoding import attention as attention_module
 from medusa_train.decoding.attention import AttentionBackendError
+from medusa_train.decoding.attention import function as attention_function
 from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 from medusa_train.decoding.calibrate import compute_head_accuracy
 from medusa_train.errors import UserError
@@ -190,7 +191,7 @@ def test_the_calibration_times_the_tree_attention_eval_decodes_with(reference, t
     monkeypatch.setattr(MedusaTrainer, "train", no_training)
     monkeypatch.setattr(attention_module, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(attention_module, "triton_tree_attention", kernel)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", kernel)
     result = run(train_cfg(root, "tree.max_nodes=3", "eval.attention=triton"))  # recalibrates only
     assert result["recalibrated"] and _calibrated_for(root)["attention"] == "triton"
     timed = {int(n) for n in json.loads((root / "heads" / "calibration.json").read_text())["latency"]}

@@ -58,11 +58,12 @@ def test_forwards_are_timed_with_the_attention_named(
     eval.attention, and the result names it; SDPA by default."""
     from medusa_train.decoding import attention as attention_module
     from medusa_train.decoding import calibrate as calibrate_module
+    from medusa_train.decoding.attention import function as attention_function
     from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 
     monkeypatch.setattr(attention_module, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(attention_module, "triton_tree_attention", sdpa_tree_attention)  # fast stand-in
+    monkeypatch.setattr(attention_function, "triton_tree_attention", sdpa_tree_attention)  # fast stand-in
     timed: list[str] = []  # the backend of each timed forward
     verify_forward = calibrate_module.verify_forward
     monkeypatch.setattr(

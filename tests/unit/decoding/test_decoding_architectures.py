@@ -30,7 +30,8 @@ import torch
 import transformers as tf
 from transformers import DynamicCache
 
-import medusa_train.decoding.attention as tree_attention_module
+import medusa_train.decoding.attention.function as attention_function
+import medusa_train.decoding.attention.support as attention_support
 import medusa_train.decoding.static as static_module
 from medusa_train.custom_generate import generate as custom_generate
 from medusa_train.decoding import (
@@ -664,13 +665,13 @@ def test_static_kernel_reads_each_layer_types_window(monkeypatch):
     bits and the full layers the tree's own, both built with the decoder and among the tensors its
     capture holds static (a replay reads them where they were at the capture)."""
     seen = []
-    kernel = tree_attention_module.triton_tree_attention
+    kernel = attention_function.triton_tree_attention
 
     def recorded(*args, **kwargs):
         seen.append((args[5], kwargs["window"]))  # the ancestor bits, the layer's window
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", recorded)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", recorded)
     model = build(MODELS["gemma3"]())
     heads = random_heads(model, seed=1)
     rows = prompts()[:2]
@@ -1005,7 +1006,7 @@ def test_models_that_take_no_position_ids_are_refused_before_any_forward(name, w
 def test_models_that_take_no_position_ids_decode_other_tokens_unrefused(name, monkeypatch):
     """Why they are refused: let through, with heads that know the continuation (a path not contiguous
     in node order), the batched decoder returns other tokens than ``generate``."""
-    monkeypatch.setattr(tree_attention_module, "positionless_model", lambda model: None)
+    monkeypatch.setattr(attention_support, "positionless_model", lambda model: None)
     model = build(POSITIONLESS[name]())
     rows = prompts()
     refs = [plain_greedy(model, p, NEW_TOKENS + 6) for p in rows]
@@ -1096,7 +1097,7 @@ def test_models_that_attend_both_ways_are_refused_before_any_forward(name, tmp_p
 def test_models_that_attend_both_ways_decode_other_tokens_unrefused(name, monkeypatch):
     """Why they are refused: let through, the batched and static decoders return other tokens than
     ``generate`` (which recomputes every position at each step: such a model takes no cache)."""
-    monkeypatch.setattr(tree_attention_module, "attends_both_ways", lambda model: False)
+    monkeypatch.setattr(attention_support, "attends_both_ways", lambda model: False)
     model = build(BOTH_WAYS[name](is_decoder=False))
     rows = prompts()
     refs = [plain_greedy(model, p) for p in rows]

@@ -77,13 +77,14 @@ def test_overhead_table_times_the_chosen_tree_attention(bench, monkeypatch):
     tree_step, auto resolved at the context: SDPA on a CPU), one column per attention and context."""
     from medusa_train.decoding import attention as attention_module
     from medusa_train.decoding import calibrate as calibrate_module
+    from medusa_train.decoding.attention import function as attention_function
     from medusa_train.decoding.attention.sdpa import sdpa_tree_attention
 
     monkeypatch.setattr(attention_module, "triton_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernel_calls: list[int] = []  # tree nodes of each Triton call; SDPA stands in for the interpreter
     monkeypatch.setattr(
-        attention_module,
+        attention_function,
         "triton_tree_attention",
         lambda query, *args, **kwargs: (
             kernel_calls.append(query.shape[2]) or sdpa_tree_attention(query, *args, **kwargs)

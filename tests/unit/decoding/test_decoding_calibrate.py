@@ -30,6 +30,9 @@ from medusa_train.decoding import (  # noqa: E402
 )
 from medusa_train.decoding import attention as attention_module  # noqa: E402
 from medusa_train.decoding import calibrate as calibrate_module  # noqa: E402
+from medusa_train.decoding.attention import function as attention_function  # noqa: E402
+from medusa_train.decoding.attention import layers as attention_layers  # noqa: E402
+from medusa_train.decoding.attention import support as attention_support  # noqa: E402
 from medusa_train.decoding.calibrate import (  # noqa: E402
     calibrate,
     calibrate_tree,
@@ -163,8 +166,9 @@ def test_latency_through_a_kernel_places_a_mixed_models_layers_once(monkeypatch:
         pytest.skip("triton is not installed")
     model = tiny_logit_step_model("gemma3n")
     walks: list[int] = []
-    real = attention_module.decoder_layers
-    monkeypatch.setattr(attention_module, "decoder_layers", lambda m: walks.append(1) or real(m))
+    real = attention_layers.decoder_layers
+    for module in (attention_layers, attention_support):  # layer_positions's and the kernels' check's calls
+        monkeypatch.setattr(module, "decoder_layers", lambda m: walks.append(1) or real(m))
     measure_forward_latency(model, [2, 4], context_len=8, attention="triton", warmup=1, repeats=2)
     assert attention_module.layer_positions(model)
     # tree_refusal's (whether the code reads is_decoder), the kernels' check and the first forward's: once
@@ -217,13 +221,13 @@ def test_latency_is_timed_with_the_decoders_tree_attention(monkeypatch: pytest.M
     nodes (the context's prefill does not), and the calibration records it; the default and ``auto`` on a
     CPU time SDPA with the dense mask, the decoders' choice there, and record that."""
     calls: list[int] = []
-    real = attention_module.triton_tree_attention
+    real = attention_function.triton_tree_attention
 
     def kernel(query, *args, **kwargs):
         calls.append(query.shape[2])  # (B, Hq, M, D): the forward's tree nodes
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(attention_module, "triton_tree_attention", kernel)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", kernel)
     model = tiny_model("llama")
     layers = model.config.num_hidden_layers
     measure_forward_latency(model, [2, 4], context_len=8, attention="triton", warmup=1, repeats=1)

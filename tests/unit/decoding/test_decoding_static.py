@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-import medusa_train.decoding.attention as tree_attention_module
+import medusa_train.decoding.attention.function as attention_function
 import medusa_train.decoding.static as static_module
 from medusa_train.decoding import MEDUSA_63, TreeBuffers, chain_tree, medusa_generate, medusa_generate_batch
 from medusa_train.decoding.acceptance import accept_greedy, accept_typical
@@ -571,13 +571,13 @@ def test_static_compiled_with_triton_kernel_equals_greedy(monkeypatch):
     import torch._dynamo.utils
 
     calls = []
-    kernel = tree_attention_module.triton_tree_attention
+    kernel = attention_function.triton_tree_attention
 
     def counted(*args, **kwargs):
         calls.append(args[3].tolist())  # past_lens (the compiled graph hands over its own tensor)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", counted)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = tiny_model("mistral", seed=3)
@@ -606,13 +606,13 @@ def test_static_with_triton_kernel_equals_greedy(arch, monkeypatch):
     The long row stops at its first token while the short one runs on, under a capacity that only
     just fits the call, so the finished row's length passes C - M (the kernel's column is clamped)."""
     calls = []
-    kernel = tree_attention_module.triton_tree_attention
+    kernel = attention_function.triton_tree_attention
 
     def counted(*args, **kwargs):
         calls.append(args[3].data_ptr())  # past_lens: the decoder's one tensor
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(tree_attention_module, "triton_tree_attention", counted)
+    monkeypatch.setattr(attention_function, "triton_tree_attention", counted)
     model = tiny_model(arch, seed=3)
     heads = random_heads(model, seed=5)
     own = model.config._attn_implementation

@@ -558,7 +558,7 @@ def test_packed_gqa_sdpa_reads_any_layout_sdpa_returns(monkeypatch, hkv, group, 
 def test_packed_attention_takes_only_masked_short_grouped_calls(monkeypatch):
     """Unmasked calls, head-specific masks, more than PACKED_MAX_QUERIES queries and layers without
     grouped heads go to transformers' SDPA attention."""
-    from medusa_train.decoding import attention
+    from medusa_train.decoding.attention import hf as attention
 
     taken = []
     real = attention.packed_gqa_sdpa
@@ -636,7 +636,7 @@ def test_tree_forward_is_the_same_with_packed_heads():
 def test_every_decoder_verifies_through_the_packed_heads(monkeypatch):
     """attention="sdpa" in the eager, batched and static decoders: each tree forward of a grouped-query
     model runs packed_gqa_sdpa (a call per layer and step), and the output stays plain greedy."""
-    from medusa_train.decoding import attention
+    from medusa_train.decoding.attention import hf as attention
     from medusa_train.decoding.static import StaticDecoder
 
     calls = []
