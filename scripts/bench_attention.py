@@ -20,16 +20,16 @@ rows have), ``sdpa_repeat`` transformers' SDPA attention function on the float m
 (``packed_gqa_sdpa``: query heads stacked per KV head, nothing expanded), and the
 tree kernels ``triton`` (on a GPU in the launch configuration its tuner picked for the shape, reported as
 ``triton_config``), ``triton_default`` (the same kernel in its untuned default configuration) and
-``cuda``. Each kernel's largest deviation from ``sdpa_bool`` (relative to the output's
-largest magnitude) is reported too. A case that fails is reported with its error and the rest go on.
+``cuda``. Each kernel's largest deviation from the reference (relative to the output's largest
+magnitude) is reported too: SDPA with the boolean mask, or the softmax written out in fp32 where sinks
+or a softcap apply (:func:`~medusa_train.decoding.attention.sdpa.sdpa_tree_attention`). A case that fails is reported with its error and the rest go on.
 
 ``--models`` picks the layer shapes (:data:`MODELS`): Llama-3-8B's by default; Llama 4's chunked layers,
 gpt-oss's attention sinks, Gemma 2's softcapped scores and DeepSeek-V3's latent attention (keys 192 wide,
 values 128, one KV head per query head, as transformers runs it) each with its own heads and option.
 SDPA computes neither sinks nor a softcap: for those models the baseline is ``eager``, the model's own
 eager attention function from transformers on the float mask (what the decoders run without the
-kernel), and the SDPA methods are not timed; the reference is the written-out softmax of
-:func:`~medusa_train.decoding.attention.sdpa.sdpa_tree_attention` in fp32.
+kernel), and the SDPA methods are not timed.
 Needs only torch (+ triton for the Triton kernel, nvcc + ninja for the CUDA one).
 
 Two times per method on a GPU. ``<method>`` is the GPU's own time per call: the calls are queued
@@ -228,7 +228,7 @@ def bench_case(
         "nodes": m,
         "batch": batch,
         # what a call must move and compute at least: K and V of every key once; every query against
-        # every key of its row (the tree's mask spares a little of that), two products of head dim d
+        # every key of its row (the tree's mask spares a little of that): scores over d, outputs over dv
         "kv_bytes": keys * hkv * (d + dv) * k.element_size(),
         "dense_flop": 2 * keys * m * hq * (d + dv),
     }
