@@ -56,8 +56,8 @@ test: install  ## run the test suite on TEST_WORKERS processes (pytest's "no tes
 OLDEST := transformers==5.17.0 huggingface_hub==1.33.0
 OLDEST_DIR := $(VENV)/oldest
 OLDEST_TESTS := tests/unit/decoding tests/stages/test_export_custom_generate.py tests/unit/test_hf_compat.py
-# Tests marked torch_only (the kernels against their reference, their compile checks, ~60 s of CPU) run
-# no transformers code, and the sampling laws' statistical tests (~25 s) test our draws, transformers
+# Tests marked torch_only (the kernels against their reference, their compile checks, ~50 s of CPU) run
+# no transformers code, and the sampling laws' statistical tests (~20 s) test our draws, transformers
 # giving only the logits, whose forward the parity tests check on 5.17: `make test` runs them all.
 OLDEST_SKIP := -m "not torch_only" \
   --deselect tests/unit/decoding/test_decoding_sampling.py::test_sampling_distribution_matches_ancestral \
