@@ -28,10 +28,11 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from medusa_train.backbone_source import check_backbone_source
 from medusa_train.config import Config, compose_config
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.stages import STAGE_ORDER, get_stage
-from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir
+from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir, require
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
 
@@ -166,6 +167,22 @@ def _outputs(cfg: Config) -> tuple[Path, ...]:
     )
 
 
+def check_inputs(cfg: Config) -> None:
+    """Refuse at once a run whose first stage lacks its input: the output of an earlier stage in the
+    same workdir (a wrong ``workdir=``, a stage not run yet) or a backbone directory that is not there.
+    Importing a stage takes seconds (torch, transformers, peft, datasets) and each stage checks these
+    first anyway, with the same messages (a stage can be called as a library): here the same checks
+    come before that import. ``stage=all`` makes each later stage's input as it goes. ``model=tiny``'s
+    backbone (``stage=pretrain``'s) is left to the stages: distill reads its data source first."""
+    wd = Workdir(Path(cfg.workdir))
+    if cfg.stage == "train":
+        require(wd.distill, "distilled data", "distill")
+    if cfg.stage in ("export", "eval") and not getattr(cfg, cfg.stage).heads_dir:
+        require(wd.heads, "trained heads", "train")
+    if cfg.stage in ("distill", "train", "all") and not cfg.model.embedded:
+        check_backbone_source(cfg.model.name_or_path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -183,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
         check_workdir(cfg.workdir, _outputs(cfg))  # a file there, no write access: refused before any work
+        check_inputs(cfg)
         quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
         run_stage(cfg)
     except UserError as err:

@@ -49,6 +49,7 @@ from transformers.utils import (
     cached_file,
 )
 
+from medusa_train.backbone_source import ADAPTER_CONFIG, check_backbone_source, is_adapter_dir
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import LAYOUTS, read_heads_config
 from medusa_train.safetensors_check import safetensors_shapes
@@ -57,7 +58,6 @@ from medusa_train.workdir import (
     PRETRAIN,
     TRAINED_BACKBONE,
     read_json,
-    remove_stale,
 )
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need
@@ -127,37 +127,6 @@ def resolve_dtype(spec: str, device: str | torch.device) -> str:
     # Ampere (compute capability 8) and later compute bf16 natively; torch reports older GPUs as
     # bf16-capable too (emulated: slow), so the capability decides.
     return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float32"
-
-
-def is_local_path(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` is spelt as a local path, not a Hub id (``org/name``): it starts with
-    ``.``, ``/`` or ``~``, or has more than one ``/`` ("runs/x/pretrain")."""
-    return name_or_path.count("/") > 1 or name_or_path.startswith((".", "/", "~"))
-
-
-def check_backbone_source(name_or_path: str) -> None:
-    """Fail early (before loading any weights) when a local backbone directory is missing."""
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and path.parent.is_dir():
-        remove_stale(path)  # workdir/pretrain left aside by a run killed while publishing it comes back
-    if path.exists():
-        if not (path / CONFIG_NAME).is_file() and is_adapter_dir(path):
-            raise UserError(_adapter_is_no_model(path))
-        if not (path / CONFIG_NAME).is_file():
-            raise UserError(
-                f"model.name_or_path={path} is not a Hugging Face model directory (no config.json)"
-            )
-        return
-    if name_or_path.rstrip("/").endswith("/pretrain"):  # model=tiny's place for the embedded backbone
-        raise UserError(
-            f"no backbone at {name_or_path}: run `python -m medusa_train stage=pretrain` first (model=tiny), "
-            "or pass model=hf model.name_or_path=<hub id or directory>"
-        )
-    if is_local_path(name_or_path):
-        raise UserError(
-            f"model.name_or_path={name_or_path}: no such directory here (a Hub id has the form org/name): "
-            "give the directory that holds the model's config.json, or a Hub id"
-        )
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -399,28 +368,6 @@ def _repair_backbone(name_or_path: str) -> str:
     if Path(name_or_path).name == PRETRAIN:
         return "run `python -m medusa_train stage=pretrain pretrain.overwrite=true` to pretrain it again"
     return "copy or download the checkpoint again"
-
-
-ADAPTER_CONFIG = "adapter_config.json"
-"""A peft adapter directory (Medusa-2 with LoRA/QLoRA saves only the adapter) holds this file."""
-
-
-def is_adapter_dir(path: str | os.PathLike) -> bool:
-    """True for a peft adapter directory (no model of its own: it needs its base model)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def _adapter_is_no_model(path: Path) -> str:
-    """The one line for ``model.name_or_path`` naming a LoRA adapter (Medusa-2's ``heads/backbone``)."""
-    try:
-        base = json.loads((path / ADAPTER_CONFIG).read_bytes()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        base = None
-    return (
-        f"model.name_or_path={path} is a LoRA adapter, not a whole model: pass its base model"
-        + (f" ({base})" if isinstance(base, str) and base else "")
-        + " (eval and export merge the adapter shipped with the heads into it)"
-    )
 
 
 RETRAIN_MEDUSA2 = (

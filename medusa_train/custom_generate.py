@@ -98,12 +98,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa_train import __version__
 from medusa_train.backbone import (
-    is_adapter_dir,
     is_files_fingerprint,
     local_fingerprints,
     recorded_base,
     trained_backbone_dir,
 )
+from medusa_train.backbone_source import is_adapter_dir
 from medusa_train.card_inputs import calibration_input, read_checked
 from medusa_train.decoding.attention import (
     ATTENTION_CHOICES,

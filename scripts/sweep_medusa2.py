@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from medusa_train.backbone import is_adapter_dir, load_backbone, merge_adapter  # noqa: E402
+from medusa_train.backbone import load_backbone, merge_adapter  # noqa: E402
+from medusa_train.backbone_source import is_adapter_dir  # noqa: E402
 from medusa_train.data.chat import ChatRenderer, eos_token_ids  # noqa: E402
 from medusa_train.data.distilled import load_distilled, split_heldout  # noqa: E402
 from medusa_train.decoding import MEDUSA_63, PackedHeads, TreeBuffers, load_choices, medusa_generate  # noqa: E402

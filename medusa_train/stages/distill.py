@@ -67,7 +67,6 @@ from tqdm.auto import tqdm
 from medusa_train import dist
 from medusa_train.backbone import (
     backbone_identity,
-    check_backbone_source,
     checkpoint_fingerprint,
     hf_source,
     load_configured_backbone,
@@ -80,6 +79,7 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from medusa_train.backbone_source import check_backbone_source
 from medusa_train.config import Config, DataConfig, DistillConfig, ModelConfig
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import (

@@ -61,7 +61,6 @@ from medusa_train.backbone import (
     backbone_drift,
     backbone_identity,
     hf_source,
-    is_local_path,
     load_backbone_for_heads,
     load_configured_backbone,
     older_fingerprint,
@@ -70,6 +69,7 @@ from medusa_train.backbone import (
     resolve_device,
     same_path,
 )
+from medusa_train.backbone_source import is_local_path
 from medusa_train.card_inputs import calibration_input, shape_problem
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
@@ -903,7 +903,7 @@ def vllm_chain(
 
 
 def _check_assistant_source(name_or_path: str) -> None:
-    """``eval.assistant_model`` spelt as a local path (:func:`~medusa_train.backbone.is_local_path`)
+    """``eval.assistant_model`` spelt as a local path (:func:`~medusa_train.backbone_source.is_local_path`)
     names an existing directory with a config.json; a Hub id is left to the download."""
     path = Path(name_or_path).expanduser()
     if path.exists() or is_local_path(name_or_path):

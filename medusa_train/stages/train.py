@@ -58,7 +58,6 @@ from medusa_train import __version__, dist
 from medusa_train.backbone import (
     DTYPES,
     backbone_identity,
-    check_backbone_source,
     identity_content,
     load_configured_backbone,
     older_fingerprint,
@@ -66,6 +65,7 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from medusa_train.backbone_source import check_backbone_source
 from medusa_train.card_inputs import CALIBRATION_INPUT, shape_problem
 from medusa_train.config import Config, TrainingConfig
 from medusa_train.data.distilled import check_made_by, data_key, load_distilled, read_manifest

@@ -39,7 +39,8 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.utils import CONFIG_NAME
 
-from medusa_train.backbone import ADAPTER_CONFIG, load_configured_backbone, load_trained_backbone
+from medusa_train.backbone import load_configured_backbone, load_trained_backbone
+from medusa_train.backbone_source import ADAPTER_CONFIG
 from medusa_train.heads import MedusaHeads
 from medusa_train.training import medusa2
 from medusa_train.training.losses import HeadLoss

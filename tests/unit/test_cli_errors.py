@@ -356,6 +356,7 @@ def test_a_folder_the_stage_does_not_write_is_not_checked(
     _deny_access(monkeypatch, root / folder)
     ran: list[str] = []
     monkeypatch.setattr("medusa_train.__main__.get_stage", lambda name: lambda cfg: ran.append(name) or {})
+    monkeypatch.setattr("medusa_train.__main__.check_inputs", lambda cfg: None)  # no stage runs
     assert main([f"workdir={root}", f"stage={stage}", "debug=fast", "tracking=disabled"]) == 0
     assert ran == [stage]
 
@@ -381,6 +382,7 @@ def test_a_read_only_finished_output_is_reused_and_refused_with_overwrite(
     _deny_access(monkeypatch, root / folder / "shards")
     ran: list[str] = []
     monkeypatch.setattr("medusa_train.__main__.get_stage", lambda name: lambda cfg: ran.append(name) or {})
+    monkeypatch.setattr("medusa_train.__main__.check_inputs", lambda cfg: None)  # no stage runs
     args = [f"workdir={root}", "debug=fast", "tracking=disabled"]
     assert main([*args, f"stage={stage}"]) == 0 and ran == [stage]
     assert main([*args, f"stage={stage}", f"{stage}.overwrite=true"]) == 2
@@ -400,6 +402,7 @@ def test_world_size_without_a_launcher_is_one_line_before_any_stage(
     for name in ("RANK", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    monkeypatch.setattr("medusa_train.__main__.check_inputs", lambda cfg: None)  # no stage runs
     assert main([f"workdir={tmp_path}", "stage=train", "debug=fast", "tracking=disabled"]) == 2
     line = _error_line(capsys)
     assert "WORLD_SIZE=2 is set but not RANK, MASTER_PORT: start the ranks with torchrun" in line, line

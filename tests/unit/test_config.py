@@ -181,11 +181,11 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "stage=" in capsys.readouterr().out
 
 
-# Runs ``python -m medusa_train <flag>`` in a fresh interpreter (runpy is what ``-m`` uses) and
-# prints the exit code and which heavy packages the help path imported.
+# Runs ``python -m medusa_train <args>`` in a fresh interpreter (runpy is what ``-m`` uses) and
+# prints the exit code and which heavy packages the run imported.
 _HELP_PROBE = """
 import runpy, sys
-sys.argv = ["medusa_train", sys.argv[1]]
+sys.argv = ["medusa_train", *sys.argv[1:]]
 try:
     runpy.run_module("medusa_train", run_name="__main__", alter_sys=True)
 except SystemExit as exit:
@@ -210,6 +210,48 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
     else:
         assert "stage=<pretrain|distill|train|export|eval|all>" in proc.stdout and "--cfg" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 0 ['hydra']", proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["stage=train"],
+            "distilled data not found at {workdir}/distill: run `python -m medusa_train stage=distill`",
+        ),
+        (
+            ["stage=export"],
+            "trained heads not found at {workdir}/heads: run `python -m medusa_train stage=train`",
+        ),
+        (["stage=eval"], "trained heads not found at {workdir}/heads"),
+        (
+            ["stage=distill", "model=hf", "model.name_or_path={workdir}/nope"],
+            "={workdir}/nope: no such directory",
+        ),
+        (
+            ["stage=all", "model=hf", "model.name_or_path={workdir}/nope"],
+            "={workdir}/nope: no such directory",
+        ),
+        (["stage=train", "model=hf", "model.name_or_path=./nope"], "distilled data not found"),
+    ],
+)
+def test_a_missing_input_is_told_before_the_stage_is_imported(
+    tmp_path: Path, args: list[str], needle: str
+) -> None:
+    """A wrong ``workdir=``, a stage not run yet or a mistyped backbone directory: the one line comes
+    before the stage's import (torch, transformers: seconds), with nothing written."""
+    workdir = tmp_path / "run"
+    argv = [a.format(workdir=workdir) for a in args]
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_PROBE, f"workdir={workdir}", *argv],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 2 ['hydra']", proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert needle.format(workdir=workdir) in proc.stderr, proc.stderr
+    assert not workdir.exists()
 
 
 # One bad value per line, each for a field whose range __post_init__ checks: the message
