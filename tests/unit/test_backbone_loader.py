@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers.utils
 from huggingface_hub import constants
 from safetensors.torch import load_file, save_file
 
@@ -26,6 +27,7 @@ from medusa_train.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from medusa_train.backbone_source import CONFIG_NAME
 from medusa_train.config import ModelConfig, compose_config
 from medusa_train.data.chat import ChatRenderer
 from medusa_train.data.sources import Conversation
@@ -50,6 +52,11 @@ def test_frozen_load_has_no_gradients(tmp_path: Path) -> None:
     model, tok = load_backbone(str(tmp_path / "m"))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tok.padding_side == "left" and tok.pad_token is not None
+
+
+def test_backbone_source_looks_for_the_config_file_transformers_reads() -> None:
+    """backbone_source spells out the file name transformers reads a model directory's config from."""
+    assert CONFIG_NAME == transformers.utils.CONFIG_NAME
 
 
 def test_missing_local_backbone_names_the_stage(tmp_path: Path) -> None:
