@@ -58,8 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from medusa_train.data.embedded import embedded_prompts
 from medusa_train.errors import UserError
 
@@ -238,6 +236,23 @@ def _parser(fmt: str, prompt_key: str):
 # raw record iterators: yield (source_id, number, raw record or _Bad)
 
 
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+"""The files ``data.format=text`` reads from a directory; every other format reads ``.json`` and ``.jsonl``."""
+
+
+def source_files(fmt: str, path: str | Path | None) -> list[Path]:
+    """The files of the ``data.format=fmt`` source at ``data.path=path`` (a format read from files: not
+    embedded or hub): the file itself, or the directory's files of the format's suffixes, sorted.
+    The standard library only: the CLI checks a source with it before importing a stage.
+
+    Raises:
+        UserError: no path given, nothing at ``path``, or a directory without such files.
+    """
+    if not path:
+        raise UserError(f"data.format={fmt} needs data.path=<file>")
+    return _files(Path(path).expanduser(), TEXT_SUFFIXES if fmt == "text" else (".json", ".jsonl"))
+
+
 def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
     if not path.exists():
         raise UserError(f"data.path={path} does not exist")
@@ -317,6 +332,8 @@ def _text_chunks(text: str, size: int) -> Iterator[tuple[int, str]]:
 
 def _load_hub(name: str, subset: str | None, split: str, data_files: str | None):
     """A ``datasets`` split: a ``save_to_disk`` directory, or anything ``load_dataset`` accepts."""
+    import datasets  # here, not at the top: the CLI checks a source's files (source_files) before any stage
+
     local = Path(name).expanduser()
     try:
         if local.is_dir() and (
@@ -397,13 +414,11 @@ def read_records(
         return _collect(
             raw, _parser(hub_format, prompt_key), f"dataset {name} ({split})", strict, max_records
         )
-    if not path:
-        raise UserError(f"data.format={fmt} needs data.path=<file>")
+    files = source_files(fmt, path)
     root = Path(path).expanduser()
     if fmt == "text":
         if text_prompt_chars <= 0:
             raise UserError(f"data.text_prompt_chars={text_prompt_chars} must be > 0")
-        files = _files(root, (".txt", ".text", ".md"))
 
         def chunks() -> Iterator[tuple[str, int, Any]]:
             for file in files:
@@ -412,7 +427,6 @@ def read_records(
                     yield f"{fname}:{line}", line, {"prompt": chunk}
 
         return _collect(chunks(), _make_jsonl_parser("prompt"), str(root), strict, max_records)
-    files = _files(root, (".json", ".jsonl"))
     records = _iter_json_records(files, root)
     return _collect(records, _parser(fmt, prompt_key), str(root), strict, max_records, fmt, options)
 

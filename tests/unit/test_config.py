@@ -233,15 +233,32 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             "={workdir}/nope: no such directory",
         ),
         (["stage=train", "model=hf", "model.name_or_path=./nope"], "distilled data not found"),
+        (
+            ["stage=distill", "data=jsonl", "data.path={workdir}/p.jsonl"],
+            "data.path={workdir}/p.jsonl does not",
+        ),
+        (
+            ["stage=distill", "data=sharegpt", "data.path={tmp}"],
+            "={tmp} is a directory without .json or .jsonl",
+        ),
+        (
+            ["stage=all", "data=text", "data.path={workdir}/corpus.txt"],
+            "data.path={workdir}/corpus.txt does not",
+        ),
+        # the stage's order: its data source first, then the backbone
+        (
+            ["stage=distill", "model=hf", "model.name_or_path=./nope", "data=jsonl", "data.path=./p.jsonl"],
+            "p.jsonl does",
+        ),
     ],
 )
 def test_a_missing_input_is_told_before_the_stage_is_imported(
     tmp_path: Path, args: list[str], needle: str
 ) -> None:
-    """A wrong ``workdir=``, a stage not run yet or a mistyped backbone directory: the one line comes
-    before the stage's import (torch, transformers: seconds), with nothing written."""
+    """A wrong ``workdir=``, a stage not run yet, a mistyped data path or backbone directory: the one
+    line comes before the stage's import (torch, transformers: seconds), with nothing written."""
     workdir = tmp_path / "run"
-    argv = [a.format(workdir=workdir) for a in args]
+    argv = [a.format(workdir=workdir, tmp=tmp_path) for a in args]
     proc = subprocess.run(
         [sys.executable, "-c", _HELP_PROBE, f"workdir={workdir}", *argv],
         capture_output=True,
@@ -250,7 +267,7 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
     )
     assert proc.stdout.rstrip().splitlines()[-1] == "EXIT 2 ['hydra']", proc.stdout + proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
-    assert needle.format(workdir=workdir) in proc.stderr, proc.stderr
+    assert needle.format(workdir=workdir, tmp=tmp_path) in proc.stderr, proc.stderr
     assert not workdir.exists()
 
 
