@@ -253,6 +253,19 @@ def source_files(fmt: str, path: str | Path | None) -> list[Path]:
     return _files(Path(path).expanduser(), TEXT_SUFFIXES if fmt == "text" else (".json", ".jsonl"))
 
 
+def check_prompts_file(path: str) -> None:
+    """``eval.path``, the prompts file of ``eval.prompts=mtbench|jsonl``, is a file (checked by the
+    CLI before any stage: ``stage=all`` would otherwise find a mistyped one after training).
+
+    Raises:
+        UserError: a directory, or nothing at ``path``.
+    """
+    if Path(path).is_dir():
+        raise UserError(f"eval.path={path} is a directory: give the prompts file itself")
+    if not Path(path).is_file():
+        raise UserError(f"eval.path={path} does not exist")
+
+
 def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:
     if not path.exists():
         raise UserError(f"data.path={path} does not exist")

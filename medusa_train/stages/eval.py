@@ -74,7 +74,7 @@ from medusa_train.card_inputs import calibration_input, shape_problem
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
-from medusa_train.data.sources import Conversation, read_records
+from medusa_train.data.sources import Conversation, check_prompts_file, read_records
 from medusa_train.decoding import (
     PackedHeads,
     TreeBuffers,
@@ -537,10 +537,7 @@ def load_eval_prompts(ecfg: EvalConfig) -> list[Conversation]:
             turns = [m["content"] for m in conv if m["role"] == "user"]
             prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
     else:
-        if Path(ecfg.path).is_dir():
-            raise UserError(f"eval.path={ecfg.path} is a directory: give the prompts file itself")
-        if not Path(ecfg.path).is_file():
-            raise UserError(f"eval.path={ecfg.path} does not exist")
+        check_prompts_file(ecfg.path)
         result = read_records(
             ecfg.prompts,
             ecfg.path,

@@ -245,6 +245,14 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             ["stage=all", "data=text", "data.path={workdir}/corpus.txt"],
             "data.path={workdir}/corpus.txt does not",
         ),
+        (
+            ["stage=all", "eval.prompts=jsonl", "eval.path={workdir}/q.jsonl"],
+            "eval.path={workdir}/q.jsonl does not",
+        ),
+        (
+            ["stage=eval", "eval.heads_dir={tmp}", "eval.prompts=mtbench", "eval.path={tmp}"],
+            "={tmp} is a directory",
+        ),
         # the stage's order: its data source first, then the backbone
         (
             ["stage=distill", "model=hf", "model.name_or_path=./nope", "data=jsonl", "data.path=./p.jsonl"],
