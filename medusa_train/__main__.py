@@ -28,7 +28,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from medusa_train.backbone_source import check_backbone_source
+from medusa_train.backbone_source import check_assistant_source, check_backbone_source
 from medusa_train.config import Config, compose_config
 from medusa_train.data.sources import check_prompts_file, source_files
 from medusa_train.errors import UserError, environment_fault
@@ -171,7 +171,8 @@ def _outputs(cfg: Config) -> tuple[Path, ...]:
 def check_inputs(cfg: Config) -> None:
     """Refuse at once a run whose first stage lacks its input: the output of an earlier stage in the
     same workdir (a wrong ``workdir=``, a stage not run yet), the files of ``data.path``, a backbone
-    directory that is not there, or eval's prompts file (``eval.path``). Importing a stage takes seconds (torch, transformers, peft,
+    directory that is not there, or eval's prompts file (``eval.path``) or draft model's directory
+    (``eval.assistant_model``). Importing a stage takes seconds (torch, transformers, peft,
     datasets) and each stage checks these first anyway, with the same messages (a stage can be called
     as a library): here the same checks come before that import, in the stages' order.
     ``stage=all`` makes each later stage's input as it goes. ``model=tiny``'s backbone
@@ -187,6 +188,8 @@ def check_inputs(cfg: Config) -> None:
         check_backbone_source(cfg.model.name_or_path)
     if cfg.stage in ("eval", "all") and cfg.eval.prompts != "embedded":
         check_prompts_file(cfg.eval.path)  # stage=all: found after training otherwise
+    if cfg.stage in ("eval", "all") and cfg.eval.assistant_model:
+        check_assistant_source(cfg.eval.assistant_model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """A backbone's source, ``model.name_or_path`` (a local directory or a Hub id), checked with the
 standard library only: the CLI checks it before it imports a stage (torch and transformers take
 seconds to import), so a mistyped path is told at once; :mod:`medusa_train.backbone` checks it again
-before it loads anything (a stage called as a library). A LoRA adapter's folder is told apart here
-too (Medusa-2 with LoRA/QLoRA saves only the adapter, with no model of its own).
+before it loads anything (a stage called as a library). The same for eval's draft model
+(``eval.assistant_model``). A LoRA adapter's folder is told apart here too (Medusa-2 with LoRA/QLoRA
+saves only the adapter, with no model of its own).
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def check_backbone_source(name_or_path: str) -> None:
             f"model.name_or_path={name_or_path}: no such directory here (a Hub id has the form org/name): "
             "give the directory that holds the model's config.json, or a Hub id"
         )
+
+
+def check_assistant_source(name_or_path: str) -> None:
+    """``eval.assistant_model`` spelt as a local path (:func:`is_local_path`)
+    names an existing directory with a config.json; a Hub id is left to the download."""
+    path = Path(name_or_path).expanduser()
+    if path.exists() or is_local_path(name_or_path):
+        if not (path / CONFIG_NAME).is_file():
+            reason = (
+                "is not a Hugging Face model directory (no config.json)"
+                if path.exists()
+                else "does not exist"
+            )
+            raise UserError(
+                f"eval.assistant_model={name_or_path} {reason}: give a Hugging Face causal LM "
+                "name or directory, or eval.assistant_model=null"
+            )
 
 
 def is_adapter_dir(path: str | os.PathLike) -> bool:

@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
-from transformers.utils import CONFIG_NAME
 
 from medusa_train.backbone import (
     backbone_drift,
@@ -69,7 +68,7 @@ from medusa_train.backbone import (
     resolve_device,
     same_path,
 )
-from medusa_train.backbone_source import is_local_path
+from medusa_train.backbone_source import check_assistant_source
 from medusa_train.card_inputs import calibration_input, shape_problem
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
@@ -174,7 +173,7 @@ def run(cfg: Config) -> dict:
     for entry in ecfg.compare:  # decoded in 9., after the main run: a wrong one must not wait for that
         _compare_dir(Path(entry))
     if ecfg.assistant_model:  # loaded after the backbone: a missing directory must not wait for that
-        _check_assistant_source(ecfg.assistant_model)
+        check_assistant_source(ecfg.assistant_model)
     device = resolve_device(cfg.model.device)
     with start_tracking(cfg.tracking, wd.root, "eval", config=asdict(cfg)) as tracker:
         return _evaluate(cfg, wd, tracker, heads_dir, heads, fingerprint, choices, prompts, device)
@@ -897,23 +896,6 @@ def vllm_chain(
         )
     log.info("vLLM top-1 chain tau for n = 1..%d: %s", num_heads, ", ".join(f"{r['tau']:.2f}" for r in rows))
     return rows
-
-
-def _check_assistant_source(name_or_path: str) -> None:
-    """``eval.assistant_model`` spelt as a local path (:func:`~medusa_train.backbone_source.is_local_path`)
-    names an existing directory with a config.json; a Hub id is left to the download."""
-    path = Path(name_or_path).expanduser()
-    if path.exists() or is_local_path(name_or_path):
-        if not (path / CONFIG_NAME).is_file():
-            reason = (
-                "is not a Hugging Face model directory (no config.json)"
-                if path.exists()
-                else "does not exist"
-            )
-            raise UserError(
-                f"eval.assistant_model={name_or_path} {reason}: give a Hugging Face causal LM "
-                "name or directory, or eval.assistant_model=null"
-            )
 
 
 def load_assistant(name_or_path: str, model) -> torch.nn.Module:

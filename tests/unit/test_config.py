@@ -253,6 +253,10 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             ["stage=eval", "eval.heads_dir={tmp}", "eval.prompts=mtbench", "eval.path={tmp}"],
             "={tmp} is a directory",
         ),
+        (
+            ["stage=all", "eval.assistant_model={workdir}/draft"],
+            "eval.assistant_model={workdir}/draft does not exist",
+        ),
         # the stage's order: its data source first, then the backbone
         (
             ["stage=distill", "model=hf", "model.name_or_path=./nope", "data=jsonl", "data.path=./p.jsonl"],
