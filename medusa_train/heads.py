@@ -469,15 +469,16 @@ class MedusaHeads(nn.Module):
         self.to(next(iter(state.values())).dtype)
         self.heads.load_state_dict(state, strict=True)
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | os.PathLike,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-    ) -> MedusaHeads:
-        """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa). Shared heads
-        come back unbound (:meth:`attach` them to their backbone)."""
+    @staticmethod
+    def check_directory(directory: str | os.PathLike) -> tuple[dict, Path]:
+        """The checks :meth:`from_pretrained` makes before it reads any weight, each a
+        :class:`HeadsFormatError`: the config and weights files are there, the config is a JSON object
+        and the weights file's safetensors header matches its size. Cheap (no tensor is read): a stage
+        checks heads it will load only later with it.
+
+        Returns:
+            ``(config, weights file)``.
+        """
         directory = Path(directory)
         config_path, weights_path = directory / HEADS_CONFIG, directory / HEADS_WEIGHTS
         if not config_path.is_file() or not weights_path.is_file():
@@ -491,6 +492,19 @@ class MedusaHeads(nn.Module):
         if not isinstance(config, dict):
             raise HeadsFormatError(f"{config_path} is damaged (not a JSON object)")
         safetensors_shapes(weights_path)
+        return config, weights_path
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> MedusaHeads:
+        """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa). Shared heads
+        come back unbound (:meth:`attach` them to their backbone)."""
+        directory = Path(directory)
+        config, weights_path = cls.check_directory(directory)
         try:
             state = load_file(str(weights_path))
         except SafetensorError as err:

@@ -48,6 +48,7 @@ import logging
 import pickle
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -151,6 +152,9 @@ def run(cfg: Config) -> dict:
         # The distilled data names its backbone's vocabulary: N >= V is refused before any load.
         check_draft_vocab_size(tc.draft_vocab_size, distilled_vocab)
     check_backbone_source(cfg.model.name_or_path)
+    if tc.init_heads:  # loaded in step 5, after the backbone: a folder of no heads must not wait for that
+        with _init_heads_refusal():
+            MedusaHeads.check_directory(tc.init_heads)
     device = resolve_device(cfg.model.device)
     recipe.check()
     ds_config = _deepspeed(cfg, recipe, device)
@@ -688,10 +692,8 @@ def _initial_heads(
     # prediction head maps it to another), nor always the config's hidden_size (OPT-350m projects it)
     want = (hidden_width(backbone), identity["vocab_size"], tc.num_heads, tc.num_layers)
     if tc.init_heads:
-        try:
+        with _init_heads_refusal():
             heads = MedusaHeads.from_pretrained(tc.init_heads)
-        except HeadsFormatError as err:
-            raise UserError(f"training.init_heads: {err}") from None
         got = (heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers)
         if got != want:
             raise UserError(
@@ -719,6 +721,15 @@ def _initial_heads(
     if tc.init_from_lm_head and tc.head_projection != "shared":
         heads.init_from_lm_head(backbone.get_output_embeddings().weight.detach().float())
     return heads
+
+
+@contextlib.contextmanager
+def _init_heads_refusal() -> Iterator[None]:
+    """Reading ``training.init_heads``: a heads folder that is missing or damaged, as one line."""
+    try:
+        yield
+    except HeadsFormatError as err:
+        raise UserError(f"training.init_heads: {err}") from None
 
 
 def _attach(heads: MedusaHeads, backbone: PreTrainedModel, cfg: Config) -> MedusaHeads:

@@ -442,6 +442,27 @@ def test_init_heads_of_another_backbone_is_refused(tmp_path):
     assert not (root / "heads").exists()
 
 
+@pytest.mark.parametrize("damage", ["missing", "no weights", "weights cut short"])
+def test_init_heads_that_cannot_load_are_refused_before_the_backbone_loads(tmp_path, monkeypatch, damage):
+    """A mistyped or damaged training.init_heads was found only after the backbone had loaded (minutes
+    for a large one): now in step 1, from its files' headers."""
+    root = make_train_workdir(tmp_path)
+    heads_dir = tmp_path / "init_heads"
+    if damage != "missing":
+        MedusaHeads(32, 64, 3, 1).save_pretrained(heads_dir)
+        weights = heads_dir / "medusa_lm_head.safetensors"
+        if damage == "no weights":
+            weights.unlink()
+        else:
+            weights.write_bytes(weights.read_bytes()[:-8])
+    loads: list = []
+    monkeypatch.setattr(train_stage, "load_configured_backbone", lambda *a, **k: loads.append(a))
+    with pytest.raises(UserError, match="training.init_heads: ") as err:
+        run(train_cfg(root, f"training.init_heads={heads_dir}"))
+    assert str(heads_dir) in str(err.value) and not loads
+    assert not (root / "heads").exists() and not (root / "train").exists()
+
+
 def test_a_backbone_no_tree_decoder_verifies_is_refused_before_training(tmp_path, monkeypatch):
     """A backbone that keeps a recurrent state (the tiny Llama marked stateful, as transformers marks RWKV
     and xLSTM): no tree decoder can verify its trees, so heads trained on it could never be used; it is
