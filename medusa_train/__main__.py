@@ -169,26 +169,30 @@ def _outputs(cfg: Config) -> tuple[Path, ...]:
 
 
 def check_inputs(cfg: Config) -> None:
-    """Refuse at once a run whose first stage lacks its input: the output of an earlier stage in the
-    same workdir (a wrong ``workdir=``, a stage not run yet), the files of ``data.path``, a backbone
+    """Refuse at once a run whose stages lack an input: the output of an earlier stage in the same
+    workdir (a wrong ``workdir=``, a stage not run yet), the files of ``data.path``, a backbone
     directory that is not there, or eval's prompts file (``eval.path``) or draft model's directory
     (``eval.assistant_model``). Importing a stage takes seconds (torch, transformers, peft,
-    datasets) and each stage checks these first anyway, with the same messages (a stage can be called
-    as a library): here the same checks come before that import, in the stages' order.
-    ``stage=all`` makes each later stage's input as it goes. ``model=tiny``'s backbone
-    (``stage=pretrain``'s) is left to the stages: distill reads its data source first."""
+    datasets) and each stage checks these anyway, with the same messages (a stage can be called as a
+    library): here the checks that need none of those come before that import. Where two inputs are
+    wrong, the first one named may not be the one the stage would name first (its other checks need
+    torch). ``stage=all`` makes each later stage's workdir input as it goes; ``model=tiny``'s backbone
+    (``stage=pretrain``'s) is left to the stages (distill reads its data source first), and so is
+    ``data=text``'s corpus for pretrain (its own rule: one file). Export and eval run on rank 0 only,
+    as the stages do (the other ranks of a launch return at once)."""
     wd = Workdir(Path(cfg.workdir))
+    first_rank = os.environ.get("RANK", "0") == "0"  # dist.is_main, without importing torch
     if cfg.stage == "train":
         require(wd.distill, "distilled data", "distill")
-    if cfg.stage in ("export", "eval") and not getattr(cfg, cfg.stage).heads_dir:
+    if cfg.stage in ("export", "eval") and first_rank and not getattr(cfg, cfg.stage).heads_dir:
         require(wd.heads, "trained heads", "train")
     if cfg.stage in ("distill", "all") and cfg.data.format not in ("embedded", "hub"):
-        source_files(cfg.data.format, cfg.data.path)  # stage=all: pretrain reads data=text's files too
+        source_files(cfg.data.format, cfg.data.path)  # distill's rule
     if cfg.stage in ("distill", "train", "all") and not cfg.model.embedded:
         check_backbone_source(cfg.model.name_or_path)
-    if cfg.stage in ("eval", "all") and cfg.eval.prompts != "embedded":
+    if cfg.stage in ("eval", "all") and first_rank and cfg.eval.prompts != "embedded":
         check_prompts_file(cfg.eval.path)  # stage=all: found after training otherwise
-    if cfg.stage in ("eval", "all") and cfg.eval.assistant_model:
+    if cfg.stage in ("eval", "all") and first_rank and cfg.eval.assistant_model:
         check_assistant_source(cfg.eval.assistant_model)
 
 

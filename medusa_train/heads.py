@@ -503,7 +503,6 @@ class MedusaHeads(nn.Module):
     ) -> MedusaHeads:
         """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa). Shared heads
         come back unbound (:meth:`attach` them to their backbone)."""
-        directory = Path(directory)
         config, weights_path = cls.check_directory(directory)
         try:
             state = load_file(str(weights_path))

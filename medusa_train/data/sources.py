@@ -237,7 +237,7 @@ def _parser(fmt: str, prompt_key: str):
 
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
-"""The files ``data.format=text`` reads from a directory; every other format reads ``.json`` and ``.jsonl``."""
+"""The files ``data.format=text`` reads from a directory (every other format: ``.json``, ``.jsonl``)."""
 
 
 def source_files(fmt: str, path: str | Path | None) -> list[Path]:
@@ -260,9 +260,10 @@ def check_prompts_file(path: str) -> None:
     Raises:
         UserError: a directory, or nothing at ``path``.
     """
-    if Path(path).is_dir():
+    file = Path(path).expanduser()  # as read_records reads it
+    if file.is_dir():
         raise UserError(f"eval.path={path} is a directory: give the prompts file itself")
-    if not Path(path).is_file():
+    if not file.is_file():
         raise UserError(f"eval.path={path} does not exist")
 
 

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from medusa_train.__main__ import main, strip_launcher_args
+from medusa_train.__main__ import check_inputs, main, strip_launcher_args
 from medusa_train.config import CONF_DIR, Config, compose_config, register_configs
-from medusa_train.errors import ConfigError
+from medusa_train.errors import ConfigError, UserError
 
 # Options that need a value no default can supply (a file, a hub id, a tree).
 REQUIRED = {
@@ -281,6 +281,52 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
     assert needle.format(workdir=workdir, tmp=tmp_path) in proc.stderr, proc.stderr
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["stage=distill", "model=hf", "model.name_or_path=Qwen/Qwen2-0.5B"],  # a Hub id: left to the download
+        ["stage=all", "model=hf", "model.name_or_path=gpt2", "data=hub", "data.name=org/chats"],
+        [
+            "stage=distill",
+            "model=hf",
+            "model.name_or_path='~/backbone'",
+            "data=jsonl",
+            "data.path='~/p.jsonl'",
+        ],
+        ["stage=all", "eval.prompts=jsonl", "eval.path='~/p.jsonl'", "eval.assistant_model=org/draft"],
+        ["stage=all"],  # model=tiny: pretrain makes the backbone
+        ["stage=eval", "eval.heads_dir={tmp}/elsewhere", "eval.prompts=mtbench", "eval.path='~/p.jsonl'"],
+        ["stage=export", "export.heads_dir={tmp}/elsewhere"],
+        ["stage=train", "training.init_heads={tmp}/elsewhere"],  # the workdir's distill/ is there
+    ],
+)
+def test_inputs_that_are_there_pass_the_check_before_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """What the check before a stage's import lets through: Hub ids, ``~`` paths, data=hub, the
+    embedded backbone stage=all makes, heads folders given instead of the workdir's."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n')
+    (tmp_path / "backbone").mkdir()
+    (tmp_path / "backbone" / "config.json").write_text("{}")
+    (tmp_path / "run" / "distill").mkdir(parents=True)
+    cfg = compose_config([f"workdir={tmp_path / 'run'}", *(a.format(tmp=tmp_path) for a in args)])
+    assert check_inputs(cfg) is None
+
+
+def test_export_and_eval_inputs_are_checked_on_the_first_rank_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other ranks of a launch return from export and eval at once, without reading anything."""
+    for stage in ("export", "eval"):
+        cfg = compose_config([f"workdir={tmp_path}", f"stage={stage}"])
+        monkeypatch.setenv("RANK", "1")
+        assert check_inputs(cfg) is None
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(UserError, match="trained heads not found"):
+            check_inputs(cfg)
 
 
 # One bad value per line, each for a field whose range __post_init__ checks: the message
