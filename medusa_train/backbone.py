@@ -51,7 +51,7 @@ from transformers.utils import (
 
 from medusa_train.backbone_source import ADAPTER_CONFIG, check_backbone_source, is_adapter_dir
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
-from medusa_train.formats import LAYOUTS, read_heads_config
+from medusa_train.heads_layout import LAYOUTS, read_heads_config
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import (
     HEADS,

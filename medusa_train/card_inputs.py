@@ -6,10 +6,11 @@ writes it again); :func:`shape_problem` says what makes a parsed file other than
 holds eval's report.json and distill's manifest descriptions), stage=export, stage=eval,
 stage=train and ``custom_generate`` all check calibration.json here, against
 :data:`CALIBRATION_INPUT` (a copy inside an export: :data:`EXPORTED_CALIBRATION_INPUT`, the same
-entries, another repair): a file one of them takes as damaged, each of them does.
+entries, another repair): a file one of them takes as damaged, each of them does. Eval's reading
+of it is here too (:func:`stored_topk`, :func:`read_calibration`): it refuses a damaged one.
 
-Standard library and :mod:`medusa_train.formats` only (no datasets or pandas): ``custom_generate``
-reads calibration.json inside ``model.generate``.
+Standard library only (no torch, datasets or pandas): ``custom_generate`` reads calibration.json
+inside ``model.generate``, and the CLI checks ``eval.compare``'s before it imports a stage.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from medusa_train.formats import layout_dir
+from medusa_train.errors import DamagedArtefactError
+from medusa_train.heads_layout import layout_dir
+from medusa_train.workdir import CALIBRATION, read_json
 
 NUMBER = (int, float)
 """A JSON number (a JSON ``true``/``false`` is not one, though Python's bool is an int)."""
@@ -92,6 +95,62 @@ def calibration_input(folder: Path) -> CardInput:
     """How the calibration.json in ``folder`` is checked and repaired: an export's copy (``folder``
     holds a serving layout) or stage=train's own."""
     return EXPORTED_CALIBRATION_INPUT if layout_dir(folder) != folder else CALIBRATION_INPUT
+
+
+def calibration_topk(calibration: dict | None) -> list[list[float]] | None:
+    """The per-head cumulative top-k accuracy table ``(K, R)`` of a calibration.json, if it has one."""
+    value = (calibration or {}).get("head_topk_accuracy")
+    if isinstance(value, list) and value and all(isinstance(row, list) and row for row in value):
+        return [[float(x) for x in row] for row in value]
+    return None
+
+
+_WITHOUT_CALIBRATION = "or delete it to evaluate the tree without it"
+
+
+def calibration_files(heads_dir: Path) -> list[Path]:
+    """The calibration.json files eval reads, in order: beside the heads, then one folder up (an
+    export's, for heads in its ``medusa/`` or ``vllm/``)."""
+    return [p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()]
+
+
+def stored_topk(heads_dir: Path) -> tuple[list[list[float]], Path] | None:
+    """The head accuracy table ``(K, R)`` of the first of :func:`calibration_files` that has one, and
+    that file; None when none has. Each file read is checked (:func:`read_calibration`): the files
+    it reads include the one :func:`~medusa_train.stages.eval.fit_tree_to_device` reads, so a call before the backbone loads
+    refuses a damaged one there.
+
+    Raises:
+        DamagedArtefactError: a calibration.json read is damaged.
+    """
+    for path in calibration_files(heads_dir):
+        topk = calibration_topk(read_calibration(path))
+        if topk:
+            return topk, path
+    return None
+
+
+def read_calibration(path: Path) -> dict:
+    """The calibration.json at ``path`` (stage=train's, or the copy an export ships), checked entry by
+    entry as the export's card checks it (:func:`calibration_input`).
+
+    Refused, as one that does not parse is: eval can neither say where the stored tree was fitted nor
+    fit it again without the file, so going on would evaluate something else than asked, silently;
+    deleting the file is how to evaluate the tree without it (as eval does where there is none). The
+    repair named: stage=train for the heads' own, stage=export (after stage=train where the heads'
+    own is damaged too) for an export's copy.
+
+    Raises:
+        DamagedArtefactError: unreadable, not valid JSON (not UTF-8, nested too deep), not an object,
+            or an entry of the wrong type or missing; one line naming the file and the repair.
+    """
+    expected = calibration_input(path.parent)
+    repair = f"{expected.repair}, {_WITHOUT_CALIBRATION}"
+    calibration = read_json(path, repair=repair)
+    problem = shape_problem(calibration, expected)
+    if problem is not None:
+        raise DamagedArtefactError(f"{path} is damaged ({problem}): {repair}")
+    return calibration
 
 
 def read_checked(path: Path, expected: CardInput) -> tuple[dict | None, str | None]:

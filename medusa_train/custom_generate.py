@@ -132,7 +132,8 @@ from medusa_train.decoding.static import (
 )
 from medusa_train.decoding.tree import TreeBuffers, TreeError, load_choices
 from medusa_train.errors import HeadsFormatError
-from medusa_train.formats import MEDUSA, VLLM, load_heads
+from medusa_train.formats import load_heads
+from medusa_train.heads_layout import MEDUSA, VLLM
 from medusa_train.hf_compat import NEW_NAME, OLD_NAME, NoKVLayer, cache_kwargs, output_cache_field
 from medusa_train.workdir import CALIBRATION, CHOICES, atomic_write_text
 

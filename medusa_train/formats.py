@@ -74,18 +74,19 @@ from safetensors.torch import load_file, save_file
 from medusa_train.draft_vocab import TOKEN_MAP
 from medusa_train.errors import HeadsFormatError
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import (
+    LEGACY_WEIGHTS_NAME,
+    VLLM,
+    detect_layout,
+    layout_dir,
+    read_heads_config,
+)
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 log = logging.getLogger(__name__)
 
-MEDUSA = "medusa"
-VLLM = "vllm"
-LAYOUTS = (MEDUSA, VLLM)
 VLLM_WEIGHTS_NAME = "model.safetensors"
-LEGACY_WEIGHTS_NAME = "medusa_lm_head.pt"
-"""A torch pickle: the only weights file FasterDecoding's loader opens (its published checkpoints, e.g.
-FasterDecoding/medusa-vicuna-7b-v1.3, ship one); TensorRT-LLM's converter prefers it when present."""
 MEDUSA_CONFIG_KEYS = (
     "medusa_num_heads",
     "medusa_num_layers",
@@ -170,7 +171,7 @@ def load_medusa(directory: str | os.PathLike) -> MedusaHeads:
         HeadsFormatError: missing files or keys, unexpected keys, shapes that contradict the config.
     """
     directory = Path(directory)
-    config = _read_config(directory)
+    config = read_heads_config(directory)
     if (directory / HEADS_WEIGHTS).is_file():
         state = _load_safetensors(directory / HEADS_WEIGHTS)
     elif (directory / LEGACY_WEIGHTS_NAME).is_file():
@@ -268,7 +269,7 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
             cannot).
     """
     directory = Path(directory)
-    config = _read_config(directory)
+    config = read_heads_config(directory)
     scale = config.get("logit_scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, int | float) or scale != 1.0:
         raise HeadsFormatError(
@@ -357,33 +358,6 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
 
 
 # -- either layout --------------------------------------------------------------------------------
-def detect_layout(path: str | os.PathLike) -> str:
-    """``"medusa"`` or ``"vllm"`` for a heads directory.
-
-    Raises:
-        HeadsFormatError: ``path`` is not a directory of either layout (the message says what is there).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise HeadsFormatError(f"{path} is not a directory of Medusa heads")
-    config_path = path / HEADS_CONFIG
-    if not config_path.is_file():
-        raise HeadsFormatError(
-            f"{path} has no {HEADS_CONFIG}: not a Medusa heads directory (FasterDecoding or vLLM layout)"
-        )
-    config = _read_config(path)
-    if "medusa_num_heads" in config:
-        if not any((path / name).is_file() for name in (HEADS_WEIGHTS, LEGACY_WEIGHTS_NAME)):
-            raise HeadsFormatError(f"{path} has a Medusa config.json but no {HEADS_WEIGHTS}")
-        return MEDUSA
-    if config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or []):
-        return VLLM
-    raise HeadsFormatError(
-        f"{config_path} is neither a FasterDecoding Medusa config (medusa_num_heads) nor a vLLM one "
-        "(model_type: medusa); is this the backbone's directory?"
-    )
-
-
 def load_heads(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> MedusaHeads:
@@ -402,21 +376,6 @@ def load_heads(
     heads = load_vllm(path) if detect_layout(path) == VLLM else load_medusa(path)
     heads.eval()
     return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
-
-
-def layout_dir(path: str | os.PathLike) -> Path:
-    """The heads folder of ``path``: ``path`` itself when it holds a config.json, else the layout an
-    export folder holds (its ``medusa/``, else its ``vllm/``: an export of truncated heads has only
-    that one), else ``path`` (which :func:`load_heads` then refuses, saying what is there)."""
-    path = Path(path)
-    if not path.is_dir() or (path / HEADS_CONFIG).exists():
-        return path
-    return next((path / name for name in LAYOUTS if (path / name / HEADS_CONFIG).is_file()), path)
-
-
-def read_heads_config(path: str | os.PathLike) -> dict:
-    """The raw config.json of a heads directory (extra keys such as training settings included)."""
-    return _read_config(Path(path))
 
 
 # -- base_model_name_or_path ----------------------------------------------------------------------
@@ -490,18 +449,6 @@ def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise HeadsFormatError(f"{path} holds no dict of tensors")
     return dict(state)
-
-
-def _read_config(directory: Path) -> dict:
-    try:
-        config = json.loads((directory / HEADS_CONFIG).read_text())
-    except FileNotFoundError:
-        raise HeadsFormatError(f"{directory} has no {HEADS_CONFIG}") from None
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, bad UTF-8, nesting too deep
-        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is damaged (not valid JSON: {err})") from None
-    if not isinstance(config, dict):
-        raise HeadsFormatError(f"{directory / HEADS_CONFIG} is not a JSON object")
-    return config
 
 
 def _pop(state: dict[str, torch.Tensor], key: str, directory: Path) -> torch.Tensor:

@@ -38,7 +38,6 @@ and export use it in a bare torch + transformers environment.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from torch.nn import functional as F
 from medusa_train.draft_vocab import TOKEN_MAP, check_token_map
 from medusa_train.errors import HeadsFormatError
 from medusa_train.head_targets import IGNORE_INDEX, hidden_width
-from medusa_train.safetensors_check import safetensors_shapes
+from medusa_train.heads_layout import check_heads_directory
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
 
 OWN, SHARED, TRUNCATED = "own", "shared", "truncated"
@@ -469,31 +468,6 @@ class MedusaHeads(nn.Module):
         self.to(next(iter(state.values())).dtype)
         self.heads.load_state_dict(state, strict=True)
 
-    @staticmethod
-    def check_directory(directory: str | os.PathLike) -> tuple[dict, Path]:
-        """The checks :meth:`from_pretrained` makes before it reads any weight, each a
-        :class:`HeadsFormatError`: the config and weights files are there, the config is a JSON object
-        and the weights file's safetensors header matches its size. Cheap (no tensor is read): a stage
-        checks heads it will load only later with it.
-
-        Returns:
-            ``(config, weights file)``.
-        """
-        directory = Path(directory)
-        config_path, weights_path = directory / HEADS_CONFIG, directory / HEADS_WEIGHTS
-        if not config_path.is_file() or not weights_path.is_file():
-            raise HeadsFormatError(
-                f"{directory} is not a Medusa heads directory (needs {HEADS_CONFIG} and {HEADS_WEIGHTS})"
-            )
-        try:
-            config = json.loads(config_path.read_bytes())
-        except (ValueError, RecursionError):
-            raise HeadsFormatError(f"{config_path} is damaged (not valid JSON)") from None
-        if not isinstance(config, dict):
-            raise HeadsFormatError(f"{config_path} is damaged (not a JSON object)")
-        safetensors_shapes(weights_path)
-        return config, weights_path
-
     @classmethod
     def from_pretrained(
         cls,
@@ -503,7 +477,7 @@ class MedusaHeads(nn.Module):
     ) -> MedusaHeads:
         """Load heads saved by :meth:`save_pretrained` (or by FasterDecoding's Medusa). Shared heads
         come back unbound (:meth:`attach` them to their backbone)."""
-        config, weights_path = cls.check_directory(directory)
+        config, weights_path = check_heads_directory(directory)
         try:
             state = load_file(str(weights_path))
         except SafetensorError as err:

@@ -34,21 +34,14 @@ from medusa_train.card_inputs import (
     NUMBER,
     CardInput,
     calibration_input,
+    calibration_topk,
     read_checked,
 )
 from medusa_train.data.distilled import REGENERATE, data_key
 from medusa_train.decoding.timing import speedup_figures
-from medusa_train.formats import (
-    LEGACY_WEIGHTS_NAME,
-    MEDUSA,
-    MEDUSA_CONFIG_KEYS,
-    MEDUSA_TRAIN_VERSION,
-    VLLM,
-    is_hub_id,
-    load_heads,
-    read_heads_config,
-)
+from medusa_train.formats import MEDUSA_CONFIG_KEYS, MEDUSA_TRAIN_VERSION, is_hub_id, load_heads
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import LEGACY_WEIGHTS_NAME, MEDUSA, VLLM, read_heads_config
 from medusa_train.workdir import (
     CALIBRATION,
     CHOICES,
@@ -65,14 +58,6 @@ log = logging.getLogger(__name__)
 
 
 # -- head accuracy (calibration.json, written by stage=train) -----------------------------------------
-def calibration_topk(calibration: dict | None) -> list[list[float]] | None:
-    """The per-head cumulative top-k accuracy table ``(K, R)`` of a calibration.json, if it has one."""
-    value = (calibration or {}).get("head_topk_accuracy")
-    if isinstance(value, list) and value and all(isinstance(row, list) and row for row in value):
-        return [[float(x) for x in row] for row in value]
-    return None
-
-
 def top1_top5(topk: list[list[float]]) -> tuple[list[float], list[float]]:
     """``(top1, top5)`` per head from a cumulative top-k table ``(K, R)`` (top-R when R < 5)."""
     return [row[0] for row in topk], [row[min(4, len(row) - 1)] for row in topk]

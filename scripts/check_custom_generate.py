@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import medusa_train  # noqa: E402
 from medusa_train.custom_generate import FOLDER, write_custom_generate  # noqa: E402
-from medusa_train.formats import MEDUSA, read_heads_config, save_medusa  # noqa: E402
+from medusa_train.formats import save_medusa  # noqa: E402
+from medusa_train.heads_layout import MEDUSA, read_heads_config  # noqa: E402
 from medusa_train.workdir import CHOICES, TRAINED_BACKBONE  # noqa: E402
 from tests.helpers.models import build_tiny_backbone, random_heads, tiny_model  # noqa: E402
 

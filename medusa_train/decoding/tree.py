@@ -24,8 +24,8 @@ import torch
 
 from medusa_train.choices import TreeError, TreePath, normalise_choices
 from medusa_train.errors import UserError
-from medusa_train.formats import layout_dir
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import layout_dir
 from medusa_train.workdir import CHOICES, atomic_write_text
 
 if TYPE_CHECKING:  # annotations only: config imports Hydra, which this module must not need

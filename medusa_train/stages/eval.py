@@ -69,7 +69,7 @@ from medusa_train.backbone import (
     same_path,
 )
 from medusa_train.backbone_source import check_assistant_source
-from medusa_train.card_inputs import calibration_input, shape_problem
+from medusa_train.card_inputs import calibration_files, calibration_topk, read_calibration, stored_topk
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
@@ -102,14 +102,14 @@ from medusa_train.decoding.timing import (
 from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
-from medusa_train.formats import detect_layout, layout_dir, load_heads, read_heads_config
+from medusa_train.formats import load_heads
 from medusa_train.head_targets import hidden_width, language_model
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import compare_heads_dir, read_heads_config
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,
     calibrated_machine,
-    calibration_topk,
     headline_speedup,
     is_calibrated_tree,
     machine_info,
@@ -123,7 +123,6 @@ from medusa_train.report import (
 from medusa_train.tracking import Tracker, start_tracking
 from medusa_train.training.records import Records, usable_indices
 from medusa_train.workdir import (
-    CALIBRATION,
     CHOICES,
     GENERATIONS,
     MANIFEST,
@@ -171,7 +170,7 @@ def run(cfg: Config) -> dict:
     stored_topk(heads_dir)  # every calibration.json read in 1. and 6.: a damaged one fails here
     prompts = load_eval_prompts(ecfg)
     for entry in ecfg.compare:  # decoded in 9., after the main run: a wrong one must not wait for that
-        _compare_dir(Path(entry))
+        _compare_dir(entry)
     if ecfg.assistant_model:  # loaded after the backbone: a missing directory must not wait for that
         check_assistant_source(ecfg.assistant_model)
     device = resolve_device(cfg.model.device)
@@ -678,54 +677,6 @@ def static_setting(capture: str, attention: dict[int, str], vs_compiled: float) 
     return f"{capture}, {used}; {vs_compiled:.2f}x compiled plain"
 
 
-_WITHOUT_CALIBRATION = "or delete it to evaluate the tree without it"
-
-
-def calibration_files(heads_dir: Path) -> list[Path]:
-    """The calibration.json files eval reads, in order: beside the heads, then one folder up (an
-    export's, for heads in its ``medusa/`` or ``vllm/``)."""
-    return [p for p in (heads_dir / CALIBRATION, heads_dir.parent / CALIBRATION) if p.is_file()]
-
-
-def stored_topk(heads_dir: Path) -> tuple[list[list[float]], Path] | None:
-    """The head accuracy table ``(K, R)`` of the first of :func:`calibration_files` that has one, and
-    that file; None when none has. Each file read is checked (:func:`read_calibration`): the files
-    it reads include the one :func:`fit_tree_to_device` reads, so a call before the backbone loads
-    refuses a damaged one there.
-
-    Raises:
-        DamagedArtefactError: a calibration.json read is damaged.
-    """
-    for path in calibration_files(heads_dir):
-        topk = calibration_topk(read_calibration(path))
-        if topk:
-            return topk, path
-    return None
-
-
-def read_calibration(path: Path) -> dict:
-    """The calibration.json at ``path`` (stage=train's, or the copy an export ships), checked entry by
-    entry as the export's card checks it (:func:`~medusa_train.card_inputs.calibration_input`).
-
-    Refused, as one that does not parse is: eval can neither say where the stored tree was fitted nor
-    fit it again without the file, so going on would evaluate something else than asked, silently;
-    deleting the file is how to evaluate the tree without it (as eval does where there is none). The
-    repair named: stage=train for the heads' own, stage=export (after stage=train where the heads'
-    own is damaged too) for an export's copy.
-
-    Raises:
-        DamagedArtefactError: unreadable, not valid JSON (not UTF-8, nested too deep), not an object,
-            or an entry of the wrong type or missing; one line naming the file and the repair.
-    """
-    expected = calibration_input(path.parent)
-    repair = f"{expected.repair}, {_WITHOUT_CALIBRATION}"
-    calibration = read_json(path, repair=repair)
-    problem = shape_problem(calibration, expected)
-    if problem is not None:
-        raise DamagedArtefactError(f"{path} is damaged ({problem}): {repair}")
-    return calibration
-
-
 def head_topk(
     heads_dir: Path, wd: Workdir, cfg: Config, model, heads
 ) -> tuple[list[list[float]] | None, str | None]:
@@ -937,7 +888,7 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
         if entry is None:
             row, candidate = dict(main), model
         else:
-            heads_dir = _compare_dir(Path(entry))
+            heads_dir = _compare_dir(entry)
             heads = _load_heads(heads_dir)
             other, other_tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
             check_heads_match(heads, other, heads_dir, backbone)
@@ -984,18 +935,10 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
     return rows
 
 
-def _compare_dir(path: Path) -> Path:
-    """A heads folder as given, or ``<workdir>/heads`` for a workdir; checked to hold heads (their
-    config.json and weights file, not their shapes) and no damaged calibration.json."""
-    if not path.exists():
-        raise UserError(
-            f"eval.compare: {path} does not exist (give heads folders or workdirs holding heads/)"
-        )
-    heads_dir = path / "heads" if (path / "heads").is_dir() else path
-    try:
-        detect_layout(layout_dir(heads_dir))
-    except HeadsFormatError as err:
-        raise UserError(f"eval.compare: {err} (give heads folders or workdirs holding heads/)") from None
+def _compare_dir(entry: str) -> Path:
+    """An ``eval.compare`` entry's heads folder (:func:`~medusa_train.heads_layout.compare_heads_dir`),
+    with no damaged calibration.json (:func:`~medusa_train.card_inputs.stored_topk`)."""
+    heads_dir = compare_heads_dir(entry)
     stored_topk(heads_dir)  # their calibration.json, read in 9.: a damaged one fails now
     return heads_dir
 

@@ -53,18 +53,15 @@ from medusa_train.decoding.tree import tree_for_heads
 from medusa_train.dist import is_main
 from medusa_train.errors import HeadsFormatError, UserError
 from medusa_train.formats import (
-    MEDUSA,
     MEDUSA_CONFIG_KEYS,
-    VLLM,
     WHOLE_VOCABULARY_MAP,
-    layout_dir,
     load_heads,
     portable_base_model,
-    read_heads_config,
     save_medusa,
     save_vllm,
 )
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import MEDUSA, VLLM, layout_dir, read_heads_config
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     MANIFEST_INPUT,

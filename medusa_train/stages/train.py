@@ -77,6 +77,7 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import MEDUSA_TRAIN_VERSION
 from medusa_train.head_targets import hidden_width, language_model, logit_map
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import check_init_heads
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
@@ -153,8 +154,7 @@ def run(cfg: Config) -> dict:
         check_draft_vocab_size(tc.draft_vocab_size, distilled_vocab)
     check_backbone_source(cfg.model.name_or_path)
     if tc.init_heads:  # loaded in step 5, after the backbone: a folder of no heads must not wait for that
-        with _init_heads_refusal():
-            MedusaHeads.check_directory(tc.init_heads)
+        check_init_heads(tc.init_heads)
     device = resolve_device(cfg.model.device)
     recipe.check()
     ds_config = _deepspeed(cfg, recipe, device)

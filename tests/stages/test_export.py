@@ -11,14 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from medusa_train.errors import UserError
-from medusa_train.formats import (
-    LEGACY_WEIGHTS_NAME,
-    MEDUSA_TRAIN_VERSION,
-    VLLM_WEIGHTS_NAME,
-    detect_layout,
-    load_heads,
-)
+from medusa_train.formats import MEDUSA_TRAIN_VERSION, VLLM_WEIGHTS_NAME, load_heads
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import LEGACY_WEIGHTS_NAME, detect_layout
 from medusa_train.report import write_model_card
 from medusa_train.stages import export
 from medusa_train.workdir import HEADS_WEIGHTS, Workdir

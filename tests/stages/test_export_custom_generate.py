@@ -54,7 +54,8 @@ from medusa_train.custom_generate import (
 from medusa_train.custom_generate import generate as generate_with_heads
 from medusa_train.decoding.generate import PackedHeads
 from medusa_train.errors import DamagedArtefactError
-from medusa_train.formats import MEDUSA, load_heads, save_medusa
+from medusa_train.formats import load_heads, save_medusa
+from medusa_train.heads_layout import MEDUSA
 from medusa_train.hf_compat import cache_keyword, output_cache_field
 from medusa_train.stages import eval as eval_stage
 from medusa_train.stages import export

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
 
 from medusa_train.__main__ import check_inputs, main, strip_launcher_args
 from medusa_train.config import CONF_DIR, Config, compose_config, register_configs
-from medusa_train.errors import ConfigError, UserError
+from medusa_train.errors import ConfigError, DamagedArtefactError, UserError
 
 # Options that need a value no default can supply (a file, a hub id, a tree).
 REQUIRED = {
@@ -257,6 +260,18 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             ["stage=all", "eval.assistant_model={workdir}/draft"],
             "eval.assistant_model={workdir}/draft does not exist",
         ),
+        (
+            ["stage=all", "eval.compare=[{workdir}/other]"],
+            "eval.compare: {workdir}/other does not exist (give heads folders or workdirs holding heads/)",
+        ),
+        (
+            ["stage=eval", "eval.heads_dir={tmp}", "eval.compare=[{tmp}]"],
+            "eval.compare: {tmp} has no config.json",
+        ),
+        (
+            ["stage=all", "training.init_heads={workdir}/init"],
+            "training.init_heads: {workdir}/init is not a Medusa heads directory",
+        ),
         # the stage's order: its data source first, then the backbone
         (
             ["stage=distill", "model=hf", "model.name_or_path=./nope", "data=jsonl", "data.path=./p.jsonl"],
@@ -299,21 +314,55 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
         ["stage=all"],  # model=tiny: pretrain makes the backbone
         ["stage=eval", "eval.heads_dir={tmp}/elsewhere", "eval.prompts=mtbench", "eval.path='~/p.jsonl'"],
         ["stage=export", "export.heads_dir={tmp}/elsewhere"],
-        ["stage=train", "training.init_heads={tmp}/elsewhere"],  # the workdir's distill/ is there
+        ["stage=train", "training.init_heads={tmp}/heads"],  # the workdir's distill/ is there
+        ["stage=all", "training.init_heads={tmp}/heads", "eval.compare=[{tmp},{tmp}/heads]"],  # a workdir
     ],
 )
 def test_inputs_that_are_there_pass_the_check_before_the_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
 ) -> None:
     """What the check before a stage's import lets through: Hub ids, ``~`` paths, data=hub, the
-    embedded backbone stage=all makes, heads folders given instead of the workdir's."""
+    embedded backbone stage=all makes, heads folders given instead of the workdir's, heads folders
+    to start from or compare with."""
     monkeypatch.setenv("HOME", str(tmp_path))
+    _heads_folder(tmp_path / "heads")
     (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n')
     (tmp_path / "backbone").mkdir()
     (tmp_path / "backbone" / "config.json").write_text("{}")
     (tmp_path / "run" / "distill").mkdir(parents=True)
     cfg = compose_config([f"workdir={tmp_path / 'run'}", *(a.format(tmp=tmp_path) for a in args)])
     assert check_inputs(cfg) is None
+
+
+def _heads_folder(path: Path) -> Path:
+    """A folder with what the checks before a stage read of heads: a medusa config.json and a
+    safetensors file whose header matches its size (not heads of any backbone)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
+    save_file({"0.0.linear.weight": torch.zeros(2, 2)}, str(path / "medusa_lm_head.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("stage", ["all", "eval"])
+def test_heads_compared_with_a_damaged_calibration_are_refused_before_the_stage(
+    tmp_path: Path, stage: str
+) -> None:
+    """eval.compare's calibration.json is read when the comparison decodes (with stage=all, after
+    training and the main run): a damaged one is told before anything runs, as eval tells it."""
+    heads = _heads_folder(tmp_path / "other" / "heads")
+    (heads / "calibration.json").write_text(json.dumps({"head_topk_accuracy": "high"}))
+    cfg = compose_config(
+        [
+            f"workdir={tmp_path / 'run'}",
+            f"stage={stage}",
+            f"eval.heads_dir={heads}",
+            f"eval.compare=[{tmp_path / 'other'}]",
+        ]
+    )
+    with pytest.raises(
+        DamagedArtefactError, match=r"calibration.json is damaged \('head_topk_accuracy' is a"
+    ):
+        check_inputs(cfg)
 
 
 def test_export_and_eval_inputs_are_checked_on_the_first_rank_only(

@@ -13,13 +13,9 @@ from safetensors.torch import load_file, save_file
 from medusa_train.backbone import recorded_base
 from medusa_train.errors import HeadsFormatError
 from medusa_train.formats import (
-    LEGACY_WEIGHTS_NAME,
-    MEDUSA,
     MEDUSA_FORBIDDEN_KEYS,
     MEDUSA_TRAIN_VERSION,
-    VLLM,
     VLLM_WEIGHTS_NAME,
-    detect_layout,
     is_hub_id,
     load_heads,
     portable_base_model,
@@ -28,6 +24,7 @@ from medusa_train.formats import (
     vllm_config,
 )
 from medusa_train.heads import MedusaHeads
+from medusa_train.heads_layout import LEGACY_WEIGHTS_NAME, MEDUSA, VLLM, detect_layout
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 
