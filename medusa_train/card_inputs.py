@@ -117,8 +117,8 @@ def calibration_files(heads_dir: Path) -> list[Path]:
 def stored_topk(heads_dir: Path) -> tuple[list[list[float]], Path] | None:
     """The head accuracy table ``(K, R)`` of the first of :func:`calibration_files` that has one, and
     that file; None when none has. Each file read is checked (:func:`read_calibration`): the files
-    it reads include the one :func:`~medusa_train.stages.eval.fit_tree_to_device` reads, so a call before the backbone loads
-    refuses a damaged one there.
+    it reads include the one :func:`~medusa_train.stages.eval.fit_tree_to_device` reads, so a call
+    before the backbone loads refuses a damaged one there.
 
     Raises:
         DamagedArtefactError: a calibration.json read is damaged.

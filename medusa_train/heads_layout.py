@@ -55,7 +55,8 @@ def detect_layout(path: str | os.PathLike) -> str:
 def layout_dir(path: str | os.PathLike) -> Path:
     """The heads folder of ``path``: ``path`` itself when it holds a config.json, else the layout an
     export folder holds (its ``medusa/``, else its ``vllm/``: an export of truncated heads has only
-    that one), else ``path`` (which :func:`load_heads` then refuses, saying what is there)."""
+    that one), else ``path`` (which :func:`~medusa_train.formats.load_heads` then refuses, saying
+    what is there)."""
     path = Path(path)
     if not path.is_dir() or (path / HEADS_CONFIG).exists():
         return path
