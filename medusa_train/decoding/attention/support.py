@@ -97,7 +97,7 @@ def tree_refusal(model: torch.nn.Module) -> str | None:
     stateful = stateful_model(model)
     if stateful is not None:
         return (
-            f"{type(stateful).__name__} ({kind}) keeps a recurrent state (transformers marks it _is_stateful) "
+            f"{type(stateful).__name__} ({kind}) keeps a recurrent state (transformers' _is_stateful) "
             "that a tree's forward advances over every node and no step can roll back to the accepted path: "
             "the Medusa tree decoders cannot verify trees on it (decode it with model.generate)"
         )
@@ -272,13 +272,28 @@ def positionless_model(model: torch.nn.Module) -> torch.nn.Module | None:
     return None if named else base
 
 
+STATEFUL_TYPES = frozenset({"rwkv", "xlstm"})
+"""transformers' model types that keep a recurrent state and name no layer types (``config.layer_types``,
+which names the others' recurrent layers). Up to 5.24 transformers marked them ``_is_stateful``; 5.25
+dropped the mark (its assisted generation asks the cache whether it can be cropped instead), so they
+are named here."""
+
+
 def stateful_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """The model that makes ``model`` stateful: ``model`` (under a PEFT wrapper: the model it wraps) or its
-    language model (``get_decoder()``) where transformers marks it ``_is_stateful`` (a state besides the KV
-    cache, or instead of one, that the forward advances over every token: the models whose assisted
-    generation ``generate`` refuses, as their state cannot be reset to the accepted tokens). None: neither
-    is marked."""
-    return next((m for m in model_and_decoder(model) if getattr(m, "_is_stateful", False)), None)
+    language model (``get_decoder()``) where transformers (up to 5.24) or a model's remote code marks it
+    ``_is_stateful``, or whose model type is one of :data:`STATEFUL_TYPES` (a state besides the KV cache,
+    or instead of one, that the forward advances over every token: the models whose assisted generation
+    ``generate`` refused, as their state cannot be reset to the accepted tokens). None: neither is."""
+    return next(
+        (
+            m
+            for m in model_and_decoder(model)
+            if getattr(m, "_is_stateful", False)
+            or getattr(getattr(m, "config", None), "model_type", None) in STATEFUL_TYPES
+        ),
+        None,
+    )
 
 
 def model_and_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:

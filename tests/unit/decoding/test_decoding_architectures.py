@@ -238,7 +238,7 @@ UNSERVED_TYPES = {
     "zaya": ["hybrid_sliding", "hybrid"],
     "mamba": ["linear_attention"],
 }
-STATEFUL = {  # a recurrent state and no config.layer_types: transformers marks the model _is_stateful
+STATEFUL = {  # a recurrent state and no config.layer_types (transformers <= 5.24 marks them _is_stateful)
     "rwkv": lambda: tf.RwkvConfig(
         vocab_size=VOCAB, context_length=MAX_POS, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
         intermediate_size=64,
@@ -897,7 +897,7 @@ def _language_model_marked(model: torch.nn.Module) -> torch.nn.Module:
     """A Llama whose language model (``get_decoder()``) alone is marked stateful, as a wrapper's (a
     multimodal model's) would be where only its language model keeps a state."""
     model.model._is_stateful = True
-    assert not type(model)._is_stateful and model.get_decoder() is model.model
+    assert not getattr(type(model), "_is_stateful", False) and model.get_decoder() is model.model
     return model
 
 
