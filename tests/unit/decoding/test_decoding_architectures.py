@@ -861,7 +861,7 @@ def test_models_with_layers_of_other_types_are_refused_before_any_forward(name, 
         # is refused for the recurrent state transformers marks
         assert name == "recurrent_gemma" and unserved_layer_types(model.config) == []
         refusals_before_any_forward(
-            model, heads, tmp_path, r"keeps a recurrent state \(transformers marks it"
+            model, heads, tmp_path, r"keeps a recurrent state \(transformers' _is_stateful\)"
         )
         return
     assert unserved_layer_types(model.config) == UNSERVED_TYPES[name]
