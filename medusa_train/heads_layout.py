@@ -9,8 +9,10 @@ library).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from medusa_train.errors import HeadsFormatError, UserError
@@ -93,12 +95,19 @@ def check_heads_directory(directory: str | os.PathLike) -> tuple[dict, Path]:
     return config, weights_path
 
 
-def check_init_heads(directory: str | os.PathLike) -> None:
-    """``training.init_heads``, checked as :func:`check_heads_directory` checks it, as one line."""
+@contextlib.contextmanager
+def init_heads_refusal() -> Iterator[None]:
+    """Reading ``training.init_heads``: a heads folder that is missing or damaged, as one line."""
     try:
-        check_heads_directory(directory)
+        yield
     except HeadsFormatError as err:
         raise UserError(f"training.init_heads: {err}") from None
+
+
+def check_init_heads(directory: str | os.PathLike) -> None:
+    """``training.init_heads``, checked as :func:`check_heads_directory` checks it, as one line."""
+    with init_heads_refusal():
+        check_heads_directory(directory)
 
 
 def compare_heads_dir(entry: str | os.PathLike) -> Path:

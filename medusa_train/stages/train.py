@@ -48,7 +48,6 @@ import logging
 import pickle
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -77,7 +76,7 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import MEDUSA_TRAIN_VERSION
 from medusa_train.head_targets import hidden_width, language_model, logit_map
 from medusa_train.heads import MedusaHeads
-from medusa_train.heads_layout import check_init_heads
+from medusa_train.heads_layout import check_init_heads, init_heads_refusal
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
@@ -692,7 +691,7 @@ def _initial_heads(
     # prediction head maps it to another), nor always the config's hidden_size (OPT-350m projects it)
     want = (hidden_width(backbone), identity["vocab_size"], tc.num_heads, tc.num_layers)
     if tc.init_heads:
-        with _init_heads_refusal():
+        with init_heads_refusal():
             heads = MedusaHeads.from_pretrained(tc.init_heads)
         got = (heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers)
         if got != want:
@@ -721,15 +720,6 @@ def _initial_heads(
     if tc.init_from_lm_head and tc.head_projection != "shared":
         heads.init_from_lm_head(backbone.get_output_embeddings().weight.detach().float())
     return heads
-
-
-@contextlib.contextmanager
-def _init_heads_refusal() -> Iterator[None]:
-    """Reading ``training.init_heads``: a heads folder that is missing or damaged, as one line."""
-    try:
-        yield
-    except HeadsFormatError as err:
-        raise UserError(f"training.init_heads: {err}") from None
 
 
 def _attach(heads: MedusaHeads, backbone: PreTrainedModel, cfg: Config) -> MedusaHeads:
