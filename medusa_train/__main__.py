@@ -33,7 +33,7 @@ from medusa_train.card_inputs import stored_topk
 from medusa_train.config import Config, compose_config
 from medusa_train.data.sources import check_prompts_file, source_files
 from medusa_train.errors import UserError, environment_fault
-from medusa_train.heads_layout import check_init_heads, compare_heads_dir
+from medusa_train.heads_layout import check_heads_option
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir, require
 
@@ -173,11 +173,12 @@ def _outputs(cfg: Config) -> tuple[Path, ...]:
 def check_inputs(cfg: Config) -> None:
     """Refuse at once a run whose stages lack an input: the output of an earlier stage in the same
     workdir (a wrong ``workdir=``, a stage not run yet), the files of ``data.path``, a backbone
-    directory that is not there, eval's prompts file (``eval.path``), draft model's directory
-    (``eval.assistant_model``) or heads compared (``eval.compare``), or the heads training starts from
-    (``training.init_heads``). Importing a stage takes seconds (torch, transformers, peft,
-    datasets) and each stage checks these anyway, with the same messages (a stage can be called as a
-    library): here the checks that need none of those come before that import. Where two inputs are
+    directory that is not there, eval's prompts file (``eval.path``) or draft model's directory
+    (``eval.assistant_model``), or a heads folder an option names that is missing or damaged
+    (``training.init_heads``, ``export.heads_dir``, ``eval.heads_dir``, ``eval.compare``). Importing a
+    stage takes seconds (torch, transformers, peft, datasets) and each stage checks these anyway, with
+    the same messages (a stage can be called as a library): here the checks that need none of those
+    come before that import. Where two inputs are
     wrong, the first one named may not be the one the stage would name first (its other checks need
     torch). ``stage=all`` makes each later stage's workdir input as it goes; ``model=tiny``'s backbone
     (``stage=pretrain``'s) is left to the stages (distill reads its data source first), and so is
@@ -193,15 +194,19 @@ def check_inputs(cfg: Config) -> None:
         source_files(cfg.data.format, cfg.data.path)  # distill's rule
     if cfg.stage in ("distill", "train", "all") and not cfg.model.embedded:
         check_backbone_source(cfg.model.name_or_path)
-    if cfg.stage in ("eval", "all") and first_rank and cfg.eval.prompts != "embedded":
-        check_prompts_file(cfg.eval.path)  # stage=all: found after training otherwise
-    if cfg.stage in ("eval", "all") and first_rank and cfg.eval.assistant_model:
-        check_assistant_source(cfg.eval.assistant_model)
-    if cfg.stage in ("eval", "all") and first_rank:
-        for entry in cfg.eval.compare:  # eval's own check (stages.eval._compare_dir)
-            stored_topk(compare_heads_dir(entry))
     if cfg.stage in ("train", "all") and cfg.training.init_heads:
-        check_init_heads(cfg.training.init_heads)
+        check_heads_option("training.init_heads", cfg.training.init_heads)
+    if cfg.stage in ("export", "all") and first_rank and cfg.export.heads_dir:
+        check_heads_option("export.heads_dir", cfg.export.heads_dir)
+    if cfg.stage in ("eval", "all") and first_rank:  # in the order of eval's step 1
+        if cfg.eval.heads_dir:
+            stored_topk(check_heads_option("eval.heads_dir", cfg.eval.heads_dir))
+        if cfg.eval.prompts != "embedded":
+            check_prompts_file(cfg.eval.path)  # stage=all: found after training otherwise
+        for entry in cfg.eval.compare:
+            stored_topk(check_heads_option("eval.compare", entry))
+        if cfg.eval.assistant_model:
+            check_assistant_source(cfg.eval.assistant_model)
 
 
 def main(argv: list[str] | None = None) -> int:

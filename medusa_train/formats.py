@@ -80,6 +80,7 @@ from medusa_train.heads_layout import (
     detect_layout,
     layout_dir,
     read_heads_config,
+    weights_files,
 )
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS, atomic_write, atomic_write_json
@@ -277,9 +278,7 @@ def load_vllm(directory: str | os.PathLike) -> MedusaHeads:
             "logits by it, medusa_train's heads have no such scale: multiply every lm_heads.*.weight "
             "tensor by it and set logit_scale to 1.0 (vLLM then computes the same logits)"
         )
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise HeadsFormatError(f"{directory} has a vLLM Medusa config.json but no *.safetensors weights")
+    files = weights_files(directory, VLLM)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update({k.removeprefix("medusa_heads."): v for k, v in _load_safetensors(f).items()})

@@ -1,18 +1,16 @@
 """What a heads folder holds, read with the standard library only: its layout (FasterDecoding's
 ``medusa`` or vLLM's ``vllm``, :mod:`medusa_train.formats` writes and loads both), its config.json,
 and the checks made of a folder before any tensor is read. The CLI runs these before it imports a
-stage (torch and transformers take seconds to import), so heads named in the config that are not
-there (``training.init_heads``, ``eval.compare``) are told at once, and with ``stage=all`` before
+stage (torch and transformers take seconds to import), so heads named in the config
+(:data:`HEADS_OPTIONS`) that are not there or damaged are told at once, and with ``stage=all`` before
 pretraining and training instead of after; the stages run them again (a stage can be called as a
 library).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from medusa_train.errors import HeadsFormatError, UserError
@@ -95,39 +93,82 @@ def check_heads_directory(directory: str | os.PathLike) -> tuple[dict, Path]:
     return config, weights_path
 
 
-@contextlib.contextmanager
-def init_heads_refusal() -> Iterator[None]:
-    """Reading ``training.init_heads``: a heads folder that is missing or damaged, as one line."""
-    try:
-        yield
-    except HeadsFormatError as err:
-        raise UserError(f"training.init_heads: {err}") from None
+HEADS_OPTIONS = {
+    "training.init_heads": "",
+    "export.heads_dir": " (give a heads folder of either layout, or an export folder holding one)",
+    "eval.heads_dir": " (give a heads folder of either layout, or an export folder holding one)",
+    "eval.compare": " (give heads folders or workdirs holding heads/)",
+}
+"""The options naming a heads folder, each with what its refusal says to give (``training.init_heads``
+says nothing more: its message names the two files it needs)."""
 
 
-def check_init_heads(directory: str | os.PathLike) -> None:
-    """``training.init_heads``, checked as :func:`check_heads_directory` checks it, as one line."""
-    with init_heads_refusal():
-        check_heads_directory(directory)
+def check_heads_option(option: str, value: str | os.PathLike) -> Path:
+    """The heads folder an option of :data:`HEADS_OPTIONS` names, checked as its stage reads it before
+    any tensor is read: ``training.init_heads`` a folder of this package's layout
+    (:func:`check_heads_directory`; training goes on from its weights), the others heads of either
+    layout or an export folder holding them (:func:`check_heads_folder`), an ``eval.compare`` entry
+    also a workdir holding ``heads/``.
 
-
-def compare_heads_dir(entry: str | os.PathLike) -> Path:
-    """An ``eval.compare`` entry's heads folder: the entry as given, or ``<entry>/heads`` for a workdir;
-    checked to hold heads of either layout (their config.json and weights file, not their shapes).
+    Returns:
+        The folder to load: ``value``, or ``<value>/heads`` for an ``eval.compare`` workdir.
 
     Raises:
-        UserError: it is not there or holds no heads (one line, saying what to give).
+        UserError: one line naming the option (:func:`option_refusal`).
     """
-    path = Path(entry)
-    if not path.exists():
-        raise UserError(
-            f"eval.compare: {path} does not exist (give heads folders or workdirs holding heads/)"
-        )
-    heads_dir = path / "heads" if (path / "heads").is_dir() else path
+    path = Path(value)
     try:
-        detect_layout(layout_dir(heads_dir))
+        if option == "training.init_heads":
+            check_heads_directory(path)
+            return path
+        if not path.exists():
+            raise HeadsFormatError(f"{path} does not exist")
+        if option == "eval.compare" and (path / "heads").is_dir():
+            path = path / "heads"
+        check_heads_folder(path)
     except HeadsFormatError as err:
-        raise UserError(f"eval.compare: {err} (give heads folders or workdirs holding heads/)") from None
-    return heads_dir
+        raise option_refusal(option, err) from None
+    return path
+
+
+def option_refusal(option: str, err: HeadsFormatError) -> UserError:
+    """The one line refusing heads that ``option`` names (missing, damaged, or weights that do not
+    match their config): the option, the problem, what to give."""
+    return UserError(f"{option}: {err}{HEADS_OPTIONS[option]}")
+
+
+def check_heads_folder(path: str | os.PathLike) -> Path:
+    """Heads of either layout at ``path``, or an export folder holding them (:func:`layout_dir`), whole
+    as far as can be told without reading a tensor: the layout's config.json, and the safetensors
+    header and size of every weights file :func:`~medusa_train.formats.load_heads` reads (a
+    ``medusa_lm_head.pt`` alone is read with torch, so only when loaded).
+
+    Returns:
+        The layout's folder.
+
+    Raises:
+        HeadsFormatError: no heads there, or a damaged file (the message says which).
+    """
+    directory = layout_dir(path)
+    for weights in weights_files(directory, detect_layout(directory)):
+        safetensors_shapes(weights)
+    return directory
+
+
+def weights_files(directory: Path, layout: str) -> list[Path]:
+    """The safetensors files a loader reads of heads of ``layout`` in ``directory``: the FasterDecoding
+    layout's ``medusa_lm_head.safetensors`` (none where only its pickle is there), every
+    ``*.safetensors`` of vLLM's (as vLLM reads them).
+
+    Raises:
+        HeadsFormatError: a vLLM layout without any.
+    """
+    if layout == MEDUSA:
+        return [directory / HEADS_WEIGHTS] if (directory / HEADS_WEIGHTS).is_file() else []
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise HeadsFormatError(f"{directory} has a vLLM Medusa config.json but no *.safetensors weights")
+    return files
 
 
 def _read_config(directory: Path) -> dict:

@@ -105,7 +105,7 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import load_heads
 from medusa_train.head_targets import hidden_width, language_model
 from medusa_train.heads import MedusaHeads
-from medusa_train.heads_layout import compare_heads_dir, read_heads_config
+from medusa_train.heads_layout import check_heads_option, option_refusal, read_heads_config
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,
@@ -163,8 +163,12 @@ def run(cfg: Config) -> dict:
     # 1. Heads, tree, prompts, the heads compared, the draft model's path and device (a mistake in any
     # fails in a second), then the wandb run: one wandb refuses (tracking=online without `wandb login`)
     # fails here, before the backbone loads and the turns decode; closed as failed if anything after raises.
-    heads_dir = Path(ecfg.heads_dir) if ecfg.heads_dir else require(wd.heads, "trained heads", "train")
-    heads = _load_heads(heads_dir, own=not ecfg.heads_dir)
+    if ecfg.heads_dir:
+        heads_dir = check_heads_option("eval.heads_dir", ecfg.heads_dir)
+        heads = _load_heads(heads_dir, "eval.heads_dir")
+    else:
+        heads_dir = require(wd.heads, "trained heads", "train")
+        heads = _load_heads(heads_dir)
     fingerprint = heads.fingerprint()  # as read: the model card states these figures only for these heads
     choices = tree_for_heads(cfg.tree, heads_dir, heads)
     stored_topk(heads_dir)  # every calibration.json read in 1. and 6.: a damaged one fails here
@@ -441,17 +445,19 @@ def _evaluate(
 # inputs
 
 
-def _load_heads(heads_dir: Path, own: bool = False):
-    """The heads in ``heads_dir``; ``own``: the workdir's (a damaged folder is written again by stage=train)."""
+def _load_heads(heads_dir: Path, option: str | None = None):
+    """The heads in ``heads_dir``: those ``option`` names (``eval.heads_dir``, an ``eval.compare``
+    entry), refused in its words (:func:`~medusa_train.heads_layout.option_refusal`), or else the
+    workdir's, which stage=train writes again when damaged."""
     try:
         return load_heads(heads_dir)
     except HeadsFormatError as err:
-        fix = (
-            "run `python -m medusa_train stage=train training.overwrite=true` to write them again, or set eval.heads_dir="
-            if own and heads_dir.exists()
-            else "set eval.heads_dir= to a heads directory"
-        )
-        raise UserError(f"cannot load Medusa heads: {err} ({fix})") from None
+        if option is not None:
+            raise option_refusal(option, err) from None
+        raise UserError(
+            f"cannot load Medusa heads: {err} (run `python -m medusa_train stage=train training.overwrite=true` "
+            "to write them again, or set eval.heads_dir=)"
+        ) from None
 
 
 def check_heads_match(heads, model, heads_dir: Path, backbone: str) -> None:
@@ -889,7 +895,7 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
             row, candidate = dict(main), model
         else:
             heads_dir = _compare_dir(entry)
-            heads = _load_heads(heads_dir)
+            heads = _load_heads(heads_dir, "eval.compare")
             other, other_tok, backbone, trained = load_backbone_for_heads(cfg.model, heads_dir, device)
             check_heads_match(heads, other, heads_dir, backbone)
             if other_tok.get_vocab() != tok.get_vocab():
@@ -936,9 +942,9 @@ def compare_heads(cfg: Config, wd: Workdir, main: dict, model, inputs, choices, 
 
 
 def _compare_dir(entry: str) -> Path:
-    """An ``eval.compare`` entry's heads folder (:func:`~medusa_train.heads_layout.compare_heads_dir`),
+    """An ``eval.compare`` entry's heads folder (:func:`~medusa_train.heads_layout.check_heads_option`),
     with no damaged calibration.json (:func:`~medusa_train.card_inputs.stored_topk`)."""
-    heads_dir = compare_heads_dir(entry)
+    heads_dir = check_heads_option("eval.compare", entry)
     stored_topk(heads_dir)  # their calibration.json, read in 9.: a damaged one fails now
     return heads_dir
 

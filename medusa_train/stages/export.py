@@ -61,7 +61,14 @@ from medusa_train.formats import (
     save_vllm,
 )
 from medusa_train.heads import MedusaHeads
-from medusa_train.heads_layout import MEDUSA, VLLM, layout_dir, read_heads_config
+from medusa_train.heads_layout import (
+    MEDUSA,
+    VLLM,
+    check_heads_option,
+    layout_dir,
+    option_refusal,
+    read_heads_config,
+)
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     MANIFEST_INPUT,
@@ -166,14 +173,20 @@ class _Source:
 
 def _source(cfg: Config, wd: Workdir) -> _Source:
     """Step 1: load the heads (either layout), cast to ``export.dtype``, their tree and their base model."""
-    heads_dir = (
-        Path(cfg.export.heads_dir) if cfg.export.heads_dir else require(wd.heads, "trained heads", "train")
-    )
+    if cfg.export.heads_dir:
+        heads_dir = check_heads_option("export.heads_dir", cfg.export.heads_dir)
+    else:
+        heads_dir = require(wd.heads, "trained heads", "train")
     try:
         heads = load_heads(heads_dir)
         heads_config = read_heads_config(layout_dir(heads_dir))
     except HeadsFormatError as err:
-        raise UserError(f"cannot export: {err}{_heads_repair(cfg, heads_dir)}") from None
+        if cfg.export.heads_dir:
+            raise option_refusal("export.heads_dir", err) from None
+        raise UserError(
+            f"cannot export: {err} (run `python -m medusa_train stage=train training.overwrite=true` to write "
+            f"{heads_dir} again)"
+        ) from None
     source_fingerprint = heads_config.get(HEADS_FINGERPRINT) or heads.fingerprint()
     fingerprints = {source_fingerprint, heads.fingerprint()}
     if heads.head_projection == "truncated" and heads.draft_vocab_size == heads.vocab_size:
@@ -293,13 +306,6 @@ def _write_companions(cfg: Config, source: _Source, tmp: Path, wd: Workdir) -> N
         pickle=MEDUSA in cfg.export.formats and cfg.export.write_pickle,
     )
     atomic_write_text(tmp / MODEL_CARD, card)
-
-
-def _heads_repair(cfg: Config, heads_dir: Path) -> str:
-    """What rewrites a damaged heads folder: stage=train for the workdir's own, else another folder."""
-    if cfg.export.heads_dir:
-        return " (set export.heads_dir= to a whole heads folder)"
-    return f" (run `python -m medusa_train stage=train training.overwrite=true` to write {heads_dir} again)"
 
 
 def roundtrip_identical(heads: MedusaHeads, directory: Path) -> bool:

@@ -76,7 +76,7 @@ from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserErro
 from medusa_train.formats import MEDUSA_TRAIN_VERSION
 from medusa_train.head_targets import hidden_width, language_model, logit_map
 from medusa_train.heads import MedusaHeads
-from medusa_train.heads_layout import check_init_heads, init_heads_refusal
+from medusa_train.heads_layout import check_heads_option, option_refusal
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.tracking import start_tracking
 from medusa_train.training.hidden_cache import HiddenCache, build_hidden_cache
@@ -153,7 +153,7 @@ def run(cfg: Config) -> dict:
         check_draft_vocab_size(tc.draft_vocab_size, distilled_vocab)
     check_backbone_source(cfg.model.name_or_path)
     if tc.init_heads:  # loaded in step 5, after the backbone: a folder of no heads must not wait for that
-        check_init_heads(tc.init_heads)
+        check_heads_option("training.init_heads", tc.init_heads)
     device = resolve_device(cfg.model.device)
     recipe.check()
     ds_config = _deepspeed(cfg, recipe, device)
@@ -691,8 +691,10 @@ def _initial_heads(
     # prediction head maps it to another), nor always the config's hidden_size (OPT-350m projects it)
     want = (hidden_width(backbone), identity["vocab_size"], tc.num_heads, tc.num_layers)
     if tc.init_heads:
-        with init_heads_refusal():
+        try:
             heads = MedusaHeads.from_pretrained(tc.init_heads)
+        except HeadsFormatError as err:
+            raise option_refusal("training.init_heads", err) from None
         got = (heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers)
         if got != want:
             raise UserError(

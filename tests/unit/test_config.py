@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from medusa_train.__main__ import check_inputs, main, strip_launcher_args
 from medusa_train.config import CONF_DIR, Config, compose_config, register_configs
 from medusa_train.errors import ConfigError, DamagedArtefactError, UserError
+from medusa_train.heads_layout import HEADS_OPTIONS
 
 # Options that need a value no default can supply (a file, a hub id, a tree).
 REQUIRED = {
@@ -253,8 +254,17 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             "eval.path={workdir}/q.jsonl does not",
         ),
         (
-            ["stage=eval", "eval.heads_dir={tmp}", "eval.prompts=mtbench", "eval.path={tmp}"],
+            ["stage=all", "eval.prompts=mtbench", "eval.path={tmp}"],
             "={tmp} is a directory",
+        ),
+        (
+            ["stage=eval", "eval.heads_dir={tmp}", "eval.prompts=mtbench", "eval.path={tmp}"],
+            "eval.heads_dir: {tmp} has no config.json: not a Medusa heads directory (FasterDecoding or vLLM "
+            "layout) (give a heads folder of either layout, or an export folder holding one)",
+        ),
+        (
+            ["stage=all", "export.heads_dir={workdir}/other"],
+            "export.heads_dir: {workdir}/other does not exist (give a heads folder of either layout",
         ),
         (
             ["stage=all", "eval.assistant_model={workdir}/draft"],
@@ -265,7 +275,7 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             "eval.compare: {workdir}/other does not exist (give heads folders or workdirs holding heads/)",
         ),
         (
-            ["stage=eval", "eval.heads_dir={tmp}", "eval.compare=[{tmp}]"],
+            ["stage=all", "eval.compare=[{tmp}]"],
             "eval.compare: {tmp} has no config.json",
         ),
         (
@@ -312,8 +322,9 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
         ],
         ["stage=all", "eval.prompts=jsonl", "eval.path='~/p.jsonl'", "eval.assistant_model=org/draft"],
         ["stage=all"],  # model=tiny: pretrain makes the backbone
-        ["stage=eval", "eval.heads_dir={tmp}/elsewhere", "eval.prompts=mtbench", "eval.path='~/p.jsonl'"],
-        ["stage=export", "export.heads_dir={tmp}/elsewhere"],
+        ["stage=eval", "eval.heads_dir={tmp}/heads", "eval.prompts=mtbench", "eval.path='~/p.jsonl'"],
+        ["stage=export", "export.heads_dir={tmp}/heads"],
+        ["stage=all", "export.heads_dir={tmp}/export", "eval.heads_dir={tmp}/export"],  # an export folder
         ["stage=train", "training.init_heads={tmp}/heads"],  # the workdir's distill/ is there
         ["stage=all", "training.init_heads={tmp}/heads", "eval.compare=[{tmp},{tmp}/heads]"],  # a workdir
     ],
@@ -326,6 +337,7 @@ def test_inputs_that_are_there_pass_the_check_before_the_stage(
     to start from or compare with."""
     monkeypatch.setenv("HOME", str(tmp_path))
     _heads_folder(tmp_path / "heads")
+    _heads_folder(tmp_path / "export" / "medusa")
     (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n')
     (tmp_path / "backbone").mkdir()
     (tmp_path / "backbone" / "config.json").write_text("{}")
@@ -355,7 +367,7 @@ def test_heads_compared_with_a_damaged_calibration_are_refused_before_the_stage(
         [
             f"workdir={tmp_path / 'run'}",
             f"stage={stage}",
-            f"eval.heads_dir={heads}",
+            f"eval.heads_dir={_heads_folder(tmp_path / 'heads')}",
             f"eval.compare=[{tmp_path / 'other'}]",
         ]
     )
@@ -363,6 +375,41 @@ def test_heads_compared_with_a_damaged_calibration_are_refused_before_the_stage(
         DamagedArtefactError, match=r"calibration.json is damaged \('head_topk_accuracy' is a"
     ):
         check_inputs(cfg)
+
+
+@pytest.mark.parametrize("layout", ["medusa", "vllm"])
+@pytest.mark.parametrize("option", ["export.heads_dir", "eval.heads_dir", "eval.compare"])
+def test_damaged_heads_an_option_names_are_refused_before_the_stage_as_the_stage_refuses_them(
+    tmp_path: Path, option: str, layout: str
+) -> None:
+    """Heads given by an option whose weights file was cut short (a killed copy): told before the
+    stage's import in one line naming the option, the file and what to give; the stage, called as a
+    library, refuses them with the same line (and stage=all before pretraining, not at export/eval)."""
+    from medusa_train.formats import save_medusa, save_vllm
+    from medusa_train.heads import MedusaHeads
+    from medusa_train.stages import eval as eval_stage
+    from medusa_train.stages import export
+
+    whole = MedusaHeads(hidden_size=8, vocab_size=50, num_heads=1)
+    save_medusa(whole, tmp_path / "whole")
+    heads = (save_medusa if layout == "medusa" else save_vllm)(whole, tmp_path / "cut")
+    weights = heads / ("medusa_lm_head.safetensors" if layout == "medusa" else "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-10])
+    value = f"[{heads}]" if option == "eval.compare" else str(heads)
+    args = [f"workdir={tmp_path / 'run'}", f"{option}={value}", "tree=chain", "tree.chain_depth=1"]
+    if option == "eval.compare":
+        args.append(f"eval.heads_dir={tmp_path / 'whole'}")
+    line = f"{option}: cannot read {weights}: truncated or damaged ("
+    for stage in ("all", option.split(".")[0]):
+        with pytest.raises(UserError) as before:
+            check_inputs(compose_config([f"stage={stage}", *args]))
+        assert str(before.value).startswith(line), before.value
+        assert str(before.value).endswith(HEADS_OPTIONS[option]), before.value
+    run = export.run if option == "export.heads_dir" else eval_stage.run
+    with pytest.raises(UserError) as during:
+        run(compose_config([f"stage={option.split('.')[0]}", "tracking=disabled", *args]))
+    assert str(during.value) == str(before.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_export_and_eval_inputs_are_checked_on_the_first_rank_only(
