@@ -34,6 +34,7 @@ from medusa_train.config import Config, compose_config
 from medusa_train.data.sources import check_prompts_file, source_files
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.heads_layout import check_init_heads, compare_heads_dir
+from medusa_train.launch import launch_problem, launched
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir, require
 
@@ -107,9 +108,6 @@ def run_stage(cfg: Config) -> dict:
     and leaving would wait for it while the user waits for the process to stop."""
     from medusa_train import dist  # torch: not needed by --help/--cfg (module docstring)
 
-    problem = dist.launch_problem()
-    if problem is not None:
-        raise UserError(problem)
     try:
         result = _dispatch(cfg)
     except KeyboardInterrupt:
@@ -220,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         if print_cfg:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
+        problem = launch_problem()  # what the launcher set (check_inputs reads RANK)
+        if problem is not None:
+            raise UserError(problem)
         check_workdir(cfg.workdir, _outputs(cfg))  # a file there, no write access: refused before any work
         check_inputs(cfg)
         quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
@@ -244,7 +245,7 @@ def entry() -> None:
     :func:`main`'s code. A rank started by a launcher (torchrun, deepspeed) exits through
     ``dist.end_process`` instead of the interpreter's finalization, which can abort it after its
     stage succeeded; a bug's traceback is printed first and its exit code stays 1."""
-    if "WORLD_SIZE" not in os.environ:  # dist.launched(), without importing torch for --help
+    if not launched():
         sys.exit(main())
     from medusa_train import dist
 
