@@ -34,6 +34,7 @@ from medusa_train.config import Config, compose_config
 from medusa_train.data.sources import check_prompts_file, source_files
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.heads_layout import check_heads_option
+from medusa_train.launch import is_main, launch_problem, launched
 from medusa_train.stages import STAGE_ORDER, get_stage
 from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir, require
 
@@ -107,9 +108,6 @@ def run_stage(cfg: Config) -> dict:
     and leaving would wait for it while the user waits for the process to stop."""
     from medusa_train import dist  # torch: not needed by --help/--cfg (module docstring)
 
-    problem = dist.launch_problem()
-    if problem is not None:
-        raise UserError(problem)
     try:
         result = _dispatch(cfg)
     except KeyboardInterrupt:
@@ -185,7 +183,7 @@ def check_inputs(cfg: Config) -> None:
     ``data=text``'s corpus for pretrain (its own rule: one file). Export and eval run on rank 0 only,
     as the stages do (the other ranks of a launch return at once)."""
     wd = Workdir(Path(cfg.workdir))
-    first_rank = os.environ.get("RANK", "0") == "0"  # dist.is_main, without importing torch
+    first_rank = is_main()
     if cfg.stage == "train":
         require(wd.distill, "distilled data", "distill")
     if cfg.stage in ("export", "eval") and first_rank and not getattr(cfg, cfg.stage).heads_dir:
@@ -225,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         if print_cfg:
             print(json.dumps(asdict(cfg), indent=2, default=str))
             return 0
+        problem = launch_problem()  # what the launcher set (check_inputs reads RANK)
+        if problem is not None:
+            raise UserError(problem)
         check_workdir(cfg.workdir, _outputs(cfg))  # a file there, no write access: refused before any work
         check_inputs(cfg)
         quiet_third_party(cfg.model.quantization, cfg.deepspeed.enabled)
@@ -249,7 +250,7 @@ def entry() -> None:
     :func:`main`'s code. A rank started by a launcher (torchrun, deepspeed) exits through
     ``dist.end_process`` instead of the interpreter's finalization, which can abort it after its
     stage succeeded; a bug's traceback is printed first and its exit code stays 1."""
-    if "WORLD_SIZE" not in os.environ:  # dist.launched(), without importing torch for --help
+    if not launched():
         sys.exit(main())
     from medusa_train import dist
 

@@ -1,10 +1,10 @@
-"""Ranks, world size and the few collective operations the stages need.
+"""The process group and the few collective operations the stages need.
 
-One home for what ``torchrun`` / the ``deepspeed`` launcher tell a process (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``) and for the synchronisation points distill and train use. Everything is a no-op
-in a single process, so a stage never branches on "am I distributed" itself. The process group,
-where one is needed outside the HF Trainer, is gloo: the collectives here move small Python objects
-(counts, settings), not tensors.
+The synchronisation points distill and train use, and a launched rank's end; what the launcher
+tells the process (rank, world size) is read in :mod:`medusa_train.launch`, without torch. Everything
+is a no-op in a single process, so a stage never branches on "am I distributed" itself. The process
+group, where one is needed outside the HF Trainer, is gloo: the collectives here move small Python
+objects (counts, settings), not tensors.
 """
 
 from __future__ import annotations
@@ -18,47 +18,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as tdist
 
-
-def rank() -> int:
-    """Global rank of this process (0 without a launcher)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    """Number of processes of the launch (1 without a launcher)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def local_rank() -> int:
-    """Rank on this node: the CUDA device index of this process."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def is_main() -> bool:
-    """Rank 0: the process that publishes artefacts and talks to the tracker."""
-    return rank() == 0
-
-
-def launched() -> bool:
-    """A launcher (torchrun, deepspeed) started this process."""
-    return "WORLD_SIZE" in os.environ
-
-
-def launch_problem() -> str | None:
-    """Why this process cannot join the launch its environment announces (None: it can, or none is):
-    WORLD_SIZE above 1 without RANK, MASTER_ADDR or MASTER_PORT, which torchrun and the deepspeed
-    launcher set with it and every rendezvous reads (a variable left from another job, a hand-made
-    launch). Found only at the stage's first collective, after the backbone loaded, as a traceback."""
-    if world_size() <= 1:
-        return None
-    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if not missing:
-        return None
-    return (
-        f"WORLD_SIZE={world_size()} is set but not {', '.join(missing)}: start the ranks with torchrun or the "
-        "deepspeed launcher (they set every one), or unset WORLD_SIZE to run one process"
-    )
-
+from medusa_train import launch
 
 COLLECTIVE_TIMEOUT = timedelta(days=7)
 """How long a rank waits at a collective (a barrier while rank 0 generates or builds a cache for hours)."""
@@ -70,7 +30,7 @@ def init_process_group(timeout: timedelta = COLLECTIVE_TIMEOUT) -> bool:
     The default timeout is long on purpose: a rank can generate or train for hours before the next
     collective, which must not time out meanwhile.
     """
-    if world_size() <= 1 or tdist.is_initialized():
+    if launch.world_size() <= 1 or tdist.is_initialized():
         return False
     tdist.init_process_group("gloo", timeout=timeout)
     return True
@@ -90,7 +50,7 @@ def leave() -> None:
     the launcher then reports the whole run failed. Destroying it is local to this rank: a rank that
     finished early leaves while rank 0 goes on publishing.
     """
-    if launched() and tdist.is_available() and tdist.is_initialized():
+    if launch.launched() and tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
 
@@ -121,7 +81,7 @@ def end_process(code: int) -> NoReturn:
 
 
 def _active() -> bool:
-    return world_size() > 1 and tdist.is_initialized()
+    return launch.world_size() > 1 and tdist.is_initialized()
 
 
 def barrier() -> None:
@@ -143,6 +103,6 @@ def gather(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank."""
     if not _active():
         return [value]
-    boxes: list[Any] = [None] * world_size()
+    boxes: list[Any] = [None] * launch.world_size()
     tdist.all_gather_object(boxes, value)
     return boxes

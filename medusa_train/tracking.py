@@ -22,7 +22,7 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from medusa_train import dist
+from medusa_train import launch
 from medusa_train.errors import UserError
 from medusa_train.workdir import atomic_write_json
 
@@ -114,7 +114,7 @@ def start_tracking(
         UserError: wandb is not installed, or refused to start the run (online without ``wandb
             login``, no network to the server, a project name it does not take).
     """
-    if tracking_cfg.mode == "disabled" or not dist.is_main():
+    if tracking_cfg.mode == "disabled" or not launch.is_main():
         return Tracker(None)
     try:
         import wandb

@@ -64,7 +64,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from medusa_train import dist
+from medusa_train import dist, launch
 from medusa_train.backbone import (
     backbone_identity,
     checkpoint_fingerprint,
@@ -214,7 +214,7 @@ def _read_source(cfg: Config) -> ReadResult:
         num_prompts=d.num_prompts,
         seed=cfg.seed,
     )
-    if dist.is_main():
+    if launch.is_main():
         source.log_warning(log)
     return source
 
@@ -227,10 +227,10 @@ def _complete_manifest(out: Path, quick: dict, overwrite: bool) -> dict | None:
     setting (a Hub id's weights under the same name, the tokenizer), and overwrite must redo a
     folder whose settings differ in any; step 4 reuses one that is complete with all of them.
     """
-    if dist.is_main():
+    if launch.is_main():
         remove_stale(out)
     manifest = None if overwrite else complete_manifest(out, quick)
-    if manifest is not None and dist.is_main():
+    if manifest is not None and launch.is_main():
         log.info(
             "distill: %s is complete with these settings (%d records); nothing to do",
             out,
@@ -480,7 +480,7 @@ def _prepare_prompts(
             ids = ids[-max_context:]
         kept.append(conv)
         prompts.append(ids)
-    if skipped and dist.is_main():
+    if skipped and launch.is_main():
         shown = ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else "")
         log.warning(
             "skipped %d records whose prompt is longer than %d tokens (%s); data.long_prompts=truncate keeps them",
@@ -527,7 +527,7 @@ def _prepare_folder_everywhere(plan: _Plan) -> dict | None:
     """Step 4: :func:`_prepare_folder` on rank 0, its answer (the manifest of a complete folder, or
     None) broadcast to every rank; its refusal raised on every rank."""
     error, complete = None, None
-    if dist.is_main():
+    if launch.is_main():
         try:
             complete = _prepare_folder(
                 plan.out,
@@ -721,12 +721,12 @@ token-exact, see :func:`_exactness_counts`), the generated tokens they hold."""
 
 def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker) -> dict:
     g, records, prompts = plan.cfg.distill, plan.records, plan.prompts
-    rank, world, size = dist.rank(), dist.world_size(), g.shard_size
+    rank, world, size = launch.rank(), launch.world_size(), g.shard_size
     mine = [i for i in range(plan.num_shards) if i % world == rank]
     todo = [i for i in mine if not shard_path(plan.out, i).is_file()]
     total = sum(len(records[i * size : (i + 1) * size]) for i in mine)
     done = total - sum(len(records[i * size : (i + 1) * size]) for i in todo)
-    if done and dist.is_main():
+    if done and launch.is_main():
         log.info(
             "distill: resuming, %d of %d shards of rank 0 already on disk", len(mine) - len(todo), len(mine)
         )
@@ -746,7 +746,7 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
             add_counts(index)
     # mininterval: at most 2 redraws a second (a log file gets a line per redraw)
     bar = tqdm(
-        total=total, initial=done, unit="rec", desc="distill", disable=not dist.is_main(), mininterval=0.5
+        total=total, initial=done, unit="rec", desc="distill", disable=not launch.is_main(), mininterval=0.5
     )
     start = time.perf_counter()
     counted = [0]  # records of the current shard already counted on the bar
@@ -824,7 +824,7 @@ def _distill_shards(plan: _Plan, model, renderer: ChatRenderer, tracker: Tracker
 def _publish_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> dict:
     """Step 6: rank 0 writes the manifest once every rank's shards are on disk; every rank returns
     the figures read back from it."""
-    if dist.is_main():
+    if launch.is_main():
         _write_manifest(plan, tokenizer, all_stats)
     dist.barrier()
     manifest = read_manifest(plan.out)
@@ -860,7 +860,7 @@ def _write_manifest(plan: _Plan, tokenizer, all_stats: list[dict]) -> None:
         "counts": {**counts, "skipped": skipped, "records_skipped": sum(skipped.values())},
         "tokens_per_s": round(tokens_now / seconds, 1) if tokens_now and seconds > 0 else None,
         "tokens_per_s_note": "generated tokens / wall seconds of the last invocation, all ranks together",
-        "world_size": dist.world_size(),
+        "world_size": launch.world_size(),
         "engine": _engine_manifest(plan, all_stats),
         "num_shards": plan.num_shards,
         "shards": shard_entries(plan.out, plan.num_shards),
@@ -970,7 +970,7 @@ def _check_server(cfg: Config, renderer: ChatRenderer, conv: Conversation, promp
     s = cfg.distill.server
     messages = renderer.messages(conv, [], True)
     server = check_server(_server_client(cfg), s.model or cfg.model.name_or_path, s.api, messages, prompt)
-    if dist.is_main():
+    if launch.is_main():
         log.info(
             "distill: %d server endpoint(s) serve %s (%s API)",
             len(server["endpoints"]),

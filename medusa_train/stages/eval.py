@@ -100,12 +100,12 @@ from medusa_train.decoding.timing import (
     speedup_figures,
 )
 from medusa_train.decoding.tree import tree_for_heads
-from medusa_train.dist import is_main
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.formats import load_heads
 from medusa_train.head_targets import hidden_width, language_model
 from medusa_train.heads import MedusaHeads
 from medusa_train.heads_layout import check_heads_option, option_refusal, read_heads_config
+from medusa_train.launch import is_main
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     alternatives,

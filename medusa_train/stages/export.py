@@ -50,7 +50,6 @@ from medusa_train.backbone import DTYPES, backbone_for_heads, base_model_here, l
 from medusa_train.card_inputs import calibration_input
 from medusa_train.custom_generate import write_custom_generate
 from medusa_train.decoding.tree import tree_for_heads
-from medusa_train.dist import is_main
 from medusa_train.errors import HeadsFormatError, UserError
 from medusa_train.formats import (
     MEDUSA_CONFIG_KEYS,
@@ -69,6 +68,7 @@ from medusa_train.heads_layout import (
     option_refusal,
     read_heads_config,
 )
+from medusa_train.launch import is_main
 from medusa_train.report import (
     HEADS_FINGERPRINT,
     MANIFEST_INPUT,

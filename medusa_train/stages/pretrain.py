@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from medusa_train import dist
+from medusa_train import launch
 from medusa_train.backbone import resolve_device
 from medusa_train.data.embedded import conversation_texts, embedded_conversations
 from medusa_train.data.sources import text_lines
@@ -104,10 +104,10 @@ def run(cfg: Config) -> dict:
     """
     if not cfg.model.embedded:
         raise UserError("stage=pretrain trains the embedded tiny model only: use model=tiny")
-    if dist.world_size() > 1:
+    if launch.world_size() > 1:
         raise UserError(
             f"stage=pretrain (also stage=all's first step with model=tiny) runs in one process, not the "
-            f"{dist.world_size()} of this launch: run `python -m medusa_train stage=pretrain` without "
+            f"{launch.world_size()} of this launch: run `python -m medusa_train stage=pretrain` without "
             "torchrun or the deepspeed launcher, then launch the stages after it one by one"
         )
     bc = cfg.pretrain

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 
-from medusa_train import __version__, dist
+from medusa_train import __version__, dist, launch
 from medusa_train.backbone import (
     DTYPES,
     backbone_identity,
@@ -225,8 +225,8 @@ def run(cfg: Config) -> dict:
             result, heads, trained, state = _train(
                 cfg, recipe, backbone, tokenizer, identity, settings, data.train, ds_config, device, token_map
             )
-    if not dist.is_main():
-        return {"rank": dist.rank()}
+    if not launch.is_main():
+        return {"rank": launch.rank()}
     if done is None:
         if state is not None:
             # ZeRO-3 left the module that trained partitioned: its consolidated weights go into a fresh
@@ -323,7 +323,7 @@ def _published(
     False)`` when they must be trained (none, damaged, other settings, ``overwrite``), ``(result,
     False)`` when only their calibration settings differ, ``(result, True)`` when they are done."""
     heads_dir = wd.heads
-    if dist.is_main():
+    if launch.is_main():
         remove_stale(heads_dir)  # a run killed while publishing them: the previous heads come back
         remove_stale(wd.train)  # temp files of writes a kill interrupted (run.json, the hidden cache)
     done = None if overwrite else trained_with(heads_dir, settings, recipe)
@@ -527,7 +527,7 @@ def train_settings(cfg: Config, identity: dict, manifest: dict) -> dict:
         training=tc,
         model_dtype=resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device)),
         model_quantization=cfg.model.quantization,
-        global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * dist.world_size(),
+        global_batch_size=tc.per_device_batch_size * tc.gradient_accumulation_steps * launch.world_size(),
         eval_fraction=cfg.data.eval_fraction,
         backbone_fingerprint=identity["fingerprint"],
         distill=data_key(manifest),
@@ -621,7 +621,7 @@ def _check_resume(wd: Workdir, info: dict, overwrite: bool) -> None:
     """
     train_dir = wd.train
     path = train_dir / RUN_INFO
-    if train_dir.exists() and overwrite and dist.is_main():
+    if train_dir.exists() and overwrite and launch.is_main():
         shutil.rmtree(train_dir)
     if path.is_file() and not overwrite:
         old = read_json(
@@ -781,7 +781,7 @@ def _train(
         save_only_model=False,
         seed=tc.seed,
         use_cpu=on_cpu,
-        ddp_backend="gloo" if on_cpu and dist.world_size() > 1 else None,
+        ddp_backend="gloo" if on_cpu and launch.world_size() > 1 else None,
         deepspeed=ds_config,
         bf16=not on_cpu and precision == torch.bfloat16,
         fp16=not on_cpu and precision == torch.float16,

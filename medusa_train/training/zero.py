@@ -40,7 +40,7 @@ import torch
 from accelerate.state import AcceleratorState
 from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-from medusa_train import dist
+from medusa_train import dist, launch
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 
@@ -119,7 +119,7 @@ def deepspeed_process(enabled: bool) -> Iterator[None]:
         return
     saved = {key: os.environ.get(key) for key in PROCESS_ENV}
     skip_inference_shm_op()
-    own_group = not dist.launched()
+    own_group = not launch.launched()
     if own_group:
         _single_process_rendezvous()
     try:
@@ -203,7 +203,7 @@ def partitioned_loading(
     config.update(
         train_micro_batch_size_per_gpu=micro_batch_size,
         gradient_accumulation_steps=accumulation_steps,
-        train_batch_size=micro_batch_size * accumulation_steps * dist.world_size(),
+        train_batch_size=micro_batch_size * accumulation_steps * launch.world_size(),
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -273,7 +273,7 @@ whole, ``mp_rank_00_model_states.pt``, once)."""
 
 def check_checkpoint_ranks(checkpoint: Path) -> None:
     """Refuse to resume the Trainer checkpoint ``checkpoint`` of a DeepSpeed run written by another
-    number of ranks than this launch has (:func:`dist.world_size`); nothing for a checkpoint
+    number of ranks than this launch has (:func:`launch.world_size`); nothing for a checkpoint
     without DeepSpeed's files.
 
     ZeRO (every stage) saves its optimizer state partitioned, one file per rank (ZeRO-3 the module's
@@ -290,7 +290,7 @@ def check_checkpoint_ranks(checkpoint: Path) -> None:
         for path in checkpoint.glob("global_step*/*.pt")
         if (match := OPTIMIZER_STATE_FILE.fullmatch(path.name))
     }
-    here = dist.world_size()
+    here = launch.world_size()
     if ranks and len(ranks) != here:
         raise UserError(
             f"{checkpoint} was written by {len(ranks)} DeepSpeed rank(s) and this launch has {here}: ZeRO "

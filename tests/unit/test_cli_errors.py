@@ -28,8 +28,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from medusa_train import launch
 from medusa_train.__main__ import main
-from medusa_train.errors import environment_fault
+from medusa_train.errors import UserError, environment_fault
+from tests.helpers.distill import REPO, run_cli
 from tests.helpers.tiny_workdir import make_workdir, tiny_overrides
 from tests.helpers.train_workdir import make_train_workdir, train_overrides
 
@@ -407,6 +409,99 @@ def test_world_size_without_a_launcher_is_one_line_before_any_stage(
     line = _error_line(capsys)
     assert "WORLD_SIZE=2 is set but not RANK, MASTER_PORT: start the ranks with torchrun" in line, line
     assert "unset WORLD_SIZE" in line and not any(tmp_path.iterdir())
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launch_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    """Exactly ``values`` of what a launcher sets (the others unset)."""
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+RENDEZVOUS = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE=abc is not an integer: start the ranks with torchrun"),
+        ({"RANK": "-1"}, "RANK=-1 is negative: start the ranks with torchrun"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", **RENDEZVOUS},
+            "RANK=2 is not below WORLD_SIZE=2 (ranks count from 0)",
+        ),
+        ({"RANK": "3"}, "RANK=3 is set without WORLD_SIZE (one process: rank 0)"),
+        ({"LOCAL_RANK": "x"}, "LOCAL_RANK=x is not an integer: start the ranks with torchrun"),
+        ({"LOCAL_RANK": ""}, "LOCAL_RANK='' is empty: start the ranks with torchrun"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 is below 1: start the ranks with torchrun"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "abc"},
+            "MASTER_PORT=abc is no port",
+        ),
+    ],
+)
+def test_a_malformed_launch_variable_is_one_line_before_any_stage(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    says: str,
+) -> None:
+    """Such a value was a ValueError traceback (WORLD_SIZE=abc, RANK=abc), or reached the stage: a
+    rank beyond the launch, LOCAL_RANK=x read only where a GPU is chosen."""
+    _launch_env(monkeypatch, **env)
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    assert main([f"workdir={tmp_path}", "stage=distill", "debug=fast", "tracking=disabled"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"error: {says}"), line
+    assert ", or unset " in line and not any(tmp_path.iterdir())
+
+
+def test_the_launch_is_told_before_a_missing_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WORLD_SIZE=2 left from another job: its line, not the input the stage would lack (which the
+    user would fix, to be told about WORLD_SIZE next)."""
+    _launch_env(monkeypatch, WORLD_SIZE="2")
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    assert main([f"workdir={tmp_path}", "stage=train", "debug=fast", "tracking=disabled"]) == 2
+    line = _error_line(capsys)
+    assert line.startswith("error: WORLD_SIZE=2 is set but not RANK, MASTER_ADDR, MASTER_PORT"), line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_malformed_launch_through_the_entry_point_is_one_line(tmp_path: Path) -> None:
+    """``python -m medusa_train`` with WORLD_SIZE set goes through dist.end_process (a launched
+    rank's exit): that path says the one line and exits 2 too."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env |= {"PYTHONPATH": str(REPO), "WORLD_SIZE": "abc"}
+    proc = run_cli([f"workdir={tmp_path}", "stage=distill", "tracking=disabled"], env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: WORLD_SIZE=abc is not an integer"), proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_launch_readers_raise_its_line_when_called_as_a_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the CLI's check, rank(), world_size() and local_rank() raise a UserError with the same
+    line for their own malformed variable, not a ValueError; unset, they are one process's."""
+    _launch_env(monkeypatch)
+    assert (launch.rank(), launch.world_size(), launch.local_rank()) == (0, 1, 0)
+    assert launch.is_main() and not launch.launched() and launch.launch_problem() is None
+    for name, reader in (
+        ("RANK", launch.rank),
+        ("WORLD_SIZE", launch.world_size),
+        ("LOCAL_RANK", launch.local_rank),
+    ):
+        monkeypatch.setenv(name, "-2")
+        with pytest.raises(UserError) as raised:
+            reader()
+        assert str(raised.value) == launch.launch_problem() and str(raised.value).startswith(f"{name}=-2 ")
+        monkeypatch.delenv(name)
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
