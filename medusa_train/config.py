@@ -841,7 +841,8 @@ class Config:
     """The whole run. `python -m medusa_train stage=<stage> [group=option ...] [key=value ...]`.
 
     The options that name a local path take a leading `~` or `~user` as a shell does, wherever the value
-    comes from (a conf file, a quoted override, `compose_config`): `workdir` (and so `model=tiny`'s
+    comes from (a conf file; an override, quoted or not: no shell expands `eval.heads_dir=~/x`, and the
+    value is taken as quoted; `compose_config`): `workdir` (and so `model=tiny`'s
     `${workdir}/pretrain`), `model.name_or_path`, `data.path`, `data.name`, `training.init_heads`,
     `export.heads_dir`, `eval.heads_dir`, `eval.path`, `eval.compare`'s entries and `eval.assistant_model`
     are expanded once, when the config is built, so a run given `~/x` is the run given the absolute path
@@ -943,7 +944,7 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            dict_cfg = compose(config_name="config", overrides=list(overrides or []))
+            dict_cfg = compose(config_name="config", overrides=[_quote_home(o) for o in overrides or []])
         missing = sorted(OmegaConf.missing_keys(dict_cfg))
         if missing:
             raise ConfigError(f"{missing[0]} is required: pass {missing[0]}=<value>")
@@ -962,7 +963,7 @@ def compose_config(overrides: list[str] | None = None) -> Config:
 _UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\.(?s:.*?)Key '([^']+)' not in")
 _UNKNOWN_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 _NOT_A_LIST = re.compile(r"Error merging override ([\w.]+)=(\S*)(?s:.*)is not a ListConfig")
-_SWEEP = re.compile(r"Ambiguous value for argument '([\w.]+)=([^']*)'")  # a,b: a multirun sweep to Hydra
+_SWEEP = re.compile(r"Ambiguous value for argument '([\w.]+)=(.*)'$", re.M)  # a,b: a multirun sweep to Hydra
 
 
 def _close_match(message: str, overrides: list[str]) -> str | None:
@@ -1024,6 +1025,21 @@ def _check_override_syntax(arg: str, following: list[str]) -> None:
         meant = f"stage={arg}" if arg in STAGES else f"{groups[0]}={arg}" if groups else None
     hint = f": did you mean {meant}?" if meant else ""
     raise ConfigError(f"{arg!r}: {problem}{hint} — see `python -m medusa_train --help`")
+
+
+_HOME_VALUE = re.compile(r"(^|[\[,]\s*)(~[^\s,\[\]'\"\\$]*)(?=\s*(?:$|[,\]]))")
+"""An unquoted value, or list element, that starts with ``~`` (no quote, backslash or ``$`` in it)."""
+
+
+def _quote_home(override: str) -> str:
+    """``key=~/x`` as ``key='~/x'`` (and ``key=[~/a,b]`` as ``key=['~/a',b]``): Hydra's override grammar
+    takes ``~`` only quoted, and a shell leaves it unexpanded after a dotted key (``eval.heads_dir=~/x``:
+    no variable assignment), so the value reaches the config as written, to be expanded there. A
+    ``~key`` (Hydra's deletion of a key) stays as it is."""
+    key, eq, value = override.partition("=")
+    if not eq or key.startswith("~"):
+        return override
+    return key + eq + _HOME_VALUE.sub(r"\1'\2'", value)
 
 
 def _check_added_key(override: str, overrides: list[str]) -> None:

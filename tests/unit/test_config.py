@@ -155,6 +155,41 @@ def test_a_tilde_path_on_the_command_line_is_the_home_directorys(
 
 
 @pytest.mark.parametrize(
+    ("override", "read", "expected"),
+    [
+        ("eval.heads_dir=~/h", lambda cfg: cfg.eval.heads_dir, "{home}/h"),
+        ("eval.compare=[~/a, runs/b,~/c]", lambda cfg: cfg.eval.compare, ["{home}/a", "runs/b", "{home}/c"]),
+        ("training.init_heads=~", lambda cfg: cfg.training.init_heads, "{home}"),
+        ("workdir=~/w", lambda cfg: cfg.model.name_or_path, "{home}/w/pretrain"),
+        ("eval.heads_dir='~/quoted'", lambda cfg: cfg.eval.heads_dir, "{home}/quoted"),
+        ("eval.heads_dir=runs/h", lambda cfg: cfg.eval.heads_dir, "runs/h"),
+    ],
+)
+def test_an_unquoted_tilde_is_taken_where_no_shell_expands_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: str, read, expected
+) -> None:
+    """A shell expands ``~`` after the ``=`` of ``workdir=~/w`` (a variable assignment's form) but not
+    after a dotted key, and Hydra's grammar refuses an unquoted ``~``: the value is taken as quoted."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = str(tmp_path)
+    want = (
+        [e.format(home=home) for e in expected] if isinstance(expected, list) else expected.format(home=home)
+    )
+    assert read(compose_config([override])) == want
+
+
+def test_heads_compared_from_home_are_named_by_their_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``eval.compare=[~/heads]`` as bash hands it over: refused before the stage, naming the folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main([f"workdir={tmp_path / 'run'}", "stage=all", "eval.compare=[~/heads]"]) == 2
+    assert capsys.readouterr().err == f"error: eval.compare: {tmp_path / 'heads'} does not exist " + (
+        "(give heads folders or workdirs holding heads/)\n"
+    )
+
+
+@pytest.mark.parametrize(
     ("overrides", "needle"),
     [
         (["stage=nope"], "stage"),
