@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 import urllib.parse
@@ -117,6 +118,12 @@ def _seed(key: str, value: int) -> None:
     _range(key, value, 0, SEED_MAX)
 
 
+def _home(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` or ``~user`` expanded as a shell expands it (``os.path.expanduser``);
+    any other path, and None, as they are (a Hub id never starts with ``~``)."""
+    return os.path.expanduser(path) if path else path
+
+
 @dataclass
 class ModelConfig:
     """The backbone: any Hugging Face causal LM, or the embedded tiny one (`model=tiny`).
@@ -150,6 +157,7 @@ class ModelConfig:
     machine does not have fails before any work."""
 
     def __post_init__(self) -> None:
+        self.name_or_path = _home(self.name_or_path)
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))
         _choice("model.quantization", self.quantization, ("none", "8bit", "4bit"))
         if not DEVICE_SPEC.fullmatch(self.device):
@@ -269,6 +277,7 @@ class DataConfig:
     """Fraction of distilled records held out for head accuracy / tree calibration, in [0, 1)."""
 
     def __post_init__(self) -> None:
+        self.path, self.name = _home(self.path), _home(self.name)
         _choice(
             "data.format", self.format, ("embedded", "sharegpt", "alpaca", "mtbench", "jsonl", "text", "hub")
         )
@@ -531,6 +540,7 @@ class TrainingConfig:
     backbone, checked when it is loaded)."""
 
     def __post_init__(self) -> None:
+        self.init_heads = _home(self.init_heads)
         _choice("training.mode", self.mode, ("medusa1", "medusa2"))
         _choice("training.lambda_warmup", self.lambda_warmup, ("constant", "linear", "sine", "sine_r"))
         _choice("training.lm_loss", self.lm_loss, ("kl", "ce"))
@@ -721,6 +731,7 @@ class ExportConfig:
     (a warning says so); TGI, vLLM, TensorRT-LLM and medusa_train read the safetensors file."""
 
     def __post_init__(self) -> None:
+        self.heads_dir = _home(self.heads_dir)
         for fmt in self.formats:
             _choice("export.formats[]", fmt, ("medusa", "vllm"))
         if not self.formats:
@@ -804,6 +815,9 @@ class EvalConfig:
     (report.json names its attention). See docs/decoding.md."""
 
     def __post_init__(self) -> None:
+        self.heads_dir, self.path = _home(self.heads_dir), _home(self.path)
+        self.assistant_model = _home(self.assistant_model)
+        self.compare = [_home(entry) for entry in self.compare]
         _choice("eval.prompts", self.prompts, ("embedded", "mtbench", "jsonl"))
         _choice("eval.attention", self.attention, ("sdpa", "triton", "cuda", "auto"))
         for size in self.batch_sizes:
@@ -824,7 +838,17 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    """The whole run. `python -m medusa_train stage=<stage> [group=option ...] [key=value ...]`."""
+    """The whole run. `python -m medusa_train stage=<stage> [group=option ...] [key=value ...]`.
+
+    The options that name a local path take a leading `~` or `~user` as a shell does, wherever the value
+    comes from (a conf file; an override, quoted or not: no shell expands `eval.heads_dir=~/x`, and the
+    value is taken as quoted; `compose_config`): `workdir` (and so `model=tiny`'s
+    `${workdir}/pretrain`), `model.name_or_path`, `data.path`, `data.name`, `training.init_heads`,
+    `export.heads_dir`, `eval.heads_dir`, `eval.path`, `eval.compare`'s entries and `eval.assistant_model`
+    are expanded once, when the config is built, so a run given `~/x` is the run given the absolute path
+    (the same folders, the same recorded settings). `distill.server.model` is the server's name for its
+    model and stays as given.
+    """
 
     stage: str = "all"
     """pretrain | distill | train | export | eval | all."""
@@ -848,6 +872,7 @@ class Config:
         _seed("seed", self.seed)
         if not self.workdir.strip():
             raise ConfigError("workdir is empty: name the run's folder, e.g. workdir=runs/my_run")
+        self.workdir = _home(self.workdir)
         if self.stage == "pretrain" and not self.model.embedded:
             raise ConfigError(
                 "stage=pretrain trains the embedded tiny model only: use model=tiny (a real model needs no pretraining)"
@@ -919,7 +944,7 @@ def compose_config(overrides: list[str] | None = None) -> Config:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            dict_cfg = compose(config_name="config", overrides=list(overrides or []))
+            dict_cfg = compose(config_name="config", overrides=[_quote_home(o) for o in overrides or []])
         missing = sorted(OmegaConf.missing_keys(dict_cfg))
         if missing:
             raise ConfigError(f"{missing[0]} is required: pass {missing[0]}=<value>")
@@ -938,7 +963,7 @@ def compose_config(overrides: list[str] | None = None) -> Config:
 _UNKNOWN_KEY = re.compile(r"Could not override '([^']+)'\.(?s:.*?)Key '([^']+)' not in")
 _UNKNOWN_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'")
 _NOT_A_LIST = re.compile(r"Error merging override ([\w.]+)=(\S*)(?s:.*)is not a ListConfig")
-_SWEEP = re.compile(r"Ambiguous value for argument '([\w.]+)=([^']*)'")  # a,b: a multirun sweep to Hydra
+_SWEEP = re.compile(r"Ambiguous value for argument '([\w.]+)=(.*)'$", re.M)  # a,b: a multirun sweep to Hydra
 
 
 def _close_match(message: str, overrides: list[str]) -> str | None:
@@ -1000,6 +1025,21 @@ def _check_override_syntax(arg: str, following: list[str]) -> None:
         meant = f"stage={arg}" if arg in STAGES else f"{groups[0]}={arg}" if groups else None
     hint = f": did you mean {meant}?" if meant else ""
     raise ConfigError(f"{arg!r}: {problem}{hint} — see `python -m medusa_train --help`")
+
+
+_HOME_VALUE = re.compile(r"(^|[\[,]\s*)(~[^\s,\[\]'\"\\$]*)(?=\s*(?:$|[,\]]))")
+"""An unquoted value, or list element, that starts with ``~`` (no quote, backslash or ``$`` in it)."""
+
+
+def _quote_home(override: str) -> str:
+    """``key=~/x`` as ``key='~/x'`` (and ``key=[~/a,b]`` as ``key=['~/a',b]``): Hydra's override grammar
+    takes ``~`` only quoted, and a shell leaves it unexpanded after a dotted key (``eval.heads_dir=~/x``:
+    no variable assignment), so the value reaches the config as written, to be expanded there. A
+    ``~key`` (Hydra's deletion of a key) stays as it is."""
+    key, eq, value = override.partition("=")
+    if not eq or key.startswith("~"):
+        return override
+    return key + eq + _HOME_VALUE.sub(r"\1'\2'", value)
 
 
 def _check_added_key(override: str, overrides: list[str]) -> None:

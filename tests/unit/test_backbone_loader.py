@@ -439,7 +439,7 @@ def test_identity_of_a_model_whose_config_nests_the_text_model(tmp_path: Path) -
 
 
 def test_a_local_path_under_home_loads(tmp_path: Path, tiny_backbone_dir: Path, monkeypatch) -> None:
-    """``model.name_or_path='~/models/x'`` (quoted, as Hydra needs it; no shell expands it then), or
+    """``model.name_or_path='~/models/x'`` (quoted or not, no shell expands it after a dotted key), or
     ``~/...`` in a config file: the model, its tokenizer and, for distill.engine=server, its config
     load from the home directory, with the fingerprint of the expanded path (transformers took
     ``~/...`` for a malformed Hub id: a UserError)."""

@@ -730,6 +730,7 @@ def test_environment_fault_of_a_bare_file_name_names_the_workdir(tmp_path: Path)
         ("--training.lr=1e-3", "did you mean training.lr=1e-3?"),
         ("eval.batch_sizes=3", "give a list: eval.batch_sizes=[3]"),  # a scalar for a list
         ("eval.batch_sizes=1,4", "give a list: eval.batch_sizes=[1,4]"),  # a multirun sweep to Hydra
+        ("eval.compare=~/a,~/b", "give a list: eval.compare=['~/a','~/b']"),  # ~ quoted for Hydra
         ("export.formats=vllm", "give a list: export.formats=[vllm]"),
     ],
 )

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 
 from medusa_train.__main__ import check_inputs, main, strip_launcher_args
-from medusa_train.config import CONF_DIR, Config, compose_config, register_configs
+from medusa_train.config import CONF_DIR, Config, EvalConfig, compose_config, register_configs
 from medusa_train.errors import ConfigError, DamagedArtefactError, UserError
 from medusa_train.heads_layout import HEADS_OPTIONS
 
@@ -63,6 +63,131 @@ def test_defaults() -> None:
 
 def test_workdir_interpolates_into_backbone_path() -> None:
     assert compose_config(["workdir=/tmp/xyz"]).model.name_or_path == "/tmp/xyz/pretrain"
+
+
+# Every option that names a local path: (the key, what makes the config need it, where it lands).
+HOME_PATHS = [
+    ("workdir", [], lambda cfg: cfg.workdir),
+    ("model.name_or_path", ["model=hf"], lambda cfg: cfg.model.name_or_path),
+    ("data.path", ["data=jsonl"], lambda cfg: cfg.data.path),
+    ("data.name", ["data=hub"], lambda cfg: cfg.data.name),  # a save_to_disk folder
+    ("training.init_heads", [], lambda cfg: cfg.training.init_heads),
+    ("export.heads_dir", [], lambda cfg: cfg.export.heads_dir),
+    ("eval.heads_dir", [], lambda cfg: cfg.eval.heads_dir),
+    ("eval.path", ["eval.prompts=jsonl"], lambda cfg: cfg.eval.path),
+    ("eval.assistant_model", [], lambda cfg: cfg.eval.assistant_model),
+    ("eval.compare", [], lambda cfg: cfg.eval.compare[1]),
+]
+
+
+@pytest.mark.parametrize(("key", "needs", "read"), HOME_PATHS, ids=[k for k, _, _ in HOME_PATHS])
+def test_a_leading_tilde_is_expanded_in_every_path_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, needs: list[str], read
+) -> None:
+    """A quoted override (no shell expands it), like a conf file's value or compose_config's caller,
+    hands ``~/x`` over as is: the config holds the home directory's path, and is the config of the
+    same run given that path; a path without ``~`` and a Hub id stay as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+
+    def value(path: str) -> str:
+        return f"[runs/a,{path}]" if key == "eval.compare" else path
+
+    cfg = compose_config([*needs, f"{key}={value(repr('~/x/y'))}"])
+    assert read(cfg) == str(tmp_path / "x" / "y")
+    assert cfg == compose_config([*needs, f"{key}={value(str(tmp_path / 'x' / 'y'))}"])
+    assert read(compose_config([*needs, f"{key}={value(repr('~'))}"])) == str(tmp_path)
+    for kept in ("runs/~x", "org/name"):
+        assert read(compose_config([*needs, f"{key}={value(repr(kept))}"])) == kept
+
+
+def test_a_tilde_user_path_is_that_users_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import pwd
+
+    try:
+        user = pwd.getpwuid(os.getuid())
+    except KeyError:
+        pytest.skip("this user has no passwd entry to name a home by")
+    cfg = compose_config([f"eval.heads_dir='~{user.pw_name}/heads'"])
+    assert cfg.eval.heads_dir == str(Path(user.pw_dir) / "heads")
+
+
+def test_a_tilde_workdir_is_the_embedded_backbones_place_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model=tiny``'s ``name_or_path: ${workdir}/pretrain`` interpolates the workdir as given."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = compose_config(["workdir='~/w'"])
+    assert cfg.workdir == str(tmp_path / "w") and cfg.model.name_or_path == str(tmp_path / "w" / "pretrain")
+
+
+def test_a_tilde_in_a_conf_file_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's own conf file (YAML reads ``~/heads/run3`` as a string; only a bare ``~`` is null),
+    built into the typed config as compose_config builds it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    yaml = "heads_dir: ~/heads/run3\ncompare: [~/runs/a, runs/b]\nassistant_model: ~\n"
+    built = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalConfig), OmegaConf.create(yaml)))
+    assert built.heads_dir == str(tmp_path / "heads" / "run3")
+    assert built.compare == [str(tmp_path / "runs" / "a"), "runs/b"] and built.assistant_model is None
+
+
+def test_a_tilde_path_on_the_command_line_is_the_home_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the CLI: the check before a stage names the expanded path, the stage writes under the
+    home directory, and no folder named ``~`` appears where the command ran."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    args = ["workdir='~/w'", "tracking=disabled"]
+    assert main([*args, "stage=all", "training.init_heads='~/missing'"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: training.init_heads: {home / 'missing'} ")
+    assert main([*args, "stage=train"]) == 2
+    assert str(home / "w" / "distill") in capsys.readouterr().err
+
+    def stage(cfg: Config) -> dict:
+        (Path(cfg.workdir) / "distill").mkdir(parents=True)
+        return {}
+
+    monkeypatch.setattr("medusa_train.__main__.get_stage", lambda name: stage)
+    assert main([*args, "stage=distill"]) == 0
+    assert (home / "w" / "distill").is_dir() and not any(cwd.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("override", "read", "expected"),
+    [
+        ("eval.heads_dir=~/h", lambda cfg: cfg.eval.heads_dir, "{home}/h"),
+        ("eval.compare=[~/a, runs/b,~/c]", lambda cfg: cfg.eval.compare, ["{home}/a", "runs/b", "{home}/c"]),
+        ("training.init_heads=~", lambda cfg: cfg.training.init_heads, "{home}"),
+        ("workdir=~/w", lambda cfg: cfg.model.name_or_path, "{home}/w/pretrain"),
+        ("eval.heads_dir='~/quoted'", lambda cfg: cfg.eval.heads_dir, "{home}/quoted"),
+        ("eval.heads_dir=runs/h", lambda cfg: cfg.eval.heads_dir, "runs/h"),
+    ],
+)
+def test_an_unquoted_tilde_is_taken_where_no_shell_expands_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: str, read, expected
+) -> None:
+    """A shell expands ``~`` after the ``=`` of ``workdir=~/w`` (a variable assignment's form) but not
+    after a dotted key, and Hydra's grammar refuses an unquoted ``~``: the value is taken as quoted."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = str(tmp_path)
+    want = (
+        [e.format(home=home) for e in expected] if isinstance(expected, list) else expected.format(home=home)
+    )
+    assert read(compose_config([override])) == want
+
+
+def test_heads_compared_from_home_are_named_by_their_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``eval.compare=[~/heads]`` as bash hands it over: refused before the stage, naming the folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main([f"workdir={tmp_path / 'run'}", "stage=all", "eval.compare=[~/heads]"]) == 2
+    assert capsys.readouterr().err == f"error: eval.compare: {tmp_path / 'heads'} does not exist " + (
+        "(give heads folders or workdirs holding heads/)\n"
+    )
 
 
 @pytest.mark.parametrize(
