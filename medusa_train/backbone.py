@@ -52,6 +52,7 @@ from transformers.utils import (
 from medusa_train.backbone_source import ADAPTER_CONFIG, check_backbone_source, is_adapter_dir
 from medusa_train.errors import DamagedArtefactError, HeadsFormatError, UserError
 from medusa_train.heads_layout import LAYOUTS, read_heads_config
+from medusa_train.launch import local_rank, world_size
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import (
     HEADS,
@@ -82,7 +83,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
     """
     if spec == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            return torch.device("cuda", local_rank())
         return torch.device("cpu")
     try:
         device = torch.device(spec)
@@ -100,8 +101,8 @@ def resolve_device(spec: str = "auto") -> torch.device:
             )
         # Under a launcher each rank takes its own GPU: "cuda" means this rank's; a fixed index
         # would put every rank on one GPU.
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        local = local_rank()
+        if world_size() > 1:
             if device.index is not None and device.index != local:
                 raise UserError(
                     f"model.device={spec} under a launcher would put every rank on one GPU: use "
