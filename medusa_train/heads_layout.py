@@ -83,12 +83,7 @@ def check_heads_directory(directory: str | os.PathLike) -> tuple[dict, Path]:
         raise HeadsFormatError(
             f"{directory} is not a Medusa heads directory (needs {HEADS_CONFIG} and {HEADS_WEIGHTS})"
         )
-    try:
-        config = json.loads(config_path.read_bytes())
-    except (ValueError, RecursionError):
-        raise HeadsFormatError(f"{config_path} is damaged (not valid JSON)") from None
-    if not isinstance(config, dict):
-        raise HeadsFormatError(f"{config_path} is damaged (not a JSON object)")
+    config = _read_config(directory)
     safetensors_shapes(weights_path)
     return config, weights_path
 
@@ -172,6 +167,7 @@ def weights_files(directory: Path, layout: str) -> list[Path]:
 
 
 def _read_config(directory: Path) -> dict:
+    """config.json of a heads folder, read the one way every check and loader here reads it."""
     try:
         config = json.loads((directory / HEADS_CONFIG).read_text())
     except FileNotFoundError:

@@ -24,7 +24,14 @@ from medusa_train.formats import (
     vllm_config,
 )
 from medusa_train.heads import MedusaHeads
-from medusa_train.heads_layout import LEGACY_WEIGHTS_NAME, MEDUSA, VLLM, detect_layout
+from medusa_train.heads_layout import (
+    LEGACY_WEIGHTS_NAME,
+    MEDUSA,
+    VLLM,
+    check_heads_directory,
+    check_heads_folder,
+    detect_layout,
+)
 from medusa_train.safetensors_check import safetensors_shapes
 from medusa_train.workdir import HEADS_CONFIG, HEADS_WEIGHTS
 
@@ -255,6 +262,23 @@ def test_wrong_directories_fail_with_a_clear_message(tmp_path: Path) -> None:
         (damaged / weights).write_bytes((damaged / weights).read_bytes()[:100])  # cut short
         with pytest.raises(HeadsFormatError, match=f"cannot read .*{weights}"):
             load_heads(damaged)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"medusa_num_heads": 3,', "[1, 2]", "[" * 100_000 + "]" * 100_000], ids=["cut", "list", "deep"]
+)
+def test_every_check_of_a_heads_folder_says_the_same_of_a_damaged_config(tmp_path: Path, text: str) -> None:
+    """config.json is read by the layout check, the check before training from ``training.init_heads``,
+    the check of a heads option and the loader: a damaged one is told in one wording by each."""
+    save_medusa(_random_heads(), tmp_path)
+    (tmp_path / HEADS_CONFIG).write_text(text)
+    lines = set()
+    for read in (detect_layout, check_heads_directory, check_heads_folder, load_heads):
+        with pytest.raises(HeadsFormatError) as err:
+            read(tmp_path)
+        lines.add(str(err.value))
+    assert len(lines) == 1, lines
+    assert lines.pop().startswith(f"{tmp_path / HEADS_CONFIG} is ")
 
 
 @pytest.mark.parametrize("layout", [MEDUSA, VLLM])
