@@ -35,7 +35,7 @@ from medusa_train.data.sources import check_prompts_file, source_files
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.heads_layout import check_heads_option
 from medusa_train.launch import is_main, launch_problem, launched
-from medusa_train.stages import STAGE_ORDER, get_stage
+from medusa_train.stages import STAGE_ORDER, check_settings, get_stage
 from medusa_train.workdir import EVAL, MANIFEST, PRETRAIN_REPORT, REPORT_MD, Workdir, check_workdir, require
 
 HELP = """usage: python -m medusa_train stage=<pretrain|distill|train|export|eval|all> [group=option] [key=value]
@@ -120,11 +120,13 @@ def run_stage(cfg: Config) -> dict:
 
 
 def _dispatch(cfg: Config) -> dict:
-    """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done)."""
+    """Dispatch on ``cfg.stage``; ``all`` chains every stage (each skips work already done), after the
+    settings the later stages would refuse (:func:`~medusa_train.stages.check_settings`)."""
     from medusa_train.report import summary_table  # torch, like dist above
 
     if cfg.stage != "all":
         return get_stage(cfg.stage)(cfg)
+    check_settings(cfg)
     results: dict = {}
     for name in STAGE_ORDER:
         if name == "pretrain" and not cfg.model.embedded:

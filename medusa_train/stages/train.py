@@ -154,10 +154,7 @@ def run(cfg: Config) -> dict:
     check_backbone_source(cfg.model.name_or_path)
     if tc.init_heads:  # loaded in step 5, after the backbone: a folder of no heads must not wait for that
         check_heads_option("training.init_heads", tc.init_heads)
-    device = resolve_device(cfg.model.device)
-    recipe.check()
-    ds_config = _deepspeed(cfg, recipe, device)
-    _check_attention(cfg, device)
+    device, ds_config = _check_settings(cfg, recipe)
     # ZeRO-3 partitions a backbone that trains as it loads; Medusa-1's frozen backbone runs outside the
     # engine and stays whole, as does a quantized one (transformers loads it whole).
     partitioned = is_zero3(ds_config) and recipe.trains_backbone and cfg.model.quantization == "none"
@@ -300,6 +297,28 @@ def run(cfg: Config) -> dict:
         _publish(wd.heads, calib.choices, calibration, result=result)
     _print_summary(result)
     return result if done is None else {**result, "skipped": True, "recalibrated": True}
+
+
+def check_settings(cfg: Config) -> None:
+    """What step 1 checks of the settings alone, reading no input: the device (``model.device``), the
+    recipe's settings, DeepSpeed's (``deepspeed=``: the package, offload on a CPU) and that
+    ``eval.attention`` runs on the device. ``stage=all`` runs it before its first stage
+    (:func:`medusa_train.stages.check_settings`), so a setting this machine cannot run is told before
+    pretraining and distillation, not after them.
+
+    Raises:
+        UserError: one line naming the setting.
+    """
+    _check_settings(cfg, recipe_for(cfg))
+
+
+def _check_settings(cfg: Config, recipe: Recipe) -> tuple[torch.device, dict | None]:
+    """:func:`check_settings`; returns the device and the DeepSpeed config (None when off)."""
+    device = resolve_device(cfg.model.device)
+    recipe.check()
+    ds_config = _deepspeed(cfg, recipe, device)
+    _check_attention(cfg, device)
+    return device, ds_config
 
 
 def _deepspeed(cfg: Config, recipe: Recipe, device: torch.device) -> dict | None:

@@ -504,6 +504,35 @@ def test_the_launch_readers_raise_its_line_when_called_as_a_library(monkeypatch:
         monkeypatch.delenv(name)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(
+    ("setting", "line"),
+    [
+        (["eval.attention=cuda"], "error: eval.attention=cuda: attention=cuda cannot run here: "),
+        (
+            ["deepspeed=zero3", "deepspeed.offload_param=true"],
+            "error: deepspeed.offload_optimizer/offload_param",
+        ),
+        (["model.device=cuda"], "error: model.device=cuda but "),
+    ],
+    ids=["attention", "offload", "device"],
+)
+def test_stage_all_refuses_what_training_cannot_run_before_its_first_stage(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setting: list[str],
+    line: str,
+) -> None:
+    """A setting stage=train refuses at its step 1 (the tree attention on this device, DeepSpeed's
+    offload on a CPU): with stage=all it was told after pretraining and distillation."""
+    monkeypatch.setattr("medusa_train.__main__.get_stage", _no_stage)
+    args = [f"workdir={tmp_path / 'run'}", "stage=all", "debug=fast", "tracking=disabled", *setting]
+    assert main(args) == 2
+    assert _error_line(capsys).startswith(line)
+    assert not (tmp_path / "run").exists()
+
+
 def _full_disk(monkeypatch: pytest.MonkeyPatch, only: str = "") -> None:
     """Every fsync fails with ENOSPC (only for files whose name contains ``only``, where /proc says)."""
     real_fsync = os.fsync
