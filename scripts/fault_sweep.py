@@ -548,6 +548,20 @@ def config_cases() -> list[Case]:
         "refuse",
         lambda wd: stage("eval", wd, "model=hf", f"model.name_or_path={wd}/nope"),
     )
+    out.add(
+        "WORLD_SIZE not a number, train",
+        "config",
+        "refuse",
+        lambda wd: stage("train", wd),
+        env={"WORLD_SIZE": "abc"},
+    )
+    out.add(
+        "WORLD_SIZE=2 left without a launcher, train",
+        "config",
+        "refuse",
+        lambda wd: stage("train", wd, "training.overwrite=true"),
+        env={"WORLD_SIZE": "2"},
+    )
     return out
 
 
@@ -684,6 +698,13 @@ def damaged_init_heads(wd: Path) -> list[str]:
     return stage("train", wd, f"training.init_heads={other}", "training.overwrite=true")
 
 
+def damaged_compare(wd: Path) -> list[str]:
+    other = wd.parent / "other"
+    shutil.copytree(wd / "heads", other)
+    truncate(other / "medusa_lm_head.safetensors")
+    return stage("eval", wd, f"eval.compare=[{other}]")
+
+
 def heads_mismatch(wd: Path) -> list[str]:
     cfg = _json(wd / "heads" / "config.json")
     cfg["medusa_num_heads"] = cfg["medusa_num_heads"] + 2
@@ -787,6 +808,7 @@ def damaged_file_cases() -> list[Case]:
         truncated("heads/medusa_lm_head.safetensors", "eval"),
     )
     add("truncated training.init_heads, train", "artefact", "refuse", damaged_init_heads)
+    add("truncated eval.compare heads, eval", "artefact", "refuse", damaged_compare)
     add("heads config vs weights mismatch, export", "artefact", "refuse", heads_mismatch)
     add("a pickle as heads safetensors, export", "artefact", "refuse", pickled_heads)
     add(
