@@ -18,6 +18,17 @@ TreePath = tuple[int, ...]
 """One node of a tree: the candidate ranks from head 1 down to its depth, e.g. ``(0, 1)``."""
 
 
+# The 63-node tree of the Medusa repository (mc_sim_7b_63), as listed in seed 003.
+MEDUSA_63: list[list[int]] = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
+
+
 class TreeError(UserError, ValueError):
     """A tree (list of index paths) is malformed or does not fit the heads it is used with.
 

@@ -42,7 +42,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from medusa_train.choices import TreeError, normalise_choices
+from medusa_train.choices import MEDUSA_63, TreeError, normalise_choices
 from medusa_train.errors import ConfigError
 from medusa_train.head_loss import parse_head_loss
 from medusa_train.workdir import RUN_ONLY
@@ -667,10 +667,12 @@ class TreeConfig:
     """calibrated (chosen after training, saved in workdir/heads) | medusa63 | chain | custom."""
     choices: list[Any] | None = run_only(None)
     """tree=custom: list of index paths, e.g. [[0], [0, 0], [1]]: each a non-empty list of ranks >= 0, every
-    path's parent in the list too, at most training.num_heads deep; a rank must be below the heads'
-    vocabulary size, draft_vocab_size for truncated heads (checked when the heads are loaded)."""
+    path's parent in the list too, at most as deep as the heads are many (stage=all: training.num_heads,
+    checked when the config is built; else the heads loaded); a rank must be below the heads' vocabulary
+    size, draft_vocab_size for truncated heads (checked when the heads are loaded)."""
     chain_depth: int = run_only(4)
-    """tree=chain: number of nodes, 1 .. training.num_heads."""
+    """tree=chain: number of nodes, 1 .. the number of heads (stage=all: training.num_heads, checked when
+    the config is built; else the heads loaded, e.g. eval.heads_dir's)."""
     max_nodes: int = 64
     """Calibration: largest tree considered, nodes, >= 1."""
     topk: int = 10
@@ -680,6 +682,23 @@ class TreeConfig:
     tolerance: float = 0.03
     """Calibration: pick the smallest tree whose expected tokens/s is within this fraction of the best
     one's, in [0, 1) (0: the best; a few percent keeps timing noise from choosing on a flat curve)."""
+
+    def depth(self) -> int | None:
+        """How many heads the tree named needs (its deepest path); None for ``calibrated``, chosen
+        within the heads it is calibrated for."""
+        if self.name == "chain":
+            return self.chain_depth
+        if self.name == "medusa63":
+            return max(len(path) for path in MEDUSA_63)
+        if self.name == "custom":
+            return max(len(path) for path in self.choices)
+        return None
+
+    def depth_setting(self) -> str:
+        """The setting that makes :meth:`depth`, for a message."""
+        if self.name == "chain":
+            return f"tree.chain_depth={self.chain_depth}"
+        return f"tree={self.name} ({self.depth()} deep)"
 
     def __post_init__(self) -> None:
         _choice("tree.name", self.name, ("calibrated", "medusa63", "chain", "custom"))
@@ -877,9 +896,18 @@ class Config:
             raise ConfigError(
                 "stage=pretrain trains the embedded tiny model only: use model=tiny (a real model needs no pretraining)"
             )
-        if self.training.num_heads < self.tree.chain_depth and self.tree.name == "chain":
+        depth, k = self.tree.depth(), self.training.num_heads
+        if (
+            self.stage == "all"
+            and depth is not None
+            and depth > k
+            and not (self.export.heads_dir and self.eval.heads_dir)
+        ):
+            # The heads this run trains are exported or evaluated with this tree (else checked against the
+            # heads loaded, whose own K counts: heads from elsewhere, a stage of its own).
             raise ConfigError(
-                f"tree.chain_depth={self.tree.chain_depth} exceeds training.num_heads={self.training.num_heads}"
+                f"{self.tree.depth_setting()} exceeds training.num_heads={k} (the heads this run trains): "
+                f"set training.num_heads={depth} or choose a tree at most {k} deep (tree=calibrated fits the heads)"
             )
         if (
             self.model.quantization != "none"

@@ -3,6 +3,8 @@
 Needs only torch and transformers; never imports training code.
 """
 
+from medusa_train.choices import MEDUSA_63
+
 from .acceptance import ACCEPTANCE_RULES, Accepted, accept_greedy, accept_sample, accept_typical, warp_probs
 from .attention import ATTENTION_CHOICES, AttentionBackendError, TreeMask, tree_attention
 from .batched import MedusaBatchOutput, RowKVCache, medusa_generate_batch
@@ -17,7 +19,7 @@ from .calibrate import (
 )
 from .generate import MedusaOutput, PackedHeads, medusa_generate, tree_attention_mask, verify_forward
 from .static import StaticDecoder, medusa_generate_static
-from .tree import MEDUSA_63, TreeBuffers, TreeError, chain_tree, load_choices, save_choices
+from .tree import TreeBuffers, TreeError, chain_tree, load_choices, save_choices
 
 __all__ = [
     "ACCEPTANCE_RULES",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from medusa_train.choices import TreeError, TreePath, normalise_choices
+from medusa_train.choices import MEDUSA_63, TreeError, TreePath, normalise_choices
 from medusa_train.errors import UserError
 from medusa_train.heads import MedusaHeads
 from medusa_train.heads_layout import layout_dir
@@ -326,14 +326,3 @@ def tree_for_heads(tree_cfg: TreeConfig, heads_dir: Path, heads: MedusaHeads) ->
         chain_depth=tree_cfg.chain_depth,
         choices=tree_cfg.choices or (),
     )
-
-
-# The 63-node tree of the Medusa repository (mc_sim_7b_63), as listed in seed 003.
-MEDUSA_63: list[list[int]] = [
-    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
-    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
-    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
-    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
-    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
-    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0],
-]  # fmt: skip

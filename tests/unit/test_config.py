@@ -219,6 +219,36 @@ def test_bad_config_names_the_key(overrides: list[str], needle: str) -> None:
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("tree", "setting"),
+    [
+        (["tree=medusa63"], "tree=medusa63 (4 deep)"),
+        (["tree=chain", "tree.chain_depth=4"], "tree.chain_depth=4"),
+        (["tree=custom", "tree.choices=[[0],[1],[0,0],[0,0,0],[0,0,0,0]]"], "tree=custom (4 deep)"),
+    ],
+)
+def test_a_tree_deeper_than_the_heads_stage_all_trains_is_refused_before_it_trains_them(
+    tree: list[str], setting: str
+) -> None:
+    """stage=all exports and evaluates the heads it trains with the tree named: one deeper than those
+    heads was refused by export, after pretraining, distillation and training. Where the heads come
+    from elsewhere, or the stage runs alone, they are checked against the heads loaded (whose own
+    number counts: FasterDecoding's published heads are 5), not against training.num_heads."""
+    three = ["training.num_heads=3", *tree]
+    with pytest.raises(ConfigError) as err:
+        compose_config(["stage=all", *three])
+    assert str(err.value) == (
+        f"{setting} exceeds training.num_heads=3 (the heads this run trains): set training.num_heads=4 or "
+        "choose a tree at most 3 deep (tree=calibrated fits the heads)"
+    )
+    with pytest.raises(ConfigError):
+        compose_config(["stage=all", "eval.heads_dir=/elsewhere", *three])  # exports the run's own
+    assert compose_config(["stage=all", "training.num_heads=4", *tree])
+    assert compose_config(["stage=all", "export.heads_dir=/a", "eval.heads_dir=/b", *three])
+    for stage in ("train", "export", "eval"):
+        assert compose_config([f"stage={stage}", *three])
+
+
 def test_stage_all_refuses_a_draft_vocabulary_the_embedded_tokenizer_cannot_exceed() -> None:
     """stage=all model=tiny trains a tokenizer of at most pretrain.vocab_size tokens: truncated heads over
     that many (the whole vocabulary, which export refuses) are refused before pretraining and distilling."""
