@@ -31,7 +31,7 @@ from pathlib import Path
 from medusa_train.backbone_source import check_assistant_source, check_backbone_source
 from medusa_train.card_inputs import stored_topk
 from medusa_train.config import Config, compose_config
-from medusa_train.data.sources import check_prompts_file, source_files
+from medusa_train.data.sources import eval_prompts, source_files
 from medusa_train.errors import UserError, environment_fault
 from medusa_train.heads_layout import check_heads_option
 from medusa_train.launch import is_main, launch_problem, launched
@@ -173,7 +173,7 @@ def _outputs(cfg: Config) -> tuple[Path, ...]:
 def check_inputs(cfg: Config) -> None:
     """Refuse at once a run whose stages lack an input: the output of an earlier stage in the same
     workdir (a wrong ``workdir=``, a stage not run yet), the files of ``data.path``, a backbone
-    directory that is not there, eval's prompts file (``eval.path``) or draft model's directory
+    directory that is not there, eval's prompts (``eval.path``: a file with usable prompts) or draft model's directory
     (``eval.assistant_model``), or a heads folder an option names that is missing or damaged
     (``training.init_heads``, ``export.heads_dir``, ``eval.heads_dir``, ``eval.compare``). Importing a
     stage takes seconds (torch, transformers, peft, datasets) and each stage checks these anyway, with
@@ -201,8 +201,8 @@ def check_inputs(cfg: Config) -> None:
     if cfg.stage in ("eval", "all") and first_rank:  # in the order of eval's step 1
         if cfg.eval.heads_dir:
             stored_topk(check_heads_option("eval.heads_dir", cfg.eval.heads_dir))
-        if cfg.eval.prompts != "embedded":
-            check_prompts_file(cfg.eval.path)  # stage=all: found after training otherwise
+        if cfg.eval.prompts != "embedded":  # stage=all: found after training otherwise
+            eval_prompts(cfg.eval.prompts, cfg.eval.path, cfg.eval.prompt_key, cfg.eval.num_prompts)
         for entry in cfg.eval.compare:
             stored_topk(check_heads_option("eval.compare", entry))
         if cfg.eval.assistant_model:

@@ -253,18 +253,30 @@ def source_files(fmt: str, path: str | Path | None) -> list[Path]:
     return _files(Path(path).expanduser(), TEXT_SUFFIXES if fmt == "text" else (".json", ".jsonl"))
 
 
-def check_prompts_file(path: str) -> None:
-    """``eval.path``, the prompts file of ``eval.prompts=mtbench|jsonl``, is a file (checked by the
-    CLI before any stage: ``stage=all`` would otherwise find a mistyped one after training).
+def eval_prompts(
+    fmt: str, path: str, prompt_key: str, num_prompts: int
+) -> tuple[list[Conversation], ReadResult]:
+    """The first ``num_prompts`` usable prompts of ``eval.path`` for ``eval.prompts=mtbench|jsonl`` (a
+    record without a user turn is skipped), and what was read (for its warning). Eval reads them at its
+    first step; the CLI reads them before any stage too, so that ``stage=all`` does not find a
+    mistyped path, a wrong ``eval.prompt_key`` or a file of no usable prompt after training.
 
     Raises:
-        UserError: a directory, or nothing at ``path``.
+        UserError: a directory or nothing at ``path``, a file :func:`read_records` refuses, or no
+            usable prompt in it.
     """
     file = Path(path).expanduser()  # as read_records reads it
     if file.is_dir():
         raise UserError(f"eval.path={path} is a directory: give the prompts file itself")
     if not file.is_file():
         raise UserError(f"eval.path={path} does not exist")
+    result = read_records(
+        fmt, path, prompt_key=prompt_key, max_records=num_prompts, options=("eval.prompts", "eval.prompt_key")
+    )
+    prompts = [r for r in result.records if r.turns][:num_prompts]
+    if not prompts:
+        raise UserError(f"no usable evaluation prompt in eval.prompts={fmt} {path}")
+    return prompts, result
 
 
 def _files(path: Path, suffixes: tuple[str, ...]) -> list[Path]:

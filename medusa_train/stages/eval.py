@@ -73,7 +73,7 @@ from medusa_train.card_inputs import calibration_files, calibration_topk, read_c
 from medusa_train.data.chat import ChatRenderer, eos_token_ids
 from medusa_train.data.distilled import load_distilled, split_heldout
 from medusa_train.data.embedded import embedded_prompts
-from medusa_train.data.sources import Conversation, check_prompts_file, read_records
+from medusa_train.data.sources import Conversation, eval_prompts
 from medusa_train.decoding import (
     PackedHeads,
     TreeBuffers,
@@ -534,29 +534,16 @@ def warn_if_other_backbone(heads_dir: Path, model, model_cfg: ModelConfig) -> No
 
 def load_eval_prompts(ecfg: EvalConfig) -> list[Conversation]:
     """``eval.num_prompts`` prompts from the configured source (held-out embedded, MT-bench, JSONL)."""
-    if ecfg.prompts == "embedded":
-        prompts = []
-        for i, conv in enumerate(embedded_prompts("eval", ecfg.num_prompts, ecfg.seed)):
-            system = next((m["content"] for m in conv if m["role"] == "system"), None)
-            turns = [m["content"] for m in conv if m["role"] == "user"]
-            prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
-    else:
-        check_prompts_file(ecfg.path)
-        result = read_records(
-            ecfg.prompts,
-            ecfg.path,
-            prompt_key=ecfg.prompt_key,
-            max_records=ecfg.num_prompts,
-            options=("eval.prompts", "eval.prompt_key"),
-        )
+    if ecfg.prompts != "embedded":
+        prompts, result = eval_prompts(ecfg.prompts, ecfg.path, ecfg.prompt_key, ecfg.num_prompts)
         result.log_warning(log, strict_option=None)  # eval skips bad prompts, no setting refuses them
-        prompts = [r for r in result.records if r.turns]
-    prompts = prompts[: ecfg.num_prompts]
-    if not prompts:
-        raise UserError(
-            f"no usable evaluation prompt in eval.prompts={ecfg.prompts} {ecfg.path or ''}".rstrip()
-        )
-    return prompts
+        return prompts
+    prompts = []
+    for i, conv in enumerate(embedded_prompts("eval", ecfg.num_prompts, ecfg.seed)):
+        system = next((m["content"] for m in conv if m["role"] == "system"), None)
+        turns = [m["content"] for m in conv if m["role"] == "user"]
+        prompts.append(Conversation(f"embedded-eval:{i}", turns, system))
+    return prompts[: ecfg.num_prompts]
 
 
 def keep_previous(out: Path, staging: Path) -> str | None:

@@ -155,7 +155,7 @@ def test_changed_calibration_settings_rerun_only_the_calibration(reference, tmp_
     assert not list(root.glob(".heads*"))
     # Nothing changed since: skipped; decoding-only tree settings (tree=medusa63) do not recalibrate.
     mtime = (heads / "calibration.json").stat().st_mtime_ns
-    for overrides in (("tree.max_nodes=3",), ("tree.max_nodes=3", "tree=medusa63")):
+    for overrides in (("tree.max_nodes=3",), ("tree.max_nodes=3", "tree=medusa63", "stage=train")):
         again = run(train_cfg(root, *overrides))
         assert again["skipped"] and "recalibrated" not in again
     assert (heads / "calibration.json").stat().st_mtime_ns == mtime

@@ -422,6 +422,10 @@ def test_help_and_cfg_import_no_torch(flag: str) -> None:
             "export.heads_dir: {workdir}/other does not exist (give a heads folder of either layout",
         ),
         (
+            ["stage=all", "eval.prompts=jsonl", "eval.path={tmp}/prompts/q.jsonl", "eval.prompt_key=prompt"],
+            "no usable record in {tmp}/prompts/q.jsonl (1 x no 'prompt' field): set eval.prompt_key= to the field",
+        ),
+        (
             ["stage=all", "eval.assistant_model={workdir}/draft"],
             "eval.assistant_model={workdir}/draft does not exist",
         ),
@@ -450,6 +454,8 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
     """A wrong ``workdir=``, a stage not run yet, a mistyped data path or backbone directory: the one
     line comes before the stage's import (torch, transformers: seconds), with nothing written."""
     workdir = tmp_path / "run"
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "q.jsonl").write_text('{"question": "What is a Medusa head?"}\n')
     argv = [a.format(workdir=workdir, tmp=tmp_path) for a in args]
     proc = subprocess.run(
         [sys.executable, "-c", _HELP_PROBE, f"workdir={workdir}", *argv],
@@ -477,7 +483,7 @@ def test_a_missing_input_is_told_before_the_stage_is_imported(
         ],
         ["stage=all", "eval.prompts=jsonl", "eval.path='~/p.jsonl'", "eval.assistant_model=org/draft"],
         ["stage=all"],  # model=tiny: pretrain makes the backbone
-        ["stage=eval", "eval.heads_dir={tmp}/heads", "eval.prompts=mtbench", "eval.path='~/p.jsonl'"],
+        ["stage=eval", "eval.heads_dir={tmp}/heads", "eval.prompts=mtbench", "eval.path='~/mt.jsonl'"],
         ["stage=export", "export.heads_dir={tmp}/heads"],
         ["stage=all", "export.heads_dir={tmp}/export", "eval.heads_dir={tmp}/export"],  # an export folder
         ["stage=train", "training.init_heads={tmp}/heads"],  # the workdir's distill/ is there
@@ -494,6 +500,9 @@ def test_inputs_that_are_there_pass_the_check_before_the_stage(
     _heads_folder(tmp_path / "heads")
     _heads_folder(tmp_path / "export" / "medusa")
     (tmp_path / "p.jsonl").write_text('{"prompt": "Hi."}\n')
+    (tmp_path / "mt.jsonl").write_text(
+        '{"question_id": 81, "category": "writing", "turns": ["Hi.", "Again."]}\n'
+    )
     (tmp_path / "backbone").mkdir()
     (tmp_path / "backbone" / "config.json").write_text("{}")
     (tmp_path / "run" / "distill").mkdir(parents=True)
