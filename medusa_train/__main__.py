@@ -178,11 +178,12 @@ def check_inputs(cfg: Config) -> None:
     damaged (``training.init_heads``, ``export.heads_dir``, ``eval.heads_dir``, ``eval.compare``).
     Importing a stage takes seconds (torch, transformers, peft, datasets) and each stage checks these
     anyway, with the same messages (a stage can be called as a library): here the checks that need none
-    of those come before that import. Where two inputs are wrong, the first one named may not be the
-    one the stage would name first (its other checks need torch). ``stage=all`` makes each later stage's workdir input as it goes; ``model=tiny``'s backbone
-    (``stage=pretrain``'s) is left to the stages (distill reads its data source first), and so is
-    ``data=text``'s corpus for pretrain (its own rule: one file). Export and eval run on rank 0 only,
-    as the stages do (the other ranks of a launch return at once)."""
+    of those come before that import. Where two inputs are wrong, the first one named may not be the one
+    the stage would name first (its other checks need torch). ``stage=all`` makes each later stage's
+    workdir input as it goes; ``model=tiny``'s backbone (``stage=pretrain``'s) is left to the stages
+    (distill reads its data source first), and so is ``data=text``'s corpus for pretrain (its own rule:
+    one file). Export and eval run on rank 0 only, as the stages do (the other ranks of a launch return
+    at once)."""
     wd = Workdir(Path(cfg.workdir))
     first_rank = is_main()
     if cfg.stage == "train":
